@@ -1,0 +1,109 @@
+"""The whole per-shopper step, shared by every engine shell: apply an event to a session, decide
+triggers, and turn a due trigger into a prompt request.
+
+Engines keep the session (Redis, Flink keyed state), deliver each shopper's events in order, and call:
+- ``apply`` for each event;
+- ``fire_pending`` when a processing-time timer set for ``session.pending.due_ts`` goes off;
+- ``flush`` when a bounded input ends (every pending trigger fires).
+Everything here is deterministic in the events, so replays and different engines agree.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+from pydantic import BaseModel, Field
+
+from prompt_assembly.events import ShopperEvent
+from prompt_assembly.prompt import TASK_TOKENS, build_messages, head_tokens, render_event
+from prompt_assembly.records import PromptRequest, TriggerReason
+from prompt_assembly.session import ShopperSession
+from prompt_assembly.tokens import count_tokens
+from prompt_assembly.triggers import TriggerPolicy
+
+
+class SessionConfig(BaseModel):
+    triggers: TriggerPolicy = Field(default_factory=TriggerPolicy)
+    max_log_tokens: int = Field(3000, ge=200, description="token budget of the activity log")
+    trim_to_fraction: float = Field(
+        0.5, gt=0, lt=1, description="after a trim the log holds at most this share of the budget"
+    )
+    max_events: int = Field(400, ge=4, description="hard cap on events kept per shopper")
+    remember_trimmed_ids: int = Field(512, ge=0, description="ids of trimmed events kept for dedup")
+
+
+@dataclass(frozen=True, slots=True)
+class Applied:
+    outcome: Literal["accepted", "duplicate"]
+    prompts: list[PromptRequest]
+
+
+class SessionProcessor:
+    def __init__(self, config: SessionConfig | None = None) -> None:
+        self.config = config or SessionConfig()
+
+    def new_session(self, shopper_id: str) -> ShopperSession:
+        return ShopperSession(shopper_id)
+
+    def apply(self, session: ShopperSession, event: ShopperEvent) -> Applied:
+        if session.has_seen(event.event_id):
+            return Applied("duplicate", [])
+        prompts: list[PromptRequest] = []
+        pending = session.pending
+        if pending is not None and event.ts >= pending.due_ts:
+            prompts.append(self._emit(session, pending.reason))
+        session.add(event)
+        if len(session.entries) > self.config.max_events:
+            keep = int(self.config.max_events * self.config.trim_to_fraction)
+            session.trim_head(len(session.entries) - keep, self.config.remember_trimmed_ids)
+        session.pending = self.config.triggers.next_pending(session, event)
+        if session.pending.due_ts <= event.ts:
+            prompts.append(self._emit(session, session.pending.reason))
+        return Applied("accepted", prompts)
+
+    def fire_pending(self, session: ShopperSession, due_ts: float) -> list[PromptRequest]:
+        """Timer callback: fires the pending trigger if it is still due by ``due_ts`` (a timer armed
+        for an earlier due time than the current one is stale and does nothing)."""
+        pending = session.pending
+        if pending is None or pending.due_ts > due_ts:
+            return []
+        return [self._emit(session, pending.reason)]
+
+    def flush(self, session: ShopperSession) -> list[PromptRequest]:
+        """End of a bounded input: the pending trigger fires now, whatever its due time."""
+        pending = session.pending
+        return [] if pending is None else [self._emit(session, pending.reason)]
+
+    def _emit(self, session: ShopperSession, reason: TriggerReason) -> PromptRequest:
+        lines = [render_event(e.event) for e in session.entries]
+        counts = [count_tokens(line) for line in lines]
+        log_tokens = sum(counts)
+        if log_tokens > self.config.max_log_tokens:
+            target = self.config.max_log_tokens * self.config.trim_to_fraction
+            drop = 0
+            while drop < len(counts) - 1 and log_tokens > target:
+                log_tokens -= counts[drop]
+                drop += 1
+            session.trim_head(drop, self.config.remember_trimmed_ids)
+            lines, counts = lines[drop:], counts[drop:]
+        head = head_tokens(session.shopper_id)
+        if session.seq == 0:
+            shared = 0
+        elif session.trimmed_since_prompt:
+            shared = head
+        else:
+            shared = session.last_log_tokens
+        request = PromptRequest(
+            request_id=f"{session.shopper_id}:{session.seq + 1}",
+            shopper_id=session.shopper_id,
+            seq=session.seq + 1,
+            reason=reason,
+            messages=build_messages(session.shopper_id, lines),
+            event_count=len(lines),
+            last_event_ts=session.last_event_ts,
+            prompt_tokens=head + log_tokens + TASK_TOKENS,
+            shared_prefix_tokens=shared,
+        )
+        session.mark_prompted(head + log_tokens)
+        return request

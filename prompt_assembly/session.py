@@ -1,0 +1,175 @@
+"""Per-shopper session state: an append-only, deduplicated, bounded activity log.
+
+Ordering guarantees (what keeps prompts prefix-stable):
+- entries already sent in a prompt never move: a late event is placed among the *unprompted* entries
+  only, in event-time order. Each entry records ``segment`` (the prompt number it first appears in) and
+  an arrival number, and the log is always sorted by ``(segment, ts, arrival)``. That key is stored with
+  the entry, so a session rebuilt from storage has exactly the same order.
+- the log is trimmed only from its head and in large steps (see ``SessionConfig.trim_to_fraction``),
+  so the prompt's prefix changes rarely.
+Deduplication covers every event still in the log plus a bounded memory of trimmed ids.
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any
+
+import orjson
+
+from prompt_assembly.events import ShopperEvent
+from prompt_assembly.records import TriggerReason
+
+
+@dataclass(frozen=True, slots=True)
+class SessionEntry:
+    segment: int
+    arrival: int
+    event: ShopperEvent
+
+    @property
+    def sort_key(self) -> tuple[int, float, int]:
+        return (self.segment, self.event.ts, self.arrival)
+
+    def to_json(self) -> bytes:
+        return orjson.dumps({"g": self.segment, "n": self.arrival, "e": self.event.model_dump()})
+
+    @classmethod
+    def from_json(cls, raw: bytes | str) -> SessionEntry:
+        data = orjson.loads(raw)
+        return cls(data["g"], data["n"], ShopperEvent.model_validate(data["e"]))
+
+
+@dataclass(slots=True)
+class PendingTrigger:
+    reason: TriggerReason
+    due_ts: float
+    """Event time at which the prompt should fire if nothing else fires it first."""
+
+
+@dataclass(slots=True)
+class SessionChanges:
+    """What changed since the last ``take_changes``: enough for a store to persist a delta."""
+
+    appended: list[SessionEntry]
+    rewrite: bool
+    """The log was trimmed: store the whole log instead of appending."""
+    header: dict[str, Any]
+
+
+@dataclass(slots=True)
+class ShopperSession:
+    shopper_id: str
+    entries: list[SessionEntry] = field(default_factory=list)
+    seq: int = 0
+    """Prompts emitted so far; also the segment of entries arriving now."""
+    arrivals: int = 0
+    last_prompt_ts: float | None = None
+    pending: PendingTrigger | None = None
+    trimmed_ids: deque[str] = field(default_factory=deque)
+    last_log_tokens: int = 0
+    """Tokens of the last prompt up to the end of its activity log (its reusable prefix)."""
+    trimmed_since_prompt: bool = False
+    _ids: set[str] = field(default_factory=set)
+    _appended: list[SessionEntry] = field(default_factory=list)
+    _rewrite: bool = False
+
+    # ---- reading -------------------------------------------------------------------------------
+    @property
+    def events(self) -> list[ShopperEvent]:
+        return [e.event for e in self.entries]
+
+    @property
+    def last_event_ts(self) -> float:
+        return max((e.event.ts for e in self.entries), default=0.0)
+
+    def has_seen(self, event_id: str) -> bool:
+        return event_id in self._ids
+
+    def unprompted(self) -> list[SessionEntry]:
+        return [e for e in self.entries if e.segment >= self.seq]
+
+    # ---- changing ------------------------------------------------------------------------------
+    def add(self, event: ShopperEvent) -> bool:
+        """Insert ``event`` in order; returns False (and changes nothing) for a duplicate."""
+        if event.event_id in self._ids:
+            return False
+        entry = SessionEntry(self.seq, self.arrivals, event)
+        self.arrivals += 1
+        keys = [e.sort_key for e in self.entries]
+        self.entries.insert(bisect.bisect_right(keys, entry.sort_key), entry)
+        self._ids.add(event.event_id)
+        self._appended.append(entry)
+        return True
+
+    def trim_head(self, count: int, remember_ids: int) -> None:
+        """Drop the ``count`` oldest entries, remembering their ids for deduplication."""
+        if count <= 0:
+            return
+        dropped, self.entries = self.entries[:count], self.entries[count:]
+        for entry in dropped:
+            self._ids.discard(entry.event.event_id)
+            self.trimmed_ids.append(entry.event.event_id)
+        while len(self.trimmed_ids) > remember_ids:
+            self.trimmed_ids.popleft()
+        self._ids.update(self.trimmed_ids)
+        self.trimmed_since_prompt = True
+        self._rewrite = True
+
+    def mark_prompted(self, last_log_tokens: int) -> None:
+        self.seq += 1
+        self.last_prompt_ts = self.last_event_ts
+        self.pending = None
+        self.last_log_tokens = last_log_tokens
+        self.trimmed_since_prompt = False
+
+    # ---- persistence ---------------------------------------------------------------------------
+    def header(self) -> dict[str, Any]:
+        return {
+            "shopper_id": self.shopper_id,
+            "seq": self.seq,
+            "arrivals": self.arrivals,
+            "last_prompt_ts": self.last_prompt_ts,
+            "pending": None if self.pending is None else [self.pending.reason, self.pending.due_ts],
+            "trimmed_ids": list(self.trimmed_ids),
+            "last_log_tokens": self.last_log_tokens,
+            "trimmed_since_prompt": self.trimmed_since_prompt,
+        }
+
+    def take_changes(self) -> SessionChanges:
+        changes = SessionChanges(list(self._appended), self._rewrite, self.header())
+        self._appended.clear()
+        self._rewrite = False
+        return changes
+
+    def to_json(self) -> bytes:
+        """The whole session, for engines that keep it as one state value (Flink ValueState)."""
+        return orjson.dumps(
+            {"h": self.header(), "entries": [orjson.loads(e.to_json()) for e in self.entries]}
+        )
+
+    @classmethod
+    def from_json(cls, raw: bytes | str) -> ShopperSession:
+        data = orjson.loads(raw)
+        return cls.restore(data["h"], [orjson.dumps(e) for e in data["entries"]])
+
+    @classmethod
+    def restore(cls, header: dict[str, Any], entries: list[bytes]) -> ShopperSession:
+        """Rebuild from a header and stored entries in any order (they carry their sort key)."""
+        parsed = sorted((SessionEntry.from_json(raw) for raw in entries), key=lambda e: e.sort_key)
+        pending = header.get("pending")
+        session = cls(
+            shopper_id=header["shopper_id"],
+            entries=parsed,
+            seq=header["seq"],
+            arrivals=header["arrivals"],
+            last_prompt_ts=header["last_prompt_ts"],
+            pending=None if pending is None else PendingTrigger(pending[0], pending[1]),
+            trimmed_ids=deque(header.get("trimmed_ids", [])),
+            last_log_tokens=header.get("last_log_tokens", 0),
+            trimmed_since_prompt=header.get("trimmed_since_prompt", False),
+        )
+        session._ids = {e.event.event_id for e in parsed} | set(session.trimmed_ids)
+        return session

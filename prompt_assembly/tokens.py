@@ -1,0 +1,55 @@
+"""A fast, deterministic stand-in tokenizer shared by the prompt budget, the router and the simulator.
+
+Real tokenizers differ per model; what the pipeline needs is (a) a token count close enough to budget
+prompts (about 4 characters a token for English, like BPE vocabularies) and (b) a stable split so that
+two prompts with a common text prefix share a common token prefix. Splitting on word boundaries with
+the leading space kept gives both, and costs one regex pass.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable, Sequence
+
+import xxhash
+
+_PIECE = re.compile(r" ?[A-Za-z]{1,8}| ?[0-9]{1,3}| ?[^\sA-Za-z0-9]|\s+")
+
+
+def tokenize(text: str) -> list[str]:
+    """Split ``text`` into token strings; ``"".join(tokenize(t)) == t`` always holds."""
+    return _PIECE.findall(text)
+
+
+def count_tokens(text: str) -> int:
+    """Number of tokens ``tokenize`` would return, without building the list of strings."""
+    return sum(1 for _ in _PIECE.finditer(text))
+
+
+def token_ids(text: str) -> list[int]:
+    """Stable 32-bit ids for the tokens of ``text`` (same string, same id, in every process)."""
+    return [xxhash.xxh32_intdigest(piece.encode()) for piece in _PIECE.findall(text)]
+
+
+def chained_block_hashes(ids: Sequence[int], block_size: int) -> list[int]:
+    """Hash of each *full* block of ``block_size`` tokens, chained so that a block's hash names its
+    whole prefix (as vLLM, SGLang and TensorRT-LLM's block reuse do): equal hashes at position i mean
+    equal prompts up to the end of block i."""
+    hashes: list[int] = []
+    parent = 0
+    for start in range(0, len(ids) - block_size + 1, block_size):
+        h = xxhash.xxh64(parent.to_bytes(8, "little"))
+        h.update(_pack(ids[start : start + block_size]))
+        parent = h.intdigest()
+        hashes.append(parent)
+    return hashes
+
+
+def _pack(ids: Iterable[int]) -> bytes:
+    return b"".join(i.to_bytes(4, "little") for i in ids)
+
+
+def messages_text(messages: Sequence[dict[str, str]]) -> str:
+    """Flatten chat messages into the text a chat template would see, in order; used wherever the
+    pipeline must reason about a chat prompt's token prefix (router, simulator)."""
+    return "".join(f"<|{m.get('role', 'user')}|>\n{m.get('content', '')}\n" for m in messages)
