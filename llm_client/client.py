@@ -1,0 +1,344 @@
+"""The async LLM client.
+
+Guarantees:
+- at most ``max_in_flight`` requests are in flight; further callers wait (backpressure, not errors);
+- each request ends within its deadline, with a ``Completion`` or a typed ``LLMError``;
+- a failed attempt is retried on a *different* replica when retryable, under the retry budget;
+- a replica that refuses connections is ejected at once; the health checker re-admits it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import random
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import aiohttp
+import orjson
+
+from llm_client.config import ClientConfig
+from llm_client.endpoints import Endpoint, endpoint_name
+from llm_client.errors import (
+    AttemptTimeout,
+    BadRequest,
+    DeadlineExceeded,
+    EndpointUnavailable,
+    LLMError,
+    NoHealthyEndpoint,
+    RetryBudgetExhausted,
+)
+from llm_client.models import Completion
+from llm_client.retry import RetryBudget, backoff_s
+from llm_client.routing import RouteOutcome, RouteRequest, RoutingPolicy, make_policy
+from llm_client.sse import read_sse_json
+from prompt_assembly.tokens import count_tokens, messages_text
+
+
+class LLMClient:
+    def __init__(self, config: ClientConfig, policy: RoutingPolicy | None = None, *, seed: int = 0) -> None:
+        self.config = config
+        self.policy = policy or make_policy(config.policy, **config.policy_options)
+        self.endpoints = [Endpoint(url.rstrip("/"), endpoint_name(url)) for url in config.endpoints]
+        self._gate = asyncio.Semaphore(config.max_in_flight)
+        self._budget = RetryBudget(config.retry)
+        self._rng = random.Random(seed)
+        self._session: aiohttp.ClientSession | None = None
+        self._health_task: asyncio.Task[None] | None = None
+        self.in_flight = 0
+        self.retries = 0
+
+    # ---- lifecycle -----------------------------------------------------------------------------
+    async def __aenter__(self) -> LLMClient:
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    async def start(self) -> None:
+        if self._session is None:
+            connector = aiohttp.TCPConnector(limit=0, ttl_dns_cache=300, keepalive_timeout=60)
+            self._session = aiohttp.ClientSession(connector=connector, json_serialize=_dumps)
+            self._health_task = asyncio.create_task(self._health_loop(), name="llm-health")
+
+    async def close(self) -> None:
+        if self._health_task is not None:
+            self._health_task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._health_task
+            self._health_task = None
+        if self._session is not None:
+            await self._session.close()
+            self._session = None
+
+    # ---- calls ---------------------------------------------------------------------------------
+    async def chat(
+        self,
+        messages: Sequence[dict[str, str]],
+        *,
+        routing_key: str,
+        max_tokens: int = 200,
+        response_format: dict[str, Any] | None = None,
+        deadline_s: float | None = None,
+        temperature: float = 0.0,
+        extra_body: dict[str, Any] | None = None,
+    ) -> Completion:
+        """One chat completion, routed by ``routing_key`` (the shopper id)."""
+        body: dict[str, Any] = {
+            "model": self.config.model,
+            "messages": list(messages),
+            "max_tokens": max_tokens,
+            "temperature": temperature,
+            "stream": self.config.stream,
+        }
+        if self.config.stream:
+            body["stream_options"] = {"include_usage": True}
+        if response_format is not None:
+            body["response_format"] = response_format
+        if self.config.cache_salt is not None:
+            body["cache_salt"] = self.config.cache_salt
+        if extra_body:
+            body.update(extra_body)
+        text = messages_text(messages)
+        route = RouteRequest(routing_key, text, count_tokens(text), max_tokens)
+        return await self.request("/v1/chat/completions", body, route, deadline_s=deadline_s)
+
+    async def request(
+        self, path: str, body: dict[str, Any], route: RouteRequest, *, deadline_s: float | None = None
+    ) -> Completion:
+        deadline = deadline_s if deadline_s is not None else self.config.timeouts.deadline_s
+        async with self._gate:
+            self.in_flight += 1
+            try:
+                async with asyncio.timeout(deadline):
+                    return await self._attempts(path, body, route)
+            except TimeoutError:
+                raise DeadlineExceeded(f"no answer within the {deadline:.3f} s deadline") from None
+            finally:
+                self.in_flight -= 1
+
+    async def _attempts(self, path: str, body: dict[str, Any], route: RouteRequest) -> Completion:
+        self._budget.on_request()
+        tried: set[str] = set()
+        last_error: LLMError | None = None
+        for attempt in range(self.config.retry.max_attempts):
+            if attempt > 0:
+                if not self._budget.try_spend():
+                    raise RetryBudgetExhausted(f"retry budget exhausted after: {last_error}")
+                self.retries += 1
+                await asyncio.sleep(backoff_s(attempt - 1, self.config.retry, self._rng))
+            endpoint = self._choose(route, tried)
+            tried.add(endpoint.name)
+            try:
+                completion = await self._attempt(endpoint, path, body, route)
+                return _with_attempts(completion, attempt + 1)
+            except LLMError as exc:
+                if not exc.retryable:
+                    raise
+                last_error = exc
+        assert last_error is not None
+        raise last_error
+
+    def _choose(self, route: RouteRequest, tried: set[str]) -> Endpoint:
+        candidates = [e for e in self.endpoints if e.routable and e.name not in tried]
+        if not candidates:
+            candidates = [e for e in self.endpoints if e.routable]
+        if not candidates:
+            raise NoHealthyEndpoint(f"all {len(self.endpoints)} replicas are ejected or drained")
+        return self.policy.choose(route, candidates)
+
+    async def _attempt(
+        self, endpoint: Endpoint, path: str, body: dict[str, Any], route: RouteRequest
+    ) -> Completion:
+        assert self._session is not None, "call start() or use 'async with' first"
+        uncached = self.policy.estimate_uncached_tokens(route, endpoint)
+        endpoint.outstanding += 1
+        endpoint.outstanding_prefill_tokens += uncached
+        endpoint.outstanding_decode_tokens += route.max_tokens
+        started = time.perf_counter()
+        timeout = aiohttp.ClientTimeout(
+            total=self.config.timeouts.attempt_s, sock_connect=self.config.timeouts.connect_s
+        )
+        headers = {"x-session-id": route.key}
+        try:
+            async with self._session.post(
+                endpoint.url + path, json=body, headers=headers, timeout=timeout
+            ) as response:
+                if response.status >= 400:
+                    await self._raise_for_status(response, endpoint)
+                if body.get("stream"):
+                    completion = await _read_stream(response, endpoint, started)
+                else:
+                    completion = _parse_body(await response.read(), endpoint, started)
+        except (aiohttp.ClientConnectionError, ConnectionError) as exc:
+            self._fail(endpoint, route, connection=True)
+            raise EndpointUnavailable(f"connection failed: {exc!r}", endpoint=endpoint.name) from None
+        except TimeoutError:
+            self._fail(endpoint, route, connection=False)
+            raise AttemptTimeout(
+                f"attempt exceeded {self.config.timeouts.attempt_s} s", endpoint=endpoint.name
+            ) from None
+        except LLMError as exc:
+            if exc.retryable:
+                self._fail(endpoint, route, connection=False)
+            raise
+        except asyncio.CancelledError:
+            # The caller's deadline: the replica did nothing wrong, nothing is learned.
+            raise
+        finally:
+            endpoint.outstanding -= 1
+            endpoint.outstanding_prefill_tokens -= uncached
+            endpoint.outstanding_decode_tokens -= route.max_tokens
+        endpoint.record_success(completion.latency_ms, completion.ttft_ms)
+        self.policy.observe(
+            route,
+            endpoint,
+            RouteOutcome(
+                ok=True,
+                prompt_tokens=completion.prompt_tokens,
+                cached_tokens=completion.cached_tokens,
+                latency_ms=completion.latency_ms,
+                ttft_ms=completion.ttft_ms,
+            ),
+        )
+        return completion
+
+    async def _raise_for_status(self, response: aiohttp.ClientResponse, endpoint: Endpoint) -> None:
+        detail = (await response.text())[:300]
+        if response.status == 429 or response.status >= 500:
+            raise EndpointUnavailable(f"HTTP {response.status}: {detail}", endpoint=endpoint.name)
+        raise BadRequest(f"HTTP {response.status}: {detail}", endpoint=endpoint.name)
+
+    def _fail(self, endpoint: Endpoint, route: RouteRequest, *, connection: bool) -> None:
+        endpoint.record_failure()
+        self.policy.observe(route, endpoint, RouteOutcome(ok=False, connection_failed=connection))
+        limit = self.config.health.eject_after_failures
+        if endpoint.healthy and (connection or endpoint.consecutive_failures >= limit):
+            self.eject(endpoint)
+
+    # ---- health --------------------------------------------------------------------------------
+    def eject(self, endpoint: Endpoint) -> None:
+        endpoint.healthy = False
+        endpoint.ejections += 1
+        self.policy.forget(endpoint)
+
+    async def _health_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.config.health.interval_s)
+            await asyncio.gather(*(self._probe(e) for e in self.endpoints if not e.healthy))
+
+    async def _probe(self, endpoint: Endpoint) -> None:
+        assert self._session is not None
+        try:
+            timeout = aiohttp.ClientTimeout(total=self.config.timeouts.connect_s * 2)
+            async with self._session.get(endpoint.url + "/health", timeout=timeout) as response:
+                if response.status == 200:
+                    endpoint.healthy = True
+                    endpoint.consecutive_failures = 0
+        except (aiohttp.ClientError, TimeoutError, ConnectionError):
+            pass
+
+    async def wait_until_healthy(self, timeout_s: float = 30.0) -> None:
+        """Probe every replica once now (start-up helper for CLIs and tests)."""
+        assert self._session is not None
+        async with asyncio.timeout(timeout_s):
+            while True:
+                for endpoint in self.endpoints:
+                    endpoint.healthy = False
+                await asyncio.gather(*(self._probe(e) for e in self.endpoints))
+                if all(e.healthy for e in self.endpoints):
+                    return
+                await asyncio.sleep(0.2)
+
+
+def _dumps(obj: Any) -> str:
+    return orjson.dumps(obj).decode()
+
+
+def _with_attempts(completion: Completion, attempts: int) -> Completion:
+    if completion.attempts == attempts:
+        return completion
+    from dataclasses import replace
+
+    return replace(completion, attempts=attempts)
+
+
+def _usage(usage: dict[str, Any] | None, timings: dict[str, Any] | None) -> tuple[int, int, int]:
+    """(prompt, cached, completion) tokens from OpenAI ``usage`` or llama-server ``timings``."""
+    usage = usage or {}
+    prompt = int(usage.get("prompt_tokens") or 0)
+    completion = int(usage.get("completion_tokens") or 0)
+    details = usage.get("prompt_tokens_details") or {}
+    cached = details.get("cached_tokens")
+    if timings:
+        # llama-server: prompt_n tokens were computed, cache_n were reused from its prompt cache.
+        cache_n = int(timings.get("cache_n") or 0)
+        prompt_n = int(timings.get("prompt_n") or 0)
+        if cached is None:
+            cached = cache_n
+        if not prompt:
+            prompt = cache_n + prompt_n
+        if not completion:
+            completion = int(timings.get("predicted_n") or 0)
+    return prompt, int(cached or 0), completion
+
+
+def _parse_body(raw: bytes, endpoint: Endpoint, started: float) -> Completion:
+    try:
+        data = orjson.loads(raw)
+        choice = data["choices"][0]
+        text = choice["message"]["content"] if "message" in choice else choice.get("text", "")
+    except (orjson.JSONDecodeError, KeyError, IndexError, TypeError) as exc:
+        raise EndpointUnavailable(f"unreadable answer: {exc!r}", endpoint=endpoint.name) from None
+    prompt, cached, completion_tokens = _usage(data.get("usage"), data.get("timings"))
+    latency = (time.perf_counter() - started) * 1000
+    return Completion(
+        text=text or "",
+        model=data.get("model", ""),
+        endpoint=endpoint.name,
+        prompt_tokens=prompt,
+        cached_tokens=cached,
+        completion_tokens=completion_tokens,
+        ttft_ms=latency,
+        latency_ms=latency,
+        attempts=1,
+        finish_reason=choice.get("finish_reason"),
+    )
+
+
+async def _read_stream(response: aiohttp.ClientResponse, endpoint: Endpoint, started: float) -> Completion:
+    parts: list[str] = []
+    ttft_ms: float | None = None
+    usage: dict[str, Any] | None = None
+    timings: dict[str, Any] | None = None
+    model = ""
+    finish: str | None = None
+    async for chunk in read_sse_json(response.content):
+        model = chunk.get("model") or model
+        usage = chunk.get("usage") or usage
+        timings = chunk.get("timings") or timings
+        for choice in chunk.get("choices") or ():
+            delta = choice.get("delta") or {}
+            piece = delta.get("content") if "delta" in choice else choice.get("text")
+            if piece:
+                if ttft_ms is None:
+                    ttft_ms = (time.perf_counter() - started) * 1000
+                parts.append(piece)
+            finish = choice.get("finish_reason") or finish
+    latency = (time.perf_counter() - started) * 1000
+    prompt, cached, completion_tokens = _usage(usage, timings)
+    return Completion(
+        text="".join(parts),
+        model=model,
+        endpoint=endpoint.name,
+        prompt_tokens=prompt,
+        cached_tokens=cached,
+        completion_tokens=completion_tokens,
+        ttft_ms=latency if ttft_ms is None else ttft_ms,
+        latency_ms=latency,
+        attempts=1,
+        finish_reason=finish,
+    )

@@ -1,0 +1,43 @@
+"""Client configuration: one pydantic-settings model, read from the environment (prefix ``LLM_``),
+with every timeout and limit an explicit, documented field rather than a bare float in a call."""
+
+from __future__ import annotations
+
+from pydantic import BaseModel, Field
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+
+class Timeouts(BaseModel):
+    connect_s: float = Field(1.0, gt=0, description="TCP connect to a replica")
+    attempt_s: float = Field(30.0, gt=0, description="one attempt, first byte to last")
+    deadline_s: float = Field(60.0, gt=0, description="whole request, retries included (default)")
+
+
+class RetrySettings(BaseModel):
+    max_attempts: int = Field(3, ge=1, description="attempts per request, across replicas")
+    backoff_base_s: float = Field(0.05, ge=0, description="first backoff; doubles per attempt")
+    backoff_max_s: float = Field(1.0, ge=0)
+    budget_ratio: float = Field(
+        0.2, ge=0, description="retries allowed per request made (token bucket), as in Finagle/gRPC"
+    )
+    budget_min_tokens: float = Field(10.0, ge=0, description="retries always allowed at low volume")
+
+
+class HealthSettings(BaseModel):
+    interval_s: float = Field(1.0, gt=0, description="probe of ejected replicas' /health")
+    eject_after_failures: int = Field(2, ge=1, description="consecutive failures that eject a replica")
+
+
+class ClientConfig(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="LLM_", env_nested_delimiter="__")
+
+    endpoints: list[str] = Field(default_factory=lambda: ["http://127.0.0.1:8000"])
+    model: str = "default"
+    policy: str = Field("session_affinity", description="routing policy name, see llm_client.routing")
+    policy_options: dict[str, float] = Field(default_factory=dict)
+    max_in_flight: int = Field(256, ge=1, description="concurrent requests; callers wait beyond it")
+    stream: bool = Field(True, description="stream answers (measures time to first token)")
+    timeouts: Timeouts = Field(default_factory=Timeouts)
+    retry: RetrySettings = Field(default_factory=RetrySettings)
+    health: HealthSettings = Field(default_factory=HealthSettings)
+    cache_salt: str | None = Field(None, description="per-tenant KV-cache isolation (vLLM/TRT-LLM)")

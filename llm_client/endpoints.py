@@ -1,0 +1,57 @@
+"""Replica bookkeeping: health and load as the client sees them.
+
+An ``Endpoint`` is mutated only by the client (on the event loop), and read by routing policies.
+Ejection is immediate on connection failures (a dead replica must stop receiving traffic at once, the
+top complaint about affinity routers) and after ``eject_after_failures`` consecutive errors otherwise;
+the health checker re-admits a replica when its ``/health`` answers again.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(slots=True)
+class Endpoint:
+    url: str
+    name: str
+    healthy: bool = True
+    outstanding: int = 0
+    outstanding_prefill_tokens: int = 0
+    """Estimated uncached prompt tokens of the requests in flight (set by the policy's estimate)."""
+    outstanding_decode_tokens: int = 0
+    consecutive_failures: int = 0
+    served: int = 0
+    failed: int = 0
+    ejections: int = 0
+    restarts_detected: int = 0
+    latency_ewma_ms: float | None = None
+    ttft_ewma_ms: float | None = None
+    error_ewma: float = 0.0
+    drained: bool = False
+    """Taken out of rotation as degraded (slow or erroring compared with its peers)."""
+    extra: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def routable(self) -> bool:
+        return self.healthy and not self.drained
+
+    def record_success(self, latency_ms: float, ttft_ms: float, alpha: float = 0.1) -> None:
+        self.served += 1
+        self.consecutive_failures = 0
+        self.latency_ewma_ms = _ewma(self.latency_ewma_ms, latency_ms, alpha)
+        self.ttft_ewma_ms = _ewma(self.ttft_ewma_ms, ttft_ms, alpha)
+        self.error_ewma *= 1 - alpha
+
+    def record_failure(self, alpha: float = 0.1) -> None:
+        self.failed += 1
+        self.consecutive_failures += 1
+        self.error_ewma = self.error_ewma * (1 - alpha) + alpha
+
+
+def _ewma(current: float | None, sample: float, alpha: float) -> float:
+    return sample if current is None else current * (1 - alpha) + sample * alpha
+
+
+def endpoint_name(url: str) -> str:
+    return url.split("://", 1)[-1].rstrip("/")
