@@ -1,0 +1,20 @@
+"""Sink settings (env prefix ``SINK_``)."""
+
+from __future__ import annotations
+
+from pydantic import Field
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+
+class SinkSettings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="SINK_")
+
+    redis_url: str = "redis://127.0.0.1:6379/0"
+    redis_key_prefix: str = Field("su:", description="namespace for every key this project writes")
+    signal_ttl_s: int = Field(7 * 24 * 3600, gt=0, description="signals expire if a shopper goes quiet")
+    s3_endpoint_url: str | None = Field(None, description="None = AWS; set for MinIO or moto")
+    s3_bucket: str = "shopper-understanding"
+    s3_prefix: str = "insights"
+    s3_region: str = "us-east-1"
+    s3_max_records: int = Field(5000, ge=1, description="flush when this many records are buffered")
+    s3_max_age_s: float = Field(5.0, gt=0, description="flush records older than this")

@@ -1,0 +1,125 @@
+"""Results to S3 as gzip JSONL, partitioned by event date and hour, for analytics.
+
+Records are buffered and flushed when ``s3_max_records`` are waiting or the oldest is ``s3_max_age_s``
+old (``flush`` forces it). Object keys are derived from the content (a hash of the sorted request ids
+of the batch), so a retried flush overwrites the same object instead of writing a duplicate.
+Partitions use the event time of the newest event in the prompt, not the wall clock, so replays land
+in the same partition. Across a crash between an S3 flush and the offset commit a record can appear in
+two objects; ``request_id`` is the table's key, and readers dedupe on it (see docs/architecture.md).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import gzip
+import time
+from collections import defaultdict
+from collections.abc import Sequence
+from typing import Any
+
+import orjson
+import xxhash
+from aiobotocore.session import get_session
+
+from prompt_assembly.records import EnrichmentResult
+from sinks.config import SinkSettings
+
+
+def partition_of(result: EnrichmentResult, prefix: str) -> str:
+    stamp = time.gmtime(result.last_event_ts)
+    return f"{prefix}/kind={result.kind}/dt={time.strftime('%Y-%m-%d', stamp)}/hour={stamp.tm_hour:02d}"
+
+
+def object_key(partition: str, records: Sequence[EnrichmentResult]) -> str:
+    digest = xxhash.xxh64("\n".join(sorted(r.request_id for r in records)).encode()).hexdigest()
+    return f"{partition}/part-{digest}.jsonl.gz"
+
+
+def encode_jsonl_gz(records: Sequence[EnrichmentResult]) -> bytes:
+    body = b"".join(orjson.dumps(r.model_dump(mode="json")) + b"\n" for r in records)
+    return gzip.compress(body, compresslevel=5, mtime=0)
+
+
+class S3InsightSink:
+    def __init__(self, settings: SinkSettings) -> None:
+        self.settings = settings
+        self._buffer: list[EnrichmentResult] = []
+        self._oldest: float | None = None
+        self._lock = asyncio.Lock()
+        self._exit = contextlib.AsyncExitStack()
+        self._client: Any = None
+        self.keys_written: list[str] = []
+        self.records_written = 0
+
+    async def start(self) -> None:
+        if self._client is None:
+            session = get_session()
+            self._client = await self._exit.enter_async_context(
+                session.create_client(
+                    "s3",
+                    endpoint_url=self.settings.s3_endpoint_url,
+                    region_name=self.settings.s3_region,
+                )
+            )
+
+    async def ensure_bucket(self) -> None:
+        await self.start()
+        try:
+            await self._client.head_bucket(Bucket=self.settings.s3_bucket)
+        except Exception:
+            await self._client.create_bucket(Bucket=self.settings.s3_bucket)
+
+    @property
+    def buffered(self) -> int:
+        return len(self._buffer)
+
+    def due(self) -> bool:
+        """True when the buffer should be flushed by size or age."""
+        if not self._buffer:
+            return False
+        return len(self._buffer) >= self.settings.s3_max_records or (
+            self._oldest is not None and time.monotonic() - self._oldest >= self.settings.s3_max_age_s
+        )
+
+    async def write(self, results: Sequence[EnrichmentResult]) -> None:
+        if results and self._oldest is None:
+            self._oldest = time.monotonic()
+        self._buffer.extend(results)
+        if len(self._buffer) >= self.settings.s3_max_records:
+            await self.flush()
+
+    async def flush(self) -> None:
+        async with self._lock:
+            if not self._buffer:
+                return
+            await self.start()
+            batch, self._buffer, self._oldest = self._buffer, [], None
+            groups: dict[str, list[EnrichmentResult]] = defaultdict(list)
+            for record in batch:
+                groups[partition_of(record, self.settings.s3_prefix)].append(record)
+            try:
+                await asyncio.gather(*(self._put(part, records) for part, records in groups.items()))
+            except BaseException:
+                # Nothing is lost: the batch goes back in front and the caller's commit waits.
+                self._buffer[:0] = batch
+                self._oldest = time.monotonic()
+                raise
+
+    async def _put(self, partition: str, records: list[EnrichmentResult]) -> None:
+        records.sort(key=lambda r: r.request_id)
+        key = object_key(partition, records)
+        await self._client.put_object(
+            Bucket=self.settings.s3_bucket,
+            Key=key,
+            Body=encode_jsonl_gz(records),
+            ContentType="application/x-ndjson",
+            ContentEncoding="gzip",
+        )
+        self.keys_written.append(key)
+        self.records_written += len(records)
+
+    async def close(self) -> None:
+        await self.flush()
+        await self._exit.aclose()
+        self._client = None
