@@ -25,9 +25,9 @@ from prompt_assembly.triggers import TriggerPolicy
 
 class SessionConfig(BaseModel):
     triggers: TriggerPolicy = Field(default_factory=TriggerPolicy)
-    max_log_tokens: int = Field(3000, ge=200, description="token budget of the activity log")
+    max_log_tokens: int = Field(3300, ge=200, description="token budget of the activity log")
     trim_to_fraction: float = Field(
-        0.5, gt=0, lt=1, description="after a trim the log holds at most this share of the budget"
+        0.35, gt=0, lt=1, description="after a trim the log holds at most this share of the budget"
     )
     max_events: int = Field(400, ge=4, description="hard cap on events kept per shopper")
     remember_trimmed_ids: int = Field(512, ge=0, description="ids of trimmed events kept for dedup")
@@ -76,8 +76,12 @@ class SessionProcessor:
         return [] if pending is None else [self._emit(session, pending.reason)]
 
     def _emit(self, session: ShopperSession, reason: TriggerReason) -> PromptRequest:
-        lines = [render_event(e.event) for e in session.entries]
-        counts = [count_tokens(line) for line in lines]
+        for entry in session.entries:
+            if entry.line is None:
+                entry.line = render_event(entry.event)
+                entry.tokens = count_tokens(entry.line)
+        lines = [e.line for e in session.entries if e.line is not None]
+        counts = [e.tokens for e in session.entries]
         log_tokens = sum(counts)
         if log_tokens > self.config.max_log_tokens:
             target = self.config.max_log_tokens * self.config.trim_to_fraction

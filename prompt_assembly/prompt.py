@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
+from functools import lru_cache
 
 from prompt_assembly.events import ShopperEvent
 from prompt_assembly.tokens import count_tokens
@@ -32,7 +33,20 @@ SYSTEM_PROMPT = (
     "view, a view more than a search.\n"
     "- Never include personal data (names, addresses, emails) in the answer.\n"
     "- Answer with one JSON object with the keys interests (1-5 short phrases), occasion (or null), "
-    "style, price_sensitivity (low, medium or high) and summary (one sentence, at most 240 characters)."
+    "style, price_sensitivity (low, medium or high) and summary (one sentence, at most 240 characters).\n"
+    "Example. For a log such as:\n"
+    "- 2026-10-20 18:02 searched <data>kids witch costume</data>\n"
+    "- 2026-10-20 18:03 viewed: <data>Witch Costume Set</data> by Spooktacular, Costumes > Kids, $24.99\n"
+    "  about it: <data>Looked amazing at our school parade, lots of compliments.</data>\n"
+    "- 2026-10-20 18:05 viewed: <data>Glow Face Paint Palette</data>, Makeup > Special Effects, $9.50\n"
+    "- 2026-10-20 18:07 added to cart: <data>Witch Costume Set</data> by Spooktacular, Costumes > Kids, "
+    "$24.99\n"
+    "a good answer is:\n"
+    '{"interests": ["kids witch costumes", "face paint"], "occasion": "school Halloween parade", '
+    '"style": "fun, attention-grabbing, not too scary", "price_sensitivity": "medium", '
+    '"summary": "Parent assembling a fun, eye-catching witch look for a child\'s school parade, '
+    'mid-priced."}\n'
+    "Describe only the shopper of the log you are given, never the example."
 )
 
 TASK_LINE = "Task: describe this shopper from the activity log above. Answer with the JSON object only."
@@ -78,6 +92,7 @@ def build_messages(shopper_id: str, log_lines: Sequence[str]) -> list[dict[str, 
     return [{"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "content": user}]
 
 
+@lru_cache(maxsize=65_536)
 def head_tokens(shopper_id: str) -> int:
     """Tokens before the first log line (system message, chat framing, header): shared by every
     prompt of the shopper even after the log is trimmed."""

@@ -23,11 +23,14 @@ from prompt_assembly.events import ShopperEvent
 from prompt_assembly.records import TriggerReason
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class SessionEntry:
     segment: int
     arrival: int
     event: ShopperEvent
+    line: str | None = field(default=None, compare=False)
+    """Rendered log line, cached by the prompt builder (a pure function of ``event``)."""
+    tokens: int = field(default=0, compare=False)
 
     @property
     def sort_key(self) -> tuple[int, float, int]:
@@ -54,8 +57,8 @@ class SessionChanges:
     """What changed since the last ``take_changes``: enough for a store to persist a delta."""
 
     appended: list[SessionEntry]
-    rewrite: bool
-    """The log was trimmed: store the whole log instead of appending."""
+    rewrite: list[SessionEntry] | None
+    """Set when the log was trimmed: the whole log, to store instead of appending."""
     header: dict[str, Any]
 
 
@@ -72,6 +75,7 @@ class ShopperSession:
     last_log_tokens: int = 0
     """Tokens of the last prompt up to the end of its activity log (its reusable prefix)."""
     trimmed_since_prompt: bool = False
+    newest_ts: float = 0.0
     _ids: set[str] = field(default_factory=set)
     _appended: list[SessionEntry] = field(default_factory=list)
     _rewrite: bool = False
@@ -83,7 +87,8 @@ class ShopperSession:
 
     @property
     def last_event_ts(self) -> float:
-        return max((e.event.ts for e in self.entries), default=0.0)
+        """Event time of the newest event in the log."""
+        return self.newest_ts
 
     def has_seen(self, event_id: str) -> bool:
         return event_id in self._ids
@@ -98,8 +103,12 @@ class ShopperSession:
             return False
         entry = SessionEntry(self.seq, self.arrivals, event)
         self.arrivals += 1
-        keys = [e.sort_key for e in self.entries]
-        self.entries.insert(bisect.bisect_right(keys, entry.sort_key), entry)
+        if not self.entries or entry.sort_key >= self.entries[-1].sort_key:
+            self.entries.append(entry)  # the common case: events arrive in order
+        else:
+            at = bisect.bisect_right(self.entries, entry.sort_key, key=lambda e: e.sort_key)
+            self.entries.insert(at, entry)
+        self.newest_ts = max(self.newest_ts, event.ts)
         self._ids.add(event.event_id)
         self._appended.append(entry)
         return True
@@ -115,6 +124,7 @@ class ShopperSession:
         while len(self.trimmed_ids) > remember_ids:
             self.trimmed_ids.popleft()
         self._ids.update(self.trimmed_ids)
+        self.newest_ts = max((e.event.ts for e in self.entries), default=0.0)
         self.trimmed_since_prompt = True
         self._rewrite = True
 
@@ -138,8 +148,14 @@ class ShopperSession:
             "trimmed_since_prompt": self.trimmed_since_prompt,
         }
 
+    @property
+    def dirty(self) -> bool:
+        return bool(self._appended) or self._rewrite
+
     def take_changes(self) -> SessionChanges:
-        changes = SessionChanges(list(self._appended), self._rewrite, self.header())
+        changes = SessionChanges(
+            list(self._appended), list(self.entries) if self._rewrite else None, self.header()
+        )
         self._appended.clear()
         self._rewrite = False
         return changes
@@ -171,5 +187,6 @@ class ShopperSession:
             last_log_tokens=header.get("last_log_tokens", 0),
             trimmed_since_prompt=header.get("trimmed_since_prompt", False),
         )
+        session.newest_ts = max((e.event.ts for e in parsed), default=0.0)
         session._ids = {e.event.event_id for e in parsed} | set(session.trimmed_ids)
         return session

