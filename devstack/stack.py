@@ -19,9 +19,12 @@ from typing import Literal
 from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from sinks.config import SinkSettings
 from devstack.processes import ManagedProcess, alive, free_port, port_open, spawn, stop, wait_for_http, wait_for_port
 
 EVENTS_TOPIC = "shopper-events"
+MOTO_CREDENTIALS = ("testing", "testing")
+"""moto accepts any credentials; these keep boto from searching the machine for real ones."""
 DLQ_TOPIC = "shopper-events-dlq"
 
 
@@ -49,6 +52,8 @@ class StackState:
     llm_endpoints: list[str]
     llm_kind: str
     model: str
+    s3_access_key_id: str | None = None
+    s3_secret_access_key: str | None = None
     processes: list[ManagedProcess] = field(default_factory=list)
 
     def to_json(self) -> str:
@@ -93,7 +98,7 @@ def stack_up(settings: StackSettings) -> StackState:
         _create_topics(kafka, settings.partitions)
         redis_url = settings.redis_url or _redis(logs, started)
         s3 = settings.s3_endpoint_url if settings.s3_endpoint_url else _start_moto(logs, started)
-        _create_bucket(s3, settings.s3_bucket)
+        _create_bucket(s3, settings.s3_bucket, None if settings.s3_endpoint_url else MOTO_CREDENTIALS)
         if settings.llm_endpoints:
             endpoints, model = list(settings.llm_endpoints), "default"
         elif settings.llm == "llama":
@@ -104,7 +109,8 @@ def stack_up(settings: StackSettings) -> StackState:
         for process in reversed(started):
             stop(process)
         raise
-    state = StackState(kafka, redis_url, s3, settings.s3_bucket, endpoints, settings.llm, model, started)
+    credentials = (None, None) if settings.s3_endpoint_url else MOTO_CREDENTIALS
+    state = StackState(kafka, redis_url, s3, settings.s3_bucket, endpoints, settings.llm, model, *credentials, started)
     state_file(settings.state_dir).write_text(state.to_json())
     return state
 
@@ -181,10 +187,11 @@ def _start_moto(logs: Path, started: list[ManagedProcess]) -> str:
     return f"http://127.0.0.1:{port}"
 
 
-def _create_bucket(endpoint: str | None, bucket: str) -> None:
+def _create_bucket(endpoint: str | None, bucket: str, credentials: tuple[str, str] | None) -> None:
     import boto3
 
-    s3 = boto3.client("s3", endpoint_url=endpoint, region_name="us-east-1")
+    keys = {} if credentials is None else {"aws_access_key_id": credentials[0], "aws_secret_access_key": credentials[1]}
+    s3 = boto3.client("s3", endpoint_url=endpoint, region_name="us-east-1", **keys)
     with contextlib.suppress(s3.exceptions.BucketAlreadyOwnedByYou, s3.exceptions.BucketAlreadyExists):
         s3.create_bucket(Bucket=bucket)
 
@@ -225,3 +232,15 @@ def wait_ready(state: StackState, timeout_s: float = 30.0) -> None:
     deadline = time.monotonic() + timeout_s
     for process in state.processes:
         wait_for_port(process, timeout_s=max(1.0, deadline - time.monotonic()))
+
+
+def sink_settings(state: StackState, **overrides: object) -> SinkSettings:
+    """Sink settings pointing at the stack's Redis and S3."""
+    return SinkSettings(
+        redis_url=state.redis_url,
+        s3_endpoint_url=state.s3_endpoint_url,
+        s3_bucket=state.s3_bucket,
+        s3_access_key_id=state.s3_access_key_id,
+        s3_secret_access_key=state.s3_secret_access_key,
+        **overrides,
+    )

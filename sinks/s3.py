@@ -56,11 +56,7 @@ class S3InsightSink:
         if self._client is None:
             session = get_session()
             self._client = await self._exit.enter_async_context(
-                session.create_client(
-                    "s3",
-                    endpoint_url=self.settings.s3_endpoint_url,
-                    region_name=self.settings.s3_region,
-                )
+                session.create_client("s3", **self.settings.s3_client_kwargs())
             )
 
     async def ensure_bucket(self) -> None:

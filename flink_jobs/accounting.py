@@ -1,0 +1,34 @@
+"""Where every event and every prompt went. ``balanced`` is the promise: nothing unaccounted."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+
+@dataclass(slots=True)
+class Accounting:
+    consumed: int = 0
+    dead_lettered: int = 0
+    accepted: int = 0
+    duplicates: int = 0
+    prompts: int = 0
+    insights: int = 0
+    errors: int = 0
+
+    @property
+    def events_unaccounted(self) -> int:
+        return self.consumed - self.dead_lettered - self.accepted - self.duplicates
+
+    @property
+    def prompts_unaccounted(self) -> int:
+        return self.prompts - self.insights - self.errors
+
+    @property
+    def balanced(self) -> bool:
+        return self.events_unaccounted == 0 and self.prompts_unaccounted == 0
+
+    def as_dict(self) -> dict[str, int]:
+        data = asdict(self)
+        data["events_unaccounted"] = self.events_unaccounted
+        data["prompts_unaccounted"] = self.prompts_unaccounted
+        return data

@@ -1,0 +1,45 @@
+"""Embedded runner configuration (env prefix ``RUNNER_``; nested components keep their own models)."""
+
+from __future__ import annotations
+
+from pydantic import Field
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from llm_client.config import ClientConfig
+from llm_client.enrichment import EnrichmentSettings
+from prompt_assembly.processor import SessionConfig
+from sinks.config import SinkSettings
+
+
+class RunnerSettings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="RUNNER_", env_nested_delimiter="__")
+
+    bootstrap_servers: str = "127.0.0.1:9092"
+    group_id: str = "shopper-understanding"
+    topic: str = "shopper-events"
+    dlq_topic: str = "shopper-events-dlq"
+    batch_max_events: int = Field(2000, ge=1, description="events per poll (one epoch)")
+    poll_timeout_s: float = Field(0.05, gt=0)
+    max_in_flight_prompts: int = Field(
+        512, ge=1, description="prompts waiting or running; beyond it partitions are paused"
+    )
+    commit_interval_s: float = Field(
+        1.0, gt=0, description="how often results are made durable (S3 flush, sessions, offsets)"
+    )
+    session_cache_size: int = Field(200_000, ge=100, description="sessions kept in memory")
+    timer_wall_per_event_s: float = Field(
+        1.0, ge=0, description="wall seconds a pending trigger waits per event-time second"
+    )
+    kafka_session_timeout_ms: int = Field(
+        6000,
+        ge=1000,
+        description="Tansu holds a group join for about half of this; librdkafka's 45 s default "
+        "means a 23 s wait before the first message",
+    )
+    progress_interval_s: float = Field(2.0, gt=0)
+    until_drained: bool = Field(False, description="exit when the topic is consumed and all results stored")
+    drain_idle_s: float = Field(1.0, ge=0, description="with until_drained: quiet time that means 'caught up'")
+    session: SessionConfig = Field(default_factory=SessionConfig)
+    llm: ClientConfig = Field(default_factory=ClientConfig)
+    enrichment: EnrichmentSettings = Field(default_factory=EnrichmentSettings)
+    sinks: SinkSettings = Field(default_factory=SinkSettings)

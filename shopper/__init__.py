@@ -1,0 +1,1 @@
+"""The ``shopper`` command: the embedded stack, the event producer, the runner and read-back tools."""

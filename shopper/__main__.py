@@ -1,0 +1,3 @@
+from shopper.cli import app
+
+app()

@@ -1,0 +1,167 @@
+"""``shopper``: one command for the embedded stack and the pipeline. Addresses come from the stack's
+state file unless given explicitly, so the same commands work against real Kafka/Redis/S3/LLMs."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import sys
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from devstack.stack import DLQ_TOPIC, EVENTS_TOPIC, StackSettings, load_state, stack_down, stack_status, stack_up
+
+app = typer.Typer(add_completion=False, no_args_is_help=True, help=__doc__, pretty_exceptions_enable=False)
+stack_app = typer.Typer(no_args_is_help=True, help="Start, stop and inspect the embedded stack.")
+app.add_typer(stack_app, name="stack")
+console = Console(width=None if sys.stdout.isatty() else 150)
+StateDir = Annotated[Path, typer.Option(help="where the stack keeps its state file and logs")]
+
+
+@stack_app.command("up")
+def stack_up_cmd(
+    state_dir: StateDir = Path(".state"),
+    llm: Annotated[str, typer.Option(help="sim (TensorRT-LLM simulator) or llama (Gemma 3 270M)")] = "sim",
+    replicas: Annotated[int, typer.Option(help="LLM replicas")] = 3,
+    time_scale: Annotated[float, typer.Option(help="simulator time scale; 1 = H100 32B timings")] = 0.05,
+    partitions: int = 4,
+) -> None:
+    """Start what is not already reachable and write the addresses to the state file."""
+    settings = StackSettings(state_dir=state_dir, llm=llm, replicas=replicas, time_scale=time_scale, partitions=partitions)  # type: ignore[arg-type]
+    state = stack_up(settings)
+    console.print_json(state.to_json())
+
+
+@stack_app.command("down")
+def stack_down_cmd(state_dir: StateDir = Path(".state")) -> None:
+    """Stop exactly the processes 'stack up' started."""
+    stopped = stack_down(state_dir)
+    console.print(f"stopped: {', '.join(stopped) or 'nothing'}")
+
+
+@stack_app.command("status")
+def stack_status_cmd(state_dir: StateDir = Path(".state")) -> None:
+    console.print_json(json.dumps(stack_status(state_dir)))
+
+
+@app.command()
+def produce(
+    events: Annotated[int, typer.Option(help="number of events")] = 10_000,
+    shoppers: int = 200,
+    rate: Annotated[float, typer.Option(help="events/s; 0 = as fast as possible")] = 0.0,
+    malformed_rate: Annotated[float, typer.Option(help="share of deliberately broken messages")] = 0.005,
+    seed: int = 7,
+    realtime_ts: Annotated[bool, typer.Option(help="stamp events with the wall clock")] = False,
+    bootstrap: Annotated[str | None, typer.Option(help="Kafka bootstrap; default: the stack's")] = None,
+    topic: str = EVENTS_TOPIC,
+    state_dir: StateDir = Path(".state"),
+) -> None:
+    """Produce a synthetic shopper stream (seasonal catalog, Zipf-like shoppers, bursts and pauses)."""
+    from shopper.producer import produce as run_produce
+
+    bootstrap = bootstrap or load_state(state_dir).kafka_bootstrap
+    report = run_produce(
+        bootstrap, topic, events=events, shoppers=shoppers, rate=rate or None,
+        malformed_rate=malformed_rate, seed=seed, realtime_ts=realtime_ts,
+    )
+    console.print(
+        f"produced {report.sent} events ({report.malformed} malformed) to {topic} in {report.seconds:.2f} s "
+        f"({report.sent / max(report.seconds, 1e-9):,.0f}/s)"
+    )
+
+
+def runner_settings_from_stack(state_dir: Path, **overrides: object) -> object:
+    from flink_jobs.runner_config import RunnerSettings
+    from llm_client.config import ClientConfig
+    from devstack.stack import sink_settings
+
+    state = load_state(state_dir)
+    return RunnerSettings(
+        bootstrap_servers=state.kafka_bootstrap,
+        llm=ClientConfig(endpoints=state.llm_endpoints, model=state.model),
+        sinks=sink_settings(state),
+        **overrides,
+    )
+
+
+@app.command()
+def run(
+    until_drained: Annotated[bool, typer.Option(help="exit once the topic is consumed and all results stored")] = False,
+    group_id: str = "shopper-understanding",
+    policy: Annotated[str, typer.Option(help="routing policy")] = "session_affinity",
+    from_stack: Annotated[bool, typer.Option(help="take addresses from the stack state file")] = True,
+    state_dir: StateDir = Path(".state"),
+) -> None:
+    """Run the embedded pipeline (Kafka -> sessions -> LLM -> Redis + S3). Ctrl-C / SIGTERM drain."""
+    from flink_jobs.local_runner import EmbeddedRunner
+    from flink_jobs.runner_config import RunnerSettings
+
+    if from_stack:
+        settings = runner_settings_from_stack(state_dir, until_drained=until_drained, group_id=group_id)
+        assert isinstance(settings, RunnerSettings)
+    else:
+        settings = RunnerSettings(until_drained=until_drained, group_id=group_id)
+    settings.llm.policy = policy
+    console.print(f"[dim]runner config: {settings.model_dump_json(exclude={'session'})}[/dim]")
+    stats = asyncio.run(EmbeddedRunner(settings).run())
+    acct = stats.accounting
+    console.print_json(json.dumps(acct.as_dict()))
+    if until_drained and not acct.balanced:
+        console.print("[red]unaccounted events or prompts[/red]")
+        raise typer.Exit(1)
+
+
+@app.command()
+def signals(
+    shopper_id: Annotated[list[str] | None, typer.Argument(help="shopper ids; none = the 10 most recent")] = None,
+    state_dir: StateDir = Path(".state"),
+    limit: int = 10,
+) -> None:
+    """Read shopper understanding back from Redis, as an ad server would."""
+    from shopper.readback import read_signals
+
+    rows = asyncio.run(read_signals(load_state(state_dir).redis_url, shopper_id or [], limit))
+    table = Table("shopper", "seq", "summary", "interests", "occasion", "price", "cached/prompt")
+    for row in rows:
+        table.add_row(
+            row["shopper_id"], row["seq"], row["summary"], ", ".join(json.loads(row["interests"])),
+            row["occasion"] or "-", row["price_sensitivity"], f"{row['cached_tokens']}/{row['prompt_tokens']}",
+        )
+    console.print(table)
+
+
+@app.command("tail-dlq")
+def tail_dlq(
+    limit: int = 20,
+    bootstrap: str | None = None,
+    state_dir: StateDir = Path(".state"),
+) -> None:
+    """Print dead-lettered messages with their reasons."""
+    from shopper.readback import read_dlq
+
+    records = read_dlq(bootstrap or load_state(state_dir).kafka_bootstrap, DLQ_TOPIC, limit)
+    for record in records:
+        console.print(f"[yellow]{record['reason']}[/yellow]  {str(record['original'])[:100]!r}")
+    console.print(f"{len(records)} dead letters shown")
+
+
+@app.command()
+def demo(
+    events: int = 6000,
+    shoppers: int = 150,
+    state_dir: StateDir = Path(".state"),
+    keep_stack: bool = False,
+) -> None:
+    """Stack up, produce, run until drained, print what landed in Redis, S3 and the DLQ, stack down."""
+    from shopper.demo import run_demo
+
+    code = run_demo(state_dir, events=events, shoppers=shoppers, keep_stack=keep_stack, console=console)
+    raise typer.Exit(code)
+
+
+def main() -> None:  # pragma: no cover
+    sys.exit(app())

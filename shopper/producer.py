@@ -1,0 +1,60 @@
+"""``shopper produce``: the synthetic stream onto Kafka, at a rate or as fast as possible."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+from confluent_kafka import Producer
+
+from devstack.synthetic import SyntheticStream
+
+
+@dataclass
+class ProduceReport:
+    sent: int
+    malformed: int
+    seconds: float
+
+
+def produce(
+    bootstrap: str,
+    topic: str,
+    *,
+    events: int,
+    shoppers: int,
+    rate: float | None,
+    malformed_rate: float,
+    seed: int,
+    realtime_ts: bool = False,
+) -> ProduceReport:
+    """Send ``events`` records; ``rate`` (events/s) paces them, None sends as fast as possible.
+    ``realtime_ts`` stamps events with the wall clock instead of the simulated event time."""
+    stream = SyntheticStream(
+        shoppers=shoppers, seed=seed, malformed_rate=malformed_rate,
+        start_ts=time.time() if realtime_ts else 1_761_800_000.0,
+    )
+    producer = Producer({"bootstrap.servers": bootstrap, "linger.ms": 10, "batch.num.messages": 10000, "log.connection.close": False})
+    started = time.perf_counter()
+    malformed = 0
+    for i in range(events):
+        key, value, bad = stream.next_record()
+        malformed += bad
+        while True:
+            try:
+                producer.produce(topic, key=key, value=value)
+                break
+            except BufferError:
+                producer.poll(0.05)
+        if rate:
+            target = started + (i + 1) / rate
+            delay = target - time.perf_counter()
+            if delay > 0:
+                producer.poll(0)
+                time.sleep(delay)
+        elif i % 10000 == 0:
+            producer.poll(0)
+    remaining = producer.flush(30)
+    if remaining:
+        raise RuntimeError(f"{remaining} events were not delivered")
+    return ProduceReport(events, malformed, time.perf_counter() - started)

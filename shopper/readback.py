@@ -1,0 +1,79 @@
+"""Reading results back: Redis signals, S3 objects and the dead-letter topic."""
+
+from __future__ import annotations
+
+import gzip
+import time
+import uuid
+from typing import Any
+
+import boto3
+import orjson
+import redis.asyncio as aioredis
+from confluent_kafka import Consumer, TopicPartition
+
+from sinks.config import SinkSettings
+
+
+async def read_signals(redis_url: str, shopper_ids: list[str], limit: int, prefix: str = "su:") -> list[dict[str, str]]:
+    redis = aioredis.Redis.from_url(redis_url, decode_responses=True)
+    try:
+        if not shopper_ids:
+            keys = [key async for key in redis.scan_iter(match=f"{prefix}signals:*", count=1000)]
+            shopper_ids = [key[len(f"{prefix}signals:") :] for key in keys]
+        rows = []
+        for sid in shopper_ids:
+            row = await redis.hgetall(f"{prefix}signals:{sid}")
+            if row:
+                rows.append({"shopper_id": sid, **row})
+        rows.sort(key=lambda r: (-int(r["seq"]), r["shopper_id"]))
+        return rows[:limit]
+    finally:
+        await redis.aclose()
+
+
+def list_s3_records(settings: SinkSettings, prefix: str) -> tuple[list[str], list[dict[str, Any]]]:
+    """All object keys under ``prefix`` and the records they hold."""
+    s3 = boto3.client("s3", **settings.s3_client_kwargs())  # type: ignore[call-overload]
+    bucket = settings.s3_bucket
+    keys: list[str] = []
+    records: list[dict[str, Any]] = []
+    for page in s3.get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=prefix):
+        for obj in page.get("Contents", []):
+            keys.append(obj["Key"])
+            body = s3.get_object(Bucket=bucket, Key=obj["Key"])["Body"].read()
+            records.extend(orjson.loads(line) for line in gzip.decompress(body).splitlines() if line)
+    return keys, records
+
+
+def read_dlq(bootstrap: str, topic: str, limit: int | None = None, timeout_s: float = 30.0) -> list[dict[str, Any]]:
+    """Every record of the dead-letter topic (from the beginning), newest ``limit`` if given."""
+    consumer = Consumer(
+        {
+            "bootstrap.servers": bootstrap,
+            "group.id": f"dlq-reader-{uuid.uuid4()}",
+            "enable.auto.commit": False,
+            "auto.offset.reset": "earliest",
+            "log.connection.close": False,
+        }
+    )
+    try:
+        metadata = consumer.list_topics(topic, timeout=10).topics[topic]
+        partitions = [TopicPartition(topic, p, 0) for p in metadata.partitions]
+        ends = {tp.partition: consumer.get_watermark_offsets(tp, timeout=10)[1] for tp in partitions}
+        consumer.assign(partitions)
+        records: list[dict[str, Any]] = []
+        done = {p for p, end in ends.items() if end == 0}
+        deadline = time.monotonic() + timeout_s
+        while len(done) < len(ends) and time.monotonic() < deadline:
+            for message in consumer.consume(1000, 0.5):
+                if message.error():
+                    continue
+                records.append(orjson.loads(message.value()))
+                if message.offset() + 1 >= ends[message.partition()]:
+                    done.add(message.partition())
+        if len(done) < len(ends):
+            raise TimeoutError(f"read {len(records)} dead letters but not to the end in {timeout_s} s")
+        return records if limit is None else records[-limit:]
+    finally:
+        consumer.close()
