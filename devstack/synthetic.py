@@ -15,6 +15,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 import orjson
+import xxhash
 
 from prompt_assembly.events import ShopperEvent
 
@@ -91,7 +92,7 @@ def build_catalog(rng: random.Random) -> dict[str, list[Product]]:
         products = []
         for adjective in adjectives:
             for item in items:
-                pid = f"P{len(products):03d}-{abs(hash((category, adjective, item))) % 10**6:06d}"
+                pid = f"P{len(products):03d}-{xxhash.xxh32_intdigest(f'{category}/{adjective}/{item}'.encode()) % 10**6:06d}"
                 products.append(
                     Product(
                         product_id=f"{category.split(' > ')[1][:3].upper()}-{pid}",
@@ -164,7 +165,7 @@ class SyntheticStream:
             gap = self.rng.uniform(1.0, 12.0)  # within a burst: the next click comes quickly
         else:
             # A pause; cold shoppers pause for longer, which is what makes activity Zipf-like.
-            gap = self.rng.uniform(60.0, 600.0) / min(1.0, 20 * shopper.weight) ** 0.6
+            gap = self.rng.uniform(60.0, 600.0) / min(1.0, 20 * shopper.weight)
         heapq.heappush(self._heap, (ts + gap, index))
         return shopper.shopper_id.encode(), event.to_json(), False
 

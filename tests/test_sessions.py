@@ -1,0 +1,169 @@
+"""Sessions, triggers and prefix-stable prompts: plain unit tests and hypothesis properties."""
+
+from __future__ import annotations
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from prompt_assembly.events import ShopperEvent
+from prompt_assembly.processor import SessionConfig, SessionProcessor
+from prompt_assembly.records import PromptRequest
+from prompt_assembly.session import ShopperSession
+from prompt_assembly.tokens import messages_text, token_ids
+from prompt_assembly.triggers import TriggerPolicy
+
+_counter = iter(range(10**9))
+
+
+def event(kind: str = "view", ts: float = 1000.0, shopper: str = "s1", event_id: str | None = None, title: str = "Witch Hat") -> ShopperEvent:
+    eid = event_id or f"e{next(_counter)}"
+    if kind == "search":
+        return ShopperEvent(event_id=eid, shopper_id=shopper, type="search", ts=ts, query=title)
+    return ShopperEvent(
+        event_id=eid, shopper_id=shopper, type=kind, ts=ts,  # type: ignore[arg-type]
+        product={"product_id": "p1", "title": title, "category": "Costumes", "price": 19.5, "snippet": "Kids loved it"},
+    )
+
+
+def shared_tokens(a: PromptRequest, b: PromptRequest) -> int:
+    ids_a, ids_b = token_ids(messages_text(a.messages)), token_ids(messages_text(b.messages))
+    n = 0
+    for x, y in zip(ids_a, ids_b, strict=False):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+def test_cart_add_triggers_at_once_and_browsing_after_a_quiet_period() -> None:
+    processor = SessionProcessor(SessionConfig(triggers=TriggerPolicy(quiet_period_s=20, min_prompt_interval_s=5)))
+    session = processor.new_session("s1")
+    assert processor.apply(session, event("view", 100)).prompts == []
+    assert processor.apply(session, event("view", 110)).prompts == []  # still browsing
+    cart = processor.apply(session, event("add_to_cart", 112)).prompts
+    assert [p.reason for p in cart] == ["add_to_cart"]
+    assert processor.apply(session, event("view", 113)).prompts == []
+    # The next event comes after the quiet period: the browse-pause prompt fires first, without it.
+    later = processor.apply(session, event("view", 200)).prompts
+    assert [p.reason for p in later] == ["browse_pause"] and later[0].event_count == 4
+
+
+def test_rate_limit_defers_a_cart_add_and_keeps_its_reason() -> None:
+    processor = SessionProcessor(SessionConfig(triggers=TriggerPolicy(quiet_period_s=20, min_prompt_interval_s=10)))
+    session = processor.new_session("s1")
+    assert len(processor.apply(session, event("add_to_cart", 100)).prompts) == 1
+    assert processor.apply(session, event("add_to_cart", 103)).prompts == []  # rate-limited
+    assert session.pending is not None and session.pending.due_ts == 110 and session.pending.reason == "add_to_cart"
+    assert processor.apply(session, event("view", 105)).prompts == []  # browsing keeps the cart trigger
+    assert session.pending.reason == "add_to_cart"
+    fired = processor.fire_pending(session, due_ts=110)
+    assert [p.reason for p in fired] == ["add_to_cart"] and session.pending is None
+
+
+def test_stale_timer_does_not_fire_early() -> None:
+    processor = SessionProcessor(SessionConfig(triggers=TriggerPolicy(quiet_period_s=20)))
+    session = processor.new_session("s1")
+    processor.apply(session, event("view", 100))
+    processor.apply(session, event("view", 115))  # debounce moves the due time to 135
+    assert processor.fire_pending(session, due_ts=120) == []
+    assert len(processor.fire_pending(session, due_ts=135)) == 1
+
+
+def test_duplicates_are_ignored_and_reported() -> None:
+    processor = SessionProcessor()
+    session = processor.new_session("s1")
+    first = event("view", 100, event_id="same")
+    assert processor.apply(session, first).outcome == "accepted"
+    assert processor.apply(session, first).outcome == "duplicate"
+    assert len(session.entries) == 1
+
+
+def test_late_event_never_moves_prompted_entries() -> None:
+    processor = SessionProcessor(SessionConfig(triggers=TriggerPolicy(min_prompt_interval_s=0)))
+    session = processor.new_session("s1")
+    processor.apply(session, event("view", 100, title="A"))
+    processor.apply(session, event("add_to_cart", 110, title="B"))  # prompt 1 holds A, B
+    processor.apply(session, event("view", 130, title="D"))
+    processor.apply(session, event("view", 105, title="C-late"))  # older than everything
+    titles = [e.event.product.title for e in session.entries if e.event.product]
+    assert titles == ["A", "B", "C-late", "D"]  # after the prompted part, then by event time
+
+
+def test_session_round_trips_through_json_and_deltas() -> None:
+    processor = SessionProcessor()
+    session = processor.new_session("s1")
+    for i in range(30):
+        processor.apply(session, event("add_to_cart" if i % 7 == 0 else "view", 100 + i * 3))
+    restored = ShopperSession.from_json(session.to_json())
+    assert restored.header() == session.header()
+    assert [e.event for e in restored.entries] == [e.event for e in session.entries]
+    changes = session.take_changes()
+    rebuilt = ShopperSession.restore(changes.header, [e.to_json() for e in reversed(changes.appended)])
+    assert [e.event for e in rebuilt.entries] == [e.event for e in session.entries]
+
+
+def test_budget_trims_in_large_steps_and_remembers_trimmed_ids() -> None:
+    config = SessionConfig(max_log_tokens=400, trim_to_fraction=0.4, triggers=TriggerPolicy(min_prompt_interval_s=0))
+    processor = SessionProcessor(config)
+    session = processor.new_session("s1")
+    first = event("view", 100, event_id="first")
+    processor.apply(session, first)
+    trims, prompts = 0, []
+    for i in range(120):
+        before = len(session.entries)
+        prompts += processor.apply(session, event("add_to_cart", 101 + i)).prompts
+        if len(session.entries) < before:
+            trims += 1
+    assert all(p.prompt_tokens < 400 + 900 for p in prompts)  # log budget + fixed head
+    assert 0 < trims < 120 / 5, "trims must be rare: each drops many events"
+    assert processor.apply(session, first).outcome == "duplicate"  # trimmed, still deduplicated
+
+
+kinds = st.sampled_from(["view", "view", "view", "click", "search", "add_to_cart", "purchase"])
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.tuples(kinds, st.floats(0.5, 400.0)), min_size=2, max_size=60))
+def test_prompts_are_prefix_stable_and_the_estimate_is_exact(steps: list[tuple[str, float]]) -> None:
+    """Each prompt shares with the previous one exactly the estimated tokens, and when no trim happened
+    in between that is the whole previous activity log."""
+    processor = SessionProcessor(SessionConfig(max_log_tokens=1500, trim_to_fraction=0.4))
+    session = processor.new_session("s1")
+    ts = 1_000_000.0
+    prompts: list[PromptRequest] = []
+    for kind, gap in steps:
+        ts += gap
+        prompts += processor.apply(session, event(kind, ts, title=f"Item {int(gap)}")).prompts
+    prompts += processor.flush(session)
+    for earlier, later in zip(prompts, prompts[1:], strict=False):
+        assert later.seq == earlier.seq + 1
+        actual = shared_tokens(earlier, later)
+        assert later.shared_prefix_tokens <= actual
+        assert actual - later.shared_prefix_tokens <= 2  # framing tokens around the estimate
+        if later.shared_prefix_tokens > 0.5 * earlier.prompt_tokens:
+            log = earlier.messages[1]["content"].rsplit("Task:", 1)[0]
+            assert later.messages[1]["content"].startswith(log)
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.lists(st.tuples(kinds, st.floats(-30.0, 60.0), st.booleans()), min_size=1, max_size=80))
+def test_every_event_is_in_the_session_or_a_duplicate(steps: list[tuple[str, float, bool]]) -> None:
+    processor = SessionProcessor(SessionConfig(max_events=40, trim_to_fraction=0.5))
+    session = processor.new_session("s1")
+    seen: list[ShopperEvent] = []
+    ts = 1_000_000.0
+    accepted = duplicates = 0
+    for kind, gap, repeat in steps:
+        ts += gap
+        ev = seen[-1] if repeat and seen else event(kind, max(1.0, ts))
+        outcome = processor.apply(session, ev).outcome
+        accepted += outcome == "accepted"
+        duplicates += outcome == "duplicate"
+        seen.append(ev)
+    assert accepted + duplicates == len(steps)
+    assert accepted == len({e.event_id for e in seen})
+    kept = {e.event.event_id for e in session.entries}
+    trimmed = set(session.trimmed_ids)  # all of them: fewer than remember_trimmed_ids here
+    assert kept.isdisjoint(trimmed)
+    assert kept | trimmed == {e.event_id for e in seen}
+    assert all(session.has_seen(ev.event_id) for ev in seen)
