@@ -33,14 +33,24 @@ from llm_client.errors import (
 from llm_client.models import Completion
 from llm_client.retry import RetryBudget, backoff_s
 from llm_client.routing import RouteOutcome, RouteRequest, RoutingPolicy, make_policy
+from llm_client.routing.health_monitor import DegradationDetector
 from llm_client.sse import read_sse_json
 from prompt_assembly.tokens import count_tokens, messages_text
 
 
 class LLMClient:
-    def __init__(self, config: ClientConfig, policy: RoutingPolicy | None = None, *, seed: int = 0) -> None:
+    def __init__(
+        self,
+        config: ClientConfig,
+        policy: RoutingPolicy | None = None,
+        *,
+        seed: int = 0,
+        degradation: DegradationDetector | None = None,
+    ) -> None:
         self.config = config
         self.policy = policy or make_policy(config.policy, **config.policy_options)
+        # Drains replicas that are slow or erroring compared with their peers (see its settings).
+        self.degradation = degradation or DegradationDetector()
         self.endpoints = [Endpoint(url.rstrip("/"), endpoint_name(url)) for url in config.endpoints]
         self._gate = asyncio.Semaphore(config.max_in_flight)
         self._budget = RetryBudget(config.retry)
@@ -173,7 +183,8 @@ class LLMClient:
                     completion = await _read_stream(response, endpoint, started)
                 else:
                     completion = _parse_body(await response.read(), endpoint, started)
-        except (aiohttp.ClientConnectionError, ConnectionError) as exc:
+        except (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError, ConnectionError) as exc:
+            # ClientPayloadError: the replica died mid-answer (a truncated stream), as bad as a refusal.
             self._fail(endpoint, route, connection=True)
             raise EndpointUnavailable(f"connection failed: {exc!r}", endpoint=endpoint.name) from None
         except TimeoutError:
@@ -193,6 +204,14 @@ class LLMClient:
             endpoint.outstanding_prefill_tokens -= uncached
             endpoint.outstanding_decode_tokens -= route.max_tokens
         endpoint.record_success(completion.latency_ms, completion.ttft_ms)
+        self.degradation.observe_success(
+            endpoint,
+            completion.latency_ms,
+            prompt_tokens=completion.prompt_tokens,
+            cached_tokens=completion.cached_tokens,
+            completion_tokens=completion.completion_tokens,
+        )
+        self.degradation.evaluate(self.endpoints)
         self.policy.observe(
             route,
             endpoint,
@@ -215,6 +234,8 @@ class LLMClient:
     def _fail(self, endpoint: Endpoint, route: RouteRequest, *, connection: bool) -> None:
         endpoint.record_failure()
         self.policy.observe(route, endpoint, RouteOutcome(ok=False, connection_failed=connection))
+        self.degradation.observe_failure(endpoint)
+        self.degradation.evaluate(self.endpoints)
         limit = self.config.health.eject_after_failures
         if endpoint.healthy and (connection or endpoint.consecutive_failures >= limit):
             self.eject(endpoint)
@@ -228,6 +249,7 @@ class LLMClient:
     async def _health_loop(self) -> None:
         while True:
             await asyncio.sleep(self.config.health.interval_s)
+            self.degradation.evaluate(self.endpoints)
             await asyncio.gather(*(self._probe(e) for e in self.endpoints if not e.healthy))
 
     async def _probe(self, endpoint: Endpoint) -> None:

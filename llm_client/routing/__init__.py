@@ -6,11 +6,13 @@ from typing import Any
 
 from llm_client.routing.base import RouteOutcome, RouteRequest, RoutingPolicy
 from llm_client.routing.least_outstanding import LeastOutstandingPolicy
+from llm_client.routing.prefix_aware import PrefixAwarePolicy
 from llm_client.routing.round_robin import RoundRobinPolicy
 from llm_client.routing.session_affinity import SessionAffinityPolicy
 
 POLICIES: dict[str, type[Any]] = {
-    cls.name: cls for cls in (RoundRobinPolicy, LeastOutstandingPolicy, SessionAffinityPolicy)
+    cls.name: cls
+    for cls in (RoundRobinPolicy, LeastOutstandingPolicy, SessionAffinityPolicy, PrefixAwarePolicy)
 }
 
 

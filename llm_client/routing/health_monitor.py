@@ -1,0 +1,202 @@
+"""Degraded-replica detection: take a slow or erroring replica out of rotation, with no engine or human.
+
+Ageing GPUs show up as higher latency or error codes long before they die, and at thousands of GPUs
+that happens daily. A replica that still answers ``/health`` is not ejected by the client, so this
+detector compares each replica with its peers instead of with a fixed threshold (load and prompt mix
+move every replica's latency together; only a drift *relative to the peers* says "this one is sick"):
+
+- latency: an EWMA of end-to-end latency per unit of work (``completion_tokens + prefill_token_weight
+  * uncached prompt tokens``), so a replica is not blamed for getting longer prompts or cache misses;
+- errors: an EWMA of the failure rate (5xx, timeouts, connection errors).
+
+A replica with at least ``min_samples`` observations whose latency EWMA exceeds ``latency_factor`` x
+the peer median, or whose error EWMA exceeds ``error_threshold`` and ``error_factor`` x the peer median,
+is *drained* (``Endpoint.drained = True``: no new requests, in-flight ones finish), logged and counted.
+After ``cooldown_s`` it is re-admitted on probation: its statistics restart, so it must collect
+``min_samples`` fresh observations before it is judged again; a replica drained again soon after is
+kept out twice as long (up to ``max_cooldown_s``). The detector never drains a replica when fewer than
+``min_routable`` replicas (or fewer than ``1 - max_drained_fraction`` of all) would remain.
+
+The detector is synchronous and does no I/O; time comes from an injectable clock.
+"""
+
+from __future__ import annotations
+
+import logging
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Literal
+
+from pydantic import BaseModel, Field
+
+from llm_client.endpoints import Endpoint
+
+log = logging.getLogger(__name__)
+
+
+class DegradationSettings(BaseModel):
+    enabled: bool = Field(default=True, description="judge replicas at all")
+    latency_factor: float = Field(
+        default=3.0, gt=1, description="drain above this x the peer median latency/work"
+    )
+    error_threshold: float = Field(
+        default=0.25, gt=0, le=1, description="error EWMA that may drain a replica"
+    )
+    error_factor: float = Field(
+        default=3.0, gt=1, description="... when also this x the peer median error EWMA"
+    )
+    min_samples: int = Field(default=20, ge=1, description="observations before a replica is judged")
+    min_peers: int = Field(default=2, ge=1, description="judged peers needed for a median")
+    alpha: float = Field(default=0.1, gt=0, le=1, description="EWMA weight of a new observation")
+    prefill_token_weight: float = Field(
+        default=0.02, ge=0, description="work of one uncached prompt token, in decode tokens"
+    )
+    cooldown_s: float = Field(default=30.0, gt=0, description="time out of rotation before probation")
+    max_cooldown_s: float = Field(default=600.0, gt=0, description="cap of the doubling cool-down")
+    min_routable: int = Field(default=2, ge=1, description="never drain below this many routable replicas")
+    max_drained_fraction: float = Field(
+        default=0.5, ge=0, le=1, description="never drain more than this share"
+    )
+
+
+@dataclass(frozen=True, slots=True)
+class HealthChange:
+    """One decision, for logs and tests."""
+
+    endpoint: str
+    action: Literal["drained", "readmitted"]
+    reason: str
+
+
+@dataclass(slots=True)
+class _ReplicaSignals:
+    samples: int = 0
+    latency_per_work: float | None = None
+    errors: float = 0.0
+    drained_at: float | None = None
+    cooldown_s: float = 0.0
+    drains: int = 0
+
+
+@dataclass
+class DegradationDetector:
+    """Feeds on the client's per-attempt outcomes; ``evaluate`` drains and re-admits replicas."""
+
+    settings: DegradationSettings = field(default_factory=lambda: DegradationSettings())
+    clock: Callable[[], float] = time.monotonic
+    drains: int = 0
+    """Replicas drained so far (all replicas together)."""
+    readmissions: int = 0
+    changes: list[HealthChange] = field(default_factory=list)
+    """Every decision so far, oldest first (bounded to the last 1000)."""
+    _signals: dict[str, _ReplicaSignals] = field(default_factory=dict)
+
+    def signals(self, endpoint: Endpoint) -> _ReplicaSignals:
+        found = self._signals.get(endpoint.name)
+        if found is None:
+            found = self._signals[endpoint.name] = _ReplicaSignals()
+        return found
+
+    # ---- observations ------------------------------------------------------------------------------
+    def observe_success(
+        self,
+        endpoint: Endpoint,
+        latency_ms: float,
+        *,
+        prompt_tokens: int,
+        cached_tokens: int,
+        completion_tokens: int,
+    ) -> None:
+        s = self.signals(endpoint)
+        a = self.settings.alpha
+        work = max(
+            1.0, completion_tokens + self.settings.prefill_token_weight * (prompt_tokens - cached_tokens)
+        )
+        sample = latency_ms / work
+        s.latency_per_work = (
+            sample if s.latency_per_work is None else (1 - a) * s.latency_per_work + a * sample
+        )
+        s.errors *= 1 - a
+        s.samples += 1
+
+    def observe_failure(self, endpoint: Endpoint) -> None:
+        s = self.signals(endpoint)
+        a = self.settings.alpha
+        s.errors = (1 - a) * s.errors + a
+        s.samples += 1
+
+    # ---- decisions ---------------------------------------------------------------------------------
+    def evaluate(self, endpoints: Sequence[Endpoint]) -> list[HealthChange]:
+        """Drain replicas that drift from their peers, re-admit those whose cool-down is over."""
+        if not self.settings.enabled:
+            return []
+        now = self.clock()
+        changes = [self._readmit(e, now) for e in endpoints if e.drained and self._cooled_down(e, now)]
+        for endpoint in endpoints:
+            if endpoint.routable:
+                reason = self._drift(endpoint, endpoints)
+                if reason is not None and self._may_drain(endpoints):
+                    changes.append(self._drain(endpoint, now, reason))
+        self.changes.extend(changes)
+        del self.changes[:-1000]
+        return changes
+
+    def _judged(self, endpoint: Endpoint) -> bool:
+        return self.signals(endpoint).samples >= self.settings.min_samples
+
+    def _drift(self, endpoint: Endpoint, endpoints: Sequence[Endpoint]) -> str | None:
+        if not self._judged(endpoint):
+            return None
+        peers = [self.signals(e) for e in endpoints if e is not endpoint and e.routable and self._judged(e)]
+        if len(peers) < self.settings.min_peers:
+            return None
+        mine = self.signals(endpoint)
+        cfg = self.settings
+        latencies = [p.latency_per_work for p in peers if p.latency_per_work is not None]
+        if mine.latency_per_work is not None and len(latencies) >= cfg.min_peers:
+            median = statistics.median(latencies)
+            if median > 0 and mine.latency_per_work > cfg.latency_factor * median:
+                return (
+                    f"latency {mine.latency_per_work:.2f} ms/token is {mine.latency_per_work / median:.1f}x "
+                    f"the peer median {median:.2f}"
+                )
+        median_errors = statistics.median(p.errors for p in peers)
+        if mine.errors > cfg.error_threshold and mine.errors > cfg.error_factor * median_errors:
+            return f"error rate {mine.errors:.2f} vs peer median {median_errors:.2f}"
+        return None
+
+    def _may_drain(self, endpoints: Sequence[Endpoint]) -> bool:
+        routable = sum(e.routable for e in endpoints)
+        drained = sum(e.drained for e in endpoints)
+        cfg = self.settings
+        return routable - 1 >= cfg.min_routable and drained + 1 <= cfg.max_drained_fraction * len(endpoints)
+
+    def _drain(self, endpoint: Endpoint, now: float, reason: str) -> HealthChange:
+        s = self.signals(endpoint)
+        recently = (
+            s.drained_at is not None and now - s.drained_at < 2 * s.cooldown_s + self.settings.cooldown_s
+        )
+        s.cooldown_s = (
+            min(self.settings.max_cooldown_s, 2 * s.cooldown_s) if recently else self.settings.cooldown_s
+        )
+        s.drained_at = now
+        s.drains += 1
+        endpoint.drained = True
+        endpoint.extra["drains"] = endpoint.extra.get("drains", 0.0) + 1
+        self.drains += 1
+        log.warning("draining degraded replica %s for %.0f s: %s", endpoint.name, s.cooldown_s, reason)
+        return HealthChange(endpoint.name, "drained", reason)
+
+    def _cooled_down(self, endpoint: Endpoint, now: float) -> bool:
+        s = self.signals(endpoint)
+        return s.drained_at is None or now - s.drained_at >= s.cooldown_s
+
+    def _readmit(self, endpoint: Endpoint, now: float) -> HealthChange:
+        s = self.signals(endpoint)
+        s.samples, s.latency_per_work, s.errors = 0, None, 0.0
+        endpoint.drained = False
+        self.readmissions += 1
+        log.warning("re-admitting replica %s on probation after %.0f s drained", endpoint.name, s.cooldown_s)
+        return HealthChange(endpoint.name, "readmitted", "cool-down over; on probation")

@@ -1,0 +1,301 @@
+"""Unit and property tests of the pure routing logic: PrefixAwarePolicy and DegradationDetector."""
+
+from __future__ import annotations
+
+import collections
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from llm_client.endpoints import Endpoint
+from llm_client.routing import POLICIES, make_policy
+from llm_client.routing.base import RouteOutcome, RouteRequest
+from llm_client.routing.health_monitor import DegradationDetector, DegradationSettings
+from llm_client.routing.prefix_aware import PrefixAwarePolicy, ReplicaBlockIndex
+from prompt_assembly.prompt import build_messages
+from prompt_assembly.tokens import count_tokens, messages_text
+
+
+def endpoints(n: int) -> list[Endpoint]:
+    return [Endpoint(f"http://r{i}", f"r{i}") for i in range(n)]
+
+
+def shopper_prompt(shopper: str, events: int) -> RouteRequest:
+    lines = [
+        f"- 2026-11-22 10:{i % 60:02d} viewed: <data>{shopper} item number {i} in a long title</data> by "
+        f"Brand{i % 7}, Home > Kitchen, ${i}.99\n"
+        for i in range(events)
+    ]
+    text = messages_text(build_messages(shopper, lines))
+    return RouteRequest(shopper, text, count_tokens(text), 200)
+
+
+def route(policy: PrefixAwarePolicy, request: RouteRequest, eps: list[Endpoint]) -> Endpoint:
+    """What the client does around one successful attempt, minus the HTTP."""
+    chosen = policy.choose(request, eps)
+    cached = request.prompt_tokens - policy.estimate_uncached_tokens(request, chosen)
+    policy.observe(request, chosen, RouteOutcome(True, request.prompt_tokens, cached))
+    return chosen
+
+
+# ---- registration and knobs --------------------------------------------------------------------------
+def test_registered_and_configurable_with_float_options() -> None:
+    assert POLICIES["prefix_aware"] is PrefixAwarePolicy
+    policy = make_policy("prefix_aware", block_size=64.0, max_blocks_per_replica=100.0, load_factor=1.5)
+    assert isinstance(policy, PrefixAwarePolicy)
+    assert policy.block_size == 64 and policy.max_blocks_per_replica == 100
+
+
+@pytest.mark.parametrize(
+    "bad", [{"load_factor": 0.9}, {"block_size": 0}, {"imbalance_ratio": 0.5}, {"prefill_weight": -1}]
+)
+def test_rejects_bad_knobs(bad: dict[str, float]) -> None:
+    with pytest.raises(ValueError):
+        PrefixAwarePolicy(**bad)
+
+
+def test_block_index_is_lru_bounded_and_prefix_matched() -> None:
+    index = ReplicaBlockIndex(capacity=4)
+    index.insert([1, 2, 3])
+    assert index.longest_prefix([1, 2, 3, 4]) == 3
+    index.insert([9, 8])  # 5 blocks > 4: the least recently used leaf (3) goes first
+    assert len(index) == 4
+    assert index.longest_prefix([1, 2, 3]) == 2
+    assert index.longest_prefix([7, 1, 2]) == 0  # a lookup stops at the first missing block
+    index.remove([1])
+    assert index.longest_prefix([1, 2]) == 0 and len(index) == 3
+
+
+# ---- cache following ---------------------------------------------------------------------------------
+def test_prefers_the_replica_holding_the_prefix() -> None:
+    policy, eps = PrefixAwarePolicy(), endpoints(8)
+    first = route(policy, shopper_prompt("alice", 40), eps)
+    for grown in (45, 50, 60):
+        request = shopper_prompt("alice", grown)
+        assert route(policy, request, eps) is first
+        # the estimate handed to the client's load accounting is the uncached tail only
+        assert policy.estimate_uncached_tokens(request, first) < 0.3 * request.prompt_tokens
+    assert policy.stats.cache_hits == 3
+
+
+def test_follows_the_cache_over_a_moderate_load_difference() -> None:
+    policy, eps = PrefixAwarePolicy(), endpoints(4)
+    home = route(policy, shopper_prompt("bob", 60), eps)
+    home.outstanding, home.outstanding_decode_tokens = 1, 200  # busier than the idle others
+    assert policy.choose(shopper_prompt("bob", 62), eps) is home
+
+
+def test_bounded_load_overrides_the_cache() -> None:
+    policy, eps = PrefixAwarePolicy(load_factor=1.25), endpoints(4)
+    home = route(policy, shopper_prompt("carol", 60), eps)
+    home.outstanding = 6  # bound = max(2, ceil(1.25 * 7 / 4)) = 3
+    chosen = policy.choose(shopper_prompt("carol", 61), eps)
+    assert chosen is not home
+    assert policy.stats.bounded_load_skips == 1
+
+
+def test_imbalance_falls_back_to_power_of_two_choices() -> None:
+    policy, eps = (
+        PrefixAwarePolicy(imbalance_abs_tokens=1000, imbalance_ratio=2.0, load_factor=100),
+        endpoints(4),
+    )
+    home = route(policy, shopper_prompt("dave", 60), eps)
+    home.outstanding_prefill_tokens = 50_000  # far more than anyone: the cluster is imbalanced
+    picks = collections.Counter(policy.choose(shopper_prompt("dave", 61), eps).name for _ in range(40))
+    assert home.name not in picks  # the less loaded of two samples is never the overloaded one
+    assert len(picks) >= 2 and policy.stats.imbalance_fallbacks == 40
+
+
+def test_spreads_cold_shoppers() -> None:
+    policy, eps = PrefixAwarePolicy(), endpoints(8)
+    counts = collections.Counter(route(policy, shopper_prompt(f"s{i}", 30), eps).name for i in range(400))
+    assert len(counts) == 8 and max(counts.values()) < 2 * 400 / 8
+
+
+# ---- corrections -------------------------------------------------------------------------------------
+def test_restart_detected_when_a_hit_comes_back_empty() -> None:
+    policy, eps = PrefixAwarePolicy(), endpoints(3)
+    home = route(policy, shopper_prompt("erin", 60), eps)
+    other = next(e for e in eps if e is not home)
+    policy.index(other).insert(policy.block_hashes(shopper_prompt("frank", 60)))
+    policy.index(home).insert(policy.block_hashes(shopper_prompt("frank", 60)))
+    request = shopper_prompt("erin", 62)
+    assert policy.choose(request, eps) is home
+    policy.observe(request, home, RouteOutcome(True, request.prompt_tokens, cached_tokens=0))
+    assert home.restarts_detected == 1 and policy.stats.restarts_detected == 1
+    # the index was cleared (frank's blocks are gone from it only), then refilled with the prompt the
+    # replica just computed
+    assert policy.cached_tokens(shopper_prompt("frank", 60), home) < 0.3 * request.prompt_tokens
+    assert policy.cached_tokens(shopper_prompt("frank", 60), other) > 0.9 * request.prompt_tokens
+    assert policy.cached_tokens(shopper_prompt("erin", 62), home) > 0
+
+
+def test_partial_hits_are_not_restarts_and_units_are_shares() -> None:
+    policy, eps = PrefixAwarePolicy(), endpoints(2)
+    home = route(policy, shopper_prompt("gina", 60), eps)
+    request = shopper_prompt("gina", 61)
+    assert policy.choose(request, eps) is home
+    # a server with another tokenizer: 3x the token count, same cached share
+    policy.observe(request, home, RouteOutcome(True, 3 * request.prompt_tokens, 2 * request.prompt_tokens))
+    assert home.restarts_detected == 0
+
+
+def test_failed_attempt_takes_back_the_recorded_blocks() -> None:
+    policy, eps = PrefixAwarePolicy(), endpoints(2)
+    request = shopper_prompt("hugo", 60)
+    chosen = policy.choose(request, eps)
+    assert policy.cached_tokens(shopper_prompt("hugo", 60), chosen) > 0
+    policy.observe(request, chosen, RouteOutcome(ok=False))
+    assert policy.cached_tokens(shopper_prompt("hugo", 60), chosen) == 0
+
+
+def test_forget_clears_only_that_replica() -> None:
+    policy, eps = PrefixAwarePolicy(), endpoints(4)
+    homes = {s: route(policy, shopper_prompt(s, 50), eps) for s in ("a", "b", "c", "d", "e", "f")}
+    gone = homes["a"]
+    policy.forget(gone)
+    assert len(policy.index(gone)) == 0
+    assert any(len(policy.index(e)) > 0 for e in eps if e is not gone)
+
+
+# ---- properties --------------------------------------------------------------------------------------
+keys = st.text(alphabet="abcdefghij0123456789", min_size=1, max_size=12)
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(key=keys, n=st.integers(2, 10), events=st.integers(5, 40))
+def test_deterministic_for_a_key(key: str, n: int, events: int) -> None:
+    a = PrefixAwarePolicy().choose(shopper_prompt(key, events), endpoints(n))
+    b = PrefixAwarePolicy().choose(shopper_prompt(key, events), endpoints(n))
+    assert a.name == b.name
+
+
+@settings(max_examples=25, deadline=None)
+@given(n=st.integers(3, 10), leaving=st.integers(0, 9))
+def test_few_keys_move_when_a_replica_leaves(n: int, leaving: int) -> None:
+    leaving %= n
+    eps = endpoints(n)
+    shoppers = [f"shopper{i}" for i in range(60)]
+    # With no cache knowledge and equal load, the choice is the key's rendezvous order:
+    before = {s: PrefixAwarePolicy().choose(shopper_prompt(s, 8), eps).name for s in shoppers}
+    rest = [e for i, e in enumerate(eps) if i != leaving]
+    after = {s: PrefixAwarePolicy().choose(shopper_prompt(s, 8), rest).name for s in shoppers}
+    moved = {s for s in shoppers if before[s] != after[s]}
+    assert moved == {s for s in shoppers if before[s] == eps[leaving].name}
+
+    # With cache knowledge, a shopper stays where its prefix is unless that replica left.
+    policy = PrefixAwarePolicy(load_factor=100)
+    homes = {s: route(policy, shopper_prompt(s, 30), eps).name for s in shoppers}
+    for s in shoppers:
+        policy_choice = policy.choose(shopper_prompt(s, 31), rest).name
+        if homes[s] != eps[leaving].name:
+            assert policy_choice == homes[s]
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    loads=st.lists(st.integers(0, 30), min_size=2, max_size=10),
+    factor=st.floats(1.0, 2.0),
+    key=keys,
+)
+def test_bounded_load_holds(loads: list[int], factor: float, key: str) -> None:
+    eps = endpoints(len(loads))
+    for e, load in zip(eps, loads, strict=True):
+        e.outstanding = load
+    policy = PrefixAwarePolicy(load_factor=factor)
+    for e in eps:  # every replica claims the prompt: only load can decide
+        policy.index(e).insert(policy.block_hashes(shopper_prompt(key, 20)))
+    chosen = policy.choose(shopper_prompt(key, 20), eps)
+    total = sum(loads) + 1
+    assert chosen.outstanding < max(2, -(-factor * total // len(eps)))
+    assert policy.load_bound(eps) == max(2, -(-factor * total // len(eps)))
+
+
+@settings(max_examples=20, deadline=None)
+@given(seed=st.integers(0, 1000))
+def test_bounded_load_under_a_hot_shopper(seed: int) -> None:
+    """Requests of one hot shopper that never finish still spread once its home is full."""
+    eps, policy = endpoints(4), PrefixAwarePolicy(seed=seed)
+    for i in range(40):
+        chosen = policy.choose(shopper_prompt("hot", 30 + i), eps)
+        chosen.outstanding += 1
+    mean = sum(e.outstanding for e in eps) / len(eps)
+    assert max(e.outstanding for e in eps) <= 1.25 * mean + 2
+
+
+# ---- degradation detector ----------------------------------------------------------------------------
+class FakeClock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def feed(detector: DegradationDetector, eps: list[Endpoint], slow: dict[str, float], rounds: int) -> None:
+    for _ in range(rounds):
+        for e in eps:
+            if e.routable:
+                latency = 1000.0 * slow.get(e.name, 1.0)
+                detector.observe_success(
+                    e, latency, prompt_tokens=3000, cached_tokens=2900, completion_tokens=200
+                )
+        detector.evaluate(eps)
+
+
+def test_slow_replica_is_drained_reported_and_readmitted_after_cooldown() -> None:
+    clock, eps = FakeClock(), endpoints(4)
+    detector = DegradationDetector(DegradationSettings(min_samples=10, cooldown_s=30), clock=clock)
+    feed(detector, eps, {"r2": 5.0}, rounds=30)
+    assert [e.name for e in eps if e.drained] == ["r2"]
+    assert detector.drains == 1 and eps[2].extra["drains"] == 1
+    assert detector.changes[0].action == "drained" and "latency" in detector.changes[0].reason
+    clock.now = 31
+    assert [c.action for c in detector.evaluate(eps)] == ["readmitted"]
+    assert not eps[2].drained
+    # still slow on probation: drained again, for twice as long
+    feed(detector, eps, {"r2": 5.0}, rounds=30)
+    assert eps[2].drained and detector.drains == 2
+    clock.now = 31 + 31
+    detector.evaluate(eps)
+    assert eps[2].drained
+    clock.now = 31 + 61
+    detector.evaluate(eps)
+    assert not eps[2].drained
+
+
+def test_erroring_replica_is_drained() -> None:
+    eps = endpoints(4)
+    detector = DegradationDetector(DegradationSettings(min_samples=10))
+    for _ in range(30):
+        for e in eps:
+            if e.name == "r1":
+                detector.observe_failure(e)
+            else:
+                detector.observe_success(e, 500.0, prompt_tokens=100, cached_tokens=0, completion_tokens=50)
+        detector.evaluate(eps)
+    assert [e.name for e in eps if e.drained] == ["r1"]
+    assert "error rate" in detector.changes[0].reason
+
+
+def test_uniform_slowness_and_noise_drain_nothing() -> None:
+    eps = endpoints(5)
+    detector = DegradationDetector(DegradationSettings(min_samples=5))
+    feed(detector, eps, {e.name: 4.0 for e in eps}, rounds=20)
+    feed(detector, eps, {"r0": 1.5, "r3": 0.7}, rounds=20)
+    assert not any(e.drained for e in eps) and detector.drains == 0
+
+
+def test_never_drains_below_the_minimum() -> None:
+    eps = endpoints(3)
+    detector = DegradationDetector(DegradationSettings(min_samples=5, min_routable=2, min_peers=1))
+    feed(detector, eps, {"r0": 10.0, "r1": 10.0}, rounds=20)
+    assert sum(e.drained for e in eps) <= 1
+
+
+def test_disabled_detector_does_nothing() -> None:
+    eps = endpoints(4)
+    detector = DegradationDetector(DegradationSettings(enabled=False, min_samples=1))
+    feed(detector, eps, {"r0": 50.0}, rounds=10)
+    assert not any(e.drained for e in eps)
