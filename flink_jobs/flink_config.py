@@ -1,0 +1,117 @@
+"""Configuration of the near-real-time Flink job: one pydantic-settings model (env prefix ``FLINK_JOB_``,
+nested with ``__``), optionally loaded from a YAML/JSON file given as ``--config``.
+
+Every engine knob that changes throughput or guarantees is here, explicit and documented: checkpointing,
+the RocksDB state backend, the restart strategy, Python bundle size/time, async capacity/timeout/retries.
+The LLM client, enrichment, session and sink settings are the components' own models, nested.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Literal
+
+import orjson
+from pydantic import BaseModel, Field
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from llm_client.config import ClientConfig
+from llm_client.enrichment import EnrichmentSettings
+from prompt_assembly.processor import SessionConfig
+from sinks.config import SinkSettings
+
+
+class KafkaSettings(BaseModel):
+    bootstrap_servers: str = "kafka:9092"
+    events_topic: str = "shopper-events"
+    dlq_topic: str = "shopper-events-dlq"
+    insights_topic: str | None = Field(
+        "shopper-insights", description="results also go to this topic (exactly-once); None = off"
+    )
+    group_id: str = "shopper-understanding-flink"
+    transactional_id_prefix: str = "shopper-understanding"
+    transaction_timeout_ms: int = Field(
+        900_000,
+        gt=0,
+        description="must exceed the checkpoint interval plus the longest restart, and stay under the "
+        "broker's transaction.max.timeout.ms (15 min by default)",
+    )
+    consumer_properties: dict[str, str] = Field(default_factory=dict)
+
+
+class CheckpointSettings(BaseModel):
+    interval_ms: int = Field(10_000, gt=0)
+    mode: Literal["exactly_once", "at_least_once"] = "exactly_once"
+    timeout_ms: int = Field(120_000, gt=0)
+    min_pause_ms: int = Field(2_000, ge=0)
+    directory: str = Field("file:///tmp/flink-checkpoints", description="s3://... on a cluster")
+    state_backend: Literal["rocksdb", "hashmap"] = "rocksdb"
+    incremental: bool = True
+
+
+class RestartSettings(BaseModel):
+    strategy: Literal["exponential-delay", "fixed-delay", "none"] = "exponential-delay"
+    attempts: int = Field(10, ge=1, description="fixed-delay only")
+    initial_delay_ms: int = Field(1_000, gt=0)
+    max_delay_ms: int = Field(60_000, gt=0)
+
+
+class AsyncSettings(BaseModel):
+    """The Python async operator drains every in-flight call at each bundle end (see docs/flink.md), so
+    throughput is about ``min(capacity / latency, CPU) x bundle_time / (bundle_time + latency)``:
+    keep ``bundle_time_ms`` at several LLM latencies and ``capacity`` at the rate times the latency."""
+
+    capacity: int = Field(512, ge=1, description="in-flight LLM calls per subtask")
+    timeout_ms: int = Field(60_000, gt=0, description="per record, Flink-level retries included")
+    retry_attempts: int = Field(2, ge=0, description="Flink-level re-invocations for retryable errors")
+    retry_backoff_ms: int = Field(500, gt=0)
+    bundle_size: int = Field(100_000, ge=1, description="python.fn-execution.bundle.size")
+    bundle_time_ms: int = Field(5_000, ge=1, description="python.fn-execution.bundle.time")
+    sink_capacity: int = Field(2048, ge=1, description="results in flight in the Redis/S3 sink step")
+    sink_idle_flush_ms: int = Field(
+        20, ge=1, description="the sink commits to S3 once no result arrived for this long (a bundle end)"
+    )
+
+
+class NearRealtimeSettings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="FLINK_JOB_", env_nested_delimiter="__")
+
+    job_name: str = "shopper-understanding-near-realtime"
+    parallelism: int = Field(1, ge=1)
+    python_executable: str | None = Field(None, description="worker python; None = this interpreter locally")
+    state_ttl_s: int = Field(7 * 24 * 3600, gt=0, description="a quiet shopper's session is dropped")
+    max_lateness_for_timer_s: float = Field(
+        0.0, ge=0, description="extra wall time before a pending trigger's processing-time timer fires"
+    )
+    kafka: KafkaSettings = Field(default_factory=KafkaSettings)
+    checkpoint: CheckpointSettings = Field(default_factory=CheckpointSettings)
+    restart: RestartSettings = Field(default_factory=RestartSettings)
+    async_io: AsyncSettings = Field(default_factory=AsyncSettings)
+    llm: ClientConfig = Field(default_factory=ClientConfig)
+    enrichment: EnrichmentSettings = Field(default_factory=EnrichmentSettings)
+    session: SessionConfig = Field(default_factory=SessionConfig)
+    sinks: SinkSettings = Field(default_factory=SinkSettings)
+    sinks_enabled: bool = Field(True, description="write Redis and S3 (off only in engine benchmarks)")
+
+    @classmethod
+    def load(cls, path: str | Path | None = None, **overrides: Any) -> NearRealtimeSettings:
+        """Defaults < environment < file < ``overrides``."""
+        data: dict[str, Any] = {}
+        if path is not None:
+            text = Path(path).read_text()
+            if str(path).endswith((".yaml", ".yml")):
+                import yaml
+
+                data = yaml.safe_load(text) or {}
+            else:
+                data = orjson.loads(text)
+        data.update(overrides)
+        return cls(**data)
+
+    def to_json(self) -> str:
+        """What every Python function receives (pickled functions carry this string, not objects)."""
+        return self.model_dump_json()
+
+    @classmethod
+    def from_json(cls, raw: str) -> NearRealtimeSettings:
+        return cls.model_validate_json(raw)

@@ -1,0 +1,353 @@
+"""PyFlink shells around the engine-free parts. Each translates between Flink and one pure component:
+
+- ``ParseShopperEvents``: bytes -> ``(shopper_id, event JSON)``; malformed input -> DLQ side output.
+- ``ShopperSessionFunction``: keyed by shopper; ``SessionProcessor`` on a session kept in keyed state.
+- ``EnrichPrompts``: async; ``Enricher`` (LLM client with session-affinity routing) -> one result each.
+- ``WriteResults``: async; ``SinkCommitter`` -> Redis and S3, completing a call only once it is durable.
+
+Records between operators are JSON strings (pydantic ``model_dump_json``): no pickling of project types,
+and the same bytes the embedded runner and the Kafka topics carry. Functions receive the job settings as
+a JSON string and build their clients in ``open`` (or lazily on the async operator's event loop).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import time
+from collections.abc import Iterable
+from typing import Any
+
+import orjson
+from pyflink.common import Types
+from pyflink.datastream import OutputTag
+from pyflink.datastream.functions import AsyncFunction, KeyedProcessFunction, ProcessFunction, RuntimeContext
+from pyflink.datastream.state import StateTtlConfig, ValueStateDescriptor
+from pyflink.datastream.time_domain import TimeDomain
+
+from flink_jobs.flink_config import NearRealtimeSettings
+from flink_jobs.flink_metrics import OperatorStats
+from prompt_assembly.events import MalformedEvent, ShopperEvent, parse_event
+from prompt_assembly.processor import SessionProcessor
+from prompt_assembly.records import EnrichmentError, EnrichmentResult, PromptRequest, ShopperInsight
+from prompt_assembly.session import ShopperSession
+
+DLQ_TAG = OutputTag("dlq", Types.STRING())
+FLUSH_TIMER_TS = 2**63 - 1
+"""Event-time timer that only the final watermark of a bounded input (or a drain) reaches."""
+
+METRIC_GROUP = "shopper"
+
+
+def dlq_record(
+    raw: bytes | str | None,
+    reason: str,
+    *,
+    topic: str | None = None,
+    partition: int | None = None,
+    offset: int | None = None,
+) -> str:
+    """The DLQ value: why the record was rejected and the original, utf-8 if it is text, else base64."""
+    original: str | None
+    encoding = "utf-8"
+    if raw is None:
+        original = None
+    elif isinstance(raw, str):
+        original = raw
+    else:
+        try:
+            original = bytes(raw).decode("utf-8")
+        except UnicodeDecodeError:
+            original, encoding = base64.b64encode(bytes(raw)).decode("ascii"), "base64"
+    return orjson.dumps(
+        {
+            "reason": reason,
+            "original": original,
+            "original_encoding": encoding,
+            "topic": topic,
+            "partition": partition,
+            "offset": offset,
+            "rejected_at": time.time(),
+        }
+    ).decode()
+
+
+class ParseShopperEvents(ProcessFunction):
+    """The validation gate. Valid events go on keyed by shopper; everything else goes to the DLQ."""
+
+    def __init__(self, source_topic: str | None) -> None:
+        self.source_topic = source_topic
+
+    def open(self, runtime_context: RuntimeContext) -> None:
+        group = runtime_context.get_metrics_group().add_group(METRIC_GROUP)
+        self.records_in = group.counter("events_in")
+        self.records_valid = group.counter("events_valid")
+        self.records_dlq = group.counter("events_dlq")
+
+    def process_element(self, value: Any, ctx: ProcessFunction.Context) -> Iterable[Any]:
+        self.records_in.inc()
+        raw = value.encode("utf-8") if isinstance(value, str) else value
+        try:
+            event = parse_event(raw)
+        except MalformedEvent as exc:
+            self.records_dlq.inc()
+            yield DLQ_TAG, dlq_record(value, exc.reason, topic=self.source_topic)
+            return
+        self.records_valid.inc()
+        yield event.shopper_id, event.model_dump_json()
+
+
+class ShopperSessionFunction(KeyedProcessFunction):
+    """One shopper's session in keyed ``ValueState`` (JSON, with TTL); deduplication is the session's.
+
+    Timers: a processing-time timer at each pending trigger's due time (event-time seconds read as
+    wall-clock, so a live shopper's browse pause fires once the quiet period has passed), and one
+    event-time timer at ``FLUSH_TIMER_TS`` while a trigger is pending: only the final watermark of a
+    bounded input (or ``stop --drain``) reaches it, and it fires every pending trigger (``flush``).
+    """
+
+    def __init__(self, settings_json: str, processing_time_timers: bool, flush_at_end: bool) -> None:
+        self.settings_json = settings_json
+        self.processing_time_timers = processing_time_timers
+        self.flush_at_end = flush_at_end
+
+    def open(self, runtime_context: RuntimeContext) -> None:
+        settings = NearRealtimeSettings.from_json(self.settings_json)
+        self.processor = SessionProcessor(settings.session)
+        self.lateness_ms = int(settings.max_lateness_for_timer_s * 1000)
+        descriptor = ValueStateDescriptor("session", Types.STRING())
+        descriptor.enable_time_to_live(
+            StateTtlConfig.new_builder(_seconds(settings.state_ttl_s))
+            .set_update_type(StateTtlConfig.UpdateType.OnCreateAndWrite)
+            .set_state_visibility(StateTtlConfig.StateVisibility.NeverReturnExpired)
+            .build()
+        )
+        self.state = runtime_context.get_state(descriptor)
+        group = runtime_context.get_metrics_group().add_group(METRIC_GROUP)
+        self.duplicates = group.counter("events_duplicate")
+        self.accepted = group.counter("events_accepted")
+        self.prompts = group.counter("prompts_emitted")
+        self.timer_prompts = group.counter("prompts_by_timer")
+        self.flushed_prompts = group.counter("prompts_by_flush")
+
+    def _load(self, shopper_id: str) -> ShopperSession:
+        raw = self.state.value()
+        return self.processor.new_session(shopper_id) if raw is None else ShopperSession.from_json(raw)
+
+    def _save(self, session: ShopperSession, ctx: Any) -> None:
+        session.take_changes()
+        self.state.update(session.to_json().decode())
+        timers = ctx.timer_service()
+        if session.pending is None:
+            if self.flush_at_end:
+                timers.delete_event_time_timer(FLUSH_TIMER_TS)
+            return
+        if self.processing_time_timers:
+            timers.register_processing_time_timer(int(session.pending.due_ts * 1000) + self.lateness_ms)
+        if self.flush_at_end:
+            timers.register_event_time_timer(FLUSH_TIMER_TS)
+
+    def process_element(self, value: tuple[str, str], ctx: KeyedProcessFunction.Context) -> Iterable[str]:
+        shopper_id, event_json = value
+        event = ShopperEvent.model_validate_json(event_json)
+        session = self._load(shopper_id)
+        applied = self.processor.apply(session, event)
+        if applied.outcome == "duplicate":
+            self.duplicates.inc()
+            return
+        self.accepted.inc()
+        self._save(session, ctx)
+        self.prompts.inc(len(applied.prompts))
+        for prompt in applied.prompts:
+            yield prompt.model_dump_json()
+
+    def on_timer(self, timestamp: int, ctx: KeyedProcessFunction.OnTimerContext) -> Iterable[str]:
+        raw = self.state.value()
+        if raw is None:
+            return
+        session = ShopperSession.from_json(raw)
+        if ctx.time_domain() == TimeDomain.EVENT_TIME:
+            prompts = self.processor.flush(session)
+            self.flushed_prompts.inc(len(prompts))
+        else:
+            prompts = self.processor.fire_pending(session, (timestamp - self.lateness_ms) / 1000)
+            self.timer_prompts.inc(len(prompts))
+        if not prompts:
+            return
+        self._save(session, ctx)
+        self.prompts.inc(len(prompts))
+        for prompt in prompts:
+            yield prompt.model_dump_json()
+
+
+class EnrichPrompts(AsyncFunction):
+    """``PromptRequest`` JSON in, exactly one ``EnrichmentResult`` JSON out (an error is a result too).
+
+    The client is created lazily on the operator's event loop (``open`` runs before that loop exists).
+    Session-affinity routing is the client's (``ClientConfig.policy``): a shopper's prompts go to the
+    replica that holds their prefix in its KV cache.
+    """
+
+    def __init__(self, settings_json: str) -> None:
+        self.settings_json = settings_json
+
+    def open(self, runtime_context: RuntimeContext) -> None:
+        self.settings = NearRealtimeSettings.from_json(self.settings_json)
+        self.enricher: Any = None
+        self._starting: asyncio.Lock | None = None
+        self.stats = OperatorStats()
+        group = runtime_context.get_metrics_group().add_group(METRIC_GROUP)
+        self.stats.register(
+            group,
+            counters=[
+                "llm_requests",
+                "llm_insights",
+                "llm_errors",
+                "llm_timeouts",
+                "llm_prompt_tokens",
+                "llm_cached_tokens",
+            ],
+            windows=["llm_latency", "llm_ttft"],
+            extra={
+                "llm_in_flight": lambda: self.enricher.client.in_flight if self.enricher else 0,
+                "llm_client_retries": lambda: self.enricher.client.retries if self.enricher else 0,
+                "llm_cache_hit_permille": lambda: self.stats.permille(
+                    "llm_cached_tokens", "llm_prompt_tokens"
+                ),
+            },
+        )
+
+    async def _ensure_enricher(self) -> Any:
+        if self.enricher is None:
+            if self._starting is None:
+                self._starting = asyncio.Lock()
+            async with self._starting:
+                if self.enricher is None:
+                    from llm_client.client import LLMClient
+                    from llm_client.enrichment import Enricher
+
+                    client = LLMClient(self.settings.llm)
+                    await client.start()
+                    self.enricher = Enricher(client, self.settings.enrichment)
+        return self.enricher
+
+    async def async_invoke(self, value: str) -> list[str]:
+        enricher = await self._ensure_enricher()
+        prompt = PromptRequest.model_validate_json(value)
+        self.stats.inc("llm_requests")
+        result = await enricher.enrich(prompt)
+        self._record(result)
+        return [result.model_dump_json()]
+
+    def _record(self, result: EnrichmentResult) -> None:
+        if isinstance(result, ShopperInsight):
+            self.stats.inc("llm_insights")
+            self.stats.inc("llm_prompt_tokens", result.usage.prompt_tokens)
+            self.stats.inc("llm_cached_tokens", result.usage.cached_tokens)
+            self.stats.observe("llm_latency", result.latency_ms)
+            self.stats.observe("llm_ttft", result.ttft_ms)
+        else:
+            self.stats.inc("llm_errors")
+
+    def timeout(self, value: str) -> list[str]:
+        """Past the Flink-level timeout the prompt still gets its one result: an error record."""
+        self.stats.inc("llm_timeouts")
+        prompt = PromptRequest.model_validate_json(value)
+        error = EnrichmentError(
+            request_id=prompt.request_id,
+            shopper_id=prompt.shopper_id,
+            seq=prompt.seq,
+            reason=prompt.reason,
+            error_type="FlinkAsyncTimeout",
+            message=f"no result within the async operator's {self.settings.async_io.timeout_ms} ms",
+            attempts=0,
+            last_event_ts=prompt.last_event_ts,
+            produced_at=time.time(),
+        )
+        return [error.model_dump_json()]
+
+    def close(self) -> None:
+        # The operator's event loop is already stopped here; connections die with the worker.
+        self.enricher = None
+
+
+RETRYABLE_RESULT_ERRORS = frozenset({"NoHealthyEndpoint"})
+"""Error results worth a Flink-level retry after a backoff: every replica was ejected. Other errors were
+already retried by the client under its retry budget; retrying them again would multiply an outage."""
+
+
+def is_retryable_result(results: list[str]) -> bool:
+    for raw in results:
+        data = orjson.loads(raw)
+        if data.get("kind") == "error" and data.get("error_type") in RETRYABLE_RESULT_ERRORS:
+            return True
+    return False
+
+
+class WriteResults(AsyncFunction):
+    """Results to Redis and S3 through ``sinks``; a call completes once its result is durable in both,
+    so the drain before each checkpoint makes the sinks at-least-once (see ``SinkCommitter``)."""
+
+    def __init__(self, settings_json: str) -> None:
+        self.settings_json = settings_json
+
+    def open(self, runtime_context: RuntimeContext) -> None:
+        self.settings = NearRealtimeSettings.from_json(self.settings_json)
+        self.committer: Any = None
+        self.stats = OperatorStats()
+        group = runtime_context.get_metrics_group().add_group(METRIC_GROUP)
+        self.stats.register(
+            group,
+            counters=["results_written", "insights_written", "errors_written"],
+            windows=["freshness", "sink_commit"],
+            extra={
+                "s3_flushes": lambda: self.committer.s3_flushes if self.committer else 0,
+                "redis_batches": lambda: self.committer.redis_batches if self.committer else 0,
+            },
+        )
+
+    def _ensure_committer(self) -> Any:
+        if self.committer is None:
+            from flink_jobs.flink_sink_committer import SinkCommitter
+            from sinks.redis import RedisSignalSink
+            from sinks.s3 import S3InsightSink
+
+            self.committer = SinkCommitter(
+                RedisSignalSink(self.settings.sinks),
+                S3InsightSink(self.settings.sinks),
+                idle_flush_s=self.settings.async_io.sink_idle_flush_ms / 1000,
+                on_redis_written=self._on_redis_written,
+            )
+        return self.committer
+
+    def _on_redis_written(self, results: Any) -> None:
+        now = time.time()
+        for result in results:
+            # End-to-end freshness: from the newest event in the prompt to its answer being readable.
+            self.stats.observe("freshness", (now - result.last_event_ts) * 1000)
+
+    async def async_invoke(self, value: str) -> list[str]:
+        committer = self._ensure_committer()
+        result = parse_result(value)
+        started = time.perf_counter()
+        await committer.submit(result)
+        self.stats.observe("sink_commit", (time.perf_counter() - started) * 1000)
+        self.stats.inc("results_written")
+        self.stats.inc("insights_written" if result.kind == "insight" else "errors_written")
+        return [value]
+
+    def close(self) -> None:
+        self.committer = None
+
+
+def parse_result(raw: str) -> EnrichmentResult:
+    data = orjson.loads(raw)
+    if data.get("kind") == "error":
+        return EnrichmentError.model_validate(data)
+    return ShopperInsight.model_validate(data)
+
+
+def _seconds(n: int) -> Any:
+    from pyflink.common.time import Time
+
+    return Time.seconds(n)

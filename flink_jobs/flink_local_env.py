@@ -1,0 +1,212 @@
+"""What ``python -m flink_jobs.near_realtime --local`` and the Flink tests start around the job on one
+machine: simulator replicas (subprocesses), an S3 endpoint (moto server), a bounded event sample.
+Redis is the one configured in ``SinkSettings.redis_url`` (a local redis-server)."""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import logging
+import os
+import random
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import orjson
+
+from flink_jobs.flink_config import NearRealtimeSettings
+
+READY_TIMEOUT_S = 30.0
+
+
+@contextlib.contextmanager
+def simulator_replicas(count: int, *, time_scale: float = 0.01) -> Iterator[list[str]]:
+    """``count`` ``serving.simulator`` processes on free ports; yields their base URLs."""
+    procs: list[subprocess.Popen[str]] = []
+    urls: list[str] = []
+    try:
+        for i in range(count):
+            proc = subprocess.Popen(
+                [
+                    sys.executable,
+                    "-m",
+                    "serving.simulator",
+                    "--port",
+                    "0",
+                    "--replica-id",
+                    f"r{i}",
+                    "--time-scale",
+                    str(time_scale),
+                ],
+                stdout=subprocess.PIPE,
+                stderr=subprocess.DEVNULL,
+                text=True,
+            )
+            procs.append(proc)
+        for proc in procs:
+            urls.append(_wait_ready(proc))
+        yield urls
+    finally:
+        for proc in procs:
+            proc.terminate()
+        for proc in procs:
+            try:
+                proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+
+
+def _wait_ready(proc: subprocess.Popen[str]) -> str:
+    assert proc.stdout is not None
+    deadline = time.monotonic() + READY_TIMEOUT_S
+    while time.monotonic() < deadline:
+        line = proc.stdout.readline()
+        if not line:
+            if proc.poll() is not None:
+                raise RuntimeError(f"simulator exited with {proc.returncode} before READY")
+            continue
+        if line.startswith("READY "):
+            return line.split()[1].strip()
+    raise TimeoutError("simulator did not print READY in time")
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+@contextlib.contextmanager
+def moto_s3() -> Iterator[str]:
+    """An in-process moto S3 server on a free port; yields its endpoint URL."""
+    from moto.server import ThreadedMotoServer
+
+    port = free_port()
+    logging.getLogger("werkzeug").setLevel(logging.WARNING)
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
+    server.start()
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.stop()
+
+
+def sample_events(shoppers: int, per_shopper: int, *, seed: int = 7, malformed: int = 3) -> list[bytes]:
+    """A deterministic bounded sample: browsing, cart adds and purchases, a few duplicates, a few
+    malformed records (for the DLQ). Event times are in the past, spread over minutes per shopper."""
+    rng = random.Random(seed)
+    base = 1_750_000_000.0
+    out: list[bytes] = []
+    kinds = ["view", "view", "click", "search", "add_to_cart", "view", "purchase"]
+    for s in range(shoppers):
+        ts = base + s * 7.0
+        for n in range(per_shopper):
+            ts += rng.choice([2.0, 5.0, 30.0])
+            kind = rng.choice(kinds)
+            event: dict[str, object] = {
+                "event_id": f"e-{s}-{n}",
+                "shopper_id": f"shopper-{s:04d}",
+                "type": kind,
+                "ts": ts,
+            }
+            if kind == "search":
+                event["query"] = rng.choice(["trail running shoes", "rain jacket", "camping stove"])
+            else:
+                pid = rng.randrange(50)
+                event["product"] = {
+                    "product_id": f"p{pid}",
+                    "title": f"Product {pid}",
+                    "brand": "Acme",
+                    "category": "outdoor",
+                    "price": float(10 + pid),
+                }
+            out.append(orjson.dumps(event))
+    if out:
+        out.insert(len(out) // 2, out[len(out) // 3])  # a duplicate delivery
+    bad = [b"{not json", b'{"event_id": "x", "type": "view"}', b"\xff\xfe binary"]
+    for i in range(malformed):
+        out.insert((i + 1) * len(out) // (malformed + 1), bad[i % len(bad)])
+    return out
+
+
+def local_run(settings: NearRealtimeSettings, args: argparse.Namespace) -> int:
+    """``--local``: start replicas and S3 as needed, run the bounded job, print what landed where."""
+    from flink_jobs.near_realtime import run_bounded
+
+    events = (
+        [line for line in Path(args.events).read_bytes().splitlines() if line.strip()]
+        if args.events
+        else sample_events(args.shoppers, args.events_per_shopper)
+    )
+    for key in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY"):
+        os.environ.setdefault(key, "testing")  # moto accepts any; the Python workers inherit them
+    with contextlib.ExitStack() as stack:
+        llm = settings.llm
+        if args.replicas > 0:
+            urls = stack.enter_context(simulator_replicas(args.replicas))
+            llm = llm.model_copy(update={"endpoints": urls})
+        sinks = settings.sinks
+        if sinks.s3_endpoint_url is None:
+            sinks = sinks.model_copy(update={"s3_endpoint_url": stack.enter_context(moto_s3())})
+        settings = settings.model_copy(update={"llm": llm, "sinks": sinks})
+        _ensure_bucket(settings)
+        print(
+            f"local: {len(events)} events, replicas {settings.llm.endpoints}, S3 {sinks.s3_endpoint_url}, "
+            f"Redis {sinks.redis_url} (prefix {sinks.redis_key_prefix!r})",
+            flush=True,
+        )
+        run = run_bounded(events, settings)
+        insights = sum(1 for r in run.results if orjson.loads(r)["kind"] == "insight")
+        print(
+            f"done in {run.seconds:.1f} s: {len(run.results)} results ({insights} insights, "
+            f"{len(run.results) - insights} errors), {len(run.dlq)} to the DLQ",
+            flush=True,
+        )
+        for record in run.dlq:
+            print(f"  dlq: {orjson.loads(record)['reason']}")
+        print(f"  S3 objects: {_count_objects(settings)}; Redis signal keys: {_count_signals(settings)}")
+    return 0
+
+
+def _s3_client(settings: NearRealtimeSettings) -> Any:
+    import boto3
+
+    return boto3.client(
+        "s3",
+        endpoint_url=settings.sinks.s3_endpoint_url,
+        region_name=settings.sinks.s3_region,
+        aws_access_key_id="testing",
+        aws_secret_access_key="testing",
+    )
+
+
+def _ensure_bucket(settings: NearRealtimeSettings) -> None:
+    client = _s3_client(settings)
+    try:
+        client.head_bucket(Bucket=settings.sinks.s3_bucket)
+    except Exception:
+        client.create_bucket(Bucket=settings.sinks.s3_bucket)
+
+
+def _count_objects(settings: NearRealtimeSettings) -> int:
+    pages = (
+        _s3_client(settings)
+        .get_paginator("list_objects_v2")
+        .paginate(Bucket=settings.sinks.s3_bucket, Prefix=settings.sinks.s3_prefix)
+    )
+    return sum(len(page.get("Contents", [])) for page in pages)
+
+
+def _count_signals(settings: NearRealtimeSettings) -> int:
+    import redis
+
+    client = redis.Redis.from_url(settings.sinks.redis_url)
+    try:
+        return sum(1 for _ in client.scan_iter(f"{settings.sinks.redis_key_prefix}signals:*", count=1000))
+    finally:
+        client.close()

@@ -1,0 +1,115 @@
+"""Group commit of results to Redis and S3, shaped for a PyFlink async operator.
+
+Why this shape: PyFlink gives Python functions no checkpoint hook, but its async operator drains every
+in-flight call before a bundle ends, and a bundle always ends before a checkpoint barrier passes. So a
+result's async call completes only once it is *durable* in both stores; then every checkpoint covers only
+results that are stored (at-least-once; both sinks are idempotent, so effectively once in storage).
+
+- Redis is written in small batches as soon as results arrive (what ad servers read; freshness counts).
+- S3 objects are flushed when the S3 sink says it is due (size/age), or once no new result has arrived
+  for ``idle_flush_s``: that is what a bundle end looks like from here (the operator stops feeding calls
+  while it drains), so a drain waits about ``idle_flush_s``, not ``s3_max_age_s``.
+Any write error fails every waiting call: the job restarts from the last checkpoint and replays.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import Callable, Sequence
+
+from prompt_assembly.records import EnrichmentResult
+from sinks.redis import RedisSignalSink
+from sinks.s3 import S3InsightSink
+
+
+class SinkCommitter:
+    def __init__(
+        self,
+        redis: RedisSignalSink,
+        s3: S3InsightSink,
+        *,
+        idle_flush_s: float = 0.02,
+        max_batch: int = 512,
+        on_redis_written: Callable[[Sequence[EnrichmentResult]], None] | None = None,
+    ) -> None:
+        self.redis = redis
+        self.s3 = s3
+        self.idle_flush_s = idle_flush_s
+        self.max_batch = max_batch
+        self.on_redis_written = on_redis_written
+        self._incoming: list[tuple[EnrichmentResult, asyncio.Future[None]]] = []
+        self._awaiting_s3: list[asyncio.Future[None]] = []
+        self._wake: asyncio.Event | None = None
+        self._task: asyncio.Task[None] | None = None
+        self._last_arrival = time.monotonic()
+        self.redis_batches = 0
+        self.s3_flushes = 0
+
+    async def submit(self, result: EnrichmentResult) -> None:
+        """Returns once ``result`` is in Redis and in a flushed S3 object; raises if a write failed."""
+        if self._task is None or self._task.done():
+            if self._task is not None and self._task.done():
+                self._task.result()  # surface the failure that stopped the loop
+            self._wake = asyncio.Event()
+            self._task = asyncio.create_task(self._run(), name="sink-committer")
+        assert self._wake is not None
+        future: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._incoming.append((result, future))
+        self._last_arrival = time.monotonic()
+        self._wake.set()
+        await future
+
+    async def _run(self) -> None:
+        assert self._wake is not None
+        try:
+            while True:
+                if not self._incoming:
+                    self._wake.clear()
+                    with contextlib.suppress(TimeoutError):
+                        await asyncio.wait_for(self._wake.wait(), timeout=self.idle_flush_s)
+                if self._incoming:
+                    await self._write_batch()
+                idle = time.monotonic() - self._last_arrival >= self.idle_flush_s
+                if self._awaiting_s3 and (idle or self.s3.due()):
+                    await self.s3.flush()
+                    self.s3_flushes += 1
+                    waiting, self._awaiting_s3 = self._awaiting_s3, []
+                    for future in waiting:
+                        if not future.done():
+                            future.set_result(None)
+        except asyncio.CancelledError:
+            self._fail(RuntimeError("sink committer stopped"))
+            raise
+        except BaseException as exc:
+            self._fail(exc)
+            raise
+
+    async def _write_batch(self) -> None:
+        batch, self._incoming = self._incoming[: self.max_batch], self._incoming[self.max_batch :]
+        results = [result for result, _ in batch]
+        try:
+            await self.redis.write(results)
+            if self.on_redis_written is not None:
+                self.on_redis_written(results)
+            await self.s3.write(results)
+        except BaseException:
+            self._incoming[:0] = batch
+            raise
+        self.redis_batches += 1
+        self._awaiting_s3.extend(future for _, future in batch)
+
+    def _fail(self, exc: BaseException) -> None:
+        for future in [*self._awaiting_s3, *(f for _, f in self._incoming)]:
+            if not future.done():
+                future.set_exception(exc)
+        self._awaiting_s3, self._incoming = [], []
+
+    async def close(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(BaseException):
+                await self._task
+        await self.s3.close()
+        await self.redis.close()

@@ -1,0 +1,276 @@
+"""The near-real-time shopper-understanding job on Flink (PyFlink 2.3, DataStream API).
+
+Topology (one chain per stage; JSON strings between operators)::
+
+    KafkaSource(shopper-events)            committed offsets, earliest for a new group
+      -> ParseShopperEvents                 malformed -> side output -> KafkaSink(shopper-events-dlq)
+      -> key_by(shopper_id)
+      -> ShopperSessionFunction             keyed state (TTL) + timers -> PromptRequest
+      -> EnrichPrompts (async, unordered)   LLM client, session-affinity routing -> EnrichmentResult
+      -> WriteResults (async, unordered)    Redis signals + S3 objects, durable before each checkpoint
+      -> KafkaSink(shopper-insights)        exactly-once, explicit transaction timeout (optional)
+
+Run it on a cluster with ``flink run -py flink_jobs/near_realtime.py --config job.yaml``, or locally in
+the MiniCluster on a bounded sample with ``python -m flink_jobs.near_realtime --local``. Tests call
+``run_bounded(events, settings)``: the same topology with the Kafka source and sinks swapped for a
+bounded collection and a collect sink.
+
+End of a bounded input: the source's final watermark (Long.MAX_VALUE) reaches an event-time timer that
+the session function keeps at ``FLUSH_TIMER_TS`` while a trigger is pending, and that timer calls
+``SessionProcessor.flush``. Processing-time timers cannot do this: Flink drops pending processing-time
+timers when an input ends. In bounded runs the processing-time timers are off by default, so prompts
+depend only on each shopper's event order (what the embedded runner also guarantees), not on wall time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import base64
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from flink_jobs.flink_config import NearRealtimeSettings
+
+PYTHON_STAGE_UIDS = ("parse-events", "shopper-sessions", "enrich-prompts", "write-results")
+
+
+def job_configuration(settings: NearRealtimeSettings, *, local: bool) -> Any:
+    """Flink configuration from the settings: checkpoints, state backend, restarts, Python bundles."""
+    from pyflink.common import Configuration
+
+    conf = Configuration()
+    cp, restart, aio = settings.checkpoint, settings.restart, settings.async_io
+    values: dict[str, str] = {
+        "pipeline.name": settings.job_name,
+        "execution.checkpointing.interval": f"{cp.interval_ms} ms",
+        "execution.checkpointing.mode": cp.mode.upper(),
+        "execution.checkpointing.timeout": f"{cp.timeout_ms} ms",
+        "execution.checkpointing.min-pause": f"{cp.min_pause_ms} ms",
+        "execution.checkpointing.dir": cp.directory,
+        "execution.checkpointing.incremental": str(cp.incremental).lower(),
+        "execution.checkpointing.externalized-checkpoint-retention": "RETAIN_ON_CANCELLATION",
+        "state.backend.type": cp.state_backend,
+        "restart-strategy.type": restart.strategy,
+        "python.fn-execution.bundle.size": str(aio.bundle_size),
+        "python.fn-execution.bundle.time": str(aio.bundle_time_ms),
+        "python.metric.enabled": "true",
+    }
+    if restart.strategy == "fixed-delay":
+        values["restart-strategy.fixed-delay.attempts"] = str(restart.attempts)
+        values["restart-strategy.fixed-delay.delay"] = f"{restart.initial_delay_ms} ms"
+    elif restart.strategy == "exponential-delay":
+        values["restart-strategy.exponential-delay.initial-backoff"] = f"{restart.initial_delay_ms} ms"
+        values["restart-strategy.exponential-delay.max-backoff"] = f"{restart.max_delay_ms} ms"
+    python = settings.python_executable or (sys.executable if local else None)
+    if python:
+        values["python.executable"] = python
+        values["python.client.executable"] = python
+    for key, value in values.items():
+        conf.set_string(key, value)
+    return conf
+
+
+def create_environment(settings: NearRealtimeSettings, *, local: bool, jars: Sequence[str] = ()) -> Any:
+    from pyflink.datastream import StreamExecutionEnvironment
+
+    env = StreamExecutionEnvironment.get_execution_environment(job_configuration(settings, local=local))
+    env.set_parallelism(settings.parallelism)
+    if jars:
+        env.add_jars(*jars)
+    return env
+
+
+@dataclass
+class Pipeline:
+    results: Any
+    """DataStream[str] of EnrichmentResult JSON, after they are durable in Redis and S3."""
+    dlq: Any
+    """DataStream[str] of DLQ JSON records."""
+
+
+def build_pipeline(
+    raw: Any,
+    settings: NearRealtimeSettings,
+    *,
+    source_topic: str | None,
+    processing_time_timers: bool = True,
+    flush_at_end: bool = True,
+) -> Pipeline:
+    """Everything between the source and the sinks; ``raw`` is a DataStream of str or bytes values."""
+    from pyflink.common import Types
+    from pyflink.common.time import Time
+    from pyflink.datastream import async_retry_strategies
+    from pyflink.datastream.async_data_stream import AsyncDataStream
+
+    from flink_jobs.flink_functions import (
+        DLQ_TAG,
+        EnrichPrompts,
+        ParseShopperEvents,
+        ShopperSessionFunction,
+        WriteResults,
+        is_retryable_result,
+    )
+
+    settings_json = settings.to_json()
+    aio = settings.async_io
+    parsed = (
+        raw.process(
+            ParseShopperEvents(source_topic), output_type=Types.TUPLE([Types.STRING(), Types.STRING()])
+        )
+        .name("parse and validate events")
+        .uid("parse-events")
+    )
+    dlq = parsed.get_side_output(DLQ_TAG)
+    prompts = (
+        parsed.key_by(lambda pair: pair[0], key_type=Types.STRING())
+        .process(
+            ShopperSessionFunction(settings_json, processing_time_timers, flush_at_end),
+            output_type=Types.STRING(),
+        )
+        .name("shopper sessions")
+    )
+    if aio.retry_attempts > 0:
+        retry = async_retry_strategies.ExponentialBackoffDelayRetryStrategy(
+            aio.retry_attempts, aio.retry_backoff_ms, aio.retry_backoff_ms * 8, 2.0, is_retryable_result, None
+        )
+    else:
+        retry = async_retry_strategies.NO_RETRY_STRATEGY
+    results = (
+        AsyncDataStream.unordered_wait_with_retry(
+            prompts,
+            EnrichPrompts(settings_json),
+            Time.milliseconds(aio.timeout_ms),
+            retry,
+            capacity=aio.capacity,
+            output_type=Types.STRING(),
+        )
+        .name("enrich prompts (LLM)")
+        .uid("enrich-prompts")
+    )
+    if settings.sinks_enabled:
+        results = (
+            AsyncDataStream.unordered_wait(
+                results,
+                WriteResults(settings_json),
+                Time.milliseconds(max(aio.timeout_ms, 120_000)),
+                capacity=aio.sink_capacity,
+                output_type=Types.STRING(),
+            )
+            .name("write Redis and S3")
+            .uid("write-results")
+        )
+    return Pipeline(results=results, dlq=dlq)
+
+
+# ---- cluster / Kafka -------------------------------------------------------------------------------
+def run_kafka(settings: NearRealtimeSettings, *, local: bool = False, detached: bool = False) -> None:
+    """The production job: Kafka in, DLQ and (optionally) insights out, Redis and S3 through the sinks."""
+    from pyflink.common import WatermarkStrategy
+
+    from flink_jobs.flink_connectors import kafka_connector_jars, kafka_sink, kafka_source
+
+    jars = kafka_connector_jars()  # fails fast, naming scripts/fetch-flink-connectors
+    env = create_environment(settings, local=local, jars=jars)
+    exactly_once = settings.checkpoint.mode == "exactly_once"
+    raw = env.from_source(kafka_source(settings), WatermarkStrategy.no_watermarks(), "kafka shopper-events")
+    pipeline = build_pipeline(
+        raw.uid("kafka-source"), settings, source_topic=settings.kafka.events_topic, flush_at_end=False
+    )
+    pipeline.dlq.sink_to(kafka_sink(settings, settings.kafka.dlq_topic, exactly_once=False)).name(
+        "kafka dlq"
+    ).uid("kafka-dlq")
+    if settings.kafka.insights_topic:
+        pipeline.results.sink_to(
+            kafka_sink(settings, settings.kafka.insights_topic, exactly_once=exactly_once)
+        ).name("kafka insights").uid("kafka-insights")
+    if detached:
+        env.execute_async(settings.job_name)
+    else:
+        env.execute(settings.job_name)
+
+
+# ---- bounded (tests, --local) ------------------------------------------------------------------------
+@dataclass
+class BoundedRun:
+    results: list[str] = field(default_factory=list)
+    dlq: list[str] = field(default_factory=list)
+    seconds: float = 0.0
+
+
+def run_bounded(
+    events: Sequence[bytes | str],
+    settings: NearRealtimeSettings,
+    *,
+    processing_time_timers: bool = False,
+) -> BoundedRun:
+    """The job's topology on a bounded in-memory input, in the local MiniCluster.
+
+    Every session's pending trigger fires at the end (final watermark), so every accepted event is in
+    some prompt. Redis and S3 are written through the sinks as in production; the results and DLQ
+    records are also collected and returned (they would go to Kafka topics on a cluster).
+    """
+    from pyflink.common import Types
+
+    started = time.monotonic()
+    env = create_environment(settings, local=True)
+    # Bytes as they would come off Kafka. The collection travels base64-encoded (PyFlink's collection
+    # bridge cannot carry raw byte arrays, and a str coder would reject non-UTF-8) and is decoded at once.
+    values = [
+        base64.b64encode(e.encode("utf-8") if isinstance(e, str) else bytes(e)).decode() for e in events
+    ]
+    raw = (
+        env.from_collection(values, type_info=Types.STRING())
+        .name("bounded events")
+        .map(base64.b64decode, output_type=Types.PICKLED_BYTE_ARRAY())
+        .name("decode bounded events")
+    )
+    pipeline = build_pipeline(
+        raw, settings, source_topic=None, processing_time_timers=processing_time_timers, flush_at_end=True
+    )
+    tagged = pipeline.results.map(lambda r: "R" + r, output_type=Types.STRING()).union(
+        pipeline.dlq.map(lambda d: "D" + d, output_type=Types.STRING())
+    )
+    run = BoundedRun()
+    with tagged.execute_and_collect(settings.job_name) as records:
+        for record in records:
+            (run.results if record[0] == "R" else run.dlq).append(record[1:])
+    run.seconds = time.monotonic() - started
+    return run
+
+
+# ---- CLI -----------------------------------------------------------------------------------------------
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m flink_jobs.near_realtime", description=__doc__.split("\n")[0]
+    )
+    parser.add_argument("--config", help="YAML or JSON file with NearRealtimeSettings fields")
+    parser.add_argument("--local", action="store_true", help="bounded sample in the local MiniCluster")
+    parser.add_argument("--events", help="--local: a JSON-lines file of events (default: a generated sample)")
+    parser.add_argument("--shoppers", type=int, default=20, help="--local sample: shoppers")
+    parser.add_argument("--events-per-shopper", type=int, default=12, help="--local sample: events each")
+    parser.add_argument("--replicas", type=int, default=2, help="--local: simulator replicas to start")
+    parser.add_argument("--detached", action="store_true", help="cluster: submit and return")
+    args = parser.parse_args(argv)
+    settings = NearRealtimeSettings.load(args.config)
+    print(f"settings: {settings.model_dump_json()}", flush=True)
+    if not args.local:
+        try:
+            run_kafka(settings, detached=args.detached)
+        except Exception as exc:
+            from flink_jobs.flink_connectors import MissingConnectorJar
+
+            if isinstance(exc, MissingConnectorJar):
+                print(f"error: {exc}", file=sys.stderr)
+                return 2
+            raise
+        return 0
+    from flink_jobs.flink_local_env import local_run
+
+    return local_run(settings, args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
