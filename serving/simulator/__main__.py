@@ -1,0 +1,69 @@
+"""Run one simulated replica: ``python -m serving.simulator --port 8001 --replica-id r0 --time-scale 0.01``.
+
+Every ``SimulatorConfig`` field is a flag (``--cache-capacity-blocks``...) and a ``SIM_*`` variable; flags
+win. Prints the effective configuration as one JSON line, then ``READY http://HOST:PORT`` once listening
+(with the real port when ``--port 0``), which is what launchers wait for.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import signal
+import sys
+from collections.abc import Sequence
+
+from aiohttp import web
+
+from serving.simulator.app import create_app
+from serving.simulator.config import SimulatorConfig
+
+
+def parse_args(argv: Sequence[str] | None = None) -> SimulatorConfig:
+    parser = argparse.ArgumentParser(prog="python -m serving.simulator", description=__doc__)
+    for name, field in SimulatorConfig.model_fields.items():
+        parser.add_argument(
+            "--" + name.replace("_", "-"), dest=name, default=argparse.SUPPRESS, help=field.description
+        )
+    overrides = vars(parser.parse_args(argv))
+    return SimulatorConfig(**overrides)
+
+
+async def serve(config: SimulatorConfig) -> None:
+    app = create_app(config)
+    runner = web.AppRunner(app, access_log=None)
+    await runner.setup()
+    site = web.TCPSite(runner, config.host, config.port)
+    await site.start()
+    port = _bound_port(runner, config.port)
+    print(f"READY http://{config.host}:{port}", flush=True)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        with contextlib.suppress(NotImplementedError):
+            loop.add_signal_handler(sig, stop.set)
+    try:
+        await stop.wait()
+    finally:
+        await runner.cleanup()
+
+
+def _bound_port(runner: web.AppRunner, configured: int) -> int:
+    for address in runner.addresses:
+        if isinstance(address, tuple) and len(address) >= 2:
+            return int(address[1])
+    return configured
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    config = parse_args(argv)
+    print(json.dumps(config.model_dump(mode="json"), sort_keys=True), flush=True)
+    with contextlib.suppress(KeyboardInterrupt):
+        asyncio.run(serve(config))
+    sys.stdout.flush()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,169 @@
+"""The HTTP face of one simulated trtllm-serve replica: ``create_app(config)`` builds it.
+
+Endpoints: ``POST /v1/chat/completions``, ``POST /v1/completions`` (streaming or not), ``GET /health``,
+``GET /v1/models``, ``GET /metrics`` (also at trtllm's ``/prometheus/metrics``), and the test-only admin
+routes of ``serving.simulator.admin``. Every response carries ``x-replica-id``. The ``x-session-id``
+header is read and ignored, as a real engine would; ``cache_salt`` keeps tenants' cache entries apart.
+"""
+
+from __future__ import annotations
+
+from typing import Any, TypeVar
+
+import orjson
+from aiohttp import web
+from pydantic import BaseModel, ValidationError
+
+from serving.simulator.admin import add_admin_routes
+from serving.simulator.config import SimulatorConfig
+from serving.simulator.engine import GenerationRequest
+from serving.simulator.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    Endpoint,
+    completion_body,
+    error_body,
+    usage_body,
+)
+from serving.simulator.replica import REPLICA_KEY, Replica
+from serving.simulator.streaming import SseWriter, stream_tokens
+
+RequestModel = TypeVar("RequestModel", bound=BaseModel)
+
+_MAX_BODY_BYTES = 32 * 1024 * 1024
+
+
+def create_app(config: SimulatorConfig) -> web.Application:
+    """A ready-to-run aiohttp application with its own replica state (no globals)."""
+    app = web.Application(client_max_size=_MAX_BODY_BYTES)
+    replica = Replica(config)
+    app[REPLICA_KEY] = replica
+    app.router.add_post("/v1/chat/completions", _chat_completions)
+    app.router.add_post("/v1/completions", _completions)
+    app.router.add_get("/health", _health)
+    app.router.add_get("/v1/models", _models)
+    app.router.add_get("/metrics", _metrics)
+    app.router.add_get("/prometheus/metrics", _metrics)
+    add_admin_routes(app)
+    app.on_response_prepare.append(_tag_replica)
+    app.on_cleanup.append(replica.close)
+    return app
+
+
+def json_response(body: dict[str, Any], status: int = 200) -> web.Response:
+    return web.Response(body=orjson.dumps(body), status=status, content_type="application/json")
+
+
+def error_response(message: str, status: int, error_type: str, param: str | None = None) -> web.Response:
+    return json_response(error_body(message, error_type, status, param), status=status)
+
+
+async def _tag_replica(request: web.Request, response: web.StreamResponse) -> None:
+    response.headers["x-replica-id"] = request.app[REPLICA_KEY].config.replica_id
+
+
+async def _parse(request: web.Request, model: type[RequestModel]) -> RequestModel | web.Response:
+    try:
+        raw = orjson.loads(await request.read())
+    except orjson.JSONDecodeError as exc:
+        return error_response(f"request body is not valid JSON: {exc}", 400, "invalid_request_error")
+    if not isinstance(raw, dict):
+        return error_response("request body must be a JSON object", 400, "invalid_request_error")
+    try:
+        return model.model_validate(raw)
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        param = ".".join(str(p) for p in first["loc"]) or None
+        return error_response(f"{param}: {first['msg']}", 400, "invalid_request_error", param)
+
+
+async def _chat_completions(request: web.Request) -> web.StreamResponse:
+    body = await _parse(request, ChatCompletionRequest)
+    if isinstance(body, web.Response):
+        return body
+    return await _generate(request, "chat", body)
+
+
+async def _completions(request: web.Request) -> web.StreamResponse:
+    body = await _parse(request, CompletionRequest)
+    if isinstance(body, web.Response):
+        return body
+    return await _generate(request, "completion", body)
+
+
+async def _generate(
+    request: web.Request, endpoint: Endpoint, body: ChatCompletionRequest | CompletionRequest
+) -> web.StreamResponse:
+    replica = request.app[REPLICA_KEY]
+    metrics = replica.metrics
+    metrics.requests.labels(endpoint).inc()
+    _ = request.headers.get("x-session-id")  # routing hint for the router in front; an engine ignores it
+    if replica.inject_error():
+        metrics.errors.labels("injected").inc()
+        return error_response("injected failure (simulator error_rate)", 503, "service_unavailable")
+    prompt_text = body.prompt_text()
+    job, answer = replica.prepare(
+        prompt_text,
+        body.last_user_text(),
+        max_tokens=body.token_limit(),
+        response_format=body.response_format_dict(),
+        cache_salt=body.cache_salt,
+        ignore_eos=body.ignore_eos,
+        min_tokens=body.min_tokens,
+        streaming=body.stream,
+    )
+    if job.prompt_tokens == 0:
+        metrics.errors.labels("bad_request").inc()
+        return error_response("prompt is empty", 400, "invalid_request_error", "prompt")
+    response_id = ("chatcmpl-" if endpoint == "chat" else "cmpl-") + job.request_id
+    model = body.model or replica.config.model_name
+    replica.engine.submit(job)
+
+    if body.stream:
+        options = body.stream_options
+        response = await stream_tokens(
+            request,
+            replica.engine,
+            job,
+            SseWriter(endpoint, response_id, model, answer),
+            include_usage=options.include_usage if options else False,
+            continuous_usage=options.continuous_usage_stats if options else False,
+            coalesce_s=replica.config.stream_coalesce_s,
+        )
+        _account(replica, job)
+        return response
+
+    try:
+        await job.done.wait()
+    finally:
+        if not job.done.is_set():
+            replica.engine.abort(job)
+    _account(replica, job)
+    if job.error is not None:
+        return error_response(job.error, 503, "service_unavailable")
+    usage = usage_body(job.prompt_tokens, job.completion_tokens, job.cached_tokens)
+    return json_response(
+        completion_body(endpoint, response_id, model, answer.text, answer.finish_reason, usage)
+    )
+
+
+def _account(replica: Replica, job: GenerationRequest) -> None:
+    if job.error is not None or job.cancelled:
+        replica.metrics.errors.labels("aborted" if job.cancelled else "engine").inc()
+    else:
+        replica.record_finished(job)
+
+
+async def _health(request: web.Request) -> web.Response:
+    return json_response({"status": "ok"})
+
+
+async def _models(request: web.Request) -> web.Response:
+    config = request.app[REPLICA_KEY].config
+    card = {"id": config.model_name, "object": "model", "created": 0, "owned_by": "simulator"}
+    return json_response({"object": "list", "data": [card]})
+
+
+async def _metrics(request: web.Request) -> web.Response:
+    body = request.app[REPLICA_KEY].metrics.render()
+    return web.Response(body=body, headers={"Content-Type": "text/plain; version=0.0.4; charset=utf-8"})

@@ -1,0 +1,62 @@
+"""Configuration of one simulated replica, read from ``SIM_*`` environment variables and CLI flags."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Literal
+
+from pydantic import Field
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+# The repository lives next to a ``shared/`` folder on the development machines; CI clones may not have
+# it, so a copy of the same calibration file ships inside the package (see ``resolved_calibration_path``).
+SHARED_CALIBRATION_PATH = (
+    Path(__file__).resolve().parents[2].parent / "shared/calibration/h100_prefill_decode.json"
+)
+BUNDLED_CALIBRATION_PATH = Path(__file__).resolve().parent / "calibration_h100.json"
+
+CalibrationModel = Literal["qwen2.5-32b", "llama3-8b"]
+
+
+class SimulatorConfig(BaseSettings):
+    """Everything that shapes one replica's behaviour; printed as one JSON line on start.
+
+    Times in the cost model are milliseconds of simulated GPU work; ``time_scale`` converts them to wall
+    time (0.01 = 100x faster than a real H100, 0 = no sleeping at all, for CPU-bound throughput tests).
+    """
+
+    model_config = SettingsConfigDict(env_prefix="SIM_", protected_namespaces=(), extra="ignore")
+
+    host: str = "127.0.0.1"
+    port: int = Field(
+        default=8001, ge=0, le=65535, description="0 picks a free port (printed in the READY line)"
+    )
+    replica_id: str = "r0"
+    model_name: str = "qwen2.5-32b-sim"
+    calibration_model: CalibrationModel = "qwen2.5-32b"
+    calibration_path: Path = SHARED_CALIBRATION_PATH
+    time_scale: float = Field(default=1.0, ge=0.0)
+    block_size: int = Field(default=32, ge=1, description="tokens per KV block, as trtllm's tokens_per_block")
+    cache_capacity_blocks: int = Field(default=8192, ge=1, description="about 64 prompts of 4k tokens")
+    max_batch: int = Field(
+        default=64, ge=1, description="running requests per iteration (trtllm max_batch_size)"
+    )
+    max_num_tokens: int = Field(default=8192, ge=1, description="prefill + decode tokens per iteration")
+    default_max_tokens: int = Field(default=200, ge=1)
+    slowdown: float = Field(
+        default=1.0, gt=0.0, description="multiplies every iteration's time (fault injection)"
+    )
+    error_rate: float = Field(default=0.0, ge=0.0, le=1.0, description="share of requests answered 503")
+    seed: int = 0
+    stream_coalesce_s: float = Field(
+        default=0.02,
+        ge=0.0,
+        description="a stream writes at most one chunk per this many wall seconds (first and last chunk "
+        "excepted), so fast time scales do not cost one write per token",
+    )
+
+    def resolved_calibration_path(self) -> Path:
+        """The configured calibration file, or the bundled copy when that file is missing."""
+        if self.calibration_path.is_file():
+            return self.calibration_path
+        return BUNDLED_CALIBRATION_PATH

@@ -1,0 +1,112 @@
+"""One simulated replica's state: engine, cache, metrics and fault knobs, owned by its aiohttp app."""
+
+from __future__ import annotations
+
+import random
+import uuid
+from dataclasses import asdict
+from typing import Any
+
+from aiohttp import web
+
+from prompt_assembly.tokens import chained_block_hashes, token_ids
+from serving.simulator.answers import Answer, plan_answer
+from serving.simulator.config import SimulatorConfig
+from serving.simulator.cost_model import CostModel
+from serving.simulator.engine import ContinuousBatchingEngine, EngineKnobs, EngineLimits, GenerationRequest
+from serving.simulator.metrics import ReplicaMetrics
+from serving.simulator.prefix_cache import BlockPrefixCache, salted_block_hashes
+
+
+class Replica:
+    """Glue between HTTP handlers and the pure parts; one per app, so replicas in one process never
+    share state."""
+
+    def __init__(self, config: SimulatorConfig) -> None:
+        self.config = config
+        self.calibration_path = config.resolved_calibration_path()
+        self.cost = CostModel.from_calibration(self.calibration_path, config.calibration_model)
+        self.cache = BlockPrefixCache(config.cache_capacity_blocks, config.block_size)
+        self.knobs = EngineKnobs(time_scale=config.time_scale, slowdown=config.slowdown)
+        self.engine = ContinuousBatchingEngine(
+            self.cost, self.cache, EngineLimits(config.max_batch, config.max_num_tokens), self.knobs
+        )
+        self.metrics = ReplicaMetrics(
+            config.replica_id,
+            config.model_name,
+            running=lambda: self.engine.num_running,
+            waiting=lambda: self.engine.num_waiting,
+            kv_blocks_used=lambda: self.cache.used_blocks,
+        )
+        self.error_rate = config.error_rate
+        self._rng = random.Random(config.seed)
+
+    def inject_error(self) -> bool:
+        """Whether this request draws an injected 503 (seeded, so a test run is reproducible)."""
+        return self.error_rate > 0 and self._rng.random() < self.error_rate
+
+    def prepare(
+        self,
+        prompt_text: str,
+        last_user_text: str,
+        *,
+        max_tokens: int | None,
+        response_format: dict[str, Any] | None,
+        cache_salt: str | None,
+        ignore_eos: bool,
+        min_tokens: int,
+        streaming: bool,
+    ) -> tuple[GenerationRequest, Answer]:
+        """Tokenise, hash and answer a prompt: the CPU work a real server's front end does."""
+        ids = token_ids(prompt_text)
+        hashes = salted_block_hashes(chained_block_hashes(ids, self.config.block_size), cache_salt)
+        limit = max_tokens or self.config.default_max_tokens
+        answer = plan_answer(
+            prompt_text, last_user_text, limit, response_format, ignore_eos=ignore_eos, min_tokens=min_tokens
+        )
+        job = GenerationRequest(
+            request_id=uuid.uuid4().hex,
+            prompt_tokens=len(ids),
+            block_hashes=hashes,
+            completion_tokens=max(answer.completion_tokens, 1),
+            streaming=streaming,
+        )
+        return job, answer
+
+    def record_finished(self, job: GenerationRequest) -> None:
+        m = self.metrics
+        m.prompt_tokens.inc(job.prompt_tokens)
+        m.cached_tokens.inc(job.cached_tokens)
+        m.completion_tokens.inc(job.tokens_done)
+        scale = self.knobs.time_scale or 1.0
+        if job.ttft is not None:
+            m.ttft.observe(job.ttft / scale)
+        if job.queue_wait is not None:
+            m.queue_time.observe(job.queue_wait / scale)
+        if job.finished_at is not None:
+            m.e2e.observe((job.finished_at - job.arrival) / scale)
+
+    def reset_cache(self) -> None:
+        """Lose every reusable KV block, as a restarted replica would."""
+        self.cache.clear()
+
+    def stats(self) -> dict[str, Any]:
+        return {
+            "replica_id": self.config.replica_id,
+            "model": self.config.model_name,
+            "calibration_model": self.config.calibration_model,
+            "calibration_path": str(self.calibration_path),
+            "time_scale": self.knobs.time_scale,
+            "slowdown": self.knobs.slowdown,
+            "error_rate": self.error_rate,
+            "running": self.engine.num_running,
+            "waiting": self.engine.num_waiting,
+            "cache": asdict(self.cache.stats()),
+            "engine": asdict(self.engine.stats),
+        }
+
+    async def close(self, _app: web.Application | None = None) -> None:
+        await self.engine.close()
+
+
+REPLICA_KEY = web.AppKey("replica", Replica)

@@ -1,0 +1,273 @@
+"""The simulator over real HTTP: OpenAI shapes, streaming, usage, caching, validation, faults, metrics."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator
+from typing import Any
+
+import aiohttp
+import jsonschema
+import pytest
+
+from prompt_assembly.tokens import chained_block_hashes, messages_text, token_ids
+from serving.simulator.testing import RunningSimulator, running_simulator
+
+SYSTEM = "You summarise a shopper's recent catalogue activity for a recommender. " * 20
+USER = "Viewed Nike Air Zoom Pegasus 41, added Garmin Forerunner 265 to basket, searched trail shoes."
+
+
+def _chat(user: str = USER, **extra: Any) -> dict[str, Any]:
+    messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": user}]
+    return {"model": "qwen2.5-32b-sim", "messages": messages, "max_tokens": 40, **extra}
+
+
+@pytest.fixture
+async def sim() -> AsyncIterator[RunningSimulator]:
+    async with running_simulator(time_scale=0.0, replica_id="r7") as running:
+        yield running
+
+
+@pytest.fixture
+async def http() -> AsyncIterator[aiohttp.ClientSession]:
+    async with aiohttp.ClientSession() as session:
+        yield session
+
+
+async def _post(http: aiohttp.ClientSession, url: str, body: Any) -> tuple[int, dict[str, Any]]:
+    async with http.post(url, json=body) as response:
+        return response.status, await response.json()
+
+
+async def _sse(http: aiohttp.ClientSession, url: str, body: dict[str, Any]) -> list[Any]:
+    events: list[Any] = []
+    async with http.post(url, json=body) as response:
+        assert response.status == 200
+        assert response.headers["Content-Type"].startswith("text/event-stream")
+        async for raw in response.content:
+            line = raw.decode().strip()
+            if line.startswith("data: "):
+                data = line[len("data: ") :]
+                events.append(data if data == "[DONE]" else json.loads(data))
+    return events
+
+
+async def test_chat_non_stream(sim: RunningSimulator, http: aiohttp.ClientSession) -> None:
+    async with http.post(f"{sim.url}/v1/chat/completions", json=_chat(), headers={"x-session-id": "s1"}) as r:
+        assert r.status == 200
+        assert r.headers["x-replica-id"] == "r7"
+        body = await r.json()
+    assert body["object"] == "chat.completion"
+    choice = body["choices"][0]
+    assert choice["message"]["role"] == "assistant" and choice["message"]["content"]
+    assert choice["finish_reason"] in ("stop", "length")
+    prompt = token_ids(messages_text(_chat()["messages"]))
+    usage = body["usage"]
+    assert usage["prompt_tokens"] == len(prompt)
+    assert usage["completion_tokens"] <= 40
+    assert usage["total_tokens"] == usage["prompt_tokens"] + usage["completion_tokens"]
+    assert usage["prompt_tokens_details"]["cached_tokens"] == 0
+
+
+async def test_chat_stream_matches_non_stream_and_ends_with_usage(
+    sim: RunningSimulator, http: aiohttp.ClientSession
+) -> None:
+    url = f"{sim.url}/v1/chat/completions"
+    _, plain = await _post(http, url, _chat(user="stream me " + USER))
+    events = await _sse(
+        http, url, _chat(user="stream me " + USER, stream=True, stream_options={"include_usage": True})
+    )
+    assert events[-1] == "[DONE]"
+    chunks = events[:-1]
+    assert chunks[0]["choices"][0]["delta"]["role"] == "assistant"
+    assert all(c["object"] == "chat.completion.chunk" for c in chunks)
+    text = "".join(c["choices"][0]["delta"].get("content", "") for c in chunks if c["choices"])
+    assert text == plain["choices"][0]["message"]["content"]
+    assert chunks[-2]["choices"][0]["finish_reason"] == plain["choices"][0]["finish_reason"]
+    usage_chunk = chunks[-1]
+    assert usage_chunk["choices"] == []
+    assert usage_chunk["usage"]["completion_tokens"] == plain["usage"]["completion_tokens"]
+    assert usage_chunk["usage"]["prompt_tokens_details"]["cached_tokens"] > 0  # second identical prompt
+
+
+async def test_stream_without_usage_option_has_no_usage(
+    sim: RunningSimulator, http: aiohttp.ClientSession
+) -> None:
+    events = await _sse(http, f"{sim.url}/v1/chat/completions", _chat(stream=True))
+    assert not any("usage" in e for e in events[:-1])
+
+
+async def test_completions_stream_and_not(sim: RunningSimulator, http: aiohttp.ClientSession) -> None:
+    url = f"{sim.url}/v1/completions"
+    prompt = "Shopper likes Lego Technic and Duplo sets."
+    body = {"model": "m", "prompt": prompt, "max_tokens": 12}
+    status, plain = await _post(http, url, body)
+    assert status == 200 and plain["object"] == "text_completion"
+    assert plain["usage"]["prompt_tokens"] == len(token_ids(prompt))
+    assert plain["usage"]["completion_tokens"] == 12 or plain["choices"][0]["finish_reason"] == "stop"
+    events = await _sse(http, url, {**body, "stream": True, "stream_options": {"include_usage": True}})
+    text = "".join(e["choices"][0]["text"] for e in events[:-1] if e["choices"])
+    assert text == plain["choices"][0]["text"]
+    assert events[-2]["usage"]["completion_tokens"] == plain["usage"]["completion_tokens"]
+
+
+async def test_max_tokens_variants_and_ignore_eos(sim: RunningSimulator, http: aiohttp.ClientSession) -> None:
+    url = f"{sim.url}/v1/chat/completions"
+    _, body = await _post(http, url, {**_chat(), "max_tokens": None, "max_completion_tokens": 3})
+    assert body["usage"]["completion_tokens"] == 3
+    _, body = await _post(http, url, _chat(max_tokens=250, ignore_eos=True))
+    assert body["usage"]["completion_tokens"] == 250 and body["choices"][0]["finish_reason"] == "length"
+
+
+async def test_json_schema_answer_validates(sim: RunningSimulator, http: aiohttp.ClientSession) -> None:
+    schema = {
+        "type": "object",
+        "properties": {
+            "intent": {"type": "string", "enum": ["browse", "buy"]},
+            "products": {"type": "array", "items": {"type": "string", "maxLength": 30}, "minItems": 1},
+            "confidence": {"type": "number", "minimum": 0, "maximum": 1},
+            "budget": {"anyOf": [{"type": "integer", "minimum": 1}, {"type": "null"}]},
+        },
+        "required": ["intent", "products", "confidence", "budget"],
+        "additionalProperties": False,
+    }
+    response_format = {"type": "json_schema", "json_schema": {"name": "profile", "schema": schema}}
+    for stream in (False, True):
+        body = _chat(response_format=response_format, max_tokens=120, stream=stream)
+        if stream:
+            events = await _sse(http, f"{sim.url}/v1/chat/completions", body)
+            text = "".join(e["choices"][0]["delta"].get("content", "") for e in events[:-1] if e["choices"])
+        else:
+            _, reply = await _post(http, f"{sim.url}/v1/chat/completions", body)
+            text = reply["choices"][0]["message"]["content"]
+            assert reply["choices"][0]["finish_reason"] == "stop"
+        jsonschema.validate(json.loads(text), schema)
+
+
+async def test_cached_tokens_are_exactly_the_shared_full_blocks(
+    sim: RunningSimulator, http: aiohttp.ClientSession
+) -> None:
+    url = f"{sim.url}/v1/completions"
+    prefix = "".join(f" w{i}" for i in range(150))  # " w12" is two tokens: " w" and "12"
+    first, second = prefix + " first tail" * 30, prefix + " second tail" * 30
+    _, a = await _post(http, url, {"prompt": first, "max_tokens": 2})
+    _, b = await _post(http, url, {"prompt": second, "max_tokens": 2})
+    assert a["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+    ha, hb = chained_block_hashes(token_ids(first), 32), chained_block_hashes(token_ids(second), 32)
+    shared_blocks = next(i for i, (x, y) in enumerate(zip(ha, hb, strict=False)) if x != y)
+    assert shared_blocks == len(token_ids(prefix)) // 32 == 9
+    assert b["usage"]["prompt_tokens_details"]["cached_tokens"] == shared_blocks * 32
+    _, again = await _post(http, url, {"prompt": second, "max_tokens": 2})
+    n = again["usage"]["prompt_tokens"]
+    assert again["usage"]["prompt_tokens_details"]["cached_tokens"] == min(n // 32 * 32, n - 1)
+
+
+async def test_cache_salt_isolates_and_session_header_is_ignored(
+    sim: RunningSimulator, http: aiohttp.ClientSession
+) -> None:
+    url = f"{sim.url}/v1/chat/completions"
+
+    async def cached(salt: str | None, session: str) -> int:
+        body = _chat(cache_salt=salt) if salt else _chat()
+        async with http.post(url, json=body, headers={"x-session-id": session}) as r:
+            return int((await r.json())["usage"]["prompt_tokens_details"]["cached_tokens"])
+
+    assert await cached("tenant-a", "s1") == 0
+    assert await cached("tenant-b", "s1") == 0
+    assert await cached(None, "s2") == 0
+    assert await cached("tenant-a", "other-session") > 0
+
+
+@pytest.mark.parametrize(
+    "path,body",
+    [
+        ("/v1/chat/completions", {"messages": []}),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 0}),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "n": 2}),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "cache_salt": " "}),
+        (
+            "/v1/chat/completions",
+            {"messages": [{"role": "user"}], "response_format": {"type": "json_schema"}},
+        ),
+        ("/v1/chat/completions", [1, 2]),
+        ("/v1/completions", {"prompt": ["a", "b"]}),
+        ("/v1/completions", {"prompt": ""}),
+        ("/v1/completions", {"max_tokens": 3}),
+    ],
+)
+async def test_bad_input_is_400_with_openai_error(
+    sim: RunningSimulator, http: aiohttp.ClientSession, path: str, body: Any
+) -> None:
+    status, reply = await _post(http, sim.url + path, body)
+    assert status == 400
+    assert reply["error"]["type"] == "invalid_request_error" and reply["error"]["message"]
+
+
+async def test_invalid_json_is_400(sim: RunningSimulator, http: aiohttp.ClientSession) -> None:
+    async with http.post(f"{sim.url}/v1/chat/completions", data=b"{not json") as r:
+        assert r.status == 400
+        assert (await r.json())["error"]["code"] == 400
+
+
+async def test_health_models_and_metrics(sim: RunningSimulator, http: aiohttp.ClientSession) -> None:
+    async with http.get(f"{sim.url}/health") as r:
+        assert r.status == 200 and await r.json() == {"status": "ok"}
+    async with http.get(f"{sim.url}/v1/models") as r:
+        assert (await r.json())["data"][0]["id"] == "qwen2.5-32b-sim"
+    await _post(http, f"{sim.url}/v1/chat/completions", _chat())
+    await _post(http, f"{sim.url}/v1/chat/completions", _chat())
+    async with http.get(f"{sim.url}/metrics") as r:
+        text = await r.text()
+    prompt_tokens = len(token_ids(messages_text(_chat()["messages"])))
+    assert 'sim_requests_total{endpoint="chat"} 2.0' in text
+    assert f"sim_prompt_tokens_total {2.0 * prompt_tokens}" in text
+    assert "sim_cached_prompt_tokens_total" in text and "sim_completion_tokens_total" in text
+    assert "sim_time_to_first_token_seconds_count 2.0" in text
+    assert "sim_num_requests_running 0.0" in text and "sim_num_requests_waiting 0.0" in text
+    assert "sim_kv_cache_blocks_used" in text and "sim_request_errors_total" in text
+    async with http.get(f"{sim.url}/prometheus/metrics") as r:
+        assert r.status == 200
+
+
+async def test_error_rate_one_gives_503(http: aiohttp.ClientSession) -> None:
+    async with running_simulator(time_scale=0.0, error_rate=1.0) as failing:
+        status, reply = await _post(http, f"{failing.url}/v1/chat/completions", _chat())
+        assert status == 503 and reply["error"]["code"] == 503
+        async with http.get(f"{failing.url}/metrics") as r:
+            assert 'sim_request_errors_total{reason="injected"} 1.0' in await r.text()
+
+
+async def test_admin_config_toggles_faults(sim: RunningSimulator, http: aiohttp.ClientSession) -> None:
+    status, reply = await _post(http, f"{sim.url}/admin/config", {"error_rate": 1.0, "slowdown": 3.0})
+    assert status == 200 and reply == {"slowdown": 3.0, "error_rate": 1.0}
+    assert (await _post(http, f"{sim.url}/v1/chat/completions", _chat()))[0] == 503
+    await _post(http, f"{sim.url}/admin/config", {"error_rate": 0.0})
+    assert (await _post(http, f"{sim.url}/v1/chat/completions", _chat()))[0] == 200
+    assert (await _post(http, f"{sim.url}/admin/config", {"slowdown": -1}))[0] == 400
+
+
+async def test_reset_cache_loses_the_prefix(sim: RunningSimulator, http: aiohttp.ClientSession) -> None:
+    url = f"{sim.url}/v1/chat/completions"
+    await _post(http, url, _chat())
+    assert (await _post(http, url, _chat()))[1]["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
+    status, _ = await _post(http, f"{sim.url}/admin/reset_cache", {})
+    assert status == 200
+    assert (await _post(http, url, _chat()))[1]["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+    async with http.get(f"{sim.url}/admin/stats") as r:
+        stats = await r.json()
+    assert stats["engine"]["served"] == 3 and stats["cache"]["lookups"] == 1
+    assert stats["engine"]["cached_tokens_served"] > 0
+
+
+async def test_client_disconnect_mid_stream_aborts_the_request(http: aiohttp.ClientSession) -> None:
+    async with running_simulator(time_scale=0.01, stream_coalesce_s=0.0) as slow:
+        body = _chat(stream=True, max_tokens=2000, ignore_eos=True)
+        async with http.post(f"{slow.url}/v1/chat/completions", json=body) as r:
+            await r.content.readline()
+        for _ in range(100):
+            if slow.replica.engine.num_running == 0:
+                break
+            await asyncio.sleep(0.02)
+        stats = slow.replica.stats()
+        assert stats["engine"]["aborted"] == 1 and stats["running"] == 0
