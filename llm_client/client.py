@@ -140,6 +140,8 @@ class LLMClient:
                     raise RetryBudgetExhausted(f"retry budget exhausted after: {last_error}")
                 self.retries += 1
                 await asyncio.sleep(backoff_s(attempt - 1, self.config.retry, self._rng))
+            if not any(e.routable for e in self.endpoints):
+                await self._wait_for_routable()
             endpoint = self._choose(route, tried)
             tried.add(endpoint.name)
             try:
@@ -183,6 +185,11 @@ class LLMClient:
                     completion = await _read_stream(response, endpoint, started)
                 else:
                     completion = _parse_body(await response.read(), endpoint, started)
+        except aiohttp.ServerTimeoutError:
+            # A slow connect or read on a busy replica is not a dead replica: it counts towards the
+            # consecutive-failure limit instead of ejecting at once.
+            self._fail(endpoint, route, connection=False)
+            raise AttemptTimeout("connect or read timed out", endpoint=endpoint.name) from None
         except (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError, ConnectionError) as exc:
             # ClientPayloadError: the replica died mid-answer (a truncated stream), as bad as a refusal.
             self._fail(endpoint, route, connection=True)
@@ -239,6 +246,12 @@ class LLMClient:
         limit = self.config.health.eject_after_failures
         if endpoint.healthy and (connection or endpoint.consecutive_failures >= limit):
             self.eject(endpoint)
+
+    async def _wait_for_routable(self) -> None:
+        """Every replica is ejected: wait (within the caller's deadline) for the health checker to
+        re-admit one, instead of failing every request of a short outage."""
+        while not any(e.routable for e in self.endpoints):
+            await asyncio.sleep(self.config.health.interval_s / 2)
 
     # ---- health --------------------------------------------------------------------------------
     def eject(self, endpoint: Endpoint) -> None:

@@ -82,7 +82,7 @@ class Isolated:
         options: dict[str, object] = {
             "endpoints": self.stack.llm_endpoints,
             "model": self.stack.model,
-            "timeouts": Timeouts(connect_s=0.5, attempt_s=10, deadline_s=30),
+            "timeouts": Timeouts(connect_s=2, attempt_s=20, deadline_s=60),
             "health": HealthSettings(interval_s=0.2),
         }
         options.update(overrides)
