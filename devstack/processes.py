@@ -34,7 +34,9 @@ def port_open(port: int, host: str = "127.0.0.1", timeout_s: float = 0.2) -> boo
     return False
 
 
-def spawn(name: str, argv: Sequence[str], port: int, log_dir: Path, env: dict[str, str] | None = None) -> ManagedProcess:
+def spawn(
+    name: str, argv: Sequence[str], port: int, log_dir: Path, env: dict[str, str] | None = None
+) -> ManagedProcess:
     """Start ``argv`` in its own session (so it outlives this CLI and can be stopped as a group)."""
     log_dir.mkdir(parents=True, exist_ok=True)
     log = log_dir / f"{name}.log"
@@ -56,7 +58,9 @@ def wait_for_port(process: ManagedProcess, timeout_s: float = 30.0) -> None:
         if port_open(process.port):
             return
         if not alive(process.pid):
-            raise RuntimeError(f"{process.name} exited during start-up; see {process.log}:\n{_tail(process.log)}")
+            raise RuntimeError(
+                f"{process.name} exited during start-up; see {process.log}:\n{_tail(process.log)}"
+            )
         time.sleep(0.05)
     raise TimeoutError(f"{process.name} did not open port {process.port} in {timeout_s} s; see {process.log}")
 
@@ -69,7 +73,9 @@ def wait_for_http(process: ManagedProcess, path: str = "/health", timeout_s: flo
             if response.status == 200:
                 return
         if not alive(process.pid):
-            raise RuntimeError(f"{process.name} exited during start-up; see {process.log}:\n{_tail(process.log)}")
+            raise RuntimeError(
+                f"{process.name} exited during start-up; see {process.log}:\n{_tail(process.log)}"
+            )
         time.sleep(0.1)
     raise TimeoutError(f"{process.name} did not answer {url} in {timeout_s} s; see {process.log}")
 

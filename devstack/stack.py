@@ -14,13 +14,22 @@ import sys
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from devstack.processes import (
+    ManagedProcess,
+    alive,
+    free_port,
+    port_open,
+    spawn,
+    stop,
+    wait_for_http,
+    wait_for_port,
+)
 from sinks.config import SinkSettings
-from devstack.processes import ManagedProcess, alive, free_port, port_open, spawn, stop, wait_for_http, wait_for_port
 
 EVENTS_TOPIC = "shopper-events"
 MOTO_CREDENTIALS = ("testing", "testing")
@@ -109,8 +118,19 @@ def stack_up(settings: StackSettings) -> StackState:
         for process in reversed(started):
             stop(process)
         raise
-    credentials = (None, None) if settings.s3_endpoint_url else MOTO_CREDENTIALS
-    state = StackState(kafka, redis_url, s3, settings.s3_bucket, endpoints, settings.llm, model, *credentials, started)
+    key_id, secret = (None, None) if settings.s3_endpoint_url else MOTO_CREDENTIALS
+    state = StackState(
+        kafka_bootstrap=kafka,
+        redis_url=redis_url,
+        s3_endpoint_url=s3,
+        s3_bucket=settings.s3_bucket,
+        llm_endpoints=endpoints,
+        llm_kind=settings.llm,
+        model=model,
+        s3_access_key_id=key_id,
+        s3_secret_access_key=secret,
+        processes=started,
+    )
     state_file(settings.state_dir).write_text(state.to_json())
     return state
 
@@ -173,7 +193,12 @@ def _redis(logs: Path, started: list[ManagedProcess]) -> str:
     if binary is None:
         raise RuntimeError("Redis is not reachable on 127.0.0.1:6379 and redis-server is not installed")
     port = free_port()
-    process = spawn("redis", [binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"], port, logs)
+    process = spawn(
+        "redis",
+        [binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"],
+        port,
+        logs,
+    )
     started.append(process)
     wait_for_port(process)
     return f"redis://127.0.0.1:{port}/0"
@@ -181,7 +206,9 @@ def _redis(logs: Path, started: list[ManagedProcess]) -> str:
 
 def _start_moto(logs: Path, started: list[ManagedProcess]) -> str:
     port = free_port()
-    process = spawn("moto-s3", [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)], port, logs)
+    process = spawn(
+        "moto-s3", [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)], port, logs
+    )
     started.append(process)
     wait_for_port(process, timeout_s=60)
     return f"http://127.0.0.1:{port}"
@@ -190,19 +217,34 @@ def _start_moto(logs: Path, started: list[ManagedProcess]) -> str:
 def _create_bucket(endpoint: str | None, bucket: str, credentials: tuple[str, str] | None) -> None:
     import boto3
 
-    keys = {} if credentials is None else {"aws_access_key_id": credentials[0], "aws_secret_access_key": credentials[1]}
+    keys = (
+        {}
+        if credentials is None
+        else {"aws_access_key_id": credentials[0], "aws_secret_access_key": credentials[1]}
+    )
     s3 = boto3.client("s3", endpoint_url=endpoint, region_name="us-east-1", **keys)
     with contextlib.suppress(s3.exceptions.BucketAlreadyOwnedByYou, s3.exceptions.BucketAlreadyExists):
         s3.create_bucket(Bucket=bucket)
 
 
-def _start_simulators(settings: StackSettings, logs: Path, started: list[ManagedProcess]) -> tuple[list[str], str]:
+def _start_simulators(
+    settings: StackSettings, logs: Path, started: list[ManagedProcess]
+) -> tuple[list[str], str]:
     endpoints = []
     batch = []
     for i in range(settings.replicas):
         port = free_port()
-        argv = [sys.executable, "-m", "serving.simulator", "--port", str(port), "--replica-id", f"sim-{i}",
-                "--time-scale", str(settings.time_scale)]
+        argv = [
+            sys.executable,
+            "-m",
+            "serving.simulator",
+            "--port",
+            str(port),
+            "--replica-id",
+            f"sim-{i}",
+            "--time-scale",
+            str(settings.time_scale),
+        ]
         process = spawn(f"sim-{i}", argv, port, logs)
         started.append(process)
         batch.append(process)
@@ -234,7 +276,7 @@ def wait_ready(state: StackState, timeout_s: float = 30.0) -> None:
         wait_for_port(process, timeout_s=max(1.0, deadline - time.monotonic()))
 
 
-def sink_settings(state: StackState, **overrides: object) -> SinkSettings:
+def sink_settings(state: StackState, **overrides: Any) -> SinkSettings:
     """Sink settings pointing at the stack's Redis and S3."""
     return SinkSettings(
         redis_url=state.redis_url,

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import orjson
 import xxhash
 
-from prompt_assembly.events import ShopperEvent
+from prompt_assembly.events import EventType, ShopperEvent
 
 _CATALOG_SPEC: dict[str, tuple[list[str], list[str], tuple[float, float]]] = {
     "Costumes > Kids": (
@@ -89,10 +89,11 @@ class Product:
 def build_catalog(rng: random.Random) -> dict[str, list[Product]]:
     catalog: dict[str, list[Product]] = {}
     for category, (adjectives, items, (low, high)) in _CATALOG_SPEC.items():
-        products = []
+        products: list[Product] = []
         for adjective in adjectives:
             for item in items:
-                pid = f"P{len(products):03d}-{xxhash.xxh32_intdigest(f'{category}/{adjective}/{item}'.encode()) % 10**6:06d}"
+                digest = xxhash.xxh32_intdigest(f"{category}/{adjective}/{item}".encode()) % 10**6
+                pid = f"P{len(products):03d}-{digest:06d}"
                 products.append(
                     Product(
                         product_id=f"{category.split(' > ')[1][:3].upper()}-{pid}",
@@ -144,7 +145,9 @@ class SyntheticStream:
         ]
         top = self.shoppers[0].weight
         # Each shopper's clock: hot shoppers act more often (their gaps are shorter).
-        self._heap = [(start_ts + self.rng.uniform(0, 60) * top / s.weight ** 0.5, i) for i, s in enumerate(self.shoppers)]
+        self._heap = [
+            (start_ts + self.rng.uniform(0, 60) * top / s.weight**0.5, i) for i, s in enumerate(self.shoppers)
+        ]
         heapq.heapify(self._heap)
         self._counter = 0
 
@@ -183,6 +186,7 @@ class SyntheticStream:
 
     def _event(self, shopper: _Shopper, ts: float) -> ShopperEvent:
         roll = self.rng.random()
+        kind: EventType
         if shopper.cart and roll < 0.06:
             product = shopper.cart.pop()
             kind = "purchase"
@@ -205,7 +209,7 @@ class SyntheticStream:
         return ShopperEvent(
             event_id=self._event_id(),
             shopper_id=shopper.shopper_id,
-            type=kind,  # type: ignore[arg-type]
+            type=kind,
             ts=round(ts, 3),
             product={
                 "product_id": product.product_id,
@@ -226,13 +230,23 @@ class SyntheticStream:
             value = orjson.dumps({"event_id": self._event_id(), "type": "view", "ts": 1.0})  # missing fields
         elif kind == 2:
             value = orjson.dumps(
-                {"event_id": self._event_id(), "shopper_id": shopper.shopper_id, "type": "view", "ts": "yesterday",
-                 "product": {"product_id": "x", "title": "x", "price": "cheap"}}
+                {
+                    "event_id": self._event_id(),
+                    "shopper_id": shopper.shopper_id,
+                    "type": "view",
+                    "ts": "yesterday",
+                    "product": {"product_id": "x", "title": "x", "price": "cheap"},
+                }
             )  # wrong types
         elif kind == 3:
             value = orjson.dumps(
-                {"event_id": self._event_id(), "shopper_id": shopper.shopper_id, "type": "view", "ts": 1.7e9,
-                 "product": {"product_id": "x", "title": "x" * 5000, "price": 1.0}}
+                {
+                    "event_id": self._event_id(),
+                    "shopper_id": shopper.shopper_id,
+                    "type": "view",
+                    "ts": 1.7e9,
+                    "product": {"product_id": "x", "title": "x" * 5000, "price": 1.0},
+                }
             )  # oversized field
         else:
             value = "\u00ff\u00fe not json at all".encode("latin-1")  # not UTF-8 JSON

@@ -113,6 +113,7 @@ class EmbeddedRunner:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._last_message_at = time.monotonic()
         self._commit_lock = asyncio.Lock()
+        self._last_consumed, self._last_progress = 0, time.monotonic()
 
     # ---- lifecycle -----------------------------------------------------------------------------
     async def run(self) -> RunnerStats:
@@ -136,7 +137,9 @@ class EmbeddedRunner:
                 "log.connection.close": False,
             }
         )
-        self.producer = Producer({"bootstrap.servers": s.bootstrap_servers, "linger.ms": 20, "log.connection.close": False})
+        self.producer = Producer(
+            {"bootstrap.servers": s.bootstrap_servers, "linger.ms": 20, "log.connection.close": False}
+        )
         self.consumer.subscribe([s.topic], on_assign=self._on_assign, on_revoke=self._on_revoke)
         for sig in (signal.SIGTERM, signal.SIGINT):
             with contextlib.suppress(NotImplementedError, RuntimeError):
@@ -189,12 +192,15 @@ class EmbeddedRunner:
         epoch = Epoch()
         parsed = []
         for message in messages:
-            if message.error() is not None:
-                if message.error().code() != KafkaError._PARTITION_EOF:
-                    self.log(f"kafka error: {message.error()}")
+            error = message.error()
+            if error is not None:
+                if error.code() != KafkaError._PARTITION_EOF:
+                    self.log(f"kafka error: {error}")
                 continue
             acct.consumed += 1
-            epoch.offsets[(message.topic(), message.partition())] = message.offset() + 1
+            topic, partition, offset = message.topic(), message.partition(), message.offset()
+            assert topic is not None and partition is not None and offset is not None  # a real record
+            epoch.offsets[(topic, partition)] = offset + 1
             try:
                 parsed.append((message, parse_event(message.value())))
             except MalformedEvent as exc:
@@ -212,7 +218,7 @@ class EmbeddedRunner:
             session = self._sessions.get(sid)
             if session is None:
                 session = self._sessions[sid] = self.processor.new_session(sid)
-            self._partition_of[sid] = message.partition()
+            self._partition_of[sid] = message.partition() or 0
             applied = self.processor.apply(session, event)
             if applied.outcome == "accepted":
                 acct.accepted += 1
@@ -451,19 +457,30 @@ class EmbeddedRunner:
 
     # ---- progress ------------------------------------------------------------------------------
     async def _progress(self) -> None:
-        self._last_consumed, self._last_progress = 0, time.monotonic()
         while True:
             await asyncio.sleep(self.settings.progress_interval_s)
             self._report_progress()
 
+    def _cached_lag(self) -> int | None:
+        """Lag from the watermarks the consumer last saw (no broker round trip)."""
+        if not self._assignment:
+            return None
+        lag = 0
+        for tp in self.consumer.position(self._assignment):
+            _, high = self.consumer.get_watermark_offsets(tp, cached=True)
+            if high >= 0:
+                lag += max(0, high - max(tp.offset, 0))
+        return lag
+
     def _report_progress(self, final: bool = False) -> None:
         now = time.monotonic()
         acct = self.stats.accounting
-        rate = (acct.consumed - getattr(self, "_last_consumed", 0)) / max(1e-9, now - getattr(self, "_last_progress", now))
+        rate = (acct.consumed - self._last_consumed) / max(1e-9, now - self._last_progress)
         self._last_consumed, self._last_progress = acct.consumed, now
-        label = "done" if final else "progress"
+        lag = None if final else self._cached_lag()
         self.log(
-            f"[{label}] events {acct.consumed} ({rate:,.0f}/s) dlq {acct.dead_lettered} dup {acct.duplicates} "
-            f"prompts {acct.prompts} in-flight {self._in_flight} insights {acct.insights} errors {acct.errors} "
-            f"cache-hit {self.stats.cache_hit_ratio:.0%} commits {self.stats.commits}"
+            f"[{'done' if final else 'progress'}] events {acct.consumed} ({rate:,.0f}/s) "
+            f"lag {'-' if lag is None else lag} dlq {acct.dead_lettered} dup {acct.duplicates} "
+            f"prompts {acct.prompts} in-flight {self._in_flight} insights {acct.insights} "
+            f"errors {acct.errors} cache-hit {self.stats.cache_hit_ratio:.0%} commits {self.stats.commits}"
         )

@@ -38,7 +38,9 @@ class RunnerSettings(BaseSettings):
     )
     progress_interval_s: float = Field(2.0, gt=0)
     until_drained: bool = Field(False, description="exit when the topic is consumed and all results stored")
-    drain_idle_s: float = Field(1.0, ge=0, description="with until_drained: quiet time that means 'caught up'")
+    drain_idle_s: float = Field(
+        1.0, ge=0, description="with until_drained: quiet time that means 'caught up'"
+    )
     session: SessionConfig = Field(default_factory=SessionConfig)
     llm: ClientConfig = Field(default_factory=ClientConfig)
     enrichment: EnrichmentSettings = Field(default_factory=EnrichmentSettings)

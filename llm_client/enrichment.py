@@ -38,7 +38,9 @@ class Enricher:
                 deadline_s=self.settings.deadline_s,
             )
         except LLMError as exc:
-            return self._error(prompt, type(exc).__name__, str(exc), attempts=self.client.config.retry.max_attempts)
+            return self._error(
+                prompt, type(exc).__name__, str(exc), attempts=self.client.config.retry.max_attempts
+            )
         try:
             understanding = parse_understanding(completion.text)
         except ValueError as exc:

@@ -49,5 +49,9 @@ def response_format() -> dict[str, Any]:
     """OpenAI ``response_format`` asking for a ``ShopperUnderstanding``."""
     return {
         "type": "json_schema",
-        "json_schema": {"name": "shopper_understanding", "schema": understanding_json_schema(), "strict": True},
+        "json_schema": {
+            "name": "shopper_understanding",
+            "schema": understanding_json_schema(),
+            "strict": True,
+        },
     }

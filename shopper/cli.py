@@ -7,13 +7,22 @@ import asyncio
 import json
 import sys
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Any
 
 import typer
 from rich.console import Console
 from rich.table import Table
 
-from devstack.stack import DLQ_TOPIC, EVENTS_TOPIC, StackSettings, load_state, stack_down, stack_status, stack_up
+from devstack.stack import (
+    DLQ_TOPIC,
+    EVENTS_TOPIC,
+    StackSettings,
+    load_state,
+    stack_down,
+    stack_status,
+    stack_up,
+)
+from flink_jobs.runner_config import RunnerSettings
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help=__doc__, pretty_exceptions_enable=False)
 stack_app = typer.Typer(no_args_is_help=True, help="Start, stop and inspect the embedded stack.")
@@ -31,7 +40,15 @@ def stack_up_cmd(
     partitions: int = 4,
 ) -> None:
     """Start what is not already reachable and write the addresses to the state file."""
-    settings = StackSettings(state_dir=state_dir, llm=llm, replicas=replicas, time_scale=time_scale, partitions=partitions)  # type: ignore[arg-type]
+    settings = StackSettings.model_validate(
+        {
+            "state_dir": state_dir,
+            "llm": llm,
+            "replicas": replicas,
+            "time_scale": time_scale,
+            "partitions": partitions,
+        }
+    )
     state = stack_up(settings)
     console.print_json(state.to_json())
 
@@ -65,8 +82,14 @@ def produce(
 
     bootstrap = bootstrap or load_state(state_dir).kafka_bootstrap
     report = run_produce(
-        bootstrap, topic, events=events, shoppers=shoppers, rate=rate or None,
-        malformed_rate=malformed_rate, seed=seed, realtime_ts=realtime_ts,
+        bootstrap,
+        topic,
+        events=events,
+        shoppers=shoppers,
+        rate=rate or None,
+        malformed_rate=malformed_rate,
+        seed=seed,
+        realtime_ts=realtime_ts,
     )
     console.print(
         f"produced {report.sent} events ({report.malformed} malformed) to {topic} in {report.seconds:.2f} s "
@@ -74,10 +97,10 @@ def produce(
     )
 
 
-def runner_settings_from_stack(state_dir: Path, **overrides: object) -> object:
+def runner_settings_from_stack(state_dir: Path, **overrides: Any) -> RunnerSettings:
+    from devstack.stack import sink_settings
     from flink_jobs.runner_config import RunnerSettings
     from llm_client.config import ClientConfig
-    from devstack.stack import sink_settings
 
     state = load_state(state_dir)
     return RunnerSettings(
@@ -90,7 +113,9 @@ def runner_settings_from_stack(state_dir: Path, **overrides: object) -> object:
 
 @app.command()
 def run(
-    until_drained: Annotated[bool, typer.Option(help="exit once the topic is consumed and all results stored")] = False,
+    until_drained: Annotated[
+        bool, typer.Option(help="exit once the topic is consumed and all results stored")
+    ] = False,
     group_id: str = "shopper-understanding",
     policy: Annotated[str, typer.Option(help="routing policy")] = "session_affinity",
     from_stack: Annotated[bool, typer.Option(help="take addresses from the stack state file")] = True,
@@ -98,11 +123,9 @@ def run(
 ) -> None:
     """Run the embedded pipeline (Kafka -> sessions -> LLM -> Redis + S3). Ctrl-C / SIGTERM drain."""
     from flink_jobs.local_runner import EmbeddedRunner
-    from flink_jobs.runner_config import RunnerSettings
 
     if from_stack:
         settings = runner_settings_from_stack(state_dir, until_drained=until_drained, group_id=group_id)
-        assert isinstance(settings, RunnerSettings)
     else:
         settings = RunnerSettings(until_drained=until_drained, group_id=group_id)
     settings.llm.policy = policy
@@ -117,7 +140,9 @@ def run(
 
 @app.command()
 def signals(
-    shopper_id: Annotated[list[str] | None, typer.Argument(help="shopper ids; none = the 10 most recent")] = None,
+    shopper_id: Annotated[
+        list[str] | None, typer.Argument(help="shopper ids; none = the 10 most recent")
+    ] = None,
     state_dir: StateDir = Path(".state"),
     limit: int = 10,
 ) -> None:
@@ -128,8 +153,13 @@ def signals(
     table = Table("shopper", "seq", "summary", "interests", "occasion", "price", "cached/prompt")
     for row in rows:
         table.add_row(
-            row["shopper_id"], row["seq"], row["summary"], ", ".join(json.loads(row["interests"])),
-            row["occasion"] or "-", row["price_sensitivity"], f"{row['cached_tokens']}/{row['prompt_tokens']}",
+            row["shopper_id"],
+            row["seq"],
+            row["summary"],
+            ", ".join(json.loads(row["interests"])),
+            row["occasion"] or "-",
+            row["price_sensitivity"],
+            f"{row['cached_tokens']}/{row['prompt_tokens']}",
         )
     console.print(table)
 

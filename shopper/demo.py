@@ -27,9 +27,18 @@ def run_demo(state_dir: Path, *, events: int, shoppers: int, keep_stack: bool, c
         prefix = f"su-demo-{int(time.time())}:"
         s3_prefix = prefix.rstrip(":")
         console.rule("2. produce")
-        report = produce(state.kafka_bootstrap, EVENTS_TOPIC, events=events, shoppers=shoppers, rate=None,
-                         malformed_rate=0.01, seed=7)
-        console.print(f"{report.sent} events ({report.malformed} deliberately malformed) in {report.seconds:.2f} s")
+        report = produce(
+            state.kafka_bootstrap,
+            EVENTS_TOPIC,
+            events=events,
+            shoppers=shoppers,
+            rate=None,
+            malformed_rate=0.01,
+            seed=7,
+        )
+        console.print(
+            f"{report.sent} events ({report.malformed} deliberately malformed) in {report.seconds:.2f} s"
+        )
         console.rule("3. run until drained")
         settings = RunnerSettings(
             bootstrap_servers=state.kafka_bootstrap,
@@ -38,30 +47,73 @@ def run_demo(state_dir: Path, *, events: int, shoppers: int, keep_stack: bool, c
             llm=ClientConfig(endpoints=state.llm_endpoints, model=state.model),
             sinks=sink_settings(state, redis_key_prefix=prefix, s3_prefix=s3_prefix),
         )
-        stats = asyncio.run(EmbeddedRunner(settings, log=lambda line: console.print(f"[dim]{line}[/dim]")).run())
+        stats = asyncio.run(
+            EmbeddedRunner(settings, log=lambda line: console.print(f"[dim]{line}[/dim]")).run()
+        )
         console.rule("4. what landed")
         rows = asyncio.run(read_signals(state.redis_url, [], 8, prefix=prefix))
-        table = Table("shopper", "v", "understanding (from Redis)", "occasion", "price", "cached/prompt", title="Redis signals")
+        table = Table(
+            "shopper",
+            "v",
+            "understanding (from Redis)",
+            "occasion",
+            "price",
+            "cached/prompt",
+            title="Redis signals",
+        )
         for row in rows:
-            table.add_row(row["shopper_id"], row["seq"], row["summary"], row["occasion"] or "-",
-                          row["price_sensitivity"], f"{row['cached_tokens']}/{row['prompt_tokens']}")
+            table.add_row(
+                row["shopper_id"],
+                row["seq"],
+                row["summary"],
+                row["occasion"] or "-",
+                row["price_sensitivity"],
+                f"{row['cached_tokens']}/{row['prompt_tokens']}",
+            )
         console.print(table)
         keys, records = list_s3_records(sink_settings(state), s3_prefix)
-        console.print(f"S3: {len(keys)} objects, {len(records)} records in s3://{state.s3_bucket}/{s3_prefix}/, e.g.")
+        console.print(
+            f"S3: {len(keys)} objects, {len(records)} records in s3://{state.s3_bucket}/{s3_prefix}/, e.g."
+        )
         for key in keys[:4]:
             console.print(f"  {key}")
         dlq = read_dlq(state.kafka_bootstrap, DLQ_TOPIC)
         console.print(f"DLQ {DLQ_TOPIC}: {len(dlq)} records; e.g. '{dlq[0]['reason'] if dlq else '-'}'")
         acct = stats.accounting
-        totals = Table("events in", "in sessions", "duplicates", "dead-lettered", "unaccounted",
-                       "prompts", "insights", "errors", "unaccounted", title="Accounting")
-        totals.add_row(*(str(v) for v in (acct.consumed, acct.accepted, acct.duplicates, acct.dead_lettered,
-                                           acct.events_unaccounted, acct.prompts, acct.insights, acct.errors,
-                                           acct.prompts_unaccounted)))
+        totals = Table(
+            "events in",
+            "in sessions",
+            "duplicates",
+            "dead-lettered",
+            "unaccounted",
+            "prompts",
+            "insights",
+            "errors",
+            "unaccounted",
+            title="Accounting",
+        )
+        totals.add_row(
+            *(
+                str(v)
+                for v in (
+                    acct.consumed,
+                    acct.accepted,
+                    acct.duplicates,
+                    acct.dead_lettered,
+                    acct.events_unaccounted,
+                    acct.prompts,
+                    acct.insights,
+                    acct.errors,
+                    acct.prompts_unaccounted,
+                )
+            )
+        )
         console.print(totals)
         reuse = stats.estimated_shared_tokens / max(1, stats.estimated_prompt_tokens)
-        console.print(f"prompt prefix reuse (estimate, all prompts): {reuse:.2f}; "
-                      f"server-reported cache hits: {stats.cache_hit_ratio:.2f}")
+        console.print(
+            f"prompt prefix reuse (estimate, all prompts): {reuse:.2f}; "
+            f"server-reported cache hits: {stats.cache_hit_ratio:.2f}"
+        )
         ok = acct.balanced and len(dlq) == report.malformed and len(records) >= acct.prompts
         console.print("[green]all accounted for[/green]" if ok else "[red]ACCOUNTING MISMATCH[/red]")
         redis.Redis.from_url(state.redis_url).close()

@@ -31,10 +31,19 @@ def produce(
     """Send ``events`` records; ``rate`` (events/s) paces them, None sends as fast as possible.
     ``realtime_ts`` stamps events with the wall clock instead of the simulated event time."""
     stream = SyntheticStream(
-        shoppers=shoppers, seed=seed, malformed_rate=malformed_rate,
+        shoppers=shoppers,
+        seed=seed,
+        malformed_rate=malformed_rate,
         start_ts=time.time() if realtime_ts else 1_761_800_000.0,
     )
-    producer = Producer({"bootstrap.servers": bootstrap, "linger.ms": 10, "batch.num.messages": 10000, "log.connection.close": False})
+    producer = Producer(
+        {
+            "bootstrap.servers": bootstrap,
+            "linger.ms": 10,
+            "batch.num.messages": 10000,
+            "log.connection.close": False,
+        }
+    )
     started = time.perf_counter()
     malformed = 0
     for i in range(events):

@@ -15,7 +15,9 @@ from confluent_kafka import Consumer, TopicPartition
 from sinks.config import SinkSettings
 
 
-async def read_signals(redis_url: str, shopper_ids: list[str], limit: int, prefix: str = "su:") -> list[dict[str, str]]:
+async def read_signals(
+    redis_url: str, shopper_ids: list[str], limit: int, prefix: str = "su:"
+) -> list[dict[str, str]]:
     redis = aioredis.Redis.from_url(redis_url, decode_responses=True)
     try:
         if not shopper_ids:
@@ -34,7 +36,7 @@ async def read_signals(redis_url: str, shopper_ids: list[str], limit: int, prefi
 
 def list_s3_records(settings: SinkSettings, prefix: str) -> tuple[list[str], list[dict[str, Any]]]:
     """All object keys under ``prefix`` and the records they hold."""
-    s3 = boto3.client("s3", **settings.s3_client_kwargs())  # type: ignore[call-overload]
+    s3 = boto3.client("s3", **settings.s3_client_kwargs())
     bucket = settings.s3_bucket
     keys: list[str] = []
     records: list[dict[str, Any]] = []
@@ -46,7 +48,9 @@ def list_s3_records(settings: SinkSettings, prefix: str) -> tuple[list[str], lis
     return keys, records
 
 
-def read_dlq(bootstrap: str, topic: str, limit: int | None = None, timeout_s: float = 30.0) -> list[dict[str, Any]]:
+def read_dlq(
+    bootstrap: str, topic: str, limit: int | None = None, timeout_s: float = 30.0
+) -> list[dict[str, Any]]:
     """Every record of the dead-letter topic (from the beginning), newest ``limit`` if given."""
     consumer = Consumer(
         {
@@ -67,11 +71,12 @@ def read_dlq(bootstrap: str, topic: str, limit: int | None = None, timeout_s: fl
         deadline = time.monotonic() + timeout_s
         while len(done) < len(ends) and time.monotonic() < deadline:
             for message in consumer.consume(1000, 0.5):
-                if message.error():
+                value, offset, partition = message.value(), message.offset(), message.partition()
+                if message.error() or value is None or offset is None or partition is None:
                     continue
-                records.append(orjson.loads(message.value()))
-                if message.offset() + 1 >= ends[message.partition()]:
-                    done.add(message.partition())
+                records.append(orjson.loads(value))
+                if offset + 1 >= ends[partition]:
+                    done.add(partition)
         if len(done) < len(ends):
             raise TimeoutError(f"read {len(records)} dead letters but not to the end in {timeout_s} s")
         return records if limit is None else records[-limit:]

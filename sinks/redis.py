@@ -94,7 +94,7 @@ class RedisSignalSink:
         self.written += applied
 
     async def read(self, shopper_id: str) -> dict[str, str]:
-        raw = await self.redis.hgetall(self.key(shopper_id))
+        raw: dict[bytes, bytes] = await self.redis.hgetall(self.key(shopper_id))  # type: ignore[misc]
         return {k.decode(): v.decode() for k, v in raw.items()}
 
     async def flush(self) -> None:

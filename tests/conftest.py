@@ -57,7 +57,9 @@ class Isolated:
             future.result(timeout=10)
 
     def sinks(self) -> SinkSettings:
-        return sink_settings(self.stack, redis_key_prefix=self.prefix, s3_prefix=self.s3_prefix, s3_max_age_s=0.5)
+        return sink_settings(
+            self.stack, redis_key_prefix=self.prefix, s3_prefix=self.s3_prefix, s3_max_age_s=0.5
+        )
 
     def runner(self, **overrides: object) -> RunnerSettings:
         options: dict[str, object] = {

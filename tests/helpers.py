@@ -16,7 +16,9 @@ def produce_records(bootstrap: str, topic: str, records: list[tuple[bytes, bytes
     assert producer.flush(30) == 0
 
 
-def expected_prompts(records: list[tuple[bytes, bytes, bool]], config: SessionConfig | None = None) -> dict[str, PromptRequest]:
+def expected_prompts(
+    records: list[tuple[bytes, bytes, bool]], config: SessionConfig | None = None
+) -> dict[str, PromptRequest]:
     """Every prompt the pipeline must emit for ``records`` when pending triggers fire only from event
     time or at the final drain: the same pure processor, run in memory in per-shopper order."""
     processor = SessionProcessor(config)

@@ -15,7 +15,13 @@ VALID = {
     "shopper_id": "s-1",
     "type": "add_to_cart",
     "ts": 1_761_800_000.5,
-    "product": {"product_id": "p-1", "title": "Witch Costume", "brand": "Spooky", "category": "Costumes", "price": 24.99},
+    "product": {
+        "product_id": "p-1",
+        "title": "Witch Costume",
+        "brand": "Spooky",
+        "category": "Costumes",
+        "price": 24.99,
+    },
 }
 
 

@@ -13,13 +13,13 @@ import subprocess
 import sys
 import time
 from collections import Counter
+from pathlib import Path
 
 import orjson
-from pathlib import Path
 import pytest
 import redis as sync_redis
 
-from devstack.processes import ManagedProcess, free_port, spawn, stop, wait_for_http
+from devstack.processes import free_port, spawn, stop, wait_for_http
 from devstack.synthetic import SyntheticStream
 from flink_jobs.local_runner import EmbeddedRunner
 from shopper.readback import list_s3_records, read_dlq
@@ -76,7 +76,11 @@ def test_every_event_and_prompt_is_accounted_for(isolated: Isolated) -> None:
     assert all(d["reason"] for d in dlq)
     bad_values = Counter(v for _, v, m in records if m)
     originals = Counter(
-        (d["original"].encode() if d["encoding"] == "utf-8" else __import__("base64").b64decode(d["original"]))
+        (
+            d["original"].encode()
+            if d["encoding"] == "utf-8"
+            else __import__("base64").b64decode(d["original"])
+        )
         for d in dlq
     )
     assert originals == bad_values
@@ -88,8 +92,17 @@ def test_a_replica_killed_mid_run_loses_no_result(isolated: Isolated, tmp_path: 
     port = free_port()
     victim = spawn(
         "victim",
-        [sys.executable, "-m", "serving.simulator", "--port", str(port), "--replica-id", "victim",
-         "--time-scale", str(SIM_TIME_SCALE * 5)],
+        [
+            sys.executable,
+            "-m",
+            "serving.simulator",
+            "--port",
+            str(port),
+            "--replica-id",
+            "victim",
+            "--time-scale",
+            str(SIM_TIME_SCALE * 5),
+        ],
         port,
         Path(str(tmp_path)),
     )
@@ -154,8 +167,13 @@ def test_runner_killed_mid_stream_resumes_with_no_loss_and_no_regression(isolate
     expected = expected_prompts(records)
     command = [sys.executable, "-m", "shopper", "run", "--no-from-stack", "--group-id", isolated.group]
 
-    first = subprocess.Popen(command, env=_runner_env(isolated), stdout=subprocess.DEVNULL,
-                             stderr=subprocess.PIPE, start_new_session=True)
+    first = subprocess.Popen(
+        command,
+        env=_runner_env(isolated),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        start_new_session=True,
+    )
     try:
         deadline = time.monotonic() + 60
         while len(redis_seqs(isolated)) < 10:  # some results are stored, many prompts still to go
@@ -168,7 +186,9 @@ def test_runner_killed_mid_stream_resumes_with_no_loss_and_no_regression(isolate
         first.wait()
     assert sum(before_kill.values()) < len(expected), "the kill must land mid-stream"
 
-    second = subprocess.run([*command, "--until-drained"], env=_runner_env(isolated), capture_output=True, timeout=240)
+    second = subprocess.run(
+        [*command, "--until-drained"], env=_runner_env(isolated), capture_output=True, timeout=240
+    )
     assert second.returncode == 0, second.stderr.decode()[-3000:]
 
     after = redis_seqs(isolated)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import itertools
+
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -15,13 +17,28 @@ from prompt_assembly.triggers import TriggerPolicy
 _counter = iter(range(10**9))
 
 
-def event(kind: str = "view", ts: float = 1000.0, shopper: str = "s1", event_id: str | None = None, title: str = "Witch Hat") -> ShopperEvent:
+def event(
+    kind: str = "view",
+    ts: float = 1000.0,
+    shopper: str = "s1",
+    event_id: str | None = None,
+    title: str = "Witch Hat",
+) -> ShopperEvent:
     eid = event_id or f"e{next(_counter)}"
     if kind == "search":
         return ShopperEvent(event_id=eid, shopper_id=shopper, type="search", ts=ts, query=title)
     return ShopperEvent(
-        event_id=eid, shopper_id=shopper, type=kind, ts=ts,  # type: ignore[arg-type]
-        product={"product_id": "p1", "title": title, "category": "Costumes", "price": 19.5, "snippet": "Kids loved it"},
+        event_id=eid,
+        shopper_id=shopper,
+        type=kind,
+        ts=ts,  # type: ignore[arg-type]
+        product={
+            "product_id": "p1",
+            "title": title,
+            "category": "Costumes",
+            "price": 19.5,
+            "snippet": "Kids loved it",
+        },
     )
 
 
@@ -36,7 +53,9 @@ def shared_tokens(a: PromptRequest, b: PromptRequest) -> int:
 
 
 def test_cart_add_triggers_at_once_and_browsing_after_a_quiet_period() -> None:
-    processor = SessionProcessor(SessionConfig(triggers=TriggerPolicy(quiet_period_s=20, min_prompt_interval_s=5)))
+    processor = SessionProcessor(
+        SessionConfig(triggers=TriggerPolicy(quiet_period_s=20, min_prompt_interval_s=5))
+    )
     session = processor.new_session("s1")
     assert processor.apply(session, event("view", 100)).prompts == []
     assert processor.apply(session, event("view", 110)).prompts == []  # still browsing
@@ -49,11 +68,17 @@ def test_cart_add_triggers_at_once_and_browsing_after_a_quiet_period() -> None:
 
 
 def test_rate_limit_defers_a_cart_add_and_keeps_its_reason() -> None:
-    processor = SessionProcessor(SessionConfig(triggers=TriggerPolicy(quiet_period_s=20, min_prompt_interval_s=10)))
+    processor = SessionProcessor(
+        SessionConfig(triggers=TriggerPolicy(quiet_period_s=20, min_prompt_interval_s=10))
+    )
     session = processor.new_session("s1")
     assert len(processor.apply(session, event("add_to_cart", 100)).prompts) == 1
     assert processor.apply(session, event("add_to_cart", 103)).prompts == []  # rate-limited
-    assert session.pending is not None and session.pending.due_ts == 110 and session.pending.reason == "add_to_cart"
+    assert (
+        session.pending is not None
+        and session.pending.due_ts == 110
+        and session.pending.reason == "add_to_cart"
+    )
     assert processor.apply(session, event("view", 105)).prompts == []  # browsing keeps the cart trigger
     assert session.pending.reason == "add_to_cart"
     fired = processor.fire_pending(session, due_ts=110)
@@ -103,7 +128,9 @@ def test_session_round_trips_through_json_and_deltas() -> None:
 
 
 def test_budget_trims_in_large_steps_and_remembers_trimmed_ids() -> None:
-    config = SessionConfig(max_log_tokens=400, trim_to_fraction=0.4, triggers=TriggerPolicy(min_prompt_interval_s=0))
+    config = SessionConfig(
+        max_log_tokens=400, trim_to_fraction=0.4, triggers=TriggerPolicy(min_prompt_interval_s=0)
+    )
     processor = SessionProcessor(config)
     session = processor.new_session("s1")
     first = event("view", 100, event_id="first")
@@ -135,7 +162,7 @@ def test_prompts_are_prefix_stable_and_the_estimate_is_exact(steps: list[tuple[s
         ts += gap
         prompts += processor.apply(session, event(kind, ts, title=f"Item {int(gap)}")).prompts
     prompts += processor.flush(session)
-    for earlier, later in zip(prompts, prompts[1:], strict=False):
+    for earlier, later in itertools.pairwise(prompts):
         assert later.seq == earlier.seq + 1
         actual = shared_tokens(earlier, later)
         assert later.shared_prefix_tokens <= actual

@@ -1,0 +1,46 @@
+# Two commands on a fresh machine: `make demo` and `make test`. Each sets up what it needs itself:
+# a virtual environment with the project and its embedded services (Tansu, moto, the simulator,
+# Gemma 3 270M), and for the tests also PyFlink and a llama-server build (cached in ~/.cache).
+
+PYTHON ?= python3
+VENV   := .venv
+PY     := $(VENV)/bin/python
+STAMP  := $(VENV)/.installed-$(shell cat pyproject.toml | sha1sum | cut -c1-12)
+PYTEST_ARGS ?=
+
+.PHONY: demo test lint typecheck pytest llama bench clean stack-down
+
+$(STAMP): pyproject.toml
+	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -e ".[embedded,dev,flink]"
+	@rm -f $(VENV)/.installed-* && touch $@
+
+demo: $(STAMP)
+	$(VENV)/bin/shopper demo
+
+llama: $(STAMP)
+	@PYTHON=$(PY) scripts/build-llama-server
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+
+typecheck: $(STAMP)
+	$(VENV)/bin/mypy prompt_assembly llm_client serving sinks flink_jobs devstack shopper batch realtime
+
+pytest: $(STAMP) llama
+	$(PY) -m pytest -q -p no:cacheprovider $(PYTEST_ARGS)
+
+test: lint typecheck pytest
+
+bench: $(STAMP)
+	$(PY) bench/runner.py
+	$(PY) bench/prompt_assembly.py
+	$(PY) bench/client_overhead.py
+
+stack-down: $(STAMP)
+	$(VENV)/bin/shopper stack down
+
+clean:
+	rm -rf $(VENV) .state .pytest_cache .mypy_cache .ruff_cache
