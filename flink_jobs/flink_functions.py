@@ -75,8 +75,9 @@ def dlq_record(
 class ParseShopperEvents(ProcessFunction):
     """The validation gate. Valid events go on keyed by shopper; everything else goes to the DLQ."""
 
-    def __init__(self, source_topic: str | None) -> None:
+    def __init__(self, source_topic: str | None, base64_values: bool = False) -> None:
         self.source_topic = source_topic
+        self.base64_values = base64_values
 
     def open(self, runtime_context: RuntimeContext) -> None:
         group = runtime_context.get_metrics_group().add_group(METRIC_GROUP)
@@ -86,6 +87,8 @@ class ParseShopperEvents(ProcessFunction):
 
     def process_element(self, value: Any, ctx: ProcessFunction.Context) -> Iterable[Any]:
         self.records_in.inc()
+        if self.base64_values:
+            value = base64.b64decode(value)
         raw = value.encode("utf-8") if isinstance(value, str) else value
         try:
             event = parse_event(raw)

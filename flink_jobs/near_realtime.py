@@ -57,6 +57,10 @@ def job_configuration(settings: NearRealtimeSettings, *, local: bool) -> Any:
         "python.fn-execution.bundle.size": str(aio.bundle_size),
         "python.fn-execution.bundle.time": str(aio.bundle_time_ms),
         "python.metric.enabled": "true",
+        # Python operator chaining (fusing consecutive Python operators into one worker) duplicates the
+        # operators downstream of a Python operator with a side output in PyFlink 2.3: every prompt was
+        # enriched and written twice (and uids collide). Unfused, each stage has its own worker.
+        "python.operator-chaining.enabled": "false",
     }
     if restart.strategy == "fixed-delay":
         values["restart-strategy.fixed-delay.attempts"] = str(restart.attempts)
@@ -98,6 +102,7 @@ def build_pipeline(
     source_topic: str | None,
     processing_time_timers: bool = True,
     flush_at_end: bool = True,
+    base64_values: bool = False,
 ) -> Pipeline:
     """Everything between the source and the sinks; ``raw`` is a DataStream of str or bytes values."""
     from pyflink.common import Types
@@ -118,7 +123,8 @@ def build_pipeline(
     aio = settings.async_io
     parsed = (
         raw.process(
-            ParseShopperEvents(source_topic), output_type=Types.TUPLE([Types.STRING(), Types.STRING()])
+            ParseShopperEvents(source_topic, base64_values),
+            output_type=Types.TUPLE([Types.STRING(), Types.STRING()]),
         )
         .name("parse and validate events")
         .uid("parse-events")
@@ -131,6 +137,7 @@ def build_pipeline(
             output_type=Types.STRING(),
         )
         .name("shopper sessions")
+        .uid("shopper-sessions")
     )
     if aio.retry_attempts > 0:
         retry = async_retry_strategies.ExponentialBackoffDelayRetryStrategy(
@@ -217,26 +224,25 @@ def run_bounded(
     started = time.monotonic()
     env = create_environment(settings, local=True)
     # Bytes as they would come off Kafka. The collection travels base64-encoded (PyFlink's collection
-    # bridge cannot carry raw byte arrays, and a str coder would reject non-UTF-8) and is decoded at once.
+    # bridge cannot carry raw byte arrays, and a str coder would reject non-UTF-8); the parse step
+    # decodes it, so the bounded job has exactly the production operators after the source.
     values = [
         base64.b64encode(e.encode("utf-8") if isinstance(e, str) else bytes(e)).decode() for e in events
     ]
-    raw = (
-        env.from_collection(values, type_info=Types.STRING())
-        .name("bounded events")
-        .map(base64.b64decode, output_type=Types.PICKLED_BYTE_ARRAY())
-        .name("decode bounded events")
-    )
+    raw = env.from_collection(values, type_info=Types.STRING()).name("bounded events").uid("bounded-source")
     pipeline = build_pipeline(
-        raw, settings, source_topic=None, processing_time_timers=processing_time_timers, flush_at_end=True
-    )
-    tagged = pipeline.results.map(lambda r: "R" + r, output_type=Types.STRING()).union(
-        pipeline.dlq.map(lambda d: "D" + d, output_type=Types.STRING())
+        raw,
+        settings,
+        source_topic=None,
+        processing_time_timers=processing_time_timers,
+        flush_at_end=True,
+        base64_values=True,
     )
     run = BoundedRun()
-    with tagged.execute_and_collect(settings.job_name) as records:
+    # One collect sink for both streams; DLQ records are told apart by their "original_encoding" field.
+    with pipeline.results.union(pipeline.dlq).execute_and_collect(settings.job_name) as records:
         for record in records:
-            (run.results if record[0] == "R" else run.dlq).append(record[1:])
+            (run.dlq if '"original_encoding"' in record else run.results).append(record)
     run.seconds = time.monotonic() - started
     return run
 
