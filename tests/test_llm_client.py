@@ -1,0 +1,192 @@
+"""The LLM client against real simulator replicas over HTTP: streaming with TTFT and cached tokens,
+the shopper key as ``x-session-id``, retries on another replica, deadlines, backpressure, health
+ejection and re-admission, and answers that fail validation becoming error records."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+from aiohttp import web
+
+from devstack.processes import free_port
+from llm_client import ClientConfig, LLMClient
+from llm_client.config import HealthSettings, RetrySettings, Timeouts
+from llm_client.enrichment import Enricher, EnrichmentSettings, parse_understanding
+from llm_client.errors import BadRequest, DeadlineExceeded
+from prompt_assembly.processor import SessionProcessor
+from prompt_assembly.records import EnrichmentError, PromptRequest, ShopperInsight
+from serving.simulator.testing import running_simulator
+from tests.test_sessions import event
+
+MESSAGES = [
+    {"role": "system", "content": "You describe shoppers. " * 40},
+    {"role": "user", "content": "viewed hats"},
+]
+
+
+def config(*urls: str, **overrides: object) -> ClientConfig:
+    options: dict[str, object] = {
+        "endpoints": list(urls),
+        "timeouts": Timeouts(connect_s=1, attempt_s=5, deadline_s=10),
+        "health": HealthSettings(interval_s=0.05),
+        "retry": RetrySettings(backoff_base_s=0.01),
+    }
+    options.update(overrides)
+    return ClientConfig(**options)  # type: ignore[arg-type]
+
+
+def a_prompt() -> PromptRequest:
+    processor = SessionProcessor()
+    session = processor.new_session("s-42")
+    processor.apply(session, event("view", 100, shopper="s-42"))
+    return processor.apply(session, event("add_to_cart", 101, shopper="s-42")).prompts[0]
+
+
+async def test_streamed_answer_reports_ttft_and_cached_tokens() -> None:
+    async with running_simulator(time_scale=0.05) as sim, LLMClient(config(sim.url)) as client:
+        first = await client.chat(MESSAGES, routing_key="s1", max_tokens=40)
+        second = await client.chat(MESSAGES, routing_key="s1", max_tokens=40)
+    assert first.text and first.completion_tokens > 0 and first.prompt_tokens > 100
+    assert 0 < first.ttft_ms < first.latency_ms
+    assert first.cached_tokens == 0
+    assert second.cached_tokens >= second.prompt_tokens - 32  # all full blocks came from the cache
+
+
+async def test_non_streamed_answer_and_session_header() -> None:
+    seen: list[str | None] = []
+
+    async def handler(request: web.Request) -> web.Response:
+        seen.append(request.headers.get("x-session-id"))
+        return web.json_response(
+            {
+                "model": "m",
+                "choices": [{"message": {"content": "hi"}, "finish_reason": "stop"}],
+                "usage": {
+                    "prompt_tokens": 7,
+                    "completion_tokens": 1,
+                    "prompt_tokens_details": {"cached_tokens": 4},
+                },
+            }
+        )
+
+    app = web.Application()
+    app.router.add_post("/v1/chat/completions", handler)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = runner.addresses[0][1]
+    try:
+        async with LLMClient(config(f"http://127.0.0.1:{port}", stream=False)) as client:
+            answer = await client.chat(MESSAGES, routing_key="shopper-9")
+    finally:
+        await runner.cleanup()
+    assert seen == ["shopper-9"]
+    assert (answer.text, answer.prompt_tokens, answer.cached_tokens) == ("hi", 7, 4)
+
+
+async def test_a_failing_replica_is_retried_elsewhere_and_ejected() -> None:
+    async with (
+        running_simulator(time_scale=0.01, error_rate=1.0) as bad,
+        running_simulator(time_scale=0.01) as good,
+        LLMClient(config(bad.url, good.url, policy="round_robin")) as client,
+    ):
+        answers = [await client.chat(MESSAGES, routing_key=f"s{i}", max_tokens=10) for i in range(6)]
+        bad_endpoint = client.endpoints[0]
+        assert bad_endpoint.ejections >= 1 and bad_endpoint.failed >= 2  # /health answers: re-admitted
+    assert all(a.endpoint == client.endpoints[1].name for a in answers)
+    assert any(a.attempts == 2 for a in answers)
+
+
+async def test_refused_connection_ejects_at_once_and_health_readmits() -> None:
+    async with running_simulator(time_scale=0.01) as good:
+        dead = f"http://127.0.0.1:{free_port()}"
+        async with LLMClient(config(dead, good.url, policy="round_robin")) as client:
+            answer = await client.chat(MESSAGES, routing_key="s1", max_tokens=5)
+            assert answer.endpoint == client.endpoints[1].name
+            assert client.endpoints[0].healthy is False and client.endpoints[0].ejections == 1
+
+
+async def test_health_checker_readmits_a_replica_that_comes_back() -> None:
+    async with running_simulator(time_scale=0.01) as sim, LLMClient(config(sim.url)) as client:
+        client.eject(client.endpoints[0])
+        async with asyncio.timeout(5):
+            while not client.endpoints[0].healthy:
+                await asyncio.sleep(0.02)
+        assert (await client.chat(MESSAGES, routing_key="s", max_tokens=5)).text
+
+
+async def test_deadline_is_enforced_across_retries() -> None:
+    async with running_simulator(time_scale=1.0) as slow, LLMClient(config(slow.url)) as client:
+        started = time.perf_counter()
+        with pytest.raises(DeadlineExceeded):
+            await client.chat(MESSAGES, routing_key="s1", max_tokens=200, deadline_s=0.3)
+        assert time.perf_counter() - started < 1.0
+
+
+async def test_bad_request_is_not_retried() -> None:
+    async with running_simulator(time_scale=0.01) as sim, LLMClient(config(sim.url)) as client:
+        with pytest.raises(BadRequest):
+            await client.chat(MESSAGES, routing_key="s1", max_tokens=-5)
+        assert client.retries == 0
+
+
+async def test_concurrency_limit_applies_backpressure() -> None:
+    async with (
+        running_simulator(time_scale=0.2) as sim,
+        LLMClient(config(sim.url, max_in_flight=3)) as client,
+    ):
+        peak = 0
+
+        async def watch() -> None:
+            nonlocal peak
+            while True:
+                peak = max(peak, client.endpoints[0].outstanding)
+                await asyncio.sleep(0.001)
+
+        watcher = asyncio.create_task(watch())
+        await asyncio.gather(*(client.chat(MESSAGES, routing_key=f"s{i}", max_tokens=20) for i in range(12)))
+        watcher.cancel()
+    assert peak == 3
+
+
+async def test_enricher_returns_an_insight_for_a_valid_answer() -> None:
+    async with running_simulator(time_scale=0.01) as sim, LLMClient(config(sim.url)) as client:
+        result = await Enricher(client).enrich(a_prompt())
+    assert isinstance(result, ShopperInsight)
+    assert result.request_id == "s-42:1" and result.understanding.summary
+    assert result.usage.prompt_tokens > 0
+
+
+async def test_an_invalid_answer_becomes_an_error_record_not_a_crash() -> None:
+    # Without guided decoding the stand-in answers free text, which is not a ShopperUnderstanding.
+    async with running_simulator(time_scale=0.01) as sim, LLMClient(config(sim.url)) as client:
+        result = await Enricher(client, EnrichmentSettings(guided_json=False)).enrich(a_prompt())
+    assert isinstance(result, EnrichmentError)
+    assert result.error_type == "InvalidAnswer" and result.raw_answer
+
+
+async def test_an_unreachable_pool_becomes_an_error_record() -> None:
+    cfg = config(
+        f"http://127.0.0.1:{free_port()}", timeouts=Timeouts(connect_s=0.2, attempt_s=1, deadline_s=0.5)
+    )
+    async with LLMClient(cfg) as client:
+        result = await Enricher(client, EnrichmentSettings(deadline_s=0.5)).enrich(a_prompt())
+    assert isinstance(result, EnrichmentError) and result.error_type == "DeadlineExceeded"
+
+
+def test_parse_understanding_tolerates_fences_and_rejects_garbage() -> None:
+    fenced = (
+        '```json\n{"interests": ["hats"], "occasion": null, "style": "fun", '
+        '"price_sensitivity": "low", "summary": "Likes hats."}\n```'
+    )
+    assert parse_understanding(fenced).interests == ["hats"]
+    for bad in [
+        "no json here",
+        '{"interests": []}',
+        '{"interests": ["a"], "style": "x", "price_sensitivity": "cheap", "summary": "s"}',
+    ]:
+        with pytest.raises(ValueError):
+            parse_understanding(bad)

@@ -1,0 +1,135 @@
+"""Sinks against real Redis and the moto S3 server: newer-version-wins signals, TTL, idempotent
+error bookkeeping, deterministic S3 keys (a retried flush overwrites), partitions by event time."""
+
+from __future__ import annotations
+
+import asyncio
+import gzip
+import time
+
+import boto3
+import orjson
+
+from prompt_assembly.records import EnrichmentError, ShopperInsight, Usage
+from prompt_assembly.understanding import ShopperUnderstanding
+from sinks.redis import RedisSignalSink
+from sinks.s3 import S3InsightSink
+from tests.conftest import Isolated
+
+
+def insight(
+    shopper: str, seq: int, summary: str = "Likes hats.", ts: float = 1_761_800_000.0
+) -> ShopperInsight:
+    return ShopperInsight(
+        request_id=f"{shopper}:{seq}",
+        shopper_id=shopper,
+        seq=seq,
+        reason="add_to_cart",
+        understanding=ShopperUnderstanding(
+            interests=["hats"], occasion=None, style="fun", price_sensitivity="low", summary=summary
+        ),
+        text=summary,
+        model="m",
+        replica="r0",
+        usage=Usage(prompt_tokens=100, cached_tokens=90, completion_tokens=20),
+        event_count=3,
+        last_event_ts=ts,
+        ttft_ms=5,
+        latency_ms=50,
+        attempts=1,
+        produced_at=time.time(),
+    )
+
+
+def error(shopper: str, seq: int) -> EnrichmentError:
+    return EnrichmentError(
+        request_id=f"{shopper}:{seq}",
+        shopper_id=shopper,
+        seq=seq,
+        reason="purchase",
+        error_type="DeadlineExceeded",
+        message="slow",
+        attempts=3,
+        last_event_ts=1.7e9,
+        produced_at=time.time(),
+    )
+
+
+async def test_redis_keeps_the_newest_version(isolated: Isolated) -> None:
+    sink = RedisSignalSink(isolated.sinks())
+    try:
+        await sink.write([insight("s1", 2, "second")])
+        await sink.write([insight("s1", 1, "first, replayed late"), insight("s1", 2, "second, duplicate")])
+        stored = await sink.read("s1")
+        assert (stored["seq"], stored["summary"]) == ("2", "second")
+        await sink.write([insight("s1", 3, "third")])
+        assert (await sink.read("s1"))["summary"] == "third"
+        assert sink.written == 2 and sink.stale_skipped == 2
+        ttl = await sink.redis.ttl(sink.key("s1"))
+        assert 0 < ttl <= isolated.sinks().signal_ttl_s
+        assert orjson.loads((await sink.read("s1"))["interests"]) == ["hats"]
+    finally:
+        await sink.close()
+
+
+async def test_errors_do_not_overwrite_signals_and_count_once(isolated: Isolated) -> None:
+    sink = RedisSignalSink(isolated.sinks())
+    try:
+        await sink.write([insight("s2", 1, "good")])
+        await sink.write([error("s2", 2)])
+        await sink.write([error("s2", 2)])  # replayed
+        assert (await sink.read("s2"))["summary"] == "good"
+        errors = await sink.redis.hgetall(f"{isolated.prefix}signal_errors:s2")
+        assert errors == {b"s2:2": b"DeadlineExceeded"}
+    finally:
+        await sink.close()
+
+
+def s3_objects(isolated: Isolated) -> dict[str, list[dict[str, object]]]:
+    settings = isolated.sinks()
+    s3 = boto3.client("s3", **settings.s3_client_kwargs())
+    listing = s3.list_objects_v2(Bucket=settings.s3_bucket, Prefix=isolated.s3_prefix).get("Contents", [])
+    return {
+        o["Key"]: [
+            orjson.loads(line)
+            for line in gzip.decompress(
+                s3.get_object(Bucket=settings.s3_bucket, Key=o["Key"])["Body"].read()
+            ).splitlines()
+        ]
+        for o in listing
+    }
+
+
+async def test_s3_batches_are_partitioned_and_retried_flushes_overwrite(isolated: Isolated) -> None:
+    sink = S3InsightSink(isolated.sinks())
+    await sink.ensure_bucket()
+    batch = [insight("a", 1), insight("b", 1, ts=1_761_800_000.0 + 3600), error("c", 1)]
+    try:
+        await sink.write(batch)
+        assert sink.buffered == 3
+        await sink.flush()
+        first = s3_objects(isolated)
+        await sink.write(batch)  # the same results again, as after a retried flush
+        await sink.flush()
+        again = s3_objects(isolated)
+    finally:
+        await sink.close()
+    assert first.keys() == again.keys() and len(first) == 3  # two insight hours + one error partition
+    assert sum(len(v) for v in again.values()) == 3
+    assert any("/kind=error/" in key for key in again)
+    assert any("/hour=04/" in key for key in again) and any("/hour=05/" in key for key in again)
+
+
+async def test_s3_flushes_by_size_and_reports_age(isolated: Isolated) -> None:
+    sink = S3InsightSink(isolated.sinks().model_copy(update={"s3_max_records": 5, "s3_max_age_s": 0.1}))
+    await sink.ensure_bucket()
+    try:
+        await sink.write([insight(f"s{i}", 1) for i in range(5)])
+        assert sink.buffered == 0 and sink.records_written == 5  # size triggered a flush
+        await sink.write([insight("late", 1)])
+        assert not sink.due()
+        await asyncio.sleep(0.15)
+        assert sink.due()
+    finally:
+        await sink.close()
+    assert sink.records_written == 6  # close flushes the rest
