@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import orjson
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, Field, SecretStr
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from llm_client.config import ClientConfig
@@ -109,9 +109,19 @@ class NearRealtimeSettings(BaseSettings):
         return cls(**data)
 
     def to_json(self) -> str:
-        """What every Python function receives (pickled functions carry this string, not objects)."""
-        return self.model_dump_json()
+        """What every Python function receives (pickled functions carry this string, not objects).
+        Secrets are written in clear so that workers can use them: prefer leaving credentials unset
+        here and giving the task managers the AWS default credential chain."""
+        return orjson.dumps(self.model_dump(), default=_plain).decode()
 
     @classmethod
     def from_json(cls, raw: str) -> NearRealtimeSettings:
         return cls.model_validate_json(raw)
+
+
+def _plain(value: Any) -> Any:
+    if isinstance(value, SecretStr):
+        return value.get_secret_value()
+    if isinstance(value, Path):
+        return str(value)
+    raise TypeError(f"cannot serialise {type(value).__name__}")

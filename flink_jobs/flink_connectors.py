@@ -49,7 +49,7 @@ def kafka_connector_jars() -> list[str]:
     return [j.resolve().as_uri() for j in jars]
 
 
-def kafka_source(settings: NearRealtimeSettings) -> Any:
+def kafka_source(settings: NearRealtimeSettings, *, stop_at_latest: bool = False) -> Any:
     """The official ``KafkaSource``: committed group offsets, falling back to earliest on a new group.
 
     Values are read as UTF-8 strings (``SimpleStringSchema``); invalid bytes become U+FFFD and then
@@ -75,6 +75,8 @@ def kafka_source(settings: NearRealtimeSettings) -> Any:
     )
     for key, value in kafka.consumer_properties.items():
         builder = builder.set_property(key, value)
+    if stop_at_latest:  # a bounded read of what is in the topic now (tests, backfills)
+        builder = builder.set_bounded(KafkaOffsetsInitializer.latest())
     return builder.build()
 
 

@@ -46,12 +46,14 @@ class SinkCommitter:
         self._last_arrival = time.monotonic()
         self.redis_batches = 0
         self.s3_flushes = 0
+        self.error: BaseException | None = None
+        """The write failure that stopped this committer; every later ``submit`` raises it."""
 
     async def submit(self, result: EnrichmentResult) -> None:
         """Returns once ``result`` is in Redis and in a flushed S3 object; raises if a write failed."""
+        if self.error is not None:
+            raise self.error
         if self._task is None or self._task.done():
-            if self._task is not None and self._task.done():
-                self._task.result()  # surface the failure that stopped the loop
             self._wake = asyncio.Event()
             self._task = asyncio.create_task(self._run(), name="sink-committer")
         assert self._wake is not None
@@ -82,9 +84,9 @@ class SinkCommitter:
         except asyncio.CancelledError:
             self._fail(RuntimeError("sink committer stopped"))
             raise
-        except BaseException as exc:
+        except Exception as exc:
+            self.error = exc
             self._fail(exc)
-            raise
 
     async def _write_batch(self) -> None:
         batch, self._incoming = self._incoming[: self.max_batch], self._incoming[self.max_batch :]

@@ -173,8 +173,15 @@ def build_pipeline(
 
 
 # ---- cluster / Kafka -------------------------------------------------------------------------------
-def run_kafka(settings: NearRealtimeSettings, *, local: bool = False, detached: bool = False) -> None:
-    """The production job: Kafka in, DLQ and (optionally) insights out, Redis and S3 through the sinks."""
+def run_kafka(
+    settings: NearRealtimeSettings,
+    *,
+    local: bool = False,
+    detached: bool = False,
+    stop_at_latest: bool = False,
+) -> None:
+    """The production job: Kafka in, DLQ and (optionally) insights out, Redis and S3 through the sinks.
+    ``stop_at_latest`` reads only what the topic holds now and then ends, flushing every pending trigger."""
     from pyflink.common import WatermarkStrategy
 
     from flink_jobs.flink_connectors import kafka_connector_jars, kafka_sink, kafka_source
@@ -182,9 +189,14 @@ def run_kafka(settings: NearRealtimeSettings, *, local: bool = False, detached: 
     jars = kafka_connector_jars()  # fails fast, naming scripts/fetch-flink-connectors
     env = create_environment(settings, local=local, jars=jars)
     exactly_once = settings.checkpoint.mode == "exactly_once"
-    raw = env.from_source(kafka_source(settings), WatermarkStrategy.no_watermarks(), "kafka shopper-events")
+    source = kafka_source(settings, stop_at_latest=stop_at_latest)
+    raw = env.from_source(source, WatermarkStrategy.no_watermarks(), "kafka shopper-events")
     pipeline = build_pipeline(
-        raw.uid("kafka-source"), settings, source_topic=settings.kafka.events_topic, flush_at_end=False
+        raw.uid("kafka-source"),
+        settings,
+        source_topic=settings.kafka.events_topic,
+        processing_time_timers=not stop_at_latest,
+        flush_at_end=stop_at_latest,
     )
     pipeline.dlq.sink_to(kafka_sink(settings, settings.kafka.dlq_topic, exactly_once=False)).name(
         "kafka dlq"

@@ -1,0 +1,115 @@
+"""docker-compose.yml is valid Compose (against the vendored compose-spec schema, no Docker engine or
+network needed) and wires the pipeline the way docs/flink.md describes."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+from typing import Any
+
+import jsonschema
+import pytest
+import yaml
+
+ROOT = Path(__file__).resolve().parents[1]
+SCHEMA = ROOT / "tests/data/compose_spec.json"
+_VAR = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)(?::?-([^}]*))?\}")
+
+
+def _interpolate(value: Any) -> Any:
+    """What `docker compose` does with ${VAR:-default} when VAR is unset; `$$` is a literal `$`."""
+    if isinstance(value, str):
+        return _VAR.sub(lambda m: m.group(2) or "", value).replace("$$", "$")
+    if isinstance(value, list):
+        return [_interpolate(v) for v in value]
+    if isinstance(value, dict):
+        return {k: _interpolate(v) for k, v in value.items()}
+    return value
+
+
+@pytest.fixture(scope="module")
+def compose() -> dict[str, Any]:
+    raw = yaml.safe_load((ROOT / "docker-compose.yml").read_text())
+    return _interpolate(raw)
+
+
+def test_compose_file_matches_the_compose_spec_schema(compose: dict[str, Any]) -> None:
+    schema = json.loads(SCHEMA.read_text())
+    validator = jsonschema.Draft201909Validator(schema)
+    errors = sorted(validator.iter_errors(compose), key=lambda e: list(e.path))
+    assert not errors, "\n".join(f"{list(e.path)}: {e.message}" for e in errors)
+
+
+def test_dependencies_volumes_and_build_files_exist(compose: dict[str, Any]) -> None:
+    services = compose["services"]
+    for name, service in services.items():
+        for dep in service.get("depends_on", {}):
+            assert dep in services, f"{name} depends on unknown service {dep}"
+        for volume in service.get("volumes", []):
+            source = volume.split(":", 1)[0]
+            if source.startswith("./"):
+                assert (ROOT / source).exists(), f"{name} mounts missing {source}"
+            elif not source.startswith(("/", "~", "$")):
+                assert source in compose.get("volumes", {}), f"{name} uses undeclared volume {source}"
+        build = service.get("build")
+        if build:
+            assert (ROOT / build["context"] / build["dockerfile"]).is_file()
+
+
+def test_the_pipeline_services_are_all_there(compose: dict[str, Any]) -> None:
+    services = compose["services"]
+    default = {name for name, s in services.items() if not s.get("profiles")}
+    assert {
+        "kafka",
+        "redis",
+        "minio",
+        "minio-bucket",
+        "jobmanager",
+        "taskmanager",
+        "job-submitter",
+        "producer",
+        "simulator-0",
+    } <= default
+    assert services["kafka"]["image"].startswith("apache/kafka:")
+    assert "controller" in services["kafka"]["environment"]["KAFKA_PROCESS_ROLES"]  # KRaft, no ZooKeeper
+    assert services["trtllm"]["profiles"] == ["trtllm"]
+    devices = services["trtllm"]["deploy"]["resources"]["reservations"]["devices"]
+    assert devices[0]["capabilities"] == ["gpu"]
+    assert "/config/aggregated.yaml" in services["trtllm"]["command"]
+    assert (ROOT / "serving/trtllm/aggregated.yaml").is_file()
+
+
+def test_the_submitter_runs_the_job_with_a_config_that_loads(compose: dict[str, Any]) -> None:
+    command = compose["services"]["job-submitter"]["command"]
+    assert command[:2] == ["flink", "run"] and "-py" in command
+    script = command[command.index("-py") + 1].removeprefix("/opt/app/")
+    config = command[command.index("--config") + 1].removeprefix("/opt/app/")
+    assert (ROOT / script).is_file() and (ROOT / config).is_file()
+    from flink_jobs.flink_config import NearRealtimeSettings
+
+    settings = NearRealtimeSettings.load(ROOT / config)
+    assert settings.kafka.bootstrap_servers == "kafka:9092"
+    assert settings.checkpoint.state_backend == "rocksdb"
+    # The KafkaSink's transactions must fit under the broker's cap.
+    broker_cap = int(compose["services"]["kafka"]["environment"]["KAFKA_TRANSACTION_MAX_TIMEOUT_MS"])
+    assert settings.kafka.transaction_timeout_ms <= broker_cap
+
+
+def test_the_producer_uses_the_shopper_cli(compose: dict[str, Any]) -> None:
+    command = compose["services"]["producer"]["command"]
+    assert command[:4] == ["shopper", "produce", "--bootstrap", "kafka:9092"]
+
+
+def test_the_flink_image_bakes_in_the_connector_jar() -> None:
+    dockerfile = (ROOT / "docker/flink.Dockerfile").read_text()
+    assert "scripts/fetch-flink-connectors" in dockerfile and "/opt/flink/lib" in dockerfile
+    assert "apache-flink==2.3.0" in dockerfile
+
+
+def test_the_schema_rejects_a_broken_file(compose: dict[str, Any]) -> None:
+    broken = json.loads(json.dumps(compose))
+    broken["services"]["redis"]["helthcheck"] = broken["services"]["redis"].pop("healthcheck")
+    broken["services"]["kafka"]["ports"] = "9094:9094"
+    validator = jsonschema.Draft201909Validator(json.loads(SCHEMA.read_text()))
+    assert len(list(validator.iter_errors(broken))) >= 2

@@ -1,0 +1,165 @@
+"""The Flink job's pure parts, without a MiniCluster: DLQ records, the sink group commit, retry
+predicate, settings round trip, and the fail-fast message when the connector jar is missing."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+import orjson
+import pytest
+
+pytest.importorskip("pyflink", reason="PyFlink is the 'flink' extra: pip install -e '.[flink]'")
+
+from flink_jobs import flink_connectors
+from flink_jobs.flink_config import NearRealtimeSettings
+from flink_jobs.flink_functions import dlq_record, is_retryable_result, parse_result
+from flink_jobs.flink_metrics import OperatorStats
+from flink_jobs.flink_sink_committer import SinkCommitter
+from prompt_assembly.records import EnrichmentError, EnrichmentResult
+from sinks.config import SinkSettings
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _error(n: int, error_type: str = "InvalidAnswer") -> EnrichmentError:
+    return EnrichmentError(
+        request_id=f"s:{n}",
+        shopper_id="s",
+        seq=n,
+        reason="browse_pause",
+        error_type=error_type,
+        message="m",
+        attempts=1,
+        last_event_ts=1.0,
+        produced_at=2.0,
+    )
+
+
+def test_dlq_record_keeps_text_as_utf8_and_binary_as_base64() -> None:
+    text = orjson.loads(dlq_record(b'{"a":', "invalid JSON", topic="t", partition=3, offset=9))
+    assert (text["original"], text["original_encoding"], text["partition"], text["offset"]) == (
+        '{"a":',
+        "utf-8",
+        3,
+        9,
+    )
+    binary = orjson.loads(dlq_record(b"\xff\x00", "invalid JSON"))
+    assert binary["original_encoding"] == "base64"
+    assert base64.b64decode(binary["original"]) == b"\xff\x00"
+    assert orjson.loads(dlq_record(None, "empty message"))["original"] is None
+
+
+def test_only_no_healthy_endpoint_errors_are_retried_by_flink() -> None:
+    assert is_retryable_result([_error(1, "NoHealthyEndpoint").model_dump_json()])
+    assert not is_retryable_result([_error(1, "RetryBudgetExhausted").model_dump_json()])
+    assert isinstance(parse_result(_error(1).model_dump_json()), EnrichmentError)
+
+
+def test_settings_round_trip_through_json_keeps_secrets_usable() -> None:
+    settings = NearRealtimeSettings(sinks=SinkSettings(s3_access_key_id="k", s3_secret_access_key="s"))
+    again = NearRealtimeSettings.from_json(settings.to_json())
+    assert again.sinks.s3_secret_access_key is not None
+    assert again.sinks.s3_secret_access_key.get_secret_value() == "s"
+    assert again.model_dump(exclude={"sinks"}) == settings.model_dump(exclude={"sinks"})
+
+
+def test_settings_load_from_the_compose_job_file() -> None:
+    settings = NearRealtimeSettings.load(ROOT / "docker/flink-job.yaml")
+    assert settings.async_io.bundle_time_ms == 5000 and settings.parallelism == 2
+
+
+class FakeSink:
+    def __init__(self, fail: bool = False) -> None:
+        self.written: list[str] = []
+        self.flushed: list[list[str]] = []
+        self.buffer: list[str] = []
+        self.fail = fail
+        self.closed = False
+
+    async def write(self, results: Sequence[EnrichmentResult]) -> None:
+        if self.fail:
+            raise ConnectionError("store down")
+        self.buffer += [r.request_id for r in results]
+        self.written += [r.request_id for r in results]
+
+    def due(self) -> bool:
+        return False
+
+    async def flush(self) -> None:
+        self.flushed.append(self.buffer)
+        self.buffer = []
+
+    async def close(self) -> None:
+        self.closed = True
+
+
+async def test_a_result_completes_only_after_its_s3_flush() -> None:
+    redis, s3 = FakeSink(), FakeSink()
+    committer = SinkCommitter(redis, s3, idle_flush_s=0.05)  # type: ignore[arg-type]
+    started = time.monotonic()
+    await asyncio.gather(*(committer.submit(_error(n)) for n in range(20)))
+    assert time.monotonic() - started >= 0.04  # waited for the idle flush
+    assert sorted(redis.written) == sorted(f"s:{n}" for n in range(20))
+    assert sorted(rid for batch in s3.flushed for rid in batch) == sorted(redis.written)
+    assert committer.s3_flushes == 1 and committer.redis_batches >= 1
+    await committer.close()
+    assert s3.closed and redis.closed
+
+
+async def test_a_failed_write_fails_every_waiting_call() -> None:
+    committer = SinkCommitter(FakeSink(fail=True), FakeSink(), idle_flush_s=0.01)  # type: ignore[arg-type]
+    results = await asyncio.gather(*(committer.submit(_error(n)) for n in range(3)), return_exceptions=True)
+    assert all(isinstance(r, ConnectionError) for r in results)
+    with pytest.raises(ConnectionError):  # a stopped committer keeps refusing
+        await committer.submit(_error(9))
+
+
+def test_operator_stats_publish_gauges() -> None:
+    class Group:
+        def __init__(self) -> None:
+            self.gauges: dict[str, object] = {}
+
+        def gauge(self, name: str, fn: object) -> None:
+            self.gauges[name] = fn
+
+    stats, group = OperatorStats(), Group()
+    stats.register(group, counters=["a"], windows=["lat"], extra={"ratio": lambda: stats.permille("a", "b")})
+    stats.inc("a", 3)
+    stats.inc("b", 4)
+    for value in (10, 20, 30, 40):
+        stats.observe("lat", value)
+    values = {name: fn() for name, fn in group.gauges.items()}  # type: ignore[operator]
+    assert values == {"a": 3, "lat_p50_ms": 30, "lat_p99_ms": 40, "ratio": 750}
+
+
+def test_missing_connector_jar_fails_fast_naming_the_fetch_script(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    monkeypatch.setattr(flink_connectors, "LIB_DIR", tmp_path)
+    monkeypatch.delenv("FLINK_HOME", raising=False)
+    monkeypatch.delenv("FLINK_CONNECTOR_JARS", raising=False)
+    with pytest.raises(flink_connectors.MissingConnectorJar, match="scripts/fetch-flink-connectors"):
+        flink_connectors.kafka_connector_jars()
+    jar = tmp_path / "flink-sql-connector-kafka-5.0.0-2.2.jar"
+    jar.write_bytes(b"PK")
+    assert flink_connectors.kafka_connector_jars() == [jar.as_uri()]
+
+
+@pytest.mark.skipif(any(flink_connectors.LIB_DIR.glob("*.jar")), reason="the connector jar is present")
+def test_cli_without_the_jar_exits_2_with_the_message() -> None:
+    proc = subprocess.run(
+        [sys.executable, "-m", "flink_jobs.near_realtime"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=ROOT,
+        env={"PATH": "/usr/bin:/bin", "HOME": str(Path.home())},
+    )
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert "scripts/fetch-flink-connectors" in proc.stderr
