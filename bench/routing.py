@@ -1,0 +1,806 @@
+"""Routing benchmark: round_robin, least_outstanding, session_affinity and prefix_aware on a shopper trace.
+
+Setups:
+  sim    8 simulated trtllm-serve replicas (qwen2.5-32b H100 cost model), subprocesses, Poisson arrivals
+         at several utilisations of the cache-oblivious capacity (measured on the simulator's engine).
+  kill   the same at one utilisation with prefix_aware, one replica SIGKILLed halfway: lost requests and
+         recovery.
+  llama  3 llama-server replicas with Gemma 3 270M on this CPU: measured prompt-cache reuse vs the oracle.
+
+Usage:
+  .venv/bin/python -m bench.routing                      # everything (about 15 minutes on 2 cores)
+  .venv/bin/python -m bench.routing --quick              # smoke run (about 2 minutes)
+  .venv/bin/python -m bench.routing --setups sim --utilisations 0.7
+
+Prints tables and the machine; writes bench/results/routing*.json and routing.png / routing_kill.png.
+Times are reported in *simulated* milliseconds (wall / time scale) for the simulator.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import os
+import platform
+import random
+import signal
+import statistics
+import sys
+import time
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+
+from bench.trace import (
+    OracleBound,
+    TraceConfig,
+    TraceRequest,
+    generate_trace,
+    oracle_prefill,
+    with_poisson_arrivals,
+)
+from llm_client import ClientConfig, LLMClient
+from llm_client.errors import LLMError
+from llm_client.routing.prefix_aware import PrefixAwarePolicy
+from prompt_assembly.tokens import chained_block_hashes, messages_text, token_ids
+
+REPO = Path(__file__).resolve().parents[1]
+RESULTS = REPO / "bench" / "results"
+POLICIES = ("round_robin", "least_outstanding", "session_affinity", "prefix_aware")
+BLOCK = 32
+
+
+# ---- the cluster -----------------------------------------------------------------------------------
+class SimFleet:
+    """Simulator replicas as child processes of this benchmark."""
+
+    def __init__(self, n: int, time_scale: float, coalesce_s: float) -> None:
+        self.n, self.time_scale, self.coalesce_s = n, time_scale, coalesce_s
+        self.processes: list[asyncio.subprocess.Process] = []
+        self.urls: list[str] = []
+        self._drains: list[asyncio.Task[None]] = []
+
+    async def __aenter__(self) -> SimFleet:
+        env = {**os.environ, "PYTHONPATH": str(REPO)}
+        for i in range(self.n):
+            argv = [
+                sys.executable,
+                "-m",
+                "serving.simulator",
+                "--port",
+                "0",
+                "--replica-id",
+                f"r{i}",
+                "--time-scale",
+                str(self.time_scale),
+                "--stream-coalesce-s",
+                str(self.coalesce_s),
+                "--seed",
+                str(i),
+            ]
+            self.processes.append(
+                await asyncio.create_subprocess_exec(
+                    *argv, cwd=REPO, env=env, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT
+                )
+            )
+        for process in self.processes:
+            self.urls.append(await self._ready(process))
+        return self
+
+    async def _ready(self, process: asyncio.subprocess.Process) -> str:
+        assert process.stdout is not None
+        async with asyncio.timeout(60):
+            while True:
+                line = (await process.stdout.readline()).decode()
+                if not line:
+                    raise RuntimeError("a simulator exited before READY")
+                if line.startswith("READY "):
+                    self._drains.append(asyncio.create_task(_drain(process.stdout)))
+                    return line.split()[1]
+
+    def kill(self, i: int) -> None:
+        self.processes[i].send_signal(signal.SIGKILL)
+
+    async def stats(self) -> list[dict[str, Any] | None]:
+        async with aiohttp.ClientSession() as session:
+            return list(
+                await asyncio.gather(*(_get_json(session, url + "/admin/stats") for url in self.urls))
+            )
+
+    async def server_ttft_ms(self) -> float | None:
+        """Mean time to first token as the replicas measured it (no client or HTTP overhead), in simulated
+        ms, from their Prometheus histograms."""
+        total = count = 0.0
+        async with aiohttp.ClientSession() as session:
+            for url in self.urls:
+                try:
+                    async with session.get(
+                        url + "/metrics", timeout=aiohttp.ClientTimeout(total=5)
+                    ) as response:
+                        text = await response.text()
+                except (aiohttp.ClientError, TimeoutError):
+                    continue
+                for line in text.splitlines():
+                    if line.startswith("sim_time_to_first_token_seconds_sum"):
+                        total += float(line.split()[-1])
+                    elif line.startswith("sim_time_to_first_token_seconds_count"):
+                        count += float(line.split()[-1])
+        return 1000.0 * total / count if count else None
+
+    async def __aexit__(self, *exc: object) -> None:
+        for process in self.processes:
+            if process.returncode is None:
+                process.terminate()
+        for process in self.processes:
+            try:
+                await asyncio.wait_for(process.wait(), 10)
+            except TimeoutError:
+                process.kill()
+                await process.wait()
+        for task in self._drains:
+            task.cancel()
+
+
+async def _drain(stream: asyncio.StreamReader) -> None:
+    while await stream.readline():
+        pass
+
+
+async def _get_json(session: aiohttp.ClientSession, url: str) -> dict[str, Any] | None:
+    try:
+        async with session.get(url, timeout=aiohttp.ClientTimeout(total=5)) as response:
+            return dict(await response.json())
+    except (aiohttp.ClientError, TimeoutError):
+        return None
+
+
+# ---- capacity --------------------------------------------------------------------------------------
+async def measure_capacity(trace: Sequence[TraceRequest], n: int = 600) -> float:
+    """Saturation throughput (requests per simulated second) of ONE replica for this trace when every
+    prompt reuses only the system-prompt head all prompts share (what cache-oblivious routing gets).
+
+    Runs the simulator's own engine and cost model in-process at time scale 0 with a full queue, and
+    takes the completion rate between the 25th and 75th percentile completions (steady state, batch full).
+    """
+    from serving.simulator.config import SimulatorConfig
+    from serving.simulator.cost_model import CostModel
+    from serving.simulator.engine import (
+        ContinuousBatchingEngine,
+        EngineKnobs,
+        EngineLimits,
+        GenerationRequest,
+    )
+    from serving.simulator.prefix_cache import BlockPrefixCache
+
+    config = SimulatorConfig()
+    cost = CostModel.from_calibration(config.resolved_calibration_path(), config.calibration_model)
+    cache = BlockPrefixCache(config.cache_capacity_blocks, config.block_size)
+    engine = ContinuousBatchingEngine(
+        cost, cache, EngineLimits(config.max_batch, config.max_num_tokens), EngineKnobs(time_scale=0.0)
+    )
+    hashes = [chained_block_hashes(token_ids(messages_text(r.messages)), BLOCK) for r in trace[:n]]
+    head = _common_prefix_blocks(
+        hashes[0], next(h for h, r in zip(hashes, trace, strict=False) if r.shopper_id != trace[0].shopper_id)
+    )
+    rng = random.Random(0)
+    jobs = []
+    for i, (request, h) in enumerate(zip(trace[:n], hashes, strict=False)):
+        salt = rng.getrandbits(63)
+        unique = h[:head] + [x ^ salt for x in h[head:]]
+        jobs.append(GenerationRequest(f"cap{i}", request.prompt_tokens, unique, request.max_tokens))
+    for job in jobs:
+        engine.submit(job)
+    samples: list[tuple[int, float]] = []
+    while engine.stats.served < len(jobs):
+        await asyncio.sleep(0)
+        samples.append((engine.stats.served, engine.stats.busy_ms))
+    lo = next(ms for served, ms in samples if served >= len(jobs) // 4)
+    hi = next(ms for served, ms in samples if served >= 3 * len(jobs) // 4)
+    await engine.close()
+    return (3 * len(jobs) // 4 - len(jobs) // 4) / ((hi - lo) / 1000.0)
+
+
+def _common_prefix_blocks(a: Sequence[int], b: Sequence[int]) -> int:
+    n = 0
+    for x, y in zip(a, b, strict=False):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+# ---- one replay ------------------------------------------------------------------------------------
+@dataclass
+class Outcome:
+    shopper: str
+    arrival_s: float
+    done_s: float
+    ok: bool
+    ttft_ms: float = 0.0
+    e2e_ms: float = 0.0
+    endpoint: str = ""
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    attempts: int = 0
+    error: str = ""
+
+
+@dataclass
+class RunResult:
+    setup: str
+    policy: str
+    utilisation: float
+    requests: int
+    completed: int
+    lost: int
+    ttft_mean_ms: float
+    ttft_p50_ms: float
+    ttft_p99_ms: float
+    server_ttft_mean_ms: float | None
+    """The replicas' own mean TTFT: without the client's tokenising/hashing and HTTP overhead."""
+    e2e_mean_ms: float
+    e2e_p50_ms: float
+    e2e_p99_ms: float
+    throughput_rps: float
+    prefill_tokens: int
+    prefill_tokens_sim: int | None
+    prompt_tokens: int
+    cache_hit_ratio: float
+    load_max_over_mean: float
+    busy_max_over_mean: float | None
+    retries: int
+    drains: int
+    restarts_detected: int
+    oracle_prefill_tokens: int
+    oracle_prefill_tokens_per_shopper: int
+    wall_s: float
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+def client_config(
+    urls: Sequence[str],
+    policy: str,
+    *,
+    attempt_s: float,
+    deadline_s: float,
+    options: dict[str, float] | None = None,
+) -> ClientConfig:
+    return ClientConfig.model_validate(
+        {
+            "endpoints": list(urls),
+            "policy": policy,
+            "policy_options": (options or {}) if policy == "prefix_aware" else {},
+            "model": "bench",
+            "max_in_flight": 4096,
+            "stream": True,
+            "timeouts": {"connect_s": 1.0, "attempt_s": attempt_s, "deadline_s": deadline_s},
+            "health": {"interval_s": 0.5},
+        }
+    )
+
+
+async def replay(
+    client: LLMClient,
+    trace: Sequence[TraceRequest],
+    time_scale: float,
+    *,
+    sequential_per_shopper: bool = False,
+    concurrency: int | None = None,
+    extra_body: dict[str, Any] | None = None,
+    on_progress: Any = None,
+) -> list[Outcome]:
+    """Send each request at its arrival time (simulated seconds x ``time_scale``); with
+    ``sequential_per_shopper`` a shopper's next prompt also waits for its previous answer (closed loop)."""
+    loop = asyncio.get_running_loop()
+    t0 = loop.time()
+    gate = asyncio.Semaphore(concurrency) if concurrency else None
+    previous: dict[str, asyncio.Task[Outcome]] = {}
+
+    async def one(request: TraceRequest, after: asyncio.Task[Outcome] | None) -> Outcome:
+        if after is not None:
+            await asyncio.wait([after])
+        async with gate if gate is not None else contextlib.nullcontext():
+            start = loop.time()
+            arrival = (start - t0) / time_scale
+            try:
+                c = await client.chat(
+                    request.messages,
+                    routing_key=request.shopper_id,
+                    max_tokens=request.max_tokens,
+                    extra_body=extra_body,
+                )
+            except LLMError as exc:
+                end = loop.time()
+                return Outcome(request.shopper_id, arrival, (end - t0) / time_scale, False, error=repr(exc))
+            end = loop.time()
+            e2e = (end - start) * 1000.0
+            ttft = e2e - (c.latency_ms - c.ttft_ms)  # includes retries and client-side time
+            outcome = Outcome(
+                request.shopper_id,
+                arrival,
+                (end - t0) / time_scale,
+                True,
+                ttft / time_scale,
+                e2e / time_scale,
+                c.endpoint,
+                c.prompt_tokens,
+                c.cached_tokens,
+                c.attempts,
+            )
+            if on_progress is not None:
+                on_progress(outcome)
+            return outcome
+
+    tasks: list[asyncio.Task[Outcome]] = []
+    for request in trace:
+        delay = t0 + request.t * time_scale - loop.time()
+        if delay > 0:
+            await asyncio.sleep(delay)
+        after = previous.get(request.shopper_id) if sequential_per_shopper else None
+        task = asyncio.create_task(one(request, after))
+        previous[request.shopper_id] = task
+        tasks.append(task)
+    return list(await asyncio.gather(*tasks))
+
+
+def summarise(
+    setup: str,
+    policy: str,
+    utilisation: float,
+    outcomes: Sequence[Outcome],
+    client: LLMClient,
+    oracle: OracleBound,
+    stats: Sequence[dict[str, Any] | None] | None,
+    wall_s: float,
+    server_ttft: float | None = None,
+) -> RunResult:
+    ok = [o for o in outcomes if o.ok]
+    ttft = sorted(o.ttft_ms for o in ok)
+    e2e = sorted(o.e2e_ms for o in ok)
+    prompt = sum(o.prompt_tokens for o in ok)
+    cached = sum(o.cached_tokens for o in ok)
+    per_replica = Counter(o.endpoint for o in ok)
+    loads = [per_replica.get(e.name, 0) for e in client.endpoints]
+    span = max(o.done_s for o in ok) - min(o.arrival_s for o in outcomes) if ok else 0.0
+    sim_prefill = busy_ratio = None
+    if stats and all(s is not None for s in stats):
+        engines = [s["engine"] for s in stats if s is not None]
+        sim_prefill = sum(int(e["prefill_tokens_computed"]) for e in engines)
+        busy = [float(e["busy_ms"]) for e in engines]
+        busy_ratio = max(busy) / statistics.mean(busy) if statistics.mean(busy) > 0 else None
+    return RunResult(
+        setup=setup,
+        policy=policy,
+        utilisation=utilisation,
+        requests=len(outcomes),
+        completed=len(ok),
+        lost=len(outcomes) - len(ok),
+        ttft_mean_ms=statistics.fmean(ttft) if ttft else 0.0,
+        ttft_p50_ms=_pct(ttft, 50),
+        ttft_p99_ms=_pct(ttft, 99),
+        server_ttft_mean_ms=server_ttft,
+        e2e_mean_ms=statistics.fmean(e2e) if e2e else 0.0,
+        e2e_p50_ms=_pct(e2e, 50),
+        e2e_p99_ms=_pct(e2e, 99),
+        throughput_rps=len(ok) / span if span > 0 else 0.0,
+        prefill_tokens=prompt - cached,
+        prefill_tokens_sim=sim_prefill,
+        prompt_tokens=prompt,
+        cache_hit_ratio=cached / prompt if prompt else 0.0,
+        load_max_over_mean=max(loads) / statistics.mean(loads) if loads and statistics.mean(loads) else 0.0,
+        busy_max_over_mean=busy_ratio,
+        retries=client.retries,
+        drains=client.degradation.drains,
+        restarts_detected=sum(e.restarts_detected for e in client.endpoints),
+        oracle_prefill_tokens=oracle.prefill_tokens_global,
+        oracle_prefill_tokens_per_shopper=oracle.prefill_tokens_per_shopper,
+        wall_s=wall_s,
+    )
+
+
+def _pct(sorted_values: Sequence[float], p: float) -> float:
+    if not sorted_values:
+        return 0.0
+    k = min(len(sorted_values) - 1, max(0, round(p / 100 * (len(sorted_values) - 1))))
+    return sorted_values[k]
+
+
+# ---- setups ----------------------------------------------------------------------------------------
+async def run_sim(
+    policy: str,
+    utilisation: float,
+    trace: Sequence[TraceRequest],
+    capacity_rps: float,
+    oracle: OracleBound,
+    args: argparse.Namespace,
+    *,
+    kill_at_fraction: float | None = None,
+) -> tuple[RunResult, list[Outcome]]:
+    timed = with_poisson_arrivals(trace, utilisation * capacity_rps, seed=args.seed)
+    started = time.perf_counter()
+    async with SimFleet(args.replicas, args.time_scale, args.coalesce_s) as fleet:
+        config = client_config(
+            fleet.urls,
+            policy,
+            attempt_s=120 * args.time_scale + 10,
+            deadline_s=300 * args.time_scale + 20,
+            options=json.loads(args.prefix_aware_options),
+        )
+        async with LLMClient(config, seed=args.seed) as client:
+            await client.wait_until_healthy()
+            killer = None
+            if kill_at_fraction is not None:
+                kill_time = timed[int(len(timed) * kill_at_fraction)].t
+                killer = asyncio.create_task(
+                    _kill_later(fleet, args.kill_replica, kill_time * args.time_scale)
+                )
+            outcomes = await replay(client, timed, args.time_scale, extra_body={"ignore_eos": True})
+            if killer is not None:
+                await killer
+            stats = await fleet.stats()
+            server_ttft = await fleet.server_ttft_ms()
+            result = summarise(
+                "sim",
+                policy,
+                utilisation,
+                outcomes,
+                client,
+                oracle,
+                stats,
+                time.perf_counter() - started,
+                server_ttft,
+            )
+            if isinstance(client.policy, PrefixAwarePolicy):
+                result.extra["policy_stats"] = asdict(client.policy.stats)
+            if kill_at_fraction is not None:
+                result.extra.update(
+                    _kill_report(outcomes, timed[int(len(timed) * kill_at_fraction)].t, client, args)
+                )
+    return result, outcomes
+
+
+async def _kill_later(fleet: SimFleet, replica: int, delay_s: float) -> None:
+    await asyncio.sleep(delay_s)
+    fleet.kill(replica)
+
+
+def _kill_report(
+    outcomes: Sequence[Outcome], kill_s: float, client: LLMClient, args: argparse.Namespace
+) -> dict[str, Any]:
+    """Recovery: the first time after the kill from which every 10 s window's mean TTFT stays within
+    1.25x the mean TTFT of the 60 s before the kill."""
+    ok = [o for o in outcomes if o.ok]
+    before = [o.ttft_ms for o in ok if kill_s - 60 <= o.arrival_s < kill_s]
+    baseline = statistics.fmean(before) if before else 0.0
+    window = 10.0
+    end = max(o.arrival_s for o in ok)
+    windows = []
+    t = kill_s
+    while t < end:
+        sample = [o.ttft_ms for o in ok if t <= o.arrival_s < t + window]
+        windows.append((t, statistics.fmean(sample) if sample else 0.0))
+        t += window
+    recovered_at = kill_s
+    for start, mean in windows:
+        if mean > 1.25 * baseline:
+            recovered_at = start + window
+    victim = client.endpoints[args.kill_replica]
+    retried = [o for o in ok if o.attempts > 1]
+    return {
+        "kill_at_s": kill_s,
+        "victim": victim.name,
+        "victim_ejections": victim.ejections,
+        "requests_retried": len(retried),
+        "ttft_baseline_ms": baseline,
+        "recovery_s": recovered_at - kill_s,
+        "ttft_windows": windows,
+        "max_ttft_retried_ms": max((o.ttft_ms for o in retried), default=0.0),
+    }
+
+
+async def run_llama(
+    policy: str, trace: Sequence[TraceRequest], oracle: OracleBound, args: argparse.Namespace
+) -> RunResult:
+    from devstack.llama import LlamaReplica, ensure_gemma_model, ensure_llama_binary
+
+    binary, model = ensure_llama_binary(), ensure_gemma_model()
+    started = time.perf_counter()
+    async with contextlib.AsyncExitStack() as stack:
+        replicas = [
+            await stack.enter_async_context(
+                LlamaReplica(
+                    binary=binary, model_path=model, parallel=2, threads=1, ctx_size=8192, cache_ram_mib=256
+                )
+            )
+            for _ in range(args.llama_replicas)
+        ]
+        config = client_config(
+            [r.url for r in replicas],
+            policy,
+            attempt_s=300,
+            deadline_s=600,
+            options=json.loads(args.prefix_aware_options),
+        )
+        async with LLMClient(config, seed=args.seed) as client:
+            await client.wait_until_healthy(60)
+            # closed loop: a shopper's next prompt waits for its previous answer, few in flight
+            at_once = [replace(r, t=0.0) for r in trace]
+            outcomes = await replay(
+                client, at_once, 1.0, sequential_per_shopper=True, concurrency=args.llama_replicas
+            )
+            result = summarise(
+                "llama", policy, 0.0, outcomes, client, oracle, None, time.perf_counter() - started
+            )
+    oracle_share = 1 - oracle.prefill_tokens_per_shopper / oracle.prompt_tokens
+    result.extra["oracle_cached_share"] = oracle_share
+    result.extra["cached_share_vs_oracle"] = result.cache_hit_ratio / oracle_share if oracle_share else 0.0
+    return result
+
+
+# ---- reporting -------------------------------------------------------------------------------------
+def machine() -> str:
+    cpu = platform.processor() or platform.machine()
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    return f"{cpu}, {os.cpu_count()} cores visible, Python {platform.python_version()}, {platform.system()}"
+
+
+def _md(headers: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
+    lines = ["| " + " | ".join(headers) + " |", "|" + "---|" * len(headers)]
+    lines += ["| " + " | ".join(row) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+SIM_HEADERS = (
+    "util", "policy", "TTFT mean", "TTFT p50", "TTFT p99", "server TTFT mean", "e2e mean", "e2e p99", "req/s",
+    "prefill tok", "vs oracle", "vs global bound", "cache hit", "max/mean load", "lost",
+)  # fmt: skip
+
+
+def sim_row(r: RunResult) -> list[str]:
+    server = f"{r.server_ttft_mean_ms:,.0f}" if r.server_ttft_mean_ms is not None else "-"
+    return [
+        f"{r.utilisation:.0%}",
+        r.policy,
+        f"{r.ttft_mean_ms:,.0f}",
+        f"{r.ttft_p50_ms:,.0f}",
+        f"{r.ttft_p99_ms:,.0f}",
+        server,
+        f"{r.e2e_mean_ms:,.0f}",
+        f"{r.e2e_p99_ms:,.0f}",
+        f"{r.throughput_rps:.2f}",
+        f"{r.prefill_tokens:,}",
+        f"{r.prefill_tokens / max(1, r.oracle_prefill_tokens_per_shopper):.2f}x",
+        f"{r.prefill_tokens / max(1, r.oracle_prefill_tokens):.2f}x",
+        f"{r.cache_hit_ratio:.0%}",
+        f"{r.load_max_over_mean:.2f}",
+        str(r.lost),
+    ]
+
+
+def sim_table(results: Sequence[RunResult]) -> str:
+    return _md(SIM_HEADERS, [sim_row(r) for r in results])
+
+
+LLAMA_HEADERS = (
+    "policy", "requests", "lost", "TTFT mean ms", "TTFT p99 ms", "e2e mean ms", "cached/prompt", "vs oracle",
+    "wall s",
+)  # fmt: skip
+
+
+def llama_table(results: Sequence[RunResult]) -> str:
+    rows = [
+        [
+            r.policy,
+            str(r.requests),
+            str(r.lost),
+            f"{r.ttft_mean_ms:,.0f}",
+            f"{r.ttft_p99_ms:,.0f}",
+            f"{r.e2e_mean_ms:,.0f}",
+            f"{r.cache_hit_ratio:.0%}",
+            f"{r.extra.get('cached_share_vs_oracle', 0):.2f}",
+            f"{r.wall_s:.0f}",
+        ]
+        for r in results
+    ]
+    return _md(LLAMA_HEADERS, rows)
+
+
+def targets(results: Sequence[RunResult], at: float) -> list[str]:
+    by = {r.policy: r for r in results if abs(r.utilisation - at) < 1e-9}
+    if not {"prefix_aware", "round_robin", "least_outstanding"} <= by.keys():
+        return []
+    pa, rr, lo = by["prefix_aware"], by["round_robin"], by["least_outstanding"]
+    checks = [
+        (
+            "mean TTFT <= 0.4x round_robin",
+            pa.ttft_mean_ms / rr.ttft_mean_ms,
+            pa.ttft_mean_ms <= 0.4 * rr.ttft_mean_ms,
+        ),
+        (
+            "server-side mean TTFT <= 0.4x round_robin",
+            (pa.server_ttft_mean_ms or 0) / (rr.server_ttft_mean_ms or 1),
+            (pa.server_ttft_mean_ms or 0) <= 0.4 * (rr.server_ttft_mean_ms or 0),
+        ),
+        (
+            "prefill tokens <= 1.15x oracle",
+            pa.prefill_tokens / pa.oracle_prefill_tokens_per_shopper,
+            pa.prefill_tokens <= 1.15 * pa.oracle_prefill_tokens_per_shopper,
+        ),
+        ("p99 TTFT <= least_outstanding", pa.ttft_p99_ms / lo.ttft_p99_ms, pa.ttft_p99_ms <= lo.ttft_p99_ms),
+        ("max/mean load <= 1.25", pa.load_max_over_mean, pa.load_max_over_mean <= 1.25),
+    ]
+    return [f"{'PASS' if ok else 'MISS'}  {name}: {value:.2f}" for name, value, ok in checks]
+
+
+def plot(results: Sequence[RunResult], kill: RunResult | None, out: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4.2))
+    for policy in POLICIES:
+        rs = sorted((r for r in results if r.policy == policy), key=lambda r: r.utilisation)
+        if not rs:
+            continue
+        u = [100 * r.utilisation for r in rs]
+        axes[0].plot(u, [r.ttft_mean_ms for r in rs], marker="o", label=policy)
+        axes[1].plot(u, [r.ttft_p99_ms for r in rs], marker="o", label=policy)
+        axes[2].plot(
+            u, [r.prefill_tokens / r.oracle_prefill_tokens_per_shopper for r in rs], marker="o", label=policy
+        )
+    axes[0].set(
+        title="mean TTFT", xlabel="utilisation of cache-oblivious capacity (%)", ylabel="ms (simulated)"
+    )
+    axes[1].set(title="p99 TTFT", xlabel="utilisation (%)", ylabel="ms (simulated)")
+    axes[2].set(title="prefill tokens computed / oracle", xlabel="utilisation (%)", ylabel="x oracle")
+    axes[2].axhline(1.15, color="grey", linestyle=":", linewidth=1)
+    for ax in axes:
+        ax.grid(alpha=0.3)
+    axes[0].legend()
+    fig.suptitle("8 simulated H100 replicas (qwen2.5-32b cost model), shopper-session trace")
+    fig.tight_layout()
+    fig.savefig(out / "routing.png", dpi=110)
+    plt.close(fig)
+    if kill is not None and kill.extra.get("ttft_windows"):
+        fig, ax = plt.subplots(figsize=(7, 3.5))
+        xs = [t - kill.extra["kill_at_s"] for t, _ in kill.extra["ttft_windows"]]
+        ax.plot(xs, [m for _, m in kill.extra["ttft_windows"]], marker=".")
+        ax.axhline(kill.extra["ttft_baseline_ms"], color="grey", linestyle=":", label="mean before the kill")
+        ax.set(
+            title="prefix_aware: one of 8 replicas SIGKILLed at t=0",
+            xlabel="s after the kill (simulated)",
+            ylabel="mean TTFT per 10 s window (ms)",
+        )
+        ax.legend()
+        ax.grid(alpha=0.3)
+        fig.tight_layout()
+        fig.savefig(out / "routing_kill.png", dpi=110)
+        plt.close(fig)
+
+
+def _write(name: str, payload: Any) -> None:
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    (RESULTS / name).write_text(json.dumps(payload, indent=1, default=str) + "\n")
+
+
+# ---- main ------------------------------------------------------------------------------------------
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(
+        prog="python -m bench.routing",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("--quick", action="store_true", help="small trace, one utilisation: a smoke run")
+    p.add_argument("--setups", default="sim,kill,llama", help="comma list of sim, kill, llama")
+    p.add_argument("--policies", default=",".join(POLICIES))
+    p.add_argument("--utilisations", default="0.5,0.7,0.9")
+    p.add_argument("--shoppers", type=int, default=200)
+    p.add_argument("--replicas", type=int, default=8)
+    p.add_argument("--time-scale", type=float, default=0.25, help="wall seconds per simulated second")
+    p.add_argument("--coalesce-s", type=float, default=0.25, help="simulator SSE coalescing (wall s)")
+    p.add_argument("--kill-utilisation", type=float, default=0.7)
+    p.add_argument("--kill-replica", type=int, default=3)
+    p.add_argument("--llama-replicas", type=int, default=3)
+    p.add_argument("--llama-shoppers", type=int, default=9)
+    p.add_argument("--seed", type=int, default=1)
+    p.add_argument("--prefix-aware-options", default="{}", help="JSON of PrefixAwarePolicy knobs")
+    args = p.parse_args(argv)
+    if args.quick:
+        args.shoppers, args.utilisations, args.llama_shoppers = 40, "0.7", 4
+    return args
+
+
+async def main(argv: Sequence[str] | None = None) -> None:
+    args = parse_args(argv)
+    setups = set(args.setups.split(","))
+    policies = args.policies.split(",")
+    print(f"machine: {machine()}")
+    sim_results: list[RunResult] = []
+    kill_result: RunResult | None = None
+    if setups & {"sim", "kill"}:
+        trace = generate_trace(TraceConfig(shoppers=args.shoppers, seed=args.seed))
+        oracle = oracle_prefill(trace, BLOCK)
+        capacity = await measure_capacity(trace) * args.replicas
+        mean_tokens = oracle.prompt_tokens / len(trace)
+        print(
+            f"trace: {len(trace)} prompts from {args.shoppers} shoppers, {oracle.prompt_tokens:,} prompt "
+            f"tokens (mean {mean_tokens:,.0f}); oracle prefill {oracle.prefill_tokens_per_shopper:,} "
+            f"(global bound {oracle.prefill_tokens_global:,}); cache-oblivious capacity {capacity:.2f} "
+            f"req/s for {args.replicas} replicas; time scale {args.time_scale}"
+        )
+        if "sim" in setups:
+            for utilisation in (float(u) for u in args.utilisations.split(",")):
+                for policy in policies:
+                    result, _ = await run_sim(policy, utilisation, trace, capacity, oracle, args)
+                    sim_results.append(result)
+                    print(sim_table([result]).splitlines()[-1], f"({result.wall_s:.0f} s wall)", flush=True)
+            print("\n" + sim_table(sim_results))
+            for u in sorted({r.utilisation for r in sim_results}):
+                for line in targets(sim_results, u):
+                    print(f"  {u:.0%}: {line}")
+            _write(
+                "routing.json",
+                {
+                    "machine": machine(),
+                    "args": vars(args),
+                    "capacity_rps": capacity,
+                    "oracle": asdict(oracle),
+                    "results": [asdict(r) for r in sim_results],
+                },
+            )
+        if "kill" in setups:
+            kill_result, _ = await run_sim(
+                "prefix_aware", args.kill_utilisation, trace, capacity, oracle, args, kill_at_fraction=0.5
+            )
+            extra = {k: v for k, v in kill_result.extra.items() if k != "ttft_windows"}
+            print("\nkill run (prefix_aware, one replica SIGKILLed halfway):")
+            print(sim_table([kill_result]))
+            print(json.dumps(extra, indent=1, default=str))
+            _write(
+                "routing_kill.json", {"machine": machine(), "args": vars(args), "result": asdict(kill_result)}
+            )
+        plot(sim_results, kill_result, RESULTS)
+    if "llama" in setups:
+        llama_trace = generate_trace(
+            TraceConfig(
+                shoppers=args.llama_shoppers,
+                hot_fraction=0.0,
+                bursts=(2, 3),
+                burst_events=(2, 4),
+                backlog_events=(6, 10),
+                max_log_tokens=900,
+                max_tokens=(8, 12),
+                seed=args.seed,
+            )
+        )
+        oracle = oracle_prefill(llama_trace, BLOCK)
+        print(
+            f"\nllama: {len(llama_trace)} prompts from {args.llama_shoppers} shoppers, mean "
+            f"{oracle.prompt_tokens / len(llama_trace):,.0f} tokens (project tokenizer); oracle cached share "
+            f"{1 - oracle.prefill_tokens_per_shopper / oracle.prompt_tokens:.0%}"
+        )
+        llama_results = []
+        for policy in policies:
+            result = await run_llama(policy, llama_trace, oracle, args)
+            llama_results.append(result)
+            print(llama_table([result]).splitlines()[-1], flush=True)
+        print("\n" + llama_table(llama_results))
+        _write(
+            "routing_llama.json",
+            {"machine": machine(), "args": vars(args), "results": [asdict(r) for r in llama_results]},
+        )
+
+
+if __name__ == "__main__":
+    asyncio.run(main())
