@@ -13,7 +13,7 @@ import asyncio
 import contextlib
 import random
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import aiohttp
@@ -167,6 +167,12 @@ class LLMClient:
     ) -> Completion:
         assert self._session is not None, "call start() or use 'async with' first"
         uncached = self.policy.estimate_uncached_tokens(route, endpoint)
+        prefill_pending = [uncached]  # prefill work not yet done: cleared at the first streamed token
+
+        def prefill_done() -> None:
+            endpoint.outstanding_prefill_tokens -= prefill_pending[0]
+            prefill_pending[0] = 0
+
         endpoint.outstanding += 1
         endpoint.outstanding_prefill_tokens += uncached
         endpoint.outstanding_decode_tokens += route.max_tokens
@@ -182,7 +188,7 @@ class LLMClient:
                 if response.status >= 400:
                     await self._raise_for_status(response, endpoint)
                 if body.get("stream"):
-                    completion = await _read_stream(response, endpoint, started)
+                    completion = await _read_stream(response, endpoint, started, prefill_done)
                 else:
                     completion = _parse_body(await response.read(), endpoint, started)
         except aiohttp.ServerTimeoutError:
@@ -208,7 +214,7 @@ class LLMClient:
             raise
         finally:
             endpoint.outstanding -= 1
-            endpoint.outstanding_prefill_tokens -= uncached
+            prefill_done()
             endpoint.outstanding_decode_tokens -= route.max_tokens
         endpoint.record_success(completion.latency_ms, completion.ttft_ms)
         self.degradation.observe_success(
@@ -344,7 +350,12 @@ def _parse_body(raw: bytes, endpoint: Endpoint, started: float) -> Completion:
     )
 
 
-async def _read_stream(response: aiohttp.ClientResponse, endpoint: Endpoint, started: float) -> Completion:
+async def _read_stream(
+    response: aiohttp.ClientResponse,
+    endpoint: Endpoint,
+    started: float,
+    on_first_token: Callable[[], None] | None = None,
+) -> Completion:
     parts: list[str] = []
     ttft_ms: float | None = None
     usage: dict[str, Any] | None = None
@@ -361,6 +372,8 @@ async def _read_stream(response: aiohttp.ClientResponse, endpoint: Endpoint, sta
             if piece:
                 if ttft_ms is None:
                     ttft_ms = (time.perf_counter() - started) * 1000
+                    if on_first_token is not None:
+                        on_first_token()
                 parts.append(piece)
             finish = choice.get("finish_reason") or finish
     latency = (time.perf_counter() - started) * 1000

@@ -18,7 +18,8 @@ class Endpoint:
     healthy: bool = True
     outstanding: int = 0
     outstanding_prefill_tokens: int = 0
-    """Estimated uncached prompt tokens of the requests in flight (set by the policy's estimate)."""
+    """Estimated uncached prompt tokens of the requests in flight (set by the policy's estimate) that are
+    still waiting for their prefill: a streamed request's share is removed at its first token."""
     outstanding_decode_tokens: int = 0
     consecutive_failures: int = 0
     served: int = 0
