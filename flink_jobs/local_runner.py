@@ -63,6 +63,16 @@ class RunnerStats:
     freshness_ms: list[float] = field(default_factory=list)
     commits: int = 0
     paused_times: int = 0
+    first_event_at: float | None = None
+    last_event_at: float | None = None
+    """Monotonic times of the first and last event processed: the ingest window."""
+
+    @property
+    def ingest_rate(self) -> float:
+        """Events per second between the first and the last event processed."""
+        if self.first_event_at is None or self.last_event_at is None:
+            return 0.0
+        return self.accounting.consumed / max(1e-9, self.last_event_at - self.first_event_at)
 
     @property
     def cache_hit_ratio(self) -> float:
@@ -182,8 +192,10 @@ class EmbeddedRunner:
             if self._failed is not None:
                 return
             if messages:
-                self._last_message_at = time.monotonic()
+                if self.stats.first_event_at is None:
+                    self.stats.first_event_at = time.monotonic()
                 await self._process(messages)
+                self._last_message_at = self.stats.last_event_at = time.monotonic()
             elif s.until_drained and await self._caught_up():
                 return
 
@@ -202,7 +214,7 @@ class EmbeddedRunner:
             assert topic is not None and partition is not None and offset is not None  # a real record
             epoch.offsets[(topic, partition)] = offset + 1
             try:
-                parsed.append((message, parse_event(message.value())))
+                parsed.append((message, parse_event(message.value())))  # value: validated JSON bytes
             except MalformedEvent as exc:
                 acct.dead_lettered += 1
                 self.producer.produce(
@@ -219,7 +231,7 @@ class EmbeddedRunner:
             if session is None:
                 session = self._sessions[sid] = self.processor.new_session(sid)
             self._partition_of[sid] = message.partition() or 0
-            applied = self.processor.apply(session, event)
+            applied = self.processor.apply(session, event, message.value())
             if applied.outcome == "accepted":
                 acct.accepted += 1
             else:

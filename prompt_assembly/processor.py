@@ -46,14 +46,15 @@ class SessionProcessor:
     def new_session(self, shopper_id: str) -> ShopperSession:
         return ShopperSession(shopper_id)
 
-    def apply(self, session: ShopperSession, event: ShopperEvent) -> Applied:
+    def apply(self, session: ShopperSession, event: ShopperEvent, raw: bytes | None = None) -> Applied:
+        """Add ``event`` (``raw``: the JSON it was parsed from, optional) and return the prompts due."""
         if session.has_seen(event.event_id):
             return Applied("duplicate", [])
         prompts: list[PromptRequest] = []
         pending = session.pending
         if pending is not None and event.ts >= pending.due_ts:
             prompts.append(self._emit(session, pending.reason))
-        session.add(event)
+        session.add(event, raw)
         if len(session.entries) > self.config.max_events:
             keep = int(self.config.max_events * self.config.trim_to_fraction)
             session.trim_head(len(session.entries) - keep, self.config.remember_trimmed_ids)

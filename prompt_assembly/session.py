@@ -31,12 +31,16 @@ class SessionEntry:
     line: str | None = field(default=None, compare=False)
     """Rendered log line, cached by the prompt builder (a pure function of ``event``)."""
     tokens: int = field(default=0, compare=False)
+    raw: bytes | None = field(default=None, compare=False, repr=False)
+    """The event's original JSON, when known: stored as is instead of re-serialising the event."""
 
     @property
     def sort_key(self) -> tuple[int, float, int]:
         return (self.segment, self.event.ts, self.arrival)
 
     def to_json(self) -> bytes:
+        if self.raw is not None:
+            return b'{"g":%d,"n":%d,"e":%b}' % (self.segment, self.arrival, self.raw)
         return orjson.dumps({"g": self.segment, "n": self.arrival, "e": self.event.model_dump()})
 
     @classmethod
@@ -97,11 +101,12 @@ class ShopperSession:
         return [e for e in self.entries if e.segment >= self.seq]
 
     # ---- changing ------------------------------------------------------------------------------
-    def add(self, event: ShopperEvent) -> bool:
-        """Insert ``event`` in order; returns False (and changes nothing) for a duplicate."""
+    def add(self, event: ShopperEvent, raw: bytes | None = None) -> bool:
+        """Insert ``event`` in order; returns False (and changes nothing) for a duplicate. ``raw`` is
+        the validated JSON the event was parsed from, kept to store the entry without re-encoding."""
         if event.event_id in self._ids:
             return False
-        entry = SessionEntry(self.seq, self.arrivals, event)
+        entry = SessionEntry(self.seq, self.arrivals, event, raw=raw)
         self.arrivals += 1
         if not self.entries or entry.sort_key >= self.entries[-1].sort_key:
             self.entries.append(entry)  # the common case: events arrive in order

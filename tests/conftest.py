@@ -12,7 +12,8 @@ import pytest
 import redis as sync_redis
 from confluent_kafka.admin import AdminClient, NewTopic
 
-from devstack.stack import StackSettings, StackState, sink_settings, stack_down, stack_up
+from devstack.containers import test_or_embedded_stack
+from devstack.stack import StackState, sink_settings
 from flink_jobs.runner_config import RunnerSettings
 from llm_client.config import ClientConfig, HealthSettings, Timeouts
 from prompt_assembly.processor import SessionConfig
@@ -24,12 +25,11 @@ SIM_TIME_SCALE = 0.01
 
 @pytest.fixture(scope="session")
 def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[StackState]:
+    """Kafka, Redis and MinIO in containers where a Docker engine answers; Tansu, the local Redis and
+    moto otherwise. Either way the tests talk to real servers over the network."""
     state_dir = tmp_path_factory.mktemp("stack")
-    state = stack_up(StackSettings(state_dir=state_dir, replicas=3, time_scale=SIM_TIME_SCALE, partitions=4))
-    try:
+    with test_or_embedded_stack(state_dir, replicas=3, time_scale=SIM_TIME_SCALE, partitions=4) as state:
         yield state
-    finally:
-        stack_down(state_dir)
 
 
 @pytest.fixture(scope="session")

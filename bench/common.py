@@ -1,0 +1,52 @@
+"""Shared bench helpers: machine description, a throwaway embedded stack, table printing."""
+
+from __future__ import annotations
+
+import os
+import platform
+import tempfile
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from pathlib import Path
+
+from devstack.stack import StackSettings, StackState, stack_down, stack_up
+
+
+def machine() -> str:
+    cpu = "unknown CPU"
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    mem_gib = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
+    return f"{platform.machine()}, {os.cpu_count()} cores ({cpu}), {mem_gib:.0f} GiB, Python {platform.python_version()}"
+
+
+@contextmanager
+def temporary_stack(**settings: object) -> Iterator[StackState]:
+    state_dir = Path(tempfile.mkdtemp(prefix="bench-stack-"))
+    state = stack_up(StackSettings(state_dir=state_dir, **settings))  # type: ignore[arg-type]
+    try:
+        yield state
+    finally:
+        stack_down(state_dir)
+
+
+def percentile(values: Sequence[float], q: float) -> float:
+    if not values:
+        return float("nan")
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+def print_table(headers: Sequence[str], rows: Sequence[Sequence[object]]) -> str:
+    cells = [[str(h) for h in headers]] + [[f"{v:,.2f}" if isinstance(v, float) else str(v) for v in r] for r in rows]
+    widths = [max(len(row[i]) for row in cells) for i in range(len(headers))]
+    lines = ["| " + " | ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)) + " |" for row in cells]
+    lines.insert(1, "|" + "|".join("-" * (w + 2) for w in widths) + "|")
+    text = "\n".join(lines)
+    print(text)
+    return text
