@@ -22,7 +22,8 @@ def machine() -> str:
     except OSError:
         pass
     mem_gib = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
-    return f"{platform.machine()}, {os.cpu_count()} cores ({cpu}), {mem_gib:.0f} GiB, Python {platform.python_version()}"
+    python = platform.python_version()
+    return f"{platform.machine()}, {os.cpu_count()} cores ({cpu}), {mem_gib:.0f} GiB, Python {python}"
 
 
 @contextmanager
@@ -43,7 +44,9 @@ def percentile(values: Sequence[float], q: float) -> float:
 
 
 def print_table(headers: Sequence[str], rows: Sequence[Sequence[object]]) -> str:
-    cells = [[str(h) for h in headers]] + [[f"{v:,.2f}" if isinstance(v, float) else str(v) for v in r] for r in rows]
+    cells = [[str(h) for h in headers]] + [
+        [f"{v:,.2f}" if isinstance(v, float) else str(v) for v in r] for r in rows
+    ]
     widths = [max(len(row[i]) for row in cells) for i in range(len(headers))]
     lines = ["| " + " | ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)) + " |" for row in cells]
     lines.insert(1, "|" + "|".join("-" * (w + 2) for w in widths) + "|")

@@ -73,24 +73,60 @@ def main() -> None:
     print(f"machine: {machine()}")
     with temporary_stack(replicas=3, time_scale=0.0) as state:
         topic = create_topic(state.kafka_bootstrap)
-        produce(state.kafka_bootstrap, topic, events=args.events, shoppers=args.shoppers, rate=None,
-                malformed_rate=0.005, seed=1)
-        one_prompt = SessionConfig(triggers=TriggerPolicy(min_prompt_interval_s=86_400, quiet_period_s=86_400))
+        produce(
+            state.kafka_bootstrap,
+            topic,
+            events=args.events,
+            shoppers=args.shoppers,
+            rate=None,
+            malformed_rate=0.005,
+            seed=1,
+        )
+        one_prompt = SessionConfig(
+            triggers=TriggerPolicy(min_prompt_interval_s=86_400, quiet_period_s=86_400)
+        )
         stats, seconds = run_drained(settings_for(state, topic, one_prompt))
-        rows.append(["ingest (1 prompt/shopper)", args.events, stats.accounting.prompts, seconds,
-                     stats.ingest_rate, args.events / seconds, "-", "-"])
+        rows.append(
+            [
+                "ingest (1 prompt/shopper)",
+                args.events,
+                stats.accounting.prompts,
+                seconds,
+                stats.ingest_rate,
+                args.events / seconds,
+                "-",
+                "-",
+            ]
+        )
         stats, seconds = run_drained(settings_for(state, topic, SessionConfig()))
-        rows.append(["every trigger, LLM@0", args.events, stats.accounting.prompts, seconds,
-                     stats.ingest_rate, args.events / seconds, "-", f"{stats.cache_hit_ratio:.2f}"])
+        rows.append(
+            [
+                "every trigger, LLM@0",
+                args.events,
+                stats.accounting.prompts,
+                seconds,
+                stats.ingest_rate,
+                args.events / seconds,
+                "-",
+                f"{stats.cache_hit_ratio:.2f}",
+            ]
+        )
     with temporary_stack(replicas=3, time_scale=1.0) as state:
         topic = create_topic(state.kafka_bootstrap)
         settings = settings_for(state, topic, SessionConfig(), until_drained=False)
         settings.timer_wall_per_event_s = 1.0
         runner = EmbeddedRunner(settings, log=lambda _: None)
         producer = threading.Thread(
-            target=produce, args=(state.kafka_bootstrap, topic),
-            kwargs={"events": args.freshness_events, "shoppers": args.shoppers // 4, "rate": args.rate,
-                    "malformed_rate": 0.0, "seed": 2, "realtime_ts": True},
+            target=produce,
+            args=(state.kafka_bootstrap, topic),
+            kwargs={
+                "events": args.freshness_events,
+                "shoppers": args.shoppers // 4,
+                "rate": args.rate,
+                "malformed_rate": 0.0,
+                "seed": 2,
+                "realtime_ts": True,
+            },
         )
 
         async def timed() -> RunnerStats:
@@ -106,15 +142,33 @@ def main() -> None:
         stats = asyncio.run(timed())
         seconds = time.perf_counter() - started
         fresh = stats.freshness_ms
-        rows.append([f"paced {args.rate:.0f}/s, LLM@H100 32B", args.freshness_events, stats.accounting.prompts,
-                     seconds, stats.ingest_rate, stats.accounting.consumed / seconds,
-                     f"p50 {percentile(fresh, 0.5):.0f} / p99 {percentile(fresh, 0.99):.0f}",
-                     f"{stats.cache_hit_ratio:.2f}"])
-    headers = ["scenario", "events", "prompts", "seconds", "ingest events/s", "end-to-end events/s",
-               "freshness ms", "cache hit"]
+        rows.append(
+            [
+                f"paced {args.rate:.0f}/s, LLM@H100 32B",
+                args.freshness_events,
+                stats.accounting.prompts,
+                seconds,
+                stats.ingest_rate,
+                stats.accounting.consumed / seconds,
+                f"p50 {percentile(fresh, 0.5):.0f} / p99 {percentile(fresh, 0.99):.0f}",
+                f"{stats.cache_hit_ratio:.2f}",
+            ]
+        )
+    headers = [
+        "scenario",
+        "events",
+        "prompts",
+        "seconds",
+        "ingest events/s",
+        "end-to-end events/s",
+        "freshness ms",
+        "cache hit",
+    ]
     table = print_table(headers, rows)
     RESULTS.mkdir(exist_ok=True)
-    (RESULTS / "runner.json").write_text(json.dumps({"machine": machine(), "rows": rows, "table": table}, indent=1))
+    (RESULTS / "runner.json").write_text(
+        json.dumps({"machine": machine(), "rows": rows, "table": table}, indent=1)
+    )
 
 
 if __name__ == "__main__":

@@ -35,7 +35,7 @@ from llm_client.retry import RetryBudget, backoff_s
 from llm_client.routing import RouteOutcome, RouteRequest, RoutingPolicy, make_policy
 from llm_client.routing.health_monitor import DegradationDetector
 from llm_client.sse import read_sse_json
-from prompt_assembly.tokens import count_tokens, messages_text
+from prompt_assembly.tokens import messages_text
 
 
 class LLMClient:
@@ -95,8 +95,10 @@ class LLMClient:
         deadline_s: float | None = None,
         temperature: float = 0.0,
         extra_body: dict[str, Any] | None = None,
+        prompt_tokens: int | None = None,
     ) -> Completion:
-        """One chat completion, routed by ``routing_key`` (the shopper id)."""
+        """One chat completion, routed by ``routing_key`` (the shopper id). ``prompt_tokens``: the
+        caller's estimate, used for load accounting (default: about 4 characters a token)."""
         body: dict[str, Any] = {
             "model": self.config.model,
             "messages": list(messages),
@@ -113,7 +115,8 @@ class LLMClient:
         if extra_body:
             body.update(extra_body)
         text = messages_text(messages)
-        route = RouteRequest(routing_key, text, count_tokens(text), max_tokens)
+        estimate = prompt_tokens if prompt_tokens is not None else len(text) // 4
+        route = RouteRequest(routing_key, text, estimate, max_tokens)
         return await self.request("/v1/chat/completions", body, route, deadline_s=deadline_s)
 
     async def request(

@@ -36,6 +36,7 @@ class Enricher:
                 max_tokens=self.settings.max_tokens,
                 response_format=response_format() if self.settings.guided_json else None,
                 deadline_s=self.settings.deadline_s,
+                prompt_tokens=prompt.prompt_tokens,
             )
         except LLMError as exc:
             return self._error(

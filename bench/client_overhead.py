@@ -1,0 +1,141 @@
+"""Client overhead: LLMClient (routing, retry bookkeeping, deadline, backpressure, usage parsing)
+versus a bare aiohttp POST, against the same instant-answer server, open-loop at a fixed rate.
+Overhead = client latency percentile - bare latency percentile, measured in one run, alternating.
+
+    python -m bench.client_overhead [--rate 2000] [--seconds 5]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import subprocess
+import sys
+import time
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+
+import aiohttp
+
+from bench.common import machine, percentile, print_table
+from devstack.processes import ManagedProcess, free_port, stop, wait_for_port
+from llm_client import ClientConfig, LLMClient
+
+SERVER = """
+import sys
+from aiohttp import web
+BODY = b'{"model":"m","choices":[{"message":{"role":"assistant","content":"ok"},"finish_reason":"stop"}],' \\
+       b'"usage":{"prompt_tokens":3000,"completion_tokens":1,"prompt_tokens_details":{"cached_tokens":2900}}}'
+async def chat(request):
+    await request.read()
+    return web.Response(body=BODY, content_type="application/json")
+async def health(request):
+    return web.Response(text="ok")
+app = web.Application()
+app.router.add_post("/v1/chat/completions", chat)
+app.router.add_get("/health", health)
+web.run_app(app, host="127.0.0.1", port=int(sys.argv[1]), access_log=None, print=None)
+"""
+
+MESSAGES = [
+    {"role": "system", "content": "You describe shoppers. " * 200},
+    {"role": "user", "content": "log"},
+]
+
+
+async def open_loop(
+    call: Callable[[int], Awaitable[None]], rate: float, seconds: float
+) -> tuple[list[float], int]:
+    latencies: list[float] = []
+    errors = 0
+    tasks = []
+
+    async def one(i: int) -> None:
+        nonlocal errors
+        started = time.perf_counter()
+        try:
+            await call(i)
+            latencies.append((time.perf_counter() - started) * 1000)
+        except Exception:
+            errors += 1
+
+    start = time.perf_counter()
+    n = int(rate * seconds)
+    for i in range(n):
+        delay = start + i / rate - time.perf_counter()
+        if delay > 0:
+            await asyncio.sleep(delay)
+        tasks.append(asyncio.create_task(one(i)))
+    await asyncio.gather(*tasks)
+    return latencies, errors
+
+
+async def bench(url: str, rate: float, seconds: float, rounds: int) -> list[list[object]]:
+    body = {"model": "m", "messages": MESSAGES, "max_tokens": 1, "stream": False}
+    results: dict[str, tuple[list[float], int]] = {"bare aiohttp": ([], 0), "LLMClient": ([], 0)}
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as session:
+
+        async def bare(i: int) -> None:
+            async with session.post(
+                url + "/v1/chat/completions", json=body, headers={"x-session-id": f"s{i}"}
+            ) as r:
+                json.loads(await r.read())
+
+        config = ClientConfig(endpoints=[url], stream=False, max_in_flight=4096, policy="session_affinity")
+        async with LLMClient(config) as client:
+
+            async def ours(i: int) -> None:
+                await client.chat(MESSAGES, routing_key=f"s{i % 500}", max_tokens=1)
+
+            await open_loop(bare, rate, 0.5)  # warm both paths
+            await open_loop(ours, rate, 0.5)
+            for _ in range(rounds):
+                for name, call in (("bare aiohttp", bare), ("LLMClient", ours)):
+                    lat, err = await open_loop(call, rate, seconds)
+                    results[name][0].extend(lat)
+                    results[name] = (results[name][0], results[name][1] + err)
+    bare_lat = results["bare aiohttp"][0]
+    rows = []
+    for name, (lat, err) in results.items():
+        rows.append(
+            [
+                name,
+                len(lat),
+                err,
+                percentile(lat, 0.5),
+                percentile(lat, 0.99),
+                percentile(lat, 0.5) - percentile(bare_lat, 0.5),
+                percentile(lat, 0.99) - percentile(bare_lat, 0.99),
+            ]
+        )
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--rate", type=float, default=2000)
+    parser.add_argument("--seconds", type=float, default=3)
+    parser.add_argument("--rounds", type=int, default=2)
+    args = parser.parse_args()
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-c", SERVER, str(port)], start_new_session=True)
+    server = ManagedProcess("echo", proc.pid, port, "-")
+    try:
+        wait_for_port(server)
+        print(f"machine: {machine()}; open loop at {args.rate:.0f} req/s")
+        rows = asyncio.run(bench(f"http://127.0.0.1:{port}", args.rate, args.seconds, args.rounds))
+    finally:
+        stop(server)
+    table = print_table(
+        ["path", "requests", "errors", "p50 ms", "p99 ms", "p50 overhead ms", "p99 overhead ms"], rows
+    )
+    out = Path(__file__).parent / "results"
+    out.mkdir(exist_ok=True)
+    (out / "client_overhead.json").write_text(
+        json.dumps({"machine": machine(), "rate": args.rate, "table": table})
+    )
+
+
+if __name__ == "__main__":
+    main()
