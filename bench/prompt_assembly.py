@@ -17,13 +17,14 @@ from devstack.synthetic import SyntheticStream
 from prompt_assembly.events import parse_event
 from prompt_assembly.processor import SessionProcessor
 from prompt_assembly.records import PromptRequest
+from prompt_assembly.session import ShopperSession
 from prompt_assembly.tokens import messages_text, token_ids
 
 
 def run(events: int, shoppers: int, seed: int) -> dict[str, float]:
     records = [value for _, value, _ in SyntheticStream(shoppers=shoppers, seed=seed).take(events)]
     processor = SessionProcessor()
-    sessions = {}
+    sessions: dict[str, ShopperSession] = {}
     prompts: list[PromptRequest] = []
     started = time.perf_counter()
     for value in records:

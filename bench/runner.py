@@ -21,7 +21,7 @@ import uuid
 from pathlib import Path
 
 from bench.common import machine, percentile, print_table, temporary_stack
-from devstack.stack import sink_settings
+from devstack.stack import StackState, sink_settings
 from flink_jobs.local_runner import EmbeddedRunner, RunnerStats
 from flink_jobs.runner_config import RunnerSettings
 from llm_client.config import ClientConfig
@@ -32,7 +32,9 @@ from shopper.producer import produce
 RESULTS = Path(__file__).parent / "results"
 
 
-def settings_for(state, topic: str, session: SessionConfig, until_drained: bool = True) -> RunnerSettings:  # type: ignore[no-untyped-def]
+def settings_for(
+    state: StackState, topic: str, session: SessionConfig, until_drained: bool = True
+) -> RunnerSettings:
     tag = uuid.uuid4().hex[:8]
     return RunnerSettings(
         bootstrap_servers=state.kafka_bootstrap,
