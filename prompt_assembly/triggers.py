@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from pydantic import BaseModel, Field
 
-from prompt_assembly.events import ShopperEvent
+from prompt_assembly.events import EventType, ShopperEvent
 from prompt_assembly.records import TriggerReason
 from prompt_assembly.session import PendingTrigger, ShopperSession
 
@@ -22,6 +22,10 @@ _STRENGTH: dict[TriggerReason, int] = {"browse_pause": 0, "add_to_cart": 1, "pur
 class TriggerPolicy(BaseModel):
     quiet_period_s: float = Field(20.0, gt=0, description="browse pause that triggers a prompt")
     min_prompt_interval_s: float = Field(10.0, ge=0, description="per-shopper rate limit, event time")
+    immediate_types: frozenset[EventType] = Field(
+        frozenset({"add_to_cart", "purchase"}),
+        description="event types that prompt at once; the others wait for a quiet period",
+    )
 
     def next_pending(self, session: ShopperSession, event: ShopperEvent) -> PendingTrigger:
         """The pending trigger after ``event`` was added to ``session``."""
@@ -30,11 +34,10 @@ class TriggerPolicy(BaseModel):
             if session.last_prompt_ts is None
             else max(event.ts, session.last_prompt_ts + self.min_prompt_interval_s)
         )
-        if event.type in ("add_to_cart", "purchase"):
-            reason: TriggerReason = event.type
-            due = earliest
-        else:
-            reason, due = "browse_pause", max(earliest, event.ts + self.quiet_period_s)
+        reason: TriggerReason = event.type if event.type in ("add_to_cart", "purchase") else "browse_pause"
+        due = (
+            earliest if event.type in self.immediate_types else max(earliest, event.ts + self.quiet_period_s)
+        )
         current = session.pending
         if current is not None and _STRENGTH[current.reason] > _STRENGTH[reason]:
             # A cart add waiting on the rate limit keeps its reason and its (earlier) due time.
