@@ -87,9 +87,7 @@ def main() -> None:
         # No trigger fires while events stream in (nothing prompts at once, browsing waits a day), so
         # the window measures ingest alone; every shopper's one prompt fires at the final drain.
         one_prompt = SessionConfig(
-            triggers=TriggerPolicy(
-                min_prompt_interval_s=86_400, quiet_period_s=86_400, immediate_types=frozenset()
-            )
+            triggers=TriggerPolicy(min_prompt_interval_s=86_400, quiet_period_s=86_400, immediate_types=())
         )
         stats, seconds = run_drained(settings_for(state, topic, one_prompt))
         rows.append(

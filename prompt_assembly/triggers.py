@@ -22,8 +22,8 @@ _STRENGTH: dict[TriggerReason, int] = {"browse_pause": 0, "add_to_cart": 1, "pur
 class TriggerPolicy(BaseModel):
     quiet_period_s: float = Field(20.0, gt=0, description="browse pause that triggers a prompt")
     min_prompt_interval_s: float = Field(10.0, ge=0, description="per-shopper rate limit, event time")
-    immediate_types: frozenset[EventType] = Field(
-        frozenset({"add_to_cart", "purchase"}),
+    immediate_types: tuple[EventType, ...] = Field(
+        ("add_to_cart", "purchase"),
         description="event types that prompt at once; the others wait for a quiet period",
     )
 
