@@ -2,6 +2,8 @@
 # a virtual environment with the project and its embedded services (Tansu, moto, the simulator,
 # Gemma 3 270M), and for the tests also PyFlink and a llama-server build (cached in ~/.cache).
 
+SHELL  := /bin/bash
+.SHELLFLAGS := -o pipefail -c
 PYTHON ?= python3
 VENV   := .venv
 PY     := $(VENV)/bin/python
@@ -12,8 +14,8 @@ PYTEST_ARGS ?=
 
 $(STAMP): pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -e ".[embedded,dev,flink]"
+	$(PY) -m pip install -q --upgrade pip 2>&1 | { grep -v "^WARNING: Location" || true; }
+	$(PY) -m pip install -q -e ".[embedded,dev,flink]" 2>&1 | { grep -v "^WARNING: Location" || true; }
 	@rm -f $(VENV)/.installed-* && touch $@
 
 demo: $(STAMP)

@@ -173,6 +173,7 @@ class EmbeddedRunner:
                         await worker
                 await asyncio.to_thread(self.consumer.close)
                 await asyncio.to_thread(self.producer.flush, 10)
+                del self.producer  # librdkafka handles are released when the last reference goes
                 await self.s3_sink.close()
                 await redis.aclose()
         if self._failed is not None:
