@@ -27,6 +27,10 @@ from flink_jobs.runner_config import RunnerSettings
 app = typer.Typer(add_completion=False, no_args_is_help=True, help=__doc__, pretty_exceptions_enable=False)
 stack_app = typer.Typer(no_args_is_help=True, help="Start, stop and inspect the embedded stack.")
 app.add_typer(stack_app, name="stack")
+# Batch and real-time paths (issue 5): sub-apps mounted from their packages.
+from batch.cli import batch_app  # noqa: E402
+
+app.add_typer(batch_app, name="batch")
 console = Console(width=None if sys.stdout.isatty() else 150)
 StateDir = Annotated[Path, typer.Option(help="where the stack keeps its state file and logs")]
 

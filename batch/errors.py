@@ -1,0 +1,27 @@
+"""Typed batch errors; each message says what a person can do about it."""
+
+from __future__ import annotations
+
+
+class BatchError(Exception):
+    """Base class of every error the batch package raises on purpose."""
+
+
+class InvalidUri(BatchError):
+    """Not an ``s3://bucket/key`` address."""
+
+
+class JobNotFound(BatchError):
+    """No manifest under the jobs prefix for this id."""
+
+
+class JobLeaseHeld(BatchError):
+    """Another worker is running this job (its lease in Redis is live)."""
+
+
+class InputChanged(BatchError):
+    """The input object changed since the job first ran: resuming would mix two inputs."""
+
+
+class JobStateError(BatchError):
+    """The job is in a state that does not allow the operation (e.g. resuming a succeeded job)."""

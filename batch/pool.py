@@ -1,0 +1,125 @@
+"""An endpoint pool as the batch side uses it: one LLM client, a capacity budget, an adaptive limit.
+
+The budget (``per_replica_budget`` x replicas) caps concurrency whatever the controller says; the
+AIMD controller (``batch.aimd``) moves the limit inside it from windows of observed completions. When
+the capacity shifter moves replicas in or out, ``set_endpoints`` re-points the client and rescales the
+limit with the pool's size.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import statistics
+from collections.abc import Sequence
+
+from batch.aimd import AimdController, AimdSettings, WindowStats
+from llm_client.client import LLMClient
+
+log = logging.getLogger(__name__)
+
+
+class EndpointPool:
+    def __init__(
+        self,
+        name: str,
+        client: LLMClient,
+        *,
+        aimd: AimdSettings | None = None,
+        per_replica_budget: int = 128,
+        fixed_limit: int | None = None,
+    ) -> None:
+        """``fixed_limit`` turns adaptation off (the benchmark's saturating baseline)."""
+        self.name = name
+        self.client = client
+        self.per_replica_budget = per_replica_budget
+        self.fixed_limit = fixed_limit
+        self.controller = AimdController(aimd, budget=self.budget)
+        self.in_flight = 0
+        self.completed = 0
+        self.failed = 0
+        self.decisions: list[tuple[float, int, str]] = []
+        self._latencies: list[float] = []
+        self._window_failures = 0
+        self._limited = False
+        self._retries_seen = client.retries
+        self._task: asyncio.Task[None] | None = None
+        self.changed = asyncio.Event()
+        """Set whenever the limit moves (the dispatcher waits on it too)."""
+
+    @property
+    def replicas(self) -> int:
+        return max(len(self.client.endpoints), 1)
+
+    @property
+    def budget(self) -> int:
+        return self.per_replica_budget * self.replicas
+
+    @property
+    def limit(self) -> int:
+        return self.fixed_limit if self.fixed_limit is not None else self.controller.limit
+
+    @property
+    def full(self) -> bool:
+        return self.in_flight >= self.limit
+
+    def mark_limited(self) -> None:
+        """The dispatcher hit the limit: this window says something about the pool."""
+        self._limited = True
+
+    def observe(self, latency_s: float | None) -> None:
+        """One finished call: its latency, or None when it failed."""
+        if latency_s is None:
+            self.failed += 1
+            self._window_failures += 1
+        else:
+            self.completed += 1
+            self._latencies.append(latency_s)
+
+    def start(self) -> None:
+        if self._task is None and self.fixed_limit is None:
+            self._task = asyncio.create_task(self._adapt(), name=f"aimd-{self.name}")
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+            self._task = None
+
+    async def _adapt(self) -> None:
+        loop = asyncio.get_running_loop()
+        window = self.controller.settings.window_s
+        started = loop.time()
+        while True:
+            await asyncio.sleep(window)
+            now = loop.time()
+            retries = self.client.retries - self._retries_seen
+            self._retries_seen = self.client.retries
+            stats = WindowStats(
+                completions=len(self._latencies),
+                errors=self._window_failures + retries,
+                duration_s=now - started,
+                latency_s=statistics.median(self._latencies) if self._latencies else 0.0,
+                limited=self._limited or self.full,
+            )
+            if stats.completions + stats.errors < self.controller.settings.min_samples and not stats.errors:
+                continue  # keep accumulating: a short window is too noisy to judge
+            before = self.controller.limit
+            decision = self.controller.update(stats)
+            self.decisions.append((now, decision.limit, decision.reason))
+            if decision.limit != before:
+                log.debug("pool %s: limit %d -> %d (%s)", self.name, before, decision.limit, decision.reason)
+                self.changed.set()
+            self._latencies, self._window_failures, self._limited, started = [], 0, False, now
+
+    def set_endpoints(self, urls: Sequence[str]) -> None:
+        """Re-point the client at ``urls`` (capacity shifting) and rescale the limit."""
+        from realtime.pool import retarget_client
+
+        before = self.replicas
+        retarget_client(self.client, urls)
+        self.controller.set_budget(self.budget)
+        self.controller.rescale(self.replicas / before)
+        self.changed.set()

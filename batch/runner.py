@@ -1,0 +1,624 @@
+"""Running batch jobs: read input lines, plan prompts, dispatch LLM calls by priority under the pool's
+adaptive limit, commit complete shards to S3 and Redis, checkpoint the manifest.
+
+Guarantees:
+- every input line ends in exactly one row: an output row in its shard's part, or an error row with
+  a reason in its shard's errors part (and in ``errors.jsonl`` when the job succeeds);
+- a shard's part is written once it is complete, under a key fixed by the shard number, so a redone
+  shard overwrites rather than duplicates; product signals in Redis are overwrites too;
+- after a kill, a resumed job redoes only shards that were not yet written (records in flight plus
+  at most one shard per open shard), adopting parts written after the last manifest checkpoint;
+- one worker at a time runs a job (the Redis lease); a worker that loses its lease stops.
+
+Everything here is I/O glue around the pure parts: ``documents``/``mapreduce`` (what to ask),
+``scheduler`` (whose call goes next), ``aimd`` (how many at once), ``manifest`` (what is done).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+import uuid
+from collections import deque
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import redis.asyncio as aioredis
+
+from batch.config import BatchSettings
+from batch.coordination import JobLease, publish_progress
+from batch.documents import plan_document
+from batch.errors import InputChanged, JobLeaseHeld, JobStateError
+from batch.manifest import TERMINAL_STATES, JobManifest, JobSpec, ShardBook, ShardCommit
+from batch.mapreduce import LLMCall, RecordWork
+from batch.pool import EndpointPool
+from batch.records import BadRecord, ErrorReason, error_row, output_row, parse_line
+from batch.scheduler import JobDemand, pick_next, start_order
+from batch.signals import ProductSignalWriter
+from batch.storage import JobStore, S3Uri
+from batch.understanding import parse_product_understanding, product_response_format
+from llm_client.errors import LLMError
+from llm_client.models import Completion
+
+log = logging.getLogger(__name__)
+
+
+def new_job_id() -> str:
+    return time.strftime("job-%Y%m%d-%H%M%S-", time.gmtime()) + uuid.uuid4().hex[:6]
+
+
+async def submit_job(
+    store: JobStore,
+    input_uri: str,
+    output_uri: str,
+    *,
+    priority: int = 0,
+    shard_records: int = 250,
+    job_id: str | None = None,
+) -> JobManifest:
+    """Register a job (state ``queued``); fails fast when the input does not exist."""
+    S3Uri.parse(output_uri)
+    etag, size = await store.head(S3Uri.parse(input_uri))
+    spec = JobSpec(
+        job_id=job_id or new_job_id(),
+        input_uri=input_uri,
+        output_uri=output_uri.rstrip("/"),
+        priority=priority,
+        shard_records=shard_records,
+    )
+    manifest = JobManifest(spec=spec, input_etag=etag, input_bytes=size)
+    await store.write_manifest(manifest)
+    return manifest
+
+
+async def cancel_job(store: JobStore, redis: aioredis.Redis, prefix: str, job_id: str) -> JobManifest:
+    """Ask the worker running the job to stop; a job no worker holds is marked cancelled at once."""
+    manifest = await store.read_manifest(job_id)
+    if manifest.state in TERMINAL_STATES:
+        raise JobStateError(f"job {job_id} is already {manifest.state}")
+    await store.request_cancel(job_id)
+    if await redis.get(f"{prefix}batch:lease:{job_id}") is None:
+        manifest.state = "cancelled"
+        manifest.message = "cancelled before a worker picked it up"
+        manifest.updated_at = time.time()
+        await store.write_manifest(manifest)
+        await store.clear_cancel(job_id)
+    return manifest
+
+
+async def prepare_resume(store: JobStore, job_id: str) -> JobManifest:
+    """Make a killed, failed or cancelled job runnable again (state ``queued``)."""
+    manifest = await store.read_manifest(job_id)
+    if manifest.state == "succeeded":
+        raise JobStateError(f"job {job_id} already succeeded; submit a new job to run it again")
+    await store.clear_cancel(job_id)
+    manifest.state = "queued"
+    manifest.message = None
+    manifest.updated_at = time.time()
+    await store.write_manifest(manifest)
+    return manifest
+
+
+class JobRun:
+    """One job inside a worker: its reader, its ready calls, its open records and shards."""
+
+    def __init__(
+        self,
+        manifest: JobManifest,
+        *,
+        store: JobStore,
+        redis: aioredis.Redis,
+        signals: ProductSignalWriter,
+        pool: EndpointPool,
+        settings: BatchSettings,
+        key_prefix: str,
+        worker_id: str,
+        wake: asyncio.Event,
+    ) -> None:
+        self.manifest = manifest
+        self.spec = manifest.spec
+        self.job_id = manifest.job_id
+        self.store = store
+        self.redis = redis
+        self.signals = signals
+        self.pool = pool
+        self.settings = settings
+        self.key_prefix = key_prefix
+        self.output = S3Uri.parse(self.spec.output_uri)
+        self.lease = JobLease(redis, key_prefix, self.job_id, worker_id, settings.lease_ttl_s)
+        self.book = ShardBook(self.spec.shard_records)
+        self.ready: deque[LLMCall] = deque()
+        self.works: dict[int, RecordWork] = {}
+        self.in_flight = 0
+        self.lines_read = 0
+        self.bytes_read = 0
+        self.reader_done = False
+        self.stopping: str | None = None
+        """Why the job stops early: 'cancelled', 'interrupted', or a failure message."""
+        self.records_done_here = 0
+        self.requests_here = 0
+        self.started_at = time.time()
+        self._wake = wake
+        self._room = asyncio.Event()
+        self._commit_gate = asyncio.Semaphore(settings.commit_concurrency)
+        self._commits: set[asyncio.Task[None]] = set()
+        self._committing = 0
+        """Records in shards being written (between the book and the manifest)."""
+        self._dirty = False
+        self._rate_samples: deque[tuple[float, int]] = deque(maxlen=32)
+        self._response_format = product_response_format() if settings.guided_json else None
+
+    # ---- scheduling view ---------------------------------------------------------------------------
+    def demand(self) -> JobDemand:
+        return JobDemand(
+            self.job_id,
+            self.spec.priority,
+            self.spec.submitted_at,
+            self.in_flight,
+            0 if self.stopping else len(self.ready),
+        )
+
+    @property
+    def lookahead(self) -> int:
+        """Open records allowed: enough to keep the pool's limit busy, few enough to bound memory
+        and the work a kill throws away."""
+        return max(2 * self.pool.limit, 64)
+
+    @property
+    def finished(self) -> bool:
+        idle = self.in_flight == 0 and not self._commits
+        if self.stopping:
+            return idle
+        return self.reader_done and not self.works and not self.ready and idle
+
+    # ---- lifecycle ---------------------------------------------------------------------------------
+    async def claim(self) -> None:
+        """Take the lease and check the input; adopt parts written after the last checkpoint."""
+        if not await self.lease.acquire():
+            raise JobLeaseHeld(
+                f"job {self.job_id} is held by worker {await self.lease.holder()!r}; it expires "
+                f"{self.settings.lease_ttl_s:.0f} s after that worker stops refreshing it"
+            )
+        try:
+            await self._check_and_adopt()
+        except BaseException:
+            await self.lease.release()
+            raise
+
+    async def _check_and_adopt(self) -> None:
+        m = self.manifest
+        if m.state in TERMINAL_STATES:
+            raise JobStateError(f"job {self.job_id} is {m.state}; resume it first")
+        etag, size = await self.store.head(S3Uri.parse(self.spec.input_uri))
+        if m.input_etag is not None and etag != m.input_etag:
+            raise InputChanged(
+                f"{self.spec.input_uri} changed since job {self.job_id} first ran (ETag {m.input_etag} -> "
+                f"{etag}); submit a new job for the new input"
+            )
+        m.input_etag, m.input_bytes = etag, size
+        adopted = await self.store.written_shards(self.output, known=set(m.shards))
+        m.shards.update(adopted)
+        if adopted:
+            log.info(
+                "job %s: adopted %d shard(s) written after the last checkpoint", self.job_id, len(adopted)
+            )
+        m.state, m.runs, m.message = "running", m.runs + 1, None
+        m.updated_at = time.time()
+        await self.store.write_manifest(m)
+        self.book = ShardBook(self.spec.shard_records, committed=set(m.shards))
+
+    async def run(self) -> JobManifest:
+        """Read, wait until every shard is committed (or the job stops), finalise."""
+        reader = asyncio.create_task(self._read(), name=f"reader-{self.job_id}")
+        checkpoints = asyncio.create_task(self._checkpoints(), name=f"checkpoint-{self.job_id}")
+        try:
+            while not self.finished:
+                if reader.done() and not self.stopping and (exc := reader.exception()) is not None:
+                    self.stop(f"reading the input failed: {exc!r}")
+                await asyncio.sleep(0.05)
+        finally:
+            reader.cancel()
+            checkpoints.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await reader
+            with contextlib.suppress(asyncio.CancelledError):
+                await checkpoints
+        return await self._finalise()
+
+    def stop(self, why: str) -> None:
+        """Stop dispatching; in-flight calls finish and complete shards are still written."""
+        if self.stopping is None:
+            self.stopping = why
+            self.ready.clear()
+            self._room.set()
+            self._wake.set()
+
+    async def _finalise(self) -> JobManifest:
+        m = self.manifest
+        m.updated_at = time.time()
+        if self.stopping is None and m.complete:
+            with_errors = [k for k, c in m.shards.items() if c.errors]
+            errors_uri = await self.store.merge_errors(self.output, with_errors)
+            m.errors_uri = str(errors_uri)
+            m.state, m.finished_at = "succeeded", time.time()
+            await self.store.put(
+                self.output.child("summary.json"), _json_bytes(m.summary()), "application/json"
+            )
+        elif self.stopping == "cancelled":
+            m.state, m.message = "cancelled", "cancelled by request"
+            await self.store.clear_cancel(self.job_id)
+        elif self.stopping == "interrupted":
+            m.state, m.message = "queued", "interrupted; resumes where it stopped"
+        else:
+            m.state, m.message = "failed", self.stopping or "the input ended before every shard was complete"
+        await self.store.write_manifest(m)
+        await self.redis.delete(f"{self.key_prefix}batch:progress:{self.job_id}")
+        await self.lease.release()
+        log.info("job %s: %s (%s)", self.job_id, m.state, m.message or "ok")
+        return m
+
+    # ---- reading and planning ----------------------------------------------------------------------
+    async def _read(self) -> None:
+        shard_records = self.spec.shard_records
+        committed = self.book.committed
+        line = -1
+        async for raw in self.store.iter_lines(S3Uri.parse(self.spec.input_uri)):
+            line += 1
+            self.bytes_read += len(raw) + 1
+            self.lines_read = line + 1
+            if line // shard_records not in committed:
+                self._take_line(line, raw)
+            if self.lines_read % shard_records == 0:
+                self._enqueue_commits(self.book.seal_through(self.lines_read))
+            while len(self.works) >= self.lookahead and not self.stopping:
+                self._room.clear()
+                await self._room.wait()
+            if self.stopping:
+                return
+        self.manifest.total_records = line + 1
+        self._enqueue_commits(self.book.finish(line + 1))
+        self.reader_done = True
+        self._wake.set()
+
+    def _take_line(self, line: int, raw: bytes) -> None:
+        custom_id = None
+        try:
+            if not raw.strip():
+                raise BadRecord("empty", "blank line")
+            record = parse_line(line, raw)
+            custom_id = record.custom_id
+            plan = plan_document(record, self.settings.budget)
+        except BadRecord as bad:
+            self._finish_error(line, bad.reason, bad.message, bad.custom_id or custom_id, requests=0)
+            return
+        work = RecordWork(record, plan, self.settings.budget)
+        self.works[line] = work
+        self.ready.extend(work.initial_calls())
+        self._wake.set()
+
+    # ---- calls --------------------------------------------------------------------------------------
+    def take(self) -> LLMCall:
+        return self.ready.popleft()
+
+    async def execute(self, call: LLMCall) -> None:
+        """Make one call and feed its outcome back; never raises for a failed call."""
+        loop = asyncio.get_running_loop()
+        started = loop.time()
+        try:
+            completion = await self.pool.client.chat(
+                call.messages,
+                routing_key=call.routing_key,
+                max_tokens=self.settings.budget.max_output_tokens,
+                response_format=self._response_format,
+                deadline_s=self.settings.call_deadline_s,
+            )
+        except LLMError as exc:
+            self.pool.observe(None)
+            self._on_failure(call, "llm_failed", f"{type(exc).__name__}: {exc}")
+            return
+        self.pool.observe(loop.time() - started)
+        self._on_completion(call, completion)
+
+    def _on_completion(self, call: LLMCall, completion: Completion) -> None:
+        self.requests_here += 1
+        work = self.works.get(call.line)
+        if work is None:  # the record already failed through another of its calls
+            return
+        work.usage.add(completion.prompt_tokens, completion.cached_tokens, completion.completion_tokens)
+        work.model = completion.model
+        try:
+            answer = parse_product_understanding(completion.text)
+        except ValueError as exc:
+            self._on_failure(call, "invalid_answer", str(exc), retry=False)
+            return
+        follow_up = work.on_answer(call, answer)
+        if follow_up:
+            # Finish started records first: their shards close sooner, so a kill loses less.
+            self.ready.extendleft(reversed(follow_up))
+            self._wake.set()
+        elif work.result is not None:
+            del self.works[call.line]
+            row = output_row(
+                self.job_id,
+                work.record,
+                work.result,
+                parts=work.parts,
+                model=work.model,
+                usage=work.usage.as_dict(),
+            )
+            self._finish(call.line, row, error=False, requests=work.requests)
+
+    def _on_failure(self, call: LLMCall, reason: ErrorReason, message: str, *, retry: bool = True) -> None:
+        work = self.works.get(call.line)
+        if work is None:
+            return
+        if retry and call.attempt + 1 < self.settings.call_attempts and not self.stopping:
+            call.attempt += 1
+            self.ready.append(call)
+            self._wake.set()
+            return
+        del self.works[call.line]
+        self._finish_error(call.line, reason, message, work.record.custom_id, requests=work.requests + 1)
+
+    def _finish_error(
+        self, line: int, reason: ErrorReason, message: str, custom_id: str | None, requests: int
+    ) -> None:
+        self._finish(
+            line, error_row(self.job_id, line, reason, message, custom_id), error=True, requests=requests
+        )
+
+    def _finish(self, line: int, row: dict[str, Any], *, error: bool, requests: int) -> None:
+        self.records_done_here += 1
+        self._room.set()
+        self._enqueue_commits(self.book.add(line, row, error=error, requests=requests))
+
+    # ---- commits and checkpoints -------------------------------------------------------------------
+    def _enqueue_commits(self, commits: list[ShardCommit]) -> None:
+        for commit in commits:
+            task = asyncio.create_task(self._commit(commit), name=f"commit-{self.job_id}-{commit.shard}")
+            self._commits.add(task)
+            task.add_done_callback(self._commits.discard)
+
+    async def _commit(self, commit: ShardCommit) -> None:
+        records = commit.counts.ok + commit.counts.errors
+        self._committing += records
+        try:
+            await self._write(commit)
+        finally:
+            self._committing -= records
+
+    async def _write(self, commit: ShardCommit) -> None:
+        async with self._commit_gate:
+            for attempt in range(4):
+                try:
+                    await self.store.write_shard(
+                        self.output, commit.shard, commit.rows, commit.errors, commit.counts
+                    )
+                    await self.signals.write(self.job_id, commit.rows)
+                    break
+                except Exception as exc:  # S3/Redis hiccup: retry, then fail the job (it resumes later)
+                    if attempt == 3:
+                        self.stop(f"writing shard {commit.shard} failed: {exc!r}")
+                        return
+                    await asyncio.sleep(0.2 * 2**attempt)
+        self.manifest.shards[commit.shard] = commit.counts
+        self._dirty = True
+
+    async def _checkpoints(self) -> None:
+        interval = self.settings.checkpoint_interval_s
+        while True:
+            await asyncio.sleep(interval)
+            try:
+                await self.checkpoint()
+            except Exception as exc:  # a failed checkpoint is retried next time; the parts are durable
+                log.warning("job %s: checkpoint failed: %r", self.job_id, exc)
+
+    async def checkpoint(self) -> None:
+        if not await self.lease.refresh():
+            self.stop(f"lost the lease on job {self.job_id}: another worker may be running it")
+            return
+        if self._dirty:
+            self._dirty = False
+            self.manifest.updated_at = time.time()
+            await self.store.write_manifest(self.manifest)
+        if not self.stopping and await self.store.cancel_requested(self.job_id):
+            log.info("job %s: cancellation requested", self.job_id)
+            self.stop("cancelled")
+        progress = self.progress()
+        await publish_progress(self.redis, self.key_prefix, self.job_id, progress, self.settings.lease_ttl_s)
+
+    # ---- progress ----------------------------------------------------------------------------------
+    def progress(self) -> dict[str, Any]:
+        """Records done / total (estimated until the input is read), rate, ETA, pool limit."""
+        now = time.monotonic()
+        done = self.manifest.records_done + self._committing + self.book.open_records
+        self._rate_samples.append((now, done))
+        t0, d0 = self._rate_samples[0]
+        rate = (done - d0) / (now - t0) if now - t0 > 0.5 else 0.0
+        total = self.manifest.total_records
+        if total is None and self.lines_read and self.manifest.input_bytes:
+            total = int(self.lines_read * self.manifest.input_bytes / max(self.bytes_read, 1))
+        eta = (total - done) / rate if total is not None and rate > 0 else None
+        return {
+            "job_id": self.job_id,
+            "done": done,
+            "total": total,
+            "total_exact": self.manifest.total_records is not None,
+            "rate": rate,
+            "eta_s": eta,
+            "limit": self.pool.limit,
+            "in_flight": self.in_flight,
+            "errors": self.manifest.records_failed,
+            "requests": self.requests_here,
+            "state": "stopping" if self.stopping else "running",
+        }
+
+
+ProgressCallback = Callable[[Sequence[JobRun]], None]
+
+
+class BatchWorker:
+    """Runs jobs against one endpoint pool: the scheduler's async shell.
+
+    Jobs run concurrently (up to ``max_running_jobs``) and share the pool: each free slot goes to the
+    job ``scheduler.pick_next`` names. ``run`` returns the final manifests.
+    """
+
+    def __init__(
+        self,
+        settings: BatchSettings,
+        *,
+        store: JobStore,
+        redis: aioredis.Redis,
+        pool: EndpointPool,
+        key_prefix: str,
+        worker_id: str | None = None,
+    ) -> None:
+        self.settings = settings
+        self.store = store
+        self.redis = redis
+        self.pool = pool
+        self.key_prefix = key_prefix
+        self.worker_id = worker_id or f"worker-{uuid.uuid4().hex[:8]}"
+        self.signals = ProductSignalWriter(redis, key_prefix, settings.product_signal_ttl_s)
+        self.active: dict[str, JobRun] = {}
+        self._wake = asyncio.Event()
+        self._tasks: set[asyncio.Task[None]] = set()
+        self._interrupted = False
+
+    def interrupt(self) -> None:
+        """Stop every job cleanly (SIGINT/SIGTERM): complete shards are written, the rest resumes."""
+        self._interrupted = True
+        for job in self.active.values():
+            job.stop("interrupted")
+
+    async def run(
+        self, job_ids: Sequence[str] | None = None, *, follow: bool = False, poll_s: float = 2.0
+    ) -> list[JobManifest]:
+        """Run the given jobs, or every runnable job (queued, or running with no live worker).
+
+        With ``follow``, keep polling for newly submitted jobs until interrupted.
+        """
+        results: list[JobManifest] = []
+        pending = list(job_ids) if job_ids is not None else None
+        self.pool.start()
+        dispatcher = asyncio.create_task(self._dispatch(), name="batch-dispatch")
+        try:
+            while not self._interrupted:
+                await self._start_jobs(pending, results)
+                if not self.active and not follow:
+                    if pending is None or not pending:
+                        break
+                    await asyncio.sleep(poll_s)  # wanted jobs held by another worker: wait for them
+                    continue
+                await asyncio.sleep(0.05 if self.active else poll_s)
+            while self.active:
+                await asyncio.sleep(0.05)
+        finally:
+            dispatcher.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await dispatcher
+            await self.pool.stop()
+        return results
+
+    async def _start_jobs(self, pending: list[str] | None, results: list[JobManifest]) -> None:
+        room = self.settings.max_running_jobs - len(self.active)
+        if room <= 0:
+            return
+        if pending is not None:
+            candidates = [await self.store.read_manifest(j) for j in pending if j not in self.active]
+        else:
+            candidates = [
+                m
+                for m in await self.store.list_manifests()
+                if m.state in ("queued", "running") and m.job_id not in self.active
+            ]
+        order = start_order(
+            [JobDemand(m.job_id, m.spec.priority, m.spec.submitted_at, 0, 0) for m in candidates]
+        )
+        by_id = {m.job_id: m for m in candidates}
+        for demand in order[:room]:
+            manifest = by_id[demand.job_id]
+            if manifest.state in TERMINAL_STATES and pending is not None:
+                pending.remove(manifest.job_id)
+                results.append(manifest)
+                continue
+            job = JobRun(
+                manifest,
+                store=self.store,
+                redis=self.redis,
+                signals=self.signals,
+                pool=self.pool,
+                settings=self.settings,
+                key_prefix=self.key_prefix,
+                worker_id=self.worker_id,
+                wake=self._wake,
+            )
+            try:
+                await job.claim()
+            except JobLeaseHeld as exc:
+                log.info("%s", exc)
+                continue
+            except (InputChanged, FileNotFoundError) as exc:
+                manifest.state, manifest.message = "failed", str(exc)
+                await self.store.write_manifest(manifest)
+                if pending is not None:
+                    pending.remove(manifest.job_id)
+                results.append(manifest)
+                continue
+            if pending is not None:
+                pending.remove(manifest.job_id)
+            self.active[job.job_id] = job
+            task = asyncio.create_task(self._run_job(job, results), name=f"job-{job.job_id}")
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
+
+    async def _run_job(self, job: JobRun, results: list[JobManifest]) -> None:
+        try:
+            results.append(await job.run())
+        finally:
+            del self.active[job.job_id]
+            self._wake.set()
+
+    async def _dispatch(self) -> None:
+        pool = self.pool
+        while True:
+            jobs = list(self.active.values())
+            limit = pool.limit
+            job_id = None if pool.in_flight >= limit else pick_next(limit, [j.demand() for j in jobs])
+            if job_id is None:
+                if pool.in_flight >= limit:
+                    pool.mark_limited()
+                self._wake.clear()
+                pool.changed.clear()
+                waits = [asyncio.ensure_future(self._wake.wait()), asyncio.ensure_future(pool.changed.wait())]
+                await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+                for w in waits:
+                    w.cancel()
+                continue
+            job = self.active[job_id]
+            call = job.take()
+            job.in_flight += 1
+            pool.in_flight += 1
+            task = asyncio.create_task(self._call(job, call))
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
+
+    async def _call(self, job: JobRun, call: LLMCall) -> None:
+        try:
+            await job.execute(call)
+        except Exception as exc:  # a bug must stop the job loudly, not hang it
+            log.exception("job %s: call failed unexpectedly", job.job_id)
+            job.stop(f"internal error: {exc!r}")
+        finally:
+            job.in_flight -= 1
+            self.pool.in_flight -= 1
+            self._wake.set()
+
+
+def _json_bytes(obj: Any) -> bytes:
+    import orjson
+
+    return orjson.dumps(obj, option=orjson.OPT_INDENT_2)

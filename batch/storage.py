@@ -1,0 +1,241 @@
+"""S3 side of batch jobs (aiobotocore): manifests, input lines, output parts, errors, cancel markers.
+
+Layout, with ``{jobs}`` = ``s3://{sink bucket}/{jobs_prefix}/{job_id}`` and ``{out}`` the job's
+output URI::
+
+    {jobs}/manifest.json          the checkpoint (``JobManifest``)
+    {jobs}/cancel                 present = cancellation requested
+    {out}/part-00000.jsonl        output rows of shard 0 (written once per shard: deterministic key)
+    {out}/errors/part-00000.jsonl error rows of shard 0 (only when it has any)
+    {out}/errors.jsonl            every error row, merged when the job succeeds
+    {out}/summary.json            the final manifest summary
+
+A part's object metadata carries its shard's counts, so a shard whose part was written just before a
+kill (after the last manifest checkpoint) is adopted on resume instead of redone.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+import orjson
+from aiobotocore.session import get_session
+from botocore.exceptions import ClientError
+
+from batch.errors import InvalidUri, JobNotFound
+from batch.manifest import JobManifest, ShardCounts
+from sinks.config import SinkSettings
+
+_PART = "part-{:05d}.jsonl"
+
+
+@dataclass(frozen=True, slots=True)
+class S3Uri:
+    bucket: str
+    key: str
+
+    @classmethod
+    def parse(cls, uri: str) -> S3Uri:
+        if not uri.startswith("s3://"):
+            raise InvalidUri(f"{uri!r} is not an s3://bucket/key address")
+        bucket, _, key = uri[5:].partition("/")
+        if not bucket:
+            raise InvalidUri(f"{uri!r} has no bucket")
+        return cls(bucket, key)
+
+    def child(self, name: str) -> S3Uri:
+        base = self.key.rstrip("/")
+        return S3Uri(self.bucket, f"{base}/{name}" if base else name)
+
+    def __str__(self) -> str:
+        return f"s3://{self.bucket}/{self.key}"
+
+
+def part_key(output: S3Uri, shard: int) -> S3Uri:
+    return output.child(_PART.format(shard))
+
+
+def errors_part_key(output: S3Uri, shard: int) -> S3Uri:
+    return output.child("errors/" + _PART.format(shard))
+
+
+def encode_jsonl(rows: list[dict[str, Any]]) -> bytes:
+    return b"".join(orjson.dumps(r) + b"\n" for r in rows)
+
+
+class JobStore:
+    def __init__(self, sinks: SinkSettings, jobs_prefix: str = "batch-jobs") -> None:
+        self.sinks = sinks
+        self.jobs_root = S3Uri(sinks.s3_bucket, jobs_prefix.strip("/"))
+        self._exit = contextlib.AsyncExitStack()
+        self._client: Any = None
+
+    async def __aenter__(self) -> JobStore:
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    async def start(self) -> None:
+        if self._client is None:
+            self._client = await self._exit.enter_async_context(
+                get_session().create_client("s3", **self.sinks.s3_client_kwargs())
+            )
+
+    async def close(self) -> None:
+        await self._exit.aclose()
+        self._client = None
+
+    @property
+    def client(self) -> Any:
+        assert self._client is not None, "call start() or use 'async with' first"
+        return self._client
+
+    def job_dir(self, job_id: str) -> S3Uri:
+        return self.jobs_root.child(job_id)
+
+    # ---- manifests --------------------------------------------------------------------------------
+    async def read_manifest(self, job_id: str) -> JobManifest:
+        uri = self.job_dir(job_id).child("manifest.json")
+        try:
+            response = await self.client.get_object(Bucket=uri.bucket, Key=uri.key)
+            async with response["Body"] as body:
+                raw = await body.read()
+        except ClientError as exc:
+            if _not_found(exc):
+                raise JobNotFound(f"no batch job {job_id!r} (looked for {uri})") from None
+            raise
+        return JobManifest.model_validate_json(raw)
+
+    async def write_manifest(self, manifest: JobManifest) -> None:
+        uri = self.job_dir(manifest.job_id).child("manifest.json")
+        await self.put(uri, manifest.model_dump_json().encode(), "application/json")
+
+    async def list_manifests(self) -> list[JobManifest]:
+        manifests = []
+        paginator = self.client.get_paginator("list_objects_v2")
+        prefix = self.jobs_root.key + "/"
+        async for page in paginator.paginate(Bucket=self.jobs_root.bucket, Prefix=prefix, Delimiter="/"):
+            for entry in page.get("CommonPrefixes", []):
+                job_id = entry["Prefix"][len(prefix) :].rstrip("/")
+                with contextlib.suppress(JobNotFound):
+                    manifests.append(await self.read_manifest(job_id))
+        return sorted(manifests, key=lambda m: m.spec.submitted_at)
+
+    # ---- cancellation -----------------------------------------------------------------------------
+    async def request_cancel(self, job_id: str) -> None:
+        await self.put(self.job_dir(job_id).child("cancel"), b"", "text/plain")
+
+    async def cancel_requested(self, job_id: str) -> bool:
+        return await self.exists(self.job_dir(job_id).child("cancel"))
+
+    async def clear_cancel(self, job_id: str) -> None:
+        uri = self.job_dir(job_id).child("cancel")
+        await self.client.delete_object(Bucket=uri.bucket, Key=uri.key)
+
+    # ---- input ------------------------------------------------------------------------------------
+    async def head(self, uri: S3Uri) -> tuple[str, int]:
+        """(ETag, size) of an object."""
+        try:
+            head = await self.client.head_object(Bucket=uri.bucket, Key=uri.key)
+        except ClientError as exc:
+            if _not_found(exc):
+                raise FileNotFoundError(f"{uri} does not exist") from None
+            raise
+        return str(head["ETag"]), int(head["ContentLength"])
+
+    async def iter_lines(self, uri: S3Uri, chunk_size: int = 1 << 20) -> AsyncIterator[bytes]:
+        """Every line of the object, without its newline (a last line without one included)."""
+        response = await self.client.get_object(Bucket=uri.bucket, Key=uri.key)
+        pending = b""
+        async with response["Body"] as body:
+            while chunk := await body.read(chunk_size):
+                lines = (pending + chunk).split(b"\n")
+                pending = lines.pop()
+                for line in lines:
+                    yield line
+        if pending:
+            yield pending
+
+    # ---- output -----------------------------------------------------------------------------------
+    async def put(
+        self, uri: S3Uri, body: bytes, content_type: str, meta: dict[str, str] | None = None
+    ) -> None:
+        await self.client.put_object(
+            Bucket=uri.bucket, Key=uri.key, Body=body, ContentType=content_type, Metadata=meta or {}
+        )
+
+    async def exists(self, uri: S3Uri) -> bool:
+        try:
+            await self.client.head_object(Bucket=uri.bucket, Key=uri.key)
+        except ClientError as exc:
+            if _not_found(exc):
+                return False
+            raise
+        return True
+
+    async def write_shard(
+        self,
+        output: S3Uri,
+        shard: int,
+        rows: list[dict[str, Any]],
+        errors: list[dict[str, Any]],
+        counts: ShardCounts,
+    ) -> None:
+        """Errors part first, then the output part: a part's existence means the shard is complete."""
+        if errors:
+            await self.put(errors_part_key(output, shard), encode_jsonl(errors), "application/x-ndjson")
+        meta = {"ok": str(counts.ok), "errors": str(counts.errors), "requests": str(counts.requests)}
+        await self.put(part_key(output, shard), encode_jsonl(rows), "application/x-ndjson", meta)
+
+    async def written_shards(
+        self, output: S3Uri, known: set[int] | frozenset[int] = frozenset()
+    ) -> dict[int, ShardCounts]:
+        """Shards whose output part exists but are not in ``known``, with the counts from the part's
+        metadata."""
+        found: dict[int, ShardCounts] = {}
+        prefix = output.key.rstrip("/") + "/" if output.key else ""
+        paginator = self.client.get_paginator("list_objects_v2")
+        async for page in paginator.paginate(Bucket=output.bucket, Prefix=prefix + "part-", Delimiter="/"):
+            for entry in page.get("Contents", []):
+                name = entry["Key"][len(prefix) :]
+                if not (name.startswith("part-") and name.endswith(".jsonl")):
+                    continue
+                shard = int(name[5:-6])
+                if shard in known:
+                    continue
+                head = await self.client.head_object(Bucket=output.bucket, Key=entry["Key"])
+                meta = head.get("Metadata", {})
+                found[shard] = ShardCounts(
+                    ok=int(meta.get("ok", 0)),
+                    errors=int(meta.get("errors", 0)),
+                    requests=int(meta.get("requests", 0)),
+                )
+        return found
+
+    async def read_jsonl(self, uri: S3Uri) -> list[dict[str, Any]]:
+        response = await self.client.get_object(Bucket=uri.bucket, Key=uri.key)
+        async with response["Body"] as body:
+            raw = await body.read()
+        return [orjson.loads(line) for line in raw.splitlines() if line.strip()]
+
+    async def merge_errors(self, output: S3Uri, shards: list[int]) -> S3Uri:
+        """Concatenate the error parts of ``shards`` (in shard order) into ``{out}/errors.jsonl``."""
+        chunks = []
+        for shard in sorted(shards):
+            uri = errors_part_key(output, shard)
+            response = await self.client.get_object(Bucket=uri.bucket, Key=uri.key)
+            async with response["Body"] as body:
+                chunks.append(await body.read())
+        target = output.child("errors.jsonl")
+        await self.put(target, b"".join(chunks), "application/x-ndjson")
+        return target
+
+
+def _not_found(exc: ClientError) -> bool:
+    code = str(exc.response.get("Error", {}).get("Code", ""))
+    return code in ("404", "NoSuchKey", "NotFound", "NoSuchBucket")

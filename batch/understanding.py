@@ -1,0 +1,67 @@
+"""The structured answer the batch job asks for per product, and its JSON schema for guided decoding.
+
+Product understanding answers "which shoppers would love this item, for what, in what style": the
+signals that the real-time matcher reads back from Redis next to a shopper's own understanding. The
+schema goes to the server as ``response_format``; the answer is validated with this model, so a
+malformed answer becomes an error row instead of a bad value in the cache.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+import orjson
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+PriceTier = Literal["budget", "mid", "premium"]
+
+
+class ProductUnderstanding(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    segments: Annotated[list[Annotated[str, Field(max_length=60)]], Field(min_length=1, max_length=4)]
+    """Shopper segments that would love this item ("parents of school-age kids")."""
+    occasions: Annotated[list[Annotated[str, Field(max_length=60)]], Field(max_length=3)] = []
+    style: Annotated[str, Field(max_length=60)]
+    price_tier: PriceTier
+    summary: Annotated[str, Field(min_length=1, max_length=200)]
+
+
+def product_json_schema() -> dict[str, Any]:
+    """A compact schema (no $defs) that trtllm-serve and llama-server can compile."""
+    phrase = {"type": "string", "maxLength": 60}
+    return {
+        "type": "object",
+        "properties": {
+            "segments": {"type": "array", "items": phrase, "minItems": 1, "maxItems": 4},
+            "occasions": {"type": "array", "items": phrase, "minItems": 0, "maxItems": 3},
+            "style": phrase,
+            "price_tier": {"type": "string", "enum": ["budget", "mid", "premium"]},
+            "summary": {"type": "string", "minLength": 1, "maxLength": 200},
+        },
+        "required": ["segments", "occasions", "style", "price_tier", "summary"],
+        "additionalProperties": False,
+    }
+
+
+def product_response_format() -> dict[str, Any]:
+    """OpenAI ``response_format`` asking for a ``ProductUnderstanding``."""
+    return {
+        "type": "json_schema",
+        "json_schema": {"name": "product_understanding", "schema": product_json_schema(), "strict": True},
+    }
+
+
+def parse_product_understanding(text: str) -> ProductUnderstanding:
+    """Validate a model answer (a fenced code block around the JSON is tolerated).
+
+    Raises ``ValueError`` with the reason, which the job records for the product.
+    """
+    body = text.strip()
+    start, end = body.find("{"), body.rfind("}")
+    if start < 0 or end <= start:
+        raise ValueError(f"answer holds no JSON object: {text[:120]!r}")
+    try:
+        return ProductUnderstanding.model_validate(orjson.loads(body[start : end + 1]))
+    except (orjson.JSONDecodeError, ValidationError) as exc:
+        raise ValueError(f"answer is not a valid ProductUnderstanding: {exc}") from None

@@ -1,0 +1,221 @@
+"""Batch jobs against the real parts: simulator replicas over HTTP, Redis, moto S3.
+
+Each test writes under its own S3 prefix and Redis key prefix (``isolated``)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import sys
+import time
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+import orjson
+import pytest
+
+from batch.config import BatchSettings
+from batch.documents import PromptBudget
+from batch.errors import JobNotFound
+from batch.launch import BatchRuntime, batch_client_config, open_batch
+from batch.manifest import JobManifest
+from batch.runner import cancel_job, prepare_resume, submit_job
+from batch.signals import product_signal_key
+from batch.storage import JobStore, S3Uri
+from batch.synthetic import synthetic_product_lines
+from devstack.stack import StackState
+from tests.conftest import Isolated
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _settings(**overrides: Any) -> BatchSettings:
+    options: dict[str, Any] = {"shard_records": 50, "checkpoint_interval_s": 0.2, "lease_ttl_s": 2.0}
+    options.update(overrides)
+    return BatchSettings(**options)
+
+
+def _llm(stack: StackState, settings: BatchSettings) -> Any:
+    return batch_client_config(stack.llm_endpoints, stack.model, settings, health={"interval_s": 0.2})
+
+
+async def _upload(store: JobStore, uri: str, lines: list[bytes]) -> None:
+    await store.put(S3Uri.parse(uri), b"\n".join(lines) + b"\n", "application/x-ndjson")
+
+
+async def _all_rows(
+    store: JobStore, manifest: JobManifest
+) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """Every output row and error row in the job's parts (not the merged errors file)."""
+    out = S3Uri.parse(manifest.spec.output_uri)
+    rows: list[dict[str, Any]] = []
+    errors: list[dict[str, Any]] = []
+    paginator = store.client.get_paginator("list_objects_v2")
+    async for page in paginator.paginate(Bucket=out.bucket, Prefix=out.key + "/"):
+        for entry in page.get("Contents", []):
+            name = entry["Key"][len(out.key) + 1 :]
+            if name.startswith("part-"):
+                rows += await store.read_jsonl(S3Uri(out.bucket, entry["Key"]))
+            elif name.startswith("errors/part-"):
+                errors += await store.read_jsonl(S3Uri(out.bucket, entry["Key"]))
+    return rows, errors
+
+
+def _served(stack: StackState) -> int:
+    """LLM requests the simulator replicas have taken (served or aborted): the work actually spent."""
+    total = 0
+    for url in stack.llm_endpoints:
+        with urllib.request.urlopen(url + "/admin/stats", timeout=5) as response:
+            engine = json.load(response)["engine"]
+        total += engine["served"] + engine["aborted"]
+    return total
+
+
+async def _run(runtime: BatchRuntime, job_ids: list[str]) -> dict[str, JobManifest]:
+    results = await runtime.worker().run(job_ids)
+    return {m.job_id: m for m in results}
+
+
+async def test_job_writes_every_line_once_with_splits_errors_and_signals(
+    stack: StackState, isolated: Isolated, redis_client: Any
+) -> None:
+    budget = PromptBudget(context_tokens=1200, max_output_tokens=160, max_parts=8)
+    settings = _settings(budget=budget)
+    sinks = isolated.sinks()
+    lines = list(
+        synthetic_product_lines(300, seed=3, long_share=0.03, long_tokens=(1_500, 3_000), bad_share=0.03)
+    )
+    oversized = {"custom_id": "too-long", "body": {"title": "Encyclopedia", "text": "Volume one. " * 8_000}}
+    lines += [orjson.dumps(oversized), b"", b"   "]
+    async with open_batch(settings, sinks, _llm(stack, settings)) as runtime:
+        uri = f"s3://{sinks.s3_bucket}/{isolated.s3_prefix}/in.jsonl"
+        await _upload(runtime.store, uri, lines)
+        manifest = await submit_job(runtime.store, uri, f"s3://{sinks.s3_bucket}/{isolated.s3_prefix}/out/")
+        final = (await _run(runtime, [manifest.job_id]))[manifest.job_id]
+        assert final.state == "succeeded", final.message
+        assert final.total_records == len(lines) and final.records_done == len(lines)
+        rows, errors = await _all_rows(runtime.store, final)
+        merged = await runtime.store.read_jsonl(S3Uri.parse(final.errors_uri or ""))
+
+    lines_seen = sorted(r["line"] for r in rows + errors)
+    assert lines_seen == list(range(len(lines))), "every input line lands in exactly one row"
+    assert final.records_ok == len(rows) and final.records_failed == len(errors)
+    assert sorted(merged, key=lambda r: r["line"]) == sorted(errors, key=lambda r: r["line"])
+    reasons = {e["error"]["reason"] for e in errors}
+    assert {"unparseable", "invalid", "empty", "oversized"} <= reasons
+    too_long = next(e for e in errors if e["custom_id"] == "too-long")
+    assert "parts" in too_long["error"]["message"]
+    split = [r for r in rows if r["response"]["body"]["parts"] > 1]
+    assert split, "long documents went through map-reduce"
+    assert final.requests > len(rows), "map-reduce costs more than one call per split product"
+
+    for row in rows:
+        key = product_signal_key(sinks.redis_key_prefix, row["response"]["body"]["product_id"])
+        stored = await redis_client.hgetall(key)
+        understanding = row["response"]["body"]["understanding"]
+        assert json.loads(stored[b"segments"]) == understanding["segments"]
+        assert stored[b"job_id"].decode() == final.job_id
+
+
+@pytest.mark.slow
+async def test_resume_after_kill_redoes_only_open_shards(
+    stack: StackState, stack_dir: Path, isolated: Isolated
+) -> None:
+    settings = _settings()
+    sinks = isolated.sinks()
+    records = 1_500
+    lines = list(synthetic_product_lines(records, seed=5, long_share=0.0, bad_share=0.0))
+    job_id = f"kill-{isolated.tag}"
+    uri = f"s3://{sinks.s3_bucket}/{isolated.s3_prefix}/in.jsonl"
+    out = f"s3://{sinks.s3_bucket}/{isolated.s3_prefix}/out"
+    concurrency = 24
+    async with JobStore(sinks, settings.jobs_prefix) as store:
+        await _upload(store, uri, lines)
+        served_before = _served(stack)
+        env = {
+            **os.environ,
+            "SINK_REDIS_KEY_PREFIX": sinks.redis_key_prefix,
+            "BATCH_SHARD_RECORDS": str(settings.shard_records),
+            "BATCH_CHECKPOINT_INTERVAL_S": str(settings.checkpoint_interval_s),
+            "BATCH_LEASE_TTL_S": str(settings.lease_ttl_s),
+        }
+        argv = [
+            sys.executable, "-m", "shopper", "batch", "submit", "--input", uri, "--output", out,
+            "--job-id", job_id, "--fixed-concurrency", str(concurrency), "--state-dir", str(stack_dir),
+        ]  # fmt: skip
+        log_path = Path(os.environ.get("TMPDIR", "/tmp")) / f"{job_id}.log"
+        with log_path.open("wb") as sink:
+            worker = await asyncio.create_subprocess_exec(
+                *argv, cwd=REPO, env=env, stdout=asyncio.subprocess.DEVNULL, stderr=sink
+            )
+        try:
+            deadline = time.monotonic() + 90
+            committed = 0
+            while committed < 10:  # at least 500 records committed before the kill
+                assert worker.returncode is None, log_path.read_text()[-2000:]
+                assert time.monotonic() < deadline, "the job did not get going"
+                await asyncio.sleep(0.1)
+                try:
+                    committed = len((await store.read_manifest(job_id)).shards)
+                except JobNotFound:
+                    committed = 0
+            worker.send_signal(signal.SIGKILL)
+        finally:
+            if worker.returncode is None:
+                worker.kill()
+            await worker.wait()
+            log_path.unlink(missing_ok=True)
+        killed = await store.read_manifest(job_id)
+        assert killed.state == "running" and killed.total_records is None
+        await prepare_resume(store, job_id)
+
+    async with open_batch(settings, sinks, _llm(stack, settings)) as runtime:
+        final = (await _run(runtime, [job_id]))[job_id]  # waits out the killed worker's lease
+        rows, errors = await _all_rows(runtime.store, final)
+    assert final.state == "succeeded" and final.runs == 2
+    assert sorted(r["line"] for r in rows) == list(range(records)) and not errors
+    spent = _served(stack) - served_before
+    redone = spent - final.requests
+    # In flight (24) plus completed records of shards still open at the kill (a few shards of 50).
+    assert 0 <= redone <= concurrency + 4 * settings.shard_records, (spent, final.requests)
+
+
+async def test_priority_and_cancel_then_resume(stack: StackState, isolated: Isolated) -> None:
+    settings = _settings()
+    sinks = isolated.sinks()
+    base = f"s3://{sinks.s3_bucket}/{isolated.s3_prefix}"
+    async with open_batch(settings, sinks, _llm(stack, settings), fixed_limit=6) as runtime:
+        store = runtime.store
+        await _upload(
+            store, f"{base}/low.jsonl", list(synthetic_product_lines(100, seed=1, long_share=0, bad_share=0))
+        )
+        await _upload(
+            store, f"{base}/high.jsonl", list(synthetic_product_lines(50, seed=2, long_share=0, bad_share=0))
+        )
+        low = await submit_job(store, f"{base}/low.jsonl", f"{base}/low-out", priority=0)
+        high = await submit_job(store, f"{base}/high.jsonl", f"{base}/high-out", priority=5)
+        results = await _run(runtime, [low.job_id, high.job_id])
+        assert {m.state for m in results.values()} == {"succeeded"}
+        low_done, high_done = results[low.job_id].finished_at, results[high.job_id].finished_at
+        assert low_done is not None and high_done is not None and high_done < low_done
+
+        big = list(synthetic_product_lines(1_000, seed=4, long_share=0, bad_share=0))
+        await _upload(store, f"{base}/big.jsonl", big)
+        job = await submit_job(store, f"{base}/big.jsonl", f"{base}/cancel-out", priority=1)
+        worker = runtime.worker()
+        running = asyncio.create_task(worker.run([job.job_id]))
+        while not (await store.read_manifest(job.job_id)).shards:
+            await asyncio.sleep(0.05)
+        await cancel_job(store, runtime.redis, sinks.redis_key_prefix, job.job_id)
+        (cancelled,) = await running
+        assert cancelled.state == "cancelled" and 1 <= len(cancelled.shards) < 20
+        await prepare_resume(store, job.job_id)
+
+    async with open_batch(settings, sinks, _llm(stack, settings)) as runtime:
+        resumed = (await _run(runtime, [job.job_id]))[job.job_id]
+        assert resumed.state == "succeeded" and resumed.runs == 2
+        rows, _ = await _all_rows(runtime.store, resumed)
+        assert sorted(r["line"] for r in rows) == list(range(1_000))
