@@ -124,9 +124,31 @@ def run(
     policy: Annotated[str, typer.Option(help="routing policy")] = "session_affinity",
     from_stack: Annotated[bool, typer.Option(help="take addresses from the stack state file")] = True,
     state_dir: StateDir = Path(".state"),
+    workers: Annotated[
+        int, typer.Option(help="runner processes in the consumer group (one per core scales ingest)")
+    ] = 1,
+    report: Annotated[Path | None, typer.Option(help="write the accounting totals as JSON here")] = None,
 ) -> None:
     """Run the embedded pipeline (Kafka -> sessions -> LLM -> Redis + S3). Ctrl-C / SIGTERM drain."""
     from flink_jobs.local_runner import EmbeddedRunner
+
+    if workers > 1:
+        from shopper.workers import run_workers
+
+        passthrough = ["--group-id", group_id, "--policy", policy, "--state-dir", str(state_dir)]
+        passthrough += ["--until-drained"] if until_drained else []
+        passthrough += [] if from_stack else ["--no-from-stack"]
+        totals, failed = run_workers(workers, passthrough)
+        console.print_json(json.dumps(totals.as_dict()))
+        if report is not None:
+            report.write_text(json.dumps(totals.as_dict()))
+        if failed:
+            console.print(f"[red]{failed} worker(s) failed[/red]")
+            raise typer.Exit(1)
+        if until_drained and not totals.balanced:
+            console.print("[red]unaccounted events or prompts[/red]")
+            raise typer.Exit(1)
+        return
 
     if from_stack:
         settings = runner_settings_from_stack(state_dir, until_drained=until_drained, group_id=group_id)
@@ -137,6 +159,8 @@ def run(
     stats = asyncio.run(EmbeddedRunner(settings).run())
     acct = stats.accounting
     console.print_json(json.dumps(acct.as_dict()))
+    if report is not None:
+        report.write_text(json.dumps(acct.as_dict()))
     if until_drained and not acct.balanced:
         console.print("[red]unaccounted events or prompts[/red]")
         raise typer.Exit(1)

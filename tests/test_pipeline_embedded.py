@@ -197,3 +197,33 @@ def test_runner_killed_mid_stream_resumes_with_no_loss_and_no_regression(isolate
     assert_s3_holds_exactly(isolated, set(expected))
     dlq = read_dlq(isolated.stack.kafka_bootstrap, isolated.dlq_topic)
     assert len({d["offset"] for d in dlq}) == sum(m for *_, m in records)
+
+
+def test_two_worker_processes_share_the_stream_and_account_for_everything(
+    isolated: Isolated, tmp_path: Path
+) -> None:
+    records = SyntheticStream(shoppers=60, seed=44, malformed_rate=0.01).take(2000)
+    produce_records(isolated.stack.kafka_bootstrap, isolated.topic, records)
+    expected = expected_prompts(records)
+    report = tmp_path / "totals.json"
+    command = [
+        sys.executable,
+        "-m",
+        "shopper",
+        "run",
+        "--no-from-stack",
+        "--group-id",
+        isolated.group,
+        "--until-drained",
+        "--workers",
+        "2",
+        "--report",
+        str(report),
+    ]
+    done = subprocess.run(command, env=_runner_env(isolated), capture_output=True, timeout=240)
+    assert done.returncode == 0, done.stderr.decode()[-3000:]
+    totals = orjson.loads(report.read_bytes())
+    assert totals["consumed"] == len(records)
+    assert totals["events_unaccounted"] == 0 and totals["prompts_unaccounted"] == 0
+    assert redis_seqs(isolated) == final_seq_by_shopper(expected)
+    assert_s3_holds_exactly(isolated, set(expected))
