@@ -1,0 +1,87 @@
+"""``shopper realtime``: serve the real-time matching API, print or refresh its OpenAPI spec.
+
+Addresses come from the embedded stack's state file unless ``--no-from-stack`` is given (then
+``SINK_*`` and ``LLM_*`` variables apply). Service settings come from ``REALTIME_*`` variables.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import signal
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+realtime_app = typer.Typer(no_args_is_help=True, help="Real-time shopper-product matching service.")
+
+StateDir = Annotated[Path, typer.Option(help="the embedded stack's state directory")]
+
+
+@realtime_app.command("serve")
+def serve_cmd(
+    port: Annotated[
+        int | None, typer.Option(help="listen port (0 = a free one); default REALTIME_PORT")
+    ] = None,
+    replicas: Annotated[
+        int | None, typer.Option(help="use only the first N of the stack's LLM replicas (the real-time pool)")
+    ] = None,
+    state_dir: StateDir = Path(".state"),
+    from_stack: Annotated[bool, typer.Option(help="take addresses from the stack state file")] = True,
+) -> None:
+    """Serve POST /v1/match, /health, /metrics and /openapi.json until SIGINT/SIGTERM."""
+    from llm_client.config import ClientConfig
+    from realtime.config import RealtimeSettings
+    from realtime.service import realtime_client_config
+    from sinks.config import SinkSettings
+
+    settings = RealtimeSettings() if port is None else RealtimeSettings(port=port)
+    if from_stack:
+        from devstack.stack import load_state, sink_settings
+
+        state = load_state(state_dir)
+        sinks = sink_settings(state)
+        endpoints, model = state.llm_endpoints, state.model
+    else:
+        sinks = SinkSettings()
+        env = ClientConfig()
+        endpoints, model = env.endpoints, env.model
+    llm = realtime_client_config(endpoints[:replicas] if replicas else endpoints, model)
+    print(json.dumps({"realtime": settings.model_dump(), "llm_endpoints": llm.endpoints}), flush=True)
+    asyncio.run(_serve(settings, llm, sinks))
+
+
+async def _serve(settings: object, llm: object, sinks: object) -> None:
+    from aiohttp import web
+
+    from realtime.service import create_app
+
+    app = create_app(settings, llm_config=llm, sinks=sinks)  # type: ignore[arg-type]
+    runner = web.AppRunner(app, access_log=None)
+    await runner.setup()
+    site = web.TCPSite(runner, settings.host, settings.port)  # type: ignore[attr-defined]
+    await site.start()
+    port = next(a[1] for a in runner.addresses if isinstance(a, tuple))
+    print(f"READY http://{settings.host}:{port}", flush=True)  # type: ignore[attr-defined]
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        with contextlib.suppress(NotImplementedError):
+            loop.add_signal_handler(sig, stop.set)
+    try:
+        await stop.wait()
+    finally:
+        await runner.cleanup()
+
+
+@realtime_app.command("openapi")
+def openapi_cmd(write: Annotated[bool, typer.Option(help="rewrite realtime/openapi.json")] = False) -> None:
+    """Print the OpenAPI spec (or refresh the checked-in copy)."""
+    from realtime.openapi import openapi_spec, write_spec
+
+    if write:
+        typer.echo(f"wrote {write_spec()}")
+    else:
+        typer.echo(json.dumps(openapi_spec(), indent=2, sort_keys=True))

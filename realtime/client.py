@@ -1,0 +1,165 @@
+"""The lightweight client ad servers embed: ``MatchClient`` (asyncio, aiohttp) and ``SyncMatchClient``
+(standard library only, one keep-alive connection, for threaded servers).
+
+Both send ``POST /v1/match`` and return a ``MatchResponse``; a degraded answer is still an answer
+(check ``response.degraded``). A 4xx raises ``MatchRejected`` with the service's error body (do not
+retry it); no answer within the transport timeout (deadline plus ``slack_ms``) raises
+``MatchUnavailable`` (fall back to the ad server's own ranking).
+"""
+
+from __future__ import annotations
+
+import http.client
+from collections.abc import Sequence
+from typing import Any
+from urllib.parse import urlsplit
+
+import aiohttp
+import orjson
+
+from realtime.models import Candidate, ErrorResponse, MatchResponse
+
+CandidateLike = Candidate | str | dict[str, Any]
+
+
+class MatchClientError(Exception):
+    """Base class of the client's errors."""
+
+
+class MatchRejected(MatchClientError):
+    """The service refused the request (4xx): fix the request, do not retry it."""
+
+    def __init__(self, status: int, error: ErrorResponse | None, raw: bytes) -> None:
+        message = error.error.message if error else raw[:200].decode(errors="replace")
+        super().__init__(f"HTTP {status}: {message}")
+        self.status = status
+        self.error = error
+
+
+class MatchUnavailable(MatchClientError):
+    """No usable answer in time (connection failed, timed out, or 5xx)."""
+
+
+def _body(shopper_id: str, query: str, candidates: Sequence[CandidateLike], deadline_ms: int | None) -> bytes:
+    items = [c.model_dump(exclude_none=True) if isinstance(c, Candidate) else c for c in candidates]
+    payload: dict[str, Any] = {"shopper_id": shopper_id, "query": query, "candidates": items}
+    if deadline_ms is not None:
+        payload["deadline_ms"] = deadline_ms
+    return orjson.dumps(payload)
+
+
+def _parse(status: int, raw: bytes) -> MatchResponse:
+    if status == 200:
+        return MatchResponse.model_validate_json(raw)
+    if 400 <= status < 500:
+        try:
+            error = ErrorResponse.model_validate_json(raw)
+        except ValueError:
+            error = None
+        raise MatchRejected(status, error, raw)
+    raise MatchUnavailable(f"HTTP {status}: {raw[:200].decode(errors='replace')}")
+
+
+class MatchClient:
+    """Async client; share one per process (it pools connections)."""
+
+    def __init__(self, base_url: str, *, default_deadline_ms: int = 300, slack_ms: int = 50) -> None:
+        self.base_url = base_url.rstrip("/")
+        self.default_deadline_ms = default_deadline_ms
+        self.slack_ms = slack_ms
+        self._session: aiohttp.ClientSession | None = None
+
+    async def __aenter__(self) -> MatchClient:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    def _session_or_new(self) -> aiohttp.ClientSession:
+        if self._session is None:
+            connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=60)
+            self._session = aiohttp.ClientSession(connector=connector)
+        return self._session
+
+    async def close(self) -> None:
+        if self._session is not None:
+            await self._session.close()
+            self._session = None
+
+    async def match(
+        self,
+        shopper_id: str,
+        query: str,
+        candidates: Sequence[CandidateLike],
+        *,
+        deadline_ms: int | None = None,
+    ) -> MatchResponse:
+        timeout = ((deadline_ms or self.default_deadline_ms) + self.slack_ms) / 1000
+        try:
+            async with self._session_or_new().post(
+                self.base_url + "/v1/match",
+                data=_body(shopper_id, query, candidates, deadline_ms),
+                headers={"Content-Type": "application/json"},
+                timeout=aiohttp.ClientTimeout(total=timeout),
+            ) as response:
+                raw = await response.read()
+                status = response.status
+        except (aiohttp.ClientError, TimeoutError) as exc:
+            raise MatchUnavailable(f"no answer from {self.base_url}: {exc!r}") from None
+        return _parse(status, raw)
+
+
+class SyncMatchClient:
+    """Blocking client over one keep-alive connection; not thread-safe (use one per thread)."""
+
+    def __init__(self, base_url: str, *, default_deadline_ms: int = 300, slack_ms: int = 50) -> None:
+        parts = urlsplit(base_url)
+        if parts.scheme != "http" or not parts.hostname:
+            raise ValueError(f"{base_url!r}: expected http://host:port")
+        self.host, self.port = parts.hostname, parts.port or 80
+        self.default_deadline_ms = default_deadline_ms
+        self.slack_ms = slack_ms
+        self._conn: http.client.HTTPConnection | None = None
+
+    def __enter__(self) -> SyncMatchClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        if self._conn is not None:
+            self._conn.close()
+            self._conn = None
+
+    def match(
+        self,
+        shopper_id: str,
+        query: str,
+        candidates: Sequence[CandidateLike],
+        *,
+        deadline_ms: int | None = None,
+    ) -> MatchResponse:
+        timeout = ((deadline_ms or self.default_deadline_ms) + self.slack_ms) / 1000
+        body = _body(shopper_id, query, candidates, deadline_ms)
+        for attempt in range(2):  # a kept-alive connection the server closed is reopened once
+            if self._conn is None:
+                self._conn = http.client.HTTPConnection(self.host, self.port, timeout=timeout)
+            self._conn.timeout = timeout
+            if self._conn.sock is not None:
+                self._conn.sock.settimeout(timeout)
+            try:
+                self._conn.request(
+                    "POST", "/v1/match", body=body, headers={"Content-Type": "application/json"}
+                )
+                response = self._conn.getresponse()
+                raw = response.read()
+                return _parse(response.status, raw)
+            except (http.client.RemoteDisconnected, ConnectionResetError, BrokenPipeError):
+                self.close()
+                if attempt == 1:
+                    raise MatchUnavailable(f"connection to {self.host}:{self.port} dropped") from None
+            except (TimeoutError, OSError, http.client.HTTPException) as exc:
+                self.close()
+                raise MatchUnavailable(f"no answer from {self.host}:{self.port}: {exc!r}") from None
+        raise MatchUnavailable("unreachable")  # pragma: no cover

@@ -1,0 +1,107 @@
+"""The OpenAPI 3.1 description of the real-time API, generated from the wire models.
+
+``realtime/openapi.json`` is the checked-in copy (a test keeps it equal to what this module makes);
+regenerate it with ``shopper realtime openapi --write``.
+"""
+
+from __future__ import annotations
+
+from functools import cache
+from pathlib import Path
+from typing import Any
+
+from pydantic.json_schema import models_json_schema
+
+from realtime.models import ErrorResponse, HealthResponse, MatchRequest, MatchResponse
+
+SPEC_PATH = Path(__file__).resolve().parent / "openapi.json"
+_REF = "#/components/schemas/{model}"
+
+
+def _error(description: str) -> dict[str, Any]:
+    return {
+        "description": description,
+        "content": {"application/json": {"schema": {"$ref": _REF.format(model="ErrorResponse")}}},
+    }
+
+
+@cache
+def openapi_spec() -> dict[str, Any]:
+    _, schemas = models_json_schema(
+        [
+            (MatchRequest, "validation"),
+            (MatchResponse, "serialization"),
+            (ErrorResponse, "serialization"),
+            (HealthResponse, "serialization"),
+        ],
+        ref_template=_REF,
+    )
+    return {
+        "openapi": "3.1.0",
+        "info": {
+            "title": "Shopper-product matching (real time)",
+            "version": "1.0.0",
+            "description": (
+                "Ranks an ad server's candidate products for one shopper with reasons, from the shopper's "
+                "and the products' signals and an LLM, within a deadline. When the model cannot answer in "
+                "time the answer is a signal-based ranking marked degraded."
+            ),
+        },
+        "paths": {
+            "/v1/match": {
+                "post": {
+                    "operationId": "match",
+                    "summary": "Rank candidates for a shopper, with a reason each",
+                    "requestBody": {
+                        "required": True,
+                        "content": {
+                            "application/json": {"schema": {"$ref": _REF.format(model="MatchRequest")}}
+                        },
+                    },
+                    "responses": {
+                        "200": {
+                            "description": "the ranking (degraded: true when it is the fallback)",
+                            "content": {
+                                "application/json": {"schema": {"$ref": _REF.format(model="MatchResponse")}}
+                            },
+                        },
+                        "400": _error("the body is not JSON"),
+                        "413": _error("the body is larger than 256 KiB"),
+                        "415": _error("the body is not application/json"),
+                        "422": _error("a field is missing or invalid; details name each one"),
+                    },
+                }
+            },
+            "/health": {
+                "get": {
+                    "operationId": "health",
+                    "summary": "Liveness, and the state of the pool and Redis",
+                    "responses": {
+                        "200": {
+                            "description": "the service answers (degraded if its dependencies do not)",
+                            "content": {
+                                "application/json": {"schema": {"$ref": _REF.format(model="HealthResponse")}}
+                            },
+                        }
+                    },
+                }
+            },
+            "/metrics": {
+                "get": {
+                    "operationId": "metrics",
+                    "summary": "Prometheus metrics",
+                    "responses": {
+                        "200": {"description": "Prometheus text format", "content": {"text/plain": {}}}
+                    },
+                }
+            },
+        },
+        "components": {"schemas": schemas["$defs"]},
+    }
+
+
+def write_spec(path: Path = SPEC_PATH) -> Path:
+    import json
+
+    path.write_text(json.dumps(openapi_spec(), indent=2, sort_keys=True) + "\n")
+    return path

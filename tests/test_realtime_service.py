@@ -1,0 +1,235 @@
+"""The real-time service over HTTP against the real parts: simulator replicas, Redis; and its clients."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Any
+
+import pytest
+from aiohttp import web
+from aiohttp.test_utils import TestClient, TestServer
+
+from batch.signals import ProductSignalWriter
+from devstack.processes import free_port
+from devstack.stack import StackState
+from prompt_assembly.records import ShopperInsight, Usage
+from prompt_assembly.understanding import ShopperUnderstanding
+from realtime.client import MatchClient, MatchRejected, MatchUnavailable, SyncMatchClient
+from realtime.config import RealtimeSettings
+from realtime.openapi import SPEC_PATH, openapi_spec
+from realtime.service import create_app, realtime_client_config
+from serving.simulator.testing import running_simulator
+from sinks.redis import RedisSignalSink
+from tests.conftest import Isolated
+
+CANDIDATES = [
+    {"product_id": "KID-witch", "title": "Witch Costume Set"},
+    {"product_id": "MAK-paint", "title": "Glow Face Paint Palette"},
+    {"product_id": "OUT-spider", "title": "Giant Spider Yard Decoration", "score": 0.9},
+]
+
+
+async def _write_signals(isolated: Isolated, redis_client: Any) -> None:
+    """Shopper and product signals, through the writers the pipelines use."""
+    sink = RedisSignalSink(isolated.sinks(), client=redis_client)
+    understanding = ShopperUnderstanding(
+        interests=["kids witch costumes", "face paint"],
+        occasion="school parade",
+        style="fun",
+        price_sensitivity="medium",
+        summary="Parent assembling a witch look for a school parade.",
+    )
+    await sink.write(
+        [
+            ShopperInsight(
+                request_id="s1:1",
+                shopper_id="s1",
+                seq=1,
+                reason="add_to_cart",
+                understanding=understanding,
+                text="t",
+                model="m",
+                replica="r",
+                usage=Usage(),
+                event_count=3,
+                last_event_ts=time.time(),
+                ttft_ms=1,
+                latency_ms=1,
+                attempts=1,
+                produced_at=time.time(),
+            )
+        ]
+    )
+    rows = []
+    for pid, title, segment in [("KID-witch", "Witch Costume Set", "parents of kids")]:
+        body = {
+            "product_id": pid, "title": title, "model": "m", "parts": 1, "usage": {},
+            "understanding": {"segments": [segment], "occasions": ["school parade"], "style": "fun",
+                              "price_tier": "mid", "summary": "A kids witch costume."},
+        }  # fmt: skip
+        rows.append({"custom_id": pid, "line": 0, "response": {"status_code": 200, "body": body}})
+    await ProductSignalWriter(redis_client, isolated.prefix, 60).write("job-test", rows)
+
+
+@asynccontextmanager
+async def _service(
+    isolated: Isolated, endpoints: list[str], model: str = "m", **settings: Any
+) -> AsyncIterator[TestClient[Any, Any]]:
+    app = create_app(
+        RealtimeSettings(**settings),
+        llm_config=realtime_client_config(endpoints, model),
+        sinks=isolated.sinks(),
+    )
+    async with TestClient(TestServer(app)) as client:
+        yield client
+
+
+async def _post(client: TestClient[Any, Any], body: dict[str, Any]) -> tuple[int, dict[str, Any], float]:
+    started = time.perf_counter()
+    response = await client.post("/v1/match", json=body)
+    data = await response.json()
+    return response.status, data, (time.perf_counter() - started) * 1000
+
+
+async def test_ranks_with_the_model_using_both_signals(
+    stack: StackState, isolated: Isolated, redis_client: Any
+) -> None:
+    await _write_signals(isolated, redis_client)
+    async with _service(isolated, stack.llm_endpoints, stack.model) as client:
+        status, body, _ = await _post(
+            client, {"shopper_id": "s1", "query": "witch", "candidates": CANDIDATES, "deadline_ms": 3000}
+        )
+        assert status == 200, body
+        assert body["degraded"] is False and body["degraded_reason"] is None
+        assert body["signals"] == {"shopper": True, "products": 1}
+        assert sorted(r["product_id"] for r in body["ranked"]) == sorted(c["product_id"] for c in CANDIDATES)
+        assert [r["rank"] for r in body["ranked"]] == [1, 2, 3]
+        assert body["ranked"][0]["source"] == "llm" and all(r["reason"] for r in body["ranked"])
+        assert 0 < body["llm_ms"] <= body["elapsed_ms"] < 3000
+
+        health = await (await client.get("/health")).json()
+        assert health == {"status": "ok", "llm_replicas": 3, "llm_routable": 3, "redis": "ok"}
+        metrics = await (await client.get("/metrics")).text()
+        assert 'realtime_requests_total{outcome="llm"} 1.0' in metrics
+        assert "realtime_overhead_seconds_bucket" in metrics
+
+
+async def test_model_missing_the_deadline_gets_the_fallback_in_time(
+    isolated: Isolated, redis_client: Any
+) -> None:
+    await _write_signals(isolated, redis_client)
+    async with running_simulator(time_scale=0.3) as slow, _service(isolated, [slow.url]) as client:
+        for deadline_ms in (150, 300):
+            status, body, took_ms = await _post(
+                client,
+                {"shopper_id": "s1", "query": "", "candidates": CANDIDATES, "deadline_ms": deadline_ms},
+            )
+            assert status == 200
+            assert body["degraded"] is True and body["degraded_reason"] == "deadline"
+            assert took_ms < deadline_ms, "answered within the deadline"
+            assert body["ranked"][0] == {
+                "product_id": "KID-witch", "rank": 1, "score": body["ranked"][0]["score"],
+                "reason": "matches your interest in kids witch costumes", "source": "fallback",
+            }  # fmt: skip
+
+
+async def test_pool_down_answers_at_once_and_sheds_beyond_capacity(isolated: Isolated) -> None:
+    dead = f"http://127.0.0.1:{free_port()}"
+    async with _service(isolated, [dead]) as client:
+        # The first call finds the replica refusing connections (it is ejected, and the client waits
+        # for re-admission up to the deadline); later calls see an empty pool and answer at once.
+        for i in range(3):
+            status, body, took_ms = await _post(client, {"shopper_id": "s9", "candidates": ["a", "b"]})
+            assert status == 200 and body["degraded"] is True and took_ms < 300
+            if i > 0:
+                assert body["degraded_reason"] == "llm_unavailable" and took_ms < 100
+        assert body["signals"] == {"shopper": False, "products": 0}
+        assert (await (await client.get("/health")).json())["llm_routable"] == 0
+
+    async with (
+        running_simulator(time_scale=0.3) as slow,
+        _service(isolated, [slow.url], llm_concurrency_per_replica=2) as client,
+    ):
+        answers = await asyncio.gather(
+            *(
+                _post(client, {"shopper_id": f"s{i}", "candidates": ["a"], "deadline_ms": 200})
+                for i in range(6)
+            )
+        )
+        reasons = sorted(body["degraded_reason"] for _, body, _ in answers)
+        assert reasons.count("overloaded") == 4 and reasons.count("deadline") == 2
+
+
+@pytest.mark.parametrize(
+    ("send", "status", "error_type"),
+    [
+        ({"data": b"{not json", "headers": {"Content-Type": "application/json"}}, 400, "invalid_json"),
+        ({"json": {"shopper_id": "s", "candidates": []}}, 422, "validation_error"),
+        ({"json": {"shopper_id": "s", "candidates": ["a"], "extra": 1}}, 422, "validation_error"),
+        ({"data": b"shopper=s", "headers": {"Content-Type": "text/plain"}}, 415, "unsupported_media_type"),
+        ({"data": b"x" * 300_000, "headers": {"Content-Type": "application/json"}}, 413, "payload_too_large"),
+    ],
+)
+async def test_bad_requests_get_clear_4xx(
+    stack: StackState, isolated: Isolated, send: dict[str, Any], status: int, error_type: str
+) -> None:
+    async with _service(isolated, stack.llm_endpoints) as client:
+        response = await client.post("/v1/match", **send)
+        body = await response.json()
+        assert response.status == status
+        assert body["error"]["type"] == error_type and body["error"]["message"]
+        if status == 422:
+            assert body["error"]["details"][0]["loc"] in ("candidates", "extra")
+        missing = await client.get("/v1/nothing")
+        assert missing.status == 404 and (await missing.json())["error"]["type"] == "not_found"
+
+
+async def test_openapi_is_served_and_checked_in(stack: StackState, isolated: Isolated) -> None:
+    assert json.loads(SPEC_PATH.read_text()) == openapi_spec(), "run: shopper realtime openapi --write"
+    async with _service(isolated, stack.llm_endpoints) as client:
+        served = await (await client.get("/openapi.json")).json()
+    assert served == openapi_spec()
+    assert set(served["paths"]) == {"/v1/match", "/health", "/metrics"}
+
+
+async def test_async_and_sync_clients(stack: StackState, isolated: Isolated, redis_client: Any) -> None:
+    await _write_signals(isolated, redis_client)
+    app = create_app(
+        RealtimeSettings(),
+        llm_config=realtime_client_config(stack.llm_endpoints, stack.model),
+        sinks=isolated.sinks(),
+    )
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    url = f"http://127.0.0.1:{next(a[1] for a in runner.addresses if isinstance(a, tuple))}"
+    try:
+        async with MatchClient(url) as client:
+            answer = await client.match("s1", "witch", CANDIDATES, deadline_ms=3000)
+            assert answer.degraded is False and len(answer.ranked) == 3
+            with pytest.raises(MatchRejected) as rejected:
+                await client.match("s1", "q", [])
+            assert rejected.value.status == 422 and rejected.value.error is not None
+            assert rejected.value.error.error.details[0].loc == "candidates"
+
+        def blocking() -> tuple[Any, Any]:
+            with SyncMatchClient(url) as sync_client:
+                first = sync_client.match("s1", "", ["KID-witch", "MAK-paint"], deadline_ms=3000)
+                second = sync_client.match("s1", "", ["KID-witch"], deadline_ms=50)  # same connection
+                return first, second
+
+        first, second = await asyncio.to_thread(blocking)
+        assert first.ranked[0].product_id in ("KID-witch", "MAK-paint")
+        assert second.deadline_ms == 50 and len(second.ranked) == 1
+    finally:
+        await runner.cleanup()
+    with pytest.raises(MatchUnavailable):
+        await asyncio.to_thread(SyncMatchClient(url).match, "s1", "", ["a"])
+    async with MatchClient(url) as client:
+        with pytest.raises(MatchUnavailable):
+            await client.match("s1", "", ["a"])
