@@ -57,17 +57,30 @@ class RestartSettings(BaseModel):
 
 
 class AsyncSettings(BaseModel):
-    """The Python async operator drains every in-flight call at each bundle end (see docs/flink.md), so
-    throughput is about ``min(capacity / latency, CPU) x bundle_time / (bundle_time + latency)``:
-    keep ``bundle_time_ms`` at several LLM latencies and ``capacity`` at the rate times the latency."""
+    """Knobs of the two Python async stages; the measurements behind the defaults are in docs/flink.md.
 
-    capacity: int = Field(512, ge=1, description="in-flight LLM calls per subtask")
-    timeout_ms: int = Field(60_000, gt=0, description="per record, Flink-level retries included")
-    retry_attempts: int = Field(2, ge=0, description="Flink-level re-invocations for retryable errors")
+    PyFlink's async operator starts one ``threading.Timer`` (an OS thread) per in-flight record when it
+    has a timeout or a retry strategy; that, not the LLM, caps a worker at ~1k records/s here. So the
+    timeout is enforced on the event loop (``asyncio.timeout``) and Flink-level retries are off unless
+    ``retry_attempts`` > 0 (the client already retries across replicas under its retry budget).
+    """
+
+    capacity: int = Field(512, ge=1, description="in-flight LLM calls per subtask (rate x latency / 0.8)")
+    timeout_ms: int = Field(
+        60_000, gt=0, description="per prompt; past it the prompt's result is a FlinkAsyncTimeout error"
+    )
+    retry_attempts: int = Field(
+        0,
+        ge=0,
+        description="Flink-level re-invocations of NoHealthyEndpoint results; costs a thread per call",
+    )
     retry_backoff_ms: int = Field(500, gt=0)
     bundle_size: int = Field(100_000, ge=1, description="python.fn-execution.bundle.size")
-    bundle_time_ms: int = Field(5_000, ge=1, description="python.fn-execution.bundle.time")
+    bundle_time_ms: int = Field(
+        1_000, ge=1, description="python.fn-execution.bundle.time: each Python stage holds input up to this"
+    )
     sink_capacity: int = Field(2048, ge=1, description="results in flight in the Redis/S3 sink step")
+    sink_timeout_ms: int = Field(120_000, gt=0, description="a sink write slower than this fails the job")
     sink_idle_flush_ms: int = Field(
         20, ge=1, description="the sink commits to S3 once no result arrived for this long (a bundle end)"
     )

@@ -238,7 +238,11 @@ class EnrichPrompts(AsyncFunction):
         enricher = await self._ensure_enricher()
         prompt = PromptRequest.model_validate_json(value)
         self.stats.inc("llm_requests")
-        result = await enricher.enrich(prompt)
+        try:
+            async with asyncio.timeout(self.settings.async_io.timeout_ms / 1000):
+                result = await enricher.enrich(prompt)
+        except TimeoutError:
+            return self.timeout(value)
         self._record(result)
         return [result.model_dump_json()]
 
@@ -253,7 +257,8 @@ class EnrichPrompts(AsyncFunction):
             self.stats.inc("llm_errors")
 
     def timeout(self, value: str) -> list[str]:
-        """Past the Flink-level timeout the prompt still gets its one result: an error record."""
+        """Past the timeout the prompt still gets its one result: an error record. Called from
+        ``async_invoke`` (the loop-side timeout), or by Flink when Flink-level retries are on."""
         self.stats.inc("llm_timeouts")
         prompt = PromptRequest.model_validate_json(value)
         error = EnrichmentError(
@@ -333,7 +338,8 @@ class WriteResults(AsyncFunction):
         committer = self._ensure_committer()
         result = parse_result(value)
         started = time.perf_counter()
-        await committer.submit(result)
+        async with asyncio.timeout(self.settings.async_io.sink_timeout_ms / 1000):
+            await committer.submit(result)
         self.stats.observe("sink_commit", (time.perf_counter() - started) * 1000)
         self.stats.inc("results_written")
         self.stats.inc("insights_written" if result.kind == "insight" else "errors_written")

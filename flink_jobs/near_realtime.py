@@ -139,17 +139,20 @@ def build_pipeline(
         .name("shopper sessions")
         .uid("shopper-sessions")
     )
+    # Timeouts are enforced on the event loop: a Flink-level timeout or retry strategy costs PyFlink one
+    # OS thread per in-flight record (see AsyncSettings). Flink-level retries only when asked for.
+    flink_timeout = Time.milliseconds(0)
+    retry = async_retry_strategies.NO_RETRY_STRATEGY
     if aio.retry_attempts > 0:
+        flink_timeout = Time.milliseconds(aio.timeout_ms * (aio.retry_attempts + 1))
         retry = async_retry_strategies.ExponentialBackoffDelayRetryStrategy(
             aio.retry_attempts, aio.retry_backoff_ms, aio.retry_backoff_ms * 8, 2.0, is_retryable_result, None
         )
-    else:
-        retry = async_retry_strategies.NO_RETRY_STRATEGY
     results = (
         AsyncDataStream.unordered_wait_with_retry(
             prompts,
             EnrichPrompts(settings_json),
-            Time.milliseconds(aio.timeout_ms),
+            flink_timeout,
             retry,
             capacity=aio.capacity,
             output_type=Types.STRING(),
@@ -162,7 +165,7 @@ def build_pipeline(
             AsyncDataStream.unordered_wait(
                 results,
                 WriteResults(settings_json),
-                Time.milliseconds(max(aio.timeout_ms, 120_000)),
+                Time.milliseconds(0),  # WriteResults enforces sink_timeout_ms itself
                 capacity=aio.sink_capacity,
                 output_type=Types.STRING(),
             )
