@@ -28,6 +28,10 @@ console = Console(width=None if sys.stdout.isatty() else 150)
 
 StateDir = Annotated[Path, typer.Option(help="the embedded stack's state directory")]
 FromStack = Annotated[bool, typer.Option(help="take addresses from the stack state file")]
+FollowPool = Annotated[
+    str | None,
+    typer.Option(help="share the replicas with a real-time service run with --shift-capacity NAME"),
+]
 
 
 def _environment(state_dir: Path, from_stack: bool) -> tuple[Any, Any, Any]:
@@ -62,6 +66,7 @@ def submit_cmd(
         bool, typer.Option(help="only register the job; 'shopper batch worker' runs it")
     ] = False,
     fixed_concurrency: Annotated[int | None, typer.Option(help="disable AIMD; use this many calls")] = None,
+    follow_pool: FollowPool = None,
     state_dir: StateDir = Path(".state"),
     from_stack: FromStack = True,
 ) -> None:
@@ -84,7 +89,14 @@ def submit_cmd(
         console.print(f"submitted [bold]{manifest.job_id}[/bold] (priority {priority})")
         if detach:
             return 0
-        return await _run_worker(settings, sinks, llm, [manifest.job_id], fixed_concurrency=fixed_concurrency)
+        return await _run_worker(
+            settings,
+            sinks,
+            llm,
+            [manifest.job_id],
+            fixed_concurrency=fixed_concurrency,
+            follow_pool=follow_pool,
+        )
 
     raise typer.Exit(asyncio.run(main()))
 
@@ -96,6 +108,7 @@ def resume_cmd(
         bool, typer.Option(help="only mark it runnable; 'shopper batch worker' runs it")
     ] = False,
     fixed_concurrency: Annotated[int | None, typer.Option(help="disable AIMD; use this many calls")] = None,
+    follow_pool: FollowPool = None,
     state_dir: StateDir = Path(".state"),
     from_stack: FromStack = True,
 ) -> None:
@@ -114,7 +127,9 @@ def resume_cmd(
         console.print(f"resuming [bold]{job_id}[/bold]: {manifest.records_done} records already committed")
         if detach:
             return 0
-        return await _run_worker(settings, sinks, llm, [job_id], fixed_concurrency=fixed_concurrency)
+        return await _run_worker(
+            settings, sinks, llm, [job_id], fixed_concurrency=fixed_concurrency, follow_pool=follow_pool
+        )
 
     raise typer.Exit(asyncio.run(main()))
 
@@ -122,12 +137,15 @@ def resume_cmd(
 @batch_app.command("worker")
 def worker_cmd(
     follow: Annotated[bool, typer.Option(help="keep polling for new jobs until interrupted")] = False,
+    follow_pool: FollowPool = None,
     state_dir: StateDir = Path(".state"),
     from_stack: FromStack = True,
 ) -> None:
     """Run every queued or resumable job, by priority, sharing the pool."""
     settings, sinks, llm = _environment(state_dir, from_stack)
-    raise typer.Exit(asyncio.run(_run_worker(settings, sinks, llm, None, follow=follow)))
+    raise typer.Exit(
+        asyncio.run(_run_worker(settings, sinks, llm, None, follow=follow, follow_pool=follow_pool))
+    )
 
 
 @batch_app.command("cancel")
@@ -215,6 +233,7 @@ async def _run_worker(
     *,
     follow: bool = False,
     fixed_concurrency: int | None = None,
+    follow_pool: str | None = None,
 ) -> int:
     """Run a worker with a progress display; 0 when every job succeeded."""
     from batch.launch import open_batch
@@ -223,6 +242,17 @@ async def _run_worker(
     console.print(f"[dim]batch settings: {settings.model_dump_json()}[/dim]")
     async with open_batch(settings, sinks, llm, fixed_limit=fixed_concurrency) as runtime:
         await runtime.client.wait_until_healthy()
+        follower = None
+        if follow_pool:
+            from realtime.capacity import CapacitySettings
+            from realtime.pool import PoolBoard, PoolFollower, SharedPool
+
+            board = PoolBoard(runtime.redis, sinks.redis_key_prefix, SharedPool(follow_pool, llm.endpoints))
+            follower = PoolFollower(
+                board, "batch", runtime.pool.set_endpoints, handoff_s=CapacitySettings().handoff_s
+            )
+            await follower.sync()
+            follower.start()
         worker = runtime.worker()
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):
@@ -235,6 +265,8 @@ async def _run_worker(
             display.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await display
+            if follower is not None:
+                await follower.stop()
     for m in results:
         colour = {"succeeded": "green", "failed": "red"}.get(m.state, "yellow")
         console.print(

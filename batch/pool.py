@@ -56,6 +56,7 @@ class EndpointPool:
         self._latencies: list[float] = []
         self._window_failures = 0
         self._limited = False
+        self._window_started = 0.0
         self._retries_seen = client.retries
         self._task: asyncio.Task[None] | None = None
         self.changed = asyncio.Event()
@@ -71,6 +72,10 @@ class EndpointPool:
 
     @property
     def limit(self) -> int:
+        """Calls allowed in flight now; 0 while the pool holds no replica (all shifted to real-time),
+        so work waits instead of failing its calls."""
+        if not self.client.endpoints:
+            return 0
         return self.fixed_limit if self.fixed_limit is not None else self.controller.limit
 
     @property
@@ -104,7 +109,7 @@ class EndpointPool:
     async def _adapt(self) -> None:
         loop = asyncio.get_running_loop()
         window = self.controller.settings.window_s
-        started = loop.time()
+        self._window_started = loop.time()
         while True:
             await asyncio.sleep(window)
             now = loop.time()
@@ -113,7 +118,7 @@ class EndpointPool:
             stats = WindowStats(
                 completions=len(self._latencies),
                 errors=self._window_failures + retries,
-                duration_s=now - started,
+                duration_s=now - self._window_started,
                 latency_s=statistics.median(self._latencies) if self._latencies else 0.0,
                 limited=self._limited or self.full,
             )
@@ -125,7 +130,10 @@ class EndpointPool:
             if decision.limit != before:
                 log.debug("pool %s: limit %d -> %d (%s)", self.name, before, decision.limit, decision.reason)
                 self.changed.set()
-            self._latencies, self._window_failures, self._limited, started = [], 0, False, now
+            self._new_window(now)
+
+    def _new_window(self, now: float) -> None:
+        self._latencies, self._window_failures, self._limited, self._window_started = [], 0, False, now
 
     def set_endpoints(self, urls: Sequence[str]) -> None:
         """Re-point the client at ``urls`` (capacity shifting) and rescale the limit."""
@@ -133,4 +141,6 @@ class EndpointPool:
         retarget_client(self.client, urls)
         self.controller.set_budget(self.budget)
         self.controller.rescale(self.replicas / before)
+        with contextlib.suppress(RuntimeError):  # no running loop: nothing is being measured yet
+            self._new_window(asyncio.get_running_loop().time())  # a window spanning the change misleads
         self.changed.set()

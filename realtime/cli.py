@@ -28,6 +28,13 @@ def serve_cmd(
     replicas: Annotated[
         int | None, typer.Option(help="use only the first N of the stack's LLM replicas (the real-time pool)")
     ] = None,
+    shift_capacity: Annotated[
+        str | None,
+        typer.Option(
+            help="pool name: share all replicas with batch and shift them by load (CAPACITY_* settings); "
+            "batch workers join with --follow-pool NAME"
+        ),
+    ] = None,
     state_dir: StateDir = Path(".state"),
     from_stack: Annotated[bool, typer.Option(help="take addresses from the stack state file")] = True,
 ) -> None:
@@ -49,16 +56,30 @@ def serve_cmd(
         env = ClientConfig()
         endpoints, model = env.endpoints, env.model
     llm = realtime_client_config(endpoints[:replicas] if replicas else endpoints, model)
-    print(json.dumps({"realtime": settings.model_dump(), "llm_endpoints": llm.endpoints}), flush=True)
-    asyncio.run(_serve(settings, llm, sinks))
+    config: dict[str, object] = {"realtime": settings.model_dump(), "llm_endpoints": llm.endpoints}
+    capacity = None
+    if shift_capacity:
+        from realtime.capacity import CapacitySettings
+
+        capacity = CapacitySettings()
+        config["capacity"] = {"pool": shift_capacity, **capacity.model_dump()}
+    print(json.dumps(config), flush=True)
+    asyncio.run(_serve(settings, llm, sinks, shift_capacity, capacity))
 
 
-async def _serve(settings: object, llm: object, sinks: object) -> None:
+async def _serve(
+    settings: object, llm: object, sinks: object, pool_name: str | None, capacity: object
+) -> None:
     from aiohttp import web
 
     from realtime.service import create_app
 
     app = create_app(settings, llm_config=llm, sinks=sinks)  # type: ignore[arg-type]
+    if pool_name:
+        from realtime.pool import SharedPool
+        from realtime.shifter import enable_capacity_shifting
+
+        enable_capacity_shifting(app, SharedPool(pool_name, llm.endpoints), capacity)  # type: ignore[attr-defined,arg-type]
     runner = web.AppRunner(app, access_log=None)
     await runner.setup()
     site = web.TCPSite(runner, settings.host, settings.port)  # type: ignore[attr-defined]

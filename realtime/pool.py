@@ -1,0 +1,153 @@
+"""The one replica pool shared by real-time and batch, and how each side follows the live split.
+
+``SharedPool`` is the definition: the replicas, in a fixed order. The split is one number, how many
+replicas real-time holds: real-time takes them from the front of the list, batch the rest, so a
+change moves the boundary and never reshuffles replicas that stay. The capacity shifter publishes the
+split in Redis (``PoolBoard``, one hash per pool); every process serving either side follows it with a
+``PoolFollower`` that re-points its LLM client.
+
+Hand-over: a replica going from batch to real-time is dropped by batch at once but joins real-time
+only ``handoff_s`` after the change, so real-time calls do not queue behind batch calls still running
+on it. A replica going back to batch moves at once (batch does not mind a few real-time stragglers).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Literal
+
+import orjson
+import redis.asyncio as aioredis
+
+log = logging.getLogger(__name__)
+
+Side = Literal["realtime", "batch"]
+
+
+@dataclass(frozen=True, slots=True)
+class PoolSplit:
+    """A published split: ``realtime`` replicas from the front of ``replicas``, batch the rest."""
+
+    replicas: tuple[str, ...]
+    realtime: int
+    previous_realtime: int
+    changed_at: float
+    version: int
+
+    def urls(self, side: Side, now: float, handoff_s: float) -> list[str]:
+        """The replicas ``side`` should route to at ``now``."""
+        if side == "batch":
+            return list(self.replicas[self.realtime :])
+        held = list(self.replicas[: self.realtime])
+        if self.realtime > self.previous_realtime and now < self.changed_at + handoff_s:
+            return held[: self.previous_realtime]  # the newcomers are still draining batch calls
+        return held
+
+
+class SharedPool:
+    """The pool definition: replica URLs in a fixed order, and its name (the Redis key)."""
+
+    def __init__(self, name: str, replicas: Sequence[str]) -> None:
+        if not replicas:
+            raise ValueError("a pool needs at least one replica")
+        self.name = name
+        self.replicas = tuple(u.rstrip("/") for u in replicas)
+
+
+class PoolBoard:
+    """The published split in Redis: ``{prefix}pool:{name}`` (JSON)."""
+
+    def __init__(self, redis: aioredis.Redis, prefix: str, pool: SharedPool) -> None:
+        self.redis = redis
+        self.pool = pool
+        self.key = f"{prefix}pool:{pool.name}"
+
+    async def publish(self, realtime: int, now: float | None = None) -> PoolSplit:
+        current = await self.read()
+        if current is not None and current.realtime == realtime and current.replicas == self.pool.replicas:
+            return current
+        split = PoolSplit(
+            replicas=self.pool.replicas,
+            realtime=realtime,
+            previous_realtime=current.realtime if current is not None else realtime,
+            changed_at=time.time() if now is None else now,
+            version=(current.version + 1) if current is not None else 1,
+        )
+        payload = {
+            "replicas": list(split.replicas),
+            "realtime": split.realtime,
+            "previous_realtime": split.previous_realtime,
+            "changed_at": split.changed_at,
+            "version": split.version,
+        }
+        await self.redis.set(self.key, orjson.dumps(payload))
+        return split
+
+    async def read(self) -> PoolSplit | None:
+        raw = await self.redis.get(self.key)
+        if raw is None:
+            return None
+        data = orjson.loads(raw)
+        return PoolSplit(
+            replicas=tuple(data["replicas"]),
+            realtime=int(data["realtime"]),
+            previous_realtime=int(data["previous_realtime"]),
+            changed_at=float(data["changed_at"]),
+            version=int(data["version"]),
+        )
+
+
+class PoolFollower:
+    """Polls the board and applies this side's replicas through ``apply`` when they change."""
+
+    def __init__(
+        self,
+        board: PoolBoard,
+        side: Side,
+        apply: Callable[[list[str]], None],
+        *,
+        poll_s: float = 0.5,
+        handoff_s: float = 2.0,
+    ) -> None:
+        self.board = board
+        self.side = side
+        self.apply = apply
+        self.poll_s = poll_s
+        self.handoff_s = handoff_s
+        self.current: list[str] | None = None
+        self._task: asyncio.Task[None] | None = None
+
+    async def sync(self) -> list[str] | None:
+        split = await self.board.read()
+        if split is None:
+            return self.current
+        urls = split.urls(self.side, time.time(), self.handoff_s)
+        if urls != self.current:
+            log.info("%s pool now %d replica(s) (split v%d)", self.side, len(urls), split.version)
+            self.current = urls
+            self.apply(urls)
+        return urls
+
+    def start(self) -> None:
+        if self._task is None:
+            self._task = asyncio.create_task(self._loop(), name=f"pool-follower-{self.side}")
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+            self._task = None
+
+    async def _loop(self) -> None:
+        while True:
+            try:
+                await self.sync()
+            except Exception as exc:  # Redis hiccup: keep the last split, try again
+                log.warning("pool follower (%s): %r", self.side, exc)
+            await asyncio.sleep(self.poll_s)

@@ -1,0 +1,100 @@
+"""The capacity shifter: the async shell around ``CapacityController``.
+
+Every ``tick_s`` it reads the real-time request rate (a callable; in the service, its ``LoadMeter``),
+asks the controller for a split and publishes it on the ``PoolBoard``; followers on both sides apply
+it. It runs inside the real-time service (``shopper realtime serve --shift-capacity``), which owns the
+load signal; decisions are kept in ``history`` for plots and logs.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Callable
+
+from aiohttp import web
+
+from batch.pool import retarget_client
+from realtime.capacity import CapacityController, CapacityDecision, CapacitySettings
+from realtime.pool import PoolBoard, PoolFollower, SharedPool
+
+log = logging.getLogger(__name__)
+
+
+class CapacityShifter:
+    def __init__(
+        self,
+        controller: CapacityController,
+        board: PoolBoard,
+        rate: Callable[[float], float],
+        *,
+        forecast: Callable[[float], float | None] | None = None,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        self.controller = controller
+        self.board = board
+        self.rate = rate
+        self.forecast = forecast
+        self.clock = clock
+        self.history: list[tuple[float, CapacityDecision]] = []
+        self._task: asyncio.Task[None] | None = None
+
+    async def tick(self) -> CapacityDecision:
+        now = self.clock()
+        ahead = self.forecast(now + self.controller.settings.lead_s) if self.forecast else None
+        before = self.controller.realtime
+        decision = self.controller.decide(now, self.rate(now), ahead)
+        if decision.realtime != before or not self.history:
+            log.info("capacity: %s (batch %d)", decision.reason, decision.batch)
+        await self.board.publish(decision.realtime, now)
+        self.history.append((now, decision))
+        return decision
+
+    def start(self) -> None:
+        if self._task is None:
+            self._task = asyncio.create_task(self._loop(), name="capacity-shifter")
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+            self._task = None
+
+    async def _loop(self) -> None:
+        while True:
+            try:
+                await self.tick()
+            except Exception as exc:  # Redis hiccup: the last published split stays in force
+                log.warning("capacity shifter: %r", exc)
+            await asyncio.sleep(self.controller.settings.tick_s)
+
+
+def enable_capacity_shifting(app: web.Application, pool: SharedPool, settings: CapacitySettings) -> None:
+    """Run a shifter and a real-time follower with the service in ``app`` (``realtime.service``):
+    the service's measured request rate drives the split, and its LLM client follows it."""
+    from realtime.service import SERVICE_KEY, LoadMeter
+
+    service = app[SERVICE_KEY]
+    service.load = LoadMeter(settings.load_window_s)
+    board = PoolBoard(service.redis, service.key_prefix, pool)
+    controller = CapacityController(settings, len(pool.replicas))
+    shifter = CapacityShifter(controller, board, service.load.rate)
+    follower = PoolFollower(
+        board, "realtime", lambda urls: retarget_client(service.llm, urls), handoff_s=settings.handoff_s
+    )
+
+    async def start(app: web.Application) -> None:
+        await shifter.tick()
+        await follower.sync()
+        shifter.start()
+        follower.start()
+
+    async def stop(app: web.Application) -> None:
+        await shifter.stop()
+        await follower.stop()
+
+    app.on_startup.append(start)
+    app.on_cleanup.append(stop)
