@@ -68,13 +68,16 @@ class FixedLatencyLLM:
         asyncio.set_event_loop(self._loop)
         app = web.Application()
         app.router.add_post("/v1/chat/completions", self._chat)
-        app.router.add_get("/health", lambda _: web.json_response({"status": "ok"}))
+        app.router.add_get("/health", self._health)
         runner = web.AppRunner(app, access_log=None)
         self._loop.run_until_complete(runner.setup())
         site = web.TCPSite(runner, "127.0.0.1", self.port, backlog=4096)
         self._loop.run_until_complete(site.start())
         self._ready.set()
         self._loop.run_forever()
+
+    async def _health(self, request: web.Request) -> web.Response:
+        return web.json_response({"status": "ok"})
 
     async def _chat(self, request: web.Request) -> web.Response:
         await request.read()
@@ -319,7 +322,7 @@ def main() -> int:
             f"| {setting.call} | {setting.latency_s * 1000:.0f} ms | {setting.capacity} | {setting.label} "
             f"| {setting.ceiling:,.0f} | {saturated['rate']:,.0f} | {ratio:.2f} |"
         )
-        paced = {"errors": 0}
+        paced: dict[str, float] = {"errors": 0}
         if setting.ceiling > CPU_BOUND_ABOVE and setting.paced_rate is None:
             print(f"{row} - | - | - |", flush=True)
         else:

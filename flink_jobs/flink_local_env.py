@@ -151,6 +151,8 @@ def local_run(settings: NearRealtimeSettings, args: argparse.Namespace) -> int:
             urls = stack.enter_context(simulator_replicas(args.replicas))
             llm = llm.model_copy(update={"endpoints": urls})
         sinks = settings.sinks
+        if sinks.redis_key_prefix == "su:":  # the production namespace: keep local runs apart
+            sinks = sinks.model_copy(update={"redis_key_prefix": "flink-local:"})
         if sinks.s3_endpoint_url is None:
             sinks = sinks.model_copy(update={"s3_endpoint_url": stack.enter_context(moto_s3())})
         settings = settings.model_copy(update={"llm": llm, "sinks": sinks})

@@ -8,6 +8,7 @@ import gzip
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import Any
 
 import orjson
 import pytest
@@ -84,7 +85,7 @@ def flink_run(tmp_path_factory: pytest.TempPathFactory) -> Iterator[FlinkRun]:
             keys, records = _read_s3(settings)
             signals = {
                 key.decode().removeprefix(f"{prefix}signals:"): {
-                    k.decode(): v.decode() for k, v in redis.hgetall(key).items()
+                    k.decode(): v.decode() for k, v in _hgetall(redis, key).items()
                 }
                 for key in redis.scan_iter(f"{prefix}signals:*", count=1000)
             }
@@ -97,7 +98,11 @@ def flink_run(tmp_path_factory: pytest.TempPathFactory) -> Iterator[FlinkRun]:
         monkey.undo()
 
 
-def _s3(settings: NearRealtimeSettings):  # type: ignore[no-untyped-def]
+def _hgetall(client: sync_redis.Redis, key: bytes) -> dict[bytes, bytes]:
+    return dict(client.hgetall(key))  # type: ignore[arg-type]  # sync client; stubs union in async
+
+
+def _s3(settings: NearRealtimeSettings) -> Any:
     import boto3
 
     return boto3.client("s3", endpoint_url=settings.sinks.s3_endpoint_url, region_name="us-east-1")
@@ -159,8 +164,8 @@ def test_pending_triggers_flush_at_end_of_input(flink_run: FlinkRun) -> None:
         event = parse_event(raw)
         newest[event.shopper_id] = max(newest.get(event.shopper_id, 0.0), event.ts)
     covered: dict[str, float] = {}
-    for raw in flink_run.run.results:
-        result = orjson.loads(raw)
+    for line in flink_run.run.results:
+        result = orjson.loads(line)
         covered[result["shopper_id"]] = max(covered.get(result["shopper_id"], 0.0), result["last_event_ts"])
     assert covered == newest, "some shopper's newest events never reached a prompt"
 

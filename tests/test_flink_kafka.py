@@ -94,8 +94,8 @@ def test_kafka_source_to_dlq_and_sinks(tmp_path: Path) -> None:
         dlq = []
         for _ in range(30):
             message = consumer.poll(1.0)
-            if message is not None and not message.error():
-                dlq.append(orjson.loads(message.value()))
+            if message is not None and not message.error() and message.value() is not None:
+                dlq.append(orjson.loads(message.value() or b"null"))
             if len(dlq) >= 2:
                 break
         consumer.close()

@@ -71,7 +71,7 @@ def test_settings_round_trip_through_json_keeps_secrets_usable() -> None:
 
 def test_settings_load_from_the_compose_job_file() -> None:
     settings = NearRealtimeSettings.load(ROOT / "docker/flink-job.yaml")
-    assert settings.async_io.bundle_time_ms == 5000 and settings.parallelism == 2
+    assert settings.async_io.bundle_time_ms == 1000 and settings.parallelism == 2
 
 
 class FakeSink:
