@@ -71,6 +71,11 @@ def run_demo(state_dir: Path, *, events: int, shoppers: int, keep_stack: bool, c
                 f"{row['cached_tokens']}/{row['prompt_tokens']}",
             )
         console.print(table)
+        if state.llm_kind == "sim":
+            console.print(
+                "[dim]Answers come from the TensorRT-LLM simulator, a stand-in returning schema-valid JSON "
+                "made of words from the prompt; 'shopper stack up --llm llama' serves a real model.[/dim]"
+            )
         keys, records = list_s3_records(sink_settings(state), s3_prefix)
         console.print(
             f"S3: {len(keys)} objects, {len(records)} records in s3://{state.s3_bucket}/{s3_prefix}/, e.g."
