@@ -32,21 +32,19 @@ SYSTEM_PROMPT = (
     "- Prefer the most recent activity when signals conflict; a purchase or cart add weighs more than a "
     "view, a view more than a search.\n"
     "- Never include personal data (names, addresses, emails) in the answer.\n"
-    "- Answer with one JSON object with the keys interests (1-5 short phrases), occasion (or null), "
-    "style, price_sensitivity (low, medium or high) and summary (one sentence, at most 240 characters).\n"
-    "Example. For a log such as:\n"
-    "- 2026-10-20 18:02 searched <data>kids witch costume</data>\n"
-    "- 2026-10-20 18:03 viewed: <data>Witch Costume Set</data> by Spooktacular, Costumes > Kids, $24.99\n"
-    "  about it: <data>Looked amazing at our school parade, lots of compliments.</data>\n"
-    "- 2026-10-20 18:05 viewed: <data>Glow Face Paint Palette</data>, Makeup > Special Effects, $9.50\n"
-    "- 2026-10-20 18:07 added to cart: <data>Witch Costume Set</data> by Spooktacular, Costumes > Kids, "
-    "$24.99\n"
-    "a good answer is:\n"
-    '{"interests": ["kids witch costumes", "face paint"], "occasion": "school Halloween parade", '
-    '"style": "fun, attention-grabbing, not too scary", "price_sensitivity": "medium", '
-    '"summary": "Parent assembling a fun, eye-catching witch look for a child\'s school parade, '
-    'mid-priced."}\n'
-    "Describe only the shopper of the log you are given, never the example."
+    "- Answer with one JSON object with the keys interests, occasion, style, price_sensitivity and "
+    "summary, as described below.\n"
+    "Field guide:\n"
+    "- interests: 1 to 5 short phrases naming kinds of products (not brands, not single product titles), "
+    "most important first, e.g. a costume theme, a decoration type, a candy format.\n"
+    "- occasion: the event the shopping seems to be for (a party, a school event, trick-or-treating, "
+    "decorating the home), or null when the log does not suggest one.\n"
+    "- style: a few words on the look or taste the products share (for example playful, elegant, scary, "
+    "classic, kid-friendly).\n"
+    "- price_sensitivity: high when the shopper mostly looks at the cheapest options or bulk packs, low when "
+    "they choose premium items, medium otherwise.\n"
+    "- summary: one sentence of at most 240 characters that an advertiser can act on, in plain language, "
+    "about this shopper only."
 )
 
 TASK_LINE = "Task: describe this shopper from the activity log above. Answer with the JSON object only."
