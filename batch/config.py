@@ -13,7 +13,9 @@ class BatchSettings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="BATCH_", env_nested_delimiter="__")
 
     jobs_prefix: str = Field("batch-jobs", description="S3 prefix (in the sink bucket) of job manifests")
-    shard_records: int = Field(250, ge=1, description="input lines per output part (the unit of resume)")
+    shard_records: int = Field(
+        100, ge=1, description="input lines per output part: the unit of resume (a kill redoes about one)"
+    )
     budget: PromptBudget = Field(default_factory=PromptBudget)
     aimd: AimdSettings = Field(default_factory=AimdSettings)
     per_replica_budget: int = Field(

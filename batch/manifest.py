@@ -29,7 +29,7 @@ class JobSpec(BaseModel):
     input_uri: str
     output_uri: str
     priority: int = 0
-    shard_records: int = Field(250, ge=1)
+    shard_records: int = Field(100, ge=1)
     pool: str = "batch"
     submitted_at: float = Field(default_factory=time.time)
 

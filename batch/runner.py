@@ -55,7 +55,7 @@ async def submit_job(
     output_uri: str,
     *,
     priority: int = 0,
-    shard_records: int = 250,
+    shard_records: int = 100,
     job_id: str | None = None,
 ) -> JobManifest:
     """Register a job (state ``queued``); fails fast when the input does not exist."""
@@ -594,9 +594,11 @@ class BatchWorker:
                 self._wake.clear()
                 pool.changed.clear()
                 waits = [asyncio.ensure_future(self._wake.wait()), asyncio.ensure_future(pool.changed.wait())]
-                await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
-                for w in waits:
-                    w.cancel()
+                try:
+                    await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+                finally:
+                    for w in waits:
+                        w.cancel()
                 continue
             job = self.active[job_id]
             call = job.take()

@@ -16,7 +16,8 @@ class RealtimeSettings(BaseSettings):
         15.0, ge=0, description="kept back from the deadline to build the fallback and write the answer"
     )
     redis_timeout_ms: float = Field(40.0, gt=0, description="signal reads give up after this (fallback data)")
-    llm_max_tokens: int = Field(160, ge=16, description="answer budget of a ranking call")
+    llm_top_k: int = Field(3, ge=1, le=50, description="candidates the model ranks and explains (the head)")
+    llm_max_tokens: int = Field(64, ge=16, description="answer budget of a ranking call (~20 a candidate)")
     llm_concurrency_per_replica: int = Field(
         24, ge=1, description="calls in flight per routable replica; beyond it requests are answered degraded"
     )

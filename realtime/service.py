@@ -194,14 +194,14 @@ class MatchService:
         remaining_s: float,
     ) -> tuple[list[Any], DegradedReason | None, str | None]:
         s = self.settings
-        messages = ranking_messages(shopper, request.query, request.candidates, products)
+        messages = ranking_messages(shopper, request.query, request.candidates, products, s.llm_top_k)
         self.metrics.llm_in_flight.inc()
         try:
             completion = await self.llm.chat(
                 messages,
                 routing_key=request.shopper_id,
                 max_tokens=s.llm_max_tokens,
-                response_format=ranking_response_format(request.candidates, s.reason_max_chars),
+                response_format=ranking_response_format(request.candidates, s.llm_top_k, s.reason_max_chars),
                 deadline_s=remaining_s,
             )
         except (DeadlineExceeded, TimeoutError):

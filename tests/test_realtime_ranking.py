@@ -88,6 +88,11 @@ def test_prompt_keeps_site_text_in_data_blocks_and_the_prefix_stable() -> None:
     ranking = schema["properties"]["ranking"]
     assert ranking["items"]["properties"]["product_id"]["enum"] == ["spider", "paint", "witch"]
     assert ranking["minItems"] == ranking["maxItems"] == 3
+    head = ranking_response_format(CANDIDATES, top_k=2)["json_schema"]["schema"]["properties"]["ranking"]
+    assert head["minItems"] == head["maxItems"] == 2
+    assert (
+        "name the 2 candidates" in ranking_messages(SHOPPER, "q", CANDIDATES, PRODUCTS, top_k=2)[1]["content"]
+    )
 
 
 def test_model_order_wins_and_omissions_are_filled_from_the_fallback() -> None:
