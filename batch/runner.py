@@ -487,12 +487,14 @@ class BatchWorker:
         self._wake = asyncio.Event()
         self._tasks: set[asyncio.Task[None]] = set()
         self._interrupted = False
+        self._job_finished = asyncio.Event()
 
     def interrupt(self) -> None:
         """Stop every job cleanly (SIGINT/SIGTERM): complete shards are written, the rest resumes."""
         self._interrupted = True
         for job in self.active.values():
             job.stop("interrupted")
+        self._job_finished.set()
 
     async def run(
         self, job_ids: Sequence[str] | None = None, *, follow: bool = False, poll_s: float = 2.0
@@ -508,14 +510,16 @@ class BatchWorker:
         try:
             while not self._interrupted:
                 await self._start_jobs(pending, results)
-                if not self.active and not follow:
-                    if pending is None or not pending:
-                        break
-                    await asyncio.sleep(poll_s)  # wanted jobs held by another worker: wait for them
-                    continue
-                await asyncio.sleep(0.05 if self.active else poll_s)
+                if not self.active and not follow and not pending:
+                    break
+                # Look for startable jobs again when one finishes, or every poll_s (a wanted job may
+                # be held by another worker's lease, or new jobs may have been submitted).
+                self._job_finished.clear()
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._job_finished.wait(), poll_s)
             while self.active:
-                await asyncio.sleep(0.05)
+                self._job_finished.clear()
+                await self._job_finished.wait()
         finally:
             dispatcher.cancel()
             with contextlib.suppress(asyncio.CancelledError):
@@ -581,6 +585,7 @@ class BatchWorker:
         finally:
             del self.active[job.job_id]
             self._wake.set()
+            self._job_finished.set()
 
     async def _dispatch(self) -> None:
         pool = self.pool
