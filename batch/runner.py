@@ -137,9 +137,7 @@ class JobRun:
         self.reader_done = False
         self.stopping: str | None = None
         """Why the job stops early: 'cancelled', 'interrupted', or a failure message."""
-        self.records_done_here = 0
         self.requests_here = 0
-        self.started_at = time.time()
         self._wake = wake
         self._room = asyncio.Event()
         self._commit_gate = asyncio.Semaphore(settings.commit_concurrency)
@@ -370,7 +368,6 @@ class JobRun:
         )
 
     def _finish(self, line: int, row: dict[str, Any], *, error: bool, requests: int) -> None:
-        self.records_done_here += 1
         self._room.set()
         self._enqueue_commits(self.book.add(line, row, error=error, requests=requests))
 

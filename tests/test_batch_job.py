@@ -219,3 +219,33 @@ async def test_priority_and_cancel_then_resume(stack: StackState, isolated: Isol
         assert resumed.state == "succeeded" and resumed.runs == 2
         rows, _ = await _all_rows(runtime.store, resumed)
         assert sorted(r["line"] for r in rows) == list(range(1_000))
+
+
+async def test_interrupted_worker_leaves_the_job_queued_for_any_worker(
+    stack: StackState, isolated: Isolated
+) -> None:
+    """SIGINT/SIGTERM in the CLI call ``interrupt``: complete shards are written, the job goes back to
+    ``queued`` and the next worker (here one listing the queue, no ids given) finishes it."""
+    settings = _settings()
+    sinks = isolated.sinks()
+    base = f"s3://{sinks.s3_bucket}/{isolated.s3_prefix}"
+    llm = _llm(stack, settings)
+    settings_for_queue = settings.model_copy(update={"jobs_prefix": f"jobs-{isolated.tag}"})
+    async with open_batch(settings_for_queue, sinks, llm, fixed_limit=6) as runtime:
+        await _upload(
+            runtime.store, f"{base}/in.jsonl", list(synthetic_product_lines(600, seed=8, long_share=0))
+        )
+        job = await submit_job(runtime.store, f"{base}/in.jsonl", f"{base}/out")
+        worker = runtime.worker()
+        running = asyncio.create_task(worker.run([job.job_id]))
+        while not (await runtime.store.read_manifest(job.job_id)).shards:
+            await asyncio.sleep(0.05)
+        worker.interrupt()
+        (interrupted,) = await running
+        assert interrupted.state == "queued" and "interrupted" in (interrupted.message or "")
+        assert 1 <= len(interrupted.shards) < 12
+    async with open_batch(settings_for_queue, sinks, llm) as runtime:
+        (final,) = await runtime.worker().run()
+        assert final.job_id == job.job_id and final.state == "succeeded" and final.runs == 2
+        rows, errors = await _all_rows(runtime.store, final)
+        assert sorted(r["line"] for r in rows + errors) == list(range(600))
