@@ -19,6 +19,7 @@ from __future__ import annotations
 import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from functools import lru_cache
 from typing import Any
 
 import orjson
@@ -113,6 +114,12 @@ class ProductProfile:
             price_tier=_text(fields, "price_tier"),
             summary=_text(fields, "summary"),
         )
+
+
+@lru_cache(maxsize=65_536)
+def _product_terms(p: ProductProfile) -> frozenset[str]:
+    """A product's terms; cached, as the same products are candidates again and again."""
+    return frozenset(_terms(p.title, *p.segments, *p.occasions, p.style, p.summary))
 
 
 def _data(text: str) -> str:
@@ -253,9 +260,7 @@ def fallback_ranking(
     scored = []
     for index, c in enumerate(candidates):
         p = products.get(c.product_id)
-        offered = _terms(c.title or "", *(
-            (p.title, *p.segments, *p.occasions, p.style, p.summary) if p else ()
-        ))  # fmt: skip
+        offered = _terms(c.title or "") | (_product_terms(p) if p else frozenset())
         overlap = wanted & offered
         price = _PRICE_FIT.get((shopper.price_sensitivity if shopper else "", p.price_tier if p else ""), 0.0)
         score = 0.6 * min(len(overlap) / 3, 1.0) + 0.3 * (c.score or 0.0) + 0.1 * price
