@@ -9,6 +9,8 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed-$(shell cat pyproject.toml | sha1sum | cut -c1-12)
 PYTEST_ARGS ?=
+PACKAGES := prompt_assembly llm_client serving sinks flink_jobs devstack shopper batch realtime
+CODE     := $(PACKAGES) tests bench scripts
 
 .PHONY: demo test lint typecheck pytest llama bench clean stack-down
 
@@ -25,11 +27,11 @@ llama: $(STAMP)
 	@PYTHON=$(PY) scripts/build-llama-server
 
 lint: $(STAMP)
-	$(VENV)/bin/ruff check .
-	$(VENV)/bin/ruff format --check .
+	$(VENV)/bin/ruff check $(CODE)
+	$(VENV)/bin/ruff format --check $(CODE)
 
 typecheck: $(STAMP)
-	$(VENV)/bin/mypy prompt_assembly llm_client serving sinks flink_jobs devstack shopper batch realtime
+	$(VENV)/bin/mypy $(PACKAGES)
 
 pytest: $(STAMP) llama
 	$(PY) -m pytest -q -p no:cacheprovider $(PYTEST_ARGS)

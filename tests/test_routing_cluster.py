@@ -134,7 +134,7 @@ async def test_replica_killed_mid_run_loses_no_request_and_is_forgotten(cluster:
                 done.append(completion.endpoint)
 
         tasks = [asyncio.create_task(shopper(i)) for i in range(24)]
-        while len(done) < 40:  # noqa: ASYNC110 (polling a counter the shoppers bump)
+        while len(done) < 40:
             await asyncio.sleep(0.01)
         assert victim.outstanding > 0, "the kill should land while requests are in flight"
         cluster.kill(1)
