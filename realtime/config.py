@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Literal
+
 from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
@@ -14,6 +16,9 @@ class RealtimeSettings(BaseSettings):
     default_deadline_ms: int = Field(300, ge=20, le=5000, description="when a request sets none")
     answer_reserve_ms: float = Field(
         15.0, ge=0, description="kept back from the deadline to build the fallback and write the answer"
+    )
+    signal_reads: Literal["script", "pipeline"] = Field(
+        "script", description="one Lua call (single Redis node) or a pipeline of HMGETs (Redis Cluster)"
     )
     redis_timeout_ms: float = Field(40.0, gt=0, description="signal reads give up after this (fallback data)")
     llm_top_k: int = Field(3, ge=1, le=50, description="candidates the model ranks and explains (the head)")

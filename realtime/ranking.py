@@ -20,7 +20,7 @@ import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from functools import lru_cache
-from typing import Any
+from typing import Any, ClassVar
 
 import orjson
 
@@ -68,6 +68,16 @@ def _list(fields: Mapping[Any, Any], name: str) -> tuple[str, ...]:
     return tuple(str(v) for v in value) if isinstance(value, list) else ()
 
 
+def _present(names: Sequence[str], values: Sequence[Any]) -> dict[str, Any]:
+    """HMGET's reply as a mapping of the fields that exist (none: the key does not exist). A missing
+    field is None from a pipeline and false from the Lua reader's JSON."""
+    return {
+        name: value
+        for name, value in zip(names, values, strict=True)
+        if value is not None and value is not False
+    }
+
+
 @dataclass(frozen=True, slots=True)
 class ShopperProfile:
     """What the near-real-time pipeline wrote for this shopper (``sinks.redis``)."""
@@ -77,6 +87,13 @@ class ShopperProfile:
     occasion: str
     style: str
     price_sensitivity: str
+
+    FIELDS: ClassVar[tuple[str, ...]] = ("summary", "interests", "occasion", "style", "price_sensitivity")
+    """The hash fields read (HMGET): a fraction of the hash, so a fraction of the reply to parse."""
+
+    @classmethod
+    def from_values(cls, values: Sequence[Any]) -> ShopperProfile | None:
+        return cls.from_hash(_present(cls.FIELDS, values))
 
     @classmethod
     def from_hash(cls, fields: Mapping[Any, Any]) -> ShopperProfile | None:
@@ -101,6 +118,12 @@ class ProductProfile:
     style: str
     price_tier: str
     summary: str
+
+    FIELDS: ClassVar[tuple[str, ...]] = ("title", "segments", "occasions", "style", "price_tier", "summary")
+
+    @classmethod
+    def from_values(cls, values: Sequence[Any]) -> ProductProfile | None:
+        return cls.from_hash(_present(cls.FIELDS, values))
 
     @classmethod
     def from_hash(cls, fields: Mapping[Any, Any]) -> ProductProfile | None:

@@ -95,11 +95,12 @@ async def _post(client: TestClient[Any, Any], body: dict[str, Any]) -> tuple[int
     return response.status, data, (time.perf_counter() - started) * 1000
 
 
+@pytest.mark.parametrize("signal_reads", ["script", "pipeline"])
 async def test_ranks_with_the_model_using_both_signals(
-    stack: StackState, isolated: Isolated, redis_client: Any
+    stack: StackState, isolated: Isolated, redis_client: Any, signal_reads: str
 ) -> None:
     await _write_signals(isolated, redis_client)
-    async with _service(isolated, stack.llm_endpoints, stack.model) as client:
+    async with _service(isolated, stack.llm_endpoints, stack.model, signal_reads=signal_reads) as client:
         status, body, _ = await _post(
             client, {"shopper_id": "s1", "query": "witch", "candidates": CANDIDATES, "deadline_ms": 3000}
         )
