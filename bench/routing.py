@@ -317,7 +317,7 @@ def client_config(
             "model": "bench",
             "max_in_flight": 4096,
             "stream": True,
-            "timeouts": {"connect_s": 1.0, "attempt_s": attempt_s, "deadline_s": deadline_s},
+            "timeouts": {"connect_s": 5.0, "attempt_s": attempt_s, "deadline_s": deadline_s},
             "health": {"interval_s": 0.5},
         }
     )
@@ -473,15 +473,15 @@ async def run_sim(
         )
         async with LLMClient(config, seed=args.seed) as client:
             await client.wait_until_healthy()
+            attempt_errors = _trace_attempt_errors(client)
             killer = None
             if kill_at_fraction is not None:
                 kill_time = timed[int(len(timed) * kill_at_fraction)].t
                 killer = asyncio.create_task(
-                    _kill_later(fleet, args.kill_replica, kill_time * args.time_scale)
+                    _kill_later(fleet, client, args.kill_replica, kill_time * args.time_scale)
                 )
             outcomes = await replay(client, timed, args.time_scale, extra_body={"ignore_eos": True})
-            if killer is not None:
-                await killer
+            eject_delay_s = (await killer) / args.time_scale if killer is not None else None
             stats = await fleet.stats()
             server_ttft = await fleet.server_ttft_ms()
             result = summarise(
@@ -497,39 +497,68 @@ async def run_sim(
             )
             # Other work on the machine distorts the replicas' clocks: keep the evidence with the result.
             result.extra["loadavg_1m"] = [round(load_before, 2), round(os.getloadavg()[0], 2)]
+            result.extra["attempt_errors"] = dict(attempt_errors)
             if isinstance(client.policy, PrefixAwarePolicy):
                 result.extra["policy_stats"] = asdict(client.policy.stats)
             if kill_at_fraction is not None:
-                result.extra.update(
-                    _kill_report(outcomes, timed[int(len(timed) * kill_at_fraction)].t, client, args)
-                )
+                kill_s = timed[int(len(timed) * kill_at_fraction)].t
+                result.extra.update(_kill_report(outcomes, kill_s, client, args))
+                result.extra["ejected_after_s"] = eject_delay_s
     return result, outcomes
 
 
-async def _kill_later(fleet: SimFleet, replica: int, delay_s: float) -> None:
+def _trace_attempt_errors(client: LLMClient) -> Counter[str]:
+    """Count why attempts failed (the client retries them silently); benchmark instrumentation only."""
+    errors: Counter[str] = Counter()
+    attempt = client._attempt
+
+    async def traced(endpoint: Any, path: str, body: dict[str, Any], route: Any) -> Any:
+        try:
+            return await attempt(endpoint, path, body, route)
+        except LLMError as exc:
+            errors[f"{type(exc).__name__}: {str(exc)[:60]}"] += 1
+            raise
+
+    client._attempt = traced  # type: ignore[method-assign]
+    return errors
+
+
+async def _kill_later(fleet: SimFleet, client: LLMClient, replica: int, delay_s: float) -> float:
+    """SIGKILL one replica after ``delay_s``; returns the wall seconds until the client ejected it."""
     await asyncio.sleep(delay_s)
     fleet.kill(replica)
+    killed = time.perf_counter()
+    victim = client.endpoints[replica]
+    while victim.healthy:
+        await asyncio.sleep(0.005)
+    return time.perf_counter() - killed
 
 
 def _kill_report(
     outcomes: Sequence[Outcome], kill_s: float, client: LLMClient, args: argparse.Namespace
 ) -> dict[str, Any]:
-    """Recovery: the first time after the kill from which every 10 s window's mean TTFT stays within
-    1.25x the mean TTFT of the 60 s before the kill."""
+    """Windows of 10 simulated seconds by arrival: mean TTFT and cache-hit ratio. Baseline: requests
+    that arrived from 30 s after the start (caches warm) until the kill. Recovered: after the last window
+    past the kill whose mean TTFT is above 1.25x the baseline or whose hit ratio is more than 5 points
+    under it (the killed replica's shoppers pay a cold prefill once on their new replica)."""
     ok = [o for o in outcomes if o.ok]
-    before = [o.ttft_ms for o in ok if kill_s - 60 <= o.arrival_s < kill_s]
-    baseline = statistics.fmean(before) if before else 0.0
+    before = [o for o in ok if 30.0 <= o.arrival_s < kill_s]
+    base_ttft = statistics.fmean(o.ttft_ms for o in before) if before else 0.0
+    base_hit = sum(o.cached_tokens for o in before) / max(1, sum(o.prompt_tokens for o in before))
     window = 10.0
     end = max(o.arrival_s for o in ok)
-    windows = []
-    t = kill_s
+    windows: list[tuple[float, float, float]] = []
+    t = 0.0
     while t < end:
-        sample = [o.ttft_ms for o in ok if t <= o.arrival_s < t + window]
-        windows.append((t, statistics.fmean(sample) if sample else 0.0))
+        sample = [o for o in ok if t <= o.arrival_s < t + window]
+        if sample:
+            ttft = statistics.fmean(o.ttft_ms for o in sample)
+            hit = sum(o.cached_tokens for o in sample) / max(1, sum(o.prompt_tokens for o in sample))
+            windows.append((t, ttft, hit))
         t += window
     recovered_at = kill_s
-    for start, mean in windows:
-        if mean > 1.25 * baseline:
+    for start, ttft, hit in windows:
+        if start + window > kill_s and (ttft > 1.25 * base_ttft or hit < base_hit - 0.05):
             recovered_at = start + window
     victim = client.endpoints[args.kill_replica]
     retried = [o for o in ok if o.attempts > 1]
@@ -538,9 +567,10 @@ def _kill_report(
         "victim": victim.name,
         "victim_ejections": victim.ejections,
         "requests_retried": len(retried),
-        "ttft_baseline_ms": baseline,
+        "ttft_baseline_ms": base_ttft,
+        "hit_ratio_baseline": base_hit,
         "recovery_s": recovered_at - kill_s,
-        "ttft_windows": windows,
+        "windows": windows,
         "max_ttft_retried_ms": max((o.ttft_ms for o in retried), default=0.0),
     }
 
@@ -683,13 +713,20 @@ def targets(results: Sequence[RunResult], at: float) -> list[str]:
     return [f"{'PASS' if ok else 'MISS'}  {name}: {value:.2f}" for name, value, ok in checks]
 
 
-def plot(results: Sequence[RunResult], kill: RunResult | None, out: Path) -> None:
+def plot(results: Sequence[RunResult], kill: RunResult | None, out: Path, tag: str = "") -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, 3, figsize=(15, 4.2))
+    if results:
+        _plot_sweep(plt, results, out / f"routing{tag}.png")
+    if kill is not None and kill.extra.get("windows"):
+        _plot_kill(plt, kill, out / f"routing{tag}_kill.png")
+
+
+def _plot_sweep(plt: Any, results: Sequence[RunResult], path: Path) -> None:
+    fig, axes = plt.subplots(1, 4, figsize=(19, 4.2))
     for policy in POLICIES:
         rs = sorted((r for r in results if r.policy == policy), key=lambda r: r.utilisation)
         if not rs:
@@ -697,37 +734,50 @@ def plot(results: Sequence[RunResult], kill: RunResult | None, out: Path) -> Non
         u = [100 * r.utilisation for r in rs]
         axes[0].plot(u, [r.ttft_mean_ms for r in rs], marker="o", label=policy)
         axes[1].plot(u, [r.ttft_p99_ms for r in rs], marker="o", label=policy)
-        axes[2].plot(
+        axes[2].plot(u, [r.e2e_mean_ms / 1000 for r in rs], marker="o", label=policy)
+        axes[3].plot(
             u, [r.prefill_tokens / r.oracle_prefill_tokens_per_shopper for r in rs], marker="o", label=policy
         )
     axes[0].set(
         title="mean TTFT", xlabel="utilisation of cache-oblivious capacity (%)", ylabel="ms (simulated)"
     )
     axes[1].set(title="p99 TTFT", xlabel="utilisation (%)", ylabel="ms (simulated)")
-    axes[2].set(title="prefill tokens computed / oracle", xlabel="utilisation (%)", ylabel="x oracle")
-    axes[2].axhline(1.15, color="grey", linestyle=":", linewidth=1)
+    axes[2].set(title="mean end-to-end latency", xlabel="utilisation (%)", ylabel="s (simulated)")
+    axes[3].set(title="prefill tokens computed / oracle", xlabel="utilisation (%)", ylabel="x oracle")
+    axes[3].axhline(1.15, color="grey", linestyle=":", linewidth=1)
+    for ax in axes[:3]:
+        ax.set_ylim(bottom=0)
     for ax in axes:
         ax.grid(alpha=0.3)
     axes[0].legend()
     fig.suptitle("8 simulated H100 replicas (qwen2.5-32b cost model), shopper-session trace")
     fig.tight_layout()
-    fig.savefig(out / "routing.png", dpi=110)
+    fig.savefig(path, dpi=110)
     plt.close(fig)
-    if kill is not None and kill.extra.get("ttft_windows"):
-        fig, ax = plt.subplots(figsize=(7, 3.5))
-        xs = [t - kill.extra["kill_at_s"] for t, _ in kill.extra["ttft_windows"]]
-        ax.plot(xs, [m for _, m in kill.extra["ttft_windows"]], marker=".")
-        ax.axhline(kill.extra["ttft_baseline_ms"], color="grey", linestyle=":", label="mean before the kill")
-        ax.set(
-            title="prefix_aware: one of 8 replicas SIGKILLed at t=0",
-            xlabel="s after the kill (simulated)",
-            ylabel="mean TTFT per 10 s window (ms)",
-        )
-        ax.legend()
-        ax.grid(alpha=0.3)
-        fig.tight_layout()
-        fig.savefig(out / "routing_kill.png", dpi=110)
-        plt.close(fig)
+
+
+def _plot_kill(plt: Any, kill: RunResult, path: Path) -> None:
+    fig, ax = plt.subplots(figsize=(8, 3.8))
+    xs = [t - kill.extra["kill_at_s"] for t, _, _ in kill.extra["windows"]]
+    ax.plot(xs, [m for _, m, _ in kill.extra["windows"]], marker=".", label="mean TTFT (ms)")
+    ax.axhline(kill.extra["ttft_baseline_ms"], color="grey", linestyle=":", label="baseline TTFT")
+    ax.axvline(0, color="red", linewidth=1)
+    ax.set(
+        title="prefix_aware, 8 replicas, one SIGKILLed at t=0",
+        xlabel="arrival, s from the kill (simulated)",
+        ylabel="mean TTFT per 10 s window (ms)",
+    )
+    hits = ax.twinx()
+    hits.plot(
+        xs, [100 * h for _, _, h in kill.extra["windows"]], color="green", marker=".", label="cache hit %"
+    )
+    hits.set(ylabel="cache hit (%)", ylim=(0, 100))
+    ax.legend(loc="lower left")
+    hits.legend(loc="lower right")
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
 
 
 def _write(name: str, payload: Any) -> None:
@@ -756,14 +806,36 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--llama-shoppers", type=int, default=6)
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--prefix-aware-options", default="{}", help="JSON of PrefixAwarePolicy knobs")
+    p.add_argument("--tag", default="", help="suffix of the result files (routing<TAG>.json ...)")
+    p.add_argument("--replot", action="store_true", help="only redraw the PNGs from the JSON results")
     args = p.parse_args(argv)
     if args.quick:
         args.shoppers, args.utilisations, args.llama_shoppers = 40, "0.7", 4
     return args
 
 
+def replot(tag: str) -> None:
+    """Redraw the figures from the JSON of an earlier run."""
+    fields = set(RunResult.__dataclass_fields__)
+
+    def load(name: str) -> Any:
+        path = RESULTS / name
+        return json.loads(path.read_text()) if path.exists() else None
+
+    sweep = load(f"routing{tag}.json")
+    kill = load(f"routing{tag}_kill.json")
+    results = [
+        RunResult(**{k: v for k, v in r.items() if k in fields}) for r in (sweep or {}).get("results", [])
+    ]
+    kill_result = RunResult(**{k: v for k, v in kill["result"].items() if k in fields}) if kill else None
+    plot(results, kill_result, RESULTS, tag)
+
+
 async def main(argv: Sequence[str] | None = None) -> None:
     args = parse_args(argv)
+    if args.replot:
+        replot(args.tag)
+        return
     setups = set(args.setups.split(","))
     policies = args.policies.split(",")
     print(f"machine: {machine()}")
@@ -810,7 +882,7 @@ async def main(argv: Sequence[str] | None = None) -> None:
                 for line in targets(sim_results, u):
                     print(f"  {u:.0%}: {line}")
             _write(
-                "routing.json",
+                f"routing{args.tag}.json",
                 {
                     "machine": machine(),
                     "args": vars(args),
@@ -823,14 +895,15 @@ async def main(argv: Sequence[str] | None = None) -> None:
             kill_result, _ = await run_sim(
                 "prefix_aware", args.kill_utilisation, trace, capacity, oracle, args, kill_at_fraction=0.5
             )
-            extra = {k: v for k, v in kill_result.extra.items() if k != "ttft_windows"}
+            extra = {k: v for k, v in kill_result.extra.items() if k != "windows"}
             print("\nkill run (prefix_aware, one replica SIGKILLed halfway):")
             print(sim_table([kill_result]))
             print(json.dumps(extra, indent=1, default=str))
             _write(
-                "routing_kill.json", {"machine": machine(), "args": vars(args), "result": asdict(kill_result)}
+                f"routing{args.tag}_kill.json",
+                {"machine": machine(), "args": vars(args), "result": asdict(kill_result)},
             )
-        plot(sim_results, kill_result, RESULTS)
+        plot(sim_results, kill_result, RESULTS, args.tag)
     if "llama" in setups:
         llama_trace = generate_trace(
             TraceConfig(
@@ -857,7 +930,7 @@ async def main(argv: Sequence[str] | None = None) -> None:
             print(llama_table([result]).splitlines()[-1], flush=True)
         print("\n" + llama_table(llama_results))
         _write(
-            "routing_llama.json",
+            f"routing{args.tag}_llama.json",
             {"machine": machine(), "args": vars(args), "results": [asdict(r) for r in llama_results]},
         )
 

@@ -111,6 +111,7 @@ def llama_server_command(
     slot_prompt_similarity: float = 0.1,
     cache_ram_mib: int = 512,
     batch_size: int = 512,
+    swa_full: bool = True,
 ) -> list[str]:
     """The ``llama-server`` argv for one replica.
 
@@ -122,6 +123,10 @@ def llama_server_command(
     - ``cache_reuse`` > 0 also reuses matching chunks after a mismatch by shifting the KV (off: the
       pipeline's prompts differ only at their end, so the plain prefix match is what matters).
     - ``--jinja`` uses Gemma's own chat template from the GGUF.
+    - ``swa_full``: Gemma 3 uses sliding-window attention in most layers; by default llama.cpp keeps only
+      the window's KV for those layers and can then reuse a cached prefix only back to its last context
+      checkpoint (a few hundred tokens here). ``--swa-full`` keeps the whole KV, so the whole common
+      prefix is reused, as on a production engine; the 270M model's KV is small enough for it.
     """
     exe = binary if binary is not None else ensure_llama_binary()
     return [
@@ -154,6 +159,7 @@ def llama_server_command(
         "--jinja",
         "--no-webui",
         "--metrics",
+        *(["--swa-full"] if swa_full else []),
     ]
 
 

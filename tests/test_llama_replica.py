@@ -55,7 +55,7 @@ async def test_llama_replica_reuses_a_shoppers_prefix() -> None:
         assert first.text and first.prompt_tokens > 100
         assert second.prompt_tokens > first.prompt_tokens
         # the whole previous prompt up to its newest log line is reused
-        assert second.cached_tokens >= 0.5 * second.prompt_tokens, second
+        assert second.cached_tokens >= 0.7 * second.prompt_tokens, second
         assert client.endpoints[0].restarts_detected == 0
     with pytest.raises(ProcessLookupError):
         os.kill(pid, 0)  # stopped on exit

@@ -55,6 +55,7 @@ log = logging.getLogger(__name__)
 
 _HASHES = "prefix_aware.hashes"
 _EXPECTED = "prefix_aware.expected_cached"
+_HIT = "prefix_aware.expected_hit"
 
 
 class ReplicaBlockIndex:
@@ -133,10 +134,12 @@ class PrefixAwarePolicy:
       of a 200-token answer), while a queued prefill token costs ~0.12 ms: hence about 0.1. Streamed
       requests leave ``outstanding_prefill_tokens`` at their first token, so ``load`` is the prefill
       still queued plus this light decode term.
-    - ``load_factor`` (1.25) and ``min_load_bound`` (2): bounded load; replicas with
+    - ``load_factor`` (1.5) and ``min_load_bound`` (2): bounded load; replicas with
       ``max(min_load_bound, ceil(load_factor * (total outstanding + 1) / replicas))`` or more requests in
       flight are skipped. 1.0 is strict balance, large values disable it; ``min_load_bound`` keeps a
-      nearly idle cluster from scattering a shopper whose previous prompt is still in flight.
+      nearly idle cluster from scattering a shopper whose previous prompt is still in flight. Within
+      the bound ``load`` already balances; 1.25 moved 5-10% of the shoppers off their cache for no
+      measurable balance gain on the benchmark (docs/routing.md).
     - ``min_hit_fraction`` (0.3): a believed match shorter than this share of the prompt counts as no
       match. Every prompt starts with the same system prompt, which soon sits on every replica; without
       this floor the first replica to hold it would attract every new shopper.
@@ -146,8 +149,8 @@ class PrefixAwarePolicy:
     - ``max_blocks_per_replica`` (8192): LRU bound of each replica's index; about the replica's KV
       cache capacity in blocks (the simulator's ``cache_capacity_blocks``).
     - ``restart_min_expected_tokens`` (256) and ``restart_max_cached_tokens`` (block_size): an answer
-      reporting at most ``restart_max_cached_tokens`` cached where at least
-      ``restart_min_expected_tokens`` were expected means the replica lost its cache (restart).
+      reporting at most ``restart_max_cached_tokens`` cached where a hit (above ``min_hit_fraction``) of
+      at least ``restart_min_expected_tokens`` was expected means the replica lost its cache (restart).
     - ``seed`` (0): seeds the power-of-two-choices sampler.
     """
 
@@ -158,7 +161,7 @@ class PrefixAwarePolicy:
         block_size: float = 32,
         prefill_weight: float = 1.0,
         decode_weight: float = 0.1,
-        load_factor: float = 1.25,
+        load_factor: float = 1.5,
         min_load_bound: float = 2,
         min_hit_fraction: float = 0.3,
         imbalance_abs_tokens: float = 32768,
@@ -258,6 +261,8 @@ class PrefixAwarePolicy:
             self.stats.cache_hits += 1
         expected: dict[str, int] = request.memo.setdefault(_EXPECTED, {})  # type: ignore[assignment]
         expected[chosen.name] = cached[chosen.name]
+        hits: dict[str, bool] = request.memo.setdefault(_HIT, {})  # type: ignore[assignment]
+        hits[chosen.name] = useful[chosen.name] > 0
         self.index(chosen).insert(self.block_hashes(request))
         return chosen
 
@@ -278,7 +283,15 @@ class PrefixAwarePolicy:
                 self.index(endpoint).remove(hashes[expected // self.block_size :])
             return
         observed = self._observed_cached_tokens(request, outcome)
-        if expected >= self.restart_min_expected_tokens and observed <= self.restart_max_cached_tokens:
+        hit_map = request.memo.get(_HIT)
+        # Only a real hit can reveal a restart: a replica may legitimately lack the shared head (an
+        # llama-server slot never used), which is all a new shopper's prompt expected.
+        expected_hit = isinstance(hit_map, dict) and bool(hit_map.get(endpoint.name))
+        if (
+            expected_hit
+            and expected >= self.restart_min_expected_tokens
+            and observed <= self.restart_max_cached_tokens
+        ):
             endpoint.restarts_detected += 1
             self.stats.restarts_detected += 1
             log.warning(
