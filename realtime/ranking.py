@@ -243,7 +243,9 @@ def parse_ranking(
         raise ValueError("the ranking names none of the candidates")
     n = len(fallback)
     ranked = [
-        RankedCandidate(product_id=pid, rank=i + 1, score=_rank_score(i, n), reason=reason, source="llm")
+        RankedCandidate.model_construct(
+            product_id=pid, rank=i + 1, score=_rank_score(i, n), reason=reason, source="llm"
+        )
         for i, (pid, reason) in enumerate(chosen)
     ]
     for r in fallback:
@@ -277,42 +279,56 @@ def fallback_ranking(
 ) -> list[RankedCandidate]:
     """A deterministic ranking from signals alone (ties keep the request's order)."""
     interests = shopper.interests if shopper else ()
-    interest_terms = [(phrase, _terms(phrase)) for phrase in interests]
     occasion = shopper.occasion if shopper else ""
+    sensitivity = shopper.price_sensitivity if shopper else ""
+    why = _Why(
+        [(phrase, _terms(phrase)) for phrase in interests], occasion, _terms(occasion), query, _terms(query)
+    )
     wanted = _terms(query, occasion, shopper.style if shopper else "", *interests)
     scored = []
     for index, c in enumerate(candidates):
         p = products.get(c.product_id)
-        offered = _terms(c.title or "") | (_product_terms(p) if p else frozenset())
+        offered = _product_terms(p) if p else frozenset()
+        if c.title:
+            offered = offered | _terms(c.title)
         overlap = wanted & offered
-        price = _PRICE_FIT.get((shopper.price_sensitivity if shopper else "", p.price_tier if p else ""), 0.0)
+        price = _PRICE_FIT.get((sensitivity, p.price_tier if p else ""), 0.0)
         score = 0.6 * min(len(overlap) / 3, 1.0) + 0.3 * (c.score or 0.0) + 0.1 * price
-        reason = _reason(overlap, interest_terms, occasion, query, c, p)
-        scored.append((-score, index, c.product_id, round(score, 4), reason[:reason_max_chars]))
+        scored.append(
+            (-score, index, c.product_id, round(score, 4), why.reason(overlap, c, p)[:reason_max_chars])
+        )
     scored.sort()
+    # Our own values, already in range: built without validation (this runs on every request).
     return [
-        RankedCandidate(product_id=pid, rank=i + 1, score=score, reason=reason, source="fallback")
+        RankedCandidate.model_construct(
+            product_id=pid, rank=i + 1, score=score, reason=reason, source="fallback"
+        )
         for i, (_, _, pid, score, reason) in enumerate(scored)
     ]
 
 
-def _reason(
-    overlap: set[str],
-    interest_terms: Sequence[tuple[str, set[str]]],
-    occasion: str,
-    query: str,
-    candidate: Candidate,
-    product: ProductProfile | None,
-) -> str:
-    for phrase, terms in interest_terms:
-        if terms & overlap:
-            return f"matches your interest in {phrase}"
-    if occasion and _terms(occasion) & overlap:
-        return f"fits your {occasion}"
-    if query and _terms(query) & overlap:
-        return f"matches your search for {query}"
-    if product is not None and product.segments:
-        return f"popular with {product.segments[0]}"
-    if candidate.score is not None:
-        return "a top pick of the base ranking"
-    return "relevant to what you are browsing"
+@dataclass(frozen=True, slots=True)
+class _Why:
+    """The fallback's reason for one candidate, from the first kind of overlap found."""
+
+    interests: Sequence[tuple[str, set[str]]]
+    occasion: str
+    occasion_terms: set[str]
+    query: str
+    query_terms: set[str]
+
+    def reason(
+        self, overlap: frozenset[str] | set[str], candidate: Candidate, product: ProductProfile | None
+    ) -> str:
+        for phrase, terms in self.interests:
+            if terms & overlap:
+                return f"matches your interest in {phrase}"
+        if self.occasion_terms & overlap:
+            return f"fits your {self.occasion}"
+        if self.query_terms & overlap:
+            return f"matches your search for {self.query}"
+        if product is not None and product.segments:
+            return f"popular with {product.segments[0]}"
+        if candidate.score is not None:
+            return "a top pick of the base ranking"
+        return "relevant to what you are browsing"

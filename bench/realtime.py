@@ -1,0 +1,377 @@
+"""Real-time benchmark: the service's overhead over the model's time at a nominal rate, and deadlines
+kept at twice that rate. Open-loop load (Poisson arrivals at a fixed rate, bounded in count and time,
+loopback only): a request is sent at its scheduled time whether or not earlier ones were answered, and
+its latency counts from that scheduled time, so a stalled generator or service cannot hide latency.
+
+Set-up: a throwaway stack (Redis, simulator replicas); ``shopper realtime serve`` as a separate
+process on the first ``--replicas`` replicas; shopper and product signals written to Redis by the same
+writers the pipelines use; 10 candidates per request. The replicas' speed is tuned (``/admin/config``
+slowdown) until an unloaded ranking call takes ``--llm-ms`` (150 ms).
+
+Phases:
+  nominal   ``--rate`` req/s (200) for ``--seconds``: overhead = client-observed latency minus the
+            service's time waiting for the model (``llm_ms`` in the answer); p99 and errors
+  overload  2 x ``--rate`` for ``--overload-seconds``: every answer within its deadline (300 ms),
+            degraded where the pool could not answer in time
+
+Prints tables and the machine; writes bench/results/realtime.json.
+
+Usage:
+  .venv/bin/python -m bench.realtime            # the documented run (about 2 minutes)
+  .venv/bin/python -m bench.realtime --quick    # 10 s phases
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import os
+import random
+import statistics
+import sys
+import time
+import urllib.request
+from collections import Counter
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import orjson
+
+from batch.signals import ProductSignalWriter
+from bench.common import machine, percentile, print_table, temporary_stack
+from devstack.stack import StackState, sink_settings
+from devstack.synthetic import build_catalog
+from prompt_assembly.records import ShopperInsight, Usage
+from prompt_assembly.understanding import ShopperUnderstanding
+from sinks.redis import RedisSignalSink
+
+REPO = Path(__file__).resolve().parents[1]
+RESULTS = REPO / "bench" / "results"
+QUERIES = ["witch costume", "halloween decor", "kids costume", "party", "", "spooky lights", "candy"]
+INTERESTS = [
+    ["kids witch costumes", "face paint"],
+    ["gothic costumes", "fake blood"],
+    ["yard decorations", "string lights"],
+    ["pet costumes"],
+    ["bulk candy", "party supplies"],
+]
+
+
+_TICKS = os.sysconf("SC_CLK_TCK")
+
+
+def _cpu_s(pid: int) -> float:
+    """User + system CPU seconds of a process (Linux /proc)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / _TICKS
+
+
+def _cpu_per_request(pids: dict[str, list[int]], before: dict[str, float], requests: int) -> dict[str, float]:
+    """Milliseconds of CPU per request of each group of processes since ``before``."""
+    return {
+        name: round(1000 * (sum(_cpu_s(p) for p in group) - before[name]) / max(requests, 1), 2)
+        for name, group in pids.items()
+    }
+
+
+@dataclass
+class Sample:
+    scheduled: float
+    sent_lag_ms: float
+    latency_ms: float
+    status: int
+    degraded_reason: str | None
+    llm_ms: float | None
+    deadline_ms: int
+
+
+async def _write_signals(stack: StackState, prefix: str, shoppers: int) -> list[str]:
+    import redis.asyncio as aioredis
+
+    sinks = sink_settings(stack, redis_key_prefix=prefix)
+    client = aioredis.Redis.from_url(stack.redis_url)
+    products = [p for ps in build_catalog(random.Random(7)).values() for p in ps]
+    rows = []
+    for p in products:
+        understanding = {
+            "segments": [f"fans of {p.category.split(' > ')[1].lower()}"],
+            "occasions": ["halloween"],
+            "style": "fun",
+            "price_tier": "mid",
+            "summary": f"{p.title} by {p.brand}.",
+        }
+        body = {"product_id": p.product_id, "title": p.title, "model": "m", "parts": 1, "usage": {}}
+        rows.append(
+            {"custom_id": p.product_id, "response": {"body": {**body, "understanding": understanding}}}
+        )
+    await ProductSignalWriter(client, prefix, 3600).write("bench", rows)
+    sink = RedisSignalSink(sinks, client=client)
+    insights = []
+    for i in range(shoppers):
+        interests = INTERESTS[i % len(INTERESTS)]
+        understanding = ShopperUnderstanding(
+            interests=interests, occasion="halloween", style="fun", price_sensitivity="medium",
+            summary=f"Shopper interested in {', '.join(interests)}.",
+        )  # fmt: skip
+        insight = ShopperInsight(
+            request_id=f"b{i}:1", shopper_id=f"b{i}", seq=1, reason="add_to_cart",
+            understanding=understanding, text="t", model="m", replica="r", usage=Usage(), event_count=3,
+            last_event_ts=time.time(), ttft_ms=1, latency_ms=1, attempts=1, produced_at=time.time(),
+        )  # fmt: skip
+        insights.append(insight)
+    await sink.write(insights)
+    await client.aclose()
+    return [p.product_id for p in products]
+
+
+def _body(rng: random.Random, products: list[str], shoppers: int, deadline_ms: int) -> bytes:
+    return orjson.dumps(
+        {
+            "shopper_id": f"b{rng.randrange(shoppers)}",
+            "query": rng.choice(QUERIES),
+            "candidates": [
+                {"product_id": p, "score": round(rng.random(), 3)} for p in rng.sample(products, 10)
+            ],
+            "deadline_ms": deadline_ms,
+        }
+    )
+
+
+async def open_loop(
+    url: str, rate: float, seconds: float, deadline_ms: int, products: list[str], shoppers: int, seed: int
+) -> list[Sample]:
+    """Poisson arrivals at ``rate`` for ``seconds``; at most ``rate * seconds * 1.5`` requests."""
+    rng = random.Random(seed)
+    loop = asyncio.get_running_loop()
+    samples: list[Sample] = []
+    connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=60)
+    timeout = aiohttp.ClientTimeout(total=deadline_ms / 1000 + 2.0)
+    async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
+
+        async def one(scheduled: float, body: bytes) -> None:
+            lag = (loop.time() - scheduled) * 1000
+            status, reason, llm_ms = 0, None, None
+            try:
+                async with session.post(
+                    url + "/v1/match", data=body, headers={"Content-Type": "application/json"}
+                ) as r:
+                    raw = await r.read()
+                    status = r.status
+                if status == 200:
+                    answer = orjson.loads(raw)
+                    reason, llm_ms = answer["degraded_reason"], answer["llm_ms"]
+            except (aiohttp.ClientError, TimeoutError):
+                status = -1
+            latency = (loop.time() - scheduled) * 1000
+            samples.append(Sample(scheduled, lag, latency, status, reason, llm_ms, deadline_ms))
+
+        tasks = []
+        start = loop.time() + 0.2
+        at = start
+        limit = int(rate * seconds * 1.5)
+        while at < start + seconds and len(tasks) < limit:
+            body = _body(rng, products, shoppers, deadline_ms)
+            delay = at - loop.time()
+            if delay > 0:
+                await asyncio.sleep(delay)
+            tasks.append(asyncio.create_task(one(at, body)))
+            at += rng.expovariate(rate)
+        await asyncio.gather(*tasks)
+    return samples
+
+
+def summarise(name: str, rate: float, samples: list[Sample]) -> dict[str, Any]:
+    ok = [s for s in samples if s.status == 200]
+    answered_by_llm = [s for s in ok if s.degraded_reason is None and s.llm_ms is not None]
+    overhead = [s.latency_ms - (s.llm_ms or 0.0) for s in ok]
+    llm_ms = [s.llm_ms or 0.0 for s in answered_by_llm]
+    llm_overhead = [s.latency_ms - (s.llm_ms or 0.0) for s in answered_by_llm]
+    span = max(s.scheduled for s in samples) - min(s.scheduled for s in samples)
+    return {
+        "phase": name,
+        "target_rps": rate,
+        "offered_rps": round(len(samples) / max(span, 1e-9), 1),
+        "requests": len(samples),
+        "errors": len(samples) - len(ok),
+        "degraded": dict(Counter(s.degraded_reason for s in ok if s.degraded_reason)),
+        "degraded_pct": round(100 * (len(ok) - len(answered_by_llm)) / max(len(ok), 1), 2),
+        "late": sum(1 for s in samples if s.latency_ms > s.deadline_ms),
+        "latency_p50_ms": round(percentile([s.latency_ms for s in samples], 0.5), 2),
+        "latency_p99_ms": round(percentile([s.latency_ms for s in samples], 0.99), 2),
+        "latency_max_ms": round(max(s.latency_ms for s in samples), 2),
+        "llm_p50_ms": round(statistics.median(llm_ms), 2) if llm_ms else None,
+        "llm_p99_ms": round(percentile(llm_ms, 0.99), 2) if llm_ms else None,
+        "overhead_p50_ms": round(percentile(overhead, 0.5), 2),
+        "overhead_p99_ms": round(percentile(overhead, 0.99), 2),
+        "overhead_p99_llm_answers_ms": round(percentile(llm_overhead, 0.99), 2) if llm_overhead else None,
+        "generator_lag_p99_ms": round(percentile([s.sent_lag_ms for s in samples], 0.99), 2),
+    }  # fmt: skip
+
+
+async def _start_service(stack_dir: Path, prefix: str, replicas: int, per_replica: int) -> tuple[Any, str]:
+    env = {
+        **os.environ,
+        "SINK_REDIS_KEY_PREFIX": prefix,
+        "REALTIME_LLM_CONCURRENCY_PER_REPLICA": str(per_replica),
+    }
+    argv = [
+        sys.executable, "-m", "shopper", "realtime", "serve", "--port", "0", "--replicas", str(replicas),
+        "--state-dir", str(stack_dir),
+    ]  # fmt: skip
+    process = await asyncio.create_subprocess_exec(
+        *argv, cwd=REPO, env=env, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT
+    )
+    assert process.stdout is not None
+    async with asyncio.timeout(60):
+        while True:
+            line = (await process.stdout.readline()).decode()
+            if not line:
+                raise RuntimeError("the service exited before READY")
+            if line.startswith("READY "):
+                return process, line.split()[1]
+
+
+def _set_slowdown(stack: StackState, slowdown: float) -> None:
+    for url in stack.llm_endpoints:
+        request = urllib.request.Request(
+            url + "/admin/config", data=json.dumps({"slowdown": slowdown}).encode(), method="POST",
+            headers={"Content-Type": "application/json"},
+        )  # fmt: skip
+        urllib.request.urlopen(request, timeout=5).read()
+
+
+async def _calibrate(
+    url: str, stack: StackState, target_ms: float, products: list[str], shoppers: int
+) -> float:
+    """Slow the replicas down until an unloaded ranking call takes ``target_ms``."""
+    slowdown = 1.0
+    rng = random.Random(1)
+    async with aiohttp.ClientSession() as session:
+        for _ in range(3):
+            measured = []
+            for _ in range(12):
+                body = _body(rng, products, shoppers, 3000)
+                async with session.post(
+                    url + "/v1/match", data=body, headers={"Content-Type": "application/json"}
+                ) as r:
+                    answer = await r.json()
+                if answer["llm_ms"] and not answer["degraded"]:
+                    measured.append(answer["llm_ms"])
+                await asyncio.sleep(0.02)
+            median = statistics.median(measured)
+            if abs(median - target_ms) / target_ms < 0.05:
+                break
+            slowdown *= target_ms / median
+            _set_slowdown(stack, slowdown)
+    return slowdown
+
+
+async def bench(args: argparse.Namespace) -> dict[str, Any]:
+    prefix = f"bench-rt-{int(time.time())}:"
+    load_before = os.getloadavg()
+    results = []
+    with temporary_stack(replicas=args.replicas, time_scale=args.time_scale) as stack:
+        stack_dir = Path(stack.processes[0].log).parent.parent
+        products = await _write_signals(stack, prefix, args.shoppers)
+        service, url = await _start_service(stack_dir, prefix, args.replicas, args.per_replica)
+        drain = asyncio.create_task(_drain(service.stdout))
+        try:
+            slowdown = await _calibrate(url, stack, args.llm_ms, products, args.shoppers)
+            print(f"replica slowdown {slowdown:.3f} for ~{args.llm_ms:.0f} ms ranking calls", flush=True)
+            await open_loop(
+                url, args.rate / 4, 3, args.deadline_ms, products, args.shoppers, seed=0
+            )  # warm-up
+            phases = [
+                ("nominal", args.rate, args.seconds),
+                ("overload 2x", 2 * args.rate, args.overload_seconds),
+            ]
+            for i, (name, rate, seconds) in enumerate(phases):
+                print(f"{name}: {rate:.0f} req/s for {seconds:.0f} s", flush=True)
+                samples = await open_loop(
+                    url, rate, seconds, args.deadline_ms, products, args.shoppers, seed=i + 1
+                )
+                results.append(summarise(name, rate, samples))
+                await asyncio.sleep(2)
+        finally:
+            service.terminate()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(service.wait(), 10)
+            drain.cancel()
+            with contextlib.suppress(Exception):
+                import redis as sync_redis
+
+                client = sync_redis.Redis.from_url(stack.redis_url)
+                keys = list(client.scan_iter(match=f"{prefix}*", count=1000))
+                if keys:
+                    client.delete(*keys)
+    return {
+        "machine": machine(),
+        "load_average_before": [round(x, 2) for x in load_before],
+        "load_average_after": [round(x, 2) for x in os.getloadavg()],
+        "replicas": args.replicas,
+        "time_scale": args.time_scale,
+        "slowdown": round(slowdown, 3),
+        "llm_concurrency_per_replica": args.per_replica,
+        "deadline_ms": args.deadline_ms,
+        "phases": results,
+    }
+
+
+async def _drain(stream: asyncio.StreamReader | None) -> None:
+    while stream is not None and await stream.readline():
+        pass
+
+
+def report(result: dict[str, Any]) -> None:
+    loads = f"{result['load_average_before']} -> {result['load_average_after']}"
+    print(f"\nmachine: {result['machine']}; load average {loads}")
+    speed = f"time scale {result['time_scale']} x slowdown {result['slowdown']}"
+    admitted = f"{result['llm_concurrency_per_replica']} calls per replica admitted"
+    print(f"{result['replicas']} replicas ({speed}), {admitted}, deadline {result['deadline_ms']} ms\n")
+    rows = [
+        [p["phase"], p["offered_rps"], p["requests"], p["errors"], p["late"], p["degraded_pct"],
+         p["llm_p50_ms"], p["latency_p99_ms"], p["latency_max_ms"], p["overhead_p50_ms"],
+         p["overhead_p99_ms"]]
+        for p in result["phases"]
+    ]  # fmt: skip
+    print_table(
+        ["phase", "req/s", "requests", "errors", "late", "degraded %", "LLM p50 ms", "p99 ms", "max ms",
+         "overhead p50 ms", "overhead p99 ms"],
+        rows,
+    )  # fmt: skip
+    for p in result["phases"]:
+        print(f"  {p['phase']}: degraded {p['degraded']}; generator lag p99 {p['generator_lag_p99_ms']} ms")
+        print(f"    CPU ms per request: {p['cpu_ms_per_request']}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--rate", type=float, default=200.0)
+    parser.add_argument("--seconds", type=float, default=30.0)
+    parser.add_argument("--overload-seconds", type=float, default=20.0)
+    parser.add_argument("--replicas", type=int, default=3)
+    parser.add_argument("--per-replica", type=int, default=16, help="calls admitted per replica")
+    parser.add_argument("--time-scale", type=float, default=0.03)
+    parser.add_argument("--llm-ms", type=float, default=150.0)
+    parser.add_argument("--deadline-ms", type=int, default=300)
+    parser.add_argument("--shoppers", type=int, default=500)
+    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--out", default="realtime")
+    args = parser.parse_args()
+    if args.quick:
+        args.seconds, args.overload_seconds = 10.0, 10.0
+    result = asyncio.run(bench(args))
+    report(result)
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    (RESULTS / f"{args.out}.json").write_text(json.dumps(result, indent=1))
+    print(f"\nwrote bench/results/{args.out}.json")
+
+
+if __name__ == "__main__":
+    main()
