@@ -289,12 +289,20 @@ async def bench(args: argparse.Namespace) -> dict[str, Any]:
                 ("nominal", args.rate, args.seconds),
                 ("overload 2x", 2 * args.rate, args.overload_seconds),
             ]
+            pids = {
+                "service": [service.pid],
+                "replicas": [p.pid for p in stack.processes if p.name.startswith("sim-")],
+                "generator": [os.getpid()],
+            }
             for i, (name, rate, seconds) in enumerate(phases):
                 print(f"{name}: {rate:.0f} req/s for {seconds:.0f} s", flush=True)
+                before = {k: sum(_cpu_s(p) for p in group) for k, group in pids.items()}
                 samples = await open_loop(
                     url, rate, seconds, args.deadline_ms, products, args.shoppers, seed=i + 1
                 )
-                results.append(summarise(name, rate, samples))
+                summary = summarise(name, rate, samples)
+                summary["cpu_ms_per_request"] = _cpu_per_request(pids, before, len(samples))
+                results.append(summary)
                 await asyncio.sleep(2)
         finally:
             service.terminate()
