@@ -17,6 +17,9 @@ class RealtimeSettings(BaseSettings):
     answer_reserve_ms: float = Field(
         15.0, ge=0, description="kept back from the deadline to build the fallback and write the answer"
     )
+    max_lag_reserve_ms: float = Field(
+        100.0, ge=0, description="also kept back: the event loop's recent lag, up to this (busy hosts)"
+    )
     signal_reads: Literal["script", "pipeline"] = Field(
         "script", description="one Lua call (single Redis node) or a pipeline of HMGETs (Redis Cluster)"
     )

@@ -1,20 +1,23 @@
 """The real-time matching service (aiohttp): ``POST /v1/match``, ``/health``, ``/metrics``, ``/openapi.json``.
 
 Request path: validate (4xx with the offending field), read the shopper's and the candidates' signals
-from Redis in one pipelined round trip (bounded by ``redis_timeout_ms``), compute the fallback ranking
+from Redis in one round trip (bounded by ``redis_timeout_ms``), compute the fallback ranking
 (microseconds), then ask the real-time pool to rank within what is left of the deadline. The answer
-always leaves before the deadline: if the model misses it, errs, the pool is down or already holds as
-many calls as it can serve in time (``llm_concurrency_per_replica``), the fallback ranking goes out
-marked ``degraded: true`` with the reason. A call abandoned at the deadline is cancelled, which closes
-its connection so the replica stops working on it.
+leaves before the deadline: if the model misses it, errs, the pool is down or already holds as many
+calls as it can serve in time (``llm_concurrency_per_replica``), the fallback ranking goes out marked
+``degraded: true`` with the reason. The time kept back for answering is ``answer_reserve_ms`` plus the
+event loop's recent lag, so a busy host makes the service give up on the model earlier instead of
+answering late. A call abandoned at the deadline is cancelled, which closes its connection.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
+from collections import deque
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import orjson
@@ -71,7 +74,7 @@ def realtime_client_config(endpoints: list[str], model: str, **overrides: object
         "policy": "least_outstanding",
         "stream": False,
         "max_in_flight": 1_000_000,
-        "timeouts": {"connect_s": 0.1, "attempt_s": 5.0, "deadline_s": 5.0},
+        "timeouts": {"connect_s": 0.5, "attempt_s": 5.0, "deadline_s": 5.0},
         "retry": {"max_attempts": 2, "backoff_base_s": 0.002, "backoff_max_s": 0.01},
         "health": {"interval_s": 0.5, "eject_after_failures": 2},
     }
@@ -127,6 +130,42 @@ class LoadMeter:
         return sum(self._buckets.get(s, 0) for s in seconds) / self.window_s
 
 
+class LoopLag:
+    """How late the event loop runs timers, over the last second (a sleep's overshoot).
+
+    On a busy host a request can wait in the socket before its handler starts, and its answer can
+    wait again before it is written; the service cannot see those waits, but it can see the loop's
+    lag and start answering that much earlier.
+    """
+
+    def __init__(self, interval_s: float = 0.01, window: int = 100) -> None:
+        self.interval_s = interval_s
+        self._samples: deque[float] = deque(maxlen=window)
+        self._task: asyncio.Task[None] | None = None
+
+    @property
+    def recent_s(self) -> float:
+        return max(self._samples, default=0.0)
+
+    def start(self) -> None:
+        if self._task is None:
+            self._task = asyncio.create_task(self._measure(), name="loop-lag")
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+            self._task = None
+
+    async def _measure(self) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            started = loop.time()
+            await asyncio.sleep(self.interval_s)
+            self._samples.append(max(loop.time() - started - self.interval_s, 0.0))
+
+
 @dataclass
 class MatchService:
     settings: RealtimeSettings
@@ -135,12 +174,14 @@ class MatchService:
     key_prefix: str
     metrics: RealtimeMetrics
     load: LoadMeter
+    lag: LoopLag = field(default_factory=LoopLag)
 
     async def match(self, request: MatchRequest, arrived: float) -> MatchResponse:
         loop = asyncio.get_running_loop()
         s = self.settings
         deadline_ms = request.deadline_ms or s.default_deadline_ms
-        answer_by = arrived + deadline_ms / 1000 - s.answer_reserve_ms / 1000
+        reserve_s = s.answer_reserve_ms / 1000 + min(self.lag.recent_s, s.max_lag_reserve_ms / 1000)
+        answer_by = arrived + deadline_ms / 1000 - reserve_s
         self.load.hit(time.time())
 
         shopper: ShopperProfile | None = None
@@ -370,10 +411,12 @@ def create_app(
     )
 
     async def start(app: web.Application) -> None:
+        app[SERVICE_KEY].lag.start()
         if llm is None:
             await client.start()
 
     async def stop(app: web.Application) -> None:
+        await app[SERVICE_KEY].lag.stop()
         if llm is None:
             await client.close()
         if redis is None:

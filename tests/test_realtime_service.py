@@ -21,7 +21,7 @@ from prompt_assembly.understanding import ShopperUnderstanding
 from realtime.client import MatchClient, MatchRejected, MatchUnavailable, SyncMatchClient
 from realtime.config import RealtimeSettings
 from realtime.openapi import SPEC_PATH, openapi_spec
-from realtime.service import create_app, realtime_client_config
+from realtime.service import LoopLag, create_app, realtime_client_config
 from serving.simulator.testing import running_simulator
 from sinks.redis import RedisSignalSink
 from tests.conftest import Isolated
@@ -234,3 +234,13 @@ async def test_async_and_sync_clients(stack: StackState, isolated: Isolated, red
     async with MatchClient(url) as client:
         with pytest.raises(MatchUnavailable):
             await client.match("s1", "", ["a"])
+
+
+async def test_loop_lag_is_measured_so_a_busy_host_answers_earlier() -> None:
+    lag = LoopLag(interval_s=0.005)
+    lag.start()
+    await asyncio.sleep(0.03)
+    time.sleep(0.08)  # noqa: ASYNC251 - the loop is blocked on purpose, as on a CPU-starved host
+    await asyncio.sleep(0.03)
+    assert lag.recent_s >= 0.07
+    await lag.stop()
