@@ -87,6 +87,8 @@ class Sample:
     degraded_reason: str | None
     llm_ms: float | None
     deadline_ms: int
+    elapsed_ms: float | None = None
+    """The service's own arrival-to-answer time (from the answer)."""
 
 
 async def _write_signals(stack: StackState, prefix: str, shoppers: int) -> list[str]:
@@ -154,7 +156,7 @@ async def open_loop(
 
         async def one(scheduled: float, body: bytes) -> None:
             lag = (loop.time() - scheduled) * 1000
-            status, reason, llm_ms = 0, None, None
+            status, reason, llm_ms, elapsed = 0, None, None, None
             try:
                 async with session.post(
                     url + "/v1/match", data=body, headers={"Content-Type": "application/json"}
@@ -163,11 +165,15 @@ async def open_loop(
                     status = r.status
                 if status == 200:
                     answer = orjson.loads(raw)
-                    reason, llm_ms = answer["degraded_reason"], answer["llm_ms"]
+                    reason, llm_ms, elapsed = (
+                        answer["degraded_reason"],
+                        answer["llm_ms"],
+                        answer["elapsed_ms"],
+                    )
             except (aiohttp.ClientError, TimeoutError):
                 status = -1
             latency = (loop.time() - scheduled) * 1000
-            samples.append(Sample(scheduled, lag, latency, status, reason, llm_ms, deadline_ms))
+            samples.append(Sample(scheduled, lag, latency, status, reason, llm_ms, deadline_ms, elapsed))
 
         tasks = []
         start = loop.time() + 0.2
@@ -200,6 +206,8 @@ def summarise(name: str, rate: float, samples: list[Sample]) -> dict[str, Any]:
         "degraded": dict(Counter(s.degraded_reason for s in ok if s.degraded_reason)),
         "degraded_pct": round(100 * (len(ok) - len(answered_by_llm)) / max(len(ok), 1), 2),
         "late": sum(1 for s in samples if s.latency_ms > s.deadline_ms),
+        "late_in_service": sum(1 for s in samples if (s.elapsed_ms or 0.0) > s.deadline_ms),
+        "service_p99_ms": round(percentile([s.elapsed_ms or 0.0 for s in ok], 0.99), 2),
         "latency_p50_ms": round(percentile([s.latency_ms for s in samples], 0.5), 2),
         "latency_p99_ms": round(percentile([s.latency_ms for s in samples], 0.99), 2),
         "latency_max_ms": round(max(s.latency_ms for s in samples), 2),
@@ -352,7 +360,10 @@ def report(result: dict[str, Any]) -> None:
         rows,
     )  # fmt: skip
     for p in result["phases"]:
-        print(f"  {p['phase']}: degraded {p['degraded']}; generator lag p99 {p['generator_lag_p99_ms']} ms")
+        print(
+            f"  {p['phase']}: degraded {p['degraded']}; generator lag p99 {p['generator_lag_p99_ms']} ms; "
+            f"service-side p99 {p['service_p99_ms']} ms, late inside the service {p['late_in_service']}"
+        )
         print(f"    CPU ms per request: {p['cpu_ms_per_request']}")
 
 
@@ -364,7 +375,7 @@ def main() -> None:
     parser.add_argument("--seconds", type=float, default=30.0)
     parser.add_argument("--overload-seconds", type=float, default=20.0)
     parser.add_argument("--replicas", type=int, default=3)
-    parser.add_argument("--per-replica", type=int, default=16, help="calls admitted per replica")
+    parser.add_argument("--per-replica", type=int, default=24, help="calls admitted per replica")
     parser.add_argument("--time-scale", type=float, default=0.03)
     parser.add_argument("--llm-ms", type=float, default=150.0)
     parser.add_argument("--deadline-ms", type=int, default=300)
