@@ -183,6 +183,7 @@ async def test_resume_after_kill_redoes_only_open_shards(
     assert 0 <= redone <= concurrency + 4 * settings.shard_records, (spent, final.requests)
 
 
+@pytest.mark.slow
 async def test_priority_and_cancel_then_resume(stack: StackState, isolated: Isolated) -> None:
     settings = _settings()
     sinks = isolated.sinks()
@@ -221,6 +222,7 @@ async def test_priority_and_cancel_then_resume(stack: StackState, isolated: Isol
         assert sorted(r["line"] for r in rows) == list(range(1_000))
 
 
+@pytest.mark.slow
 async def test_interrupted_worker_leaves_the_job_queued_for_any_worker(
     stack: StackState, isolated: Isolated
 ) -> None:
