@@ -33,7 +33,9 @@ def parse_args(argv: Sequence[str] | None = None) -> SimulatorConfig:
 
 async def serve(config: SimulatorConfig) -> None:
     app = create_app(config)
-    runner = web.AppRunner(app, access_log=None)
+    # Like trtllm-serve, abandon a request whose client went away (its deadline passed) instead of
+    # spending replica time on an answer nobody reads.
+    runner = web.AppRunner(app, access_log=None, handler_cancellation=True)
     await runner.setup()
     site = web.TCPSite(runner, config.host, config.port)
     await site.start()
