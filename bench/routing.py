@@ -498,6 +498,7 @@ async def run_sim(
             # Other work on the machine distorts the replicas' clocks: keep the evidence with the result.
             result.extra["loadavg_1m"] = [round(load_before, 2), round(os.getloadavg()[0], 2)]
             result.extra["attempt_errors"] = dict(attempt_errors)
+            result.extra["windows"] = windows(outcomes)
             if isinstance(client.policy, PrefixAwarePolicy):
                 result.extra["policy_stats"] = asdict(client.policy.stats)
             if kill_at_fraction is not None:
@@ -534,44 +535,60 @@ async def _kill_later(fleet: SimFleet, client: LLMClient, replica: int, delay_s:
     return time.perf_counter() - killed
 
 
-def _kill_report(
-    outcomes: Sequence[Outcome], kill_s: float, client: LLMClient, args: argparse.Namespace
-) -> dict[str, Any]:
-    """Windows of 10 simulated seconds by arrival: mean TTFT and cache-hit ratio. Baseline: requests
-    that arrived from 30 s after the start (caches warm) until the kill. Recovered: after the last window
-    past the kill whose mean TTFT is above 1.25x the baseline or whose hit ratio is more than 5 points
-    under it (the killed replica's shoppers pay a cold prefill once on their new replica)."""
+WINDOW_S = 10.0
+
+
+def windows(outcomes: Sequence[Outcome]) -> list[tuple[float, float, float]]:
+    """(start, mean TTFT ms, cache-hit ratio) of the requests arriving in each 10 s simulated window."""
     ok = [o for o in outcomes if o.ok]
-    before = [o for o in ok if 30.0 <= o.arrival_s < kill_s]
-    base_ttft = statistics.fmean(o.ttft_ms for o in before) if before else 0.0
-    base_hit = sum(o.cached_tokens for o in before) / max(1, sum(o.prompt_tokens for o in before))
-    window = 10.0
-    end = max(o.arrival_s for o in ok)
-    windows: list[tuple[float, float, float]] = []
+    end = max((o.arrival_s for o in ok), default=0.0)
+    out: list[tuple[float, float, float]] = []
     t = 0.0
-    while t < end:
-        sample = [o for o in ok if t <= o.arrival_s < t + window]
+    while t <= end:
+        sample = [o for o in ok if t <= o.arrival_s < t + WINDOW_S]
         if sample:
             ttft = statistics.fmean(o.ttft_ms for o in sample)
             hit = sum(o.cached_tokens for o in sample) / max(1, sum(o.prompt_tokens for o in sample))
-            windows.append((t, ttft, hit))
-        t += window
-    recovered_at = kill_s
-    for start, ttft, hit in windows:
-        if start + window > kill_s and (ttft > 1.25 * base_ttft or hit < base_hit - 0.05):
-            recovered_at = start + window
+            out.append((t, ttft, hit))
+        t += WINDOW_S
+    return out
+
+
+def _kill_report(
+    outcomes: Sequence[Outcome], kill_s: float, client: LLMClient, args: argparse.Namespace
+) -> dict[str, Any]:
     victim = client.endpoints[args.kill_replica]
-    retried = [o for o in ok if o.attempts > 1]
+    retried = [o for o in outcomes if o.ok and o.attempts > 1]
     return {
         "kill_at_s": kill_s,
         "victim": victim.name,
         "victim_ejections": victim.ejections,
         "requests_retried": len(retried),
-        "ttft_baseline_ms": base_ttft,
-        "hit_ratio_baseline": base_hit,
-        "recovery_s": recovered_at - kill_s,
-        "windows": windows,
         "max_ttft_retried_ms": max((o.ttft_ms for o in retried), default=0.0),
+    }
+
+
+def recovery(kill: RunResult, reference: RunResult) -> dict[str, Any]:
+    """Compare the kill run with the same run without a kill (same trace, same arrivals), window by
+    window: recovered after the last window past the kill whose mean TTFT exceeds the reference's by
+    more than 25% (and 50 ms) or whose cache-hit ratio is more than 5 points under it."""
+    ref = {t: (ttft, hit) for t, ttft, hit in reference.extra["windows"]}
+    kill_s = kill.extra["kill_at_s"]
+    recovered_at = kill_s
+    worst_ttft = worst_hit = 0.0
+    for t, ttft, hit in kill.extra["windows"]:
+        if t + WINDOW_S <= kill_s or t not in ref:
+            continue
+        ref_ttft, ref_hit = ref[t]
+        worst_ttft, worst_hit = max(worst_ttft, ttft - ref_ttft), max(worst_hit, ref_hit - hit)
+        if ttft > max(1.25 * ref_ttft, ref_ttft + 50) or hit < ref_hit - 0.05:
+            recovered_at = t + WINDOW_S
+    return {
+        "recovery_s": recovered_at - kill_s,
+        "worst_window_ttft_excess_ms": worst_ttft,
+        "worst_window_hit_ratio_drop": worst_hit,
+        "prefill_tokens_excess_vs_no_kill": kill.prefill_tokens - reference.prefill_tokens,
+        "reference_windows": reference.extra["windows"],
     }
 
 
@@ -760,7 +777,11 @@ def _plot_kill(plt: Any, kill: RunResult, path: Path) -> None:
     fig, ax = plt.subplots(figsize=(8, 3.8))
     xs = [t - kill.extra["kill_at_s"] for t, _, _ in kill.extra["windows"]]
     ax.plot(xs, [m for _, m, _ in kill.extra["windows"]], marker=".", label="mean TTFT (ms)")
-    ax.axhline(kill.extra["ttft_baseline_ms"], color="grey", linestyle=":", label="baseline TTFT")
+    ref = kill.extra.get("reference_windows") or []
+    ax.plot(
+        [t - kill.extra["kill_at_s"] for t, _, _ in ref], [m for _, m, _ in ref],
+        color="grey", linestyle=":", label="same run, no kill",
+    )  # fmt: skip
     ax.axvline(0, color="red", linewidth=1)
     ax.set(
         title="prefix_aware, 8 replicas, one SIGKILLed at t=0",
@@ -892,16 +913,35 @@ async def main(argv: Sequence[str] | None = None) -> None:
                 },
             )
         if "kill" in setups:
+            reference = next(
+                (
+                    r
+                    for r in sim_results
+                    if r.policy == "prefix_aware" and r.utilisation == args.kill_utilisation
+                ),
+                None,
+            )
+            if reference is None:  # the same run without a kill, to compare with window by window
+                reference, _ = await run_sim(
+                    "prefix_aware", args.kill_utilisation, trace, capacity, oracle, args
+                )
             kill_result, _ = await run_sim(
                 "prefix_aware", args.kill_utilisation, trace, capacity, oracle, args, kill_at_fraction=0.5
             )
-            extra = {k: v for k, v in kill_result.extra.items() if k != "windows"}
+            kill_result.extra.update(recovery(kill_result, reference))
+            print("\nno kill (reference):\n" + sim_table([reference]))
+            extra = {k: v for k, v in kill_result.extra.items() if "windows" not in k}
             print("\nkill run (prefix_aware, one replica SIGKILLed halfway):")
             print(sim_table([kill_result]))
             print(json.dumps(extra, indent=1, default=str))
             _write(
                 f"routing{args.tag}_kill.json",
-                {"machine": machine(), "args": vars(args), "result": asdict(kill_result)},
+                {
+                    "machine": machine(),
+                    "args": vars(args),
+                    "result": asdict(kill_result),
+                    "reference": asdict(reference),
+                },
             )
         plot(sim_results, kill_result, RESULTS, args.tag)
     if "llama" in setups:
