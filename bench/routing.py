@@ -775,17 +775,19 @@ def _plot_sweep(plt: Any, results: Sequence[RunResult], path: Path) -> None:
 
 def _plot_kill(plt: Any, kill: RunResult, path: Path) -> None:
     fig, ax = plt.subplots(figsize=(8, 3.8))
-    xs = [t - kill.extra["kill_at_s"] for t, _, _ in kill.extra["windows"]]
+    # x: the centre of each arrival window, relative to the kill; requests in flight at the kill arrived
+    # in the windows just before it (their retries show there).
+    xs = [t + WINDOW_S / 2 - kill.extra["kill_at_s"] for t, _, _ in kill.extra["windows"]]
     ax.plot(xs, [m for _, m, _ in kill.extra["windows"]], marker=".", label="mean TTFT (ms)")
     ref = kill.extra.get("reference_windows") or []
     ax.plot(
-        [t - kill.extra["kill_at_s"] for t, _, _ in ref], [m for _, m, _ in ref],
+        [t + WINDOW_S / 2 - kill.extra["kill_at_s"] for t, _, _ in ref], [m for _, m, _ in ref],
         color="grey", linestyle=":", label="same run, no kill",
     )  # fmt: skip
     ax.axvline(0, color="red", linewidth=1)
     ax.set(
         title="prefix_aware, 8 replicas, one SIGKILLed at t=0",
-        xlabel="arrival, s from the kill (simulated)",
+        xlabel="arrival (10 s window centre), s from the kill (simulated)",
         ylabel="mean TTFT per 10 s window (ms)",
     )
     hits = ax.twinx()

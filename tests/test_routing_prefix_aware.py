@@ -180,7 +180,7 @@ def test_deterministic_for_a_key(key: str, n: int, events: int) -> None:
     assert a.name == b.name
 
 
-@settings(max_examples=25, deadline=None)
+@settings(max_examples=12, deadline=None)
 @given(n=st.integers(3, 10), leaving=st.integers(0, 9))
 def test_few_keys_move_when_a_replica_leaves(n: int, leaving: int) -> None:
     leaving %= n
