@@ -321,11 +321,18 @@ class EmbeddedRunner:
         return await asyncio.to_thread(self._lag) == 0
 
     def _lag(self) -> int:
+        """Events not yet processed in *any* partition of the topic: this member's partitions by its
+        position, the others' by the group's committed offset. A member that died keeps its partitions
+        until its session times out; only the whole topic being done means drained."""
+        topic = self.settings.topic
+        metadata = self.consumer.list_topics(topic, timeout=5).topics[topic]
+        everything = [TopicPartition(topic, p) for p in metadata.partitions]
+        done = {tp.partition: tp.offset for tp in self.consumer.committed(everything, timeout=5)}
+        done.update({tp.partition: tp.offset for tp in self.consumer.position(self._assignment)})
         lag = 0
-        for tp in self.consumer.position(self._assignment):
+        for tp in everything:
             _, high = self.consumer.get_watermark_offsets(tp, timeout=5, cached=False)
-            position = tp.offset if tp.offset >= 0 else 0
-            lag += max(0, high - position)
+            lag += max(0, high - max(done.get(tp.partition, 0), 0))
         return lag
 
     # ---- timers --------------------------------------------------------------------------------
