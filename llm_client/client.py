@@ -14,6 +14,7 @@ import contextlib
 import random
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import replace
 from typing import Any
 
 import aiohttp
@@ -303,11 +304,7 @@ def _dumps(obj: Any) -> str:
 
 
 def _with_attempts(completion: Completion, attempts: int) -> Completion:
-    if completion.attempts == attempts:
-        return completion
-    from dataclasses import replace
-
-    return replace(completion, attempts=attempts)
+    return completion if completion.attempts == attempts else replace(completion, attempts=attempts)
 
 
 def _usage(usage: dict[str, Any] | None, timings: dict[str, Any] | None) -> tuple[int, int, int]:

@@ -88,7 +88,7 @@ def test_every_event_and_prompt_is_accounted_for(isolated: Isolated) -> None:
     assert stats.cache_hit_ratio > 0.5
 
 
-def test_a_replica_killed_mid_run_loses_no_result(isolated: Isolated, tmp_path: object) -> None:
+def test_a_replica_killed_mid_run_loses_no_result(isolated: Isolated, tmp_path: Path) -> None:
     port = free_port()
     victim = spawn(
         "victim",
@@ -104,7 +104,7 @@ def test_a_replica_killed_mid_run_loses_no_result(isolated: Isolated, tmp_path: 
             str(SIM_TIME_SCALE * 5),
         ],
         port,
-        Path(str(tmp_path)),
+        tmp_path,
     )
     wait_for_http(victim)
     endpoints = [*isolated.stack.llm_endpoints, f"http://127.0.0.1:{port}"]
