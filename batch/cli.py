@@ -21,6 +21,8 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
+from sinks.keys import RedisKeys
+
 batch_app = typer.Typer(
     no_args_is_help=True, help="Batch product understanding: S3 JSONL in, S3 JSONL + Redis out."
 )
@@ -195,7 +197,7 @@ def status_cmd(
                 for m in manifests:
                     row = m.summary()
                     row["live"] = await read_progress(redis, sinks.redis_key_prefix, m.job_id)
-                    holder = await redis.get(f"{sinks.redis_key_prefix}batch:lease:{m.job_id}")
+                    holder = await redis.get(RedisKeys(sinks.redis_key_prefix).batch_lease(m.job_id))
                     row["worker"] = holder.decode() if holder else None
                     rows.append(row)
                 return rows
@@ -244,8 +246,8 @@ async def _run_worker(
         await runtime.client.wait_until_healthy()
         follower = None
         if follow_pool:
-            from realtime.capacity import CapacitySettings
-            from realtime.pool import PoolBoard, PoolFollower, SharedPool
+            from capacity.controller import CapacitySettings
+            from capacity.pool import PoolBoard, PoolFollower, SharedPool
 
             board = PoolBoard(runtime.redis, sinks.redis_key_prefix, SharedPool(follow_pool, llm.endpoints))
             follower = PoolFollower(

@@ -14,6 +14,8 @@ from typing import Any
 import orjson
 import redis.asyncio as aioredis
 
+from sinks.keys import RedisKeys
+
 _REFRESH = """
 if redis.call('GET', KEYS[1]) == ARGV[1] then
   return redis.call('PEXPIRE', KEYS[1], ARGV[2])
@@ -32,7 +34,7 @@ return 0
 class JobLease:
     def __init__(self, redis: aioredis.Redis, prefix: str, job_id: str, token: str, ttl_s: float) -> None:
         self.redis = redis
-        self.key = f"{prefix}batch:lease:{job_id}"
+        self.key = RedisKeys(prefix).batch_lease(job_id)
         self.token = token
         self.ttl_ms = max(int(ttl_s * 1000), 1)
         self._refresh = redis.register_script(_REFRESH)
@@ -54,7 +56,7 @@ class JobLease:
 
 
 def progress_key(prefix: str, job_id: str) -> str:
-    return f"{prefix}batch:progress:{job_id}"
+    return RedisKeys(prefix).batch_progress(job_id)
 
 
 async def publish_progress(

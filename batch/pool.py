@@ -16,21 +16,8 @@ from collections.abc import Sequence
 
 from batch.aimd import AimdController, AimdSettings, WindowStats
 from llm_client.client import LLMClient
-from llm_client.endpoints import Endpoint, endpoint_name
 
 log = logging.getLogger(__name__)
-
-
-def retarget_client(client: LLMClient, urls: Sequence[str]) -> None:
-    """Make ``client`` route to exactly ``urls``: kept replicas keep their state (health, load,
-    cache knowledge); new ones start fresh; dropped ones are forgotten by the routing policy. Calls
-    in flight on a dropped replica finish normally."""
-    wanted = [u.rstrip("/") for u in urls]
-    current = {e.url: e for e in client.endpoints}
-    for url, endpoint in current.items():
-        if url not in wanted:
-            client.policy.forget(endpoint)
-    client.endpoints = [current.get(url) or Endpoint(url, endpoint_name(url)) for url in wanted]
 
 
 class EndpointPool:
@@ -138,7 +125,7 @@ class EndpointPool:
     def set_endpoints(self, urls: Sequence[str]) -> None:
         """Re-point the client at ``urls`` (capacity shifting) and rescale the limit."""
         before = self.replicas
-        retarget_client(self.client, urls)
+        self.client.set_endpoints(urls)
         self.controller.set_budget(self.budget)
         self.controller.rescale(self.replicas / before)
         with contextlib.suppress(RuntimeError):  # no running loop: nothing is being measured yet

@@ -41,6 +41,7 @@ from batch.storage import JobStore, S3Uri
 from batch.understanding import parse_product_understanding, product_response_format
 from llm_client.errors import LLMError
 from llm_client.models import Completion
+from sinks.keys import RedisKeys
 
 log = logging.getLogger(__name__)
 
@@ -79,7 +80,7 @@ async def cancel_job(store: JobStore, redis: aioredis.Redis, prefix: str, job_id
     if manifest.state in TERMINAL_STATES:
         raise JobStateError(f"job {job_id} is already {manifest.state}")
     await store.request_cancel(job_id)
-    if await redis.get(f"{prefix}batch:lease:{job_id}") is None:
+    if await redis.get(RedisKeys(prefix).batch_lease(job_id)) is None:
         manifest.state = "cancelled"
         manifest.message = "cancelled before a worker picked it up"
         manifest.updated_at = time.time()
@@ -252,7 +253,7 @@ class JobRun:
         else:
             m.state, m.message = "failed", self.stopping or "the input ended before every shard was complete"
         await self.store.write_manifest(m)
-        await self.redis.delete(f"{self.key_prefix}batch:progress:{self.job_id}")
+        await self.redis.delete(RedisKeys(self.key_prefix).batch_progress(self.job_id))
         await self.lease.release()
         log.info("job %s: %s (%s)", self.job_id, m.state, m.message or "ok")
         return m

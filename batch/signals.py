@@ -14,9 +14,7 @@ from typing import Any
 import orjson
 import redis.asyncio as aioredis
 
-
-def product_signal_key(prefix: str, product_id: str) -> str:
-    return f"{prefix}product:{product_id}"
+from sinks.keys import RedisKeys
 
 
 def product_signal_fields(row: dict[str, Any], job_id: str) -> dict[str, str]:
@@ -49,7 +47,7 @@ class ProductSignalWriter:
             return
         pipe = self.redis.pipeline(transaction=False)
         for row in rows:
-            key = product_signal_key(self.prefix, row["response"]["body"]["product_id"])
+            key = RedisKeys(self.prefix).product(row["response"]["body"]["product_id"])
             pipe.hset(key, mapping=product_signal_fields(row, job_id))
             pipe.expire(key, self.ttl_s)
         await pipe.execute()

@@ -46,8 +46,8 @@ from batch.storage import JobStore, S3Uri
 from batch.synthetic import synthetic_product_lines
 from bench.common import machine, percentile, print_table, temporary_stack
 from bench.realtime import Sample, _body, _calibrate, _drain, _write_signals
+from capacity.pool import PoolBoard, SharedPool
 from devstack.stack import sink_settings
-from realtime.pool import PoolBoard, SharedPool
 
 REPO = Path(__file__).resolve().parents[1]
 RESULTS = REPO / "bench" / "results"

@@ -22,11 +22,11 @@ from pathlib import Path
 
 from bench.common import machine, percentile, print_table, temporary_stack
 from devstack.stack import StackState, sink_settings
-from flink_jobs.local_runner import EmbeddedRunner, RunnerStats
-from flink_jobs.runner_config import RunnerSettings
 from llm_client.config import ClientConfig
 from prompt_assembly.processor import SessionConfig
 from prompt_assembly.triggers import TriggerPolicy
+from runner.config import RunnerSettings
+from runner.embedded import EmbeddedRunner, RunnerStats
 from shopper.producer import produce
 
 RESULTS = Path(__file__).parent / "results"

@@ -29,12 +29,11 @@ from devstack.processes import (
     wait_for_http,
     wait_for_port,
 )
+from pipeline.topics import DLQ_TOPIC, EVENTS_TOPIC
 from sinks.config import SinkSettings
 
-EVENTS_TOPIC = "shopper-events"
 MOTO_CREDENTIALS = ("testing", "testing")
 """moto accepts any credentials; these keep boto from searching the machine for real ones."""
-DLQ_TOPIC = "shopper-events-dlq"
 
 
 class StackSettings(BaseSettings):

@@ -16,17 +16,18 @@ from pydantic import BaseModel, Field, SecretStr
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from llm_client.config import ClientConfig
-from llm_client.enrichment import EnrichmentSettings
+from pipeline.enrichment import EnrichmentSettings
+from pipeline.topics import DLQ_TOPIC, EVENTS_TOPIC, INSIGHTS_TOPIC
 from prompt_assembly.processor import SessionConfig
 from sinks.config import SinkSettings
 
 
 class KafkaSettings(BaseModel):
     bootstrap_servers: str = "kafka:9092"
-    events_topic: str = "shopper-events"
-    dlq_topic: str = "shopper-events-dlq"
+    events_topic: str = EVENTS_TOPIC
+    dlq_topic: str = DLQ_TOPIC
     insights_topic: str | None = Field(
-        "shopper-insights", description="results also go to this topic (exactly-once); None = off"
+        INSIGHTS_TOPIC, description="results also go to this topic (exactly-once); None = off"
     )
     group_id: str = "shopper-understanding-flink"
     transactional_id_prefix: str = "shopper-understanding"

@@ -27,6 +27,7 @@ from pyflink.datastream.time_domain import TimeDomain
 
 from flink_jobs.flink_config import NearRealtimeSettings
 from flink_jobs.flink_metrics import OperatorStats
+from pipeline.dead_letter import dead_letter
 from prompt_assembly.events import MalformedEvent, ShopperEvent, parse_event
 from prompt_assembly.processor import SessionProcessor
 from prompt_assembly.records import EnrichmentError, EnrichmentResult, PromptRequest, ShopperInsight
@@ -46,30 +47,15 @@ def dlq_record(
     topic: str | None = None,
     partition: int | None = None,
     offset: int | None = None,
+    timestamp_ms: int | None = None,
 ) -> str:
-    """The DLQ value: why the record was rejected and the original, utf-8 if it is text, else base64."""
-    original: str | None
-    encoding = "utf-8"
-    if raw is None:
-        original = None
-    elif isinstance(raw, str):
-        original = raw
-    else:
-        try:
-            original = bytes(raw).decode("utf-8")
-        except UnicodeDecodeError:
-            original, encoding = base64.b64encode(bytes(raw)).decode("ascii"), "base64"
-    return orjson.dumps(
-        {
-            "reason": reason,
-            "original": original,
-            "original_encoding": encoding,
-            "topic": topic,
-            "partition": partition,
-            "offset": offset,
-            "rejected_at": time.time(),
-        }
-    ).decode()
+    """The DLQ value, from the one shared module (``pipeline.dead_letter``), as the JSON string the
+    Kafka sink writes."""
+    value = raw.encode("utf-8") if isinstance(raw, str) else raw
+    letter = dead_letter(
+        value, reason, topic=topic, partition=partition, offset=offset, timestamp_ms=timestamp_ms
+    )
+    return letter.to_bytes().decode("utf-8")
 
 
 class ParseShopperEvents(ProcessFunction):
@@ -227,7 +213,7 @@ class EnrichPrompts(AsyncFunction):
             async with self._starting:
                 if self.enricher is None:
                     from llm_client.client import LLMClient
-                    from llm_client.enrichment import Enricher
+                    from pipeline.enrichment import Enricher
 
                     client = LLMClient(self.settings.llm)
                     await client.start()
@@ -316,7 +302,7 @@ class WriteResults(AsyncFunction):
 
     def _ensure_committer(self) -> Any:
         if self.committer is None:
-            from flink_jobs.flink_sink_committer import SinkCommitter
+            from pipeline.sink_commit import SinkCommitter
             from sinks.redis import RedisSignalSink
             from sinks.s3 import S3InsightSink
 

@@ -11,7 +11,7 @@ Topology (one chain per stage; JSON strings between operators)::
       -> KafkaSink(shopper-insights)        exactly-once, explicit transaction timeout (optional)
 
 Run it on a cluster with ``flink run -py flink_jobs/near_realtime.py --config job.yaml``, or locally in
-the MiniCluster on a bounded sample with ``python -m flink_jobs.near_realtime --local``. Tests call
+the MiniCluster on a bounded sample with ``python -m devstack.flink_local``. Tests call
 ``run_bounded(events, settings)``: the same topology with the Kafka source and sinks swapped for a
 bounded collection and a collect sink.
 
@@ -254,10 +254,12 @@ def run_bounded(
         base64_values=True,
     )
     run = BoundedRun()
-    # One collect sink for both streams; DLQ records are told apart by their "original_encoding" field.
+    # One collect sink for both streams; dead letters carry their format tag.
+    from pipeline.dead_letter import is_dead_letter
+
     with pipeline.results.union(pipeline.dlq).execute_and_collect(settings.job_name) as records:
         for record in records:
-            (run.dlq if '"original_encoding"' in record else run.results).append(record)
+            (run.dlq if is_dead_letter(record) else run.results).append(record)
     run.seconds = time.monotonic() - started
     return run
 
@@ -265,32 +267,23 @@ def run_bounded(
 # ---- CLI -----------------------------------------------------------------------------------------------
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m flink_jobs.near_realtime", description=__doc__.split("\n")[0]
+        prog="flink run -py flink_jobs/near_realtime.py", description=__doc__.split("\n")[0]
     )
     parser.add_argument("--config", help="YAML or JSON file with NearRealtimeSettings fields")
-    parser.add_argument("--local", action="store_true", help="bounded sample in the local MiniCluster")
-    parser.add_argument("--events", help="--local: a JSON-lines file of events (default: a generated sample)")
-    parser.add_argument("--shoppers", type=int, default=20, help="--local sample: shoppers")
-    parser.add_argument("--events-per-shopper", type=int, default=12, help="--local sample: events each")
-    parser.add_argument("--replicas", type=int, default=2, help="--local: simulator replicas to start")
-    parser.add_argument("--detached", action="store_true", help="cluster: submit and return")
+    parser.add_argument("--detached", action="store_true", help="submit and return")
     args = parser.parse_args(argv)
     settings = NearRealtimeSettings.load(args.config)
     print(f"settings: {settings.model_dump_json()}", flush=True)
-    if not args.local:
-        try:
-            run_kafka(settings, detached=args.detached)
-        except Exception as exc:
-            from flink_jobs.flink_connectors import MissingConnectorJar
+    try:
+        run_kafka(settings, detached=args.detached)
+    except Exception as exc:
+        from flink_jobs.flink_connectors import MissingConnectorJar
 
-            if isinstance(exc, MissingConnectorJar):
-                print(f"error: {exc}", file=sys.stderr)
-                return 2
-            raise
-        return 0
-    from flink_jobs.flink_local_env import local_run
-
-    return local_run(settings, args)
+        if isinstance(exc, MissingConnectorJar):
+            print(f"error: {exc}", file=sys.stderr)
+            return 2
+        raise
+    return 0
 
 
 if __name__ == "__main__":

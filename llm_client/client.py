@@ -85,6 +85,17 @@ class LLMClient:
             await self._session.close()
             self._session = None
 
+    def set_endpoints(self, urls: Sequence[str]) -> None:
+        """Route to exactly ``urls`` from now on (capacity shifting moves replicas between pools).
+        Kept replicas keep their state (health, load, cache knowledge); new ones start fresh; dropped
+        ones are forgotten by the routing policy. Calls in flight on a dropped replica finish normally."""
+        wanted = [u.rstrip("/") for u in urls]
+        current = {e.url: e for e in self.endpoints}
+        for url, endpoint in current.items():
+            if url not in wanted:
+                self.policy.forget(endpoint)
+        self.endpoints = [current.get(url) or Endpoint(url, endpoint_name(url)) for url in wanted]
+
     # ---- calls ---------------------------------------------------------------------------------
     async def chat(
         self,

@@ -59,7 +59,7 @@ def serve_cmd(
     config: dict[str, object] = {"realtime": settings.model_dump(), "llm_endpoints": llm.endpoints}
     capacity = None
     if shift_capacity:
-        from realtime.capacity import CapacitySettings
+        from capacity.controller import CapacitySettings
 
         capacity = CapacitySettings()
         config["capacity"] = {"pool": shift_capacity, **capacity.model_dump()}
@@ -76,8 +76,8 @@ async def _serve(
 
     app = create_app(settings, llm_config=llm, sinks=sinks)  # type: ignore[arg-type]
     if pool_name:
-        from realtime.pool import SharedPool
-        from realtime.shifter import enable_capacity_shifting
+        from capacity.pool import SharedPool
+        from capacity.shifter import enable_capacity_shifting
 
         enable_capacity_shifting(app, SharedPool(pool_name, llm.endpoints), capacity)  # type: ignore[attr-defined,arg-type]
     runner = web.AppRunner(app, access_log=None)

@@ -27,7 +27,6 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from pydantic import ValidationError
 from redis.exceptions import RedisError
 
-from batch.signals import product_signal_key
 from llm_client.client import LLMClient
 from llm_client.config import ClientConfig
 from llm_client.errors import (
@@ -59,6 +58,7 @@ from realtime.ranking import (
     ranking_response_format,
 )
 from sinks.config import SinkSettings
+from sinks.keys import RedisKeys
 
 _MAX_BODY_BYTES = 256 * 1024
 _LATENCY_BUCKETS = (0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.15, 0.2, 0.25, 0.3, 0.4, 0.5, 1.0, 2.5)
@@ -268,8 +268,8 @@ class MatchService:
         uses. Parsing Redis replies is most of the service's CPU, so on a single Redis node one Lua
         call returns everything as one JSON string (about 5x cheaper than a pipeline of HMGETs); on
         Redis Cluster (keys in different slots) a pipeline is used (``signal_reads``)."""
-        keys = [f"{self.key_prefix}signals:{request.shopper_id}"]
-        keys += [product_signal_key(self.key_prefix, c.product_id) for c in request.candidates]
+        keys = [RedisKeys(self.key_prefix).signals(request.shopper_id)]
+        keys += [RedisKeys(self.key_prefix).product(c.product_id) for c in request.candidates]
         if self.settings.signal_reads == "script":
             args: list[str | int] = [
                 len(ShopperProfile.FIELDS),

@@ -22,7 +22,7 @@ from devstack.stack import (
     stack_status,
     stack_up,
 )
-from flink_jobs.runner_config import RunnerSettings
+from runner.config import RunnerSettings
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help=__doc__, pretty_exceptions_enable=False)
 stack_app = typer.Typer(no_args_is_help=True, help="Start, stop and inspect the embedded stack.")
@@ -105,8 +105,8 @@ def produce(
 
 def runner_settings_from_stack(state_dir: Path, **overrides: Any) -> RunnerSettings:
     from devstack.stack import sink_settings
-    from flink_jobs.runner_config import RunnerSettings
     from llm_client.config import ClientConfig
+    from runner.config import RunnerSettings
 
     state = load_state(state_dir)
     return RunnerSettings(
@@ -132,7 +132,7 @@ def run(
     report: Annotated[Path | None, typer.Option(help="write the accounting totals as JSON here")] = None,
 ) -> None:
     """Run the embedded pipeline (Kafka -> sessions -> LLM -> Redis + S3). Ctrl-C / SIGTERM drain."""
-    from flink_jobs.local_runner import EmbeddedRunner
+    from runner.embedded import EmbeddedRunner
 
     if workers > 1:
         from shopper.workers import run_workers

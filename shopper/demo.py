@@ -11,9 +11,9 @@ from rich.console import Console
 from rich.table import Table
 
 from devstack.stack import DLQ_TOPIC, EVENTS_TOPIC, StackSettings, sink_settings, stack_down, stack_up
-from flink_jobs.local_runner import EmbeddedRunner
-from flink_jobs.runner_config import RunnerSettings
 from llm_client.config import ClientConfig
+from runner.config import RunnerSettings
+from runner.embedded import EmbeddedRunner
 from shopper.producer import produce
 from shopper.readback import list_s3_records, read_dlq, read_signals
 

@@ -13,19 +13,21 @@ import redis.asyncio as aioredis
 from confluent_kafka import Consumer, TopicPartition
 
 from sinks.config import SinkSettings
+from sinks.keys import RedisKeys
 
 
 async def read_signals(
     redis_url: str, shopper_ids: list[str], limit: int, prefix: str = "su:"
 ) -> list[dict[str, str]]:
+    schema = RedisKeys(prefix)
     redis = aioredis.Redis.from_url(redis_url, decode_responses=True)
     try:
         if not shopper_ids:
-            keys = [key async for key in redis.scan_iter(match=f"{prefix}signals:*", count=1000)]
-            shopper_ids = [key[len(f"{prefix}signals:") :] for key in keys]
+            keys = [key async for key in redis.scan_iter(match=schema.signals_pattern(), count=1000)]
+            shopper_ids = [schema.shopper_of_signals(key) for key in keys]
         rows = []
         for sid in shopper_ids:
-            row = await redis.hgetall(f"{prefix}signals:{sid}")
+            row = await redis.hgetall(schema.signals(sid))
             if row:
                 rows.append({"shopper_id": sid, **row})
         rows.sort(key=lambda r: (-int(r["seq"]), r["shopper_id"]))

@@ -14,7 +14,7 @@ import tempfile
 from dataclasses import fields
 from pathlib import Path
 
-from flink_jobs.accounting import Accounting
+from pipeline.accounting import Accounting
 
 
 def run_workers(count: int, args: list[str]) -> tuple[Accounting, int]:

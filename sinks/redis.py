@@ -19,6 +19,7 @@ import redis.asyncio as aioredis
 
 from prompt_assembly.records import EnrichmentResult, ShopperInsight
 from sinks.config import SinkSettings
+from sinks.keys import RedisKeys
 
 _WRITE_IF_NEWER = """
 local current = redis.call('HGET', KEYS[1], 'seq')
@@ -57,6 +58,7 @@ def signal_fields(insight: ShopperInsight) -> dict[str, str]:
 class RedisSignalSink:
     def __init__(self, settings: SinkSettings, client: aioredis.Redis | None = None) -> None:
         self.settings = settings
+        self.keys = RedisKeys(settings.redis_key_prefix)
         self.redis = client or aioredis.Redis.from_url(settings.redis_url)
         self._owns_client = client is None
         self._script = self.redis.register_script(_WRITE_IF_NEWER)
@@ -65,7 +67,7 @@ class RedisSignalSink:
         self.errors_counted = 0
 
     def key(self, shopper_id: str) -> str:
-        return f"{self.settings.redis_key_prefix}signals:{shopper_id}"
+        return self.keys.signals(shopper_id)
 
     async def write(self, results: Sequence[EnrichmentResult]) -> None:
         if not results:
@@ -79,7 +81,7 @@ class RedisSignalSink:
                 await self._script(keys=[self.key(result.shopper_id)], args=args, client=pipe)
             else:
                 # A hash keyed by request_id: a replayed error is stored once, not counted twice.
-                errors_key = f"{self.settings.redis_key_prefix}signal_errors:{result.shopper_id}"
+                errors_key = self.keys.signal_errors(result.shopper_id)
                 pipe.hset(errors_key, result.request_id, result.error_type)
         replies = await pipe.execute()
         applied = 0

@@ -14,9 +14,9 @@ from confluent_kafka.admin import AdminClient, NewTopic
 
 from devstack.containers import test_or_embedded_stack
 from devstack.stack import StackState, sink_settings
-from flink_jobs.runner_config import RunnerSettings
 from llm_client.config import ClientConfig, HealthSettings, Timeouts
 from prompt_assembly.processor import SessionConfig
+from runner.config import RunnerSettings
 from sinks.config import SinkSettings
 
 SIM_TIME_SCALE = 0.01

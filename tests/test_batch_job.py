@@ -23,10 +23,10 @@ from batch.errors import JobNotFound
 from batch.launch import BatchRuntime, batch_client_config, open_batch
 from batch.manifest import JobManifest
 from batch.runner import cancel_job, prepare_resume, submit_job
-from batch.signals import product_signal_key
 from batch.storage import JobStore, S3Uri
 from batch.synthetic import synthetic_product_lines
 from devstack.stack import StackState
+from sinks.keys import RedisKeys
 from tests.conftest import Isolated
 
 REPO = Path(__file__).resolve().parents[1]
@@ -113,7 +113,7 @@ async def test_job_writes_every_line_once_with_splits_errors_and_signals(
     assert final.requests > len(rows), "map-reduce costs more than one call per split product"
 
     for row in rows:
-        key = product_signal_key(sinks.redis_key_prefix, row["response"]["body"]["product_id"])
+        key = RedisKeys(sinks.redis_key_prefix).product(row["response"]["body"]["product_id"])
         stored = await redis_client.hgetall(key)
         understanding = row["response"]["body"]["understanding"]
         assert json.loads(stored[b"segments"]) == understanding["segments"]

@@ -16,14 +16,13 @@ from hypothesis import strategies as st
 
 from batch.config import BatchSettings
 from batch.launch import batch_client_config, open_batch
-from batch.pool import retarget_client
+from capacity.controller import CapacityController, CapacitySettings
+from capacity.pool import PoolBoard, PoolFollower, SharedPool
+from capacity.shifter import CapacityShifter, enable_capacity_shifting
 from devstack.stack import StackState
 from llm_client.client import LLMClient
-from realtime.capacity import CapacityController, CapacitySettings
 from realtime.config import RealtimeSettings
-from realtime.pool import PoolBoard, PoolFollower, SharedPool
 from realtime.service import SERVICE_KEY, create_app, realtime_client_config
-from realtime.shifter import CapacityShifter, enable_capacity_shifting
 from tests.conftest import Isolated
 
 
@@ -130,9 +129,7 @@ async def test_followers_move_real_replicas_between_the_two_sides(
     realtime = realtime_client_config(stack.llm_endpoints, stack.model)
     async with open_batch(batch_settings, isolated.sinks(), llm) as runtime, LLMClient(realtime) as rt_client:
         batch_side = PoolFollower(board, "batch", runtime.pool.set_endpoints, handoff_s=0.3)
-        rt_side = PoolFollower(
-            board, "realtime", lambda urls: retarget_client(rt_client, urls), handoff_s=0.3
-        )
+        rt_side = PoolFollower(board, "realtime", rt_client.set_endpoints, handoff_s=0.3)
         seen = []
         for _ in range(6):
             decision = await shifter.tick()

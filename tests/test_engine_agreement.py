@@ -12,8 +12,8 @@ import redis as sync_redis
 
 from devstack.synthetic import SyntheticStream
 from flink_jobs.flink_config import AsyncSettings, CheckpointSettings, NearRealtimeSettings
-from flink_jobs.local_runner import EmbeddedRunner
 from flink_jobs.near_realtime import run_bounded
+from runner.embedded import EmbeddedRunner
 from shopper.readback import list_s3_records
 from tests.conftest import Isolated
 from tests.helpers import expected_prompts, produce_records

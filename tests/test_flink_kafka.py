@@ -44,8 +44,8 @@ def test_kafka_source_to_dlq_and_sinks(tmp_path: Path) -> None:
     from confluent_kafka import Consumer, Producer
     from confluent_kafka.admin import AdminClient, NewTopic
 
+    from devstack.flink_local import moto_s3, sample_events, simulator_replicas
     from flink_jobs.flink_config import CheckpointSettings, KafkaSettings, NearRealtimeSettings
-    from flink_jobs.flink_local_env import moto_s3, sample_events, simulator_replicas
     from flink_jobs.near_realtime import run_kafka
     from llm_client.config import ClientConfig
     from sinks.config import SinkSettings

@@ -21,7 +21,7 @@ from flink_jobs import flink_connectors
 from flink_jobs.flink_config import NearRealtimeSettings
 from flink_jobs.flink_functions import dlq_record, is_retryable_result, parse_result
 from flink_jobs.flink_metrics import OperatorStats
-from flink_jobs.flink_sink_committer import SinkCommitter
+from pipeline.sink_commit import SinkCommitter
 from prompt_assembly.records import EnrichmentError, EnrichmentResult
 from sinks.config import SinkSettings
 

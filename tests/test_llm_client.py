@@ -13,8 +13,8 @@ from aiohttp import web
 from devstack.processes import free_port
 from llm_client import ClientConfig, LLMClient
 from llm_client.config import HealthSettings, RetrySettings, Timeouts
-from llm_client.enrichment import Enricher, EnrichmentSettings, parse_understanding
 from llm_client.errors import BadRequest, DeadlineExceeded
+from pipeline.enrichment import Enricher, EnrichmentSettings, parse_understanding
 from prompt_assembly.processor import SessionProcessor
 from prompt_assembly.records import EnrichmentError, PromptRequest, ShopperInsight
 from serving.simulator.testing import running_simulator

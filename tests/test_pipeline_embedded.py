@@ -21,7 +21,7 @@ import redis as sync_redis
 
 from devstack.processes import free_port, spawn, stop, wait_for_http
 from devstack.synthetic import SyntheticStream
-from flink_jobs.local_runner import EmbeddedRunner
+from runner.embedded import EmbeddedRunner
 from shopper.readback import list_s3_records, read_dlq
 from tests.conftest import SIM_TIME_SCALE, Isolated
 from tests.helpers import expected_prompts, final_seq_by_shopper, produce_records

@@ -29,15 +29,15 @@ import orjson
 import redis.asyncio as aioredis
 from confluent_kafka import Consumer, KafkaError, Message, Producer, TopicPartition
 
-from flink_jobs.accounting import Accounting
-from flink_jobs.runner_config import RunnerSettings
-from flink_jobs.session_store import RedisSessionStore, SessionDelta
 from llm_client.client import LLMClient
-from llm_client.enrichment import Enricher
+from pipeline.accounting import Accounting
+from pipeline.enrichment import Enricher
 from prompt_assembly.events import MalformedEvent, parse_event
 from prompt_assembly.processor import SessionProcessor
 from prompt_assembly.records import EnrichmentResult, PromptRequest, ShopperInsight
 from prompt_assembly.session import ShopperSession
+from runner.config import RunnerSettings
+from runner.session_store import RedisSessionStore, SessionDelta
 from sinks.redis import RedisSignalSink
 from sinks.s3 import S3InsightSink
 

@@ -16,6 +16,7 @@ import orjson
 import redis.asyncio as aioredis
 
 from prompt_assembly.session import SessionChanges, ShopperSession
+from sinks.keys import RedisKeys
 
 
 @dataclass(frozen=True, slots=True)
@@ -28,17 +29,17 @@ class SessionDelta:
 class RedisSessionStore:
     def __init__(self, redis: aioredis.Redis, prefix: str, ttl_s: int = 7 * 24 * 3600) -> None:
         self.redis = redis
-        self.prefix = prefix
+        self.keys = RedisKeys(prefix)
         self.ttl_s = ttl_s
 
     def _h(self, shopper_id: str) -> str:
-        return f"{self.prefix}session:{shopper_id}:h"
+        return self.keys.session_header(shopper_id)
 
     def _log(self, shopper_id: str) -> str:
-        return f"{self.prefix}session:{shopper_id}:log"
+        return self.keys.session_log(shopper_id)
 
     def _timers(self, partition: int) -> str:
-        return f"{self.prefix}timers:{partition}"
+        return self.keys.timers(partition)
 
     async def load_many(self, shopper_ids: Sequence[str]) -> dict[str, ShopperSession]:
         """Sessions that exist in Redis (missing ids are simply absent from the result)."""

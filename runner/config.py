@@ -6,7 +6,8 @@ from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from llm_client.config import ClientConfig
-from llm_client.enrichment import EnrichmentSettings
+from pipeline.enrichment import EnrichmentSettings
+from pipeline.topics import DLQ_TOPIC, EVENTS_TOPIC
 from prompt_assembly.processor import SessionConfig
 from sinks.config import SinkSettings
 
@@ -16,8 +17,8 @@ class RunnerSettings(BaseSettings):
 
     bootstrap_servers: str = "127.0.0.1:9092"
     group_id: str = "shopper-understanding"
-    topic: str = "shopper-events"
-    dlq_topic: str = "shopper-events-dlq"
+    topic: str = EVENTS_TOPIC
+    dlq_topic: str = DLQ_TOPIC
     batch_max_events: int = Field(2000, ge=1, description="events per poll (one epoch)")
     poll_timeout_s: float = Field(0.05, gt=0)
     max_in_flight_prompts: int = Field(

@@ -1,4 +1,4 @@
-"""What ``python -m flink_jobs.near_realtime --local`` and the Flink tests start around the job on one
+"""What ``python -m devstack.flink_local`` and the Flink tests start around the job on one
 machine: simulator replicas (subprocesses), an S3 endpoint (moto server), a bounded event sample.
 Redis is the one configured in ``SinkSettings.redis_url`` (a local redis-server)."""
 
@@ -20,6 +20,7 @@ from typing import Any
 import orjson
 
 from flink_jobs.flink_config import NearRealtimeSettings
+from sinks.keys import RedisKeys
 
 READY_TIMEOUT_S = 30.0
 
@@ -209,6 +210,27 @@ def _count_signals(settings: NearRealtimeSettings) -> int:
 
     client = redis.Redis.from_url(settings.sinks.redis_url)
     try:
-        return sum(1 for _ in client.scan_iter(f"{settings.sinks.redis_key_prefix}signals:*", count=1000))
+        return sum(
+            1
+            for _ in client.scan_iter(
+                RedisKeys(settings.sinks.redis_key_prefix).signals_pattern(), count=1000
+            )
+        )
     finally:
         client.close()
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m devstack.flink_local``: the job's topology on a bounded sample in the MiniCluster."""
+    parser = argparse.ArgumentParser(prog="python -m devstack.flink_local", description=main.__doc__)
+    parser.add_argument("--config", help="YAML or JSON file with NearRealtimeSettings fields")
+    parser.add_argument("--events", help="a JSON-lines file of events (default: a generated sample)")
+    parser.add_argument("--shoppers", type=int, default=20, help="generated sample: shoppers")
+    parser.add_argument("--events-per-shopper", type=int, default=12, help="generated sample: events each")
+    parser.add_argument("--replicas", type=int, default=2, help="simulator replicas to start")
+    args = parser.parse_args(argv)
+    return local_run(NearRealtimeSettings.load(args.config), args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -24,6 +24,8 @@ from typing import Literal
 import orjson
 import redis.asyncio as aioredis
 
+from sinks.keys import RedisKeys
+
 log = logging.getLogger(__name__)
 
 Side = Literal["realtime", "batch"]
@@ -65,7 +67,7 @@ class PoolBoard:
     def __init__(self, redis: aioredis.Redis, prefix: str, pool: SharedPool) -> None:
         self.redis = redis
         self.pool = pool
-        self.key = f"{prefix}pool:{pool.name}"
+        self.key = RedisKeys(prefix).pool(pool.name)
 
     async def publish(self, realtime: int, now: float | None = None) -> PoolSplit:
         current = await self.read()

@@ -16,9 +16,8 @@ from collections.abc import Callable
 
 from aiohttp import web
 
-from batch.pool import retarget_client
-from realtime.capacity import CapacityController, CapacityDecision, CapacitySettings
-from realtime.pool import PoolBoard, PoolFollower, SharedPool
+from capacity.controller import CapacityController, CapacityDecision, CapacitySettings
+from capacity.pool import PoolBoard, PoolFollower, SharedPool
 
 log = logging.getLogger(__name__)
 
@@ -82,9 +81,7 @@ def enable_capacity_shifting(app: web.Application, pool: SharedPool, settings: C
     board = PoolBoard(service.redis, service.key_prefix, pool)
     controller = CapacityController(settings, len(pool.replicas))
     shifter = CapacityShifter(controller, board, service.load.rate)
-    follower = PoolFollower(
-        board, "realtime", lambda urls: retarget_client(service.llm, urls), handoff_s=settings.handoff_s
-    )
+    follower = PoolFollower(board, "realtime", service.llm.set_endpoints, handoff_s=settings.handoff_s)
 
     async def start(app: web.Application) -> None:
         await shifter.tick()
