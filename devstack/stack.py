@@ -173,7 +173,7 @@ def _start_tansu(logs: Path, started: list[ManagedProcess]) -> str:
 
 
 def _create_topics(bootstrap: str, partitions: int) -> None:
-    from confluent_kafka.admin import AdminClient, NewTopic
+    from confluent_kafka.admin import AdminClient, NewTopic  # type: ignore[attr-defined]
 
     admin = AdminClient({"bootstrap.servers": bootstrap})
     wanted = {EVENTS_TOPIC: partitions, DLQ_TOPIC: 1}

@@ -26,7 +26,7 @@ from typing import Literal
 import orjson
 from pydantic import BaseModel, Field
 
-FORMAT = "shopper-dead-letter/1"
+FORMAT: Literal["shopper-dead-letter/1"] = "shopper-dead-letter/1"
 DEFAULT_MAX_ORIGINAL_BYTES = 64 * 1024
 MAX_REASON_CHARS = 1_000
 

@@ -14,14 +14,13 @@ from rich.console import Console
 from rich.table import Table
 
 from devstack.stack import (
-    DLQ_TOPIC,
-    EVENTS_TOPIC,
     StackSettings,
     load_state,
     stack_down,
     stack_status,
     stack_up,
 )
+from pipeline.topics import DLQ_TOPIC, EVENTS_TOPIC
 from runner.config import RunnerSettings
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help=__doc__, pretty_exceptions_enable=False)

@@ -10,8 +10,9 @@ import redis
 from rich.console import Console
 from rich.table import Table
 
-from devstack.stack import DLQ_TOPIC, EVENTS_TOPIC, StackSettings, sink_settings, stack_down, stack_up
+from devstack.stack import StackSettings, sink_settings, stack_down, stack_up
 from llm_client.config import ClientConfig
+from pipeline.topics import DLQ_TOPIC, EVENTS_TOPIC
 from runner.config import RunnerSettings
 from runner.embedded import EmbeddedRunner
 from shopper.producer import produce
