@@ -135,19 +135,28 @@ class LLMClient:
         self, path: str, body: dict[str, Any], route: RouteRequest, *, deadline_s: float | None = None
     ) -> Completion:
         deadline = deadline_s if deadline_s is not None else self.config.timeouts.deadline_s
+        tried: list[str] = []
         async with self._gate:
             self.in_flight += 1
             try:
                 async with asyncio.timeout(deadline):
-                    return await self._attempts(path, body, route)
+                    return await self._attempts(path, body, route, tried)
             except TimeoutError:
-                raise DeadlineExceeded(f"no answer within the {deadline:.3f} s deadline") from None
+                error = DeadlineExceeded(f"no answer within the {deadline:.3f} s deadline")
+                error.attempts = len(tried)
+                raise error from None
+            except LLMError as exc:
+                exc.attempts = len(tried)
+                raise
             finally:
                 self.in_flight -= 1
 
-    async def _attempts(self, path: str, body: dict[str, Any], route: RouteRequest) -> Completion:
+    async def _attempts(
+        self, path: str, body: dict[str, Any], route: RouteRequest, tried: list[str]
+    ) -> Completion:
+        """Attempts in order; ``tried`` collects the replica of each attempt (its length is the attempt
+        count; a retry goes back to a replica already tried only when no other is routable)."""
         self._budget.on_request()
-        tried: set[str] = set()
         last_error: LLMError | None = None
         for attempt in range(self.config.retry.max_attempts):
             if attempt > 0:
@@ -158,7 +167,7 @@ class LLMClient:
             if not any(e.routable for e in self.endpoints):
                 await self._wait_for_routable()
             endpoint = self._choose(route, tried)
-            tried.add(endpoint.name)
+            tried.append(endpoint.name)
             try:
                 completion = await self._attempt(endpoint, path, body, route)
                 return _with_attempts(completion, attempt + 1)
@@ -169,7 +178,7 @@ class LLMClient:
         assert last_error is not None
         raise last_error
 
-    def _choose(self, route: RouteRequest, tried: set[str]) -> Endpoint:
+    def _choose(self, route: RouteRequest, tried: list[str]) -> Endpoint:
         candidates = [e for e in self.endpoints if e.routable and e.name not in tried]
         if not candidates:
             candidates = [e for e in self.endpoints if e.routable]

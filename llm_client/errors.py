@@ -11,6 +11,8 @@ class LLMError(Exception):
     def __init__(self, message: str, *, endpoint: str | None = None) -> None:
         super().__init__(message if endpoint is None else f"{message} (endpoint {endpoint})")
         self.endpoint = endpoint
+        self.attempts = 0
+        """Attempts the client really made for the request that failed (set by the client)."""
 
 
 class EndpointUnavailable(LLMError):

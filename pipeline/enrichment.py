@@ -39,9 +39,7 @@ class Enricher:
                 prompt_tokens=prompt.prompt_tokens,
             )
         except LLMError as exc:
-            return self._error(
-                prompt, type(exc).__name__, str(exc), attempts=self.client.config.retry.max_attempts
-            )
+            return self._error(prompt, type(exc).__name__, str(exc), attempts=exc.attempts)
         try:
             understanding = parse_understanding(completion.text)
         except ValueError as exc:

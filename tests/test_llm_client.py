@@ -190,3 +190,21 @@ def test_parse_understanding_tolerates_fences_and_rejects_garbage() -> None:
     ]:
         with pytest.raises(ValueError):
             parse_understanding(bad)
+
+
+async def test_an_error_record_counts_the_attempts_really_made() -> None:
+    # A rejected request is tried once; the error record used to claim retry.max_attempts (3).
+    async with running_simulator(time_scale=0.01) as sim, LLMClient(config(sim.url)) as client:
+        rejected = EnrichmentSettings.model_construct(max_tokens=-5, deadline_s=10.0, guided_json=True)
+        result = await Enricher(client, rejected).enrich(a_prompt())
+    assert isinstance(result, EnrichmentError) and result.error_type == "BadRequest"
+    assert result.attempts == 1
+
+
+async def test_a_retried_failure_counts_each_attempt() -> None:
+    dead = [f"http://127.0.0.1:{free_port()}" for _ in range(2)]
+    cfg = config(*dead, timeouts=Timeouts(connect_s=0.2, attempt_s=1, deadline_s=1.5))
+    async with LLMClient(cfg) as client:
+        result = await Enricher(client, EnrichmentSettings(deadline_s=1.5)).enrich(a_prompt())
+    assert isinstance(result, EnrichmentError)
+    assert result.attempts == 2  # one on each replica; then every replica is ejected
