@@ -103,17 +103,41 @@ def produce(
 
 
 def runner_settings_from_stack(state_dir: Path, **overrides: Any) -> RunnerSettings:
+    """The environment's settings (``RUNNER_*``) with the embedded stack's addresses on top."""
     from devstack.stack import sink_settings
-    from llm_client.config import ClientConfig
     from runner.config import RunnerSettings
 
     state = load_state(state_dir)
-    return RunnerSettings(
-        bootstrap_servers=state.kafka_bootstrap,
-        llm=ClientConfig(endpoints=state.llm_endpoints, model=state.model),
-        sinks=sink_settings(state),
-        **overrides,
+    from_env = RunnerSettings()
+    llm = from_env.llm.model_copy(update={"endpoints": state.llm_endpoints, "model": state.model})
+    return from_env.model_copy(
+        update={
+            "bootstrap_servers": state.kafka_bootstrap,
+            "llm": llm,
+            "sinks": sink_settings(state),
+            **overrides,
+        }
     )
+
+
+def runner_settings(
+    *, from_stack: bool, state_dir: Path, until_drained: bool, group_id: str | None, policy: str | None
+) -> RunnerSettings:
+    """What ``shopper run`` runs with: defaults < environment < stack addresses < options given.
+    An option left out never overrides the environment (``RUNNER_GROUP_ID``, ``RUNNER_LLM__POLICY``)."""
+    from runner.config import RunnerSettings
+
+    overrides: dict[str, Any] = {"until_drained": until_drained}
+    if group_id is not None:
+        overrides["group_id"] = group_id
+    settings = (
+        runner_settings_from_stack(state_dir, **overrides)
+        if from_stack
+        else RunnerSettings().model_copy(update=overrides)
+    )
+    if policy is not None:
+        settings = settings.model_copy(update={"llm": settings.llm.model_copy(update={"policy": policy})})
+    return RunnerSettings.model_validate(settings.model_dump())
 
 
 @app.command()
@@ -121,8 +145,12 @@ def run(
     until_drained: Annotated[
         bool, typer.Option(help="exit once the topic is consumed and all results stored")
     ] = False,
-    group_id: str = "shopper-understanding",
-    policy: Annotated[str, typer.Option(help="routing policy")] = "session_affinity",
+    group_id: Annotated[
+        str | None, typer.Option(help="consumer group [default: RUNNER_GROUP_ID or shopper-understanding]")
+    ] = None,
+    policy: Annotated[
+        str | None, typer.Option(help="routing policy [default: RUNNER_LLM__POLICY or session_affinity]")
+    ] = None,
     from_stack: Annotated[bool, typer.Option(help="take addresses from the stack state file")] = True,
     state_dir: StateDir = Path(".state"),
     workers: Annotated[
@@ -136,7 +164,9 @@ def run(
     if workers > 1:
         from shopper.workers import run_workers
 
-        passthrough = ["--group-id", group_id, "--policy", policy, "--state-dir", str(state_dir)]
+        passthrough = ["--state-dir", str(state_dir)]
+        passthrough += ["--group-id", group_id] if group_id is not None else []
+        passthrough += ["--policy", policy] if policy is not None else []
         passthrough += ["--until-drained"] if until_drained else []
         passthrough += [] if from_stack else ["--no-from-stack"]
         totals, failed = run_workers(workers, passthrough)
@@ -151,11 +181,13 @@ def run(
             raise typer.Exit(1)
         return
 
-    if from_stack:
-        settings = runner_settings_from_stack(state_dir, until_drained=until_drained, group_id=group_id)
-    else:
-        settings = RunnerSettings(until_drained=until_drained, group_id=group_id)
-    settings.llm.policy = policy
+    settings = runner_settings(
+        from_stack=from_stack,
+        state_dir=state_dir,
+        until_drained=until_drained,
+        group_id=group_id,
+        policy=policy,
+    )
     console.print(f"[dim]runner config: {settings.model_dump_json(exclude={'session'})}[/dim]")
     stats = asyncio.run(EmbeddedRunner(settings).run())
     acct = stats.accounting

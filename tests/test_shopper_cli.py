@@ -1,0 +1,44 @@
+"""``shopper run`` takes its settings as the README says: defaults < environment < the embedded stack's
+addresses < options given on the command line. An option left out never overrides the environment."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from devstack.stack import StackState
+from shopper.cli import runner_settings
+
+
+def test_environment_policy_and_group_hold_when_no_option_is_given(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    monkeypatch.setenv("RUNNER_LLM__POLICY", "prefix_aware")
+    monkeypatch.setenv("RUNNER_GROUP_ID", "from-env")
+    settings = runner_settings(
+        from_stack=False, state_dir=tmp_path, until_drained=False, group_id=None, policy=None
+    )
+    assert settings.llm.policy == "prefix_aware"
+    assert settings.group_id == "from-env"
+
+
+def test_options_given_win_over_the_environment(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    monkeypatch.setenv("RUNNER_LLM__POLICY", "prefix_aware")
+    settings = runner_settings(
+        from_stack=False, state_dir=tmp_path, until_drained=True, group_id="g", policy="round_robin"
+    )
+    assert (settings.llm.policy, settings.group_id, settings.until_drained) == ("round_robin", "g", True)
+
+
+def test_stack_addresses_keep_the_environment_llm_settings(
+    monkeypatch: pytest.MonkeyPatch, stack: StackState, stack_dir: Path
+) -> None:
+    monkeypatch.setenv("RUNNER_LLM__POLICY", "prefix_aware")
+    monkeypatch.setenv("RUNNER_LLM__MAX_IN_FLIGHT", "7")
+    settings = runner_settings(
+        from_stack=True, state_dir=stack_dir, until_drained=False, group_id=None, policy=None
+    )
+    assert settings.llm.policy == "prefix_aware" and settings.llm.max_in_flight == 7
+    assert settings.llm.endpoints == stack.llm_endpoints
+    assert settings.bootstrap_servers == stack.kafka_bootstrap
