@@ -12,12 +12,16 @@ import asyncio
 import contextlib
 import logging
 import statistics
+from collections import deque
 from collections.abc import Sequence
 
 from batch.aimd import AimdController, AimdSettings, WindowStats
 from llm_client.client import LLMClient
 
 log = logging.getLogger(__name__)
+
+DECISIONS_KEPT = 10_000
+"""AIMD decisions kept for benchmarks and inspection; older ones are dropped."""
 
 
 class EndpointPool:
@@ -39,7 +43,7 @@ class EndpointPool:
         self.in_flight = 0
         self.completed = 0
         self.failed = 0
-        self.decisions: list[tuple[float, int, str]] = []
+        self.decisions: deque[tuple[float, int, str]] = deque(maxlen=DECISIONS_KEPT)
         self._latencies: list[float] = []
         self._window_failures = 0
         self._limited = False

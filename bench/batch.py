@@ -261,7 +261,7 @@ async def bench(args: argparse.Namespace) -> dict[str, Any]:
         async with open_batch(settings, sinks, llm) as runtime:
             out = f"s3://{sinks.s3_bucket}/bench-batch/out-aimd"
             adaptive = await _run_job(runtime, stack, args.time_scale, full_uri, out, "adaptive", "AIMD")
-            decisions = runtime.pool.decisions
+            decisions = list(runtime.pool.decisions)
         kill = None
         if not args.skip_kill:
             print(f"kill: {args.records} records, SIGKILL at half, resume", flush=True)

@@ -12,6 +12,7 @@ import asyncio
 import contextlib
 import logging
 import time
+from collections import deque
 from collections.abc import Callable
 
 from aiohttp import web
@@ -20,6 +21,9 @@ from capacity.controller import CapacityController, CapacityDecision, CapacitySe
 from capacity.pool import PoolBoard, PoolFollower, SharedPool
 
 log = logging.getLogger(__name__)
+
+HISTORY_KEPT = 10_000
+"""Split changes kept for inspection (a day of changes at one a minute fits); older ones are dropped."""
 
 
 class CapacityShifter:
@@ -37,7 +41,7 @@ class CapacityShifter:
         self.rate = rate
         self.forecast = forecast
         self.clock = clock
-        self.history: list[tuple[float, CapacityDecision]] = []
+        self.history: deque[tuple[float, CapacityDecision]] = deque(maxlen=HISTORY_KEPT)
         self._task: asyncio.Task[None] | None = None
 
     async def tick(self) -> CapacityDecision:

@@ -14,8 +14,8 @@ import asyncio
 import contextlib
 import gzip
 import time
-from collections import defaultdict
-from collections.abc import Sequence
+from collections import defaultdict, deque
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import orjson
@@ -41,15 +41,21 @@ def encode_jsonl_gz(records: Sequence[EnrichmentResult]) -> bytes:
     return gzip.compress(body, compresslevel=5, mtime=0)
 
 
+KEYS_KEPT = 1_000
+"""Recent object keys kept for inspection; a long run must not grow memory with every flush."""
+
+
 class S3InsightSink:
-    def __init__(self, settings: SinkSettings) -> None:
+    def __init__(self, settings: SinkSettings, *, clock: Callable[[], float] = time.monotonic) -> None:
+        """``clock``: monotonic seconds for the age-based flush (tests pass their own)."""
         self.settings = settings
+        self._clock = clock
         self._buffer: list[EnrichmentResult] = []
         self._oldest: float | None = None
         self._lock = asyncio.Lock()
         self._exit = contextlib.AsyncExitStack()
         self._client: Any = None
-        self.keys_written: list[str] = []
+        self.keys_written: deque[str] = deque(maxlen=KEYS_KEPT)
         self.records_written = 0
 
     async def start(self) -> None:
@@ -75,12 +81,12 @@ class S3InsightSink:
         if not self._buffer:
             return False
         return len(self._buffer) >= self.settings.s3_max_records or (
-            self._oldest is not None and time.monotonic() - self._oldest >= self.settings.s3_max_age_s
+            self._oldest is not None and self._clock() - self._oldest >= self.settings.s3_max_age_s
         )
 
     async def write(self, results: Sequence[EnrichmentResult]) -> None:
         if results and self._oldest is None:
-            self._oldest = time.monotonic()
+            self._oldest = self._clock()
         self._buffer.extend(results)
         if len(self._buffer) >= self.settings.s3_max_records:
             await self.flush()
@@ -99,7 +105,7 @@ class S3InsightSink:
             except BaseException:
                 # Nothing is lost: the batch goes back in front and the caller's commit waits.
                 self._buffer[:0] = batch
-                self._oldest = time.monotonic()
+                self._oldest = self._clock()
                 raise
 
     async def _put(self, partition: str, records: list[EnrichmentResult]) -> None:
