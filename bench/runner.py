@@ -26,7 +26,8 @@ from llm_client.config import ClientConfig
 from prompt_assembly.processor import SessionConfig
 from prompt_assembly.triggers import TriggerPolicy
 from runner.config import RunnerSettings
-from runner.embedded import EmbeddedRunner, RunnerStats
+from runner.embedded import EmbeddedRunner
+from runner.progress import RunnerStats
 from shopper.producer import produce
 
 RESULTS = Path(__file__).parent / "results"

@@ -10,8 +10,10 @@ used to stop the stream for good. So the original is cut to ``max_original_bytes
 and its full size and SHA-256 are kept. Why cut rather than park the whole original in S3: the dead
 letter must not depend on a second store being up at the moment the stream meets a bad record, and the
 whole original is still in the source topic at (topic, partition, offset) for its retention; the hash
-identifies it there and in any copy. The largest dead letter is therefore about
-``4/3 x max_original_bytes`` plus ``MAX_REASON_CHARS``, far below any producer's limit.
+identifies it there and in any copy. A dead letter is therefore at most about
+``6 x (max_original_bytes + MAX_REASON_CHARS)`` bytes (the worst case is text of control characters,
+which JSON escapes as ``\u0000``; base64 is 4/3), about 400 KB at the defaults, and usually
+``4/3 x max_original_bytes``: under librdkafka's and the broker's 1 MB defaults.
 
 Deterministic: no wall clock in the record (the time is the source record's own Kafka timestamp), keys
 in a fixed order, so a replay or the other engine writes the same bytes for the same input.

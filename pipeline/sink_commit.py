@@ -1,4 +1,12 @@
-"""Group commit of results to Redis and S3, shaped for a PyFlink async operator.
+"""The sink commit step of both engines: one retry policy for every store, and the group committer
+the Flink job's async operator uses.
+
+``SinkRetry`` / ``with_sink_retry``: a store that is down (Redis restarting, S3 unreachable) is waited
+for, with capped exponential backoff and jitter, for up to ``max_wait_s``; only then does the write
+fail, and the engine stops without committing past it (the runner exits, Flink restarts the job), so a
+replay from the last commit stores it. Both engines use the same numbers.
+
+``SinkCommitter``: group commit of results to Redis and S3, shaped for a PyFlink async operator.
 
 Why this shape: PyFlink gives Python functions no checkpoint hook, but its async operator drains every
 in-flight call before a bundle ends, and a bundle always ends before a checkpoint barrier passes. So a
@@ -9,19 +17,60 @@ results that are stored (at-least-once; both sinks are idempotent, so effectivel
 - S3 objects are flushed when the S3 sink says it is due (size/age), or once no new result has arrived
   for ``idle_flush_s``: that is what a bundle end looks like from here (the operator stops feeding calls
   while it drains), so a drain waits about ``idle_flush_s``, not ``s3_max_age_s``.
-Any write error fails every waiting call: the job restarts from the last checkpoint and replays.
+A write that still fails after the retry policy fails every waiting call: the job restarts from the
+last checkpoint and replays.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import random
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
+from typing import TypeVar
+
+from pydantic import BaseModel, Field
 
 from prompt_assembly.records import EnrichmentResult
 from sinks.redis import RedisSignalSink
 from sinks.s3 import S3InsightSink
+
+T = TypeVar("T")
+
+
+class SinkRetry(BaseModel):
+    """How long a sink write waits for a store that is down before the engine gives up."""
+
+    max_wait_s: float = Field(
+        120.0, gt=0, description="a store down longer than this stops the engine (a restart replays)"
+    )
+    initial_backoff_s: float = Field(0.05, gt=0)
+    max_backoff_s: float = Field(2.0, gt=0, description="polls a recovering store at least this often")
+
+
+async def with_sink_retry(
+    write: Callable[[], Awaitable[T]],
+    policy: SinkRetry,
+    *,
+    what: str,
+    on_retry: Callable[[str, BaseException], None] | None = None,
+    clock: Callable[[], float] = time.monotonic,
+) -> T:
+    """``write()``, retried on any error until it succeeds or ``policy.max_wait_s`` has passed (then
+    the last error is raised). Writes must be idempotent: every sink here is."""
+    started = clock()
+    backoff = policy.initial_backoff_s
+    while True:
+        try:
+            return await write()
+        except Exception as exc:
+            if clock() - started + backoff > policy.max_wait_s:
+                raise
+            if on_retry is not None:
+                on_retry(what, exc)
+            await asyncio.sleep(random.uniform(backoff / 2, backoff))
+            backoff = min(policy.max_backoff_s, backoff * 2)
 
 
 class SinkCommitter:
@@ -32,10 +81,13 @@ class SinkCommitter:
         *,
         idle_flush_s: float = 0.02,
         max_batch: int = 512,
+        retry: SinkRetry | None = None,
         on_redis_written: Callable[[Sequence[EnrichmentResult]], None] | None = None,
     ) -> None:
         self.redis = redis
         self.s3 = s3
+        self.retry = retry or SinkRetry()
+        self.retries = 0
         self.idle_flush_s = idle_flush_s
         self.max_batch = max_batch
         self.on_redis_written = on_redis_written
@@ -75,7 +127,7 @@ class SinkCommitter:
                     await self._write_batch()
                 idle = time.monotonic() - self._last_arrival >= self.idle_flush_s
                 if self._awaiting_s3 and (idle or self.s3.due()):
-                    await self.s3.flush()
+                    await with_sink_retry(self.s3.flush, self.retry, what="s3 flush", on_retry=self._retried)
                     self.s3_flushes += 1
                     waiting, self._awaiting_s3 = self._awaiting_s3, []
                     for future in waiting:
@@ -92,15 +144,20 @@ class SinkCommitter:
         batch, self._incoming = self._incoming[: self.max_batch], self._incoming[self.max_batch :]
         results = [result for result, _ in batch]
         try:
-            await self.redis.write(results)
+            await with_sink_retry(
+                lambda: self.redis.write(results), self.retry, what="redis write", on_retry=self._retried
+            )
             if self.on_redis_written is not None:
                 self.on_redis_written(results)
-            await self.s3.write(results)
+            await self.s3.write(results)  # buffers; never fails (see S3InsightSink.write)
         except BaseException:
             self._incoming[:0] = batch
             raise
         self.redis_batches += 1
         self._awaiting_s3.extend(future for _, future in batch)
+
+    def _retried(self, what: str, exc: BaseException) -> None:
+        self.retries += 1
 
     def _fail(self, exc: BaseException) -> None:
         for future in [*self._awaiting_s3, *(f for _, f in self._incoming)]:

@@ -6,7 +6,9 @@ from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from llm_client.config import ClientConfig
+from pipeline.dead_letter import DEFAULT_MAX_ORIGINAL_BYTES
 from pipeline.enrichment import EnrichmentSettings
+from pipeline.sink_commit import SinkRetry
 from pipeline.topics import DLQ_TOPIC, EVENTS_TOPIC
 from prompt_assembly.processor import SessionConfig
 from sinks.config import SinkSettings
@@ -42,6 +44,16 @@ class RunnerSettings(BaseSettings):
     drain_idle_s: float = Field(
         1.0, ge=0, description="with until_drained: quiet time that means 'caught up'"
     )
+    revoke_timeout_s: float = Field(
+        30.0,
+        gt=0,
+        description="a rebalance waits this long for in-flight results before handing partitions over "
+        "uncommitted (the next owner replays them; sinks are idempotent)",
+    )
+    dlq_max_original_bytes: int = Field(
+        DEFAULT_MAX_ORIGINAL_BYTES, ge=0, description="a dead letter keeps at most this much of the original"
+    )
+    sink_retry: SinkRetry = Field(default_factory=SinkRetry)
     session: SessionConfig = Field(default_factory=SessionConfig)
     llm: ClientConfig = Field(default_factory=ClientConfig)
     enrichment: EnrichmentSettings = Field(default_factory=EnrichmentSettings)

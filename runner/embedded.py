@@ -1,104 +1,60 @@
 """The embedded runner: a thin engine shell on a Kafka consumer group (confluent-kafka).
 
+It only delivers: records in, each shopper's events in order to the engine-free step
+(``SessionProcessor``), prompts to the enrichment step, results to the sinks, progress made durable.
+The parts it is built from each have one job: ``epochs`` (what may be committed), ``timers`` (pending
+triggers on the wall clock), ``dead_letters`` (a DLQ that cannot stop the stream), ``session_store``
+(sessions in Redis), ``progress`` (counters and the progress line); the dead-letter record, the
+enrichment step and the sink retry policy are the shared ``pipeline`` layer the Flink job calls too.
+
 Processing guarantees:
 - per-partition order: one consumer per group member, and a shopper's events share a partition (key);
-- at-least-once, made effectively-once by idempotent sinks: work is grouped in *epochs* (one poll, or
-  one batch of fired timers). An epoch's session deltas are saved and its offsets committed only after
-  every result it caused is durable (Redis written, S3 flushed, dead letters delivered), in epoch
-  order. A crash replays from the last commit; replayed events are deduplicated by the restored
-  sessions, and replayed prompts carry the same ``request_id``/``seq`` so sinks overwrite;
+- at-least-once, made effectively-once by idempotent sinks: an epoch's session deltas are saved and
+  its offsets committed only after every result it caused is durable (Redis written, S3 flushed, dead
+  letters delivered), in epoch order. A crash replays from the last commit; replayed events are
+  deduplicated by the restored sessions, and replayed prompts carry the same ``request_id``/``seq``;
+- a store that is down is waited for (``sink_retry``), never committed past;
 - backpressure: beyond ``max_in_flight_prompts`` the assigned partitions are paused (the consumer
   keeps polling, so it stays in the group) and resumed at half that;
+- rebalance: revoked partitions are made durable and committed first, waiting at most
+  ``revoke_timeout_s`` (past it they are handed over uncommitted and the next owner replays them);
 - SIGTERM drains: no new polls, in-flight prompts finish, one last durable point and commit.
 """
 
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
-import heapq
+import functools
 import signal
 import sys
 import time
-from collections import deque
-from collections.abc import Callable
-from dataclasses import dataclass, field
-from typing import Any
+from collections.abc import Awaitable, Callable
+from typing import TypeVar
 
-import orjson
 import redis.asyncio as aioredis
 from confluent_kafka import Consumer, KafkaError, Message, Producer, TopicPartition
 
 from llm_client.client import LLMClient
-from pipeline.accounting import Accounting
 from pipeline.enrichment import Enricher
+from pipeline.sink_commit import with_sink_retry
 from prompt_assembly.events import MalformedEvent, parse_event
 from prompt_assembly.processor import SessionProcessor
 from prompt_assembly.records import EnrichmentResult, PromptRequest, ShopperInsight
 from prompt_assembly.session import ShopperSession
 from runner.config import RunnerSettings
+from runner.dead_letters import DeadLetterPublisher
+from runner.epochs import Epoch, EpochLog, merged_offsets
+from runner.progress import ProgressLine, RunnerStats
 from runner.session_store import RedisSessionStore, SessionDelta
+from runner.timers import TimerQueue
 from sinks.redis import RedisSignalSink
 from sinks.s3 import S3InsightSink
 
+T = TypeVar("T")
 
-@dataclass(slots=True)
-class Epoch:
-    offsets: dict[tuple[str, int], int] = field(default_factory=dict)
-    deltas: list[SessionDelta] = field(default_factory=list)
-    pending: int = 0
-
-    @property
-    def complete(self) -> bool:
-        return self.pending == 0
-
-
-@dataclass(slots=True)
-class RunnerStats:
-    accounting: Accounting = field(default_factory=Accounting)
-    prompt_tokens: int = 0
-    cached_tokens: int = 0
-    estimated_shared_tokens: int = 0
-    estimated_prompt_tokens: int = 0
-    freshness_ms: list[float] = field(default_factory=list)
-    commits: int = 0
-    paused_times: int = 0
-    first_event_at: float | None = None
-    last_event_at: float | None = None
-    """Monotonic times of the first and last event processed: the ingest window."""
-
-    @property
-    def ingest_rate(self) -> float:
-        """Events per second between the first and the last event processed."""
-        if self.first_event_at is None or self.last_event_at is None:
-            return 0.0
-        return self.accounting.consumed / max(1e-9, self.last_event_at - self.first_event_at)
-
-    @property
-    def cache_hit_ratio(self) -> float:
-        return self.cached_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
-
-
-def dead_letter_value(message: Message, reason: str) -> bytes:
-    value = message.value() or b""
-    try:
-        original: Any = value.decode("utf-8")
-        encoding = "utf-8"
-    except UnicodeDecodeError:
-        import base64
-
-        original, encoding = base64.b64encode(value).decode(), "base64"
-    return orjson.dumps(
-        {
-            "reason": reason,
-            "original": original,
-            "encoding": encoding,
-            "topic": message.topic(),
-            "partition": message.partition(),
-            "offset": message.offset(),
-            "dead_lettered_at": time.time(),
-        }
-    )
+__all__ = ["EmbeddedRunner", "RunnerStats"]
 
 
 class EmbeddedRunner:
@@ -107,12 +63,11 @@ class EmbeddedRunner:
         self.log = log or (lambda line: print(line, file=sys.stderr, flush=True))
         self.processor = SessionProcessor(settings.session)
         self.stats = RunnerStats()
+        self.epochs = EpochLog()
+        self.timers = TimerQueue()
+        self._progress_line = ProgressLine(self.stats)
         self._sessions: dict[str, ShopperSession] = {}
         self._partition_of: dict[str, int] = {}
-        self._epochs: deque[Epoch] = deque()
-        self._timers: list[tuple[float, int, str, float]] = []
-        self._timer_seq = 0
-        self._timer_wakeup = asyncio.Event()
         self._tasks: set[asyncio.Task[None]] = set()
         self._in_flight = 0
         self._paused = False
@@ -123,7 +78,6 @@ class EmbeddedRunner:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._last_message_at = time.monotonic()
         self._commit_lock = asyncio.Lock()
-        self._last_consumed, self._last_progress = 0, time.monotonic()
 
     # ---- lifecycle -----------------------------------------------------------------------------
     async def run(self) -> RunnerStats:
@@ -133,22 +87,13 @@ class EmbeddedRunner:
         self.store = RedisSessionStore(redis, s.sinks.redis_key_prefix)
         self.redis_sink = RedisSignalSink(s.sinks, redis)
         self.s3_sink = S3InsightSink(s.sinks)
-        await self.s3_sink.ensure_bucket()
-        self.consumer = Consumer(
-            {
-                "bootstrap.servers": s.bootstrap_servers,
-                "group.id": s.group_id,
-                "enable.auto.commit": False,
-                "auto.offset.reset": "earliest",
-                "session.timeout.ms": s.kafka_session_timeout_ms,
-                "heartbeat.interval.ms": max(250, s.kafka_session_timeout_ms // 6),
-                "max.poll.interval.ms": max(60_000, s.kafka_session_timeout_ms),
-                "enable.partition.eof": False,
-                "log.connection.close": False,
-            }
-        )
-        self.producer = Producer(
+        await self._retrying(self.s3_sink.ensure_bucket, "s3 bucket")
+        self.consumer = Consumer(self._consumer_config())
+        producer = Producer(
             {"bootstrap.servers": s.bootstrap_servers, "linger.ms": 20, "log.connection.close": False}
+        )
+        self.dead_letters = DeadLetterPublisher(
+            producer, s.dlq_topic, self.log, max_original_bytes=s.dlq_max_original_bytes
         )
         self.consumer.subscribe([s.topic], on_assign=self._on_assign, on_revoke=self._on_revoke)
         for sig in (signal.SIGTERM, signal.SIGINT):
@@ -172,17 +117,41 @@ class EmbeddedRunner:
                     with contextlib.suppress(asyncio.CancelledError):
                         await worker
                 await asyncio.to_thread(self.consumer.close)
-                await asyncio.to_thread(self.producer.flush, 10)
-                del self.producer  # librdkafka handles are released when the last reference goes
-                await self.s3_sink.close()
+                await asyncio.to_thread(self.dead_letters.flush, 10)
+                del self.dead_letters  # librdkafka handles are released when the last reference goes
+                with contextlib.suppress(Exception):
+                    await self.s3_sink.close()
                 await redis.aclose()
         if self._failed is not None:
             raise self._failed
-        self._report_progress(final=True)
+        self.log(self._render_progress(final=True))
         return self.stats
+
+    def _consumer_config(self) -> dict[str, object]:
+        s = self.settings
+        return {
+            "bootstrap.servers": s.bootstrap_servers,
+            "group.id": s.group_id,
+            "enable.auto.commit": False,
+            "auto.offset.reset": "earliest",
+            "session.timeout.ms": s.kafka_session_timeout_ms,
+            "heartbeat.interval.ms": max(250, s.kafka_session_timeout_ms // 6),
+            "max.poll.interval.ms": max(60_000, s.kafka_session_timeout_ms),
+            "enable.partition.eof": False,
+            "log.connection.close": False,
+        }
 
     def request_stop(self) -> None:
         self._stopping.set()
+
+    @property
+    def in_flight(self) -> int:
+        return self._in_flight
+
+    @property
+    def undelivered_dead_letters(self) -> int:
+        publisher = getattr(self, "dead_letters", None)
+        return 0 if publisher is None else publisher.undelivered
 
     # ---- ingest --------------------------------------------------------------------------------
     async def _ingest(self) -> None:
@@ -215,16 +184,15 @@ class EmbeddedRunner:
             assert topic is not None and partition is not None and offset is not None  # a real record
             epoch.offsets[(topic, partition)] = offset + 1
             try:
-                parsed.append((message, parse_event(message.value())))  # value: validated JSON bytes
+                parsed.append((message, parse_event(message.value())))
             except MalformedEvent as exc:
                 acct.dead_lettered += 1
-                self.producer.produce(
-                    self.settings.dlq_topic, key=message.key(), value=dead_letter_value(message, exc.reason)
-                )
-        self.producer.poll(0)
+                self.dead_letters.publish(message, exc.reason)
+        self.dead_letters.producer.poll(0)
         missing = list({ev.shopper_id for _, ev in parsed if ev.shopper_id not in self._sessions})
         if missing:
-            self._sessions.update(await self.store.load_many(missing))
+            loaded = await self._retrying(lambda: self.store.load_many(missing), "session load")
+            self._sessions.update(loaded)
         touched: set[str] = set()
         for message, event in parsed:
             sid = event.shopper_id
@@ -244,13 +212,13 @@ class EmbeddedRunner:
         self._close_epoch(epoch, touched)
 
     def _close_epoch(self, epoch: Epoch, touched: set[str]) -> None:
-        """Snapshot the touched sessions' changes into ``epoch`` and queue it (in order)."""
+        """Snapshot the touched sessions' changes into ``epoch`` and log it (in order)."""
         for sid in touched:
             session = self._sessions[sid]
             epoch.deltas.append(SessionDelta(sid, self._partition_of.get(sid, 0), session.take_changes()))
             if session.pending is not None:
-                self._arm(sid, session)
-        self._epochs.append(epoch)
+                self.timers.arm(sid, session.pending.due_ts, self._wall_deadline(session))
+        self.epochs.append(epoch)
 
     def _launch(self, prompt: PromptRequest, epoch: Epoch, kafka_ts: float | None) -> None:
         epoch.pending += 1
@@ -266,9 +234,9 @@ class EmbeddedRunner:
 
     async def _enrich(self, prompt: PromptRequest, epoch: Epoch) -> None:
         try:
-            result = await self.enricher.enrich(prompt)
+            result = await self.enricher.enrich(prompt)  # never raises: an error is a result too
             await self._store_result(result)
-        except Exception as exc:  # a sink is down: stop without committing; a restart replays
+        except Exception as exc:  # a store stayed down past sink_retry: stop without committing
             self._fail(exc)
             return
         finally:
@@ -276,15 +244,8 @@ class EmbeddedRunner:
         epoch.pending -= 1
 
     async def _store_result(self, result: EnrichmentResult) -> None:
-        for attempt in range(5):
-            try:
-                await self.redis_sink.write([result])
-                break
-            except Exception:
-                if attempt == 4:
-                    raise
-                await asyncio.sleep(0.2 * 2**attempt)
-        await self.s3_sink.write([result])
+        await self._retrying(lambda: self.redis_sink.write([result]), "redis signal write")
+        await self.s3_sink.write([result])  # buffers; flushed (and retried) at the durable point
         acct = self.stats.accounting
         if isinstance(result, ShopperInsight):
             acct.insights += 1
@@ -296,6 +257,14 @@ class EmbeddedRunner:
         produced = self._kafka_ts.pop(result.request_id, None)
         if produced is not None:
             self.stats.freshness_ms.append((time.time() - produced) * 1000)
+
+    async def _retrying(self, write: Callable[[], Awaitable[T]], what: str) -> T:
+        return await with_sink_retry(write, self.settings.sink_retry, what=what, on_retry=self._on_sink_retry)
+
+    def _on_sink_retry(self, what: str, exc: BaseException) -> None:
+        self.stats.sink_retries += 1
+        if self.stats.sink_retries % 20 == 1:
+            self.log(f"{what} failed, retrying: {exc!r}")
 
     def _fail(self, exc: BaseException) -> None:
         if self._failed is None:
@@ -339,22 +308,13 @@ class EmbeddedRunner:
     def _wall_deadline(self, session: ShopperSession) -> float:
         assert session.pending is not None
         wait = max(0.0, session.pending.due_ts - session.last_event_ts)
-        return time.time() + wait * self.settings.timer_wall_per_event_s
-
-    def _arm(self, sid: str, session: ShopperSession, wall: float | None = None) -> None:
-        assert session.pending is not None
-        self._timer_seq += 1
-        deadline = self._wall_deadline(session) if wall is None else wall
-        heapq.heappush(self._timers, (deadline, self._timer_seq, sid, session.pending.due_ts))
-        self._timer_wakeup.set()
+        return self.timers.now() + wait * self.settings.timer_wall_per_event_s
 
     async def _timer_loop(self) -> None:
         while True:
-            now = time.time()
             fired: set[str] = set()
             epoch = Epoch()
-            while self._timers and self._timers[0][0] <= now:
-                _, _, sid, due_ts = heapq.heappop(self._timers)
+            for sid, due_ts in self.timers.pop_due():
                 session = self._sessions.get(sid)
                 if session is None:
                     continue
@@ -365,67 +325,75 @@ class EmbeddedRunner:
                     fired.add(sid)
             if fired:
                 self._close_epoch(epoch, fired)
-            self._timer_wakeup.clear()
-            sleep = min(1.0, self._timers[0][0] - time.time()) if self._timers else 1.0
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._timer_wakeup.wait(), max(0.01, sleep))
+            await self.timers.wait()
 
     async def _rearm(self, partitions: list[int]) -> None:
         for partition in partitions:
-            timers = await self.store.timers(partition)
+            timers = await self._retrying(functools.partial(self.store.timers, partition), "timer load")
             sids = [sid for sid, _ in timers if sid not in self._sessions]
-            self._sessions.update(await self.store.load_many(sids))
+            loaded = await self._retrying(functools.partial(self.store.load_many, sids), "session load")
+            self._sessions.update(loaded)
             for sid, wall in timers:
                 session = self._sessions.get(sid)
                 if session is not None and session.pending is not None:
                     self._partition_of[sid] = partition
-                    self._arm(sid, session, wall)
+                    self.timers.arm(sid, session.pending.due_ts, wall)
 
     # ---- durability ----------------------------------------------------------------------------
     async def _committer(self) -> None:
         while True:
             await asyncio.sleep(self.settings.commit_interval_s)
             try:
-                offsets = await self._durable_point()
-                if offsets:
-                    await asyncio.to_thread(self.consumer.commit, offsets=offsets, asynchronous=False)
-                    self.stats.commits += 1
+                await self._commit_durable()
             except Exception as exc:
                 self._fail(exc)
                 return
+
+    async def _commit_durable(self) -> None:
+        """The one commit path: make the completed prefix durable, then commit its offsets."""
+        offsets = await self._durable_point()
+        if offsets:
+            await asyncio.to_thread(self._commit_offsets, offsets)
+
+    def _commit_offsets(self, offsets: list[TopicPartition]) -> None:
+        self.consumer.commit(offsets=offsets, asynchronous=False)
+        self.stats.commits += 1
+        self.stats.last_commit_at = time.monotonic()
 
     async def _durable_point(self) -> list[TopicPartition]:
         """Make every completed epoch (in order, up to the first incomplete one) durable and return
         the offsets that may now be committed."""
         async with self._commit_lock:
-            ready: list[Epoch] = []
-            while self._epochs and self._epochs[0].complete:
-                ready.append(self._epochs.popleft())
+            ready = self.epochs.take_completed_prefix()
             if not ready:
                 return []
-            await self.s3_sink.flush()
-            remaining = await asyncio.to_thread(self.producer.flush, 30)
-            if remaining:
-                raise RuntimeError(f"{remaining} dead letters not delivered")
+            await self._retrying(self.s3_sink.flush, "s3 flush")
+            await self._deliver_dead_letters()
             deltas = [d for epoch in ready for d in epoch.deltas]
             deadlines = {}
             for delta in deltas:
                 session = self._sessions.get(delta.shopper_id)
                 if session is not None and session.pending is not None:
                     deadlines[delta.shopper_id] = self._wall_deadline(session)
-            await self.store.save(deltas, deadlines)
-            merged: dict[tuple[str, int], int] = {}
-            for epoch in ready:
-                for tp, offset in epoch.offsets.items():
-                    merged[tp] = max(merged.get(tp, 0), offset)
+            await self._retrying(lambda: self.store.save(deltas, deadlines), "session save")
             self._evict()
-            return [TopicPartition(t, p, o) for (t, p), o in merged.items()]
+            return [TopicPartition(t, p, o) for (t, p), o in merged_offsets(ready).items()]
+
+    async def _deliver_dead_letters(self) -> None:
+        """Wait until every queued dead letter has its delivery report (delivered, or counted as
+        undelivered): offsets are never committed past a dead letter still in the producer's queue.
+        While the broker is away this waits, as consuming does."""
+        waited = 0.0
+        while await asyncio.to_thread(self.dead_letters.flush, 5.0):
+            waited += 5.0
+            if waited >= self.settings.sink_retry.max_wait_s:
+                raise RuntimeError(f"dead letters not delivered within {waited:.0f} s")
 
     def _evict(self) -> None:
         excess = len(self._sessions) - self.settings.session_cache_size
         if excess <= 0:
             return
-        busy = {d.shopper_id for epoch in self._epochs for d in epoch.deltas}
+        busy = self.epochs.shoppers_in_flight()
         for sid in list(self._sessions)[:excess]:
             session = self._sessions[sid]
             if sid not in busy and not session.dirty and session.pending is None:
@@ -442,14 +410,11 @@ class EmbeddedRunner:
                     self._launch(prompt, epoch, None)
                     fired.add(sid)
             self._close_epoch(epoch, fired)
-            self._timers.clear()
+            self.timers.clear()
         while self._tasks:
             await asyncio.gather(*list(self._tasks), return_exceptions=True)
         if self._failed is None:
-            offsets = await self._durable_point()
-            if offsets:
-                await asyncio.to_thread(self.consumer.commit, offsets=offsets, asynchronous=False)
-                self.stats.commits += 1
+            await self._commit_durable()
 
     # ---- rebalance (called on the consumer thread, inside consume) -------------------------------
     def _on_assign(self, consumer: Consumer, partitions: list[TopicPartition]) -> None:
@@ -458,30 +423,60 @@ class EmbeddedRunner:
         asyncio.run_coroutine_threadsafe(self._rearm([tp.partition for tp in partitions]), self._loop)
 
     def _on_revoke(self, consumer: Consumer, partitions: list[TopicPartition]) -> None:
+        """Hand the partitions over durable and committed, waiting at most ``revoke_timeout_s``: the
+        consumer thread is blocked here, and a member that stalls its group's rebalance stalls the
+        group. Past the bound the partitions go over uncommitted; the next owner replays them."""
         assert self._loop is not None
         if self._assignment and self._failed is None:
             future = asyncio.run_coroutine_threadsafe(self._handover(), self._loop)
-            offsets = future.result()
+            try:
+                offsets = future.result(timeout=self.settings.revoke_timeout_s)
+            except concurrent.futures.TimeoutError:
+                future.cancel()
+                self.log(
+                    f"rebalance: results not durable within {self.settings.revoke_timeout_s} s; "
+                    "partitions handed over uncommitted (the next owner replays them)"
+                )
+                offsets = []
+            except Exception as exc:
+                self.log(f"rebalance: hand-over failed ({exc!r}); partitions handed over uncommitted")
+                offsets = []
             if offsets:
-                consumer.commit(offsets=offsets, asynchronous=False)
+                self._commit_offsets(offsets)
+        with contextlib.suppress(Exception):
+            asyncio.run_coroutine_threadsafe(self._forget_assignment(), self._loop).result(timeout=5)
         self._assignment = []
         self._paused = False
 
     async def _handover(self) -> list[TopicPartition]:
-        while any(not e.complete for e in self._epochs):
+        while not self.epochs.all_complete():
             await asyncio.sleep(0.05)
-        offsets = await self._durable_point()
+        return await self._durable_point()
+
+    async def _forget_assignment(self) -> None:
+        """After a hand-over (on the loop, like every other user of this state): the next owner holds
+        these shoppers now. Epochs not yet durable are dropped, never committed for partitions this
+        member no longer owns; their prompts still finish and write (idempotently)."""
+        self.epochs.clear()
         self._sessions.clear()
-        self._timers.clear()
-        return offsets
+        self._partition_of.clear()
+        self.timers.clear()
 
     # ---- progress ------------------------------------------------------------------------------
     async def _progress(self) -> None:
         while True:
             await asyncio.sleep(self.settings.progress_interval_s)
-            self._report_progress()
+            self.log(self._render_progress(final=False))
 
-    def _cached_lag(self) -> int | None:
+    def _render_progress(self, *, final: bool) -> str:
+        return self._progress_line.render(
+            in_flight=self._in_flight,
+            lag=None if final else self.cached_lag(),
+            undelivered_dead_letters=self.undelivered_dead_letters,
+            final=final,
+        )
+
+    def cached_lag(self) -> int | None:
         """Lag from the watermarks the consumer last saw (no broker round trip)."""
         if not self._assignment:
             return None
@@ -491,16 +486,3 @@ class EmbeddedRunner:
             if high >= 0:
                 lag += max(0, high - max(tp.offset, 0))
         return lag
-
-    def _report_progress(self, final: bool = False) -> None:
-        now = time.monotonic()
-        acct = self.stats.accounting
-        rate = (acct.consumed - self._last_consumed) / max(1e-9, now - self._last_progress)
-        self._last_consumed, self._last_progress = acct.consumed, now
-        lag = None if final else self._cached_lag()
-        self.log(
-            f"[{'done' if final else 'progress'}] events {acct.consumed} ({rate:,.0f}/s) "
-            f"lag {'-' if lag is None else lag} dlq {acct.dead_lettered} dup {acct.duplicates} "
-            f"prompts {acct.prompts} in-flight {self._in_flight} insights {acct.insights} "
-            f"errors {acct.errors} cache-hit {self.stats.cache_hit_ratio:.0%} commits {self.stats.commits}"
-        )

@@ -85,11 +85,15 @@ class S3InsightSink:
         )
 
     async def write(self, results: Sequence[EnrichmentResult]) -> None:
+        """Buffer ``results``. Never fails: a full buffer is flushed opportunistically, and a failed
+        flush leaves everything buffered for the next ``flush`` (which the engines retry and wait for
+        before they commit), so a retried ``write`` can never buffer a record twice."""
         if results and self._oldest is None:
             self._oldest = self._clock()
         self._buffer.extend(results)
         if len(self._buffer) >= self.settings.s3_max_records:
-            await self.flush()
+            with contextlib.suppress(Exception):
+                await self.flush()
 
     async def flush(self) -> None:
         async with self._lock:

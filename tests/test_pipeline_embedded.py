@@ -21,6 +21,7 @@ import redis as sync_redis
 
 from devstack.processes import free_port, spawn, stop, wait_for_http
 from devstack.synthetic import SyntheticStream
+from pipeline.dead_letter import FORMAT
 from runner.embedded import EmbeddedRunner
 from shopper.readback import list_s3_records, read_dlq
 from tests.conftest import SIM_TIME_SCALE, Isolated
@@ -78,12 +79,13 @@ def test_every_event_and_prompt_is_accounted_for(isolated: Isolated) -> None:
     originals = Counter(
         (
             d["original"].encode()
-            if d["encoding"] == "utf-8"
+            if d["original_encoding"] == "utf-8"
             else __import__("base64").b64decode(d["original"])
         )
         for d in dlq
     )
     assert originals == bad_values
+    assert all(d["format"] == FORMAT and d["partition"] is not None and d["offset"] is not None for d in dlq)
     # Session affinity made the prefix cache work: most prompt tokens were served from cache.
     assert stats.cache_hit_ratio > 0.5
 

@@ -1,0 +1,71 @@
+"""What the embedded runner counts, and the progress line it prints.
+
+Everything that grows with a long run is bounded: freshness keeps the most recent samples only.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+from pipeline.accounting import Accounting
+
+FRESHNESS_SAMPLES_KEPT = 100_000
+
+
+@dataclass(slots=True)
+class RunnerStats:
+    accounting: Accounting = field(default_factory=Accounting)
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    estimated_shared_tokens: int = 0
+    estimated_prompt_tokens: int = 0
+    freshness_ms: deque[float] = field(default_factory=lambda: deque(maxlen=FRESHNESS_SAMPLES_KEPT))
+    """Kafka timestamp of the triggering event -> result stored, most recent samples."""
+    commits: int = 0
+    last_commit_at: float | None = None
+    """Monotonic time of the last offset commit."""
+    paused_times: int = 0
+    sink_retries: int = 0
+    """Sink writes (Redis, S3, session store) retried after a failure (an outage, a restart)."""
+    first_event_at: float | None = None
+    last_event_at: float | None = None
+    """Monotonic times of the first and last event processed: the ingest window."""
+
+    @property
+    def ingest_rate(self) -> float:
+        """Events per second between the first and the last event processed."""
+        if self.first_event_at is None or self.last_event_at is None:
+            return 0.0
+        return self.accounting.consumed / max(1e-9, self.last_event_at - self.first_event_at)
+
+    @property
+    def cache_hit_ratio(self) -> float:
+        return self.cached_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
+
+
+class ProgressLine:
+    """Formats the periodic progress line (events/s since the previous line, lag, DLQ, prompts...)."""
+
+    def __init__(self, stats: RunnerStats) -> None:
+        self.stats = stats
+        self._last_consumed = 0
+        self._last_at = time.monotonic()
+
+    def render(self, *, in_flight: int, lag: int | None, undelivered_dead_letters: int, final: bool) -> str:
+        now = time.monotonic()
+        stats, acct = self.stats, self.stats.accounting
+        rate = (acct.consumed - self._last_consumed) / max(1e-9, now - self._last_at)
+        self._last_consumed, self._last_at = acct.consumed, now
+        line = (
+            f"[{'done' if final else 'progress'}] events {acct.consumed} ({rate:,.0f}/s) "
+            f"lag {'-' if lag is None else lag} dlq {acct.dead_lettered} dup {acct.duplicates} "
+            f"prompts {acct.prompts} in-flight {in_flight} insights {acct.insights} "
+            f"errors {acct.errors} cache-hit {stats.cache_hit_ratio:.0%} commits {stats.commits}"
+        )
+        if stats.sink_retries:
+            line += f" sink-retries {stats.sink_retries}"
+        if undelivered_dead_letters:
+            line += f" dead-letters-undelivered {undelivered_dead_letters}"
+        return line

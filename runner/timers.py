@@ -1,0 +1,56 @@
+"""Wall-clock deadlines of the pending triggers the embedded runner holds (browse pauses).
+
+A trigger's due time is in *event* time (the session decides it); the runner waits for it on the wall
+clock, ``timer_wall_per_event_s`` wall seconds per event second after the shopper's last event. Entries
+are never removed when a trigger moves or fires early: a stale entry pops later and
+``SessionProcessor.fire_pending`` ignores a ``due_ts`` that is no longer the pending one.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import heapq
+import time
+from collections.abc import Callable
+
+
+class TimerQueue:
+    def __init__(self, clock: Callable[[], float] = time.time) -> None:
+        """``clock``: wall seconds (tests pass their own)."""
+        self._clock = clock
+        self._heap: list[tuple[float, int, str, float]] = []
+        self._seq = 0
+        self._wakeup = asyncio.Event()
+
+    def __len__(self) -> int:
+        return len(self._heap)
+
+    def now(self) -> float:
+        return self._clock()
+
+    def arm(self, shopper_id: str, due_ts: float, deadline: float) -> None:
+        """Fire ``shopper_id``'s trigger due at event time ``due_ts`` once the wall clock passes
+        ``deadline``."""
+        self._seq += 1
+        heapq.heappush(self._heap, (deadline, self._seq, shopper_id, due_ts))
+        self._wakeup.set()
+
+    def pop_due(self) -> list[tuple[str, float]]:
+        """(shopper, due event time) of every entry whose deadline has passed, earliest first."""
+        now = self._clock()
+        due: list[tuple[str, float]] = []
+        while self._heap and self._heap[0][0] <= now:
+            _, _, shopper_id, due_ts = heapq.heappop(self._heap)
+            due.append((shopper_id, due_ts))
+        return due
+
+    async def wait(self, longest_s: float = 1.0) -> None:
+        """Until the next deadline, a newly armed timer, or ``longest_s``."""
+        self._wakeup.clear()
+        sleep = min(longest_s, self._heap[0][0] - self._clock()) if self._heap else longest_s
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._wakeup.wait(), max(0.01, sleep))
+
+    def clear(self) -> None:
+        self._heap.clear()
