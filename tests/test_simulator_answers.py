@@ -119,3 +119,25 @@ def test_json_too_long_for_max_tokens_stays_valid_and_usage_is_capped() -> None:
     answer = plan_answer(PROMPT, USER, max_tokens=10, response_format=_rf(schema))
     jsonschema.validate(json.loads(answer.text), schema)
     assert answer.completion_tokens == 10 and len(answer.pieces) > 10
+
+
+def test_the_shopper_understanding_is_read_from_the_activity_log() -> None:
+    from prompt_assembly.understanding import ShopperUnderstanding, response_format
+    from serving.simulator.shopper_answer import STAND_IN_LABEL
+
+    log = (
+        "Shopper s1: activity log, oldest first.\n"
+        "- 2025-10-20 18:01 viewed: <data>Witch Costume Set</data> by Rubie's, Costumes > Kids, $24.00\n"
+        "- 2025-10-20 18:03 viewed: <data>Unicorn Dress-Up Kit</data>, Costumes > Kids, $19.50\n"
+        "- 2025-10-20 18:04 searched <data>witch hat</data>\n"
+        "- 2025-10-20 18:06 added to cart: <data>Witch Costume Set</data>, Costumes > Kids, $24.00\n"
+        "- 2025-10-20 18:07 viewed: <data>Gummy Worms Party Bag 5lb</data>, Candy > Bulk, $12.00\n"
+        "Task: describe this shopper from the activity log above. Answer with the JSON object only."
+    )
+    answer = plan_answer(log, log, 200, response_format())
+    understanding = ShopperUnderstanding.model_validate_json(answer.text)
+    assert understanding.interests[0] == "kid costumes"
+    assert understanding.occasion is not None and "child" in understanding.occasion
+    assert understanding.price_sensitivity == "medium"
+    assert understanding.summary.endswith(STAND_IN_LABEL)
+    assert plan_answer(log, log, 200, response_format()).text == answer.text  # deterministic

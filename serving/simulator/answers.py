@@ -10,7 +10,8 @@ generically (objects, arrays, strings with enum/length/format, numbers with boun
 ``oneOf`` with null, ``$ref`` into ``$defs``), the way guided decoding would constrain a real model. A JSON
 answer is never cut: if it does not fit ``max_tokens`` a minimal instance (required fields only, fewest
 items, one word per string) is used, and ``completion_tokens`` is still capped at ``max_tokens``.
-Regex ``pattern`` constraints are not honoured.
+Regex ``pattern`` constraints are not honoured. The shopper understanding schema is the exception: its
+answer is derived from the activity log in the prompt (``shopper_answer``), so demos read like the product.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from typing import Any, Literal
 import xxhash
 
 from prompt_assembly.tokens import tokenize
+from serving.simulator.shopper_answer import is_understanding_schema, shopper_understanding
 
 FinishReason = Literal["stop", "length"]
 
@@ -71,7 +73,13 @@ def plan_answer(
     words = _candidate_words(last_user_text or prompt_text)
     kind = (response_format or {}).get("type", "text")
     if kind in ("json_schema", "json", "json_object"):
-        return _json_answer(_schema_of(response_format or {}), words, rng, max_tokens)
+        schema = _schema_of(response_format or {})
+        if is_understanding_schema(schema):
+            understanding = shopper_understanding(last_user_text or prompt_text)
+            pieces = tuple(tokenize(json.dumps(understanding, ensure_ascii=False)))
+            if len(pieces) <= max_tokens:
+                return Answer("".join(pieces), pieces, len(pieces), "stop")
+        return _json_answer(schema, words, rng, max_tokens)
     natural = 40 + seed % 400
     target = max_tokens if ignore_eos else min(max(natural, min_tokens), max_tokens)
     finish: FinishReason = "length" if ignore_eos or max(natural, min_tokens) > max_tokens else "stop"
