@@ -9,77 +9,19 @@ import contextlib
 import logging
 import os
 import random
-import socket
-import subprocess
 import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import orjson
 
+from devstack.processes import free_port
 from flink_jobs.flink_config import NearRealtimeSettings
+from serving.simulator.launch import simulator_replicas
 from sinks.keys import RedisKeys
 
 READY_TIMEOUT_S = 30.0
-
-
-@contextlib.contextmanager
-def simulator_replicas(count: int, *, time_scale: float = 0.01) -> Iterator[list[str]]:
-    """``count`` ``serving.simulator`` processes on free ports; yields their base URLs."""
-    procs: list[subprocess.Popen[str]] = []
-    urls: list[str] = []
-    try:
-        for i in range(count):
-            proc = subprocess.Popen(
-                [
-                    sys.executable,
-                    "-m",
-                    "serving.simulator",
-                    "--port",
-                    "0",
-                    "--replica-id",
-                    f"r{i}",
-                    "--time-scale",
-                    str(time_scale),
-                ],
-                stdout=subprocess.PIPE,
-                stderr=subprocess.DEVNULL,
-                text=True,
-            )
-            procs.append(proc)
-        for proc in procs:
-            urls.append(_wait_ready(proc))
-        yield urls
-    finally:
-        for proc in procs:
-            proc.terminate()
-        for proc in procs:
-            try:
-                proc.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-
-
-def _wait_ready(proc: subprocess.Popen[str]) -> str:
-    assert proc.stdout is not None
-    deadline = time.monotonic() + READY_TIMEOUT_S
-    while time.monotonic() < deadline:
-        line = proc.stdout.readline()
-        if not line:
-            if proc.poll() is not None:
-                raise RuntimeError(f"simulator exited with {proc.returncode} before READY")
-            continue
-        if line.startswith("READY "):
-            return line.split()[1].strip()
-    raise TimeoutError("simulator did not print READY in time")
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 @contextlib.contextmanager

@@ -30,6 +30,7 @@ from devstack.processes import (
     wait_for_port,
 )
 from pipeline.topics import DLQ_TOPIC, EVENTS_TOPIC
+from serving.simulator.launch import simulator_argv
 from sinks.config import SinkSettings
 
 MOTO_CREDENTIALS = ("testing", "testing")
@@ -233,17 +234,7 @@ def _start_simulators(
     batch = []
     for i in range(settings.replicas):
         port = free_port()
-        argv = [
-            sys.executable,
-            "-m",
-            "serving.simulator",
-            "--port",
-            str(port),
-            "--replica-id",
-            f"sim-{i}",
-            "--time-scale",
-            str(settings.time_scale),
-        ]
+        argv = simulator_argv(port=port, replica_id=f"sim-{i}", time_scale=settings.time_scale)
         process = spawn(f"sim-{i}", argv, port, logs)
         started.append(process)
         batch.append(process)

@@ -23,6 +23,7 @@ from devstack.processes import free_port, spawn, stop, wait_for_http
 from devstack.synthetic import SyntheticStream
 from pipeline.dead_letter import FORMAT
 from runner.embedded import EmbeddedRunner
+from serving.simulator.launch import simulator_argv
 from shopper.readback import list_s3_records, read_dlq
 from tests.conftest import SIM_TIME_SCALE, Isolated
 from tests.helpers import expected_prompts, final_seq_by_shopper, produce_records
@@ -94,17 +95,7 @@ def test_a_replica_killed_mid_run_loses_no_result(isolated: Isolated, tmp_path: 
     port = free_port()
     victim = spawn(
         "victim",
-        [
-            sys.executable,
-            "-m",
-            "serving.simulator",
-            "--port",
-            str(port),
-            "--replica-id",
-            "victim",
-            "--time-scale",
-            str(SIM_TIME_SCALE * 5),
-        ],
+        simulator_argv(port=port, replica_id="victim", time_scale=SIM_TIME_SCALE * 5),
         port,
         tmp_path,
     )

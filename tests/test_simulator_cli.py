@@ -5,12 +5,12 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import sys
 from pathlib import Path
 
 import aiohttp
 
 from serving.simulator.__main__ import parse_args
+from serving.simulator.launch import simulator_argv
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -25,15 +25,7 @@ def test_flags_override_environment(monkeypatch) -> None:
 async def test_subprocess_on_port_zero() -> None:
     env = {**os.environ, "PYTHONPATH": str(REPO), "SIM_ERROR_RATE": "0"}
     proc = await asyncio.create_subprocess_exec(
-        sys.executable,
-        "-m",
-        "serving.simulator",
-        "--port",
-        "0",
-        "--replica-id",
-        "cli-r1",
-        "--time-scale",
-        "0",
+        *simulator_argv(replica_id="cli-r1", time_scale=0),
         cwd=REPO,
         env=env,
         stdout=asyncio.subprocess.PIPE,

@@ -13,12 +13,13 @@ import argparse
 import asyncio
 import os
 import random
-import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
 import aiohttp
+
+from serving.simulator.launch import simulator_argv
 
 _TICKS = os.sysconf("SC_CLK_TCK")
 _REPO = Path(__file__).resolve().parents[2]
@@ -70,15 +71,7 @@ async def _drive(url: str, prompts: list[str], concurrency: int, stream: bool, o
 
 async def main(args: argparse.Namespace) -> None:
     proc = await asyncio.create_subprocess_exec(
-        sys.executable,
-        "-m",
-        "serving.simulator",
-        "--port",
-        "0",
-        "--time-scale",
-        str(args.time_scale),
-        "--replica-id",
-        "cpu-check",
+        *simulator_argv(replica_id="cpu-check", time_scale=args.time_scale),
         cwd=_REPO,
         env={**os.environ, "PYTHONPATH": str(_REPO)},
         stdout=asyncio.subprocess.PIPE,
