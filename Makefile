@@ -29,6 +29,7 @@ llama: $(STAMP)
 lint: $(STAMP)
 	$(VENV)/bin/ruff check $(CODE)
 	$(VENV)/bin/ruff format --check $(CODE)
+	$(VENV)/bin/lint-imports
 
 typecheck: $(STAMP)
 	$(VENV)/bin/mypy $(PACKAGES)

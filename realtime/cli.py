@@ -77,7 +77,7 @@ async def _serve(
     app = create_app(settings, llm_config=llm, sinks=sinks)  # type: ignore[arg-type]
     if pool_name:
         from capacity.pool import SharedPool
-        from capacity.shifter import enable_capacity_shifting
+        from realtime.shifting import enable_capacity_shifting
 
         enable_capacity_shifting(app, SharedPool(pool_name, llm.endpoints), capacity)  # type: ignore[attr-defined,arg-type]
     runner = web.AppRunner(app, access_log=None)

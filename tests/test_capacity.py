@@ -18,11 +18,12 @@ from batch.config import BatchSettings
 from batch.launch import batch_client_config, open_batch
 from capacity.controller import CapacityController, CapacitySettings
 from capacity.pool import PoolBoard, PoolFollower, SharedPool
-from capacity.shifter import CapacityShifter, enable_capacity_shifting
+from capacity.shifter import CapacityShifter
 from devstack.stack import StackState
 from llm_client.client import LLMClient
 from realtime.config import RealtimeSettings
 from realtime.service import SERVICE_KEY, create_app, realtime_client_config
+from realtime.shifting import enable_capacity_shifting
 from tests.conftest import Isolated
 
 
