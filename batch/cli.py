@@ -76,7 +76,7 @@ def submit_cmd(
     settings, sinks, llm = _environment(state_dir, from_stack)
 
     async def main() -> int:
-        from batch.runner import submit_job
+        from batch.admin import submit_job
         from batch.storage import JobStore
 
         async with JobStore(sinks, settings.jobs_prefix) as store:
@@ -121,7 +121,7 @@ def resume_cmd(
     settings, sinks, llm = _environment(state_dir, from_stack)
 
     async def main() -> int:
-        from batch.runner import prepare_resume
+        from batch.admin import prepare_resume
         from batch.storage import JobStore
 
         async with JobStore(sinks, settings.jobs_prefix) as store:
@@ -158,7 +158,7 @@ def cancel_cmd(job_id: str, state_dir: StateDir = Path(".state"), from_stack: Fr
     async def main() -> None:
         import redis.asyncio as aioredis
 
-        from batch.runner import cancel_job
+        from batch.admin import cancel_job
         from batch.storage import JobStore
 
         redis = aioredis.Redis.from_url(sinks.redis_url)

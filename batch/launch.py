@@ -13,8 +13,8 @@ import redis.asyncio as aioredis
 
 from batch.config import BatchSettings
 from batch.pool import EndpointPool
-from batch.runner import BatchWorker
 from batch.storage import JobStore
+from batch.worker import BatchWorker
 from llm_client.client import LLMClient
 from llm_client.config import ClientConfig
 from sinks.config import SinkSettings

@@ -73,6 +73,13 @@ class EndpointPool:
     def full(self) -> bool:
         return self.in_flight >= self.limit
 
+    def call_started(self) -> None:
+        """A call took one of the pool's slots (the dispatcher checks ``full`` first)."""
+        self.in_flight += 1
+
+    def call_finished(self) -> None:
+        self.in_flight -= 1
+
     def mark_limited(self) -> None:
         """The dispatcher hit the limit: this window says something about the pool."""
         self._limited = True

@@ -1,0 +1,72 @@
+"""Job administration: submit, cancel and resume batch jobs (manifests in S3, the lease in Redis)."""
+
+from __future__ import annotations
+
+import logging
+import time
+import uuid
+
+import redis.asyncio as aioredis
+
+from batch.errors import JobStateError
+from batch.manifest import TERMINAL_STATES, JobManifest, JobSpec
+from batch.storage import JobStore, S3Uri
+from sinks.keys import RedisKeys
+
+log = logging.getLogger(__name__)
+
+
+def new_job_id() -> str:
+    return time.strftime("job-%Y%m%d-%H%M%S-", time.gmtime()) + uuid.uuid4().hex[:6]
+
+
+async def submit_job(
+    store: JobStore,
+    input_uri: str,
+    output_uri: str,
+    *,
+    priority: int = 0,
+    shard_records: int = 100,
+    job_id: str | None = None,
+) -> JobManifest:
+    """Register a job (state ``queued``); fails fast when the input does not exist."""
+    S3Uri.parse(output_uri)
+    etag, size = await store.head(S3Uri.parse(input_uri))
+    spec = JobSpec(
+        job_id=job_id or new_job_id(),
+        input_uri=input_uri,
+        output_uri=output_uri.rstrip("/"),
+        priority=priority,
+        shard_records=shard_records,
+    )
+    manifest = JobManifest(spec=spec, input_etag=etag, input_bytes=size)
+    await store.write_manifest(manifest)
+    return manifest
+
+
+async def cancel_job(store: JobStore, redis: aioredis.Redis, prefix: str, job_id: str) -> JobManifest:
+    """Ask the worker running the job to stop; a job no worker holds is marked cancelled at once."""
+    manifest = await store.read_manifest(job_id)
+    if manifest.state in TERMINAL_STATES:
+        raise JobStateError(f"job {job_id} is already {manifest.state}")
+    await store.request_cancel(job_id)
+    if await redis.get(RedisKeys(prefix).batch_lease(job_id)) is None:
+        manifest.state = "cancelled"
+        manifest.message = "cancelled before a worker picked it up"
+        manifest.updated_at = time.time()
+        await store.write_manifest(manifest)
+        await store.clear_cancel(job_id)
+    return manifest
+
+
+async def prepare_resume(store: JobStore, job_id: str) -> JobManifest:
+    """Make a killed, failed or cancelled job runnable again (state ``queued``)."""
+    manifest = await store.read_manifest(job_id)
+    if manifest.state == "succeeded":
+        raise JobStateError(f"job {job_id} already succeeded; submit a new job to run it again")
+    await store.clear_cancel(job_id)
+    manifest.state = "queued"
+    manifest.message = None
+    manifest.updated_at = time.time()
+    await store.write_manifest(manifest)
+    return manifest
