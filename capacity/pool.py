@@ -115,8 +115,11 @@ class PoolFollower:
         *,
         poll_s: float = 0.5,
         handoff_s: float = 2.0,
+        clock: Callable[[], float] = time.time,
     ) -> None:
+        """``clock``: wall seconds, the shifter's clock (the split's ``changed_at`` is in it)."""
         self.board = board
+        self.clock = clock
         self.side = side
         self.apply = apply
         self.poll_s = poll_s
@@ -128,7 +131,7 @@ class PoolFollower:
         split = await self.board.read()
         if split is None:
             return self.current
-        urls = split.urls(self.side, time.time(), self.handoff_s)
+        urls = split.urls(self.side, self.clock(), self.handoff_s)
         if urls != self.current:
             log.info("%s pool now %d replica(s) (split v%d)", self.side, len(urls), split.version)
             self.current = urls

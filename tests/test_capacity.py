@@ -121,18 +121,21 @@ async def test_followers_move_real_replicas_between_the_two_sides(
     s = _settings(per_replica_rps=10.0, headroom=0.0, lead_s=0.0, scale_down_after_s=0.0, step_interval_s=0.0)
     board = PoolBoard(redis_client, isolated.prefix, pool)
     rates = iter([5.0, 25.0, 25.0, 5.0, 5.0, 100.0])
-    clock = iter(range(100))
-    shifter = CapacityShifter(
-        CapacityController(s, 3), board, lambda now: next(rates), clock=lambda: float(next(clock))
-    )
+    now = [0.0]  # one clock for the shifter and both followers: the hand-off is stepped, not slept
+
+    def clock() -> float:
+        return now[0]
+
+    shifter = CapacityShifter(CapacityController(s, 3), board, lambda _: next(rates), clock=clock)
     batch_settings = BatchSettings()
     llm = batch_client_config(stack.llm_endpoints, stack.model, batch_settings)
     realtime = realtime_client_config(stack.llm_endpoints, stack.model)
     async with open_batch(batch_settings, isolated.sinks(), llm) as runtime, LLMClient(realtime) as rt_client:
-        batch_side = PoolFollower(board, "batch", runtime.pool.set_endpoints, handoff_s=0.3)
-        rt_side = PoolFollower(board, "realtime", rt_client.set_endpoints, handoff_s=0.3)
+        batch_side = PoolFollower(board, "batch", runtime.pool.set_endpoints, handoff_s=0.3, clock=clock)
+        rt_side = PoolFollower(board, "realtime", rt_client.set_endpoints, handoff_s=0.3, clock=clock)
         seen = []
         for _ in range(6):
+            now[0] += 1.0
             decision = await shifter.tick()
             await batch_side.sync()
             await rt_side.sync()
@@ -143,7 +146,7 @@ async def test_followers_move_real_replicas_between_the_two_sides(
                     e.url for e in runtime.pool.client.endpoints
                 }
                 assert serving < set(pool.replicas), "a handed-over replica serves neither side for a moment"
-                await asyncio.sleep(0.35)
+                now[0] += 0.35
                 await rt_side.sync()
             rt_urls = [e.url for e in rt_client.endpoints]
             batch_urls = [e.url for e in runtime.pool.client.endpoints]
