@@ -17,6 +17,7 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from llm_client.config import ClientConfig
 from pipeline.enrichment import EnrichmentSettings
+from pipeline.sink_commit import SinkRetry
 from pipeline.topics import DLQ_TOPIC, EVENTS_TOPIC, INSIGHTS_TOPIC
 from prompt_assembly.processor import SessionConfig
 from sinks.config import SinkSettings
@@ -106,6 +107,7 @@ class NearRealtimeSettings(BaseSettings):
     session: SessionConfig = Field(default_factory=SessionConfig)
     sinks: SinkSettings = Field(default_factory=SinkSettings)
     sinks_enabled: bool = Field(True, description="write Redis and S3 (off only in engine benchmarks)")
+    sink_retry: SinkRetry = Field(default_factory=SinkRetry, description="the runner's policy, shared")
 
     @classmethod
     def load(cls, path: str | Path | None = None, **overrides: Any) -> NearRealtimeSettings:

@@ -310,6 +310,7 @@ class WriteResults(AsyncFunction):
                 RedisSignalSink(self.settings.sinks),
                 S3InsightSink(self.settings.sinks),
                 idle_flush_s=self.settings.async_io.sink_idle_flush_ms / 1000,
+                retry=self.settings.sink_retry,
                 on_redis_written=self._on_redis_written,
             )
         return self.committer
