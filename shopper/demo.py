@@ -74,8 +74,9 @@ def run_demo(state_dir: Path, *, events: int, shoppers: int, keep_stack: bool, c
         console.print(table)
         if state.llm_kind == "sim":
             console.print(
-                "[dim]Answers come from the TensorRT-LLM simulator, a stand-in returning schema-valid JSON "
-                "made of words from the prompt; 'shopper stack up --llm llama' serves a real model.[/dim]"
+                "[dim]Answers come from the TensorRT-LLM simulator: a rule-based stand-in that reads each "
+                "prompt's activity log (top categories by intent, price band, an occasion from the cart), not "
+                "a language model; 'shopper stack up --llm llama' serves a real one.[/dim]"
             )
         keys, records = list_s3_records(sink_settings(state), s3_prefix)
         console.print(

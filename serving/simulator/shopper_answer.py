@@ -56,7 +56,7 @@ def is_understanding_schema(schema: Mapping[str, Any] | None) -> bool:
 def shopper_understanding(log_text: str) -> dict[str, Any]:
     """The understanding of the shopper whose activity log is ``log_text`` (a prompt's user message)."""
     weights: Counter[str] = Counter()
-    committed: list[str] = []  # titles and categories of cart adds and purchases
+    committed: Counter[str] = Counter()  # title and category of cart adds and purchases -> weight
     words: list[str] = []
     prices: list[float] = []
     searches: list[str] = []
@@ -68,7 +68,7 @@ def shopper_understanding(log_text: str) -> dict[str, Any]:
             prices.append(float(match["price"]))
             words.append(f"{title} {category}".lower())
             if verb in ("added to cart", "purchased"):
-                committed.append(f"{title} {category}".lower())
+                committed[f"{title} {category}".lower()] += _WEIGHT[verb]
                 carts += verb == "added to cart"
                 purchases += verb == "purchased"
         elif match := _SEARCH.match(line):
@@ -76,7 +76,7 @@ def shopper_understanding(log_text: str) -> dict[str, Any]:
     interests = (
         [_interest(category) for category, _ in weights.most_common(3)] or searches[:2] or ["browsing"]
     )
-    occasion = _first_match(_OCCASIONS, committed) if committed else None
+    occasion = _weighted_match(_OCCASIONS, committed)
     style = _first_match(_STYLES, words) or "practical, mainstream picks"
     sensitivity = _price_sensitivity(prices)
     summary = _summary(interests, occasion, sensitivity, len(words), carts, purchases)
@@ -106,6 +106,19 @@ def _first_match(rules: tuple[tuple[tuple[str, ...], str], ...], texts: list[str
         if any(key in joined for key in keys):
             return label
     return None
+
+
+def _weighted_match(rules: tuple[tuple[tuple[str, ...], str], ...], texts: Counter[str]) -> str | None:
+    """The label whose keywords the heaviest items match (ties: the earlier rule)."""
+    scores: Counter[str] = Counter()
+    for text, weight in texts.items():
+        label = _first_match(rules, [text])
+        if label is not None:
+            scores[label] += weight
+    if not scores:
+        return None
+    order = {label: i for i, (_, label) in enumerate(rules)}
+    return max(scores, key=lambda label: (scores[label], -order[label]))
 
 
 def _price_sensitivity(prices: list[float]) -> str:
