@@ -75,8 +75,8 @@ def run_demo(state_dir: Path, *, events: int, shoppers: int, keep_stack: bool, c
         if state.llm_kind == "sim":
             console.print(
                 "[dim]Answers come from the TensorRT-LLM simulator: a rule-based stand-in that reads each "
-                "prompt's activity log (top categories by intent, price band, an occasion from the cart), not "
-                "a language model; 'shopper stack up --llm llama' serves a real one.[/dim]"
+                "prompt's activity log (top categories by intent, price band, an occasion from the cart), "
+                "not a language model; 'shopper stack up --llm llama' serves a real one.[/dim]"
             )
         keys, records = list_s3_records(sink_settings(state), s3_prefix)
         console.print(
