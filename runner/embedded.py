@@ -93,7 +93,11 @@ class EmbeddedRunner:
             {"bootstrap.servers": s.bootstrap_servers, "linger.ms": 20, "log.connection.close": False}
         )
         self.dead_letters = DeadLetterPublisher(
-            producer, s.dlq_topic, self.log, max_original_bytes=s.dlq_max_original_bytes
+            producer,
+            s.dlq_topic,
+            self.log,
+            max_original_bytes=s.dlq_max_original_bytes,
+            counts=self.stats.dead_letters,
         )
         self.consumer.subscribe([s.topic], on_assign=self._on_assign, on_revoke=self._on_revoke)
         for sig in (signal.SIGTERM, signal.SIGINT):
@@ -150,8 +154,7 @@ class EmbeddedRunner:
 
     @property
     def undelivered_dead_letters(self) -> int:
-        publisher = getattr(self, "dead_letters", None)
-        return 0 if publisher is None else publisher.undelivered
+        return self.stats.dead_letters.undelivered
 
     # ---- ingest --------------------------------------------------------------------------------
     async def _ingest(self) -> None:

@@ -10,6 +10,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from pipeline.accounting import Accounting
+from runner.dead_letters import DeadLetterCounts
 
 FRESHNESS_SAMPLES_KEPT = 100_000
 
@@ -29,6 +30,8 @@ class RunnerStats:
     paused_times: int = 0
     sink_retries: int = 0
     """Sink writes (Redis, S3, session store) retried after a failure (an outage, a restart)."""
+    dead_letters: DeadLetterCounts = field(default_factory=DeadLetterCounts)
+    """Queued, delivered, shrunk and undelivered dead letters, and dead letters by reason category."""
     first_event_at: float | None = None
     last_event_at: float | None = None
     """Monotonic times of the first and last event processed: the ingest window."""

@@ -1,0 +1,223 @@
+"""Dead letters at the size limits, against the real broker: nothing a producer sends stops the stream.
+
+The limits that matter, and what was found about them here:
+- librdkafka's producer refuses a record over its ``message.max.bytes`` (1,000,000 by default) before it
+  leaves the process (``MSG_SIZE_TOO_LARGE``, raised by ``produce``). That is the limit the runner's own
+  DLQ producer meets.
+- A Kafka broker refuses a batch over ``message.max.bytes`` (1,048,588 by default) or over a topic's
+  ``max.message.bytes``. Tansu 0.6 stores a topic's ``max.message.bytes`` (describe_configs returns it)
+  but does not enforce it, nor any broker-wide limit: a 12 MB record was accepted. So on Tansu the
+  event topic takes every size below, and the DLQ's refusal is exercised through the producer limit;
+  with a real Kafka (Docker) the topics' ``max.message.bytes`` set here are enforced as well.
+
+Every hostile record goes onto the event topic with a producer whose ``message.max.bytes`` is raised,
+as a misconfigured upstream would; the runner must dead-letter each one with a bounded record, keep
+going, and account for every event.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import hashlib
+import time
+from collections.abc import Iterator
+
+import pytest
+from confluent_kafka import Producer
+from confluent_kafka.admin import AdminClient, NewTopic  # type: ignore[attr-defined]
+
+from devstack.stack import StackState
+from devstack.synthetic import SyntheticStream
+from pipeline.dead_letter import DEFAULT_MAX_ORIGINAL_BYTES, MAX_REASON_CHARS, DeadLetter, dead_letter
+from prompt_assembly.events import MAX_EVENT_BYTES
+from runner.dead_letters import DeadLetterPublisher
+from runner.embedded import EmbeddedRunner
+from shopper.readback import read_dlq
+from tests.conftest import Isolated
+from tests.helpers import expected_prompts
+
+pytestmark = pytest.mark.slow
+
+PRODUCER_LIMIT = 1_000_000
+"""librdkafka's default ``message.max.bytes``."""
+BROKER_LIMIT = 1_048_588
+"""Kafka's default broker ``message.max.bytes``."""
+EVENT_TOPIC_LIMIT = 8 * 1024 * 1024
+"""The events topic's ``max.message.bytes`` here: a broker that allows large records upstream."""
+DLQ_TOPIC_LIMIT = 256 * 1024
+"""The DLQ's ``max.message.bytes``: smaller than the biggest dead letter the second test makes."""
+
+HOSTILE_SIZES = [
+    MAX_EVENT_BYTES,  # at the gate's own limit (not a valid event: padding)
+    MAX_EVENT_BYTES + 1,
+    PRODUCER_LIMIT - 1_000,  # just below a default producer's limit
+    PRODUCER_LIMIT,  # at it
+    BROKER_LIMIT,  # at a default broker's limit
+    BROKER_LIMIT + 1,  # just above it
+    2 * 1024 * 1024,  # the ~2 MB record that used to stop the runner
+    5 * 1024 * 1024,
+]
+
+
+def hostile_records() -> list[tuple[bytes, bytes, bool]]:
+    """Oversized text records, an oversized binary one (base64 in its dead letter) and one of JSON
+    control-character escapes (the worst case for the dead letter's size)."""
+    records = [(f"hostile-{size}".encode(), b"x" * size, True) for size in HOSTILE_SIZES]
+    records.append((b"hostile-binary", bytes(range(256)) * 6_000, True))
+    records.append((b"hostile-controls", b"\x01" * 300_000, True))
+    return records
+
+
+@pytest.fixture
+def limits(stack: StackState) -> Iterator[Isolated]:
+    """An isolated topic pair with the size limits above (honoured by Kafka, stored by Tansu)."""
+    iso = Isolated(stack)
+    admin = AdminClient({"bootstrap.servers": stack.kafka_bootstrap})
+    futures = admin.create_topics(
+        [
+            NewTopic(iso.topic, 2, 1, config={"max.message.bytes": str(EVENT_TOPIC_LIMIT)}),
+            NewTopic(iso.dlq_topic, 1, 1, config={"max.message.bytes": str(DLQ_TOPIC_LIMIT)}),
+        ]
+    )
+    for future in futures.values():
+        future.result(timeout=10)
+    yield iso
+    iso.cleanup()
+
+
+def produce_large(bootstrap: str, topic: str, records: list[tuple[bytes, bytes, bool]]) -> None:
+    """As an upstream with a raised ``message.max.bytes`` would."""
+    producer = Producer(
+        {
+            "bootstrap.servers": bootstrap,
+            "message.max.bytes": EVENT_TOPIC_LIMIT + 100_000,
+            "linger.ms": 5,
+            "log.connection.close": False,
+        }
+    )
+    for key, value, _ in records:
+        producer.produce(topic, key=key, value=value)
+    assert producer.flush(60) == 0
+
+
+def stream_with_hostile_records(seed: int) -> list[tuple[bytes, bytes, bool]]:
+    """Good events with the hostile records spread among them."""
+    good = SyntheticStream(shoppers=20, seed=seed).take(300)
+    hostile = hostile_records()
+    step = len(good) // (len(hostile) + 1)
+    records = list(good)
+    for i, record in enumerate(hostile):
+        records.insert((i + 1) * step + i, record)
+    return records
+
+
+def original_of(letter: DeadLetter) -> bytes:
+    assert letter.original is not None
+    if letter.original_encoding == "base64":
+        return base64.b64decode(letter.original)
+    return letter.original.encode()
+
+
+def run_runner(iso: Isolated, **overrides: object) -> tuple[EmbeddedRunner, list[str]]:
+    lines: list[str] = []
+    runner = EmbeddedRunner(iso.runner(**overrides), log=lines.append)
+    asyncio.run(runner.run())
+    return runner, lines
+
+
+def test_records_at_and_past_every_size_limit_are_dead_lettered_bounded_and_the_stream_goes_on(
+    limits: Isolated,
+) -> None:
+    records = stream_with_hostile_records(seed=61)
+    produce_large(limits.stack.kafka_bootstrap, limits.topic, records)
+    expected = expected_prompts(records)
+
+    runner, lines = run_runner(limits)
+
+    acct = runner.stats.accounting
+    hostile = {value: key for key, value, bad in records if bad}
+    assert acct.consumed == len(records), "the runner read past every large record"
+    assert acct.dead_lettered == len(hostile) and acct.balanced
+    assert acct.insights + acct.errors == len(expected) and acct.errors == 0
+    assert runner.undelivered_dead_letters == 0, lines[-5:]
+
+    raw = read_dlq(limits.stack.kafka_bootstrap, limits.dlq_topic)
+    letters = [DeadLetter.model_validate(d) for d in raw]
+    assert len(letters) == len(hostile)
+    by_hash = {hashlib.sha256(value).hexdigest(): value for value in hostile}
+    bound = 6 * (DEFAULT_MAX_ORIGINAL_BYTES + MAX_REASON_CHARS)
+    for letter in letters:
+        value = by_hash[letter.original_sha256 or ""]  # the hash names the original exactly
+        assert letter.original_size == len(value)
+        assert len(letter.to_bytes()) <= bound, "a dead letter is bounded whatever came in"
+        assert letter.truncated == (len(value) > DEFAULT_MAX_ORIGINAL_BYTES)
+        assert value.startswith(original_of(letter)), "what is kept is the original's head, unchanged"
+        assert letter.reason
+
+
+def test_a_dead_letter_the_dlq_refuses_for_size_is_sent_without_its_original(limits: Isolated) -> None:
+    """Dead letters allowed to keep 6 MB of the original: those above the DLQ producer's limit are
+    refused by it, and go as the minimal record (hash, size and position, no original); the runner
+    neither stops nor loses one."""
+    records = stream_with_hostile_records(seed=62)
+    produce_large(limits.stack.kafka_bootstrap, limits.topic, records)
+
+    runner, lines = run_runner(limits, dlq_max_original_bytes=6 * 1024 * 1024)
+
+    acct = runner.stats.accounting
+    hostile = [value for _, value, bad in records if bad]
+    assert acct.consumed == len(records) and acct.balanced
+    assert runner.undelivered_dead_letters == 0, lines[-5:]
+    letters = [DeadLetter.model_validate(d) for d in read_dlq(limits.stack.kafka_bootstrap, limits.dlq_topic)]
+    assert sorted(letter.original_sha256 or "" for letter in letters) == sorted(
+        hashlib.sha256(v).hexdigest() for v in hostile
+    )
+    by_hash = {hashlib.sha256(value).hexdigest(): value for value in hostile}
+    for letter in letters:
+        value = by_hash[letter.original_sha256 or ""]
+        full_size = len(dead_letter(value, "r", max_original_bytes=len(value)).to_bytes())
+        if letter.original is None:  # refused whole, sent minimal
+            assert letter.truncated and "DLQ refused" in letter.reason
+            assert full_size > PRODUCER_LIMIT * 0.95
+        else:
+            assert not letter.truncated and full_size < PRODUCER_LIMIT
+    shrunk = sum(1 for letter in letters if letter.original is None)
+    assert shrunk >= 5, "the records at and above the producer's limit were all shrunk"
+    assert runner.stats.dead_letters.shrunk == shrunk
+
+
+def test_a_dead_letter_that_can_never_be_produced_is_counted_not_fatal(limits: Isolated) -> None:
+    """A DLQ producer whose limit is below even the minimal record (librdkafka's minimum, 1,000
+    bytes, and a long reason): each dead letter is refused twice, counted as undelivered and logged;
+    ``publish`` never raises."""
+    lines: list[str] = []
+    producer = Producer(
+        {"bootstrap.servers": limits.stack.kafka_bootstrap, "message.max.bytes": 1_000, "linger.ms": 0}
+    )
+    publisher = DeadLetterPublisher(producer, limits.dlq_topic, lines.append)
+    for i in range(3):
+        publisher.publish_value(b"y" * 50_000, "z" * 2_000, topic=limits.topic, partition=0, offset=i)
+    assert publisher.flush(10) == 0
+    assert publisher.undelivered == 3 and publisher.shrunk == 3 and publisher.delivered == 0
+    assert sum("NOT delivered" in line for line in lines) == 3
+
+
+def test_a_full_producer_queue_waits_for_deliveries_instead_of_failing(limits: Isolated) -> None:
+    """A producer queue of two records: ``produce`` raises ``BufferError`` at the third; the
+    publisher lets deliveries drain it and every dead letter arrives."""
+    producer = Producer(
+        {
+            "bootstrap.servers": limits.stack.kafka_bootstrap,
+            "queue.buffering.max.messages": 2,
+            "linger.ms": 50,
+        }
+    )
+    publisher = DeadLetterPublisher(producer, limits.dlq_topic, lambda _: None)
+    started = time.monotonic()
+    for i in range(40):
+        publisher.publish_value(b"not json %d" % i, "invalid JSON", topic=limits.topic, partition=1, offset=i)
+    assert publisher.flush(30) == 0, f"after {time.monotonic() - started:.1f} s"
+    assert publisher.delivered == 40 and publisher.undelivered == 0
+    offsets = sorted(d["offset"] for d in read_dlq(limits.stack.kafka_bootstrap, limits.dlq_topic))
+    assert offsets == list(range(40))
