@@ -79,13 +79,11 @@ def dead_letter(
     """The dead letter of one rejected record; never raises for any ``value``."""
     if len(reason) > MAX_REASON_CHARS:
         reason = reason[: MAX_REASON_CHARS - 1] + "…"
+    source = {"topic": topic, "partition": partition, "offset": offset, "timestamp_ms": timestamp_ms}
     if value is None:
         return DeadLetter(
             reason=reason,
-            topic=topic,
-            partition=partition,
-            offset=offset,
-            timestamp_ms=timestamp_ms,
+            **source,
             original=None,
             original_encoding=None,
             original_size=0,
@@ -94,7 +92,6 @@ def dead_letter(
         )
     value = bytes(value)
     kept = value[: max(0, max_original_bytes)]
-    truncated = len(kept) < len(value)
     original: str
     encoding: Literal["utf-8", "base64"]
     try:
@@ -105,15 +102,12 @@ def dead_letter(
         original, encoding = base64.b64encode(kept).decode("ascii"), "base64"
     return DeadLetter(
         reason=reason,
-        topic=topic,
-        partition=partition,
-        offset=offset,
-        timestamp_ms=timestamp_ms,
+        **source,
         original=original,
         original_encoding=encoding,
         original_size=len(value),
         original_sha256=hashlib.sha256(value).hexdigest(),
-        truncated=truncated,
+        truncated=len(kept) < len(value),
     )
 
 
