@@ -9,7 +9,7 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed-$(shell cat pyproject.toml | sha1sum | cut -c1-12)
 PYTEST_ARGS ?=
-PACKAGES := prompt_assembly llm_client serving sinks pipeline runner flink_jobs capacity devstack shopper batch realtime
+PACKAGES := prompt_assembly llm_client serving sinks pipeline runner flink_jobs capacity devstack shopper batch realtime gateway
 CODE     := $(PACKAGES) tests bench scripts
 
 .PHONY: demo test lint typecheck pytest llama bench clean stack-down

@@ -13,7 +13,7 @@ import asyncio
 import contextlib
 import random
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from dataclasses import replace
 from typing import Any
 
@@ -32,6 +32,7 @@ from llm_client.errors import (
     RetryBudgetExhausted,
 )
 from llm_client.models import Completion
+from llm_client.passthrough import Forwarded
 from llm_client.retry import RetryBudget, backoff_s
 from llm_client.routing import RouteOutcome, RouteRequest, RoutingPolicy, make_policy
 from llm_client.routing.health_monitor import DegradationDetector
@@ -282,6 +283,153 @@ class LLMClient:
         re-admit one, instead of failing every request of a short outage."""
         while not any(e.routable for e in self.endpoints):
             await asyncio.sleep(self.config.health.interval_s / 2)
+
+    # ---- raw pass-through, for the routing gateway (gateway/) -----------------------------------
+    @contextlib.asynccontextmanager
+    async def forward(
+        self,
+        path: str,
+        body: bytes | None,
+        route: RouteRequest,
+        *,
+        method: str = "POST",
+        headers: Mapping[str, str] | None = None,
+        deadline_s: float | None = None,
+    ) -> AsyncIterator[Forwarded]:
+        """Send ``body`` unchanged to the replica the policy picks for ``route`` and yield its answer
+        unread, for a proxy to pass on byte for byte (``Forwarded.chunks``).
+
+        Same routing, backpressure, retry budget, ejection and health as ``request``: a refused
+        connection, a timeout, a 5xx or a 429 is retried on another replica; the first answer with any
+        other status (2xx, or a 4xx the caller must see) is yielded. Retries happen only before the
+        yield: once the caller holds the answer, a replica that breaks off raises from ``chunks`` (and
+        is blamed), since bytes may already be on their way. The deadline covers the whole block. When
+        the block exits the replica's load is given back; a body read to its end teaches the policy and
+        the degradation detector (usage and first-byte time read in passing), one the caller left
+        unread teaches nothing."""
+        deadline = deadline_s if deadline_s is not None else self.config.timeouts.deadline_s
+        tried: list[str] = []
+        async with self._gate:
+            self.in_flight += 1
+            try:
+                async with asyncio.timeout(deadline):
+                    self._budget.on_request()
+                    forwarded: Forwarded | None = None
+                    last_error: LLMError | None = None
+                    for attempt in range(self.config.retry.max_attempts):
+                        if attempt > 0:
+                            if not self._budget.try_spend():
+                                raise RetryBudgetExhausted(f"retry budget exhausted after: {last_error}")
+                            self.retries += 1
+                            await asyncio.sleep(backoff_s(attempt - 1, self.config.retry, self._rng))
+                        if not any(e.routable for e in self.endpoints):
+                            await self._wait_for_routable()
+                        endpoint = self._choose(route, tried)
+                        tried.append(endpoint.name)
+                        try:
+                            forwarded = await self._forward_attempt(
+                                endpoint, method, path, body, route, headers or {}
+                            )
+                            break
+                        except LLMError as exc:
+                            if not exc.retryable:
+                                raise
+                            last_error = exc
+                    if forwarded is None:
+                        assert last_error is not None
+                        raise last_error
+                    forwarded.attempts = len(tried)
+                    try:
+                        yield forwarded
+                    except (EndpointUnavailable, AttemptTimeout) as exc:  # from chunks(): broke off
+                        self._fail(forwarded.endpoint, route, connection=isinstance(exc, EndpointUnavailable))
+                        raise
+                    finally:
+                        forwarded.release()
+                    if forwarded.finished_ms is not None and forwarded.status < 400:
+                        self._forward_learn(forwarded, route)
+            except TimeoutError:
+                error = DeadlineExceeded(f"no answer within the {deadline:.3f} s deadline")
+                error.attempts = len(tried)
+                raise error from None
+            except LLMError as exc:
+                exc.attempts = len(tried)
+                raise
+            finally:
+                self.in_flight -= 1
+
+    async def _forward_attempt(
+        self,
+        endpoint: Endpoint,
+        method: str,
+        path: str,
+        body: bytes | None,
+        route: RouteRequest,
+        headers: Mapping[str, str],
+    ) -> Forwarded:
+        assert self._session is not None, "call start() or use 'async with' first"
+        forwarded = Forwarded(
+            endpoint, route.max_tokens, self.policy.estimate_uncached_tokens(route, endpoint)
+        )
+        forwarded.hold()
+        timeout = aiohttp.ClientTimeout(
+            total=self.config.timeouts.attempt_s, sock_connect=self.config.timeouts.connect_s
+        )
+        try:
+            forwarded.response = await self._session.request(
+                method,
+                endpoint.url + path,
+                data=body,
+                headers={**headers, "x-session-id": route.key},
+                timeout=timeout,
+            )
+            if forwarded.response.status == 429 or forwarded.response.status >= 500:
+                await self._raise_for_status(forwarded.response, endpoint)
+            return forwarded
+        except aiohttp.ServerTimeoutError:
+            forwarded.release()
+            self._fail(endpoint, route, connection=False)
+            raise AttemptTimeout("connect or read timed out", endpoint=endpoint.name) from None
+        except (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError, ConnectionError) as exc:
+            forwarded.release()
+            self._fail(endpoint, route, connection=True)
+            raise EndpointUnavailable(f"connection failed: {exc!r}", endpoint=endpoint.name) from None
+        except TimeoutError:
+            forwarded.release()
+            self._fail(endpoint, route, connection=False)
+            raise AttemptTimeout(
+                f"attempt exceeded {self.config.timeouts.attempt_s} s", endpoint=endpoint.name
+            ) from None
+        except LLMError:
+            forwarded.release()
+            self._fail(endpoint, route, connection=False)
+            raise
+        except BaseException:
+            forwarded.release()
+            raise
+
+    def _forward_learn(self, forwarded: Forwarded, route: RouteRequest) -> None:
+        endpoint, tap = forwarded.endpoint, forwarded.tap
+        if tap.error is not None:  # an error event inside a 200 stream: the replica failed the request
+            self._fail(endpoint, route, connection=False)
+            return
+        prompt, cached, completion_tokens = _usage(tap.usage, tap.timings)
+        latency = forwarded.finished_ms or 0.0
+        ttft = forwarded.first_byte_ms if tap.streaming and forwarded.first_byte_ms is not None else latency
+        endpoint.record_success(latency, ttft)
+        self.degradation.observe_success(
+            endpoint, latency, prompt_tokens=prompt, cached_tokens=cached, completion_tokens=completion_tokens
+        )
+        self.degradation.evaluate(self.endpoints)
+        self.policy.observe(
+            route,
+            endpoint,
+            RouteOutcome(
+                ok=True, prompt_tokens=prompt, cached_tokens=cached, latency_ms=latency, ttft_ms=ttft
+            ),
+        )
+
+    # ---- end of raw pass-through ------------------------------------------------------------------
 
     # ---- health --------------------------------------------------------------------------------
     def eject(self, endpoint: Endpoint) -> None:

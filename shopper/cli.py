@@ -28,10 +28,12 @@ stack_app = typer.Typer(no_args_is_help=True, help="Start, stop and inspect the 
 app.add_typer(stack_app, name="stack")
 # Batch and real-time paths (issue 5): sub-apps mounted from their packages.
 from batch.cli import batch_app  # noqa: E402
+from gateway.cli import router_app  # noqa: E402
 from realtime.cli import realtime_app  # noqa: E402
 
 app.add_typer(batch_app, name="batch")
 app.add_typer(realtime_app, name="realtime")
+app.add_typer(router_app, name="router")
 console = Console(width=None if sys.stdout.isatty() else 150)
 StateDir = Annotated[Path, typer.Option(help="where the stack keeps its state file and logs")]
 

@@ -1,0 +1,86 @@
+"""The gateway's aiohttp application: ``create_app`` builds it, ``serve`` runs it until SIGINT/SIGTERM.
+
+Routes: ``POST /v1/chat/completions``, ``POST /v1/completions``, ``GET /v1/models`` (proxied, see
+``gateway.proxy``), ``GET /health`` (200 while at least one replica is routable, else 503, so a load
+balancer in front stops sending), ``GET /metrics`` (Prometheus). One ``LLMClient`` per application owns
+the replicas' state (health, load, the policy's cache knowledge); nothing is global.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import signal
+from collections.abc import AsyncIterator
+
+import orjson
+from aiohttp import web
+
+from gateway.config import GatewaySettings
+from gateway.metrics import CONTENT_TYPE, GatewayMetrics
+from gateway.proxy import OpenAIProxy
+from llm_client.client import LLMClient
+from llm_client.config import ClientConfig
+
+CLIENT_KEY = web.AppKey("client", LLMClient)
+METRICS_KEY = web.AppKey("metrics", GatewayMetrics)
+
+
+def create_app(settings: GatewaySettings, client_config: ClientConfig) -> web.Application:
+    """An application with its own LLM client (started and closed with the application)."""
+    app = web.Application(client_max_size=settings.max_body_bytes)
+    client = LLMClient(client_config)
+    metrics = GatewayMetrics(client)
+    app[CLIENT_KEY] = client
+    app[METRICS_KEY] = metrics
+    proxy = OpenAIProxy(client, settings, metrics)
+    app.router.add_post("/v1/chat/completions", proxy.generate)
+    app.router.add_post("/v1/completions", proxy.generate)
+    app.router.add_get("/v1/models", proxy.models)
+    app.router.add_get("/health", _health)
+    app.router.add_get("/metrics", _metrics)
+    app.cleanup_ctx.append(_client_lifetime)
+    return app
+
+
+async def _client_lifetime(app: web.Application) -> AsyncIterator[None]:
+    async with app[CLIENT_KEY]:
+        yield
+
+
+async def _health(request: web.Request) -> web.Response:
+    endpoints = request.app[CLIENT_KEY].endpoints
+    routable = sum(e.routable for e in endpoints)
+    body = {
+        "status": "ok" if routable else "unavailable",
+        "routable_replicas": routable,
+        "replicas": [
+            {"name": e.name, "routable": e.routable, "outstanding": e.outstanding} for e in endpoints
+        ],
+    }
+    return web.Response(
+        body=orjson.dumps(body), status=200 if routable else 503, content_type="application/json"
+    )
+
+
+async def _metrics(request: web.Request) -> web.Response:
+    return web.Response(body=request.app[METRICS_KEY].render(), headers={"Content-Type": CONTENT_TYPE})
+
+
+async def serve(settings: GatewaySettings, client_config: ClientConfig) -> None:
+    """Listen on ``settings.host:port`` and print ``READY http://HOST:PORT`` (the real port when 0)."""
+    runner = web.AppRunner(create_app(settings, client_config), access_log=None)
+    await runner.setup()
+    try:
+        site = web.TCPSite(runner, settings.host, settings.port)
+        await site.start()
+        port = next(a[1] for a in runner.addresses if isinstance(a, tuple))
+        print(f"READY http://{settings.host}:{port}", flush=True)
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            with contextlib.suppress(NotImplementedError):
+                loop.add_signal_handler(sig, stop.set)
+        await stop.wait()
+    finally:
+        await runner.cleanup()

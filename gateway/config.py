@@ -1,0 +1,28 @@
+"""Gateway settings: one pydantic-settings model (env prefix ``GATEWAY_``), printed on start.
+
+The replicas, routing policy, retries, timeouts and health checks are the LLM client's own settings
+(``llm_client.config.ClientConfig``, env prefix ``LLM_``): the gateway adds only what belongs to the
+HTTP face in front of them.
+"""
+
+from __future__ import annotations
+
+from pydantic import Field
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+
+class GatewaySettings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="GATEWAY_")
+
+    host: str = "127.0.0.1"
+    port: int = Field(8100, ge=0, le=65535, description="0 picks a free port (printed in the READY line)")
+    shopper_key_header: str = Field(
+        "x-session-id", description="header carrying the routing key; the body's `user` field is the fallback"
+    )
+    default_max_tokens: int = Field(
+        200, ge=1, description="decode budget assumed for load accounting when a request sets no max_tokens"
+    )
+    max_body_bytes: int = Field(32 * 1024 * 1024, ge=1024, description="largest request body accepted")
+    deadline_s: float | None = Field(
+        None, gt=0, description="whole request, retries and streaming included; default: LLM timeouts"
+    )

@@ -1,0 +1,107 @@
+"""Prometheus metrics of the gateway, in a registry of its own (no process-wide state).
+
+Two kinds: what the gateway counts itself (requests by path and status, latency to the last byte, time
+to the first byte of a stream, answers that broke off mid-stream), and what the LLM client already knows,
+read at scrape time so it is never stale or double-counted (per-replica health, load and counters,
+retries, requests in flight, the routing policy's decision counters).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterator
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from llm_client.client import LLMClient
+
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+_LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+
+
+class GatewayMetrics:
+    def __init__(self, client: LLMClient) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        self.requests = Counter(
+            "gateway_requests",
+            "Requests answered, by path and HTTP status (the replica's, or the gateway's own error)",
+            ["path", "status"],
+            registry=self.registry,
+        )
+        self.latency = Histogram(
+            "gateway_request_duration_seconds",
+            "From the request's arrival to the answer's last byte",
+            ["path"],
+            buckets=_LATENCY_BUCKETS,
+            registry=self.registry,
+        )
+        self.first_byte = Histogram(
+            "gateway_time_to_first_byte_seconds",
+            "From the request's arrival to the first body byte of a streamed answer (about the TTFT)",
+            ["path"],
+            buckets=_LATENCY_BUCKETS,
+            registry=self.registry,
+        )
+        self.broken_streams = Counter(
+            "gateway_broken_answers",
+            "Answers cut off after their first byte (the replica died or stalled mid-answer)",
+            ["replica"],
+            registry=self.registry,
+        )
+        self.registry.register(ClientCollector(client))
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+
+class ClientCollector(Collector):
+    """The LLM client's own state, read at scrape time."""
+
+    def __init__(self, client: LLMClient) -> None:
+        self._client = client
+
+    def collect(self) -> Iterator[Metric]:
+        client = self._client
+        in_flight = GaugeMetricFamily("gateway_in_flight", "Requests holding a replica slot or waiting")
+        in_flight.add_metric([], client.in_flight)
+        yield in_flight
+        retries = CounterMetricFamily("gateway_retries", "Attempts made on another replica after a failure")
+        retries.add_metric([], client.retries)
+        yield retries
+        routable = GaugeMetricFamily(
+            "gateway_replica_routable",
+            "1 when the replica takes traffic (healthy, not drained)",
+            labels=["replica"],
+        )
+        outstanding = GaugeMetricFamily(
+            "gateway_replica_outstanding", "Requests in flight on the replica", labels=["replica"]
+        )
+        served = CounterMetricFamily("gateway_replica_served", "Attempts answered", labels=["replica"])
+        failed = CounterMetricFamily("gateway_replica_failed", "Attempts failed", labels=["replica"])
+        ejections = CounterMetricFamily("gateway_replica_ejections", "Times ejected", labels=["replica"])
+        for endpoint in client.endpoints:
+            label = [endpoint.name]
+            routable.add_metric(label, 1.0 if endpoint.routable else 0.0)
+            outstanding.add_metric(label, endpoint.outstanding)
+            served.add_metric(label, endpoint.served)
+            failed.add_metric(label, endpoint.failed)
+            ejections.add_metric(label, endpoint.ejections)
+        yield from (routable, outstanding, served, failed, ejections)
+        yield from _policy_counters(client)
+
+
+def _policy_counters(client: LLMClient) -> Iterator[Metric]:
+    """The policy's decision counters when it keeps any (``prefix_aware``'s ``stats``)."""
+    stats = getattr(client.policy, "stats", None)
+    if stats is None or not dataclasses.is_dataclass(stats):
+        return
+    for item in dataclasses.fields(stats):
+        value = getattr(stats, item.name)
+        if isinstance(value, int | float) and not isinstance(value, bool):
+            family = CounterMetricFamily(
+                f"gateway_policy_{item.name}", f"Routing policy counter {item.name}", labels=["policy"]
+            )
+            family.add_metric([client.policy.name], float(value))
+            yield family

@@ -1,0 +1,101 @@
+"""From an incoming OpenAI request to the routing policy's view of it (pure, no I/O).
+
+The body is read, never rewritten: the replica receives the caller's bytes. What the policy needs is
+taken from them:
+
+- the routing key (the shopper): the ``x-session-id`` header (configurable), else the body's ``user``
+  field (OpenAI's end-user id, which SDKs and Flink's OpenAI provider can set), else a key unique to
+  the request, so a caller that names no shopper gets no affinity rather than one hot replica;
+- the prompt as the replica's prefix cache sees it: chat messages flattened exactly as
+  ``LLMClient.chat`` and the simulator flatten them (text parts of multi-part messages only), or the
+  completion prompt, so the block hashes of both paths agree;
+- the decode budget (``max_completion_tokens`` / ``max_tokens``) for load accounting.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Mapping
+from typing import Any
+
+import orjson
+from pydantic import BaseModel, ConfigDict, ValidationError
+
+from llm_client.routing import RouteRequest
+from prompt_assembly.tokens import messages_text
+
+CHARS_PER_TOKEN = 4
+"""The client's own prompt-size estimate (``LLMClient.chat``): load accounting, not billing."""
+
+
+class InvalidRequest(ValueError):
+    """The body cannot be routed (not JSON, not an object, wrong field types): answered 400."""
+
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+class RoutingView(BaseModel):
+    """The fields of a chat or completion request that routing reads; everything else is ignored
+    here and passed on untouched."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    messages: list[dict[str, Any]] | None = None
+    prompt: str | list[Any] | None = None
+    user: str | None = None
+    max_tokens: int | None = None
+    max_completion_tokens: int | None = None
+    stream: bool | None = None
+
+    def prompt_text(self) -> str:
+        if self.messages is not None:
+            return messages_text(
+                [{"role": str(m.get("role", "user")), "content": _text(m)} for m in self.messages]
+            )
+        if isinstance(self.prompt, list):
+            return str(self.prompt[0]) if self.prompt else ""
+        return self.prompt or ""
+
+
+def _text(message: Mapping[str, Any]) -> str:
+    content = message.get("content")
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        return "".join(
+            str(part.get("text") or "")
+            for part in content
+            if isinstance(part, dict) and part.get("type") == "text"
+        )
+    return str(content)
+
+
+def route_for(
+    body: bytes, headers: Mapping[str, str], *, key_header: str, default_max_tokens: int
+) -> RouteRequest:
+    """The policy's view of one request; raises ``InvalidRequest`` when the body cannot be routed."""
+    try:
+        document = orjson.loads(body)
+    except orjson.JSONDecodeError as exc:
+        raise InvalidRequest(f"request body is not valid JSON: {exc}") from None
+    if not isinstance(document, dict):
+        raise InvalidRequest("request body must be a JSON object")
+    try:
+        view = RoutingView.model_validate(document)
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        param = ".".join(str(p) for p in first["loc"]) or None
+        raise InvalidRequest(f"{param}: {first['msg']}", param) from None
+    key = headers.get(key_header) or view.user or f"anonymous-{uuid.uuid4().hex}"
+    text = view.prompt_text()
+    max_tokens = view.max_completion_tokens or view.max_tokens or default_max_tokens
+    return RouteRequest(key, text, len(text) // CHARS_PER_TOKEN, max_tokens)
+
+
+def models_route() -> RouteRequest:
+    """``GET /v1/models``: no prompt, no decode work; any routable replica may answer."""
+    return RouteRequest(f"models-{uuid.uuid4().hex}", "", 0, 0)

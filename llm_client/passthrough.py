@@ -1,0 +1,149 @@
+"""A replica's answer handed over unread: what ``LLMClient.forward`` yields to a proxy.
+
+The bytes reach the caller exactly as the replica sent them, chunk by chunk as they arrive. On the way a
+tap reads just enough of them for the routing policy and the health detector to learn what they learn
+from a parsed answer: when the first body byte came (the time to first token of a stream), the usage
+(prompt, cached and completion tokens, or llama-server's ``timings``) and an ``error`` event inside a
+stream. Only lines that mention ``usage``, ``timings`` or ``error`` are decoded, so the tap costs a
+substring search per chunk.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import aiohttp
+import orjson
+from multidict import CIMultiDictProxy
+
+from llm_client.endpoints import Endpoint
+from llm_client.errors import AttemptTimeout, EndpointUnavailable
+
+_INTERESTING = (b'"usage"', b'"timings"', b'"error"')
+
+
+@dataclass(slots=True)
+class UsageTap:
+    """Reads usage and errors from an answer's bytes without changing or holding up any of them."""
+
+    streaming: bool
+    usage: dict[str, Any] | None = None
+    timings: dict[str, Any] | None = None
+    error: str | None = None
+    _tail: bytes = b""
+    _body: list[bytes] = field(default_factory=list)
+
+    def feed(self, data: bytes) -> None:
+        if not self.streaming:
+            self._body.append(data)  # one JSON document, read when it is complete
+            return
+        lines = (self._tail + data).split(b"\n")
+        self._tail = lines.pop()
+        for line in lines:
+            if line.startswith(b"data:") and any(word in line for word in _INTERESTING):
+                self._read(line[5:].strip())
+
+    def finish(self) -> None:
+        if self.streaming:
+            if self._tail.startswith(b"data:"):
+                self._read(self._tail[5:].strip())
+            self._tail = b""
+        else:
+            self._read(b"".join(self._body))
+            self._body.clear()
+
+    def _read(self, payload: bytes) -> None:
+        try:
+            document = orjson.loads(payload)
+        except orjson.JSONDecodeError:
+            return  # ``[DONE]``, or a body that is not JSON: the caller gets it as it is
+        if not isinstance(document, dict):
+            return
+        self.usage = document.get("usage") or self.usage
+        self.timings = document.get("timings") or self.timings
+        if self.streaming and document.get("error"):
+            self.error = str(document["error"])[:300]
+
+
+@dataclass(slots=True)
+class Forwarded:
+    """One replica's answer (status and headers read, body not yet) and the load it holds there.
+
+    The replica's share of load accounting (outstanding requests, prefill and decode tokens) is held
+    until ``release``; the prefill share is given back at the first body byte, as a streamed call does
+    at its first token. ``chunks`` may be iterated once.
+    """
+
+    endpoint: Endpoint
+    route_max_tokens: int
+    prefill_tokens: int
+    started: float = field(default_factory=time.perf_counter)
+    response: aiohttp.ClientResponse | None = None
+    attempts: int = 1
+    tap: UsageTap = field(default_factory=lambda: UsageTap(streaming=False))
+    first_byte_ms: float | None = None
+    finished_ms: float | None = None
+    """Set when the body was read to its end (``None``: the caller stopped early or it broke off)."""
+    _released: bool = False
+
+    def hold(self) -> None:
+        self.endpoint.outstanding += 1
+        self.endpoint.outstanding_prefill_tokens += self.prefill_tokens
+        self.endpoint.outstanding_decode_tokens += self.route_max_tokens
+
+    def _prefill_done(self) -> None:
+        self.endpoint.outstanding_prefill_tokens -= self.prefill_tokens
+        self.prefill_tokens = 0
+
+    def release(self) -> None:
+        """Give the replica's load back and close the answer (a connection not read to its end is
+        closed, so the replica stops generating for nobody). Idempotent."""
+        if self._released:
+            return
+        self._released = True
+        self.endpoint.outstanding -= 1
+        self._prefill_done()
+        self.endpoint.outstanding_decode_tokens -= self.route_max_tokens
+        if self.response is not None:
+            if self.finished_ms is None:
+                self.response.close()
+            else:
+                self.response.release()
+
+    @property
+    def status(self) -> int:
+        assert self.response is not None
+        return self.response.status
+
+    @property
+    def headers(self) -> CIMultiDictProxy[str]:
+        assert self.response is not None
+        return self.response.headers
+
+    async def chunks(self) -> AsyncIterator[bytes]:
+        """The body as it arrives, unchanged. A replica that breaks off or stalls past the attempt
+        timeout raises ``EndpointUnavailable`` or ``AttemptTimeout`` (nothing can be retried by then)."""
+        assert self.response is not None
+        self.tap = UsageTap(streaming=self.response.content_type == "text/event-stream")
+        try:
+            async for data in self.response.content.iter_any():
+                if self.first_byte_ms is None:
+                    self.first_byte_ms = (time.perf_counter() - self.started) * 1000
+                    self._prefill_done()
+                self.tap.feed(data)
+                yield data
+        except aiohttp.ServerTimeoutError:
+            raise AttemptTimeout("read timed out mid-answer", endpoint=self.endpoint.name) from None
+        except (aiohttp.ClientPayloadError, aiohttp.ClientConnectionError, ConnectionError) as exc:
+            raise EndpointUnavailable(f"answer cut off: {exc!r}", endpoint=self.endpoint.name) from None
+        except TimeoutError:
+            raise AttemptTimeout("attempt timed out mid-answer", endpoint=self.endpoint.name) from None
+        self.tap.finish()
+        self.finished_ms = (time.perf_counter() - self.started) * 1000
+
+    async def read(self) -> bytes:
+        """The whole body (for answers that are not streamed)."""
+        return b"".join([chunk async for chunk in self.chunks()])
