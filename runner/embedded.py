@@ -421,6 +421,7 @@ class EmbeddedRunner:
 
     # ---- rebalance (called on the consumer thread, inside consume) -------------------------------
     def _on_assign(self, consumer: Consumer, partitions: list[TopicPartition]) -> None:
+        self.log(f"rebalance: assigned partitions {sorted(tp.partition for tp in partitions)}")
         self._assignment = list(partitions)
         assert self._loop is not None
         asyncio.run_coroutine_threadsafe(self._rearm([tp.partition for tp in partitions]), self._loop)
@@ -430,6 +431,7 @@ class EmbeddedRunner:
         consumer thread is blocked here, and a member that stalls its group's rebalance stalls the
         group. Past the bound the partitions go over uncommitted; the next owner replays them."""
         assert self._loop is not None
+        self.log(f"rebalance: revoking partitions {sorted(tp.partition for tp in partitions)}")
         if self._assignment and self._failed is None:
             future = asyncio.run_coroutine_threadsafe(self._handover(), self._loop)
             try:
