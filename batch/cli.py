@@ -156,12 +156,10 @@ def cancel_cmd(job_id: str, state_dir: StateDir = Path(".state"), from_stack: Fr
     settings, sinks, _ = _environment(state_dir, from_stack)
 
     async def main() -> None:
-        import redis.asyncio as aioredis
-
         from batch.admin import cancel_job
         from batch.storage import JobStore
 
-        redis = aioredis.Redis.from_url(sinks.redis_url)
+        redis = sinks.redis_client()
         try:
             async with JobStore(sinks, settings.jobs_prefix) as store:
                 manifest = await cancel_job(store, redis, sinks.redis_key_prefix, job_id)
@@ -184,12 +182,10 @@ def status_cmd(
     settings, sinks, _ = _environment(state_dir, from_stack)
 
     async def main() -> list[dict[str, Any]]:
-        import redis.asyncio as aioredis
-
         from batch.coordination import read_progress
         from batch.storage import JobStore
 
-        redis = aioredis.Redis.from_url(sinks.redis_url)
+        redis = sinks.redis_client()
         try:
             async with JobStore(sinks, settings.jobs_prefix) as store:
                 manifests = [await store.read_manifest(job_id)] if job_id else await store.list_manifests()

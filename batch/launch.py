@@ -73,7 +73,7 @@ async def open_batch(
 ) -> AsyncIterator[BatchRuntime]:
     async with contextlib.AsyncExitStack() as stack:
         store = await stack.enter_async_context(JobStore(sinks, settings.jobs_prefix))
-        redis = aioredis.Redis.from_url(sinks.redis_url)
+        redis = sinks.redis_client()
         stack.push_async_callback(redis.aclose)
         client = await stack.enter_async_context(LLMClient(llm))
         pool = EndpointPool(

@@ -148,9 +148,7 @@ def _count_objects(settings: NearRealtimeSettings) -> int:
 
 
 def _count_signals(settings: NearRealtimeSettings) -> int:
-    import redis
-
-    client = redis.Redis.from_url(settings.sinks.redis_url)
+    client = settings.sinks.sync_redis_client()
     try:
         return sum(
             1

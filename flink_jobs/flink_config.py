@@ -17,6 +17,7 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from llm_client.config import ClientConfig
 from pipeline.enrichment import EnrichmentSettings
+from pipeline.kafka_security import KafkaSecurity
 from pipeline.sink_commit import SinkRetry
 from pipeline.topics import DLQ_TOPIC, EVENTS_TOPIC, INSIGHTS_TOPIC
 from prompt_assembly.processor import SessionConfig
@@ -39,6 +40,10 @@ class KafkaSettings(BaseModel):
         "broker's transaction.max.timeout.ms (15 min by default)",
     )
     consumer_properties: dict[str, str] = Field(default_factory=dict)
+    security: KafkaSecurity = Field(
+        default_factory=KafkaSecurity,
+        description="TLS/SASL of the source and sinks (pipeline.kafka_security.java_kafka_properties)",
+    )
 
 
 class CheckpointSettings(BaseModel):

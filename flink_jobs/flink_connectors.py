@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from flink_jobs.flink_config import NearRealtimeSettings
+from pipeline.kafka_security import java_kafka_properties
 
 LIB_DIR = Path(__file__).resolve().parent / "lib"
 JAR_GLOB = "flink-sql-connector-kafka-*.jar"
@@ -73,7 +74,7 @@ def kafka_source(settings: NearRealtimeSettings, *, stop_at_latest: bool = False
         .set_property("commit.offsets.on.checkpoint", "true")
         .set_property("partition.discovery.interval.ms", "60000")
     )
-    for key, value in kafka.consumer_properties.items():
+    for key, value in {**java_kafka_properties(kafka.security), **kafka.consumer_properties}.items():
         builder = builder.set_property(key, value)
     if stop_at_latest:  # a bounded read of what is in the topic now (tests, backfills)
         builder = builder.set_bounded(KafkaOffsetsInitializer.latest())
@@ -100,6 +101,8 @@ def kafka_sink(settings: NearRealtimeSettings, topic: str, *, exactly_once: bool
         .set_record_serializer(serializer)
         .set_property("transaction.timeout.ms", str(kafka.transaction_timeout_ms))
     )
+    for key, value in java_kafka_properties(kafka.security).items():
+        builder = builder.set_property(key, value)
     if exactly_once:
         builder = builder.set_delivery_guarantee(DeliveryGuarantee.EXACTLY_ONCE).set_transactional_id_prefix(
             f"{kafka.transactional_id_prefix}-{topic}"

@@ -33,6 +33,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from flink_jobs.flink_config import NearRealtimeSettings
+from pipeline.redaction import redacted_config_dump
 
 PYTHON_STAGE_UIDS = ("parse-events", "shopper-sessions", "enrich-prompts", "write-results")
 
@@ -273,7 +274,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--detached", action="store_true", help="submit and return")
     args = parser.parse_args(argv)
     settings = NearRealtimeSettings.load(args.config)
-    print(f"settings: {settings.model_dump_json()}", flush=True)
+    print(f"settings: {redacted_config_dump(settings)}", flush=True)
     try:
         run_kafka(settings, detached=args.detached)
     except Exception as exc:

@@ -40,6 +40,7 @@ def serve_cmd(
 ) -> None:
     """Serve POST /v1/match, /health, /metrics and /openapi.json until SIGINT/SIGTERM."""
     from llm_client.config import ClientConfig
+    from pipeline.redaction import redacted_config_dump
     from realtime.config import RealtimeSettings
     from realtime.service import realtime_client_config
     from sinks.config import SinkSettings
@@ -56,14 +57,14 @@ def serve_cmd(
         env = ClientConfig()
         endpoints, model = env.endpoints, env.model
     llm = realtime_client_config(endpoints[:replicas] if replicas else endpoints, model)
-    config: dict[str, object] = {"realtime": settings.model_dump(), "llm_endpoints": llm.endpoints}
+    config: dict[str, object] = {"realtime": settings, "llm": llm, "sinks": sinks}
     capacity = None
     if shift_capacity:
         from capacity.controller import CapacitySettings
 
         capacity = CapacitySettings()
         config["capacity"] = {"pool": shift_capacity, **capacity.model_dump()}
-    print(json.dumps(config), flush=True)
+    print(redacted_config_dump(config), flush=True)  # secrets masked (pipeline.redaction)
     asyncio.run(_serve(settings, llm, sinks, shift_capacity, capacity))
 
 

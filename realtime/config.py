@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field
+from pydantic import Field, SecretStr
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 
@@ -30,3 +30,22 @@ class RealtimeSettings(BaseSettings):
         24, ge=1, description="calls in flight per routable replica; beyond it requests are answered degraded"
     )
     reason_max_chars: int = Field(80, ge=10)
+
+    # Security (docs/security.md). Every guard is off or generous by default so a local stack just works.
+    api_keys: list[SecretStr] = Field(
+        default_factory=list,
+        description="accepted API keys (X-API-Key or Authorization: Bearer); empty = no authentication. "
+        'Env: REALTIME_API_KEYS=\'["key-1","key-2"]\'',
+    )
+    public_paths: tuple[str, ...] = Field(
+        ("/health", "/metrics", "/openapi.json"),
+        description="paths served without a key (probes, scrapes, the spec)",
+    )
+    max_body_bytes: int = Field(256 * 1024, ge=1024, description="larger request bodies get 413")
+    rate_limit_per_s: float = Field(
+        0.0, ge=0, description="requests a second per client (API key, else remote address); 0 = off"
+    )
+    rate_limit_burst: int = Field(50, ge=1, description="requests a client may send at once")
+    rate_limit_max_clients: int = Field(
+        10_000, ge=1, description="clients tracked at once (least recently seen forgotten first)"
+    )

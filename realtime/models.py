@@ -88,16 +88,21 @@ class ErrorDetail(BaseModel):
     msg: str
 
 
+ErrorType = Literal[
+    "invalid_json",
+    "validation_error",
+    "unauthorized",
+    "payload_too_large",
+    "rate_limited",
+    "not_found",
+    "method_not_allowed",
+    "unsupported_media_type",
+    "internal_error",
+]
+
+
 class ErrorInfo(BaseModel):
-    type: Literal[
-        "invalid_json",
-        "validation_error",
-        "payload_too_large",
-        "not_found",
-        "method_not_allowed",
-        "unsupported_media_type",
-        "internal_error",
-    ]
+    type: ErrorType
     message: str
     details: list[ErrorDetail] = []
 

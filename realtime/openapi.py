@@ -66,10 +66,21 @@ def openapi_spec() -> dict[str, Any]:
                             },
                         },
                         "400": _error("the body is not JSON"),
-                        "413": _error("the body is larger than 256 KiB"),
+                        "401": _error("API keys are configured and the request has no valid one"),
+                        "413": _error("the body is larger than max_body_bytes (256 KiB by default)"),
                         "415": _error("the body is not application/json"),
                         "422": _error("a field is missing or invalid; details name each one"),
+                        "429": {
+                            **_error("this client (API key, else address) is over its rate limit"),
+                            "headers": {
+                                "Retry-After": {
+                                    "description": "seconds until a request will be accepted",
+                                    "schema": {"type": "integer", "minimum": 1},
+                                }
+                            },
+                        },
                     },
+                    "security": [{"ApiKeyHeader": []}, {"BearerKey": []}, {}],
                 }
             },
             "/health": {
@@ -96,7 +107,22 @@ def openapi_spec() -> dict[str, Any]:
                 }
             },
         },
-        "components": {"schemas": schemas["$defs"]},
+        "components": {
+            "schemas": schemas["$defs"],
+            "securitySchemes": {
+                "ApiKeyHeader": {
+                    "type": "apiKey",
+                    "in": "header",
+                    "name": "X-API-Key",
+                    "description": "required only when the service is given keys (REALTIME_API_KEYS)",
+                },
+                "BearerKey": {
+                    "type": "http",
+                    "scheme": "bearer",
+                    "description": "the same API key as 'Authorization: Bearer <key>'",
+                },
+            },
+        },
     }
 
 

@@ -8,6 +8,7 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 from llm_client.config import ClientConfig
 from pipeline.dead_letter import DEFAULT_MAX_ORIGINAL_BYTES
 from pipeline.enrichment import EnrichmentSettings
+from pipeline.kafka_security import KafkaSecurity
 from pipeline.sink_commit import SinkRetry
 from pipeline.topics import DLQ_TOPIC, EVENTS_TOPIC
 from prompt_assembly.processor import SessionConfig
@@ -18,6 +19,10 @@ class RunnerSettings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="RUNNER_", env_nested_delimiter="__")
 
     bootstrap_servers: str = "127.0.0.1:9092"
+    kafka_security: KafkaSecurity = Field(
+        default_factory=KafkaSecurity,
+        description="TLS/SASL for every Kafka client (pipeline.kafka_security.librdkafka_properties)",
+    )
     group_id: str = "shopper-understanding"
     topic: str = EVENTS_TOPIC
     dlq_topic: str = DLQ_TOPIC

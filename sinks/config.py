@@ -2,14 +2,29 @@
 
 from __future__ import annotations
 
-from pydantic import Field, SecretStr
+from pathlib import Path
+from typing import Any
+from urllib.parse import unquote, urlsplit, urlunsplit
+
+import redis
+import redis.asyncio as aioredis
+from pydantic import Field, FilePath, SecretStr, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 
 class SinkSettings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="SINK_")
 
-    redis_url: str = "redis://127.0.0.1:6379/0"
+    redis_url: str = Field(
+        "redis://127.0.0.1:6379/0",
+        description="redis:// or rediss:// (TLS); a password in it is moved to redis_password on load, "
+        "so the URL itself never holds a secret",
+    )
+    redis_username: str | None = Field(None, description="ACL user (Redis 6+); None = 'default'")
+    redis_password: SecretStr | None = Field(None, description="AUTH password of redis_username")
+    redis_ca_file: FilePath | None = Field(
+        None, description="PEM CA bundle that signed the server's certificate (rediss://); None = system CAs"
+    )
     redis_key_prefix: str = Field("su:", description="namespace for every key this project writes")
     signal_ttl_s: int = Field(7 * 24 * 3600, gt=0, description="signals expire if a shopper goes quiet")
     s3_endpoint_url: str | None = Field(None, description="None = AWS; set for MinIO or moto")
@@ -20,6 +35,53 @@ class SinkSettings(BaseSettings):
     s3_secret_access_key: SecretStr | None = None
     s3_max_records: int = Field(5000, ge=1, description="flush when this many records are buffered")
     s3_max_age_s: float = Field(5.0, gt=0, description="flush records older than this")
+
+    @model_validator(mode="after")
+    def _credentials_out_of_url(self) -> SinkSettings:
+        """Move ``user:password@`` out of ``redis_url`` into the typed fields (the password as a
+        ``SecretStr``), so printing the settings can never print it."""
+        parts = urlsplit(self.redis_url)
+        if parts.password is None and parts.username is None:
+            return self
+        if parts.password is not None:
+            if self.redis_password is not None:
+                raise ValueError("a Redis password is set both in redis_url and in redis_password")
+            self.redis_password = SecretStr(unquote(parts.password))
+        if parts.username and self.redis_username is None:
+            self.redis_username = unquote(parts.username)
+        host = parts.hostname or ""
+        netloc = f"[{host}]" if ":" in host else host
+        if parts.port is not None:
+            netloc += f":{parts.port}"
+        self.redis_url = urlunsplit((parts.scheme, netloc, parts.path, parts.query, parts.fragment))
+        return self
+
+    def redis_connection_kwargs(self) -> dict[str, Any]:
+        """Keyword arguments for ``Redis.from_url(self.redis_url, ...)`` (sync or asyncio): the ACL
+        user, the password and, for ``rediss://``, the CA as an absolute path (redis-py needs one)."""
+        kwargs: dict[str, Any] = {}
+        if self.redis_username is not None:
+            kwargs["username"] = self.redis_username
+        if self.redis_password is not None:
+            kwargs["password"] = self.redis_password.get_secret_value()
+        if self.redis_ca_file is not None:
+            kwargs["ssl_ca_certs"] = str(Path(self.redis_ca_file).resolve())
+        return kwargs
+
+    def redis_client(self, **options: Any) -> aioredis.Redis:
+        """The one way to build an asyncio Redis client from these settings (credentials and TLS
+        included); ``options`` go to ``Redis.from_url`` as well."""
+        client: aioredis.Redis = aioredis.Redis.from_url(
+            self.redis_url, **self.redis_connection_kwargs(), **options
+        )
+        return client
+
+    def sync_redis_client(self, **options: Any) -> redis.Redis:
+        """The blocking client, same settings (PyFlink's synchronous helpers, scripts)."""
+        client: redis.Redis = redis.Redis.from_url(
+            self.redis_url, **self.redis_connection_kwargs(), **options
+        )
+        return client
 
     def s3_client_kwargs(self) -> dict[str, str | None]:
         """Keyword arguments for a boto3/aiobotocore S3 client."""

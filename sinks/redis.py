@@ -59,7 +59,7 @@ class RedisSignalSink:
     def __init__(self, settings: SinkSettings, client: aioredis.Redis | None = None) -> None:
         self.settings = settings
         self.keys = RedisKeys(settings.redis_key_prefix)
-        self.redis = client or aioredis.Redis.from_url(settings.redis_url)
+        self.redis = client or settings.redis_client()
         self._owns_client = client is None
         self._script = self.redis.register_script(_WRITE_IF_NEWER)
         self.written = 0

@@ -1,0 +1,53 @@
+"""JSON error answers: every 4xx/5xx the service sends has the ``ErrorResponse`` shape."""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable, Mapping
+from typing import Any
+
+import orjson
+from aiohttp import web
+
+from realtime.models import ErrorDetail, ErrorInfo, ErrorResponse, ErrorType
+
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+_STATUS_TYPES: dict[int, ErrorType] = {
+    401: "unauthorized",
+    404: "not_found",
+    405: "method_not_allowed",
+    413: "payload_too_large",
+    415: "unsupported_media_type",
+    429: "rate_limited",
+}
+
+
+def json_response(body: Any, status: int = 200, headers: Mapping[str, str] | None = None) -> web.Response:
+    return web.Response(
+        body=orjson.dumps(body), status=status, content_type="application/json", headers=headers
+    )
+
+
+def error_response(
+    status: int,
+    error_type: ErrorType,
+    message: str,
+    details: list[ErrorDetail] | None = None,
+    headers: Mapping[str, str] | None = None,
+) -> web.Response:
+    body = ErrorResponse(error=ErrorInfo(type=error_type, message=message, details=details or []))
+    return json_response(body.model_dump(mode="json"), status, headers)
+
+
+@web.middleware
+async def errors_as_json(request: web.Request, handler: Handler) -> web.StreamResponse:
+    """aiohttp's own 4xx (no route, wrong method, body over ``client_max_size``) as JSON errors."""
+    try:
+        return await handler(request)
+    except web.HTTPException as exc:
+        if exc.status < 400:
+            raise
+        headers = {k: v for k, v in exc.headers.items() if k.lower() in ("allow", "retry-after")}
+        return error_response(
+            exc.status, _STATUS_TYPES.get(exc.status, "internal_error"), exc.reason, headers=headers
+        )

@@ -1,0 +1,143 @@
+"""One match request, start to answer: signals, the fallback ranking, then the model within what is left
+of the deadline.
+
+The answer leaves before the deadline: if the model misses it, errs, the pool is down or already holds
+as many calls as it can serve in time (``llm_concurrency_per_replica``), the fallback ranking goes out
+marked ``degraded: true`` with the reason. The time kept back for answering is ``answer_reserve_ms``
+plus the event loop's recent lag, so a busy host makes the service give up on the model earlier instead
+of answering late. A call abandoned at the deadline is cancelled, which closes its connection.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import redis.asyncio as aioredis
+from redis.exceptions import RedisError
+
+from llm_client.client import LLMClient
+from llm_client.errors import (
+    AttemptTimeout,
+    DeadlineExceeded,
+    EndpointUnavailable,
+    LLMError,
+    NoHealthyEndpoint,
+    RetryBudgetExhausted,
+)
+from realtime.config import RealtimeSettings
+from realtime.load_meter import LoadMeter
+from realtime.loop_lag import LoopLag
+from realtime.metrics import RealtimeMetrics
+from realtime.models import DegradedReason, MatchRequest, MatchResponse, SignalsUsed
+from realtime.ranking import (
+    ProductProfile,
+    ShopperProfile,
+    fallback_ranking,
+    parse_ranking,
+    ranking_messages,
+    ranking_response_format,
+)
+from realtime.signals import SignalReader
+
+_UNAVAILABLE = (EndpointUnavailable, NoHealthyEndpoint, RetryBudgetExhausted, AttemptTimeout)
+
+
+@dataclass
+class MatchService:
+    """The matching decision for one request; owns no connections (``create_app`` does)."""
+
+    settings: RealtimeSettings
+    llm: LLMClient
+    redis: aioredis.Redis
+    key_prefix: str
+    metrics: RealtimeMetrics
+    load: LoadMeter
+    lag: LoopLag = field(default_factory=LoopLag)
+
+    def __post_init__(self) -> None:
+        self.signals = SignalReader(self.redis, self.key_prefix, self.settings.signal_reads)
+
+    async def match(self, request: MatchRequest, arrived: float) -> MatchResponse:
+        loop = asyncio.get_running_loop()
+        s = self.settings
+        deadline_ms = request.deadline_ms or s.default_deadline_ms
+        reserve_s = s.answer_reserve_ms / 1000 + min(self.lag.recent_s, s.max_lag_reserve_ms / 1000)
+        answer_by = arrived + deadline_ms / 1000 - reserve_s
+        self.load.hit(time.time())
+
+        shopper: ShopperProfile | None = None
+        products: dict[str, ProductProfile] = {}
+        try:
+            async with asyncio.timeout(max(min(s.redis_timeout_ms / 1000, answer_by - loop.time()), 0)):
+                shopper, products = await self.signals.read(request)
+        except (TimeoutError, RedisError, OSError):
+            self.metrics.signal_errors.inc()
+        fallback = fallback_ranking(shopper, request.query, request.candidates, products, s.reason_max_chars)
+
+        ranked, reason, llm_ms, model = fallback, None, None, None
+        routable = sum(1 for e in self.llm.endpoints if e.routable)
+        remaining = answer_by - loop.time()
+        if routable == 0:
+            reason = "llm_unavailable"
+        elif self.llm.in_flight >= routable * s.llm_concurrency_per_replica:
+            reason = "overloaded"
+        elif remaining < 0.005:
+            reason = "deadline"
+        else:
+            started = loop.time()
+            ranked, reason, model = await self._ask(request, shopper, products, fallback, remaining)
+            llm_ms = (loop.time() - started) * 1000
+            self.metrics.llm.observe(llm_ms / 1000)
+
+        elapsed_ms = (loop.time() - arrived) * 1000
+        self.metrics.elapsed.observe(elapsed_ms / 1000)
+        self.metrics.overhead.observe(max(elapsed_ms - (llm_ms or 0.0), 0.0) / 1000)
+        self.metrics.requests.labels("degraded" if reason else "llm").inc()
+        if reason:
+            self.metrics.degraded.labels(reason).inc()
+        return MatchResponse(
+            shopper_id=request.shopper_id,
+            ranked=ranked,
+            degraded=reason is not None,
+            degraded_reason=reason,
+            model=model,
+            llm_ms=None if llm_ms is None else round(llm_ms, 3),
+            elapsed_ms=round(elapsed_ms, 3),
+            deadline_ms=deadline_ms,
+            signals=SignalsUsed(shopper=shopper is not None, products=len(products)),
+        )
+
+    async def _ask(
+        self,
+        request: MatchRequest,
+        shopper: ShopperProfile | None,
+        products: dict[str, ProductProfile],
+        fallback: list[Any],
+        remaining_s: float,
+    ) -> tuple[list[Any], DegradedReason | None, str | None]:
+        s = self.settings
+        messages = ranking_messages(shopper, request.query, request.candidates, products, s.llm_top_k)
+        self.metrics.llm_in_flight.inc()
+        try:
+            completion = await self.llm.chat(
+                messages,
+                routing_key=request.shopper_id,
+                max_tokens=s.llm_max_tokens,
+                response_format=ranking_response_format(request.candidates, s.llm_top_k, s.reason_max_chars),
+                deadline_s=remaining_s,
+            )
+        except (DeadlineExceeded, TimeoutError):
+            return fallback, "deadline", None
+        except _UNAVAILABLE:
+            return fallback, "llm_unavailable", None
+        except LLMError:
+            return fallback, "llm_error", None
+        finally:
+            self.metrics.llm_in_flight.dec()
+        try:
+            return parse_ranking(completion.text, fallback, s.reason_max_chars), None, completion.model
+        except ValueError:
+            return fallback, "invalid_answer", completion.model

@@ -1,0 +1,120 @@
+"""Real TLS parts for the security tests, each started by the test and stopped by its own pid.
+
+- ``TestCertificates``: a CA and a server certificate for 127.0.0.1/localhost (``trustme``);
+- ``tls_redis``: a ``redis-server`` speaking TLS only, with a password and an ACL user;
+- ``tls_terminator``: ``socat`` terminating TLS in front of a plain TCP port (Tansu, the simulator),
+  as in /work/shared/REAL-PARTS.md (Tansu's own TLS flags gave no TLS listener).
+"""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import time
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+import trustme
+
+from devstack.processes import free_port, port_open
+
+
+@dataclass(frozen=True)
+class TestCertificates:
+    __test__ = False  # not a test class
+
+    ca: Path
+    cert: Path
+    key: Path
+
+
+def make_certificates(directory: Path) -> TestCertificates:
+    """A fresh CA and a server certificate for ``127.0.0.1`` and ``localhost``, as PEM files."""
+    directory.mkdir(parents=True, exist_ok=True)
+    ca = trustme.CA()
+    server = ca.issue_cert("127.0.0.1", "localhost")
+    files = TestCertificates(directory / "ca.crt", directory / "server.crt", directory / "server.key")
+    ca.cert_pem.write_to_path(str(files.ca))
+    with files.cert.open("wb") as out:
+        for pem in server.cert_chain_pems:
+            out.write(pem.bytes())
+    server.private_key_pem.write_to_path(str(files.key))
+    return files
+
+
+@contextmanager
+def _process(argv: Sequence[str], port: int, log: Path, timeout_s: float = 15.0) -> Iterator[None]:
+    with log.open("wb") as out:
+        process = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + timeout_s
+        while not port_open(port):
+            if process.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"{argv[0]} did not listen on {port}: {log.read_text()[-2000:]}")
+            time.sleep(0.05)
+        yield
+    finally:
+        process.terminate()
+        try:
+            process.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+
+
+@contextmanager
+def tls_redis(
+    directory: Path, certs: TestCertificates, password: str, *, user: str, user_password: str
+) -> Iterator[int]:
+    """A TLS-only ``redis-server`` (no plain port) on a free port: ``default`` needs ``password``,
+    and an ACL user ``user`` with ``user_password`` may do everything."""
+    binary = shutil.which("redis-server")
+    if binary is None:
+        raise RuntimeError("redis-server is not installed (Debian package redis-server)")
+    port = free_port()
+    argv = [
+        binary, "--port", "0", "--tls-port", str(port), "--bind", "127.0.0.1",
+        "--tls-cert-file", str(certs.cert), "--tls-key-file", str(certs.key),
+        "--tls-ca-cert-file", str(certs.ca), "--tls-auth-clients", "no",
+        "--requirepass", password, "--user", user, "on", f">{user_password}", "~*", "&*", "+@all",
+        "--save", "", "--appendonly", "no", "--dir", str(directory),
+    ]  # fmt: skip
+    with _process(argv, port, directory / f"redis-{port}.log"):
+        yield port
+
+
+@contextmanager
+def tls_terminator(
+    directory: Path, certs: TestCertificates, backend_port: int, port: int | None = None
+) -> Iterator[int]:
+    """``socat`` accepting TLS on ``port`` (default: a free one) and forwarding plain TCP to
+    ``backend_port``."""
+    binary = shutil.which("socat")
+    if binary is None:
+        raise RuntimeError("socat is not installed (Debian package socat)")
+    port = port or free_port()
+    listen = f"OPENSSL-LISTEN:{port},bind=127.0.0.1,reuseaddr,fork,cert={certs.cert},key={certs.key},verify=0"
+    with _process([binary, listen, f"TCP:127.0.0.1:{backend_port}"], port, directory / f"socat-{port}.log"):
+        yield port
+
+
+@contextmanager
+def tansu_behind_tls(directory: Path, certs: TestCertificates) -> Iterator[str]:
+    """A Tansu broker (in-memory storage) reachable only through a TLS terminator: the broker
+    advertises the terminator's port, so every client connection goes through TLS. Yields the
+    bootstrap address ``127.0.0.1:<tls port>``."""
+    from devstack.stack import tansu_binary
+
+    broker_port, tls_port = free_port(), free_port()
+    argv = [
+        tansu_binary(), "broker",
+        "--listener-url", f"tcp://127.0.0.1:{broker_port}",
+        "--advertised-listener-url", f"tcp://127.0.0.1:{tls_port}",
+    ]  # fmt: skip
+    with (
+        _process(argv, broker_port, directory / f"tansu-{broker_port}.log", timeout_s=30),
+        tls_terminator(directory, certs, broker_port, tls_port),
+    ):
+        yield f"127.0.0.1:{tls_port}"

@@ -1,0 +1,123 @@
+"""Kafka TLS against a real broker (Tansu behind a socat TLS terminator, CA made by the test), and the
+SASL settings reaching both clients' properties unchanged (no SASL-capable broker here; see
+docs/security.md)."""
+
+from __future__ import annotations
+
+import uuid
+from pathlib import Path
+
+import pytest
+from confluent_kafka import Consumer, KafkaException, Producer, TopicPartition
+from confluent_kafka.admin import AdminClient, NewTopic
+from pydantic import ValidationError
+
+from flink_jobs.flink_config import NearRealtimeSettings
+from pipeline.kafka_security import (
+    SHADED_PREFIX,
+    KafkaSecurity,
+    java_kafka_properties,
+    librdkafka_properties,
+)
+from runner.config import RunnerSettings
+from tests.security_kit import make_certificates, tansu_behind_tls
+
+pytestmark = pytest.mark.timeout(180)
+
+
+def test_tls_produce_and_consume_through_the_runner_settings(tmp_path: Path) -> None:
+    """The runner's settings, turned into librdkafka properties, produce and consume over TLS; the same
+    client without the CA cannot even list topics."""
+    certs = make_certificates(tmp_path / "certs")
+    with tansu_behind_tls(tmp_path, certs) as bootstrap:
+        settings = RunnerSettings(
+            bootstrap_servers=bootstrap,
+            kafka_security=KafkaSecurity(protocol="SSL", ssl_ca_file=certs.ca),
+        )
+        secure = {"bootstrap.servers": bootstrap, **librdkafka_properties(settings.kafka_security)}
+        assert secure["security.protocol"] == "ssl"
+        assert secure["ssl.ca.location"] == str(certs.ca.resolve())
+
+        topic = f"tls-{uuid.uuid4().hex[:8]}"
+        admin = AdminClient(secure)
+        for future in admin.create_topics([NewTopic(topic, 1, 1)]).values():
+            future.result(timeout=30)
+        producer = Producer({**secure, "linger.ms": 5})
+        sent = [f"event-{i}".encode() for i in range(50)]
+        for value in sent:
+            producer.produce(topic, value)
+        assert producer.flush(30) == 0
+
+        consumer = Consumer({**secure, "group.id": f"g-{topic}", "enable.auto.commit": False})
+        consumer.assign([TopicPartition(topic, 0, 0)])
+        received: list[bytes] = []
+        try:
+            for _ in range(200):
+                message = consumer.poll(0.2)
+                if message is not None and message.error() is None:
+                    received.append(message.value())
+                if len(received) == len(sent):
+                    break
+        finally:
+            consumer.close()
+        assert received == sent
+
+        # Without the test CA the broker's certificate is not trusted: no connection at all.
+        untrusting = {"bootstrap.servers": bootstrap, "security.protocol": "ssl", "socket.timeout.ms": 3000}
+        with pytest.raises(KafkaException):
+            AdminClient(untrusting).list_topics(timeout=5)
+        # And a plaintext client does not get through the TLS port either.
+        with pytest.raises(KafkaException):
+            AdminClient({"bootstrap.servers": bootstrap, "socket.timeout.ms": 3000}).list_topics(timeout=5)
+
+
+@pytest.mark.parametrize("mechanism", ["PLAIN", "SCRAM-SHA-256", "SCRAM-SHA-512"])
+def test_sasl_settings_reach_librdkafka_and_the_flink_connector_unchanged(
+    tmp_path: Path, mechanism: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """From the environment (as an operator sets them) to each client's properties, byte for byte,
+    including a password with JAAS-special characters."""
+    certs = make_certificates(tmp_path)
+    password = 'p"a\\ss w;rd=ü'
+    for prefix in ("RUNNER_KAFKA_SECURITY__", "FLINK_JOB_KAFKA__SECURITY__"):
+        monkeypatch.setenv(prefix + "PROTOCOL", "SASL_SSL")
+        monkeypatch.setenv(prefix + "SSL_CA_FILE", str(certs.ca))
+        monkeypatch.setenv(prefix + "SASL_MECHANISM", mechanism)
+        monkeypatch.setenv(prefix + "SASL_USERNAME", "shopper-app")
+        monkeypatch.setenv(prefix + "SASL_PASSWORD", password)
+
+    runner = librdkafka_properties(RunnerSettings().kafka_security)
+    assert runner == {
+        "security.protocol": "sasl_ssl",
+        "ssl.ca.location": str(certs.ca.resolve()),
+        "ssl.endpoint.identification.algorithm": "https",
+        "sasl.mechanism": mechanism,
+        "sasl.username": "shopper-app",
+        "sasl.password": password,
+    }
+    Producer({"bootstrap.servers": "127.0.0.1:1", **runner})  # librdkafka accepts every key and value
+
+    flink = java_kafka_properties(NearRealtimeSettings().kafka.security)
+    module = "scram.ScramLoginModule" if mechanism.startswith("SCRAM") else "plain.PlainLoginModule"
+    assert flink == {
+        "security.protocol": "SASL_SSL",
+        "ssl.truststore.type": "PEM",
+        "ssl.truststore.location": str(certs.ca.resolve()),
+        "ssl.endpoint.identification.algorithm": "https",
+        "sasl.mechanism": mechanism,
+        "sasl.jaas.config": f"{SHADED_PREFIX}org.apache.kafka.common.security.{module} required "
+        'username="shopper-app" password="p\\"a\\\\ss w;rd=ü";',
+    }
+
+
+def test_invalid_combinations_fail_at_start(tmp_path: Path) -> None:
+    certs = make_certificates(tmp_path)
+    with pytest.raises(ValidationError, match="needs sasl_mechanism"):
+        KafkaSecurity(protocol="SASL_SSL")
+    with pytest.raises(ValidationError, match="protocol is PLAINTEXT"):
+        KafkaSecurity(ssl_ca_file=certs.ca)
+    with pytest.raises(ValidationError, match="both ssl_cert_file and ssl_key_file"):
+        KafkaSecurity(protocol="SSL", ssl_cert_file=certs.cert)
+    with pytest.raises(ValidationError):
+        KafkaSecurity(protocol="SSL", ssl_ca_file=tmp_path / "missing.crt")
+    assert librdkafka_properties(KafkaSecurity()) == {} == java_kafka_properties(KafkaSecurity())
