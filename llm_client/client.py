@@ -37,6 +37,7 @@ from llm_client.retry import RetryBudget, backoff_s
 from llm_client.routing import RouteOutcome, RouteRequest, RoutingPolicy, make_policy
 from llm_client.routing.health_monitor import DegradationDetector
 from llm_client.sse import read_sse_json
+from llm_client.transport import auth_headers, tls_context
 from prompt_assembly.tokens import messages_text
 
 
@@ -72,8 +73,13 @@ class LLMClient:
 
     async def start(self) -> None:
         if self._session is None:
-            connector = aiohttp.TCPConnector(limit=0, ttl_dns_cache=300, keepalive_timeout=60)
-            self._session = aiohttp.ClientSession(connector=connector, json_serialize=_dumps)
+            security = self.config.security  # API key and CA bundle: llm_client.transport
+            connector = aiohttp.TCPConnector(
+                limit=0, ttl_dns_cache=300, keepalive_timeout=60, ssl=tls_context(security)
+            )
+            self._session = aiohttp.ClientSession(
+                connector=connector, json_serialize=_dumps, headers=auth_headers(security)
+            )
             self._health_task = asyncio.create_task(self._health_loop(), name="llm-health")
 
     async def close(self) -> None:

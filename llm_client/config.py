@@ -6,6 +6,8 @@ from __future__ import annotations
 from pydantic import BaseModel, Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from llm_client.transport import EndpointSecurity
+
 
 class Timeouts(BaseModel):
     connect_s: float = Field(1.0, gt=0, description="TCP connect to a replica")
@@ -41,3 +43,6 @@ class ClientConfig(BaseSettings):
     retry: RetrySettings = Field(default_factory=RetrySettings)
     health: HealthSettings = Field(default_factory=HealthSettings)
     cache_salt: str | None = Field(None, description="per-tenant KV-cache isolation (vLLM/TRT-LLM)")
+    security: EndpointSecurity = Field(
+        default_factory=EndpointSecurity, description="bearer API key and CA bundle (llm_client.transport)"
+    )
