@@ -81,7 +81,8 @@ class OpenAIProxy:
                 request.path, body, route, method=method, headers=headers, deadline_s=self.settings.deadline_s
             ) as answer:
                 if answer.headers.get("content-type", "").startswith("text/event-stream"):
-                    response = await self._stream(request, answer, started)
+                    response = web.StreamResponse(status=answer.status, headers=_answer_headers(answer))
+                    await self._stream(request, response, answer, started)
                 else:
                     payload = await answer.read()
                     response = web.Response(
@@ -105,8 +106,9 @@ class OpenAIProxy:
         self.metrics.latency.labels(request.path).observe(time.perf_counter() - started)
         return response
 
-    async def _stream(self, request: web.Request, answer: Forwarded, started: float) -> web.StreamResponse:
-        response = web.StreamResponse(status=answer.status, headers=_answer_headers(answer))
+    async def _stream(
+        self, request: web.Request, response: web.StreamResponse, answer: Forwarded, started: float
+    ) -> None:
         await response.prepare(request)
         first = True
         async for chunk in answer.chunks():
@@ -115,7 +117,6 @@ class OpenAIProxy:
                 self.metrics.first_byte.labels(request.path).observe(time.perf_counter() - started)
                 first = False
         await response.write_eof()
-        return response
 
     def _error(
         self,

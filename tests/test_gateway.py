@@ -1,0 +1,299 @@
+"""The routing gateway against real simulator processes over HTTP.
+
+Every replica is a ``python -m serving.simulator --port 0`` process; the gateway runs in the test's event
+loop (its own aiohttp server on a free port) except in the CLI test, which starts ``shopper router
+serve`` as a process. Callers are plain aiohttp clients speaking OpenAI, as any non-Python caller would.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import re
+import sys
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from typing import Any
+
+import aiohttp
+import orjson
+import pytest
+from aiohttp import web
+
+from gateway.app import CLIENT_KEY, create_app
+from gateway.config import GatewaySettings
+from llm_client.client import LLMClient
+from llm_client.config import ClientConfig
+from llm_client.routing.session_affinity import rendezvous_order
+from prompt_assembly.prompt import build_messages
+from serving.simulator.launch import REPO_ROOT, SimulatorFleet
+
+TIME_SCALE = "0.05"
+"""Simulated H100 timings at 1/20: one decode step ~2.5 ms, so a 600-token stream lasts over a second."""
+
+
+@dataclass
+class Gateway:
+    url: str
+    client: LLMClient
+
+
+@asynccontextmanager
+async def running_gateway(urls: list[str], policy: str, **settings: Any) -> AsyncIterator[Gateway]:
+    config = ClientConfig.model_validate(
+        {
+            "endpoints": urls,
+            "policy": policy,
+            "timeouts": {"connect_s": 0.5, "attempt_s": 20, "deadline_s": 30},
+            "retry": {"max_attempts": 3, "backoff_base_s": 0.01, "budget_min_tokens": 50},
+            "health": {"interval_s": 0.2},
+        }
+    )
+    app = create_app(GatewaySettings(port=0, **settings), config)
+    runner = web.AppRunner(app, access_log=None)
+    await runner.setup()
+    try:
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        port = next(a[1] for a in runner.addresses if isinstance(a, tuple))
+        yield Gateway(f"http://127.0.0.1:{port}", app[CLIENT_KEY])
+    finally:
+        await runner.cleanup()
+
+
+@pytest.fixture(scope="module")
+async def fleet() -> AsyncIterator[SimulatorFleet]:
+    async with SimulatorFleet(3, "--time-scale", TIME_SCALE) as replicas:
+        yield replicas
+
+
+@pytest.fixture
+async def http() -> AsyncIterator[aiohttp.ClientSession]:
+    async with aiohttp.ClientSession() as session:
+        yield session
+
+
+def chat_body(content: str, **fields: Any) -> dict[str, Any]:
+    return {"model": "qwen2.5-32b-sim", "messages": [{"role": "user", "content": content}], **fields}
+
+
+def metric(text: str, name: str, **labels: str) -> float:
+    """One sample of a Prometheus text exposition (0 when absent)."""
+    wanted = ",".join(f'{k}="{v}"' for k, v in sorted(labels.items()))
+    pattern = re.compile(rf"^{re.escape(name)}(\{{(.*)\}})? (\S+)$")
+    for line in text.splitlines():
+        match = pattern.match(line)
+        if match and ",".join(sorted((match.group(2) or "").split(","))).strip(",") == wanted:
+            return float(match.group(3))
+    return 0.0
+
+
+async def test_requests_and_answers_pass_through_unchanged(
+    fleet: SimulatorFleet, http: aiohttp.ClientSession
+) -> None:
+    async with running_gateway(fleet.urls, "round_robin") as gw:
+        async with http.post(gw.url + "/v1/chat/completions", json=chat_body("hi", max_tokens=12)) as r:
+            assert r.status == 200
+            assert r.headers["x-replica-id"] in {"r0", "r1", "r2"}
+            assert r.headers["x-gateway-attempts"] == "1"
+            answer = await r.json()
+        assert answer["object"] == "chat.completion"
+        assert answer["usage"]["completion_tokens"] == 12
+        assert answer["choices"][0]["message"]["content"]
+
+        completion = {"model": "m", "prompt": "a shopper who views lanterns", "max_tokens": 5}
+        async with http.post(gw.url + "/v1/completions", json=completion) as r:
+            assert r.status == 200
+            assert (await r.json())["object"] == "text_completion"
+
+        # The replica's own 4xx reaches the caller as the replica wrote it, and is not retried.
+        async with http.post(gw.url + "/v1/chat/completions", json={"model": "m", "messages": []}) as r:
+            assert r.status == 400
+            assert r.headers["x-gateway-attempts"] == "1"
+            assert r.headers["x-replica-id"] in {"r0", "r1", "r2"}
+            assert (await r.json())["error"]["param"] == "messages"
+        # A body that cannot be routed is refused by the gateway itself.
+        async with http.post(gw.url + "/v1/chat/completions", data=b"{not json") as r:
+            assert r.status == 400
+            assert "x-replica-id" not in r.headers
+            assert (await r.json())["error"]["type"] == "invalid_request_error"
+
+        async with http.get(gw.url + "/v1/models") as r:
+            assert r.status == 200
+            assert (await r.json())["data"][0]["id"] == "qwen2.5-32b-sim"
+        async with http.get(gw.url + "/health") as r:
+            assert r.status == 200
+            assert (await r.json())["routable_replicas"] == 3
+
+
+async def test_stream_passes_through_chunk_by_chunk_with_usage(
+    fleet: SimulatorFleet, http: aiohttp.ClientSession
+) -> None:
+    body = chat_body(
+        "describe this shopper",
+        max_tokens=600,
+        ignore_eos=True,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
+    async with running_gateway(fleet.urls, "least_outstanding") as gw:
+        async with http.post(gw.url + "/v1/chat/completions", json=body) as r:
+            assert r.status == 200
+            assert r.headers["content-type"].startswith("text/event-stream")
+            replica_url = "http://" + r.headers["x-gateway-replica"]
+            first = await r.content.readuntil(b"\n\n")
+            assert first.startswith(b"data: ")
+            # The caller holds the first chunk while the replica is still generating: nothing is buffered.
+            async with http.get(replica_url + "/metrics") as m:
+                assert metric(await m.text(), "sim_num_requests_running") == 1
+            rest = await r.content.read()
+        events = [e for e in (first + rest).split(b"\n\n") if e]
+        assert events[-1] == b"data: [DONE]"
+        chunks = [orjson.loads(e[len(b"data: ") :]) for e in events[:-1]]
+        assert len(chunks) > 3
+        usage = chunks[-1]["usage"]
+        assert usage["completion_tokens"] == 600 and usage["prompt_tokens"] > 0
+        text = "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks if c["choices"])
+        assert len(text.split()) >= 100
+
+        async with http.get(gw.url + "/metrics") as m:
+            scraped = await m.text()
+        path = "/v1/chat/completions"
+        assert metric(scraped, "gateway_time_to_first_byte_seconds_count", path=path) == 1
+        assert metric(scraped, "gateway_requests_total", path=path, status="200") == 1
+
+
+async def test_shopper_key_from_header_or_user_field_gives_affinity(
+    fleet: SimulatorFleet, http: aiohttp.ClientSession
+) -> None:
+    async with running_gateway(fleet.urls, "session_affinity") as gw:
+        seen: dict[str, set[str]] = {}
+        for i in range(8):
+            shopper = f"shopper-{i}"
+            for step in range(2):
+                by_header = http.post(
+                    gw.url + "/v1/chat/completions",
+                    json=chat_body(f"step {step}", max_tokens=4),
+                    headers={"x-session-id": shopper},
+                )
+                by_user = http.post(
+                    gw.url + "/v1/chat/completions",
+                    json=chat_body(f"step {step}", max_tokens=4, user=shopper),
+                )
+                for call in (by_header, by_user):
+                    async with call as r:
+                        assert r.status == 200
+                        seen.setdefault(shopper, set()).add(r.headers["x-gateway-replica"])
+        for shopper, replicas in seen.items():
+            expected = rendezvous_order(shopper, gw.client.endpoints)[0].name
+            assert replicas == {expected}, shopper
+        assert len(set().union(*seen.values())) > 1, "eight shoppers should not all hash to one replica"
+
+
+async def test_prefix_aware_follows_the_cache_of_a_growing_prompt(
+    fleet: SimulatorFleet, http: aiohttp.ClientSession
+) -> None:
+    def messages(shopper: str, events: int) -> list[dict[str, str]]:
+        lines = [
+            f"- 10:{i:02d} viewed: <data>{shopper} lantern {i}</data> by Brand{i % 5}, ${i}.49\n"
+            for i in range(events)
+        ]
+        return build_messages(shopper, lines)
+
+    async with running_gateway(fleet.urls, "prefix_aware") as gw:
+        for i in range(4):
+            shopper = f"kv-{i}"
+            replicas, cached = [], []
+            for events in (40, 44, 48):
+                body = {
+                    "model": "m",
+                    "messages": messages(shopper, events),
+                    "max_tokens": 8,
+                    "stream": True,
+                    "stream_options": {"include_usage": True},
+                    "user": shopper,
+                }
+                async with http.post(gw.url + "/v1/chat/completions", json=body) as r:
+                    replicas.append(r.headers["x-gateway-replica"])
+                    raw = await r.read()
+                usage = orjson.loads(raw.split(b"\n\n")[-3][len(b"data: ") :])["usage"]
+                cached.append(usage["prompt_tokens_details"]["cached_tokens"])
+            assert len(set(replicas)) == 1, replicas
+            assert cached[1] > 0 and cached[2] > cached[1]
+        async with http.get(gw.url + "/metrics") as m:
+            scraped = await m.text()
+        assert metric(scraped, "gateway_policy_cache_hits_total", policy="prefix_aware") >= 8
+
+
+@pytest.mark.slow
+async def test_failover_when_replicas_are_killed(http: aiohttp.ClientSession) -> None:
+    async with (
+        SimulatorFleet(3, "--time-scale", TIME_SCALE) as sims,
+        running_gateway(sims.urls, "round_robin", deadline_s=2.0) as gw,
+    ):
+        index = {url.split("://", 1)[1]: i for i, url in enumerate(sims.urls)}
+        # 1. A replica killed mid-stream: the caller sees a truncated answer, never a short clean one.
+        body = chat_body("a long answer", max_tokens=600, ignore_eos=True, stream=True)
+        async with http.post(gw.url + "/v1/chat/completions", json=body) as r:
+            streaming_on = r.headers["x-gateway-replica"]
+            await r.content.readuntil(b"\n\n")
+            sims.kill(index[streaming_on])
+            with pytest.raises(aiohttp.ClientPayloadError):
+                await r.content.read()
+
+        # 2. A second replica killed while idle: requests routed to it are retried on the survivor.
+        second = next(name for name in index if name != streaming_on)
+        sims.kill(index[second])
+        attempts = []
+        for i in range(6):
+            async with http.post(gw.url + "/v1/chat/completions", json=chat_body(f"q{i}", max_tokens=4)) as r:
+                assert r.status == 200
+                assert r.headers["x-gateway-replica"] not in {streaming_on, second}
+                attempts.append(int(r.headers["x-gateway-attempts"]))
+        assert max(attempts) == 2
+
+        async with http.get(gw.url + "/metrics") as m:
+            scraped = await m.text()
+        assert metric(scraped, "gateway_broken_answers_total", replica=streaming_on) == 1
+        for dead in (streaming_on, second):
+            assert metric(scraped, "gateway_replica_routable", replica=dead) == 0
+            assert metric(scraped, "gateway_replica_ejections_total", replica=dead) >= 1
+        assert metric(scraped, "gateway_retries_total") >= 1
+        async with http.get(gw.url + "/health") as r:
+            assert r.status == 200 and (await r.json())["routable_replicas"] == 1
+
+        # 3. The last one gone: the caller gets the gateway's error within its deadline, /health says 503.
+        sims.kill(next(i for name, i in index.items() if name not in {streaming_on, second}))
+        async with http.post(gw.url + "/v1/chat/completions", json=chat_body("q", max_tokens=4)) as r:
+            assert r.status == 504
+            assert (await r.json())["error"]["type"] == "timeout"
+        async with http.get(gw.url + "/health") as r:
+            assert r.status == 503
+
+
+async def test_cli_serves_the_gateway(fleet: SimulatorFleet, http: aiohttp.ClientSession) -> None:
+    argv = [sys.executable, "-m", "shopper", "router", "serve", "--port", "0", "--policy", "prefix_aware"]
+    for url in fleet.urls:
+        argv += ["--endpoint", url]
+    process = await asyncio.create_subprocess_exec(
+        *argv, cwd=REPO_ROOT, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT
+    )
+    try:
+        assert process.stdout is not None
+        async with asyncio.timeout(60):
+            settings = orjson.loads(await process.stdout.readline())
+            ready = (await process.stdout.readline()).decode()
+        assert settings["llm"]["endpoints"] == fleet.urls
+        assert ready.startswith("READY ")
+        url = ready.split()[1]
+        async with http.post(
+            url + "/v1/chat/completions", json=chat_body("hi", max_tokens=3), headers={"x-session-id": "s"}
+        ) as r:
+            assert r.status == 200
+            assert (await r.json())["usage"]["completion_tokens"] == 3
+        async with http.get(url + "/metrics") as m:
+            assert metric(await m.text(), "gateway_policy_decisions_total", policy="prefix_aware") == 1
+    finally:
+        if process.returncode is None:
+            process.terminate()
+        await asyncio.wait_for(process.wait(), 10)
