@@ -37,7 +37,7 @@ from llm_client.retry import RetryBudget, backoff_s
 from llm_client.routing import RouteOutcome, RouteRequest, RoutingPolicy, make_policy
 from llm_client.routing.health_monitor import DegradationDetector
 from llm_client.sse import read_sse_json
-from llm_client.transport import auth_headers, tls_context
+from llm_client.transport import auth_headers, header_value, tls_context
 from prompt_assembly.tokens import messages_text
 
 
@@ -211,7 +211,7 @@ class LLMClient:
         timeout = aiohttp.ClientTimeout(
             total=self.config.timeouts.attempt_s, sock_connect=self.config.timeouts.connect_s
         )
-        headers = {"x-session-id": route.key}
+        headers = {"x-session-id": header_value(route.key)}
         try:
             async with self._session.post(
                 endpoint.url + path, json=body, headers=headers, timeout=timeout
@@ -386,7 +386,7 @@ class LLMClient:
                 method,
                 endpoint.url + path,
                 data=body,
-                headers={**headers, "x-session-id": route.key},
+                headers={**headers, "x-session-id": header_value(route.key)},
                 timeout=timeout,
             )
             if forwarded.response.status == 429 or forwarded.response.status >= 500:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import ssl
 from pathlib import Path
+from urllib.parse import quote
 
 from pydantic import BaseModel, ConfigDict, Field, FilePath, SecretStr
 
@@ -37,3 +38,14 @@ def tls_context(security: EndpointSecurity) -> ssl.SSLContext | bool:
     if security.ca_file is None:
         return True
     return ssl.create_default_context(cafile=str(Path(security.ca_file).resolve()))
+
+
+_HEADER_SAFE = "".join(chr(c) for c in range(0x20, 0x7F) if chr(c) != "%")
+
+
+def header_value(text: str) -> str:
+    """``text`` as an HTTP header value: printable ASCII kept, everything else (control characters,
+    which aiohttp refuses with a ValueError, and non-ASCII) percent-encoded as UTF-8; ``%`` itself is
+    encoded too, so distinct keys stay distinct. Routing keys (shopper ids) come from producers and
+    the real-time API: without this, one id with a control character failed every call for it."""
+    return quote(text, safe=_HEADER_SAFE)

@@ -16,7 +16,7 @@ from aiohttp import web
 from llm_client.client import LLMClient
 from llm_client.config import ClientConfig
 from llm_client.errors import LLMError
-from llm_client.transport import EndpointSecurity
+from llm_client.transport import EndpointSecurity, header_value
 from serving.simulator.testing import running_simulator
 from tests.security_kit import make_certificates, tls_terminator
 
@@ -108,3 +108,19 @@ def test_api_key_is_a_secret_in_the_printed_config(monkeypatch: pytest.MonkeyPat
     assert config.security.api_key.get_secret_value() == "sk-env-secret-42"
     assert "sk-env-secret-42" not in redacted_config_dump(config)
     assert "sk-env-secret-42" not in repr(config) and "sk-env-secret-42" not in config.model_dump_json()
+
+
+async def test_shopper_ids_with_control_characters_reach_the_endpoint() -> None:
+    """Found by the real-time API fuzzer: a shopper id with a control character went into the
+    ``x-session-id`` header, aiohttp refused it with a ValueError (not an LLMError), and the call
+    failed with a 500 in the real-time API, an exception out of the runner's enricher. Now every id
+    is sent percent-encoded and the call completes."""
+    hostile = [f"s{chr(c)}1" for c in [*range(0, 32), 127]] + ["s\r\nX-Injected: 1", "ü\u202e%41", "%41"]
+    async with running_simulator(time_scale=0.001) as sim, LLMClient(_config(sim.url)) as client:
+        for key in hostile:
+            completion = await client.chat(MESSAGES, routing_key=key, max_tokens=4)
+            assert completion.text
+    encoded = [header_value(k) for k in hostile]
+    assert len(set(encoded)) == len(hostile), "distinct ids stay distinct"
+    assert all(all(0x20 <= ord(ch) < 0x7F for ch in value) for value in encoded)
+    assert header_value("shopper-42_a.b") == "shopper-42_a.b", "ordinary ids are unchanged"
