@@ -24,6 +24,10 @@ COPY pyproject.toml README.md* ./
 COPY prompt_assembly ./prompt_assembly
 COPY llm_client ./llm_client
 COPY sinks ./sinks
+COPY pipeline ./pipeline
+COPY runner ./runner
+COPY capacity ./capacity
+COPY gateway ./gateway
 COPY serving ./serving
 COPY flink_jobs ./flink_jobs
 COPY shopper ./shopper

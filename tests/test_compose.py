@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import re
+import tomllib
 from pathlib import Path
 from typing import Any
 
@@ -105,6 +106,15 @@ def test_the_flink_image_bakes_in_the_connector_jar() -> None:
     dockerfile = (ROOT / "docker/flink.Dockerfile").read_text()
     assert "scripts/fetch-flink-connectors" in dockerfile and "/opt/flink/lib" in dockerfile
     assert "apache-flink==2.3.0" in dockerfile
+
+
+@pytest.mark.parametrize("dockerfile", ["docker/app.Dockerfile", "docker/flink.Dockerfile"])
+def test_the_images_copy_every_package(dockerfile: str) -> None:
+    """An image that misses a package fails only at run time, inside a container: check it here."""
+    pyproject = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    packages = [p.rstrip("*") for p in pyproject["tool"]["setuptools"]["packages"]["find"]["include"]]
+    text = (ROOT / dockerfile).read_text()
+    assert [p for p in packages if f"COPY {p} ./{p}" not in text] == []
 
 
 def test_the_schema_rejects_a_broken_file(compose: dict[str, Any]) -> None:
