@@ -123,3 +123,32 @@ def test_the_schema_rejects_a_broken_file(compose: dict[str, Any]) -> None:
     broken["services"]["kafka"]["ports"] = "9094:9094"
     validator = jsonschema.Draft201909Validator(json.loads(SCHEMA.read_text()))
     assert len(list(validator.iter_errors(broken))) >= 2
+
+
+def test_the_kubernetes_manifest_runs_this_job_with_these_settings(monkeypatch: pytest.MonkeyPatch) -> None:
+    """deploy/kubernetes/flink-deployment.yaml cannot run here (no Kubernetes): check that what it names
+    exists — the PyFlink driver jar of the installed version, the job file, its config — and that its
+    variables are settings the job really reads."""
+    from flink_jobs.flink_config import NearRealtimeSettings
+
+    manifest = yaml.safe_load((ROOT / "deploy/kubernetes/flink-deployment.yaml").read_text())
+    assert manifest["kind"] == "FlinkDeployment"
+    job = manifest["spec"]["job"]
+    assert job["entryClass"] == "org.apache.flink.client.python.PythonDriver"
+    import pyflink
+
+    driver_jar = Path(pyflink.__file__).parent / "opt" / Path(job["jarURI"]).name
+    assert driver_jar.is_file(), f"{driver_jar.name} is not the installed PyFlink's driver"
+    args = job["args"]
+    in_image = {args[i]: args[i + 1] for i in range(0, len(args) - 1, 2)}
+    assert (ROOT / in_image["-py"].removeprefix("/opt/app/")).is_file()
+    assert (ROOT / in_image["--config"].removeprefix("/opt/app/")).is_file()
+    env = manifest["spec"]["podTemplate"]["spec"]["containers"][0]["env"]
+    for var in env:
+        monkeypatch.setenv(var["name"], var.get("value", "from-a-secret"))
+    settings = NearRealtimeSettings()
+    plain = {v["name"]: v["value"] for v in env if "value" in v}
+    assert settings.kafka.bootstrap_servers == plain["FLINK_JOB_KAFKA__BOOTSTRAP_SERVERS"]
+    assert settings.llm.endpoints == json.loads(plain["FLINK_JOB_LLM__ENDPOINTS"])
+    assert settings.sinks.redis_password is not None
+    assert settings.sinks.redis_password.get_secret_value() == "from-a-secret"
