@@ -43,10 +43,12 @@ from bench.trace import (
     TraceRequest,
     generate_trace,
     oracle_prefill,
+    with_onoff_arrivals,
     with_poisson_arrivals,
 )
 from llm_client import ClientConfig, LLMClient
 from llm_client.errors import LLMError
+from llm_client.hooks import Attempt
 from llm_client.routing.prefix_aware import PrefixAwarePolicy
 from prompt_assembly.tokens import chained_block_hashes, messages_text, token_ids
 
@@ -60,8 +62,9 @@ BLOCK = 32
 class SimFleet:
     """Simulator replicas as child processes of this benchmark."""
 
-    def __init__(self, n: int, time_scale: float, coalesce_s: float) -> None:
+    def __init__(self, n: int, time_scale: float, coalesce_s: float, extra: Sequence[str] = ()) -> None:
         self.n, self.time_scale, self.coalesce_s = n, time_scale, coalesce_s
+        self.extra = list(extra)
         self.processes: list[asyncio.subprocess.Process] = []
         self.urls: list[str] = []
         self._drains: list[asyncio.Task[None]] = []
@@ -83,6 +86,7 @@ class SimFleet:
                 str(self.coalesce_s),
                 "--seed",
                 str(i),
+                *self.extra,
             ]
             self.processes.append(
                 await asyncio.create_subprocess_exec(
@@ -106,6 +110,14 @@ class SimFleet:
 
     def kill(self, i: int) -> None:
         self.processes[i].send_signal(signal.SIGKILL)
+
+    async def reset_cache(self, i: int) -> None:
+        """Empty one replica's KV cache, as a restart would (it reports ``cleared`` when events are on)."""
+        async with (
+            aiohttp.ClientSession() as session,
+            session.post(self.urls[i] + "/admin/reset_cache") as response,
+        ):
+            response.raise_for_status()
 
     async def stats(self) -> list[dict[str, Any] | None]:
         async with aiohttp.ClientSession() as session:
@@ -307,13 +319,21 @@ def client_config(
     *,
     attempt_s: float,
     deadline_s: float,
-    options: dict[str, float] | None = None,
+    options: dict[str, Any] | None = None,
 ) -> ClientConfig:
+    """``policy`` is a policy name, or ``prefix_aware_precise`` (prefix_aware following KV events);
+    ``options`` are prefix_aware's settings (ignored for the others)."""
+    settings: dict[str, Any] | None = None
+    if policy.startswith("prefix_aware"):
+        settings = {**(options or {}), "policy": "prefix_aware"}
+        if policy == "prefix_aware_precise":
+            settings["kv_events"] = "precise"
+        policy = "prefix_aware"
     return ClientConfig.model_validate(
         {
             "endpoints": list(urls),
             "policy": policy,
-            "policy_options": (options or {}) if policy == "prefix_aware" else {},
+            "policy_settings": settings,
             "model": "bench",
             "max_in_flight": 4096,
             "stream": True,
@@ -459,33 +479,50 @@ async def run_sim(
     args: argparse.Namespace,
     *,
     kill_at_fraction: float | None = None,
+    timed: Sequence[TraceRequest] | None = None,
+    fleet_args: Sequence[str] = (),
+    options: dict[str, Any] | None = None,
+    reset_at_fraction: float | None = None,
+    setup: str = "sim",
 ) -> tuple[RunResult, list[Outcome]]:
-    timed = with_poisson_arrivals(trace, utilisation * capacity_rps, seed=args.seed)
+    """One replay on fresh replicas. ``timed``: the arrivals (default: Poisson at ``utilisation``);
+    ``fleet_args``: extra simulator flags; ``options``: prefix_aware settings (default: the command
+    line's); ``reset_at_fraction``: empty replica ``args.kill_replica``'s cache when that share of the
+    prompts has arrived (a restart that keeps the process)."""
+    if timed is None:
+        timed = with_poisson_arrivals(trace, utilisation * capacity_rps, seed=args.seed)
     load_before = os.getloadavg()[0]
     started = time.perf_counter()
-    async with SimFleet(args.replicas, args.time_scale, args.coalesce_s) as fleet:
+    async with SimFleet(args.replicas, args.time_scale, args.coalesce_s, fleet_args) as fleet:
         config = client_config(
             fleet.urls,
             policy,
             attempt_s=120 * args.time_scale + 10,
             deadline_s=300 * args.time_scale + 20,
-            options=json.loads(args.prefix_aware_options),
+            options=options if options is not None else json.loads(args.prefix_aware_options),
         )
         async with LLMClient(config, seed=args.seed) as client:
             await client.wait_until_healthy()
-            attempt_errors = _trace_attempt_errors(client)
-            killer = None
+            attempt_errors = _count_attempt_errors(client)
+            killer = resetter = None
             if kill_at_fraction is not None:
                 kill_time = timed[int(len(timed) * kill_at_fraction)].t
                 killer = asyncio.create_task(
                     _kill_later(fleet, client, args.kill_replica, kill_time * args.time_scale)
                 )
+            if reset_at_fraction is not None:
+                reset_time = timed[int(len(timed) * reset_at_fraction)].t
+                resetter = asyncio.create_task(
+                    _reset_later(fleet, args.kill_replica, reset_time * args.time_scale)
+                )
             outcomes = await replay(client, timed, args.time_scale, extra_body={"ignore_eos": True})
             eject_delay_s = (await killer) / args.time_scale if killer is not None else None
+            if resetter is not None:
+                await resetter
             stats = await fleet.stats()
             server_ttft = await fleet.server_ttft_ms()
             result = summarise(
-                "sim",
+                setup,
                 policy,
                 utilisation,
                 outcomes,
@@ -499,8 +536,15 @@ async def run_sim(
             result.extra["loadavg_1m"] = [round(load_before, 2), round(os.getloadavg()[0], 2)]
             result.extra["attempt_errors"] = dict(attempt_errors)
             result.extra["windows"] = windows(outcomes)
+            result.extra["tail"] = tail_report(outcomes, timed)
             if isinstance(client.policy, PrefixAwarePolicy):
                 result.extra["policy_stats"] = asdict(client.policy.stats)
+            if reset_at_fraction is not None:
+                reset_s = timed[int(len(timed) * reset_at_fraction)].t
+                result.extra["reset_at_s"] = reset_s
+                result.extra["after_reset"] = _after_reset(
+                    outcomes, reset_s, client.endpoints[args.kill_replica].name
+                )
             if kill_at_fraction is not None:
                 kill_s = timed[int(len(timed) * kill_at_fraction)].t
                 result.extra.update(_kill_report(outcomes, kill_s, client, args))
@@ -508,20 +552,54 @@ async def run_sim(
     return result, outcomes
 
 
-def _trace_attempt_errors(client: LLMClient) -> Counter[str]:
-    """Count why attempts failed (the client retries them silently); benchmark instrumentation only."""
+def _count_attempt_errors(client: LLMClient) -> Counter[str]:
+    """Count why attempts failed (the client retries them silently), through the client's hooks."""
     errors: Counter[str] = Counter()
-    attempt = client._attempt
 
-    async def traced(endpoint: Any, path: str, body: dict[str, Any], route: Any) -> Any:
-        try:
-            return await attempt(endpoint, path, body, route)
-        except LLMError as exc:
-            errors[f"{type(exc).__name__}: {str(exc)[:60]}"] += 1
-            raise
+    def failed(attempt: Attempt, exc: LLMError) -> None:
+        errors[f"{type(exc).__name__}: {str(exc)[:60]}"] += 1
 
-    client._attempt = traced  # type: ignore[method-assign]
+    client.hooks.attempt_failed.append(failed)
     return errors
+
+
+async def _reset_later(fleet: SimFleet, replica: int, delay_s: float) -> None:
+    await asyncio.sleep(delay_s)
+    await fleet.reset_cache(replica)
+
+
+def _after_reset(outcomes: Sequence[Outcome], reset_s: float, victim: str) -> dict[str, Any]:
+    """What the reset cost: requests sent to the reset replica in the 20 simulated seconds after it,
+    and how many of them found less than the shared head cached (routed on a belief the reset made
+    stale)."""
+    after = [o for o in outcomes if o.ok and o.endpoint == victim and reset_s <= o.arrival_s < reset_s + 20]
+    cold = [o for o in after if o.cached_tokens < 0.3 * o.prompt_tokens]
+    return {
+        "requests_to_victim_20s": len(after),
+        "cold_on_victim_20s": len(cold),
+        "prefill_tokens_after_reset": sum(
+            o.prompt_tokens - o.cached_tokens for o in outcomes if o.ok and o.arrival_s >= reset_s
+        ),
+    }
+
+
+def tail_report(outcomes: Sequence[Outcome], timed: Sequence[TraceRequest]) -> dict[str, Any]:
+    """Who is in the slowest 1% of TTFT: cold prompts (less than 30% cached), the busiest shopper's
+    prompts, and how they spread over replicas; what moved the tail is read from this."""
+    ok = sorted((o for o in outcomes if o.ok), key=lambda o: o.ttft_ms)
+    if not ok:
+        return {}
+    top = ok[-max(1, len(ok) // 100) :]
+    busiest = Counter(r.shopper_id for r in timed).most_common(2)
+    hot = {s for s, _ in busiest}
+    return {
+        "p99_set": len(top),
+        "cold": sum(o.cached_tokens < 0.3 * o.prompt_tokens for o in top),
+        "hot_shopper": sum(o.shopper in hot for o in top),
+        "replicas": dict(Counter(o.endpoint for o in top)),
+        "retried": sum(o.attempts > 1 for o in top),
+        "cold_share_all": sum(o.cached_tokens < 0.3 * o.prompt_tokens for o in ok) / len(ok),
+    }
 
 
 async def _kill_later(fleet: SimFleet, client: LLMClient, replica: int, delay_s: float) -> float:
@@ -808,6 +886,183 @@ def _write(name: str, payload: Any) -> None:
     (RESULTS / name).write_text(json.dumps(payload, indent=1, default=str) + "\n")
 
 
+# ---- stress scenarios -------------------------------------------------------------------------------
+SCENARIO_POLICIES = (
+    "round_robin", "least_outstanding", "session_affinity", "prefix_aware", "prefix_aware_precise",
+)  # fmt: skip
+
+
+@dataclass(frozen=True)
+class Scenario:
+    """One load shape: the trace, the arrival process, the replicas' cache size, an optional reset."""
+
+    name: str
+    description: str
+    trace: TraceConfig
+    bursty: bool = False
+    cache_blocks: int = 8192
+    reset_at_fraction: float | None = None
+
+
+def scenarios(args: argparse.Namespace) -> dict[str, Scenario]:
+    """The stress shapes, every parameter from the command line."""
+    base = TraceConfig(shoppers=args.shoppers, seed=args.seed)
+    skew = replace(
+        base,
+        hot_count=args.skew_hot_shoppers,
+        hot_factor=args.skew_hot_factor,
+        hot_span_s=base.session_spread_s,
+    )
+    long = replace(
+        base,
+        hot_fraction=args.long_hot_fraction,
+        hot_factor=args.long_hot_factor,
+        max_log_tokens=args.long_max_log_tokens,
+        hot_span_s=base.session_spread_s,
+    )
+    return {
+        "base": Scenario("base", "the sweep's trace, Poisson arrivals", base),
+        "skew": Scenario(
+            "skew",
+            f"{args.skew_hot_shoppers} hot shoppers with {args.skew_hot_factor:g}x the bursts, Poisson",
+            skew,
+        ),
+        "burst": Scenario(
+            "burst",
+            f"skew + on/off arrivals ({args.burst_peak:g}x the mean rate for {args.burst_on_fraction:.0%} of "
+            f"every {args.burst_period_s:g} s)",
+            skew,
+            bursty=True,
+        ),
+        "long": Scenario(
+            "long",
+            f"{args.long_hot_fraction:.0%} long-session shoppers ({args.long_hot_factor:g}x the bursts), "
+            f"logs trimmed at {args.long_max_log_tokens} tokens",
+            long,
+        ),
+        "evict": Scenario(
+            "evict",
+            f"skew with {args.evict_cache_blocks} KV blocks per replica (eviction pressure)",
+            skew,
+            cache_blocks=args.evict_cache_blocks,
+        ),
+        "restart": Scenario(
+            "restart",
+            f"base, replica {args.kill_replica}'s cache emptied at half the prompts",
+            base,
+            reset_at_fraction=0.5,
+        ),
+    }
+
+
+async def run_scenarios(args: argparse.Namespace) -> list[RunResult]:
+    chosen = [scenarios(args)[name] for name in args.scenarios.split(",")]
+    policies = [p for p in args.scenario_policies.split(",") if p]
+    results: list[RunResult] = []
+    traces: dict[TraceConfig, tuple[list[TraceRequest], OracleBound, float]] = {}
+    for sc in chosen:
+        if sc.trace not in traces:
+            trace = generate_trace(sc.trace)
+            traces[sc.trace] = (
+                trace,
+                oracle_prefill(trace, BLOCK),
+                await measure_capacity(trace) * args.replicas,
+            )
+        trace, oracle, capacity = traces[sc.trace]
+        rate = args.scenario_utilisation * capacity
+        if sc.bursty:
+            timed = with_onoff_arrivals(
+                trace,
+                rate,
+                peak_factor=args.burst_peak,
+                on_fraction=args.burst_on_fraction,
+                period_s=args.burst_period_s,
+                seed=args.seed,
+            )
+        else:
+            timed = with_poisson_arrivals(trace, rate, seed=args.seed)
+        top = Counter(r.shopper_id for r in trace).most_common(args.skew_hot_shoppers)
+        print(
+            f"\n## {sc.name}: {sc.description}\n{len(trace)} prompts from {sc.trace.shoppers} shoppers "
+            f"(busiest {len(top)}: {sum(n for _, n in top) / len(trace):.0%} of the prompts), "
+            f"{oracle.prompt_tokens:,} prompt tokens, oracle prefill {oracle.prefill_tokens_per_shopper:,}; "
+            f"{args.scenario_utilisation:.0%} of {capacity:.2f} req/s; {sc.cache_blocks} KV blocks/replica",
+            flush=True,
+        )
+        fleet_args = ["--cache-capacity-blocks", str(sc.cache_blocks), "--kv-event-buffer-max-size", "65536"]
+        options = {**json.loads(args.prefix_aware_options), "max_blocks_per_replica": sc.cache_blocks}
+        for policy in policies:
+            result, _ = await run_sim(
+                policy,
+                args.scenario_utilisation,
+                trace,
+                capacity,
+                oracle,
+                args,
+                timed=timed,
+                fleet_args=fleet_args,
+                options=options,
+                reset_at_fraction=sc.reset_at_fraction,
+                setup=sc.name,
+            )
+            result.policy = policy
+            results.append(result)
+            print(scenario_table([result]).splitlines()[-1], f"({result.wall_s:.0f} s wall)", flush=True)
+            print(
+                "   tail:", json.dumps(result.extra.get("tail")), json.dumps(result.extra.get("policy_stats"))
+            )
+        for line in scenario_targets([r for r in results if r.setup == sc.name]):
+            print("  ", line)
+    return results
+
+
+SCENARIO_HEADERS = (
+    "scenario", "policy", "TTFT mean", "TTFT p50", "TTFT p99", "server TTFT", "e2e p99", "prefill vs oracle",
+    "cache hit", "max/mean load", "lost",
+)  # fmt: skip
+
+
+def scenario_table(results: Sequence[RunResult]) -> str:
+    rows = [
+        [
+            r.setup,
+            r.policy,
+            f"{r.ttft_mean_ms:,.0f}",
+            f"{r.ttft_p50_ms:,.0f}",
+            f"{r.ttft_p99_ms:,.0f}",
+            f"{r.server_ttft_mean_ms:,.0f}" if r.server_ttft_mean_ms is not None else "-",
+            f"{r.e2e_p99_ms:,.0f}",
+            f"{r.prefill_tokens / max(1, r.oracle_prefill_tokens_per_shopper):.2f}x",
+            f"{r.cache_hit_ratio:.0%}",
+            f"{r.load_max_over_mean:.2f}",
+            str(r.lost),
+        ]
+        for r in results
+    ]
+    return _md(SCENARIO_HEADERS, rows)
+
+
+def scenario_targets(results: Sequence[RunResult]) -> list[str]:
+    """The issue's targets for each prefix_aware mode in one scenario's runs."""
+    by = {r.policy: r for r in results}
+    if not {"round_robin", "least_outstanding"} <= by.keys():
+        return []
+    best = min(by["round_robin"].ttft_p99_ms, by["least_outstanding"].ttft_p99_ms)
+    lines = []
+    for mode in ("prefix_aware", "prefix_aware_precise"):
+        if mode not in by:
+            continue
+        r = by[mode]
+        prefill = r.prefill_tokens / max(1, r.oracle_prefill_tokens_per_shopper)
+        for name, value, ok in (
+            ("p99 TTFT / best of rr, lo", r.ttft_p99_ms / best, r.ttft_p99_ms <= best),
+            ("prefill / oracle <= 1.15", prefill, prefill <= 1.15),
+            ("max/mean load <= 1.25", r.load_max_over_mean, r.load_max_over_mean <= 1.25),
+        ):
+            lines.append(f"{'PASS' if ok else 'MISS'}  {r.setup} {mode}: {name}: {value:.2f}")
+    return lines
+
+
 # ---- main ------------------------------------------------------------------------------------------
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(
@@ -816,7 +1071,20 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument("--quick", action="store_true", help="small trace, one utilisation: a smoke run")
-    p.add_argument("--setups", default="sim,kill,llama", help="comma list of sim, kill, llama")
+    p.add_argument("--setups", default="sim,kill,llama", help="comma list of sim, kill, llama, scenarios")
+    s = p.add_argument_group("stress scenarios (--setups scenarios)")
+    s.add_argument("--scenarios", default="base,skew,burst,long,evict,restart")
+    s.add_argument("--scenario-policies", default=",".join(SCENARIO_POLICIES))
+    s.add_argument("--scenario-utilisation", type=float, default=0.7)
+    s.add_argument("--skew-hot-shoppers", type=int, default=2, help="shoppers making a large share")
+    s.add_argument("--skew-hot-factor", type=float, default=30.0, help="their bursts, x an ordinary one")
+    s.add_argument("--burst-peak", type=float, default=3.0, help="on-period rate, x the mean")
+    s.add_argument("--burst-on-fraction", type=float, default=0.25)
+    s.add_argument("--burst-period-s", type=float, default=40.0, help="simulated seconds")
+    s.add_argument("--long-hot-fraction", type=float, default=0.1)
+    s.add_argument("--long-hot-factor", type=float, default=8.0)
+    s.add_argument("--long-max-log-tokens", type=int, default=2400)
+    s.add_argument("--evict-cache-blocks", type=int, default=1024, help="KV blocks per replica")
     p.add_argument("--policies", default=",".join(POLICIES))
     p.add_argument("--utilisations", default="0.5,0.7,0.9")
     p.add_argument("--shoppers", type=int, default=200)
@@ -828,7 +1096,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--llama-replicas", type=int, default=3)
     p.add_argument("--llama-shoppers", type=int, default=6)
     p.add_argument("--seed", type=int, default=1)
-    p.add_argument("--prefix-aware-options", default="{}", help="JSON of PrefixAwarePolicy knobs")
+    p.add_argument("--prefix-aware-options", default="{}", help="JSON of PrefixAwareSettings")
     p.add_argument("--tag", default="", help="suffix of the result files (routing<TAG>.json ...)")
     p.add_argument("--replot", action="store_true", help="only redraw the PNGs from the JSON results")
     args = p.parse_args(argv)
@@ -862,6 +1130,16 @@ async def main(argv: Sequence[str] | None = None) -> None:
     setups = set(args.setups.split(","))
     policies = args.policies.split(",")
     print(f"machine: {machine()}")
+    if "scenarios" in setups:
+        results = await run_scenarios(args)
+        print("\n" + scenario_table(results))
+        for name in dict.fromkeys(r.setup for r in results):
+            for line in scenario_targets([r for r in results if r.setup == name]):
+                print("  ", line)
+        _write(
+            f"routing_scenarios{args.tag}.json",
+            {"machine": machine(), "args": vars(args), "results": [asdict(r) for r in results]},
+        )
     sim_results: list[RunResult] = []
     kill_result: RunResult | None = None
     if setups & {"sim", "kill"}:

@@ -9,9 +9,14 @@ Shape (all deterministic in ``seed``):
 - each shopper arrives with a history (``backlog_events`` earlier events, whose prompts are not part of
   the trace) so prompts are 2-4k tokens, then browses in bursts (a few seconds between events) separated
   by pauses longer than the browse-pause trigger, adding to cart now and then;
-- a ``hot_fraction`` of shoppers browse ``hot_factor`` times as many bursts;
+- a ``hot_fraction`` of shoppers (or exactly ``hot_count``) browse ``hot_factor`` times as many bursts;
+  with ``hot_span_s`` their prompts are spread over that much time instead of their own (much longer)
+  session, so a few shoppers make a large share of the prompts *at the same time* as everyone else
+  (a skewed load); their long logs get trimmed at ``max_log_tokens`` over and over;
 - ``with_poisson_arrivals`` replaces the natural prompt times by a Poisson process of a chosen rate,
-  keeping the global (hence each shopper's) order, so utilisation is set exactly.
+  keeping the global (hence each shopper's) order, so utilisation is set exactly;
+  ``with_onoff_arrivals`` does the same with bursts: ``peak_factor`` x the mean rate for ``on_fraction``
+  of every ``period_s``, the rest of the period at the rate that keeps the mean.
 """
 
 from __future__ import annotations
@@ -36,6 +41,10 @@ class TraceConfig:
     shoppers: int = 300
     hot_fraction: float = 0.05
     hot_factor: float = 4.0
+    hot_count: int | None = None
+    """Exactly this many hot shoppers (the first ones) instead of drawing ``hot_fraction``."""
+    hot_span_s: float | None = None
+    """Spread each hot shopper's prompts over this much time from its start (None: its natural times)."""
     bursts: tuple[int, int] = (2, 5)
     """Live browsing bursts per ordinary shopper (inclusive range)."""
     burst_events: tuple[int, int] = (3, 8)
@@ -69,12 +78,15 @@ def generate_trace(config: TraceConfig) -> list[TraceRequest]:
             trim_to_fraction=0.6,
         )
     )
-    out: list[tuple[float, PromptRequest, int]] = []
+    all_out: list[tuple[float, PromptRequest, int]] = []
     for i in range(config.shoppers):
+        out: list[tuple[float, PromptRequest, int]] = []
         shopper = _SyntheticShopper(f"shopper-{i:05d}", rng, catalog, rng.sample(categories, 2))
         session = processor.new_session(shopper.shopper_id)
         live_start = START_TS + rng.uniform(0, config.session_spread_s)
         hot = rng.random() < config.hot_fraction
+        if config.hot_count is not None:
+            hot = i < config.hot_count
         backlog = rng.randint(*config.backlog_events)
         ts = live_start - 3600.0
         for _ in range(backlog):  # history from an hour ago; its prompts are not in the trace
@@ -98,11 +110,15 @@ def generate_trace(config: TraceConfig) -> list[TraceRequest]:
         pending = session.pending
         if pending is not None:
             out += _timed(processor.fire_pending(session, pending.due_ts), pending.due_ts, rng, config)
-    out.sort(key=lambda item: (item[0], item[1].request_id))
-    t0 = out[0][0] if out else 0.0
+        if hot and config.hot_span_s is not None and out:
+            span = max(out[-1][0] - live_start, 1e-9)
+            out = [(live_start + (t - live_start) * config.hot_span_s / span, p, m) for t, p, m in out]
+        all_out += out
+    all_out.sort(key=lambda item: (item[0], item[1].request_id))
+    t0 = all_out[0][0] if all_out else 0.0
     return [
         TraceRequest(p.shopper_id, p.seq, t - t0, p.messages, p.prompt_tokens, max_tokens)
-        for t, p, max_tokens in out
+        for t, p, max_tokens in all_out
     ]
 
 
@@ -121,6 +137,42 @@ def with_poisson_arrivals(
     timed = []
     for request in trace:
         t += rng.expovariate(rate_per_s)
+        timed.append(replace(request, t=t))
+    return timed
+
+
+def with_onoff_arrivals(
+    trace: Sequence[TraceRequest],
+    mean_rate_per_s: float,
+    *,
+    peak_factor: float = 3.0,
+    on_fraction: float = 0.25,
+    period_s: float = 40.0,
+    seed: int = 0,
+) -> list[TraceRequest]:
+    """The same prompts in the same order, arriving in on/off bursts: a Poisson process whose rate is
+    ``peak_factor`` x the mean for the first ``on_fraction`` of every ``period_s`` and low enough the
+    rest of the period that the mean is ``mean_rate_per_s`` (so utilisation is the same as with
+    ``with_poisson_arrivals``; only its timing differs)."""
+    if not 1 <= peak_factor <= 1 / on_fraction:
+        raise ValueError("peak_factor must be in [1, 1 / on_fraction]")
+    on_s = on_fraction * period_s
+    on_rate = peak_factor * mean_rate_per_s
+    off_rate = mean_rate_per_s * (1 - peak_factor * on_fraction) / (1 - on_fraction)
+    rng = random.Random(seed)
+    t = 0.0
+    timed = []
+    for request in trace:
+        work = rng.expovariate(1.0)  # unit-rate exponential, spent at the piecewise-constant rate
+        while True:
+            phase = t % period_s
+            rate, end = (on_rate, on_s) if phase < on_s else (off_rate, period_s)
+            left = end - phase
+            if rate > 0 and work <= rate * left:
+                t += work / rate
+                break
+            work -= rate * left
+            t += left
         timed.append(replace(request, t=t))
     return timed
 

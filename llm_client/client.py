@@ -4,7 +4,11 @@ Guarantees:
 - at most ``max_in_flight`` requests are in flight; further callers wait (backpressure, not errors);
 - each request ends within its deadline, with a ``Completion`` or a typed ``LLMError``;
 - a failed attempt is retried on a *different* replica when retryable, under the retry budget;
-- a replica that refuses connections is ejected at once; the health checker re-admits it.
+- a replica that refuses connections is ejected at once; the health checker re-admits it;
+- the client is the only writer of ``Endpoint``: the policy and the degradation detector report what
+  they learned (``Feedback``, ``HealthChange``) and the client records it;
+- with a policy that follows KV cache events (``prefix_aware`` with ``kv_events="precise"``), the client
+  polls every replica's ``POST /kv_cache_events`` (``llm_client.kv_events``) while it runs.
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ import aiohttp
 import orjson
 
 from llm_client.config import ClientConfig
+from llm_client.degradation import DegradationDetector, apply_health_changes
 from llm_client.endpoints import Endpoint, endpoint_name
 from llm_client.errors import (
     AttemptTimeout,
@@ -31,11 +36,13 @@ from llm_client.errors import (
     NoHealthyEndpoint,
     RetryBudgetExhausted,
 )
+from llm_client.hooks import Attempt, ClientHooks
+from llm_client.kv_events import KvEventPoller
 from llm_client.models import Completion
 from llm_client.passthrough import Forwarded
 from llm_client.retry import RetryBudget, backoff_s
 from llm_client.routing import RouteOutcome, RouteRequest, RoutingPolicy, make_policy
-from llm_client.routing.health_monitor import DegradationDetector
+from llm_client.routing.base import KvEventConsumer
 from llm_client.sse import read_sse_json
 from llm_client.transport import auth_headers, header_value, tls_context
 from prompt_assembly.tokens import messages_text
@@ -49,9 +56,12 @@ class LLMClient:
         *,
         seed: int = 0,
         degradation: DegradationDetector | None = None,
+        hooks: ClientHooks | None = None,
     ) -> None:
         self.config = config
-        self.policy = policy or make_policy(config.policy, **config.policy_options)
+        self.policy = policy or make_policy(config.routing())
+        self.hooks = hooks or ClientHooks()
+        """Attempt started / failed / finished callbacks (``llm_client.hooks``)."""
         # Drains replicas that are slow or erroring compared with their peers (see its settings).
         self.degradation = degradation or DegradationDetector()
         self.endpoints = [Endpoint(url.rstrip("/"), endpoint_name(url)) for url in config.endpoints]
@@ -60,6 +70,8 @@ class LLMClient:
         self._rng = random.Random(seed)
         self._session: aiohttp.ClientSession | None = None
         self._health_task: asyncio.Task[None] | None = None
+        self.kv_events: KvEventPoller | None = None
+        """Polls the replicas' KV cache events when the policy follows them (else None)."""
         self.in_flight = 0
         self.retries = 0
 
@@ -81,8 +93,16 @@ class LLMClient:
                 connector=connector, json_serialize=_dumps, headers=auth_headers(security)
             )
             self._health_task = asyncio.create_task(self._health_loop(), name="llm-health")
+            if isinstance(self.policy, KvEventConsumer) and self.policy.kv_event_poll_s is not None:
+                self.kv_events = KvEventPoller(
+                    self._session, lambda: self.endpoints, self.policy, self.policy.kv_event_poll_s
+                )
+                self.kv_events.start()
 
     async def close(self) -> None:
+        if self.kv_events is not None:
+            await self.kv_events.stop()
+            self.kv_events = None
         if self._health_task is not None:
             self._health_task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
@@ -175,13 +195,19 @@ class LLMClient:
                 await self._wait_for_routable()
             endpoint = self._choose(route, tried)
             tried.append(endpoint.name)
+            info = Attempt(endpoint.name, route.key, attempt + 1)
+            self.hooks.started(info)
             try:
                 completion = await self._attempt(endpoint, path, body, route)
-                return _with_attempts(completion, attempt + 1)
             except LLMError as exc:
+                self.hooks.failed(info, exc)
                 if not exc.retryable:
                     raise
                 last_error = exc
+            else:
+                completion = _with_attempts(completion, attempt + 1)
+                self.hooks.finished(info, completion)
+                return completion
         assert last_error is not None
         raise last_error
 
@@ -255,8 +281,8 @@ class LLMClient:
             cached_tokens=completion.cached_tokens,
             completion_tokens=completion.completion_tokens,
         )
-        self.degradation.evaluate(self.endpoints)
-        self.policy.observe(
+        self._evaluate_health()
+        self._observe(
             route,
             endpoint,
             RouteOutcome(
@@ -277,12 +303,21 @@ class LLMClient:
 
     def _fail(self, endpoint: Endpoint, route: RouteRequest, *, connection: bool) -> None:
         endpoint.record_failure()
-        self.policy.observe(route, endpoint, RouteOutcome(ok=False, connection_failed=connection))
+        self._observe(route, endpoint, RouteOutcome(ok=False, connection_failed=connection))
         self.degradation.observe_failure(endpoint)
-        self.degradation.evaluate(self.endpoints)
+        self._evaluate_health()
         limit = self.config.health.eject_after_failures
         if endpoint.healthy and (connection or endpoint.consecutive_failures >= limit):
             self.eject(endpoint)
+
+    def _observe(self, route: RouteRequest, endpoint: Endpoint, outcome: RouteOutcome) -> None:
+        """Teach the policy, and record on the replica what it learned."""
+        if self.policy.observe(route, endpoint, outcome).restart_detected:
+            endpoint.restarts_detected += 1
+
+    def _evaluate_health(self) -> None:
+        """Let the degradation detector judge the replicas, and apply its drains and re-admissions."""
+        apply_health_changes(self.endpoints, self.degradation.evaluate(self.endpoints))
 
     async def _wait_for_routable(self) -> None:
         """Every replica is ejected: wait (within the caller's deadline) for the health checker to
@@ -426,8 +461,8 @@ class LLMClient:
         self.degradation.observe_success(
             endpoint, latency, prompt_tokens=prompt, cached_tokens=cached, completion_tokens=completion_tokens
         )
-        self.degradation.evaluate(self.endpoints)
-        self.policy.observe(
+        self._evaluate_health()
+        self._observe(
             route,
             endpoint,
             RouteOutcome(
@@ -446,7 +481,7 @@ class LLMClient:
     async def _health_loop(self) -> None:
         while True:
             await asyncio.sleep(self.config.health.interval_s)
-            self.degradation.evaluate(self.endpoints)
+            self._evaluate_health()
             await asyncio.gather(*(self._probe(e) for e in self.endpoints if not e.healthy))
 
     async def _probe(self, endpoint: Endpoint) -> None:

@@ -1,11 +1,18 @@
 """Client configuration: one pydantic-settings model, read from the environment (prefix ``LLM_``),
-with every timeout and limit an explicit, documented field rather than a bare float in a call."""
+with every timeout and limit an explicit, documented field rather than a bare float in a call.
+
+The routing policy is chosen by name (``policy``, e.g. ``LLM_POLICY=prefix_aware`` or, nested in the
+runner's settings, ``RUNNER_LLM__POLICY=prefix_aware``) and configured with that policy's own typed
+settings (``policy_settings``, a union tagged by ``policy``), e.g.
+``LLM_POLICY_SETTINGS='{"policy": "prefix_aware", "load_factor": 1.25, "kv_events": "precise"}'``.
+"""
 
 from __future__ import annotations
 
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, Field, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from llm_client.routing import POLICIES, PolicyName, PolicySettings
 from llm_client.transport import EndpointSecurity
 
 
@@ -35,8 +42,10 @@ class ClientConfig(BaseSettings):
 
     endpoints: list[str] = Field(default_factory=lambda: ["http://127.0.0.1:8000"])
     model: str = "default"
-    policy: str = Field("session_affinity", description="routing policy name, see llm_client.routing")
-    policy_options: dict[str, float] = Field(default_factory=dict)
+    policy: PolicyName = Field("session_affinity", description="routing policy name, see llm_client.routing")
+    policy_settings: PolicySettings | None = Field(
+        None, description="the policy's typed knobs, tagged with its name (None: its defaults)"
+    )
     max_in_flight: int = Field(256, ge=1, description="concurrent requests; callers wait beyond it")
     stream: bool = Field(True, description="stream answers (measures time to first token)")
     timeouts: Timeouts = Field(default_factory=Timeouts)
@@ -46,3 +55,27 @@ class ClientConfig(BaseSettings):
     security: EndpointSecurity = Field(
         default_factory=EndpointSecurity, description="bearer API key and CA bundle (llm_client.transport)"
     )
+
+    @model_validator(mode="after")
+    def _settings_match_policy(self) -> ClientConfig:
+        if self.policy_settings is not None and self.policy_settings.policy != self.policy:
+            if "policy" in self.model_fields_set:
+                raise ValueError(
+                    f"policy_settings are for {self.policy_settings.policy!r} but policy is {self.policy!r}"
+                )
+            self.policy = self.policy_settings.policy  # settings alone select their policy
+        return self
+
+    def routing(self) -> PolicySettings:
+        """The selected policy's settings (its defaults unless ``policy_settings`` are for it).
+
+        Settings for another policy are an error: they may have been left over by an override of
+        ``policy`` that skipped validation (``model_copy(update=...)``)."""
+        if self.policy_settings is None:
+            settings: PolicySettings = POLICIES[self.policy].settings_type.model_validate({})
+            return settings
+        if self.policy_settings.policy != self.policy:
+            raise ValueError(
+                f"policy_settings are for {self.policy_settings.policy!r} but policy is {self.policy!r}"
+            )
+        return self.policy_settings

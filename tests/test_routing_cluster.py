@@ -17,8 +17,8 @@ import aiohttp
 import pytest
 
 from llm_client import ClientConfig, LLMClient
+from llm_client.degradation import DegradationDetector, DegradationSettings
 from llm_client.routing.base import RouteRequest
-from llm_client.routing.health_monitor import DegradationDetector, DegradationSettings
 from llm_client.routing.prefix_aware import PrefixAwarePolicy
 from prompt_assembly.prompt import build_messages
 from prompt_assembly.tokens import count_tokens, messages_text

@@ -8,10 +8,10 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from llm_client.degradation import DegradationDetector, DegradationSettings, apply_health_changes
 from llm_client.endpoints import Endpoint
 from llm_client.routing import POLICIES, make_policy
 from llm_client.routing.base import RouteOutcome, RouteRequest
-from llm_client.routing.health_monitor import DegradationDetector, DegradationSettings
 from llm_client.routing.prefix_aware import PrefixAwarePolicy, ReplicaBlockIndex
 from prompt_assembly.prompt import build_messages
 from prompt_assembly.tokens import count_tokens, messages_text
@@ -40,11 +40,33 @@ def route(policy: PrefixAwarePolicy, request: RouteRequest, eps: list[Endpoint])
 
 
 # ---- registration and knobs --------------------------------------------------------------------------
-def test_registered_and_configurable_with_float_options() -> None:
+def test_registered_and_configured_by_typed_settings() -> None:
     assert POLICIES["prefix_aware"] is PrefixAwarePolicy
-    policy = make_policy("prefix_aware", block_size=64.0, max_blocks_per_replica=100.0, load_factor=1.5)
+    policy = make_policy("prefix_aware", block_size=64, max_blocks_per_replica=100, load_factor=1.5)
     assert isinstance(policy, PrefixAwarePolicy)
     assert policy.block_size == 64 and policy.max_blocks_per_replica == 100
+    assert policy.restart_max_cached_tokens == 64  # defaults to one block
+    with pytest.raises(ValueError):
+        make_policy("prefix_aware", load_factr=1.5)  # a misspelt knob is an error, not ignored
+    with pytest.raises(ValueError):
+        make_policy("prefix_aware", block_size=32.5)  # an integer knob takes no fraction
+
+
+def test_config_selects_the_policy_by_name_and_types_its_settings(monkeypatch: pytest.MonkeyPatch) -> None:
+    from llm_client.config import ClientConfig
+    from runner.config import RunnerSettings
+
+    monkeypatch.setenv("RUNNER_LLM__POLICY", "prefix_aware")
+    monkeypatch.setenv("RUNNER_LLM__POLICY_SETTINGS", '{"policy": "prefix_aware", "kv_events": "precise"}')
+    llm = RunnerSettings().llm
+    assert llm.policy == "prefix_aware"
+    built = make_policy(llm.routing())
+    assert isinstance(built, PrefixAwarePolicy) and built.kv_event_poll_s is not None
+    # a name alone gives that policy's defaults; settings alone select their policy
+    assert ClientConfig(policy="round_robin").routing().policy == "round_robin"
+    assert ClientConfig(policy_settings={"policy": "session_affinity"}).policy == "session_affinity"
+    with pytest.raises(ValueError, match="policy_settings are for"):
+        ClientConfig(policy="round_robin", policy_settings={"policy": "prefix_aware"})
 
 
 @pytest.mark.parametrize(
@@ -122,8 +144,9 @@ def test_restart_detected_when_a_hit_comes_back_empty() -> None:
     policy.index(home).insert(policy.block_hashes(shopper_prompt("frank", 60)))
     request = shopper_prompt("erin", 62)
     assert policy.choose(request, eps) is home
-    policy.observe(request, home, RouteOutcome(True, request.prompt_tokens, cached_tokens=0))
-    assert home.restarts_detected == 1 and policy.stats.restarts_detected == 1
+    feedback = policy.observe(request, home, RouteOutcome(True, request.prompt_tokens, cached_tokens=0))
+    assert feedback.restart_detected and policy.stats.restarts_detected == 1
+    assert home.restarts_detected == 0  # the policy reports; only the client writes the Endpoint
     # the index was cleared (frank's blocks are gone from it only), then refilled with the prompt the
     # replica just computed
     assert policy.cached_tokens(shopper_prompt("frank", 60), home) < 0.3 * request.prompt_tokens
@@ -136,8 +159,8 @@ def test_a_new_shopper_missing_the_shared_head_is_not_a_restart() -> None:
     route(policy, shopper_prompt("ivan", 40), eps)
     request = shopper_prompt("judy", 40)  # only the system-prompt head is believed held anywhere
     chosen = policy.choose(request, eps)
-    policy.observe(request, chosen, RouteOutcome(True, request.prompt_tokens, cached_tokens=0))
-    assert chosen.restarts_detected == 0 and policy.stats.restarts_detected == 0
+    feedback = policy.observe(request, chosen, RouteOutcome(True, request.prompt_tokens, cached_tokens=0))
+    assert not feedback.restart_detected and policy.stats.restarts_detected == 0
 
 
 def test_partial_hits_are_not_restarts_and_units_are_shares() -> None:
@@ -146,8 +169,10 @@ def test_partial_hits_are_not_restarts_and_units_are_shares() -> None:
     request = shopper_prompt("gina", 61)
     assert policy.choose(request, eps) is home
     # a server with another tokenizer: 3x the token count, same cached share
-    policy.observe(request, home, RouteOutcome(True, 3 * request.prompt_tokens, 2 * request.prompt_tokens))
-    assert home.restarts_detected == 0
+    feedback = policy.observe(
+        request, home, RouteOutcome(True, 3 * request.prompt_tokens, 2 * request.prompt_tokens)
+    )
+    assert not feedback.restart_detected
 
 
 def test_failed_attempt_takes_back_the_recorded_blocks() -> None:
@@ -250,7 +275,14 @@ def feed(detector: DegradationDetector, eps: list[Endpoint], slow: dict[str, flo
                 detector.observe_success(
                     e, latency, prompt_tokens=3000, cached_tokens=2900, completion_tokens=200
                 )
-        detector.evaluate(eps)
+        evaluate(detector, eps)
+
+
+def evaluate(detector: DegradationDetector, eps: list[Endpoint]) -> list[str]:
+    """What the client does: the detector decides, the client applies."""
+    changes = detector.evaluate(eps)
+    apply_health_changes(eps, changes)
+    return [c.action for c in changes]
 
 
 def test_slow_replica_is_drained_reported_and_readmitted_after_cooldown() -> None:
@@ -261,16 +293,16 @@ def test_slow_replica_is_drained_reported_and_readmitted_after_cooldown() -> Non
     assert detector.drains == 1 and eps[2].extra["drains"] == 1
     assert detector.changes[0].action == "drained" and "latency" in detector.changes[0].reason
     clock.now = 31
-    assert [c.action for c in detector.evaluate(eps)] == ["readmitted"]
+    assert evaluate(detector, eps) == ["readmitted"]
     assert not eps[2].drained
     # still slow on probation: drained again, for twice as long
     feed(detector, eps, {"r2": 5.0}, rounds=30)
     assert eps[2].drained and detector.drains == 2
     clock.now = 31 + 31
-    detector.evaluate(eps)
+    evaluate(detector, eps)
     assert eps[2].drained
     clock.now = 31 + 61
-    detector.evaluate(eps)
+    evaluate(detector, eps)
     assert not eps[2].drained
 
 
@@ -283,7 +315,7 @@ def test_erroring_replica_is_drained() -> None:
                 detector.observe_failure(e)
             else:
                 detector.observe_success(e, 500.0, prompt_tokens=100, cached_tokens=0, completion_tokens=50)
-        detector.evaluate(eps)
+        evaluate(detector, eps)
     assert [e.name for e in eps if e.drained] == ["r1"]
     assert "error rate" in detector.changes[0].reason
 

@@ -3,14 +3,21 @@
 A policy picks a replica for a request from the routable endpoints and learns from what happened.
 Policies are synchronous and do no I/O (the client calls them on the event loop, once per attempt), so
 they are unit-testable and cheap. Adding a policy is adding a module with a class that has a unique
-``name`` and registering it in ``llm_client.routing.POLICIES``.
+``name``, a settings model (``settings_type``: a pydantic model whose ``policy`` field is the policy's
+name, so ``ClientConfig.policy_settings`` is a tagged union) and registering it in
+``llm_client.routing.POLICIES``.
+
+Policies never write an ``Endpoint`` (only the client does): what a policy learns that the client must
+record (a replica found restarted) comes back from ``observe`` as ``Feedback``.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import ClassVar, Protocol
+from typing import Any, ClassVar, Protocol, runtime_checkable
+
+from pydantic import BaseModel
 
 from llm_client.endpoints import Endpoint
 
@@ -37,8 +44,20 @@ class RouteOutcome:
     connection_failed: bool = False
 
 
+@dataclass(frozen=True, slots=True)
+class Feedback:
+    """What ``observe`` learned that the client records on the ``Endpoint``."""
+
+    restart_detected: bool = False
+    """The replica answered as if it had lost its KV cache (restarted)."""
+
+
+NO_FEEDBACK = Feedback()
+
+
 class RoutingPolicy(Protocol):
     name: ClassVar[str]
+    settings_type: ClassVar[type[BaseModel]]
 
     def choose(self, request: RouteRequest, endpoints: Sequence[Endpoint]) -> Endpoint:
         """Pick one of ``endpoints`` (non-empty, all routable, those already tried removed)."""
@@ -48,12 +67,26 @@ class RoutingPolicy(Protocol):
         """Prefill work the policy expects on ``endpoint`` (used for load accounting)."""
         ...
 
-    def observe(self, request: RouteRequest, endpoint: Endpoint, outcome: RouteOutcome) -> None:
-        """Feedback after an attempt finished."""
+    def observe(self, request: RouteRequest, endpoint: Endpoint, outcome: RouteOutcome) -> Feedback:
+        """Learn from an attempt that finished; never writes ``endpoint``."""
         ...
 
     def forget(self, endpoint: Endpoint) -> None:
         """``endpoint`` restarted or left: drop what is believed about its cache."""
+        ...
+
+
+@runtime_checkable
+class KvEventConsumer(Protocol):
+    """A policy that follows the replicas' KV cache events (``llm_client.kv_events`` polls them)."""
+
+    @property
+    def kv_event_poll_s(self) -> float | None:
+        """Seconds between polls of each replica's ``POST /kv_cache_events``; None: events off."""
+        ...
+
+    def apply_kv_events(self, endpoint: Endpoint, events: Sequence[Any]) -> None:
+        """Apply one poll's events (``llm_client.kv_events.KvCacheEvent``), oldest first."""
         ...
 
 
@@ -65,8 +98,8 @@ class StatelessPolicy:
     def estimate_uncached_tokens(self, request: RouteRequest, endpoint: Endpoint) -> int:
         return request.prompt_tokens
 
-    def observe(self, request: RouteRequest, endpoint: Endpoint, outcome: RouteOutcome) -> None:
-        return None
+    def observe(self, request: RouteRequest, endpoint: Endpoint, outcome: RouteOutcome) -> Feedback:
+        return NO_FEEDBACK
 
     def forget(self, endpoint: Endpoint) -> None:
         return None

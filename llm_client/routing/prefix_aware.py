@@ -18,8 +18,18 @@ How the index is kept (no call to the servers, only what the client sees):
 - each replica's index is an LRU set bounded by ``max_blocks_per_replica`` (set it to about the replica's
   KV capacity in blocks), so what a replica has evicted ages out of the index too;
 - each answer's ``cached_tokens`` corrects the index: a replica that reports about nothing cached where a
-  long hit was expected has restarted (its index is cleared and ``Endpoint.restarts_detected`` counted);
+  long hit was expected has restarted (its index is cleared and the client told, ``Feedback``);
   a failed attempt takes back the blocks that routing recorded.
+
+*Precise* mode (``kv_events="precise"``) adds what the replicas themselves report: the client polls each
+replica's ``POST /kv_cache_events`` (TensorRT-LLM's KV cache events, ``llm_client.kv_events``) and the
+events correct each replica's index: ``stored`` blocks are added, ``removed`` ones (evictions) dropped at
+once, and ``created``/``cleared`` or event ids starting again (a restarted replica) empty it. A gap in
+the event ids (a poll missed events the replica's bounded buffer dropped) cannot be repaired from the
+events alone (trtllm has no snapshot call): the replica's index keeps its learned belief, as in
+approximate mode, and is counted (``stats.kv_gaps``). A replica that answers 404 (events off) stays
+approximate. So precise mode is never worse than approximate, and exact where approximate guesses:
+after evictions under cache pressure and after restarts.
 
 Load guards, so that caches never concentrate traffic on a few replicas:
 
@@ -44,10 +54,12 @@ import random
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import Any, ClassVar, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
 
 from llm_client.endpoints import Endpoint
-from llm_client.routing.base import RouteOutcome, RouteRequest
+from llm_client.routing.base import NO_FEEDBACK, Feedback, RouteOutcome, RouteRequest
 from llm_client.routing.session_affinity import rendezvous_order
 from prompt_assembly.tokens import chained_block_hashes, token_ids
 
@@ -103,6 +115,61 @@ class ReplicaBlockIndex:
         self._blocks.clear()
 
 
+class PrefixAwareSettings(BaseModel):
+    """Every knob of ``PrefixAwarePolicy``, with the measurement behind its default (docs/routing.md)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    policy: Literal["prefix_aware"] = "prefix_aware"
+    block_size: int = Field(
+        32, ge=1, description="tokens per hashed block; must equal the engine's KV block size "
+        "(tokens_per_block in TensorRT-LLM, --block-size in vLLM, the simulator's block_size)"
+    )  # fmt: skip
+    prefill_weight: float = Field(
+        1.0, ge=0, description="cost of one uncached prompt token, in the unit of load (prompt-token "
+        "equivalents); raise it to follow caches harder, lower it to balance harder"
+    )  # fmt: skip
+    decode_weight: float = Field(
+        0.1, ge=0, description="cost of one in-flight decode token relative to a queued prefill token. "
+        "With continuous batching a running request delays a newcomer's first token only by its share of "
+        "one decode step (~1.8 ms per request in a ~55 ms step on the H100 calibration, ~0.01 ms per "
+        "token of a 200-token answer) while a queued prefill token costs ~0.12 ms: hence about 0.1"
+    )  # fmt: skip
+    load_factor: float = Field(
+        1.5, ge=1, description="bounded load: a replica with max(min_load_bound, ceil(load_factor x "
+        "(in flight + 1) / replicas)) requests in flight is not a candidate. 1.25 moved 5-10% of the "
+        "shoppers off their cache for no balance gain on the benchmark"
+    )  # fmt: skip
+    min_load_bound: int = Field(
+        2, ge=1, description="the bound never drops below this (a nearly idle cluster does not scatter a "
+        "shopper whose previous prompt is still in flight)"
+    )  # fmt: skip
+    min_hit_fraction: float = Field(
+        0.3, ge=0, le=1, description="a believed match shorter than this share of the prompt counts as "
+        "none: every prompt starts with the same system prompt, which soon sits on every replica"
+    )  # fmt: skip
+    imbalance_abs_tokens: float = Field(32768, ge=0, description="imbalance test, absolute part (load)")
+    imbalance_ratio: float = Field(
+        4.0, ge=1, description="imbalance test, relative part: when the largest load exceeds the smallest "
+        "by imbalance_abs_tokens and is this many times it, the less loaded of two random replicas wins"
+    )  # fmt: skip
+    max_blocks_per_replica: int = Field(
+        8192, ge=1, description="LRU bound of each replica's index: about its KV capacity in blocks"
+    )
+    restart_min_expected_tokens: int = Field(
+        256, ge=0, description="a restart is only inferred where a real hit of at least this many "
+        "tokens was expected ..."
+    )  # fmt: skip
+    restart_max_cached_tokens: int | None = Field(
+        None, ge=0, description="... and at most this many came back (default: block_size)"
+    )
+    seed: int = Field(0, description="seeds the power-of-two-choices sampler")
+    kv_events: Literal["off", "precise"] = Field(
+        "off", description="precise: follow the replicas' KV cache events (POST /kv_cache_events); "
+        "off: approximate, learned from routing and answers only"
+    )  # fmt: skip
+    kv_events_poll_s: float = Field(0.25, gt=0, description="seconds between event polls of a replica")
+
+
 @dataclass
 class PrefixAwareStats:
     """Decision counters, for benchmarks and metrics."""
@@ -115,88 +182,53 @@ class PrefixAwareStats:
     imbalance_fallbacks: int = 0
     """Decisions made by power of two choices because the cluster was imbalanced."""
     restarts_detected: int = 0
+    """Restarts inferred from answers (approximate mode's only way to see one)."""
+    kv_events: int = 0
+    """KV cache events applied (precise mode)."""
+    kv_blocks_removed: int = 0
+    kv_restarts: int = 0
+    """Replicas found restarted or cleared by their events (created/cleared, event ids starting over)."""
+    kv_gaps: int = 0
+    """Polls whose first event id skipped ids: events the replica dropped before they were read."""
+
+
+@dataclass(slots=True)
+class _EventCursor:
+    last_event_id: int | None = None
 
 
 class PrefixAwarePolicy:
-    """Cache-aware, load-aware routing; every knob is a constructor keyword, so it can be set with
-    ``ClientConfig.policy_options`` (whose values are numbers; integers may arrive as floats).
-
-    Knobs:
-
-    - ``block_size`` (32): tokens per hashed block; must equal the engine's KV block size
-      (``tokens_per_block`` in TensorRT-LLM, ``--block-size`` in vLLM, the simulator's ``block_size``).
-    - ``prefill_weight`` (1.0): cost of one uncached prompt token, in the same unit as ``load``
-      (prompt-token equivalents). Raise it to follow caches harder, lower it to balance harder.
-    - ``decode_weight`` (0.1): cost of one outstanding decode token relative to one outstanding prefill
-      token in ``load``. Each in-flight request counts ``max_tokens`` decode tokens. With continuous
-      batching a running request delays a newcomer's first token only by its share of one decode step
-      (about 1.8 ms per request in a ~55 ms step on the H100 calibration, i.e. ~0.01 ms per decode token
-      of a 200-token answer), while a queued prefill token costs ~0.12 ms: hence about 0.1. Streamed
-      requests leave ``outstanding_prefill_tokens`` at their first token, so ``load`` is the prefill
-      still queued plus this light decode term.
-    - ``load_factor`` (1.5) and ``min_load_bound`` (2): bounded load; replicas with
-      ``max(min_load_bound, ceil(load_factor * (total outstanding + 1) / replicas))`` or more requests in
-      flight are skipped. 1.0 is strict balance, large values disable it; ``min_load_bound`` keeps a
-      nearly idle cluster from scattering a shopper whose previous prompt is still in flight. Within
-      the bound ``load`` already balances; 1.25 moved 5-10% of the shoppers off their cache for no
-      measurable balance gain on the benchmark (docs/routing.md).
-    - ``min_hit_fraction`` (0.3): a believed match shorter than this share of the prompt counts as no
-      match. Every prompt starts with the same system prompt, which soon sits on every replica; without
-      this floor the first replica to hold it would attract every new shopper.
-    - ``imbalance_abs_tokens`` (32768) and ``imbalance_ratio`` (4.0): the cluster counts as imbalanced
-      when the largest replica ``load`` exceeds the smallest by more than ``imbalance_abs_tokens`` and is
-      more than ``imbalance_ratio`` times it; then power of two choices on ``load`` decides.
-    - ``max_blocks_per_replica`` (8192): LRU bound of each replica's index; about the replica's KV
-      cache capacity in blocks (the simulator's ``cache_capacity_blocks``).
-    - ``restart_min_expected_tokens`` (256) and ``restart_max_cached_tokens`` (block_size): an answer
-      reporting at most ``restart_max_cached_tokens`` cached where a hit (above ``min_hit_fraction``) of
-      at least ``restart_min_expected_tokens`` was expected means the replica lost its cache (restart).
-    - ``seed`` (0): seeds the power-of-two-choices sampler.
-    """
+    """Cache-aware, load-aware routing; its knobs are ``PrefixAwareSettings`` (given whole, or as
+    keywords: ``PrefixAwarePolicy(load_factor=1.25)``)."""
 
     name: ClassVar[str] = "prefix_aware"
+    settings_type: ClassVar[type[BaseModel]] = PrefixAwareSettings
 
-    def __init__(
-        self,
-        block_size: float = 32,
-        prefill_weight: float = 1.0,
-        decode_weight: float = 0.1,
-        load_factor: float = 1.5,
-        min_load_bound: float = 2,
-        min_hit_fraction: float = 0.3,
-        imbalance_abs_tokens: float = 32768,
-        imbalance_ratio: float = 4.0,
-        max_blocks_per_replica: float = 8192,
-        restart_min_expected_tokens: float = 256,
-        restart_max_cached_tokens: float | None = None,
-        seed: float = 0,
-    ) -> None:
-        if block_size < 1 or max_blocks_per_replica < 1:
-            raise ValueError("block_size and max_blocks_per_replica must be positive")
-        if load_factor < 1 or min_load_bound < 1:
-            raise ValueError("load_factor and min_load_bound must be >= 1")
-        if not 0 <= min_hit_fraction <= 1:
-            raise ValueError("min_hit_fraction must be in [0, 1]")
-        if imbalance_ratio < 1:
-            raise ValueError("imbalance_ratio must be >= 1")
-        if prefill_weight < 0 or decode_weight < 0:
-            raise ValueError("weights must be non-negative")
-        self.block_size = int(block_size)
-        self.prefill_weight = float(prefill_weight)
-        self.decode_weight = float(decode_weight)
-        self.load_factor = float(load_factor)
-        self.min_load_bound = int(min_load_bound)
-        self.min_hit_fraction = float(min_hit_fraction)
-        self.imbalance_abs_tokens = float(imbalance_abs_tokens)
-        self.imbalance_ratio = float(imbalance_ratio)
-        self.max_blocks_per_replica = int(max_blocks_per_replica)
-        self.restart_min_expected_tokens = int(restart_min_expected_tokens)
-        self.restart_max_cached_tokens = int(
-            self.block_size if restart_max_cached_tokens is None else restart_max_cached_tokens
-        )
-        self._rng = random.Random(int(seed))
+    def __init__(self, settings: PrefixAwareSettings | None = None, **knobs: Any) -> None:
+        if settings is None or knobs:
+            base = settings.model_dump() if settings is not None else {}
+            settings = PrefixAwareSettings.model_validate({**base, **knobs})
+        self.settings = settings
+        self.block_size = settings.block_size
+        self.prefill_weight = settings.prefill_weight
+        self.decode_weight = settings.decode_weight
+        self.load_factor = settings.load_factor
+        self.min_load_bound = settings.min_load_bound
+        self.min_hit_fraction = settings.min_hit_fraction
+        self.imbalance_abs_tokens = settings.imbalance_abs_tokens
+        self.imbalance_ratio = settings.imbalance_ratio
+        self.max_blocks_per_replica = settings.max_blocks_per_replica
+        self.restart_min_expected_tokens = settings.restart_min_expected_tokens
+        limit = settings.restart_max_cached_tokens
+        self.restart_max_cached_tokens = settings.block_size if limit is None else limit
+        self._rng = random.Random(settings.seed)
         self._indexes: dict[str, ReplicaBlockIndex] = {}
+        self._cursors: dict[str, _EventCursor] = {}
         self.stats = PrefixAwareStats()
+
+    @property
+    def kv_event_poll_s(self) -> float | None:
+        return self.settings.kv_events_poll_s if self.settings.kv_events == "precise" else None
 
     # ---- what the policy believes ----------------------------------------------------------------
     def index(self, endpoint: Endpoint) -> ReplicaBlockIndex:
@@ -272,7 +304,7 @@ class PrefixAwarePolicy:
             return request.prompt_tokens - int(expected[endpoint.name])
         return request.prompt_tokens - self.cached_tokens(request, endpoint)
 
-    def observe(self, request: RouteRequest, endpoint: Endpoint, outcome: RouteOutcome) -> None:
+    def observe(self, request: RouteRequest, endpoint: Endpoint, outcome: RouteOutcome) -> Feedback:
         expected_map = request.memo.get(_EXPECTED)
         expected = int(expected_map.get(endpoint.name, 0)) if isinstance(expected_map, dict) else 0
         hashes = self.block_hashes(request)
@@ -281,18 +313,18 @@ class PrefixAwarePolicy:
                 # The replica did not compute this prompt: take back what routing recorded beyond the
                 # part it already held. (A connection failure ejects the replica; forget() follows.)
                 self.index(endpoint).remove(hashes[expected // self.block_size :])
-            return
+            return NO_FEEDBACK
         observed = self._observed_cached_tokens(request, outcome)
         hit_map = request.memo.get(_HIT)
         # Only a real hit can reveal a restart: a replica may legitimately lack the shared head (an
         # llama-server slot never used), which is all a new shopper's prompt expected.
         expected_hit = isinstance(hit_map, dict) and bool(hit_map.get(endpoint.name))
-        if (
+        restarted = (
             expected_hit
             and expected >= self.restart_min_expected_tokens
             and observed <= self.restart_max_cached_tokens
-        ):
-            endpoint.restarts_detected += 1
+        )
+        if restarted:
             self.stats.restarts_detected += 1
             log.warning(
                 "replica %s reported %d cached tokens where %d were expected: treating it as restarted "
@@ -304,11 +336,45 @@ class PrefixAwarePolicy:
             self.forget(endpoint)
         # Whatever it held before, the replica holds this whole prompt now; refresh its recency.
         self.index(endpoint).insert(hashes)
+        return Feedback(restart_detected=True) if restarted else NO_FEEDBACK
 
     def forget(self, endpoint: Endpoint) -> None:
         index = self._indexes.get(endpoint.name)
         if index is not None:
             index.clear()
+        self._cursors.pop(endpoint.name, None)
+
+    # ---- precise mode: the replicas' KV cache events ---------------------------------------------------
+    def apply_kv_events(self, endpoint: Endpoint, events: Sequence[Any]) -> None:
+        """Correct ``endpoint``'s index with one poll's events (``llm_client.kv_events.KvCacheEvent``,
+        oldest first). ``created``/``cleared``, or an event id not above the last one seen (the replica
+        restarted and counts from 0 again), empty the index before the event applies; a skipped id is a
+        gap (events dropped unread): counted, and the index keeps its learned belief."""
+        cursor = self._cursors.setdefault(endpoint.name, _EventCursor())
+        index = self.index(endpoint)
+        for event in events:
+            data = event.data
+            last = cursor.last_event_id
+            if data.type in ("created", "cleared") or (last is not None and event.event_id <= last):
+                if len(index) or data.type == "cleared":
+                    self.stats.kv_restarts += 1
+                    log.warning("replica %s reports its KV cache emptied (%s)", endpoint.name, data.type)
+                index.clear()
+            elif last is not None and event.event_id > last + 1:
+                self.stats.kv_gaps += 1
+                log.warning(
+                    "replica %s: KV events %d..%d were dropped before this poll; its index stays learned",
+                    endpoint.name,
+                    last + 1,
+                    event.event_id - 1,
+                )
+            cursor.last_event_id = event.event_id
+            self.stats.kv_events += 1
+            if data.type == "stored":
+                index.insert([block.block_hash for block in data.blocks])
+            elif data.type == "removed":
+                index.remove(data.block_hashes)
+                self.stats.kv_blocks_removed += len(data.block_hashes)
 
     # ---- helpers -----------------------------------------------------------------------------------
     @staticmethod

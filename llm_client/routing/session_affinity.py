@@ -12,9 +12,10 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from typing import ClassVar
+from typing import ClassVar, Literal
 
 import xxhash
+from pydantic import BaseModel, ConfigDict, Field
 
 from llm_client.endpoints import Endpoint
 from llm_client.routing.base import RouteRequest, StatelessPolicy
@@ -29,13 +30,24 @@ def rendezvous_order(key: str, endpoints: Sequence[Endpoint]) -> list[Endpoint]:
     )
 
 
+class SessionAffinitySettings(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    policy: Literal["session_affinity"] = "session_affinity"
+    load_factor: float = Field(
+        1.25, ge=1, description="skip a replica with this x the mean outstanding requests (bounded load)"
+    )
+
+
 class SessionAffinityPolicy(StatelessPolicy):
     name: ClassVar[str] = "session_affinity"
+    settings_type: ClassVar[type[BaseModel]] = SessionAffinitySettings
 
-    def __init__(self, load_factor: float = 1.25) -> None:
-        if load_factor < 1:
-            raise ValueError("load_factor must be >= 1")
-        self.load_factor = load_factor
+    def __init__(self, settings: SessionAffinitySettings | None = None, **knobs: float) -> None:
+        if settings is None or knobs:
+            base = settings.model_dump() if settings is not None else {}
+            settings = SessionAffinitySettings.model_validate({**base, **knobs})
+        self.settings = settings
+        self.load_factor = self.settings.load_factor
 
     def choose(self, request: RouteRequest, endpoints: Sequence[Endpoint]) -> Endpoint:
         total = sum(e.outstanding for e in endpoints) + 1

@@ -1,7 +1,9 @@
 """The HTTP face of one simulated trtllm-serve replica: ``create_app(config)`` builds it.
 
 Endpoints: ``POST /v1/chat/completions``, ``POST /v1/completions`` (streaming or not), ``GET /health``,
-``GET /v1/models``, ``GET /metrics`` (also at trtllm's ``/prometheus/metrics``), and the test-only admin
+``GET /v1/models``, ``GET /metrics`` (also at trtllm's ``/prometheus/metrics``), ``POST /kv_cache_events``
+(trtllm's KV cache event poll, see ``serving.simulator.kv_events``; 404 when events are off), and the
+test-only admin
 routes of ``serving.simulator.admin``. Every response carries ``x-replica-id``. The ``x-session-id``
 header is read and ignored, as a real engine would; ``cache_salt`` keeps tenants' cache entries apart.
 """
@@ -44,6 +46,7 @@ def create_app(config: SimulatorConfig) -> web.Application:
     app.router.add_get("/v1/models", _models)
     app.router.add_get("/metrics", _metrics)
     app.router.add_get("/prometheus/metrics", _metrics)
+    app.router.add_post("/kv_cache_events", _kv_cache_events)
     add_admin_routes(app)
     app.on_response_prepare.append(_tag_replica)
     app.on_cleanup.append(replica.close)
@@ -156,6 +159,16 @@ def _account(replica: Replica, job: GenerationRequest) -> None:
 
 async def _health(request: web.Request) -> web.Response:
     return json_response({"status": "ok"})
+
+
+async def _kv_cache_events(request: web.Request) -> web.Response:
+    """Drain the event buffer, as trtllm-serve's ``POST /kv_cache_events`` does (each event once)."""
+    events = request.app[REPLICA_KEY].kv_events
+    if events is None:
+        return error_response(
+            "KV cache events are off (kv_event_buffer_max_size is 0)", 404, "not_found_error"
+        )
+    return web.Response(body=orjson.dumps(events.drain()), content_type="application/json")
 
 
 async def _models(request: web.Request) -> web.Response:

@@ -38,6 +38,12 @@ class SimulatorConfig(BaseSettings):
     time_scale: float = Field(default=1.0, ge=0.0)
     block_size: int = Field(default=32, ge=1, description="tokens per KV block, as trtllm's tokens_per_block")
     cache_capacity_blocks: int = Field(default=8192, ge=1, description="about 64 prompts of 4k tokens")
+    kv_event_buffer_max_size: int = Field(
+        default=0,
+        ge=0,
+        description="KV cache events kept for POST /kv_cache_events pollers, as trtllm's "
+        "kv_cache_config.event_buffer_max_size; 0 disables events (the endpoint answers 404)",
+    )
     max_batch: int = Field(
         default=64, ge=1, description="running requests per iteration (trtllm max_batch_size)"
     )

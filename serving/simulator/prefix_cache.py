@@ -6,6 +6,10 @@ block whose parent was evicted can stay in the table, but lookups stop at the fi
 is never matched (it simply ages out). To make that rare, every insert or hit touches a prompt's blocks
 from leaf to root, so the root ends up most recently used and LRU eviction takes leaves first, like the
 radix-tree caches of vLLM, SGLang and TensorRT-LLM.
+
+With an ``events`` buffer, every change is also published as a KV cache event in TensorRT-LLM's format
+(``serving.simulator.kv_events``): new blocks as ``stored``, evictions as ``removed``, ``clear`` as
+``cleared``; what a router following the events believes is then exactly what the cache holds.
 """
 
 from __future__ import annotations
@@ -15,6 +19,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import xxhash
+
+from serving.simulator.kv_events import KvEventBuffer
 
 
 @dataclass(frozen=True)
@@ -33,11 +39,12 @@ class CacheStats:
 class BlockPrefixCache:
     """LRU set of block hashes with prefix matching; pure and synchronous (no I/O, no clock)."""
 
-    def __init__(self, capacity_blocks: int, block_size: int) -> None:
+    def __init__(self, capacity_blocks: int, block_size: int, events: KvEventBuffer | None = None) -> None:
         if capacity_blocks < 1 or block_size < 1:
             raise ValueError("capacity_blocks and block_size must be positive")
         self.capacity_blocks = capacity_blocks
         self.block_size = block_size
+        self.events = events
         self._blocks: OrderedDict[int, None] = OrderedDict()
         self._reset_counters()
 
@@ -72,20 +79,42 @@ class BlockPrefixCache:
     def insert(self, block_hashes: Sequence[int]) -> None:
         """Store (or refresh) a prompt's blocks, evicting least recently used blocks beyond capacity."""
         blocks = self._blocks
+        if self.events is not None:
+            self._publish_stored(block_hashes)
         for h in reversed(block_hashes):
             if h in blocks:
                 blocks.move_to_end(h)
             else:
                 blocks[h] = None
-        overflow = len(blocks) - self.capacity_blocks
-        for _ in range(max(overflow, 0)):
-            blocks.popitem(last=False)
-        self._evicted_blocks += max(overflow, 0)
+        overflow = max(len(blocks) - self.capacity_blocks, 0)
+        evicted = [blocks.popitem(last=False)[0] for _ in range(overflow)]
+        self._evicted_blocks += overflow
+        if self.events is not None:
+            self.events.removed(evicted)
+
+    def _publish_stored(self, block_hashes: Sequence[int]) -> None:
+        """One ``stored`` event per run of consecutive blocks not yet held, with the block before it."""
+        assert self.events is not None
+        run: list[int] = []
+        parent: int | None = None
+        for i, h in enumerate(block_hashes):
+            if h in self._blocks:
+                if run:
+                    self.events.stored(parent, run)
+                    run = []
+                continue
+            if not run:
+                parent = block_hashes[i - 1] if i > 0 else None
+            run.append(h)
+        if run:
+            self.events.stored(parent, run)
 
     def clear(self) -> None:
         """Forget every block and counter, as a restarted engine would."""
         self._blocks.clear()
         self._reset_counters()
+        if self.events is not None:
+            self.events.cleared()
 
     @property
     def used_blocks(self) -> int:

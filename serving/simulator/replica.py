@@ -14,6 +14,7 @@ from serving.simulator.answers import Answer, plan_answer
 from serving.simulator.config import SimulatorConfig
 from serving.simulator.cost_model import CostModel
 from serving.simulator.engine import ContinuousBatchingEngine, EngineKnobs, EngineLimits, GenerationRequest
+from serving.simulator.kv_events import KvEventBuffer
 from serving.simulator.metrics import ReplicaMetrics
 from serving.simulator.prefix_cache import BlockPrefixCache, salted_block_hashes
 
@@ -26,7 +27,16 @@ class Replica:
         self.config = config
         self.calibration_path = config.resolved_calibration_path()
         self.cost = CostModel.from_calibration(self.calibration_path, config.calibration_model)
-        self.cache = BlockPrefixCache(config.cache_capacity_blocks, config.block_size)
+        self.kv_events = (
+            KvEventBuffer(
+                config.kv_event_buffer_max_size,
+                window_size=config.cache_capacity_blocks * config.block_size,
+                capacity_blocks=config.cache_capacity_blocks,
+            )
+            if config.kv_event_buffer_max_size > 0
+            else None
+        )
+        self.cache = BlockPrefixCache(config.cache_capacity_blocks, config.block_size, self.kv_events)
         self.knobs = EngineKnobs(time_scale=config.time_scale, slowdown=config.slowdown)
         self.engine = ContinuousBatchingEngine(
             self.cost, self.cache, EngineLimits(config.max_batch, config.max_num_tokens), self.knobs
@@ -102,6 +112,9 @@ class Replica:
             "running": self.engine.num_running,
             "waiting": self.engine.num_waiting,
             "cache": asdict(self.cache.stats()),
+            "kv_events": None
+            if self.kv_events is None
+            else {"last_event_id": self.kv_events.last_event_id, "dropped": self.kv_events.dropped},
             "engine": asdict(self.engine.stats),
         }
 

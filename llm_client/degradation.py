@@ -17,7 +17,10 @@ After ``cooldown_s`` it is re-admitted on probation: its statistics restart, so 
 kept out twice as long (up to ``max_cooldown_s``). The detector never drains a replica when fewer than
 ``min_routable`` replicas (or fewer than ``1 - max_drained_fraction`` of all) would remain.
 
-The detector is synchronous and does no I/O; time comes from an injectable clock.
+The detector is synchronous and does no I/O; time comes from an injectable clock. It lives beside the
+client, not in ``llm_client.routing``: it is not a routing policy, it decides which replicas a policy
+may choose from. It never writes an ``Endpoint``: ``evaluate`` returns its decisions and the client
+applies them (``apply_health_changes``), so the client stays the only writer of replica state.
 """
 
 from __future__ import annotations
@@ -134,11 +137,14 @@ class DegradationDetector:
             return []
         now = self.clock()
         changes = [self._readmit(e, now) for e in endpoints if e.drained and self._cooled_down(e, now)]
+        # The decisions of this call, seen as if already applied (the client applies them afterwards).
+        drained = {e.name for e in endpoints if e.drained} - {c.endpoint for c in changes}
         for endpoint in endpoints:
-            if endpoint.routable:
-                reason = self._drift(endpoint, endpoints)
-                if reason is not None and self._may_drain(endpoints):
+            if endpoint.healthy and endpoint.name not in drained:
+                reason = self._drift(endpoint, endpoints, drained)
+                if reason is not None and self._may_drain(endpoints, drained):
                     changes.append(self._drain(endpoint, now, reason))
+                    drained.add(endpoint.name)
         self.changes.extend(changes)
         del self.changes[:-1000]
         return changes
@@ -146,10 +152,14 @@ class DegradationDetector:
     def _judged(self, endpoint: Endpoint) -> bool:
         return self.signals(endpoint).samples >= self.settings.min_samples
 
-    def _drift(self, endpoint: Endpoint, endpoints: Sequence[Endpoint]) -> str | None:
+    def _drift(self, endpoint: Endpoint, endpoints: Sequence[Endpoint], drained: set[str]) -> str | None:
         if not self._judged(endpoint):
             return None
-        peers = [self.signals(e) for e in endpoints if e is not endpoint and e.routable and self._judged(e)]
+        peers = [
+            self.signals(e)
+            for e in endpoints
+            if e is not endpoint and e.healthy and e.name not in drained and self._judged(e)
+        ]
         if len(peers) < self.settings.min_peers:
             return None
         mine = self.signals(endpoint)
@@ -167,11 +177,12 @@ class DegradationDetector:
             return f"error rate {mine.errors:.2f} vs peer median {median_errors:.2f}"
         return None
 
-    def _may_drain(self, endpoints: Sequence[Endpoint]) -> bool:
-        routable = sum(e.routable for e in endpoints)
-        drained = sum(e.drained for e in endpoints)
+    def _may_drain(self, endpoints: Sequence[Endpoint], drained: set[str]) -> bool:
+        routable = sum(e.healthy and e.name not in drained for e in endpoints)
         cfg = self.settings
-        return routable - 1 >= cfg.min_routable and drained + 1 <= cfg.max_drained_fraction * len(endpoints)
+        return routable - 1 >= cfg.min_routable and len(drained) + 1 <= cfg.max_drained_fraction * len(
+            endpoints
+        )
 
     def _drain(self, endpoint: Endpoint, now: float, reason: str) -> HealthChange:
         s = self.signals(endpoint)
@@ -183,8 +194,6 @@ class DegradationDetector:
         )
         s.drained_at = now
         s.drains += 1
-        endpoint.drained = True
-        endpoint.extra["drains"] = endpoint.extra.get("drains", 0.0) + 1
         self.drains += 1
         log.warning("draining degraded replica %s for %.0f s: %s", endpoint.name, s.cooldown_s, reason)
         return HealthChange(endpoint.name, "drained", reason)
@@ -196,7 +205,18 @@ class DegradationDetector:
     def _readmit(self, endpoint: Endpoint, now: float) -> HealthChange:
         s = self.signals(endpoint)
         s.samples, s.latency_per_work, s.errors = 0, None, 0.0
-        endpoint.drained = False
         self.readmissions += 1
         log.warning("re-admitting replica %s on probation after %.0f s drained", endpoint.name, s.cooldown_s)
         return HealthChange(endpoint.name, "readmitted", "cool-down over; on probation")
+
+
+def apply_health_changes(endpoints: Sequence[Endpoint], changes: Sequence[HealthChange]) -> None:
+    """Record the detector's decisions on the replicas (the client's job: it owns ``Endpoint``)."""
+    by_name = {e.name: e for e in endpoints}
+    for change in changes:
+        endpoint = by_name.get(change.endpoint)
+        if endpoint is None:
+            continue
+        endpoint.drained = change.action == "drained"
+        if endpoint.drained:
+            endpoint.extra["drains"] = endpoint.extra.get("drains", 0.0) + 1

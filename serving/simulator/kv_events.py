@@ -1,0 +1,96 @@
+"""KV cache events in TensorRT-LLM's format, buffered for ``POST /kv_cache_events`` pollers.
+
+``trtllm-serve`` with ``kv_cache_config.event_buffer_max_size > 0`` keeps the events of its block
+manager in a bounded buffer; each ``POST /kv_cache_events`` drains it and answers a JSON list, each item
+shaped as TensorRT-LLM's ``KVCacheEventSerializer`` writes it::
+
+    {"event_id": 7, "window_size": 4096,
+     "data": {"type": "stored", "parent_hash": 123 | null,
+              "blocks": [{"type": "stored_block", "block_hash": 456, "tokens": [],
+                          "cache_level": 0, "priority": 35}]}}
+    {"event_id": 8, "window_size": 4096, "data": {"type": "removed", "block_hashes": [456]}}
+    {"event_id": 0, "window_size": 4096, "data": {"type": "created", "num_blocks_per_cache_level": [8192, 0]}}
+
+Guarantees and deliberate differences:
+
+- ``event_id`` counts up by one per event from 0 at start (the ``created`` event), so a consumer sees a
+  *gap* when the bounded buffer dropped events it did not poll in time (the oldest go first, as in
+  TensorRT-LLM), and sees ids start again from 0 with ``created`` after a restart;
+- ``stored`` events carry one run of consecutive new blocks of one prompt, ``parent_hash`` being the
+  block before the run (``null`` at the root); blocks a prompt reused are not stored again;
+- ``removed`` carries the blocks LRU eviction dropped, in eviction order;
+- ``cleared`` (``{"type": "cleared"}``) says every block is gone without a restart (the simulator's
+  ``/admin/reset_cache``). TensorRT-LLM has no such event (it reports removals); NVIDIA Dynamo's router
+  has the same notion (``Cleared``). A consumer must treat it like ``created``: drop what it knows;
+- ``tokens`` is left empty: block hashes here are the router's own chained hashes
+  (``prompt_assembly.tokens.chained_block_hashes``, salted per ``cache_salt``), so a router needs no
+  token ids to match them. A real engine hashes with its own tokenizer and hash, and a consumer of a
+  real ``trtllm-serve`` has to rebuild its hashes from ``tokens`` (Dynamo does).
+
+Pure and synchronous: the prefix cache calls it under the event loop, the HTTP handler drains it.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Sequence
+from typing import Any
+
+# TensorRT-LLM's default retention priority for reusable blocks.
+DEFAULT_PRIORITY = 35
+
+
+class KvEventBuffer:
+    """A bounded FIFO of serialised events with consecutive ids; the oldest drop first when full."""
+
+    def __init__(self, max_size: int, *, window_size: int, capacity_blocks: int) -> None:
+        if max_size < 1:
+            raise ValueError("max_size must be positive (0 disables events: do not build a buffer)")
+        self.max_size = max_size
+        self.window_size = window_size
+        self._events: deque[dict[str, Any]] = deque(maxlen=max_size)
+        self._next_id = 0
+        self.dropped = 0
+        """Events lost because nobody drained the buffer in time (the consumer sees the id gap)."""
+        self._append({"type": "created", "num_blocks_per_cache_level": [capacity_blocks, 0]})
+
+    def __len__(self) -> int:
+        return len(self._events)
+
+    @property
+    def last_event_id(self) -> int:
+        return self._next_id - 1
+
+    def stored(self, parent_hash: int | None, block_hashes: Sequence[int]) -> None:
+        if not block_hashes:
+            return
+        blocks = [
+            {
+                "type": "stored_block",
+                "block_hash": h,
+                "tokens": [],
+                "cache_level": 0,
+                "priority": DEFAULT_PRIORITY,
+            }
+            for h in block_hashes
+        ]
+        self._append({"type": "stored", "parent_hash": parent_hash, "blocks": blocks})
+
+    def removed(self, block_hashes: Sequence[int]) -> None:
+        if block_hashes:
+            self._append({"type": "removed", "block_hashes": list(block_hashes)})
+
+    def cleared(self) -> None:
+        self._append({"type": "cleared"})
+
+    def drain(self) -> list[dict[str, Any]]:
+        """Every buffered event, oldest first; the buffer is empty afterwards (one poll, one copy)."""
+        events = list(self._events)
+        self._events.clear()
+        return events
+
+    def _append(self, data: dict[str, Any]) -> None:
+        if len(self._events) == self.max_size:
+            self.dropped += 1
+        self._events.append({"event_id": self._next_id, "data": data, "window_size": self.window_size})
+        self._next_id += 1

@@ -1,0 +1,208 @@
+"""KV cache events over real HTTP: the simulator publishes them in TensorRT-LLM's format at
+``POST /kv_cache_events``, and ``prefix_aware``'s precise mode follows them (stored, removed, cleared,
+a restarted replica, a gap in the event ids, a replica with events off).
+
+Every test starts its own simulator processes (``serving.simulator.launch``) and stops them at the end.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+from collections.abc import AsyncIterator
+
+import aiohttp
+import pytest
+
+from devstack.processes import free_port
+from llm_client import ClientConfig, LLMClient
+from llm_client.kv_events import KvCacheEvent, parse_events
+from llm_client.routing.base import RouteRequest
+from llm_client.routing.prefix_aware import PrefixAwarePolicy
+from prompt_assembly.prompt import build_messages
+from prompt_assembly.tokens import chained_block_hashes, count_tokens, messages_text, token_ids
+from serving.simulator.launch import SimulatorFleet, simulator_argv
+
+FAST = ("--time-scale", "0.002")
+
+
+def prompt(shopper: str, events: int) -> list[dict[str, str]]:
+    lines = [
+        f"- 2026-11-22 10:{i % 60:02d} viewed: <data>{shopper} lantern {i} with a long title</data> by "
+        f"Brand{i % 5}, Garden > Lights, ${i}.49\n"
+        for i in range(events)
+    ]
+    return build_messages(shopper, lines)
+
+
+def hashes(shopper: str, events: int) -> list[int]:
+    return chained_block_hashes(token_ids(messages_text(prompt(shopper, events))), 32)
+
+
+def route(shopper: str, events: int) -> RouteRequest:
+    text = messages_text(prompt(shopper, events))
+    return RouteRequest(shopper, text, count_tokens(text), 8)
+
+
+async def poll(http: aiohttp.ClientSession, url: str) -> list[KvCacheEvent]:
+    async with http.post(url + "/kv_cache_events") as response:
+        assert response.status == 200
+        return parse_events(await response.read())
+
+
+async def chat(http: aiohttp.ClientSession, url: str, shopper: str, events: int) -> dict[str, object]:
+    body = {"model": "m", "messages": prompt(shopper, events), "max_tokens": 4}
+    async with http.post(url + "/v1/chat/completions", json=body) as response:
+        assert response.status == 200
+        return dict(await response.json())
+
+
+def precise_config(urls: list[str], **settings: object) -> ClientConfig:
+    return ClientConfig.model_validate(
+        {
+            "endpoints": urls,
+            "policy": "prefix_aware",
+            "policy_settings": {"policy": "prefix_aware", "kv_events": "precise", **settings},
+            "timeouts": {"connect_s": 0.5, "attempt_s": 10, "deadline_s": 20},
+            "health": {"interval_s": 0.2},
+        }
+    )
+
+
+@pytest.fixture
+async def http() -> AsyncIterator[aiohttp.ClientSession]:
+    async with aiohttp.ClientSession() as session:
+        yield session
+
+
+async def test_simulator_publishes_stored_removed_and_cleared(http: aiohttp.ClientSession) -> None:
+    args = (*FAST, "--kv-event-buffer-max-size", "1000", "--cache-capacity-blocks", "200")
+    async with SimulatorFleet(1, *args) as fleet:
+        url = fleet.urls[0]
+        first = await poll(http, url)
+        assert [e.data.type for e in first] == ["created"] and first[0].event_id == 0
+
+        await chat(http, url, "ann", 40)
+        stored = await poll(http, url)
+        expected = hashes("ann", 40)
+        assert [e.data.type for e in stored] == ["stored"] and stored[0].event_id == 1
+        data = stored[0].data
+        assert data.type == "stored" and data.parent_hash is None
+        assert [b.block_hash for b in data.blocks] == expected  # the router's own chained hashes
+
+        # The next prompt of the same shopper stores only its new blocks, chained to the held ones.
+        await chat(http, url, "ann", 44)
+        grown = hashes("ann", 44)
+        held = len([h for h in grown if h in set(expected)])
+        (event,) = await poll(http, url)
+        assert event.data.type == "stored" and event.data.parent_hash == grown[held - 1]
+        assert [b.block_hash for b in event.data.blocks] == grown[held:]
+        assert await poll(http, url) == []  # a poll drains: each event is read once
+
+        # Other shoppers overflow the 200 blocks: the least recently used blocks are reported removed.
+        for shopper in ("bob", "cat", "dan"):
+            await chat(http, url, shopper, 40)
+        events = await poll(http, url)
+        removed = [h for e in events if e.data.type == "removed" for h in e.data.block_hashes]
+        everything = {h for shopper in ("bob", "cat", "dan") for h in hashes(shopper, 40)}
+        assert removed and set(removed) <= everything | set(grown) | set(expected)
+        assert not set(removed) & set(hashes("dan", 40))  # the newest prompt is not what goes
+        assert [e.event_id for e in events] == list(range(events[0].event_id, events[-1].event_id + 1))
+
+        async with http.post(url + "/admin/reset_cache") as response:
+            assert response.status == 200
+        assert [e.data.type for e in await poll(http, url)] == ["cleared"]
+
+
+async def test_events_are_off_by_default() -> None:
+    async with (
+        SimulatorFleet(1, *FAST) as fleet,
+        aiohttp.ClientSession() as http,
+        http.post(fleet.urls[0] + "/kv_cache_events") as response,
+    ):
+        assert response.status == 404
+
+
+async def test_precise_index_follows_evictions_that_approximate_mode_cannot_see() -> None:
+    """Small replica caches, a router index bound set too large (as a misconfigured or unknown cache
+    size would be): the approximate index still claims evicted prompts, the precise one drops them."""
+    args = (*FAST, "--kv-event-buffer-max-size", "10000", "--cache-capacity-blocks", "300")
+    async with SimulatorFleet(2, *args) as fleet:
+        precise = PrefixAwarePolicy(kv_events="precise", max_blocks_per_replica=100_000)
+        approximate = PrefixAwarePolicy(max_blocks_per_replica=100_000)
+        async with (
+            LLMClient(precise_config(fleet.urls), precise) as p_client,
+            LLMClient(precise_config(fleet.urls), approximate) as a_client,
+        ):
+            await p_client.wait_until_healthy()
+            assert p_client.kv_events is not None and a_client.kv_events is None
+            for client in (p_client, a_client):
+                for i in range(12):  # 12 shoppers x ~60 blocks >> 2 x 300 blocks: evictions
+                    await client.chat(prompt(f"s{i}", 40), routing_key=f"s{i}", max_tokens=4)
+            await p_client.kv_events.poll_once()
+            assert precise.stats.kv_blocks_removed > 0
+            for client, policy in ((p_client, precise), (a_client, approximate)):
+                believed = sum(
+                    policy.cached_tokens(route("s0", 40), e) > 0.5 * route("s0", 40).prompt_tokens
+                    for e in client.endpoints
+                )
+                if policy is precise:
+                    assert believed == 0  # s0's blocks were evicted everywhere, and it knows
+                else:
+                    assert believed >= 1  # still believed held: approximate mode cannot tell
+            # precise routing still follows the cache for a shopper whose blocks are held
+            last = await p_client.chat(prompt("s11", 40), routing_key="s11", max_tokens=4)
+            again = await p_client.chat(prompt("s11", 42), routing_key="s11", max_tokens=4)
+            assert again.endpoint == last.endpoint and again.cached_tokens > 0.8 * again.prompt_tokens
+
+
+async def test_precise_index_resyncs_after_a_replica_restart_and_counts_gaps() -> None:
+    """A replica process restarted on the same address: its event ids start again from 0 with
+    ``created``, and the index of that replica is emptied; a buffer too small for one poll's events
+    shows up as a gap in the ids."""
+    port = free_port()
+    argv = simulator_argv(
+        port=port, extra=(*FAST, "--kv-event-buffer-max-size", "3", "--cache-capacity-blocks", "100")
+    )
+    policy = PrefixAwarePolicy(kv_events="precise", kv_events_poll_s=60)  # the test steps the poller
+    process = await _start(argv)
+    try:
+        url = f"http://127.0.0.1:{port}"
+        async with LLMClient(precise_config([url]), policy) as client:
+            await client.wait_until_healthy()
+            assert client.kv_events is not None
+            await client.kv_events.poll_once()  # reads ``created``
+            home = client.endpoints[0]
+            for i in range(4):  # 4 prompts of ~60 blocks in 100: stored and removed events, > 3
+                await client.chat(prompt(f"g{i}", 40), routing_key=f"g{i}", max_tokens=4)
+            await client.kv_events.poll_once()
+            assert policy.stats.kv_gaps == 1  # the buffer kept the newest 3 events only
+            assert policy.stats.kv_restarts == 0 and len(policy.index(home)) > 0
+
+            process.send_signal(signal.SIGTERM)
+            await process.wait()
+            process = await _start(argv)
+            await client.kv_events.poll_once()  # the new process: event 0, ``created``
+            assert policy.stats.kv_restarts == 1
+            assert len(policy.index(home)) == 0  # nothing is believed held on the restarted replica
+            await client.chat(prompt("g9", 40), routing_key="g9", max_tokens=4)
+            await client.kv_events.poll_once()
+            assert policy.cached_tokens(route("g9", 40), home) > 0
+            head_only = policy.cached_tokens(route("g0", 40), home)  # the shared system prompt, no more
+            assert head_only < 0.3 * route("g0", 40).prompt_tokens
+    finally:
+        if process.returncode is None:
+            process.terminate()
+        await process.wait()
+
+
+async def _start(argv: list[str]) -> asyncio.subprocess.Process:
+    process = await asyncio.create_subprocess_exec(
+        *argv, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.DEVNULL
+    )
+    assert process.stdout is not None
+    async with asyncio.timeout(60):
+        while not (await process.stdout.readline()).startswith(b"READY "):
+            if process.returncode is not None:
+                raise RuntimeError("simulator exited before READY")
+    return process
