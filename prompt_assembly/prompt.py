@@ -8,12 +8,15 @@ server's prefix (KV) cache can skip their prefill:
    first, each rendered from the event alone (never from "now" or from its neighbours);
 3. a short fixed task line at the very end.
 
-Product text (titles, descriptions, review snippets) is seller- or shopper-controlled: it is rendered
-inside ``<data>`` blocks with the delimiters escaped, and the instructions say such blocks are data.
+Product text (titles, descriptions, review snippets) and search queries are seller- or shopper-controlled:
+they are rendered inside ``<data>`` blocks that they cannot close (``inline_text``), and the instructions
+say such blocks are data. Brands, categories and the shopper id are made safe the same way, on one
+line. tests/test_security_prompt.py plants text that tries to escape and checks the assembled prompt.
 """
 
 from __future__ import annotations
 
+import re
 import time
 from collections.abc import Sequence
 from functools import lru_cache
@@ -58,9 +61,34 @@ _VERB = {
 }
 
 
+_LINE_BREAKS_AND_CONTROLS = re.compile("[\x00-\x1f\x7f-\x9f\u2028\u2029]")
+"""Every C0/C1 control character (newline, carriage return, vertical tab, form feed, NEL, ...) and the
+Unicode line/paragraph separators: any of them can read as a line break to a model or a tokenizer."""
+_BIDI_CONTROLS = re.compile("[\u202a-\u202e\u2066-\u2069]")
+"""Bidi embeddings, overrides and isolates: they reorder what a person reviewing a prompt sees."""
+_DATA_TAG = re.compile(r"<\s*(/?)\s*data\s*>?", re.IGNORECASE)
+"""``<data>``, ``</DATA >``, ``< /data``... any spelling a model could read as opening or closing a block."""
+_TEMPLATE_DELIMITERS = re.compile(r"<\||\|>")
+"""``<|im_start|>``, ``<|system|>``: chat-template special tokens, which a server that tokenizes text
+with special tokens enabled would turn into real role markers."""
+
+
+def inline_text(text: str) -> str:
+    """Untrusted text made safe for one line of the prompt: control characters and line separators
+    become spaces, bidi controls go, anything resembling a data tag becomes ``(data)``/``(/data)``,
+    and ``<|``/``|>`` are broken up. Ordinary text (letters, punctuation, ``<``, ``&``) is unchanged,
+    so prompts of normal products stay byte for byte what they were."""
+    text = _LINE_BREAKS_AND_CONTROLS.sub(" ", text)
+    text = _BIDI_CONTROLS.sub("", text)
+    text = _DATA_TAG.sub(lambda m: "(/data)" if m.group(1) else "(data)", text)
+    while _TEMPLATE_DELIMITERS.search(text):  # "<|>" needs two passes: "< |>", then "< | >"
+        text = text.replace("<|", "< |").replace("|>", "| >")
+    return text
+
+
 def _data(text: str) -> str:
-    cleaned = text.replace("<data>", "(data)").replace("</data>", "(/data)").replace("\n", " ")
-    return f"<data>{cleaned}</data>"
+    """Seller- or shopper-controlled text in its delimited data block, unable to close it early."""
+    return f"<data>{inline_text(text)}</data>"
 
 
 def render_event(event: ShopperEvent) -> str:
@@ -71,10 +99,11 @@ def render_event(event: ShopperEvent) -> str:
     product = event.product
     assert product is not None  # guaranteed by ShopperEvent's validator
     qty = f" x{event.quantity}" if event.quantity > 1 else ""
-    brand = f" by {product.brand}" if product.brand else ""
+    brand = f" by {inline_text(product.brand)}" if product.brand else ""
+    category = inline_text(product.category) if product.category else "uncategorised"
     line = (
         f"- {stamp} {_VERB[event.type]}{qty}: {_data(product.title)}{brand}, "
-        f"{product.category or 'uncategorised'}, ${product.price:.2f}\n"
+        f"{category}, ${product.price:.2f}\n"
     )
     if product.snippet:
         line += f"  about it: {_data(product.snippet)}\n"
@@ -82,7 +111,8 @@ def render_event(event: ShopperEvent) -> str:
 
 
 def user_header(shopper_id: str) -> str:
-    return f"Shopper {shopper_id}: activity log, oldest first.\n"
+    """The header line; the shopper id comes from producers, so it is made one safe line too."""
+    return f"Shopper {inline_text(shopper_id)}: activity log, oldest first.\n"
 
 
 def build_messages(shopper_id: str, log_lines: Sequence[str]) -> list[dict[str, str]]:
