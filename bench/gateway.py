@@ -1,0 +1,295 @@
+"""The routing gateway's cost: added latency against in-process routing, and its throughput ceiling.
+
+Same simulator replicas, same prompts, same policy, one run. Two paths:
+
+- **in-process**: ``LLMClient.chat`` in the load generator routes to the replicas itself (streamed);
+- **gateway**: a bare aiohttp caller posts the same OpenAI body (streamed, usage included) to
+  ``shopper router serve`` (a separate process, as callers would use it), which routes with its own
+  ``LLMClient`` and passes the answer through.
+
+1. Fixed rate (open loop, rounds alternating between the paths): p50/p99 of time to first token and of
+   end-to-end latency; *added* = gateway - in-process percentile.
+2. Ceiling (closed loop, ``--concurrency`` callers, simulator answering instantly): requests/s of each
+   path, and the gateway process's CPU time per request (from /proc), which says what one gateway core
+   can carry once the replicas are on other machines.
+
+    python -m bench.gateway [--replicas 3] [--rate 100] [--seconds 5] [--rounds 2] [--policy prefix_aware]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import sys
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import aiohttp
+import orjson
+
+from bench.common import machine, percentile, print_table
+from llm_client import ClientConfig, LLMClient
+from prompt_assembly.prompt import build_messages
+from serving.simulator.launch import REPO_ROOT, SimulatorFleet
+
+Call = Callable[[int], Awaitable[tuple[float, float]]]
+"""One request; returns (time to first token ms, end-to-end ms)."""
+
+
+@dataclass
+class Samples:
+    ttft: list[float] = field(default_factory=list)
+    total: list[float] = field(default_factory=list)
+    errors: int = 0
+
+
+def shopper_messages(i: int, shoppers: int, events: int) -> tuple[str, list[dict[str, str]]]:
+    """Shopper ``i % shoppers`` with a log that grows by one line per visit (prefix-stable, as in
+    production: the replica holding the previous prompt can skip most of the prefill)."""
+    shopper = f"shopper-{i % shoppers}"
+    n = events + i // shoppers
+    lines = [
+        f"- 2026-11-22 10:{k % 60:02d} viewed: <data>{shopper} lantern {k} with a long title</data> by "
+        f"Brand{k % 7}, Decor > Indoor, ${k}.49\n"
+        for k in range(n)
+    ]
+    return shopper, build_messages(shopper, lines)
+
+
+async def start_gateway(urls: list[str], policy: str) -> tuple[asyncio.subprocess.Process, str]:
+    argv = [sys.executable, "-m", "shopper", "router", "serve", "--port", "0", "--policy", policy]
+    for url in urls:
+        argv += ["--endpoint", url]
+    env = {**os.environ, "LLM_MAX_IN_FLIGHT": "4096"}
+    process = await asyncio.create_subprocess_exec(
+        *argv, cwd=REPO_ROOT, env=env, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT
+    )
+    assert process.stdout is not None
+    async with asyncio.timeout(60):
+        while True:
+            line = (await process.stdout.readline()).decode()
+            if not line:
+                raise RuntimeError(f"gateway exited with {await process.wait()} before READY")
+            if line.startswith("READY "):
+                return process, line.split()[1]
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU time of a process so far."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+async def open_loop(call: Call, rate: float, seconds: float, into: Samples) -> None:
+    async def one(i: int) -> None:
+        try:
+            ttft, total = await call(i)
+        except Exception:
+            into.errors += 1
+            return
+        into.ttft.append(ttft)
+        into.total.append(total)
+
+    start = time.perf_counter()
+    tasks = []
+    for i in range(int(rate * seconds)):
+        delay = start + i / rate - time.perf_counter()
+        if delay > 0:
+            await asyncio.sleep(delay)
+        tasks.append(asyncio.create_task(one(i)))
+    await asyncio.gather(*tasks)
+
+
+async def closed_loop(call: Call, concurrency: int, seconds: float) -> tuple[int, float, Samples]:
+    samples = Samples()
+    counter = iter(range(10**9))
+    stop_at = time.perf_counter() + seconds
+
+    async def worker() -> None:
+        while time.perf_counter() < stop_at:
+            try:
+                ttft, total = await call(next(counter))
+            except Exception:
+                samples.errors += 1
+                continue
+            samples.ttft.append(ttft)
+            samples.total.append(total)
+
+    started = time.perf_counter()
+    await asyncio.gather(*(worker() for _ in range(concurrency)))
+    return len(samples.total), time.perf_counter() - started, samples
+
+
+class Paths:
+    """The two ways of calling the same replicas."""
+
+    def __init__(
+        self, client: LLMClient, session: aiohttp.ClientSession, gateway_url: str, args: argparse.Namespace
+    ):
+        self.client = client
+        self.session = session
+        self.gateway_url = gateway_url
+        self.args = args
+        self.offset = 0
+        """Shifts each round's shopper visits, so every round extends the prompts (as production does)."""
+
+    async def in_process(self, i: int) -> tuple[float, float]:
+        shopper, messages = shopper_messages(i + self.offset, self.args.shoppers, self.args.events)
+        started = time.perf_counter()
+        completion = await self.client.chat(messages, routing_key=shopper, max_tokens=self.args.max_tokens)
+        return completion.ttft_ms, (time.perf_counter() - started) * 1000
+
+    async def via_gateway(self, i: int) -> tuple[float, float]:
+        shopper, messages = shopper_messages(i + self.offset, self.args.shoppers, self.args.events)
+        body = {
+            "model": self.client.config.model,
+            "messages": messages,
+            "max_tokens": self.args.max_tokens,
+            "temperature": 0.0,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+        }
+        started = time.perf_counter()
+        ttft: float | None = None
+        async with self.session.post(
+            self.gateway_url + "/v1/chat/completions", data=orjson.dumps(body),
+            headers={"x-session-id": shopper, "content-type": "application/json"},
+        ) as response:  # fmt: skip
+            if response.status != 200:
+                raise RuntimeError(f"HTTP {response.status}")
+            async for _chunk in response.content.iter_any():
+                if ttft is None:
+                    ttft = (time.perf_counter() - started) * 1000
+            total = (time.perf_counter() - started) * 1000
+        return (ttft if ttft is not None else total), total
+
+
+async def fixed_rate(args: argparse.Namespace) -> list[list[object]]:
+    async with SimulatorFleet(args.replicas, "--time-scale", str(args.time_scale)) as fleet:
+        gateway, url = await start_gateway(fleet.urls, args.policy)
+        try:
+            config = ClientConfig(endpoints=fleet.urls, policy=args.policy, max_in_flight=4096)
+            connector = aiohttp.TCPConnector(limit=0)
+            async with LLMClient(config) as client, aiohttp.ClientSession(connector=connector) as session:
+                paths = Paths(client, session, url, args)
+                calls = {"in-process": paths.in_process, "gateway": paths.via_gateway}
+                results = {name: Samples() for name in calls}
+                gateway_cpu_s = 0.0
+                for call in calls.values():  # warm both paths: connections, lazy imports, caches
+                    await open_loop(call, args.rate, 1.0, Samples())
+                for round_ in range(args.rounds):
+                    order = list(calls) if round_ % 2 == 0 else list(reversed(calls))  # no drift bias
+                    for name in order:
+                        paths.offset = (round_ + 1) * 10 * args.shoppers
+                        cpu_before = cpu_seconds(gateway.pid)
+                        await open_loop(calls[name], args.rate, args.seconds, results[name])
+                        if name == "gateway":
+                            gateway_cpu_s += cpu_seconds(gateway.pid) - cpu_before
+        finally:
+            gateway.terminate()
+            await gateway.wait()
+    base = results["in-process"]
+    rows: list[list[object]] = []
+    for name, s in results.items():
+        cpu_us = gateway_cpu_s * 1e6 / len(s.total) if name == "gateway" and s.total else float("nan")
+        rows.append(
+            [
+                name,
+                len(s.total),
+                s.errors,
+                percentile(s.ttft, 0.5),
+                percentile(s.ttft, 0.99),
+                percentile(s.total, 0.5),
+                percentile(s.total, 0.99),
+                percentile(s.total, 0.5) - percentile(base.total, 0.5),
+                percentile(s.total, 0.99) - percentile(base.total, 0.99),
+                cpu_us,
+            ]
+        )
+    return rows
+
+
+async def ceiling(args: argparse.Namespace) -> list[list[object]]:
+    """Per policy: the in-process client, then the gateway, each for ``seconds``."""
+    rows: list[list[object]] = []
+    async with SimulatorFleet(args.replicas, "--time-scale", "0") as fleet:
+        connector = aiohttp.TCPConnector(limit=0)
+        async with aiohttp.ClientSession(connector=connector) as session:
+            for policy in args.ceiling_policies.split(","):
+                config = ClientConfig(endpoints=fleet.urls, policy=policy, max_in_flight=4096)
+                async with LLMClient(config) as client:
+                    paths = Paths(client, session, "", args)
+                    await closed_loop(paths.in_process, args.concurrency, 1.0)  # warm
+                    done, elapsed, s = await closed_loop(paths.in_process, args.concurrency, args.seconds)
+                    rows.append(_ceiling_row(policy, "in-process", done, elapsed, s, float("nan")))
+                    gateway, paths.gateway_url = await start_gateway(fleet.urls, policy)
+                    try:
+                        await closed_loop(paths.via_gateway, args.concurrency, 1.0)  # warm
+                        cpu_before = cpu_seconds(gateway.pid)
+                        done, elapsed, s = await closed_loop(
+                            paths.via_gateway, args.concurrency, args.seconds
+                        )
+                        cpu_us = (cpu_seconds(gateway.pid) - cpu_before) * 1e6 / max(1, done)
+                        rows.append(_ceiling_row(policy, "gateway", done, elapsed, s, cpu_us))
+                    finally:
+                        gateway.terminate()
+                        await gateway.wait()
+    return rows
+
+
+def _ceiling_row(
+    policy: str, path: str, done: int, elapsed: float, s: Samples, cpu_us: float
+) -> list[object]:
+    p50, p99 = percentile(s.total, 0.5), percentile(s.total, 0.99)
+    return [policy, path, done, s.errors, done / elapsed, p50, p99, cpu_us]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--replicas", type=int, default=3)
+    parser.add_argument("--policy", default="prefix_aware")
+    parser.add_argument("--rate", type=float, default=100, help="requests/s of the fixed-rate part")
+    parser.add_argument(
+        "--seconds", type=float, default=5, help="per round (fixed rate) or per path (ceiling)"
+    )
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument(
+        "--time-scale", type=float, default=0.01, help="simulator time scale of the fixed-rate part"
+    )
+    parser.add_argument("--max-tokens", type=int, default=32)
+    parser.add_argument("--shoppers", type=int, default=200)
+    parser.add_argument("--events", type=int, default=40, help="log lines of a shopper's first prompt")
+    parser.add_argument("--concurrency", type=int, default=32, help="callers of the ceiling part")
+    parser.add_argument("--ceiling-policies", default="session_affinity,prefix_aware")
+    args = parser.parse_args()
+    print(f"machine: {machine()}")
+    print(
+        f"{args.replicas} simulator replicas, policy {args.policy}, {args.max_tokens} tokens an answer, "
+        f"streamed; fixed rate {args.rate:.0f} req/s at time scale {args.time_scale}"
+    )
+    latency = asyncio.run(fixed_rate(args))
+    table1 = print_table(
+        ["path", "requests", "errors", "TTFT p50 ms", "TTFT p99 ms", "p50 ms", "p99 ms", "added p50 ms",
+         "added p99 ms", "gateway CPU µs/request"],
+        latency,
+    )  # fmt: skip
+    print(f"\nceiling: closed loop, {args.concurrency} callers, time scale 0 (answers cost only CPU)")
+    top = asyncio.run(ceiling(args))
+    table2 = print_table(
+        ["policy", "path", "requests", "errors", "req/s", "p50 ms", "p99 ms", "gateway CPU µs/request"], top
+    )
+    out = Path(__file__).parent / "results"
+    out.mkdir(exist_ok=True)
+    (out / "gateway.json").write_text(
+        json.dumps({"machine": machine(), "args": vars(args), "latency": table1, "ceiling": table2})
+    )
+
+
+if __name__ == "__main__":
+    main()
