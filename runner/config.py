@@ -12,6 +12,7 @@ from pipeline.kafka_security import KafkaSecurity
 from pipeline.sink_commit import SinkRetry
 from pipeline.topics import DLQ_TOPIC, EVENTS_TOPIC
 from prompt_assembly.processor import SessionConfig
+from runner.logs import LogFormat
 from sinks.config import SinkSettings
 
 
@@ -58,6 +59,14 @@ class RunnerSettings(BaseSettings):
     dlq_max_original_bytes: int = Field(
         DEFAULT_MAX_ORIGINAL_BYTES, ge=0, description="a dead letter keeps at most this much of the original"
     )
+    metrics_port: int | None = Field(
+        None,
+        ge=0,
+        le=65535,
+        description="serve /metrics and /health here (runner.ops_server); None = off, 0 = a free port",
+    )
+    metrics_host: str = Field("127.0.0.1", description="0.0.0.0 in a container")
+    log_format: LogFormat = Field("text", description="text, or json: one JSON object a line")
     sink_retry: SinkRetry = Field(default_factory=SinkRetry)
     session: SessionConfig = Field(default_factory=SessionConfig)
     llm: ClientConfig = Field(default_factory=ClientConfig)

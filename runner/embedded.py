@@ -4,7 +4,8 @@ It only delivers: records in, each shopper's events in order to the engine-free 
 (``SessionProcessor``), prompts to the enrichment step, results to the sinks, progress made durable.
 The parts it is built from each have one job: ``epochs`` (what may be committed), ``timers`` (pending
 triggers on the wall clock), ``dead_letters`` (a DLQ that cannot stop the stream), ``session_store``
-(sessions in Redis), ``progress`` (counters and the progress line); the dead-letter record, the
+(sessions in Redis), ``progress`` (counters and the progress line), ``metrics``/``health``/``ops_server``
+(Prometheus ``/metrics`` and ``/health``), ``logs`` (text or JSON lines); the dead-letter record, the
 enrichment step and the sink retry policy are the shared ``pipeline`` layer the Flink job calls too.
 
 Processing guarantees:
@@ -28,7 +29,6 @@ import concurrent.futures
 import contextlib
 import functools
 import signal
-import sys
 import time
 from collections.abc import Awaitable, Callable
 from typing import TypeVar
@@ -46,6 +46,9 @@ from prompt_assembly.session import ShopperSession
 from runner.config import RunnerSettings
 from runner.dead_letters import DeadLetterPublisher
 from runner.epochs import Epoch, EpochLog, merged_offsets
+from runner.logs import line_logger
+from runner.metrics import RunnerMetrics
+from runner.ops_server import OpsServer
 from runner.progress import ProgressLine, RunnerStats
 from runner.session_store import RedisSessionStore, SessionDelta
 from runner.timers import TimerQueue
@@ -60,7 +63,7 @@ __all__ = ["EmbeddedRunner", "RunnerStats"]
 class EmbeddedRunner:
     def __init__(self, settings: RunnerSettings, *, log: Callable[[str], None] | None = None) -> None:
         self.settings = settings
-        self.log = log or (lambda line: print(line, file=sys.stderr, flush=True))
+        self.log = log or line_logger(settings.log_format)
         self.processor = SessionProcessor(settings.session)
         self.stats = RunnerStats()
         self.epochs = EpochLog()
@@ -78,6 +81,10 @@ class EmbeddedRunner:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._last_message_at = time.monotonic()
         self._commit_lock = asyncio.Lock()
+        self.started_at = time.monotonic()
+        self.metrics = RunnerMetrics(self)
+        self.ops: OpsServer | None = None
+        """``/metrics`` and ``/health`` while running, when ``metrics_port`` is set."""
 
     # ---- lifecycle -----------------------------------------------------------------------------
     async def run(self) -> RunnerStats:
@@ -106,6 +113,10 @@ class EmbeddedRunner:
         async with LLMClient(s.llm) as client:
             self.enricher = Enricher(client, s.enrichment)
             self.client = client
+            if s.metrics_port is not None:
+                self.ops = OpsServer(self, self.metrics, host=s.metrics_host, port=s.metrics_port)
+                await self.ops.start()
+                self.log(f"metrics and health on {self.ops.address}")
             workers = [
                 asyncio.create_task(self._committer(), name="committer"),
                 asyncio.create_task(self._timer_loop(), name="timers"),
@@ -126,6 +137,8 @@ class EmbeddedRunner:
                 with contextlib.suppress(Exception):
                     await self.s3_sink.close()
                 await redis.aclose()
+                if self.ops is not None:
+                    await self.ops.stop()
         if self._failed is not None:
             raise self._failed
         self.log(self._render_progress(final=True))
@@ -155,6 +168,26 @@ class EmbeddedRunner:
     @property
     def undelivered_dead_letters(self) -> int:
         return self.stats.dead_letters.undelivered
+
+    # ---- what metrics and health read (runner.health.RunnerView) ----------------------------------
+    @property
+    def paused(self) -> bool:
+        return self._paused
+
+    @property
+    def llm_client(self) -> LLMClient | None:
+        return getattr(self, "client", None)
+
+    @property
+    def failure(self) -> BaseException | None:
+        return self._failed
+
+    @property
+    def stopping(self) -> bool:
+        return self._stopping.is_set()
+
+    def assigned_partitions(self) -> list[int]:
+        return sorted(tp.partition for tp in self._assignment)
 
     # ---- ingest --------------------------------------------------------------------------------
     async def _ingest(self) -> None:
@@ -258,8 +291,10 @@ class EmbeddedRunner:
             acct.errors += 1
             self.log(f"error record {result.request_id}: {result.error_type}: {result.message[:160]}")
         produced = self._kafka_ts.pop(result.request_id, None)
-        if produced is not None:
-            self.stats.freshness_ms.append((time.time() - produced) * 1000)
+        freshness_ms = None if produced is None else (time.time() - produced) * 1000
+        if freshness_ms is not None:
+            self.stats.freshness_ms.append(freshness_ms)
+        self.metrics.observe_result(result, freshness_ms)
 
     async def _retrying(self, write: Callable[[], Awaitable[T]], what: str) -> T:
         return await with_sink_retry(write, self.settings.sink_retry, what=what, on_retry=self._on_sink_retry)
@@ -483,11 +518,16 @@ class EmbeddedRunner:
 
     def cached_lag(self) -> int | None:
         """Lag from the watermarks the consumer last saw (no broker round trip)."""
-        if not self._assignment:
-            return None
-        lag = 0
-        for tp in self.consumer.position(self._assignment):
+        return sum(self.lag_by_partition().values()) if self._assignment else None
+
+    def lag_by_partition(self) -> dict[int, int]:
+        """Per assigned partition, from the watermarks the consumer last saw (no broker round trip)."""
+        assignment = list(self._assignment)
+        if not assignment:
+            return {}
+        lag = {}
+        for tp in self.consumer.position(assignment):
             _, high = self.consumer.get_watermark_offsets(tp, cached=True)
             if high >= 0:
-                lag += max(0, high - max(tp.offset, 0))
+                lag[tp.partition] = max(0, high - max(tp.offset, 0))
         return lag

@@ -1,0 +1,151 @@
+"""Prometheus metrics of the embedded runner, read from its own state at scrape time.
+
+Names follow the Flink job's metric group ``shopper`` (``flink_jobs.flink_functions``) wherever they
+mean the same, so one dashboard query reads either engine: the runner exports ``shopper_events_in_total``
+where Flink's Prometheus reporter exports ``flink_taskmanager_job_task_operator_shopper_events_in``.
+Where Flink publishes a quantile gauge (``llm_latency_p99_ms``: PyFlink has no histogram that survives
+its threading), the runner exports a real histogram (``shopper_llm_latency_seconds``) instead.
+
+Counters and gauges are not incremented along the hot path: a collector reads ``RunnerStats``, the
+dead-letter counts, the consumer's cached watermarks and the LLM client when Prometheus scrapes. Only
+the three histograms are observed per result. Every label set is bounded: ``reason`` is one of
+``runner.dead_letters.REASON_CATEGORIES``, ``partition`` is one of the topic's partitions, ``endpoint``
+one of the configured replicas. Each runner has its own registry (no process-global state), so tests
+and several runners in one process never share series.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+
+from prometheus_client import CollectorRegistry, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from prompt_assembly.records import EnrichmentResult, ShopperInsight
+from runner.dead_letters import REASON_CATEGORIES
+from runner.health import RunnerView, readiness
+
+PREFIX = "shopper"
+LLM_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 4.0, 8.0, 15.0, 30.0, 60.0)
+FRESHNESS_BUCKETS_S = (0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 4.0, 8.0, 15.0, 30.0, 60.0, 120.0, 300.0)
+
+
+class RunnerMetrics:
+    def __init__(self, view: RunnerView) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        self.llm_latency = Histogram(
+            f"{PREFIX}_llm_latency_seconds",
+            "LLM call latency of stored insights (request sent -> last token), retries included",
+            buckets=LLM_BUCKETS_S,
+            registry=self.registry,
+        )
+        self.llm_ttft = Histogram(
+            f"{PREFIX}_llm_ttft_seconds",
+            "LLM time to first token of stored insights",
+            buckets=LLM_BUCKETS_S,
+            registry=self.registry,
+        )
+        self.freshness = Histogram(
+            f"{PREFIX}_freshness_seconds",
+            "Kafka timestamp of the triggering event -> its result stored in Redis",
+            buckets=FRESHNESS_BUCKETS_S,
+            registry=self.registry,
+        )
+        self.registry.register(_StateCollector(view))
+
+    def observe_result(self, result: EnrichmentResult, freshness_ms: float | None) -> None:
+        if isinstance(result, ShopperInsight):
+            self.llm_latency.observe(result.latency_ms / 1000)
+            self.llm_ttft.observe(result.ttft_ms / 1000)
+        if freshness_ms is not None:
+            self.freshness.observe(freshness_ms / 1000)
+
+    def exposition(self) -> bytes:
+        """The Prometheus text format of every metric, as ``/metrics`` serves it."""
+        return generate_latest(self.registry)
+
+
+class _StateCollector(Collector):
+    def __init__(self, view: RunnerView) -> None:
+        self.view = view
+
+    def describe(self) -> list[Metric]:
+        return []  # families are known only at collect time (labels depend on the assignment)
+
+    def collect(self) -> Iterator[Metric]:
+        view = self.view
+        stats, acct, dead = view.stats, view.stats.accounting, view.stats.dead_letters
+
+        def counter(name: str, doc: str, value: float) -> CounterMetricFamily:
+            return CounterMetricFamily(f"{PREFIX}_{name}", doc, value=value)
+
+        def gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
+            return GaugeMetricFamily(f"{PREFIX}_{name}", doc, value=value)
+
+        yield counter("events_in", "Records consumed from the event topic", acct.consumed)
+        yield counter("events_valid", "Records that passed the gate", acct.consumed - acct.dead_lettered)
+        dlq = CounterMetricFamily(
+            f"{PREFIX}_events_dlq", "Records dead-lettered, by reason category", labels=["reason"]
+        )
+        for reason in REASON_CATEGORIES:
+            dlq.add_metric([reason], dead.by_reason.get(reason, 0))
+        yield dlq
+        yield counter("events_accepted", "Events applied to a session", acct.accepted)
+        yield counter("events_duplicate", "Events dropped as duplicates", acct.duplicates)
+        yield counter("prompts_emitted", "Prompt requests launched", acct.prompts)
+        yield counter("results_written", "Results stored (insights and errors)", acct.insights + acct.errors)
+        yield counter("insights_written", "Insights stored", acct.insights)
+        yield counter("errors_written", "Error records stored", acct.errors)
+        yield counter("llm_prompt_tokens", "Prompt tokens the replicas reported", stats.prompt_tokens)
+        yield counter("llm_cached_tokens", "Prompt tokens served from the KV cache", stats.cached_tokens)
+        yield gauge("llm_cache_hit_ratio", "Cached / prompt tokens since start", stats.cache_hit_ratio)
+        yield gauge("prompts_in_flight", "Prompts waiting for the LLM or for their store", view.in_flight)
+        yield gauge(
+            "events_unaccounted",
+            "Consumed events not yet dead-lettered, applied or dropped (0 between polls)",
+            acct.events_unaccounted,
+        )
+        yield gauge(
+            "prompts_unaccounted",
+            "Prompts without a stored result yet (the in-flight ones; grows only while a store is down)",
+            acct.prompts_unaccounted,
+        )
+        yield counter("commits", "Offset commits (each after everything before it is durable)", stats.commits)
+        last = stats.last_commit_at if stats.last_commit_at is not None else view.started_at
+        yield gauge(
+            "last_commit_age_seconds",
+            "Seconds since the last offset commit (since start before the first)",
+            time.monotonic() - last,
+        )
+        yield counter("sink_retries", "Redis / S3 / session-store writes retried", stats.sink_retries)
+        yield counter("dead_letters_delivered", "Dead letters on the DLQ", dead.delivered)
+        yield counter(
+            "dead_letters_shrunk", "Dead letters sent without their original (DLQ size limit)", dead.shrunk
+        )
+        yield counter(
+            "dead_letters_undelivered", "Dead letters that could not be produced (logged)", dead.undelivered
+        )
+        yield counter("backpressure_pauses", "Times the partitions were paused", stats.paused_times)
+        yield gauge("backpressure_paused", "1 while the partitions are paused", float(view.paused))
+        assigned = view.assigned_partitions()
+        yield gauge("partitions_assigned", "Partitions this member owns", len(assigned))
+        lag = GaugeMetricFamily(
+            f"{PREFIX}_consumer_lag", "Records behind the high watermark, per partition", labels=["partition"]
+        )
+        for partition, behind in sorted(view.lag_by_partition().items()):
+            lag.add_metric([str(partition)], behind)
+        yield lag
+        client = view.llm_client
+        yield gauge("llm_in_flight", "LLM calls in flight", 0 if client is None else client.in_flight)
+        yield counter(
+            "llm_client_retries", "LLM attempts retried on a replica", 0 if client is None else client.retries
+        )
+        healthy = GaugeMetricFamily(
+            f"{PREFIX}_llm_endpoint_healthy", "1 while a replica is routable", labels=["endpoint"]
+        )
+        for endpoint in [] if client is None else client.endpoints:
+            healthy.add_metric([endpoint.name], float(endpoint.routable))
+        yield healthy
+        yield gauge("runner_ready", "1 while /health/ready answers 200", float(readiness(view).ready))

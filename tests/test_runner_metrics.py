@@ -1,0 +1,224 @@
+"""The runner's operations endpoint, scraped over HTTP from a real running runner (Tansu, Redis, moto,
+simulator replicas): the numbers it serves agree with what the runner did, labels stay bounded, health
+answers, JSON logs parse, and the Grafana dashboard in the compose stack asks only for metric names the
+runner really exports."""
+
+from __future__ import annotations
+
+import asyncio
+import io
+import json
+import re
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import pytest
+import yaml
+from prometheus_client.parser import text_string_to_metric_families
+
+from devstack.synthetic import SyntheticStream
+from runner.dead_letters import REASON_CATEGORIES, reason_category
+from runner.embedded import EmbeddedRunner
+from runner.logs import line_logger
+from tests.conftest import Isolated
+from tests.helpers import expected_prompts, produce_records
+
+ROOT = Path(__file__).resolve().parents[1]
+DASHBOARD = ROOT / "docker/grafana/dashboards/shopper-runner.json"
+METRIC_NAME = re.compile(r"\bshopper_[a-z0-9_]+\b")
+
+Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]
+
+
+def parse(text: str) -> tuple[Samples, set[str]]:
+    """Every sample by (name, sorted labels), and every sample name exported."""
+    samples: Samples = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            samples[(sample.name, tuple(sorted(sample.labels.items())))] = sample.value
+    return samples, {name for name, _ in samples}
+
+
+def value(samples: Samples, name: str, **labels: str) -> float:
+    return samples[(name, tuple(sorted(labels.items())))]
+
+
+def dashboard_metric_names() -> set[str]:
+    dashboard = json.loads(DASHBOARD.read_text())
+    exprs = [target["expr"] for panel in dashboard["panels"] for target in panel["targets"]]
+    assert exprs, "the dashboard has queries"
+    return {name for expr in exprs for name in METRIC_NAME.findall(expr)}
+
+
+async def get(session: aiohttp.ClientSession, url: str) -> tuple[int, str]:
+    async with session.get(url) as response:
+        return response.status, await response.text()
+
+
+async def while_running(
+    runner: EmbeddedRunner, ready: Callable[[], bool], check: Callable[[str], Awaitable[None]]
+) -> None:
+    """Run ``runner``; once ``ready()``, call ``check(address)`` against it; then stop it."""
+    task = asyncio.create_task(runner.run())
+    try:
+        async with asyncio.timeout(120):
+            while runner.ops is None or not ready():
+                assert not task.done(), "the runner ended early"
+                await asyncio.sleep(0.05)
+            await check(runner.ops.address)
+    finally:
+        runner.request_stop()
+        await task
+
+
+@pytest.mark.slow
+def test_a_running_runner_serves_metrics_and_health_that_match_what_it_did(
+    isolated: Isolated, capfd: pytest.CaptureFixture[str]
+) -> None:
+    records = SyntheticStream(shoppers=30, seed=91, malformed_rate=0.03).take(1200)
+    produce_records(isolated.stack.kafka_bootstrap, isolated.topic, records)
+    expected = expected_prompts(records)
+    malformed = sum(m for *_, m in records)
+    runner = EmbeddedRunner(
+        isolated.runner(until_drained=False, metrics_port=0, log_format="json", progress_interval_s=0.5)
+    )
+    acct = runner.stats.accounting
+    scraped: dict[str, Any] = {}
+
+    def all_done() -> bool:  # everything consumed and stored (pending triggers wait: not drained)
+        return (
+            acct.consumed == len(records)
+            and runner.in_flight == 0
+            and acct.prompts > 0
+            and (runner.stats.last_commit_at is not None and not runner.epochs)
+        )
+
+    async def check(address: str) -> None:
+        async with aiohttp.ClientSession() as session:
+            await asyncio.sleep(1.0)  # one more commit interval: the final offsets are committed
+            scraped["metrics"] = await get(session, f"{address}/metrics")
+            scraped["ready"] = await get(session, f"{address}/health/ready")
+            scraped["live"] = await get(session, f"{address}/health/live")
+            scraped["health"] = await get(session, f"{address}/health")
+            scraped["missing"] = await get(session, f"{address}/nothing-here")
+
+    asyncio.run(while_running(runner, all_done, check))
+
+    status, text = scraped["metrics"]
+    assert status == 200
+    samples, _ = parse(text)
+    assert value(samples, "shopper_events_in_total") == len(records)
+    assert value(samples, "shopper_events_valid_total") == len(records) - malformed
+    by_reason = {r: value(samples, "shopper_events_dlq_total", reason=r) for r in REASON_CATEGORIES}
+    assert sum(by_reason.values()) == malformed
+    dlq_labels = {dict(labels)["reason"] for name, labels in samples if name == "shopper_events_dlq_total"}
+    assert dlq_labels == set(REASON_CATEGORIES), "the reason label has exactly the fixed categories"
+    assert 0 < value(samples, "shopper_prompts_emitted_total") == acct.prompts <= len(expected)
+    assert value(samples, "shopper_results_written_total") == acct.prompts
+    assert value(samples, "shopper_llm_latency_seconds_count") == acct.insights
+    assert value(samples, "shopper_llm_ttft_seconds_count") == acct.insights
+    assert value(samples, "shopper_llm_latency_seconds_sum") > 0
+    assert value(samples, "shopper_events_unaccounted") == 0
+    assert value(samples, "shopper_prompts_unaccounted") == 0
+    assert value(samples, "shopper_prompts_in_flight") == 0
+    assert value(samples, "shopper_dead_letters_undelivered_total") == 0
+    assert value(samples, "shopper_dead_letters_delivered_total") == malformed
+    assert value(samples, "shopper_partitions_assigned") == 4
+    lags = {
+        dict(labels)["partition"]: v
+        for (name, labels), v in samples.items()
+        if name == "shopper_consumer_lag"
+    }
+    assert lags == {"0": 0, "1": 0, "2": 0, "3": 0}, "caught up on every partition"
+    assert 0 <= value(samples, "shopper_last_commit_age_seconds") < 60
+    assert value(samples, "shopper_commits_total") == runner.stats.commits or runner.stats.commits > 0
+    assert value(samples, "shopper_llm_cache_hit_ratio") > 0
+    endpoints = {
+        dict(labels)["endpoint"] for name, labels in samples if name == "shopper_llm_endpoint_healthy"
+    }
+    assert len(endpoints) == len(isolated.stack.llm_endpoints)
+    assert value(samples, "shopper_runner_ready") == 1
+
+    for probe in ("ready", "live", "health"):
+        status, body = scraped[probe]
+        report = json.loads(body)
+        assert status == 200 and report["ready"] and report["live"], (probe, body)
+        assert report["partitions"] == [0, 1, 2, 3] and report["failure"] is None
+    assert scraped["missing"][0] == 404
+
+    # RUNNER_LOG_FORMAT=json: every line the runner wrote is one JSON object with the fields.
+    lines = [line for line in capfd.readouterr().err.splitlines() if line.startswith("{")]
+    logged = [json.loads(line) for line in lines]
+    assert any(entry["msg"].startswith("[progress]") for entry in logged)
+    assert any(entry["msg"].startswith("rebalance: assigned") for entry in logged)
+    assert all({"ts", "level", "logger", "msg"} <= set(entry) for entry in logged)
+
+
+@pytest.mark.slow
+def test_the_grafana_dashboard_asks_only_for_metrics_the_runner_exports(isolated: Isolated) -> None:
+    """Scrape a running runner (after some traffic, so histograms and labelled series exist) and
+    compare the names in every dashboard query with the names it exported."""
+    records = SyntheticStream(shoppers=10, seed=92, malformed_rate=0.05).take(200)
+    produce_records(isolated.stack.kafka_bootstrap, isolated.topic, records)
+    runner = EmbeddedRunner(isolated.runner(until_drained=False, metrics_port=0), log=lambda _: None)
+    acct = runner.stats.accounting
+    exported: set[str] = set()
+
+    async def check(address: str) -> None:
+        async with aiohttp.ClientSession() as session:
+            status, text = await get(session, f"{address}/metrics")
+            assert status == 200
+            exported.update(parse(text)[1])
+
+    asyncio.run(while_running(runner, lambda: acct.consumed == len(records) and acct.insights > 0, check))
+    used = dashboard_metric_names()
+    assert used - exported == set(), (
+        f"the dashboard asks for metrics the runner does not export: {used - exported}"
+    )
+    assert len(used) >= 15, "the dashboard covers the runner's metrics"
+
+
+def test_the_dashboard_is_provisioned_in_the_compose_stack() -> None:
+    compose = yaml.safe_load((ROOT / "docker-compose.yml").read_text())
+    services = compose["services"]
+    grafana, prometheus = services["grafana"], services["prometheus"]
+    mounts = {v.split(":")[1]: v.split(":")[0] for v in grafana["volumes"]}
+    dashboards = ROOT / mounts["/var/lib/grafana/dashboards"]
+    assert (dashboards / DASHBOARD.name).is_file()
+    provisioning = ROOT / mounts["/etc/grafana/provisioning"]
+    providers = yaml.safe_load((provisioning / "dashboards/dashboards.yaml").read_text())["providers"]
+    assert providers[0]["options"]["path"] == "/var/lib/grafana/dashboards"
+    datasource = yaml.safe_load((provisioning / "datasources/prometheus.yaml").read_text())["datasources"][0]
+    dashboard = json.loads(DASHBOARD.read_text())
+    assert {p["datasource"]["uid"] for p in dashboard["panels"]} == {datasource["uid"]}
+    # Prometheus scrapes the runner service on the port the runner is told to serve.
+    config_mount = next(v for v in prometheus["volumes"] if v.endswith(":/etc/prometheus/prometheus.yml:ro"))
+    scrape = yaml.safe_load((ROOT / config_mount.split(":")[0]).read_text())["scrape_configs"]
+    runner_env = services["runner"]["environment"]
+    assert scrape[0]["static_configs"][0]["targets"] == [f"runner:{runner_env['RUNNER_METRICS_PORT']}"]
+    assert runner_env["RUNNER_METRICS_HOST"] == "0.0.0.0"
+
+
+def test_reasons_fall_into_the_fixed_categories() -> None:
+    from prompt_assembly.events import MalformedEvent, parse_event
+
+    raw = [None, b"x" * 20_000, b"{not json", b'{"shopper_id": 5}', b"[]", b'{"event_type": "teleport"}']
+    categories = []
+    for value in raw:
+        with pytest.raises(MalformedEvent) as rejected:
+            parse_event(value)
+        categories.append(reason_category(rejected.value.reason))
+    assert categories == ["empty", "too_large", "invalid_json", "schema", "schema", "schema"]
+
+
+def test_json_log_lines_carry_a_level() -> None:
+    out = io.StringIO()
+    log = line_logger("json", out)
+    log("[progress] events 10")
+    log("runner failing, nothing more will be committed: RuntimeError()")
+    log("redis signal write failed, retrying: ConnectionError()")
+    entries = [json.loads(line) for line in out.getvalue().splitlines()]
+    assert [e["level"] for e in entries] == ["info", "error", "warning"]
+    assert entries[0]["logger"] == "runner" and entries[0]["ts"].endswith("+00:00")
