@@ -38,8 +38,9 @@ from llm_client.routing import RouteRequest
 
 log = logging.getLogger(__name__)
 
-FORWARDED_REQUEST_HEADERS = ("content-type", "accept", "authorization")
-"""Caller headers the replica sees (besides ``x-session-id``); hop-by-hop ones never pass."""
+FORWARDED_REQUEST_HEADERS = ("content-type", "accept")
+"""Caller headers the replica sees (besides ``x-session-id``). Never the caller's ``Authorization``:
+the replicas get the gateway's own key (``LLM_SECURITY__API_KEY``), and a caller's key is not theirs."""
 PASSED_RESPONSE_HEADERS = ("content-type", "cache-control", "x-replica-id", "x-request-id")
 """Replica headers the caller sees, plus the gateway's ``x-gateway-replica`` and ``x-gateway-attempts``."""
 
