@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import re
 import sys
+import uuid
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
@@ -22,8 +23,10 @@ from aiohttp import web
 
 from gateway.app import CLIENT_KEY, create_app
 from gateway.config import GatewaySettings
+from gateway.route import route_for
 from llm_client.client import LLMClient
 from llm_client.config import ClientConfig
+from llm_client.routing import RouteRequest
 from llm_client.routing.session_affinity import rendezvous_order
 from prompt_assembly.prompt import build_messages
 from serving.simulator.launch import REPO_ROOT, SimulatorFleet
@@ -39,11 +42,14 @@ class Gateway:
 
 
 @asynccontextmanager
-async def running_gateway(urls: list[str], policy: str, **settings: Any) -> AsyncIterator[Gateway]:
+async def running_gateway(
+    urls: list[str], policy: str, policy_settings: dict[str, Any] | None = None, **settings: Any
+) -> AsyncIterator[Gateway]:
     config = ClientConfig.model_validate(
         {
             "endpoints": urls,
             "policy": policy,
+            "policy_settings": policy_settings,
             "timeouts": {"connect_s": 0.5, "attempt_s": 20, "deadline_s": 30},
             "retry": {"max_attempts": 3, "backoff_base_s": 0.01, "budget_min_tokens": 50},
             "health": {"interval_s": 0.2},
@@ -63,7 +69,9 @@ async def running_gateway(urls: list[str], policy: str, **settings: Any) -> Asyn
 
 @pytest.fixture(scope="module")
 async def fleet() -> AsyncIterator[SimulatorFleet]:
-    async with SimulatorFleet(3, "--time-scale", TIME_SCALE) as replicas:
+    async with SimulatorFleet(
+        3, "--time-scale", TIME_SCALE, "--kv-event-buffer-max-size", "100000"
+    ) as replicas:
         yield replicas
 
 
@@ -223,6 +231,42 @@ async def test_prefix_aware_follows_the_cache_of_a_growing_prompt(
         async with http.get(gw.url + "/metrics") as m:
             scraped = await m.text()
         assert metric(scraped, "gateway_policy_cache_hits_total", policy="prefix_aware") >= 8
+
+
+async def test_precise_prefix_aware_follows_kv_events_of_traffic_it_never_saw(
+    fleet: SimulatorFleet, http: aiohttp.ClientSession
+) -> None:
+    """Several gateways (or clients) share the replicas in production: a prompt cached through another
+    one is known to this gateway only from the replica's own KV cache events."""
+    precise = {"policy": "prefix_aware", "kv_events": "precise", "kv_events_poll_s": 0.05}
+    shopper = f"kv-events-{uuid.uuid4().hex[:8]}"
+    lines = [f"- 10:{i:02d} viewed: <data>lantern {i}</data> by Brand{i % 5}\n" for i in range(60)]
+    body = {"model": "m", "messages": build_messages(shopper, lines), "max_tokens": 4}
+    async with running_gateway(fleet.urls, "prefix_aware", precise) as gw:
+        # The replica this gateway would pick last for the shopper serves the prompt directly.
+        elsewhere = rendezvous_order(shopper, gw.client.endpoints)[-1]
+        async with http.post(elsewhere.url + "/v1/chat/completions", json=body) as r:
+            assert r.status == 200
+        applied = 0.0
+        async with asyncio.timeout(10):  # until the gateway has polled the replicas' POST /kv_cache_events
+            while applied == 0:
+                await asyncio.sleep(0.05)
+                async with http.get(gw.url + "/metrics") as m:
+                    applied = metric(await m.text(), "gateway_policy_kv_events_total", policy="prefix_aware")
+            while gw.client.policy.cached_tokens(_route(body, shopper), elsewhere) == 0:  # type: ignore[attr-defined]
+                await asyncio.sleep(0.05)
+        async with http.post(
+            gw.url + "/v1/chat/completions", json=body, headers={"x-session-id": shopper}
+        ) as r:
+            assert r.status == 200
+            assert r.headers["x-gateway-replica"] == elsewhere.name
+            assert (await r.json())["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
+
+
+def _route(body: dict[str, Any], key: str) -> RouteRequest:
+    return route_for(
+        orjson.dumps(body), {"x-session-id": key}, key_header="x-session-id", default_max_tokens=4
+    )
 
 
 @pytest.mark.slow
