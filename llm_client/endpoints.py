@@ -55,4 +55,6 @@ def _ewma(current: float | None, sample: float, alpha: float) -> float:
 
 
 def endpoint_name(url: str) -> str:
-    return url.split("://", 1)[-1].rstrip("/")
+    """``host:port[/path]`` of a replica URL, never its ``user:password@`` part: the name goes into logs,
+    metrics labels and stored results (``replica``)."""
+    return url.split("://", 1)[-1].rstrip("/").rsplit("@", 1)[-1]

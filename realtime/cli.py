@@ -46,6 +46,7 @@ def serve_cmd(
     from sinks.config import SinkSettings
 
     settings = RealtimeSettings() if port is None else RealtimeSettings(port=port)
+    env = ClientConfig()  # LLM_* variables: endpoints (without the stack), API key and CA bundle
     if from_stack:
         from devstack.stack import load_state, sink_settings
 
@@ -54,9 +55,10 @@ def serve_cmd(
         endpoints, model = state.llm_endpoints, state.model
     else:
         sinks = SinkSettings()
-        env = ClientConfig()
         endpoints, model = env.endpoints, env.model
-    llm = realtime_client_config(endpoints[:replicas] if replicas else endpoints, model)
+    llm = realtime_client_config(
+        endpoints[:replicas] if replicas else endpoints, model, security=env.security
+    )
     config: dict[str, object] = {"realtime": settings, "llm": llm, "sinks": sinks}
     capacity = None
     if shift_capacity:

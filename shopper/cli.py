@@ -190,7 +190,9 @@ def run(
         group_id=group_id,
         policy=policy,
     )
-    console.print(f"[dim]runner config: {settings.model_dump_json(exclude={'session'})}[/dim]")
+    from pipeline.redaction import redacted_config_dump  # secrets and URL passwords masked
+
+    console.print(f"runner config: {redacted_config_dump(settings, exclude={'session'})}", markup=False)
     stats = asyncio.run(EmbeddedRunner(settings).run())
     acct = stats.accounting
     console.print_json(json.dumps(acct.as_dict()))
