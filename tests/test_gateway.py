@@ -171,6 +171,34 @@ async def test_stream_passes_through_chunk_by_chunk_with_usage(
         assert metric(scraped, "gateway_requests_total", path=path, status="200") == 1
 
 
+async def test_a_caller_that_goes_away_stops_the_replica(fleet: SimulatorFleet) -> None:
+    body = chat_body("a long answer nobody reads", max_tokens=600, ignore_eos=True, stream=True)
+    async with running_gateway(fleet.urls, "least_outstanding") as gw, aiohttp.ClientSession() as caller:
+        finished_before = await _finished_tokens(caller, fleet.urls)
+        async with caller.post(gw.url + "/v1/chat/completions", json=body) as r:
+            replica_url = "http://" + r.headers["x-gateway-replica"]
+            await r.content.readuntil(b"\n\n")
+            r.close()  # drop the connection mid-stream
+        async with aiohttp.ClientSession() as probe, asyncio.timeout(10):
+            while True:  # the replica drops the request once the gateway closes its connection
+                async with probe.get(replica_url + "/metrics") as m:
+                    if metric(await m.text(), "sim_num_requests_running") == 0:
+                        break
+                await asyncio.sleep(0.05)
+            # ... without finishing it (a finished request would add its 600 tokens).
+            assert await _finished_tokens(probe, fleet.urls) == finished_before
+        assert all(e.outstanding == 0 for e in gw.client.endpoints)
+        assert gw.client.in_flight == 0
+
+
+async def _finished_tokens(http: aiohttp.ClientSession, urls: list[str]) -> float:
+    total = 0.0
+    for url in urls:
+        async with http.get(url + "/metrics") as m:
+            total += metric(await m.text(), "sim_completion_tokens_total")
+    return total
+
+
 async def test_shopper_key_from_header_or_user_field_gives_affinity(
     fleet: SimulatorFleet, http: aiohttp.ClientSession
 ) -> None:
