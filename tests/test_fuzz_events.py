@@ -151,9 +151,11 @@ def test_text_with_control_and_bidi_characters_is_accepted_or_named(title: str, 
         orjson.dumps({**VALID, "ts": None}).replace(b"null", b"NaN"),
         orjson.dumps(VALID).replace(b"19.99", b"Infinity"),
         orjson.dumps(VALID).replace(b"19.99", b"1" + b"0" * 400),
+        orjson.dumps(VALID).replace(b"Witch Costume", b"Witch \\ud800 Costume"),  # a lone surrogate
+        orjson.dumps(VALID).replace(b"s-1", b"\\udfff"),
     ],
 )
-def test_non_finite_and_huge_numbers_are_rejected_with_a_reason(raw: bytes) -> None:
+def test_non_finite_huge_numbers_and_lone_surrogates_are_rejected_with_a_reason(raw: bytes) -> None:
     with pytest.raises(MalformedEvent) as caught:
         parse_event(raw)
     assert caught.value.reason
