@@ -13,7 +13,7 @@ Same simulator replicas, same prompts, same policy, one run. Two paths:
    path, and the gateway process's CPU time per request (from /proc), which says what one gateway core
    can carry once the replicas are on other machines.
 
-    python -m bench.gateway [--replicas 3] [--rate 100] [--seconds 5] [--rounds 2] [--policy prefix_aware]
+    python -m bench.gateway [--replicas 3] [--rate 50] [--seconds 4] [--rounds 4] [--policy prefix_aware]
 """
 
 from __future__ import annotations
@@ -181,10 +181,12 @@ async def fixed_rate(args: argparse.Namespace) -> list[list[object]]:
                 gateway_cpu_s = 0.0
                 for call in calls.values():  # warm both paths: connections, lazy imports, caches
                     await open_loop(call, args.rate, 1.0, Samples())
+                step = 0
                 for round_ in range(args.rounds):
                     order = list(calls) if round_ % 2 == 0 else list(reversed(calls))  # no drift bias
                     for name in order:
-                        paths.offset = (round_ + 1) * 10 * args.shoppers
+                        step += 1  # every run extends each shopper's log by a line: same shape for both
+                        paths.offset = step * args.shoppers
                         cpu_before = cpu_seconds(gateway.pid)
                         await open_loop(calls[name], args.rate, args.seconds, results[name])
                         if name == "gateway":
@@ -254,11 +256,11 @@ def main() -> None:
     )
     parser.add_argument("--replicas", type=int, default=3)
     parser.add_argument("--policy", default="prefix_aware")
-    parser.add_argument("--rate", type=float, default=100, help="requests/s of the fixed-rate part")
+    parser.add_argument("--rate", type=float, default=50, help="requests/s of the fixed-rate part")
     parser.add_argument(
         "--seconds", type=float, default=5, help="per round (fixed rate) or per path (ceiling)"
     )
-    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--rounds", type=int, default=4)
     parser.add_argument(
         "--time-scale", type=float, default=0.01, help="simulator time scale of the fixed-rate part"
     )
