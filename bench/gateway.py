@@ -258,7 +258,7 @@ def main() -> None:
     parser.add_argument("--policy", default="prefix_aware")
     parser.add_argument("--rate", type=float, default=50, help="requests/s of the fixed-rate part")
     parser.add_argument(
-        "--seconds", type=float, default=5, help="per round (fixed rate) or per path (ceiling)"
+        "--seconds", type=float, default=4, help="per round (fixed rate) or per path (ceiling)"
     )
     parser.add_argument("--rounds", type=int, default=4)
     parser.add_argument(
