@@ -9,7 +9,8 @@ each replica's events to the policy (``KvEventConsumer.apply_kv_events``), on th
 Guarantees: events reach the policy in the order the replica produced them; a replica that answers 404
 (events off) is polled again only every ``off_retry_s`` and the policy keeps its approximate belief for
 it; a failed poll (replica down, timeout) is skipped, not retried in the loop (its events stay buffered
-on the replica, or are dropped there and show up as an id gap).
+on the replica, or are dropped there and show up as an id gap). A poll is a drain: an answer the client
+gave up on (timeout) is lost, and shows up as a gap at the next poll.
 """
 
 from __future__ import annotations
@@ -98,7 +99,7 @@ class KvEventPoller:
         consumer: KvEventConsumer,
         interval_s: float,
         *,
-        timeout_s: float = 2.0,
+        timeout_s: float = 10.0,
         off_retry_s: float = 30.0,
     ) -> None:
         self._session = session

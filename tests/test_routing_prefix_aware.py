@@ -119,7 +119,13 @@ def test_bounded_load_overrides_the_cache() -> None:
 
 def test_imbalance_falls_back_to_power_of_two_choices() -> None:
     policy, eps = (
-        PrefixAwarePolicy(imbalance_abs_tokens=1000, imbalance_ratio=2.0, load_factor=100),
+        PrefixAwarePolicy(
+            imbalance_abs_tokens=1000,
+            imbalance_ratio=2.0,
+            load_factor=100,
+            max_queued_tokens=1e9,  # the other guards off: only the imbalance test decides
+            hot_key_min_inflight=1000,
+        ),
         endpoints(4),
     )
     home = route(policy, shopper_prompt("dave", 60), eps)
@@ -127,6 +133,32 @@ def test_imbalance_falls_back_to_power_of_two_choices() -> None:
     picks = collections.Counter(policy.choose(shopper_prompt("dave", 61), eps).name for _ in range(40))
     assert home.name not in picks  # the less loaded of two samples is never the overloaded one
     assert len(picks) >= 2 and policy.stats.imbalance_fallbacks == 40
+
+
+def test_a_hot_shopper_spreads_to_a_second_replica_once_it_holds_its_share() -> None:
+    policy, eps = PrefixAwarePolicy(load_factor=100, hot_key_min_inflight=3, hot_key_share=0.01), endpoints(4)
+    home = route(policy, shopper_prompt("hot", 60), eps)
+    picks = [policy.choose(shopper_prompt("hot", 61 + i), eps) for i in range(3)]  # in flight, unanswered
+    assert picks == [home] * 3  # its cache wins while it runs fewer than 3 there
+    second = policy.choose(shopper_prompt("hot", 64), eps)
+    assert second is not home and policy.stats.hot_key_spreads == 1
+    # the second replica now holds the shopper too: the next spill goes there, warm
+    third = policy.choose(shopper_prompt("hot", 65), eps)
+    assert third is second
+    assert policy.estimate_uncached_tokens(shopper_prompt("hot", 65), third) < 0.3 * 3000
+    # answers free the home replica's slots: the shopper goes home again
+    for i in range(3):
+        request = shopper_prompt("hot", 61 + i)
+        policy.observe(request, home, RouteOutcome(True, request.prompt_tokens, 0))
+    assert policy.choose(shopper_prompt("hot", 66), eps) in (home, second)
+
+
+def test_a_long_prefill_queue_is_not_a_candidate() -> None:
+    policy, eps = PrefixAwarePolicy(max_queued_tokens=10_000), endpoints(3)
+    home = route(policy, shopper_prompt("ida", 60), eps)
+    home.outstanding_prefill_tokens = 12_000  # more than the cap: its cache no longer pays for the wait
+    assert policy.choose(shopper_prompt("ida", 61), eps) is not home
+    assert policy.stats.queue_cap_skips == 1
 
 
 def test_spreads_cold_shoppers() -> None:

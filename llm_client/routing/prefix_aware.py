@@ -162,6 +162,19 @@ class PrefixAwareSettings(BaseModel):
     restart_max_cached_tokens: int | None = Field(
         None, ge=0, description="... and at most this many came back (default: block_size)"
     )
+    hot_key_share: float = Field(
+        0.5, gt=0, le=1, description="a replica already running this share of the load bound in requests "
+        "of ONE shopper takes no more of that shopper's prompts while another replica can: a hot shopper "
+        "spreads over a second (then third) replica instead of saturating its holder"
+    )  # fmt: skip
+    hot_key_min_inflight: int = Field(
+        4, ge=1, description="... but never below this many of the shopper's requests on the replica"
+    )
+    max_queued_tokens: float = Field(
+        16384, gt=0, description="admission by predicted wait: a replica whose queued prefill load exceeds "
+        "this (two full 8192-token iterations) is not a candidate while another is under it, whatever "
+        "it caches"
+    )  # fmt: skip
     seed: int = Field(0, description="seeds the power-of-two-choices sampler")
     kv_events: Literal["off", "precise"] = Field(
         "off", description="precise: follow the replicas' KV cache events (POST /kv_cache_events); "
@@ -190,6 +203,10 @@ class PrefixAwareStats:
     """Replicas found restarted or cleared by their events (created/cleared, event ids starting over)."""
     kv_gaps: int = 0
     """Polls whose first event id skipped ids: events the replica dropped before they were read."""
+    hot_key_spreads: int = 0
+    """Decisions that skipped a replica because it already ran its share of this shopper's requests."""
+    queue_cap_skips: int = 0
+    """Decisions that skipped a replica whose queued prefill exceeded ``max_queued_tokens``."""
 
 
 @dataclass(slots=True)
@@ -224,6 +241,9 @@ class PrefixAwarePolicy:
         self._rng = random.Random(settings.seed)
         self._indexes: dict[str, ReplicaBlockIndex] = {}
         self._cursors: dict[str, _EventCursor] = {}
+        self._key_inflight: dict[tuple[str, str], int] = {}
+        """Attempts in flight per (shopper, replica): routed and not yet observed. An attempt cancelled by
+        its caller's deadline is never observed and stays counted; rare, and bounded by the keys."""
         self.stats = PrefixAwareStats()
 
     @property
@@ -272,6 +292,17 @@ class PrefixAwarePolicy:
 
         bound = self.load_bound(ordered)
         eligible = [e for e in ordered if e.outstanding < bound] or ordered
+        # Admission by predicted wait: a long prefill queue delays a first token more than a cold prefill.
+        calm = [e for e in eligible if loads[e.name] <= self.settings.max_queued_tokens]
+        if calm and len(calm) < len(eligible):
+            self.stats.queue_cap_skips += 1
+            eligible = calm
+        # A hot shopper spreads over more replicas once it holds its share of one.
+        key_cap = max(self.settings.hot_key_min_inflight, self.settings.hot_key_share * bound)
+        spread = [e for e in eligible if self._key_inflight.get((request.key, e.name), 0) < key_cap]
+        if spread and len(spread) < len(eligible):
+            self.stats.hot_key_spreads += 1
+            eligible = spread
 
         def cost(e: Endpoint) -> float:
             return self.prefill_weight * (request.prompt_tokens - useful[e.name]) + loads[e.name]
@@ -296,6 +327,8 @@ class PrefixAwarePolicy:
         hits: dict[str, bool] = request.memo.setdefault(_HIT, {})  # type: ignore[assignment]
         hits[chosen.name] = useful[chosen.name] > 0
         self.index(chosen).insert(self.block_hashes(request))
+        slot = (request.key, chosen.name)
+        self._key_inflight[slot] = self._key_inflight.get(slot, 0) + 1
         return chosen
 
     def estimate_uncached_tokens(self, request: RouteRequest, endpoint: Endpoint) -> int:
@@ -305,6 +338,12 @@ class PrefixAwarePolicy:
         return request.prompt_tokens - self.cached_tokens(request, endpoint)
 
     def observe(self, request: RouteRequest, endpoint: Endpoint, outcome: RouteOutcome) -> Feedback:
+        slot = (request.key, endpoint.name)
+        left = self._key_inflight.get(slot, 0) - 1
+        if left > 0:
+            self._key_inflight[slot] = left
+        else:
+            self._key_inflight.pop(slot, None)
         expected_map = request.memo.get(_EXPECTED)
         expected = int(expected_map.get(endpoint.name, 0)) if isinstance(expected_map, dict) else 0
         hashes = self.block_hashes(request)
@@ -355,10 +394,11 @@ class PrefixAwarePolicy:
         for event in events:
             data = event.data
             last = cursor.last_event_id
-            if data.type in ("created", "cleared") or (last is not None and event.event_id <= last):
-                if len(index) or data.type == "cleared":
-                    self.stats.kv_restarts += 1
-                    log.warning("replica %s reports its KV cache emptied (%s)", endpoint.name, data.type)
+            if last is None and data.type == "created":
+                pass  # the first poll of a replica that just started: nothing to undo
+            elif data.type in ("created", "cleared") or (last is not None and event.event_id <= last):
+                self.stats.kv_restarts += 1
+                log.warning("replica %s reports its KV cache emptied (%s)", endpoint.name, data.type)
                 index.clear()
             elif last is not None and event.event_id > last + 1:
                 self.stats.kv_gaps += 1

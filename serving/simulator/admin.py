@@ -26,6 +26,7 @@ def add_admin_routes(app: web.Application) -> None:
     app.router.add_post("/admin/config", _update_config)
     app.router.add_post("/admin/reset_cache", _reset_cache)
     app.router.add_get("/admin/stats", _stats)
+    app.router.add_get("/admin/ttft", _ttft)
 
 
 def _json(body: object, status: int = 200) -> web.Response:
@@ -52,3 +53,8 @@ async def _reset_cache(request: web.Request) -> web.Response:
 
 async def _stats(request: web.Request) -> web.Response:
     return _json(request.app[REPLICA_KEY].stats())
+
+
+async def _ttft(request: web.Request) -> web.Response:
+    """Every finished request's TTFT in simulated ms since the last call: exact server-side tails."""
+    return _json({"ttft_ms": request.app[REPLICA_KEY].drain_ttfts()})

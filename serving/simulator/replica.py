@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import random
 import uuid
+from collections import deque
 from dataclasses import asdict
 from typing import Any
 
@@ -49,6 +50,8 @@ class Replica:
             kv_blocks_used=lambda: self.cache.used_blocks,
         )
         self.error_rate = config.error_rate
+        self.recent_ttft_ms: deque[float] = deque(maxlen=100_000)
+        """Each finished request's time to first token, simulated ms (benchmarks read exact tails)."""
         self._rng = random.Random(config.seed)
 
     def inject_error(self) -> bool:
@@ -91,6 +94,7 @@ class Replica:
         scale = self.knobs.time_scale or 1.0
         if job.ttft is not None:
             m.ttft.observe(job.ttft / scale)
+            self.recent_ttft_ms.append(1000.0 * job.ttft / scale)
         if job.queue_wait is not None:
             m.queue_time.observe(job.queue_wait / scale)
         if job.finished_at is not None:
@@ -99,6 +103,12 @@ class Replica:
     def reset_cache(self) -> None:
         """Lose every reusable KV block, as a restarted replica would."""
         self.cache.clear()
+
+    def drain_ttfts(self) -> list[float]:
+        """The TTFTs recorded since the last call (``GET /admin/ttft``), oldest first."""
+        out = list(self.recent_ttft_ms)
+        self.recent_ttft_ms.clear()
+        return out
 
     def stats(self) -> dict[str, Any]:
         return {
