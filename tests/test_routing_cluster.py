@@ -18,6 +18,7 @@ import pytest
 
 from llm_client import ClientConfig, LLMClient
 from llm_client.degradation import DegradationDetector, DegradationSettings
+from llm_client.hooks import ClientHooks
 from llm_client.routing.base import RouteRequest
 from llm_client.routing.prefix_aware import PrefixAwarePolicy
 from prompt_assembly.prompt import build_messages
@@ -203,3 +204,26 @@ async def test_slow_replica_is_drained_and_the_rest_keep_serving(cluster: SimClu
             await wave(16, step)
         assert slow.served == served_when_drained  # no new traffic while drained
         assert all(e.served > 0 for e in client.endpoints)
+
+
+async def test_hooks_report_every_attempt_without_patching_the_client(cluster: SimCluster) -> None:
+    """A replica answering 503: its attempt is reported failed, the retry on the other one finished."""
+    await cluster.start(2, "--time-scale", "0.005")
+    await cluster.admin(0, "/admin/config", {"error_rate": 1.0})
+    seen: list[tuple[str, str, int]] = []
+    hooks = ClientHooks()
+    hooks.attempt_started.append(lambda a: seen.append(("started", a.endpoint, a.number)))
+    hooks.attempt_failed.append(lambda a, exc: seen.append((type(exc).__name__, a.endpoint, a.number)))
+    hooks.attempt_finished.append(lambda a, c: seen.append(("finished", c.endpoint, c.attempts)))
+    hooks.attempt_started.append(lambda a: 1 / 0)  # a broken hook is logged, never fails the request
+    async with LLMClient(config(cluster.urls, "round_robin"), hooks=hooks) as client:
+        await client.wait_until_healthy()
+        bad, good = (e.name for e in client.endpoints)
+        completion = await client.chat(prompt("h", 10), routing_key="h", max_tokens=5)
+    assert completion.endpoint == good and completion.attempts == 2
+    assert seen == [
+        ("started", bad, 1),
+        ("EndpointUnavailable", bad, 1),
+        ("started", good, 2),
+        ("finished", good, 2),
+    ]
