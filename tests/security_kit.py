@@ -28,19 +28,44 @@ class TestCertificates:
     ca: Path
     cert: Path
     key: Path
+    client_cert: Path
+    client_key: Path
+    """The client's private key, encrypted with ``CLIENT_KEY_PASSWORD`` (PKCS#8 PEM)."""
+
+
+CLIENT_KEY_PASSWORD = "client-key-Pw"
 
 
 def make_certificates(directory: Path) -> TestCertificates:
-    """A fresh CA and a server certificate for ``127.0.0.1`` and ``localhost``, as PEM files."""
+    """A fresh CA, a server certificate for ``127.0.0.1`` and ``localhost`` and a client certificate
+    (for mutual TLS), as PEM files."""
+    from cryptography.hazmat.primitives import serialization
+
     directory.mkdir(parents=True, exist_ok=True)
     ca = trustme.CA()
     server = ca.issue_cert("127.0.0.1", "localhost")
-    files = TestCertificates(directory / "ca.crt", directory / "server.crt", directory / "server.key")
+    client = ca.issue_cert("shopper-client@example.test")
+    files = TestCertificates(
+        directory / "ca.crt",
+        directory / "server.crt",
+        directory / "server.key",
+        directory / "client.crt",
+        directory / "client.key",
+    )
     ca.cert_pem.write_to_path(str(files.ca))
-    with files.cert.open("wb") as out:
-        for pem in server.cert_chain_pems:
-            out.write(pem.bytes())
+    for leaf, cert in ((server, files.cert), (client, files.client_cert)):
+        with cert.open("wb") as out:
+            for pem in leaf.cert_chain_pems:
+                out.write(pem.bytes())
     server.private_key_pem.write_to_path(str(files.key))
+    key = serialization.load_pem_private_key(client.private_key_pem.bytes(), password=None)
+    files.client_key.write_bytes(
+        key.private_bytes(
+            serialization.Encoding.PEM,
+            serialization.PrivateFormat.PKCS8,
+            serialization.BestAvailableEncryption(CLIENT_KEY_PASSWORD.encode()),
+        )
+    )
     return files
 
 
@@ -87,21 +112,29 @@ def tls_redis(
 
 @contextmanager
 def tls_terminator(
-    directory: Path, certs: TestCertificates, backend_port: int, port: int | None = None
+    directory: Path,
+    certs: TestCertificates,
+    backend_port: int,
+    port: int | None = None,
+    *,
+    require_client_cert: bool = False,
 ) -> Iterator[int]:
     """``socat`` accepting TLS on ``port`` (default: a free one) and forwarding plain TCP to
-    ``backend_port``."""
+    ``backend_port``; with ``require_client_cert``, only clients with a certificate from the CA."""
     binary = shutil.which("socat")
     if binary is None:
         raise RuntimeError("socat is not installed (Debian package socat)")
     port = port or free_port()
-    listen = f"OPENSSL-LISTEN:{port},bind=127.0.0.1,reuseaddr,fork,cert={certs.cert},key={certs.key},verify=0"
+    verify = f"verify=1,cafile={certs.ca}" if require_client_cert else "verify=0"
+    listen = f"OPENSSL-LISTEN:{port},bind=127.0.0.1,reuseaddr,fork,cert={certs.cert},key={certs.key},{verify}"
     with _process([binary, listen, f"TCP:127.0.0.1:{backend_port}"], port, directory / f"socat-{port}.log"):
         yield port
 
 
 @contextmanager
-def tansu_behind_tls(directory: Path, certs: TestCertificates) -> Iterator[str]:
+def tansu_behind_tls(
+    directory: Path, certs: TestCertificates, *, require_client_cert: bool = False
+) -> Iterator[str]:
     """A Tansu broker (in-memory storage) reachable only through a TLS terminator: the broker
     advertises the terminator's port, so every client connection goes through TLS. Yields the
     bootstrap address ``127.0.0.1:<tls port>``."""
@@ -115,6 +148,6 @@ def tansu_behind_tls(directory: Path, certs: TestCertificates) -> Iterator[str]:
     ]  # fmt: skip
     with (
         _process(argv, broker_port, directory / f"tansu-{broker_port}.log", timeout_s=30),
-        tls_terminator(directory, certs, broker_port, tls_port),
+        tls_terminator(directory, certs, broker_port, tls_port, require_client_cert=require_client_cert),
     ):
         yield f"127.0.0.1:{tls_port}"

@@ -28,7 +28,7 @@ from realtime.service import create_app, realtime_client_config
 from serving.simulator.testing import running_simulator
 from sinks.config import SinkSettings
 
-pytestmark = pytest.mark.timeout(600)
+pytestmark = [pytest.mark.timeout(600), pytest.mark.slow]  # about 30 s on two cores
 
 schema = schemathesis.openapi.from_dict(openapi_spec())
 

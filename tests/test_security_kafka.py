@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 from confluent_kafka import Consumer, KafkaException, Producer, TopicPartition
 from confluent_kafka.admin import AdminClient, NewTopic
-from pydantic import ValidationError
+from pydantic import SecretStr, ValidationError
 
 from flink_jobs.flink_config import NearRealtimeSettings
 from pipeline.kafka_security import (
@@ -20,7 +20,7 @@ from pipeline.kafka_security import (
     librdkafka_properties,
 )
 from runner.config import RunnerSettings
-from tests.security_kit import make_certificates, tansu_behind_tls
+from tests.security_kit import CLIENT_KEY_PASSWORD, make_certificates, tansu_behind_tls
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -69,6 +69,37 @@ def test_tls_produce_and_consume_through_the_runner_settings(tmp_path: Path) -> 
         # And a plaintext client does not get through the TLS port either.
         with pytest.raises(KafkaException):
             AdminClient({"bootstrap.servers": bootstrap, "socket.timeout.ms": 3000}).list_topics(timeout=5)
+
+
+def test_mutual_tls_with_an_encrypted_client_key(tmp_path: Path) -> None:
+    """A terminator that requires a client certificate from the CA: the runner's settings with the
+    client certificate and its encrypted key (``ssl_key_password``) produce; without them, or with
+    the wrong key password, nothing gets through."""
+    certs = make_certificates(tmp_path / "certs")
+    with tansu_behind_tls(tmp_path, certs, require_client_cert=True) as bootstrap:
+        security = KafkaSecurity(
+            protocol="SSL",
+            ssl_ca_file=certs.ca,
+            ssl_cert_file=certs.client_cert,
+            ssl_key_file=certs.client_key,
+            ssl_key_password=SecretStr(CLIENT_KEY_PASSWORD),
+        )
+        secure = {"bootstrap.servers": bootstrap, **librdkafka_properties(security)}
+        topic = f"mtls-{uuid.uuid4().hex[:8]}"
+        admin = AdminClient(secure)  # kept referenced until its futures resolve
+        for future in admin.create_topics([NewTopic(topic, 1, 1)]).values():
+            future.result(timeout=30)
+        producer = Producer(secure)
+        producer.produce(topic, b"over mutual TLS")
+        assert producer.flush(30) == 0
+
+        server_only = librdkafka_properties(KafkaSecurity(protocol="SSL", ssl_ca_file=certs.ca))
+        with pytest.raises(KafkaException):
+            AdminClient(
+                {"bootstrap.servers": bootstrap, **server_only, "socket.timeout.ms": 3000}
+            ).list_topics(timeout=5)
+        with pytest.raises(KafkaException):  # librdkafka cannot read the key: no client at all
+            AdminClient({**secure, "ssl.key.password": "wrong"}).list_topics(timeout=5)
 
 
 @pytest.mark.parametrize("mechanism", ["PLAIN", "SCRAM-SHA-256", "SCRAM-SHA-512"])
