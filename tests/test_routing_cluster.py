@@ -18,7 +18,7 @@ import pytest
 
 from llm_client import ClientConfig, LLMClient
 from llm_client.degradation import DegradationDetector, DegradationSettings
-from llm_client.hooks import ClientHooks
+from llm_client.hooks import Attempt, ClientHooks
 from llm_client.routing.base import RouteRequest
 from llm_client.routing.prefix_aware import PrefixAwarePolicy
 from prompt_assembly.prompt import build_messages
@@ -215,7 +215,11 @@ async def test_hooks_report_every_attempt_without_patching_the_client(cluster: S
     hooks.attempt_started.append(lambda a: seen.append(("started", a.endpoint, a.number)))
     hooks.attempt_failed.append(lambda a, exc: seen.append((type(exc).__name__, a.endpoint, a.number)))
     hooks.attempt_finished.append(lambda a, c: seen.append(("finished", c.endpoint, c.attempts)))
-    hooks.attempt_started.append(lambda a: 1 / 0)  # a broken hook is logged, never fails the request
+
+    def broken(attempt: Attempt) -> None:
+        raise RuntimeError("a broken hook is logged, never fails the request")
+
+    hooks.attempt_started.append(broken)
     async with LLMClient(config(cluster.urls, "round_robin"), hooks=hooks) as client:
         await client.wait_until_healthy()
         bad, good = (e.name for e in client.endpoints)
