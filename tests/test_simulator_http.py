@@ -271,3 +271,16 @@ async def test_client_disconnect_mid_stream_aborts_the_request(http: aiohttp.Cli
             await asyncio.sleep(0.02)
         stats = slow.replica.stats()
         assert stats["engine"]["aborted"] == 1 and stats["running"] == 0
+
+
+async def test_admin_ttft_hands_out_each_request_once(
+    sim: RunningSimulator, http: aiohttp.ClientSession
+) -> None:
+    for user in ("first", "second"):
+        status, _ = await _post(http, f"{sim.url}/v1/chat/completions", _chat(user))
+        assert status == 200
+    async with http.get(f"{sim.url}/admin/ttft") as r:
+        ttfts = (await r.json())["ttft_ms"]
+    assert len(ttfts) == 2 and all(t >= 0 for t in ttfts)
+    async with http.get(f"{sim.url}/admin/ttft") as r:
+        assert (await r.json())["ttft_ms"] == []
