@@ -4,6 +4,7 @@ backpressure and health checks. The same code talks to every server kind."""
 
 from llm_client.client import LLMClient
 from llm_client.config import ClientConfig, RetrySettings, Timeouts
+from llm_client.hooks import Attempt, ClientHooks
 from llm_client.models import Completion
 
-__all__ = ["ClientConfig", "Completion", "LLMClient", "RetrySettings", "Timeouts"]
+__all__ = ["Attempt", "ClientConfig", "ClientHooks", "Completion", "LLMClient", "RetrySettings", "Timeouts"]
