@@ -1,19 +1,20 @@
 """The routing gateway's cost: added latency against in-process routing, and its throughput ceiling.
 
-Same simulator replicas, same prompts, same policy, one run. Two paths:
+Same simulator replicas, same prompts, same policy, one run; each policy in turn. Two paths:
 
 - **in-process**: ``LLMClient.chat`` in the load generator routes to the replicas itself (streamed);
 - **gateway**: a bare aiohttp caller posts the same OpenAI body (streamed, usage included) to
   ``shopper router serve`` (a separate process, as callers would use it), which routes with its own
   ``LLMClient`` and passes the answer through.
 
-1. Fixed rate (open loop, rounds alternating between the paths): p50/p99 of time to first token and of
-   end-to-end latency; *added* = gateway - in-process percentile.
+1. Fixed rate (one open loop at ``--rate`` whose requests alternate between the paths, so both see the
+   same moments of a shared machine's load; each path has its own shoppers, whose prompts grow a line
+   per visit): p50/p99 of time to first token and of end-to-end latency; *added* = gateway - in-process.
 2. Ceiling (closed loop, ``--concurrency`` callers, simulator answering instantly): requests/s of each
    path, and the gateway process's CPU time per request (from /proc), which says what one gateway core
    can carry once the replicas are on other machines.
 
-    python -m bench.gateway [--replicas 3] [--rate 50] [--seconds 4] [--rounds 4] [--policy prefix_aware]
+    python -m bench.gateway [--replicas 3] [--rate 50] [--seconds 16] [--policies a,b]
 """
 
 from __future__ import annotations
@@ -24,9 +25,10 @@ import json
 import os
 import sys
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Coroutine
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import aiohttp
 import orjson
@@ -47,10 +49,11 @@ class Samples:
     errors: int = 0
 
 
-def shopper_messages(i: int, shoppers: int, events: int) -> tuple[str, list[dict[str, str]]]:
-    """Shopper ``i % shoppers`` with a log that grows by one line per visit (prefix-stable, as in
-    production: the replica holding the previous prompt can skip most of the prefill)."""
-    shopper = f"shopper-{i % shoppers}"
+def shopper_messages(i: int, shoppers: int, events: int, tag: str) -> tuple[str, list[dict[str, str]]]:
+    """Shopper ``i % shoppers`` of the population ``tag`` with a log that grows by one line per visit
+    (prefix-stable, as in production: the replica holding the previous prompt can skip most of the
+    prefill). Each path has its own population, so neither warms the other's caches."""
+    shopper = f"{tag}-shopper-{i % shoppers}"
     n = events + i // shoppers
     lines = [
         f"- 2026-11-22 10:{k % 60:02d} viewed: <data>{shopper} lantern {k} with a long title</data> by "
@@ -135,16 +138,16 @@ class Paths:
         self.gateway_url = gateway_url
         self.args = args
         self.offset = 0
-        """Shifts each round's shopper visits, so every round extends the prompts (as production does)."""
+        """Added to the request index, so a later phase continues the shoppers' logs."""
 
     async def in_process(self, i: int) -> tuple[float, float]:
-        shopper, messages = shopper_messages(i + self.offset, self.args.shoppers, self.args.events)
+        shopper, messages = shopper_messages(i + self.offset, self.args.shoppers, self.args.events, "in")
         started = time.perf_counter()
         completion = await self.client.chat(messages, routing_key=shopper, max_tokens=self.args.max_tokens)
         return completion.ttft_ms, (time.perf_counter() - started) * 1000
 
     async def via_gateway(self, i: int) -> tuple[float, float]:
-        shopper, messages = shopper_messages(i + self.offset, self.args.shoppers, self.args.events)
+        shopper, messages = shopper_messages(i + self.offset, self.args.shoppers, self.args.events, "gw")
         body = {
             "model": self.client.config.model,
             "messages": messages,
@@ -169,37 +172,56 @@ class Paths:
 
 
 async def fixed_rate(args: argparse.Namespace) -> list[list[object]]:
-    async with SimulatorFleet(args.replicas, "--time-scale", str(args.time_scale)) as fleet:
-        gateway, url = await start_gateway(fleet.urls, args.policy)
-        try:
-            config = ClientConfig(endpoints=fleet.urls, policy=args.policy, max_in_flight=4096)
-            connector = aiohttp.TCPConnector(limit=0)
-            async with LLMClient(config) as client, aiohttp.ClientSession(connector=connector) as session:
-                paths = Paths(client, session, url, args)
-                calls = {"in-process": paths.in_process, "gateway": paths.via_gateway}
-                results = {name: Samples() for name in calls}
-                gateway_cpu_s = 0.0
-                for call in calls.values():  # warm both paths: connections, lazy imports, caches
-                    await open_loop(call, args.rate, 1.0, Samples())
-                step = 0
-                for round_ in range(args.rounds):
-                    order = list(calls) if round_ % 2 == 0 else list(reversed(calls))  # no drift bias
-                    for name in order:
-                        step += 1  # every run extends each shopper's log by a line: same shape for both
-                        paths.offset = step * args.shoppers
-                        cpu_before = cpu_seconds(gateway.pid)
-                        await open_loop(calls[name], args.rate, args.seconds, results[name])
-                        if name == "gateway":
-                            gateway_cpu_s += cpu_seconds(gateway.pid) - cpu_before
-        finally:
-            gateway.terminate()
-            await gateway.wait()
-    base = results["in-process"]
+    """Per policy: one open loop whose requests alternate between the paths."""
     rows: list[list[object]] = []
-    for name, s in results.items():
+    async with SimulatorFleet(args.replicas, "--time-scale", str(args.time_scale)) as fleet:
+        connector = aiohttp.TCPConnector(limit=0)
+        async with aiohttp.ClientSession(connector=connector) as session:
+            for policy in args.policies.split(","):
+                rows += await _fixed_rate_policy(args, fleet.urls, session, policy)
+    return rows
+
+
+async def _fixed_rate_policy(
+    args: argparse.Namespace, urls: list[str], session: aiohttp.ClientSession, policy: str
+) -> list[list[object]]:
+    gateway, url = await start_gateway(urls, policy)
+    try:
+        config = ClientConfig(endpoints=urls, policy=policy, max_in_flight=4096)
+        async with LLMClient(config) as client:
+            paths = Paths(client, session, url, args)
+            calls = (paths.in_process, paths.via_gateway)
+            results = (Samples(), Samples())
+
+            async def interleaved(i: int) -> tuple[float, float]:
+                """Even requests in-process, odd ones through the gateway: both paths see the same
+                moments of the machine's load, so its swings cannot favour one of them."""
+                return await calls[i % 2](i // 2)
+
+            async def record(i: int) -> None:
+                try:
+                    ttft, total = await interleaved(i)
+                except Exception:
+                    results[i % 2].errors += 1
+                    return
+                results[i % 2].ttft.append(ttft)
+                results[i % 2].total.append(total)
+
+            await open_loop(interleaved, args.rate, 2.0, Samples())  # warm: connections, imports, caches
+            paths.offset = args.shoppers
+            cpu_before = cpu_seconds(gateway.pid)
+            await _paced(record, args.rate, args.seconds)
+            gateway_cpu_s = cpu_seconds(gateway.pid) - cpu_before
+    finally:
+        gateway.terminate()
+        await gateway.wait()
+    base = results[0]
+    rows: list[list[object]] = []
+    for name, s in zip(("in-process", "gateway"), results, strict=True):
         cpu_us = gateway_cpu_s * 1e6 / len(s.total) if name == "gateway" and s.total else float("nan")
         rows.append(
             [
+                policy,
                 name,
                 len(s.total),
                 s.errors,
@@ -215,25 +237,36 @@ async def fixed_rate(args: argparse.Namespace) -> list[list[object]]:
     return rows
 
 
+async def _paced(one: Callable[[int], Coroutine[Any, Any, None]], rate: float, seconds: float) -> None:
+    start = time.perf_counter()
+    tasks: list[asyncio.Task[None]] = []
+    for i in range(int(rate * seconds)):
+        delay = start + i / rate - time.perf_counter()
+        if delay > 0:
+            await asyncio.sleep(delay)
+        tasks.append(asyncio.create_task(one(i)))
+    await asyncio.gather(*tasks)
+
+
 async def ceiling(args: argparse.Namespace) -> list[list[object]]:
     """Per policy: the in-process client, then the gateway, each for ``seconds``."""
     rows: list[list[object]] = []
     async with SimulatorFleet(args.replicas, "--time-scale", "0") as fleet:
         connector = aiohttp.TCPConnector(limit=0)
         async with aiohttp.ClientSession(connector=connector) as session:
-            for policy in args.ceiling_policies.split(","):
+            for policy in args.policies.split(","):
                 config = ClientConfig(endpoints=fleet.urls, policy=policy, max_in_flight=4096)
                 async with LLMClient(config) as client:
                     paths = Paths(client, session, "", args)
                     await closed_loop(paths.in_process, args.concurrency, 1.0)  # warm
-                    done, elapsed, s = await closed_loop(paths.in_process, args.concurrency, args.seconds)
+                    done, elapsed, s = await closed_loop(paths.in_process, args.concurrency, args.seconds / 4)
                     rows.append(_ceiling_row(policy, "in-process", done, elapsed, s, float("nan")))
                     gateway, paths.gateway_url = await start_gateway(fleet.urls, policy)
                     try:
                         await closed_loop(paths.via_gateway, args.concurrency, 1.0)  # warm
                         cpu_before = cpu_seconds(gateway.pid)
                         done, elapsed, s = await closed_loop(
-                            paths.via_gateway, args.concurrency, args.seconds
+                            paths.via_gateway, args.concurrency, args.seconds / 4
                         )
                         cpu_us = (cpu_seconds(gateway.pid) - cpu_before) * 1e6 / max(1, done)
                         rows.append(_ceiling_row(policy, "gateway", done, elapsed, s, cpu_us))
@@ -255,12 +288,11 @@ def main() -> None:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--replicas", type=int, default=3)
-    parser.add_argument("--policy", default="prefix_aware")
+    parser.add_argument("--policies", default="session_affinity,prefix_aware", help="comma-separated")
     parser.add_argument("--rate", type=float, default=50, help="requests/s of the fixed-rate part")
     parser.add_argument(
-        "--seconds", type=float, default=4, help="per round (fixed rate) or per path (ceiling)"
+        "--seconds", type=float, default=16, help="of the fixed-rate loop; a quarter of it per ceiling path"
     )
-    parser.add_argument("--rounds", type=int, default=4)
     parser.add_argument(
         "--time-scale", type=float, default=0.01, help="simulator time scale of the fixed-rate part"
     )
@@ -268,17 +300,16 @@ def main() -> None:
     parser.add_argument("--shoppers", type=int, default=200)
     parser.add_argument("--events", type=int, default=40, help="log lines of a shopper's first prompt")
     parser.add_argument("--concurrency", type=int, default=32, help="callers of the ceiling part")
-    parser.add_argument("--ceiling-policies", default="session_affinity,prefix_aware")
     args = parser.parse_args()
-    print(f"machine: {machine()}")
+    print(f"machine: {machine()}; load average before: {os.getloadavg()[0]:.1f}")
     print(
-        f"{args.replicas} simulator replicas, policy {args.policy}, {args.max_tokens} tokens an answer, "
-        f"streamed; fixed rate {args.rate:.0f} req/s at time scale {args.time_scale}"
+        f"{args.replicas} simulator replicas, {args.max_tokens} tokens an answer, streamed; fixed rate "
+        f"{args.rate:.0f} req/s (half each path) for {args.seconds:.0f} s at time scale {args.time_scale}"
     )
     latency = asyncio.run(fixed_rate(args))
     table1 = print_table(
-        ["path", "requests", "errors", "TTFT p50 ms", "TTFT p99 ms", "p50 ms", "p99 ms", "added p50 ms",
-         "added p99 ms", "gateway CPU µs/request"],
+        ["policy", "path", "requests", "errors", "TTFT p50 ms", "TTFT p99 ms", "p50 ms", "p99 ms",
+         "added p50 ms", "added p99 ms", "gateway CPU µs/request"],
         latency,
     )  # fmt: skip
     print(f"\nceiling: closed loop, {args.concurrency} callers, time scale 0 (answers cost only CPU)")
@@ -286,6 +317,7 @@ def main() -> None:
     table2 = print_table(
         ["policy", "path", "requests", "errors", "req/s", "p50 ms", "p99 ms", "gateway CPU µs/request"], top
     )
+    print(f"load average after: {os.getloadavg()[0]:.1f}")
     out = Path(__file__).parent / "results"
     out.mkdir(exist_ok=True)
     (out / "gateway.json").write_text(
