@@ -78,6 +78,8 @@ def inline_text(text: str) -> str:
     become spaces, bidi controls go, anything resembling a data tag becomes ``(data)``/``(/data)``,
     and ``<|``/``|>`` are broken up. Ordinary text (letters, punctuation, ``<``, ``&``) is unchanged,
     so prompts of normal products stay byte for byte what they were."""
+    if text.isprintable() and "<" not in text and "|" not in text:
+        return text  # the common case, checked in C: no control, separator or format character, no tag
     text = _LINE_BREAKS_AND_CONTROLS.sub(" ", text)
     text = _BIDI_CONTROLS.sub("", text)
     text = _DATA_TAG.sub(lambda m: "(/data)" if m.group(1) else "(data)", text)
