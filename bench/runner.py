@@ -1,13 +1,22 @@
-"""Embedded runner benchmark: ingest events/s and freshness (produce -> Redis) on the embedded stack.
+"""Embedded runner benchmark: ingest against the machine's limit, and freshness (produce -> Redis).
 
 Scenarios (one run, same machine, same stack):
-- ingest: triggers limited to one prompt per shopper (a per-shopper rate limit of a day), so the LLM
-  is not the bottleneck: measures Kafka consume + parse + sessions + Redis state + commits;
+- ingest vs bare consumer: the same topic is read, each time by a fresh consumer group, by
+  (a) a bare confluent-kafka consumer (same poll batch size and consumer settings as the runner; it
+  reads each record's value and decodes nothing): what this machine's broker and client can deliver,
+  (b) the runner with triggers limited to one prompt per shopper (a per-shopper rate limit of a day),
+  so the LLM is not in the window: Kafka consume + parse + sessions + Redis state + commits,
+  (c) optionally the runner of another source tree (``--baseline-tree``, e.g. a ``git worktree`` of an
+  older commit), for a before/after measured in the same machine state.
+  Each case runs in its own process, interleaved, ``--repeats`` times; the table gives the median
+  events/s and the median of the per-repeat ratios to the bare consumer (each ratio is taken from two
+  runs back to back, so load from other work on the machine mostly cancels);
 - llm@0: every trigger calls the simulator at time scale 0 (LLM answers instantly, HTTP still real);
 - llm@H100: the simulator at time scale 1 (H100 32B timings), events produced at a fixed rate with
   wall-clock timestamps, freshness = Redis write time - Kafka timestamp of the triggering event.
 
-    python bench/runner.py [--events 60000] [--shoppers 2000]
+    python -m bench.runner [--events 60000] [--shoppers 2000] [--repeats 3] [--scenarios ingest]
+        [--baseline-tree /tmp/old] [--profile-dir bench/results/profiles]
 """
 
 from __future__ import annotations
@@ -15,10 +24,15 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
+import statistics
+import subprocess
+import sys
 import threading
 import time
 import uuid
 from pathlib import Path
+from typing import Any
 
 from bench.common import machine, percentile, print_table, temporary_stack
 from devstack.stack import StackState, sink_settings
@@ -31,6 +45,42 @@ from runner.progress import RunnerStats
 from shopper.producer import produce
 
 RESULTS = Path(__file__).parent / "results"
+ROOT = Path(__file__).resolve().parent.parent
+
+BARE_CONSUMER = """
+import json, sys, time
+from confluent_kafka import Consumer
+job = json.loads(sys.stdin.read())
+consumer = Consumer(job["consumer"])
+consumer.subscribe([job["topic"]])
+consumed, first, last = 0, None, None
+while consumed < job["events"]:
+    messages = consumer.consume(job["batch"], job["timeout"])
+    if not messages:
+        continue
+    if first is None:
+        first = time.monotonic()
+    for message in messages:
+        if message.error() is None:
+            message.value()
+            consumed += 1
+    last = time.monotonic()
+consumer.close()
+print(json.dumps({"consumed": consumed, "seconds": last - first}))
+"""
+"""Reads until it has seen ``events`` records; the window is first batch in -> last batch read, the same
+window the runner's ``ingest_rate`` uses."""
+
+RUNNER = """
+import asyncio, json, sys
+from runner.config import RunnerSettings
+from runner.embedded import EmbeddedRunner
+settings = RunnerSettings.model_validate(json.loads(sys.stdin.read()))
+stats = asyncio.run(EmbeddedRunner(settings, log=lambda _: None).run())
+seconds = stats.last_event_at - stats.first_event_at
+print(json.dumps({"consumed": stats.accounting.consumed, "seconds": seconds}))
+"""
+"""The runner of whichever source tree is first on PYTHONPATH (this one, or ``--baseline-tree``)."""
 
 
 def settings_for(
@@ -65,15 +115,221 @@ def run_drained(settings: RunnerSettings) -> tuple[RunnerStats, float]:
     return stats, time.perf_counter() - started - settings.drain_idle_s
 
 
+def one_prompt_session() -> SessionConfig:
+    """No trigger fires while events stream in (nothing prompts at once, browsing waits a day), so the
+    ingest window measures ingest alone; every shopper's one prompt fires at the final drain."""
+    return SessionConfig(
+        triggers=TriggerPolicy(min_prompt_interval_s=86_400, quiet_period_s=86_400, immediate_types=())
+    )
+
+
+def _settings_json(settings: RunnerSettings) -> dict[str, Any]:
+    """What was set explicitly (so a baseline tree whose models lack newer fields still reads it)."""
+    data = settings.model_dump(mode="json", exclude_unset=True)
+    secret = settings.sinks.s3_secret_access_key  # dumped masked; the child process needs the value
+    if secret is not None:
+        data["sinks"]["s3_secret_access_key"] = secret.get_secret_value()
+    return data
+
+
+def _child(code: str, job: dict[str, Any], tree: Path, profile_out: Path | None = None) -> dict[str, Any]:
+    """Run ``code`` in a fresh interpreter with ``tree`` first on the import path; ``profile_out``
+    records it with py-spy (sampling, so the measured rate stays close to an unprofiled run)."""
+    env = {**os.environ, "PYTHONPATH": str(tree)}
+    argv = [sys.executable, "-c", code]
+    if profile_out is not None:
+        py_spy = Path(sys.executable).parent / "py-spy"
+        argv = [
+            str(py_spy),
+            "record",
+            "--idle",
+            "-r",
+            "250",
+            "-f",
+            "speedscope",
+            "-o",
+            str(profile_out),
+            "--",
+            *argv,
+        ]
+    done = subprocess.run(
+        argv, input=json.dumps(job), capture_output=True, text=True, env=env, cwd=tree, check=False
+    )
+    if done.returncode != 0:
+        raise RuntimeError(f"ingest case failed ({done.returncode}): {done.stderr[-2000:]}")
+    lines = [line for line in done.stdout.splitlines() if line.startswith("{")]  # py-spy prints too
+    return dict(json.loads(lines[-1]))
+
+
+PROFILE_PARTS: list[tuple[str, tuple[str, ...]]] = [
+    ("parse + validate (events.parse_event)", ("parse_event", "decode_event")),
+    ("session log insert + dedup (ShopperSession.add)", ("ShopperSession.add", "ShopperSession.trim_head")),
+    ("triggers (TriggerPolicy.next_pending)", ("TriggerPolicy.next_pending",)),
+    ("session apply, rest (SessionProcessor.apply)", ("SessionProcessor.apply",)),
+    ("prompt rendering (SessionProcessor._emit)", ("SessionProcessor._emit",)),
+    ("Redis: session load (load_many)", ("RedisSessionStore.load_many",)),
+    ("Redis: session save (deltas, one pipeline)", ("RedisSessionStore.save",)),
+    ("epoch close (take_changes, timers)", ("EmbeddedRunner._close_epoch",)),
+    ("dead letters (publish)", ("DeadLetterPublisher.",)),
+    ("commit path, rest (S3/DLQ flush, offsets)", ("EmbeddedRunner._durable_point", "EmbeddedRunner._com")),
+    ("per-record bookkeeping (EmbeddedRunner._process)", ("EmbeddedRunner._process",)),
+    ("Kafka poll hand-off (to_thread) + ingest loop", ("EmbeddedRunner._ingest",)),
+    ("idle: loop waiting (select)", ("EpollSelector.select",)),
+]
+"""Where a sample of the event-loop thread is attributed: the innermost frame that names one of these
+functions wins (so Redis client code under ``save`` counts as the save); anything else is event-loop
+scheduling and the rest."""
+
+
+PROCESS = "EmbeddedRunner._process"
+OTHER = "event loop scheduling, other"
+
+
+def summarise_profile(path: Path, events: int) -> list[tuple[str, float, float]]:
+    """(part, share of the loop thread's time, microseconds per event) over the ingest window: the
+    samples from the first to the last in which ``EmbeddedRunner._process`` runs. py-spy records with
+    ``--idle``, so every sample is one tick of wall time on the loop thread."""
+    data = json.loads(path.read_text())
+    frames = [f"{f['name']}" for f in data["shared"]["frames"]]
+    loop_thread = max(data["profiles"], key=lambda profile: len(profile["samples"]))
+    samples: list[list[int]] = loop_thread["samples"]
+    tick_s = float(loop_thread["weights"][0]) if loop_thread["weights"] else 0.0
+    inside = [i for i, stack in enumerate(samples) if any(frames[f] == PROCESS for f in stack)]
+    if not inside:
+        return []
+    window = samples[inside[0] : inside[-1] + 1]
+    counts: dict[str, int] = {}
+    for stack in window:
+        part = OTHER
+        for frame in reversed(stack):
+            name = frames[frame]
+            match = next((p for p, names in PROFILE_PARTS if any(name.startswith(n) for n in names)), None)
+            if match is not None:
+                part = match
+                break
+        counts[part] = counts.get(part, 0) + 1
+    per_event_us = len(window) * tick_s / events * 1e6
+    order = [p for p, _ in PROFILE_PARTS] + [OTHER]
+    return [
+        (part, counts[part] / len(window), counts[part] / len(window) * per_event_us)
+        for part in order
+        if part in counts
+    ]
+
+
+def profile_table(profiles: dict[str, Path], events: int) -> list[list[object]]:
+    """One row per part: microseconds per event (and share of the loop thread) for each profiled case."""
+    if not profiles:
+        return []
+    summaries = {
+        name: {p: (share, us) for p, share, us in summarise_profile(path, events)}
+        for name, path in profiles.items()
+    }
+    parts = [p for p, _ in PROFILE_PARTS] + [OTHER]
+    rows: list[list[object]] = []
+    for part in parts:
+        if not any(part in summary for summary in summaries.values()):
+            continue
+        row: list[object] = [part]
+        for summary in summaries.values():
+            share, us = summary.get(part, (0.0, 0.0))
+            row.append(f"{us:.1f} ({share:.0%})")
+        rows.append(row)
+    totals = [sum(us for _, us in summary.values()) for summary in summaries.values()]
+    rows.append(["total (loop thread, ingest window)", *(f"{t:.1f}" for t in totals)])
+    print_table(["part: us per event (share)", *summaries], rows)
+    return rows
+
+
+def bare_consumer_job(settings: RunnerSettings, events: int) -> dict[str, Any]:
+    """The runner's own consumer settings (``EmbeddedRunner._consumer_config``) and poll size."""
+    return {
+        "consumer": EmbeddedRunner(settings)._consumer_config(),
+        "topic": settings.topic,
+        "events": events,
+        "batch": settings.batch_max_events,
+        "timeout": settings.poll_timeout_s,
+    }
+
+
+def ingest_comparison(
+    state: StackState,
+    topic: str,
+    events: int,
+    repeats: int,
+    baseline: Path | None,
+    profile_dir: Path | None,
+) -> tuple[list[list[object]], dict[str, Any], dict[str, Path]]:
+    """Bare consumer, this runner and (optionally) the baseline runner on the same topic, interleaved."""
+    cases: dict[str, Path | None] = {"bare confluent-kafka consumer": None, "runner (this tree)": ROOT}
+    if baseline is not None:
+        cases[f"runner ({baseline.name})"] = baseline
+    rates: dict[str, list[float]] = {name: [] for name in cases}
+    ratios: dict[str, list[float]] = {name: [] for name in cases}
+    for repeat in range(repeats):
+        bare_rate = 0.0
+        for name, tree in cases.items():
+            settings = settings_for(state, topic, one_prompt_session())
+            if tree is None:
+                result = _child(BARE_CONSUMER, bare_consumer_job(settings, events), ROOT)
+            else:
+                result = _child(RUNNER, _settings_json(settings), tree)
+            if result["consumed"] != events:
+                raise RuntimeError(f"{name} consumed {result['consumed']} of {events} events")
+            rate = result["consumed"] / result["seconds"]
+            bare_rate = rate if tree is None else bare_rate
+            rates[name].append(rate)
+            ratios[name].append(rate / bare_rate)
+            print(f"  repeat {repeat + 1}: {name}: {rate:,.0f} events/s", flush=True)
+    profiles: dict[str, Path] = {}
+    if profile_dir is not None:  # after the timed runs, so profiling never disturbs them
+        profile_dir.mkdir(parents=True, exist_ok=True)
+        for name, tree in cases.items():
+            if tree is None:
+                continue
+            path = profile_dir / f"runner-{tree.name}.speedscope.json"
+            settings = settings_for(state, topic, one_prompt_session())
+            result = _child(RUNNER, _settings_json(settings), tree, path)
+            print(f"  profiled {name}: {result['consumed'] / result['seconds']:,.0f} events/s -> {path}")
+            profiles[name] = path
+    rows: list[list[object]] = []
+    for name in cases:
+        rows.append(
+            [
+                name,
+                events,
+                repeats,
+                statistics.median(rates[name]),
+                f"{min(rates[name]):,.0f} - {max(rates[name]):,.0f}",
+                f"{statistics.median(ratios[name]):.2f}",
+            ]
+        )
+    return rows, {"rates": rates, "ratios": ratios}, profiles
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--events", type=int, default=60_000)
     parser.add_argument("--shoppers", type=int, default=2000)
+    parser.add_argument("--repeats", type=int, default=3, help="runs of each ingest case (median)")
+    parser.add_argument(
+        "--scenarios", default="ingest,llm0,paced", help="comma-separated: ingest, llm0, paced"
+    )
+    parser.add_argument(
+        "--baseline-tree", type=Path, default=None, help="another source tree's runner, measured too"
+    )
+    parser.add_argument(
+        "--profile-dir", type=Path, default=None, help="py-spy profile of one more run of each runner case"
+    )
     parser.add_argument("--rate", type=float, default=40.0, help="events/s for the freshness run")
     parser.add_argument("--freshness-events", type=int, default=2400)
     args = parser.parse_args()
+    scenarios = set(args.scenarios.split(","))
     rows = []
-    print(f"machine: {machine()}")
+    ingest_rows: list[list[object]] = []
+    ingest_raw: dict[str, Any] = {}
+    profile_rows: list[list[object]] = []
+    print(f"machine: {machine()}; load average {os.getloadavg()[0]:.2f}")
     with temporary_stack(replicas=3, time_scale=0.0) as state:
         topic = create_topic(state.kafka_bootstrap)
         produce(
@@ -85,37 +341,61 @@ def main() -> None:
             malformed_rate=0.005,
             seed=1,
         )
-        # No trigger fires while events stream in (nothing prompts at once, browsing waits a day), so
-        # the window measures ingest alone; every shopper's one prompt fires at the final drain.
-        one_prompt = SessionConfig(
-            triggers=TriggerPolicy(min_prompt_interval_s=86_400, quiet_period_s=86_400, immediate_types=())
+        if "ingest" in scenarios:
+            ingest_rows, ingest_raw, profiles = ingest_comparison(
+                state, topic, args.events, args.repeats, args.baseline_tree, args.profile_dir
+            )
+            print_table(
+                ["ingest case", "events", "runs", "median events/s", "range", "÷ bare consumer (median)"],
+                ingest_rows,
+            )
+            profile_rows = profile_table(profiles, args.events)
+        if "llm0" in scenarios:
+            stats, seconds = run_drained(settings_for(state, topic, SessionConfig()))
+            rows.append(
+                [
+                    "every trigger, LLM@0",
+                    args.events,
+                    stats.accounting.prompts,
+                    seconds,
+                    stats.ingest_rate,
+                    args.events / seconds,
+                    "-",
+                    f"{stats.cache_hit_ratio:.2f}",
+                ]
+            )
+    if "paced" in scenarios:
+        rows.append(paced_row(args))
+    table = ""
+    if rows:
+        headers = [
+            "scenario",
+            "events",
+            "prompts",
+            "seconds",
+            "ingest events/s",
+            "end-to-end events/s",
+            "freshness ms",
+            "cache hit",
+        ]
+        table = print_table(headers, rows)
+    RESULTS.mkdir(exist_ok=True)
+    (RESULTS / "runner.json").write_text(
+        json.dumps(
+            {
+                "machine": machine(),
+                "ingest": ingest_rows,
+                "ingest_runs": ingest_raw,
+                "profile": profile_rows,
+                "rows": rows,
+                "table": table,
+            },
+            indent=1,
         )
-        stats, seconds = run_drained(settings_for(state, topic, one_prompt))
-        rows.append(
-            [
-                "ingest only (prompts at drain)",
-                args.events,
-                stats.accounting.prompts,
-                seconds,
-                stats.ingest_rate,
-                args.events / seconds,
-                "-",
-                "-",
-            ]
-        )
-        stats, seconds = run_drained(settings_for(state, topic, SessionConfig()))
-        rows.append(
-            [
-                "every trigger, LLM@0",
-                args.events,
-                stats.accounting.prompts,
-                seconds,
-                stats.ingest_rate,
-                args.events / seconds,
-                "-",
-                f"{stats.cache_hit_ratio:.2f}",
-            ]
-        )
+    )
+
+
+def paced_row(args: argparse.Namespace) -> list[object]:
     with temporary_stack(replicas=3, time_scale=1.0) as state:
         topic = create_topic(state.kafka_bootstrap)
         settings = settings_for(state, topic, SessionConfig(), until_drained=False)
@@ -147,33 +427,16 @@ def main() -> None:
         stats = asyncio.run(timed())
         seconds = time.perf_counter() - started
         fresh = stats.freshness_ms
-        rows.append(
-            [
-                f"paced {args.rate:.0f}/s, LLM@H100 32B",
-                args.freshness_events,
-                stats.accounting.prompts,
-                seconds,
-                stats.ingest_rate,
-                stats.accounting.consumed / seconds,
-                f"p50 {percentile(fresh, 0.5):.0f} / p99 {percentile(fresh, 0.99):.0f}",
-                f"{stats.cache_hit_ratio:.2f}",
-            ]
-        )
-    headers = [
-        "scenario",
-        "events",
-        "prompts",
-        "seconds",
-        "ingest events/s",
-        "end-to-end events/s",
-        "freshness ms",
-        "cache hit",
-    ]
-    table = print_table(headers, rows)
-    RESULTS.mkdir(exist_ok=True)
-    (RESULTS / "runner.json").write_text(
-        json.dumps({"machine": machine(), "rows": rows, "table": table}, indent=1)
-    )
+        return [
+            f"paced {args.rate:.0f}/s, LLM@H100 32B",
+            args.freshness_events,
+            stats.accounting.prompts,
+            seconds,
+            stats.ingest_rate,
+            stats.accounting.consumed / seconds,
+            f"p50 {percentile(fresh, 0.5):.0f} / p99 {percentile(fresh, 0.99):.0f}",
+            f"{stats.cache_hit_ratio:.2f}",
+        ]
 
 
 if __name__ == "__main__":
