@@ -34,7 +34,7 @@ from collections.abc import Awaitable, Callable
 from typing import TypeVar
 
 import redis.asyncio as aioredis
-from confluent_kafka import Consumer, KafkaError, Message, Producer, TopicPartition
+from confluent_kafka import Consumer, KafkaError, KafkaException, Message, Producer, TopicPartition
 
 from llm_client.client import LLMClient
 from pipeline.enrichment import Enricher
@@ -43,10 +43,10 @@ from prompt_assembly.events import MalformedEvent, parse_event
 from prompt_assembly.processor import SessionProcessor
 from prompt_assembly.records import EnrichmentResult, PromptRequest, ShopperInsight
 from prompt_assembly.session import ShopperSession
+from runner.commits import commit_waiting_for_broker
 from runner.config import RunnerSettings
 from runner.dead_letters import DeadLetterPublisher
 from runner.epochs import Epoch, EpochLog, merged_offsets
-from runner.gc_tuning import streaming_gc
 from runner.logs import line_logger
 from runner.metrics import RunnerMetrics
 from runner.ops_server import OpsServer
@@ -124,8 +124,7 @@ class EmbeddedRunner:
                 asyncio.create_task(self._progress(), name="progress"),
             ]
             try:
-                with streaming_gc():  # the per-event objects live on: see runner.gc_tuning
-                    await self._ingest()
+                await self._ingest()
                 await self._drain()
             finally:
                 for worker in workers:
@@ -327,7 +326,10 @@ class EmbeddedRunner:
             return False
         if time.monotonic() - self._last_message_at < self.settings.drain_idle_s:
             return False
-        return await asyncio.to_thread(self._lag) == 0
+        try:
+            return await asyncio.to_thread(self._lag) == 0
+        except KafkaException:  # the broker is away: not caught up, keep consuming (it waits)
+            return False
 
     def _lag(self) -> int:
         """Events not yet processed in *any* partition of the topic: this member's partitions by its
@@ -393,7 +395,11 @@ class EmbeddedRunner:
         """The one commit path: make the completed prefix durable, then commit its offsets."""
         offsets = await self._durable_point()
         if offsets:
-            await asyncio.to_thread(self._commit_offsets, offsets)
+            await commit_waiting_for_broker(
+                functools.partial(self._commit_offsets, offsets),
+                self.settings.sink_retry,
+                on_retry=self._on_sink_retry,
+            )
 
     def _commit_offsets(self, offsets: list[TopicPartition]) -> None:
         self.consumer.commit(offsets=offsets, asynchronous=False)

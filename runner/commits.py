@@ -1,0 +1,64 @@
+"""Offset commits that wait out a broker or group coordinator that is away.
+
+A commit is the last step of a durable point: everything before it is already stored. If the broker
+is restarting (or the group's coordinator is moving), librdkafka answers the synchronous commit with a
+transient error (``_WAIT_COORD``, ``_TRANSPORT``, ``COORDINATOR_NOT_AVAILABLE``, ...). Failing the runner
+there would throw away a durable point for nothing, so such a commit is retried under the same policy
+as the stores (``pipeline.sink_commit.SinkRetry``): waited for up to ``max_wait_s``, never skipped.
+Committing the same offsets again is idempotent. Any other error (the member was fenced by a
+rebalance, an authorisation error) is raised at once: the runner stops and the next owner replays.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import time
+from collections.abc import Callable
+
+from confluent_kafka import KafkaError, KafkaException
+
+from pipeline.sink_commit import SinkRetry
+
+TRANSIENT = frozenset(
+    {
+        KafkaError._WAIT_COORD,
+        KafkaError._TRANSPORT,
+        KafkaError._TIMED_OUT,
+        KafkaError._ALL_BROKERS_DOWN,
+        KafkaError.COORDINATOR_NOT_AVAILABLE,
+        KafkaError.NOT_COORDINATOR,
+        KafkaError.COORDINATOR_LOAD_IN_PROGRESS,
+        KafkaError.REQUEST_TIMED_OUT,
+        KafkaError.NETWORK_EXCEPTION,
+    }
+)
+
+
+def is_transient(exc: BaseException) -> bool:
+    error = exc.args[0] if isinstance(exc, KafkaException) and exc.args else None
+    return isinstance(error, KafkaError) and (error.code() in TRANSIENT or error.retriable())
+
+
+async def commit_waiting_for_broker(
+    commit: Callable[[], None],
+    policy: SinkRetry,
+    *,
+    on_retry: Callable[[str, BaseException], None] | None = None,
+    clock: Callable[[], float] = time.monotonic,
+) -> None:
+    """Run the blocking ``commit()`` off the loop, retrying transient Kafka errors with capped
+    exponential backoff for up to ``policy.max_wait_s``; then, or for any other error, raise."""
+    started = clock()
+    backoff = policy.initial_backoff_s
+    while True:
+        try:
+            await asyncio.to_thread(commit)
+            return
+        except KafkaException as exc:
+            if not is_transient(exc) or clock() - started + backoff > policy.max_wait_s:
+                raise
+            if on_retry is not None:
+                on_retry("offset commit", exc)
+            await asyncio.sleep(random.uniform(backoff / 2, backoff))
+            backoff = min(policy.max_backoff_s, backoff * 2)
