@@ -47,6 +47,7 @@ from runner.commits import commit_waiting_for_broker
 from runner.config import RunnerSettings
 from runner.dead_letters import DeadLetterPublisher
 from runner.epochs import Epoch, EpochLog, merged_offsets
+from runner.gc_tuning import streaming_gc
 from runner.logs import line_logger
 from runner.metrics import RunnerMetrics
 from runner.ops_server import OpsServer
@@ -124,7 +125,8 @@ class EmbeddedRunner:
                 asyncio.create_task(self._progress(), name="progress"),
             ]
             try:
-                await self._ingest()
+                with streaming_gc():  # the per-event objects live on: see runner.gc_tuning
+                    await self._ingest()
                 await self._drain()
             finally:
                 for worker in workers:
