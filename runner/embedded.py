@@ -231,7 +231,7 @@ class EmbeddedRunner:
         missing = list({ev.shopper_id for _, ev in parsed if ev.shopper_id not in self._sessions})
         if missing:
             loaded = await self._retrying(lambda: self.store.load_many(missing), "session load")
-            self._sessions.update(loaded)
+            self._adopt(loaded)
         touched: set[str] = set()
         for message, event in parsed:
             sid = event.shopper_id
@@ -376,12 +376,20 @@ class EmbeddedRunner:
             timers = await self._retrying(functools.partial(self.store.timers, partition), "timer load")
             sids = [sid for sid, _ in timers if sid not in self._sessions]
             loaded = await self._retrying(functools.partial(self.store.load_many, sids), "session load")
-            self._sessions.update(loaded)
+            self._adopt(loaded)
             for sid, wall in timers:
                 session = self._sessions.get(sid)
                 if session is not None and session.pending is not None:
                     self._partition_of[sid] = partition
                     self.timers.arm(sid, session.pending.due_ts, wall)
+
+    def _adopt(self, loaded: dict[str, ShopperSession]) -> None:
+        """Sessions loaded from the store, for shoppers not in memory *now*: a load awaits, and the
+        other loader (ingest or re-arming timers after an assignment) may have loaded the same shopper
+        and applied events to it meanwhile. Replacing that session with the stale copy lost those
+        events' changes (prompts went missing after a rebalance, tests/test_faults.py case e)."""
+        for sid, session in loaded.items():
+            self._sessions.setdefault(sid, session)
 
     # ---- durability ----------------------------------------------------------------------------
     async def _committer(self) -> None:
