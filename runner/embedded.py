@@ -33,11 +33,11 @@ import time
 from collections.abc import Awaitable, Callable
 from typing import TypeVar
 
-import redis.asyncio as aioredis
 from confluent_kafka import Consumer, KafkaError, KafkaException, Message, Producer, TopicPartition
 
 from llm_client.client import LLMClient
 from pipeline.enrichment import Enricher
+from pipeline.kafka_security import librdkafka_properties
 from pipeline.sink_commit import with_sink_retry
 from prompt_assembly.events import MalformedEvent, parse_event
 from prompt_assembly.processor import SessionProcessor
@@ -92,14 +92,19 @@ class EmbeddedRunner:
     async def run(self) -> RunnerStats:
         s = self.settings
         self._loop = asyncio.get_running_loop()
-        redis = aioredis.Redis.from_url(s.sinks.redis_url)
+        redis = s.sinks.redis_client()  # ACL user, password and CA from SinkSettings
         self.store = RedisSessionStore(redis, s.sinks.redis_key_prefix)
         self.redis_sink = RedisSignalSink(s.sinks, redis)
         self.s3_sink = S3InsightSink(s.sinks)
         await self._retrying(self.s3_sink.ensure_bucket, "s3 bucket")
         self.consumer = Consumer(self._consumer_config())
         producer = Producer(
-            {"bootstrap.servers": s.bootstrap_servers, "linger.ms": 20, "log.connection.close": False}
+            {
+                "bootstrap.servers": s.bootstrap_servers,
+                "linger.ms": 20,
+                "log.connection.close": False,
+                **librdkafka_properties(s.kafka_security),
+            }
         )
         self.dead_letters = DeadLetterPublisher(
             producer,
@@ -159,6 +164,7 @@ class EmbeddedRunner:
             "max.poll.interval.ms": max(60_000, s.kafka_session_timeout_ms),
             "enable.partition.eof": False,
             "log.connection.close": False,
+            **librdkafka_properties(s.kafka_security),
         }
 
     def request_stop(self) -> None:

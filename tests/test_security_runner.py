@@ -34,11 +34,6 @@ REDIS_PASSWORD = f"runner-pw-{uuid.uuid4().hex[:8]}"
 pytestmark = [
     pytest.mark.slow,
     pytest.mark.timeout(240),
-    pytest.mark.xfail(
-        strict=True,
-        raises=(TimeoutError, AssertionError),
-        reason="runner/embedded.py does not yet pass kafka_security to librdkafka nor use redis_client()",
-    ),
 ]
 
 
