@@ -4,7 +4,8 @@ Guarantees:
 - the replica receives the caller's body unchanged, plus the routing key as ``x-session-id``;
 - the caller receives the replica's status, content type and body unchanged; a stream is written on
   chunk by chunk as the replica's chunks arrive (no buffering of a streamed answer);
-- failures before the answer starts (refused connection, timeout, 5xx, 429) are retried on another
+- failures before the answer starts (refused connection, timeout, 5xx, 429, a replica dying before its
+  status line, which for a non-streamed answer comes with the whole body) are retried on another
   replica by the LLM client, under its retry budget and deadline; when none succeeds the caller gets an
   OpenAI-style error body with 502 (the last replica failed), 503 (no replica routable, or retry budget
   spent) or 504 (deadline);

@@ -300,42 +300,67 @@ def _route(body: dict[str, Any], key: str) -> RouteRequest:
 @pytest.mark.slow
 async def test_failover_when_replicas_are_killed(http: aiohttp.ClientSession) -> None:
     async with (
-        SimulatorFleet(3, "--time-scale", TIME_SCALE) as sims,
-        running_gateway(sims.urls, "round_robin", deadline_s=2.0) as gw,
+        SimulatorFleet(4, "--time-scale", TIME_SCALE) as sims,
+        running_gateway(sims.urls, "round_robin", deadline_s=5.0) as gw,
     ):
         index = {url.split("://", 1)[1]: i for i, url in enumerate(sims.urls)}
-        # 1. A replica killed mid-stream: the caller sees a truncated answer, never a short clean one.
+        dead: list[str] = []
+
+        # 1. Killed while computing a non-streamed answer (whose status line comes with the whole body):
+        #    nothing reached the caller, so another replica answers it.
+        async def whole_answer() -> tuple[int, str, str, Any]:
+            body = chat_body("a whole answer", max_tokens=300, ignore_eos=True)
+            async with http.post(gw.url + "/v1/chat/completions", json=body) as r:
+                return (
+                    r.status,
+                    r.headers["x-gateway-replica"],
+                    r.headers["x-gateway-attempts"],
+                    await r.json(),
+                )
+
+        call = asyncio.create_task(whole_answer())
+        async with asyncio.timeout(10):
+            while not any(e.outstanding for e in gw.client.endpoints):
+                await asyncio.sleep(0.005)
+        dead.append(next(e.name for e in gw.client.endpoints if e.outstanding))
+        sims.kill(index[dead[-1]])
+        status, replica, attempts, answer = await call
+        assert (status, attempts) == (200, "2")
+        assert replica not in dead
+        assert answer["usage"]["completion_tokens"] == 300
+
+        # 2. Killed mid-stream: the caller sees a truncated answer, never a short clean one.
         body = chat_body("a long answer", max_tokens=600, ignore_eos=True, stream=True)
         async with http.post(gw.url + "/v1/chat/completions", json=body) as r:
-            streaming_on = r.headers["x-gateway-replica"]
+            dead.append(r.headers["x-gateway-replica"])
             await r.content.readuntil(b"\n\n")
-            sims.kill(index[streaming_on])
+            sims.kill(index[dead[-1]])
             with pytest.raises(aiohttp.ClientPayloadError):
                 await r.content.read()
 
-        # 2. A second replica killed while idle: requests routed to it are retried on the survivor.
-        second = next(name for name in index if name != streaming_on)
-        sims.kill(index[second])
-        attempts = []
+        # 3. Killed while idle: requests routed to it are retried on the survivor.
+        dead.append(next(name for name in index if name not in dead))
+        sims.kill(index[dead[-1]])
+        tries = []
         for i in range(6):
             async with http.post(gw.url + "/v1/chat/completions", json=chat_body(f"q{i}", max_tokens=4)) as r:
                 assert r.status == 200
-                assert r.headers["x-gateway-replica"] not in {streaming_on, second}
-                attempts.append(int(r.headers["x-gateway-attempts"]))
-        assert max(attempts) == 2
+                assert r.headers["x-gateway-replica"] not in dead
+                tries.append(int(r.headers["x-gateway-attempts"]))
+        assert max(tries) == 2
 
         async with http.get(gw.url + "/metrics") as m:
             scraped = await m.text()
-        assert metric(scraped, "gateway_broken_answers_total", replica=streaming_on) == 1
-        for dead in (streaming_on, second):
-            assert metric(scraped, "gateway_replica_routable", replica=dead) == 0
-            assert metric(scraped, "gateway_replica_ejections_total", replica=dead) >= 1
+        assert metric(scraped, "gateway_broken_answers_total", replica=dead[1]) == 1
+        for name in dead:
+            assert metric(scraped, "gateway_replica_routable", replica=name) == 0
+            assert metric(scraped, "gateway_replica_ejections_total", replica=name) >= 1
         assert metric(scraped, "gateway_retries_total") >= 1
         async with http.get(gw.url + "/health") as r:
             assert r.status == 200 and (await r.json())["routable_replicas"] == 1
 
-        # 3. The last one gone: the caller gets the gateway's error within its deadline, /health says 503.
-        sims.kill(next(i for name, i in index.items() if name not in {streaming_on, second}))
+        # 4. The last one gone: the caller gets the gateway's error within its deadline, /health says 503.
+        sims.kill(next(i for name, i in index.items() if name not in dead))
         async with http.post(gw.url + "/v1/chat/completions", json=chat_body("q", max_tokens=4)) as r:
             assert r.status == 504
             assert (await r.json())["error"]["type"] == "timeout"
