@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Literal
 
 import boto3
+import orjson
 import redis as sync_redis
 from confluent_kafka import Producer
 
@@ -97,6 +98,8 @@ class ReaderView:
     redis_seq: dict[str, int]
     dlq_positions: Counter[tuple[int, int]]
     missing_prompts: set[str] = field(default_factory=set)
+    conflicting: set[str] = field(default_factory=set)
+    """Request ids stored more than once with different contents (a replay must repeat itself)."""
 
     @property
     def lost(self) -> int:
@@ -137,6 +140,12 @@ def read_back(
 ) -> ReaderView:
     _, records = list_s3_records(sinks, s3_prefix)
     s3_ids = Counter(str(r["request_id"]) for r in records)
+    contents: dict[str, set[bytes]] = {}
+    for record in records:
+        same = {k: v for k, v in record.items() if k in ("kind", "seq", "understanding", "error_type")}
+        contents.setdefault(str(record["request_id"]), set()).add(
+            orjson.dumps(same, option=orjson.OPT_SORT_KEYS)
+        )
     insight_seq: dict[str, int] = {}
     for record in records:
         if record.get("kind") == "insight":
@@ -152,11 +161,21 @@ def read_back(
         redis_seq=redis_signal_seqs(sinks.redis_url, redis_prefix),
         dlq_positions=positions,
         missing_prompts=set(expected) - set(s3_ids),
+        conflicting={rid for rid, seen in contents.items() if len(seen) > 1},
     )
 
 
 def assert_fully_accounted(view: ReaderView) -> None:
-    assert not view.missing_prompts, f"{len(view.missing_prompts)} prompts have no stored result"
+    missing = sorted(
+        (view.expected[r].shopper_id, view.expected[r].seq, view.expected[r].reason)
+        for r in view.missing_prompts
+    )
+    assert not view.missing_prompts, (
+        f"{len(view.missing_prompts)} prompts have no stored result: {missing[:8]}"
+    )
+    extra = set(view.s3_ids) - set(view.expected)
+    assert not view.conflicting, f"replayed results differ from the first: {sorted(view.conflicting)[:5]}"
+    assert not extra, f"{len(extra)} results in S3 the oracle does not expect: {sorted(extra)[:5]}"
     assert set(view.s3_ids) == set(view.expected), "S3 holds exactly the expected prompts"
     assert len(view.dlq_positions) == view.malformed_offsets, "every malformed record is dead-lettered"
     assert view.redis_seq == view.insight_seq, "each Redis signal is the newest stored insight"

@@ -222,3 +222,57 @@ def test_json_log_lines_carry_a_level() -> None:
     entries = [json.loads(line) for line in out.getvalue().splitlines()]
     assert [e["level"] for e in entries] == ["info", "error", "warning"]
     assert entries[0]["logger"] == "runner" and entries[0]["ts"].endswith("+00:00")
+
+
+@pytest.mark.slow
+def test_a_member_without_partitions_is_live_but_not_ready(isolated: Isolated) -> None:
+    """Two runners in one group on a one-partition topic: the member left without a partition answers
+    /health/live 200 and /health/ready 503 with the reason, and exports shopper_runner_ready 0."""
+    from confluent_kafka.admin import AdminClient, NewTopic  # type: ignore[attr-defined]
+
+    topic = f"{isolated.topic}-single"
+    admin = AdminClient({"bootstrap.servers": isolated.stack.kafka_bootstrap})
+    for future in admin.create_topics([NewTopic(topic, 1, 1)]).values():
+        future.result(timeout=10)
+    logs: list[list[str]] = [[], []]
+    runners = [
+        EmbeddedRunner(isolated.runner(topic=topic, until_drained=False, metrics_port=0), log=logs[i].append)
+        for i in range(2)
+    ]
+    answers: dict[str, tuple[int, str]] = {}
+
+    def settled() -> bool:
+        latest = [
+            next((line for line in reversed(log) if "rebalance: assigned" in line), None) for log in logs
+        ]
+        return all(line is not None for line in latest) and sorted(
+            len(r.assigned_partitions()) for r in runners
+        ) == [0, 1]
+
+    async def scenario() -> None:
+        tasks = [asyncio.create_task(r.run()) for r in runners]
+        try:
+            async with asyncio.timeout(90):
+                while not settled() or any(r.ops is None for r in runners):
+                    assert not any(t.done() for t in tasks), "a runner ended early"
+                    await asyncio.sleep(0.05)
+            idle = next(r for r in runners if not r.assigned_partitions())
+            busy = next(r for r in runners if r.assigned_partitions())
+            assert idle.ops is not None and busy.ops is not None
+            async with aiohttp.ClientSession() as session:
+                answers["idle_ready"] = await get(session, f"{idle.ops.address}/health/ready")
+                answers["idle_live"] = await get(session, f"{idle.ops.address}/health/live")
+                answers["idle_metrics"] = await get(session, f"{idle.ops.address}/metrics")
+                answers["busy_ready"] = await get(session, f"{busy.ops.address}/health/ready")
+        finally:
+            for runner in runners:
+                runner.request_stop()
+            await asyncio.gather(*tasks)
+
+    asyncio.run(scenario())
+    status, body = answers["idle_ready"]
+    assert status == 503 and json.loads(body)["why_not_ready"] == "no partitions assigned"
+    assert answers["idle_live"][0] == 200
+    samples, _ = parse(answers["idle_metrics"][1])
+    assert value(samples, "shopper_runner_ready") == 0 and value(samples, "shopper_partitions_assigned") == 0
+    assert answers["busy_ready"][0] == 200
