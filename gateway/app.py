@@ -72,7 +72,7 @@ async def serve(settings: GatewaySettings, client_config: ClientConfig) -> None:
     runner = web.AppRunner(create_app(settings, client_config), access_log=None)
     await runner.setup()
     try:
-        site = web.TCPSite(runner, settings.host, settings.port)
+        site = web.TCPSite(runner, settings.host, settings.port, reuse_port=settings.reuse_port or None)
         await site.start()
         port = next(a[1] for a in runner.addresses if isinstance(a, tuple))
         print(f"READY http://{settings.host}:{port}", flush=True)

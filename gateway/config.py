@@ -23,6 +23,11 @@ class GatewaySettings(BaseSettings):
         200, ge=1, description="decode budget assumed for load accounting when a request sets no max_tokens"
     )
     max_body_bytes: int = Field(32 * 1024 * 1024, ge=1024, description="largest request body accepted")
+    reuse_port: bool = Field(
+        False,
+        description="SO_REUSEPORT: several gateway processes listen on one port and the kernel spreads "
+        "connections over them (one process per core; each keeps its own view of the replicas' load)",
+    )
     deadline_s: float | None = Field(
         None, gt=0, description="whole request, retries and streaming included; default: LLM timeouts"
     )

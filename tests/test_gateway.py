@@ -8,6 +8,7 @@ serve`` as a process. Callers are plain aiohttp clients speaking OpenAI, as any 
 from __future__ import annotations
 
 import asyncio
+import os
 import re
 import sys
 import uuid
@@ -21,6 +22,7 @@ import orjson
 import pytest
 from aiohttp import web
 
+from devstack.processes import free_port
 from gateway.app import CLIENT_KEY, create_app
 from gateway.config import GatewaySettings
 from gateway.route import route_for
@@ -368,29 +370,57 @@ async def test_failover_when_replicas_are_killed(http: aiohttp.ClientSession) ->
             assert r.status == 503
 
 
-async def test_cli_serves_the_gateway(fleet: SimulatorFleet, http: aiohttp.ClientSession) -> None:
-    argv = [sys.executable, "-m", "shopper", "router", "serve", "--port", "0", "--policy", "prefix_aware"]
+async def test_cli_serves_the_gateway_from_several_processes_on_one_port(
+    fleet: SimulatorFleet, http: aiohttp.ClientSession
+) -> None:
+    port = free_port()
+    argv = [
+        sys.executable,
+        "-m",
+        "shopper",
+        "router",
+        "serve",
+        "--port",
+        str(port),
+        "--policy",
+        "prefix_aware",
+    ]
     for url in fleet.urls:
         argv += ["--endpoint", url]
-    process = await asyncio.create_subprocess_exec(
-        *argv, cwd=REPO_ROOT, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT
-    )
+    env = {**os.environ, "GATEWAY_REUSE_PORT": "true"}
+    processes: list[asyncio.subprocess.Process] = []
     try:
-        assert process.stdout is not None
-        async with asyncio.timeout(60):
-            settings = orjson.loads(await process.stdout.readline())
-            ready = (await process.stdout.readline()).decode()
-        assert settings["llm"]["endpoints"] == fleet.urls
-        assert ready.startswith("READY ")
-        url = ready.split()[1]
-        async with http.post(
-            url + "/v1/chat/completions", json=chat_body("hi", max_tokens=3), headers={"x-session-id": "s"}
-        ) as r:
-            assert r.status == 200
-            assert (await r.json())["usage"]["completion_tokens"] == 3
-        async with http.get(url + "/metrics") as m:
-            assert metric(await m.text(), "gateway_policy_decisions_total", policy="prefix_aware") == 1
+        for _ in range(2):  # one process per core, sharing the port (SO_REUSEPORT)
+            process = await asyncio.create_subprocess_exec(
+                *argv,
+                cwd=REPO_ROOT,
+                env=env,
+                stdout=asyncio.subprocess.PIPE,
+                stderr=asyncio.subprocess.STDOUT,
+            )
+            processes.append(process)
+            assert process.stdout is not None
+            async with asyncio.timeout(60):
+                settings = orjson.loads(await process.stdout.readline())
+                ready = (await process.stdout.readline()).decode()
+            assert settings["llm"]["endpoints"] == fleet.urls
+            assert ready.strip() == f"READY http://127.0.0.1:{port}"
+        url = f"http://127.0.0.1:{port}"
+        processes[0].terminate()
+        await asyncio.wait_for(processes[0].wait(), 10)
+        async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(force_close=True)) as fresh:
+            for i in range(3):  # new connections all reach the process that is left
+                async with fresh.post(
+                    url + "/v1/chat/completions",
+                    json=chat_body("hi", max_tokens=3),
+                    headers={"x-session-id": f"s{i}"},
+                ) as r:
+                    assert r.status == 200
+                    assert (await r.json())["usage"]["completion_tokens"] == 3
+            async with fresh.get(url + "/metrics") as m:
+                assert metric(await m.text(), "gateway_policy_decisions_total", policy="prefix_aware") == 3
     finally:
-        if process.returncode is None:
-            process.terminate()
-        await asyncio.wait_for(process.wait(), 10)
+        for process in processes:
+            if process.returncode is None:
+                process.terminate()
+            await asyncio.wait_for(process.wait(), 10)
