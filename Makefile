@@ -12,7 +12,7 @@ PYTEST_ARGS ?=
 PACKAGES := prompt_assembly llm_client serving sinks pipeline runner flink_jobs capacity devstack shopper batch realtime gateway
 CODE     := $(PACKAGES) tests bench scripts
 
-.PHONY: demo test lint typecheck pytest llama bench clean stack-down
+.PHONY: demo test lint typecheck pytest llama flink-jars bench clean stack-down
 
 $(STAMP): pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -34,7 +34,11 @@ lint: $(STAMP)
 typecheck: $(STAMP)
 	$(VENV)/bin/mypy $(PACKAGES)
 
-pytest: $(STAMP) llama
+# The Flink Kafka connector jars, pinned, from PyPI (devstack/flink_jars.py; cached in ~/.cache).
+flink-jars: $(STAMP)
+	$(PY) -m devstack.flink_jars
+
+pytest: $(STAMP) llama flink-jars
 	$(PY) -m pytest -q -p no:cacheprovider $(PYTEST_ARGS)
 
 test: lint typecheck pytest

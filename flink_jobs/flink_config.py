@@ -103,6 +103,16 @@ class NearRealtimeSettings(BaseSettings):
     max_lateness_for_timer_s: float = Field(
         0.0, ge=0, description="extra wall time before a pending trigger's processing-time timer fires"
     )
+    wall_clock_timers: bool = Field(
+        True,
+        description="pending triggers fire on processing-time timers (a live shopper's pause); off: they "
+        "fire only from event time or at a drain, so prompts depend only on each shopper's event order",
+    )
+    flush_on_drain: bool = Field(
+        False,
+        description="keep an event-time timer at Long.MAX_VALUE per pending trigger so that `flink stop "
+        "--drain` (or the end of a bounded input) fires every pending trigger",
+    )
     kafka: KafkaSettings = Field(default_factory=KafkaSettings)
     checkpoint: CheckpointSettings = Field(default_factory=CheckpointSettings)
     restart: RestartSettings = Field(default_factory=RestartSettings)

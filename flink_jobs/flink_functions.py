@@ -59,7 +59,11 @@ def dlq_record(
 
 
 class ParseShopperEvents(ProcessFunction):
-    """The validation gate. Valid events go on keyed by shopper; everything else goes to the DLQ."""
+    """The validation gate. Valid events go on keyed by shopper; everything else goes to the DLQ.
+
+    Input is a Kafka source row ``(value, topic, partition, offset, timestamp_ms)`` (``value`` is the
+    raw bytes, ``None`` for a tombstone), or, in bounded test runs, a base64 string of the value. A dead
+    letter carries the record's position, so it is byte for byte the embedded runner's."""
 
     def __init__(self, source_topic: str | None, base64_values: bool = False) -> None:
         self.source_topic = source_topic
@@ -73,14 +77,22 @@ class ParseShopperEvents(ProcessFunction):
 
     def process_element(self, value: Any, ctx: ProcessFunction.Context) -> Iterable[Any]:
         self.records_in.inc()
+        topic, partition, offset, timestamp_ms = self.source_topic, None, None, None
         if self.base64_values:
-            value = base64.b64decode(value)
-        raw = value.encode("utf-8") if isinstance(value, str) else value
+            raw: bytes | None = base64.b64decode(value)
+        elif isinstance(value, str | bytes):
+            raw = value.encode("utf-8") if isinstance(value, str) else value
+        else:  # a source row
+            raw, topic, partition, offset, timestamp_ms = (value[i] for i in range(5))
+            raw = None if raw is None else bytes(raw)
         try:
             event = parse_event(raw)
         except MalformedEvent as exc:
             self.records_dlq.inc()
-            yield DLQ_TAG, dlq_record(value, exc.reason, topic=self.source_topic)
+            letter = dead_letter(
+                raw, exc.reason, topic=topic, partition=partition, offset=offset, timestamp_ms=timestamp_ms
+            )
+            yield DLQ_TAG, letter.to_bytes().decode("utf-8")
             return
         self.records_valid.inc()
         yield event.shopper_id, event.model_dump_json()

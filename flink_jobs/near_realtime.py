@@ -186,21 +186,18 @@ def run_kafka(
 ) -> None:
     """The production job: Kafka in, DLQ and (optionally) insights out, Redis and S3 through the sinks.
     ``stop_at_latest`` reads only what the topic holds now and then ends, flushing every pending trigger."""
-    from pyflink.common import WatermarkStrategy
-
-    from flink_jobs.flink_connectors import kafka_connector_jars, kafka_sink, kafka_source
+    from flink_jobs.flink_connectors import kafka_connector_jars, kafka_sink, kafka_source_rows
 
     jars = kafka_connector_jars()  # fails fast, naming scripts/fetch-flink-connectors
     env = create_environment(settings, local=local, jars=jars)
     exactly_once = settings.checkpoint.mode == "exactly_once"
-    source = kafka_source(settings, stop_at_latest=stop_at_latest)
-    raw = env.from_source(source, WatermarkStrategy.no_watermarks(), "kafka shopper-events")
+    raw = kafka_source_rows(env, settings, stop_at_latest=stop_at_latest)
     pipeline = build_pipeline(
-        raw.uid("kafka-source"),
+        raw,
         settings,
         source_topic=settings.kafka.events_topic,
-        processing_time_timers=not stop_at_latest,
-        flush_at_end=stop_at_latest,
+        processing_time_timers=settings.wall_clock_timers and not stop_at_latest,
+        flush_at_end=stop_at_latest or settings.flush_on_drain,
     )
     pipeline.dlq.sink_to(kafka_sink(settings, settings.kafka.dlq_topic, exactly_once=False)).name(
         "kafka dlq"
@@ -272,11 +269,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     parser.add_argument("--config", help="YAML or JSON file with NearRealtimeSettings fields")
     parser.add_argument("--detached", action="store_true", help="submit and return")
+    parser.add_argument(
+        "--until-latest",
+        action="store_true",
+        help="bounded: read what the topic holds at start, flush every pending trigger, finish",
+    )
     args = parser.parse_args(argv)
     settings = NearRealtimeSettings.load(args.config)
     print(f"settings: {redacted_config_dump(settings)}", flush=True)
     try:
-        run_kafka(settings, detached=args.detached)
+        run_kafka(settings, detached=args.detached, stop_at_latest=args.until_latest)
     except Exception as exc:
         from flink_jobs.flink_connectors import MissingConnectorJar
 

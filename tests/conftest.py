@@ -113,3 +113,16 @@ async def redis_client(stack: StackState) -> AsyncIterator[object]:
     client = aioredis.Redis.from_url(stack.redis_url)
     yield client
     await client.aclose()
+
+
+@pytest.fixture(scope="session")
+def flink_cluster(stack: StackState, stack_dir: Path) -> Iterator[object]:
+    """A standalone Flink cluster (JobManager + TaskManager from the PyFlink wheel), started once per
+    session for the tests that submit the job with ``flink run``, and stopped at the end."""
+    from devstack.flink_cluster import cluster_down, cluster_up
+
+    state = cluster_up(stack_dir)
+    try:
+        yield state
+    finally:
+        cluster_down(stack_dir)

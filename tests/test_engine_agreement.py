@@ -1,22 +1,39 @@
-"""The two engine shells agree: the same events through the PyFlink job (MiniCluster, bounded source)
-and through the embedded runner (Kafka consumer group) give identical Redis signals and S3 records.
-Both call the same session processor, client and sinks; this test guards the shells themselves."""
+"""The two engines agree: the same Kafka records through the job submitted with ``flink run`` to the
+standalone Flink cluster and through the embedded runner give identical Redis signals, S3 records and
+dead letters (byte for byte, partition and offset included). The records include malformed JSON,
+an oversized event, non-UTF-8 bytes and a tombstone; the Flink job keeps running past all of them.
+
+Both engines call the same session processor, client, sinks and dead-letter module; this test guards
+the shells and the connector path (Table API Kafka source with metadata columns, KafkaSink)."""
 
 from __future__ import annotations
 
 import asyncio
+from pathlib import Path
 from typing import Any
 
+import orjson
 import pytest
 import redis as sync_redis
 
+from devstack.flink_cluster import FlinkClusterState, FlinkRest
+from devstack.stack import StackState
 from devstack.synthetic import SyntheticStream
-from flink_jobs.flink_config import AsyncSettings, CheckpointSettings, NearRealtimeSettings
-from flink_jobs.near_realtime import run_bounded
+from pipeline.dead_letter import DeadLetter
 from runner.embedded import EmbeddedRunner
 from shopper.readback import list_s3_records
 from tests.conftest import Isolated
-from tests.helpers import expected_prompts, produce_records
+from tests.flink_kit import (
+    cluster_job_settings,
+    drain,
+    flink_topics,
+    produce,
+    read_all,
+    request_ids,
+    run_job,
+    wait_committed,
+)
+from tests.helpers import expected_prompts
 
 pytestmark = [pytest.mark.flink, pytest.mark.slow]
 
@@ -65,29 +82,63 @@ def records(isolated: Isolated, s3_prefix: str) -> dict[str, dict[str, Any]]:
     return {str(r["request_id"]): {f: r.get(f) for f in RECORD_FIELDS} for r in rows}
 
 
-def test_flink_and_embedded_runner_write_the_same_results(isolated: Isolated) -> None:
-    stream = SyntheticStream(shoppers=25, seed=99, malformed_rate=0.02).take(500)
-    events = [value for _, value, _ in stream]
-    expected = expected_prompts(stream)
-
-    flink_prefix, flink_s3 = f"{isolated.prefix}flink:", f"{isolated.s3_prefix}-flink"
-    flink = NearRealtimeSettings(
-        checkpoint=CheckpointSettings(interval_ms=2_000),
-        async_io=AsyncSettings(capacity=64, bundle_time_ms=1_000),
-        llm=isolated.llm(),
-        sinks=isolated.sinks().model_copy(update={"redis_key_prefix": flink_prefix, "s3_prefix": flink_s3}),
+def bad_records() -> list[tuple[bytes | None, bytes | None]]:
+    """One of each kind the gate must reject, keyed so they land on known shoppers' partitions."""
+    oversized = orjson.dumps(
+        {"event_id": "big", "shopper_id": "s-big", "type": "search", "ts": 1.0, "query": "x" * 20_000}
     )
-    run_bounded(events, flink)
+    return [
+        (b"s-bad-1", b"{not json"),
+        (b"s-bad-2", oversized),
+        (b"s-bad-3", b"\xff\xfe\x00 not utf-8"),
+        (b"s-bad-4", None),  # a tombstone
+    ]
 
-    produce_records(isolated.stack.kafka_bootstrap, isolated.topic, stream)
+
+def test_flink_cluster_and_embedded_runner_write_the_same_results(
+    isolated: Isolated, stack: StackState, stack_dir: Path, flink_cluster: FlinkClusterState
+) -> None:
+    stream = SyntheticStream(shoppers=20, seed=99, malformed_rate=0.02).take(300)
+    records_in: list[tuple[bytes | None, bytes | None]] = [(k, v) for k, v, _ in stream]
+    bad = bad_records()
+    records_in[100:100] = bad[:2]
+    records_in[200:200] = bad[2:]
+    expected = expected_prompts([(k or b"", v, True) for k, v in records_in if v is not None])
+    ends = produce(stack.kafka_bootstrap, isolated.topic, records_in)
+
+    topics = flink_topics(isolated)
+    flink_prefix, flink_s3 = f"{isolated.prefix}flink:", f"{isolated.s3_prefix}-flink"
+    settings = cluster_job_settings(
+        stack, stack_dir, isolated, topics, prefix=flink_prefix, s3_prefix=flink_s3
+    )
+    job = run_job(flink_cluster, settings, stack_dir)
+    rest = FlinkRest(flink_cluster.web_url)
+    wait_committed(stack.kafka_bootstrap, topics.group, topics.events, ends, rest, job.job_id)
+    assert rest.job_state(job.job_id) == "RUNNING", "the job stopped on a bad record"
+    drain(flink_cluster, job.job_id, stack_dir)
+
     stats = asyncio.run(EmbeddedRunner(isolated.runner(), log=lambda _: None).run())
     assert stats.accounting.balanced and stats.accounting.insights == len(expected)
 
-    embedded_signals = signals(isolated.stack.redis_url, isolated.prefix)
-    flink_signals = signals(isolated.stack.redis_url, flink_prefix)
+    embedded_signals = signals(stack.redis_url, isolated.prefix)
     assert len(embedded_signals) == len({p.shopper_id for p in expected.values()})
-    assert flink_signals == embedded_signals
+    assert signals(stack.redis_url, flink_prefix) == embedded_signals
 
     embedded_records = records(isolated, isolated.s3_prefix)
     assert set(embedded_records) == set(expected)
     assert records(isolated, flink_s3) == embedded_records
+
+    n_dead = stats.accounting.dead_lettered
+    embedded_dlq = sorted(read_all(stack.kafka_bootstrap, isolated.dlq_topic, expect=n_dead))
+    flink_dlq = sorted(read_all(stack.kafka_bootstrap, topics.dlq, expect=n_dead))
+    assert flink_dlq == embedded_dlq, "dead letters differ between the engines"
+    letters = [DeadLetter.from_bytes(v) for v in flink_dlq]
+    assert len(letters) == n_dead >= len(bad)
+    assert all(d.reason and d.topic == isolated.topic for d in letters)
+    assert all(d.partition is not None and d.offset is not None and d.timestamp_ms for d in letters)
+    reasons = " | ".join(d.reason for d in letters)
+    assert "invalid JSON" in reasons and "byte limit" in reasons and "null value" in reasons
+    assert any(d.original_encoding == "base64" for d in letters)
+
+    insights = read_all(stack.kafka_bootstrap, topics.insights, expect=len(expected))
+    assert sorted(request_ids(insights)) == sorted(expected), "insights topic: not one record per prompt"

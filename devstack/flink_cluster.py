@@ -1,0 +1,393 @@
+"""A real standalone Flink cluster on this machine, from the PyFlink wheel's own distribution.
+
+The ``apache-flink`` wheel ships Flink's scripts and jars (``pyflink/bin``, ``lib``, ``opt``,
+``plugins``). ``cluster_up`` builds a ``FLINK_HOME`` under the stack's state dir out of links to those
+four folders plus a writable ``conf/`` (the wheel's ``config.yaml`` with free ports, small memory and
+fast failure detection) and ``log/``, then starts one JobManager and one TaskManager in the foreground
+as processes of their own (``jobmanager.sh start-foreground``), so that ``cluster_down`` stops exactly
+those processes (and the Python workers in the TaskManager's process group), nothing else.
+
+Jobs go in with the real ``flink run`` (``submit``), configured from the embedded stack's addresses
+(``job_settings``); the REST API (``FlinkRest``) watches them, stops them with a savepoint, cancels them.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+import urllib.request
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+from pydantic import BaseModel, Field
+
+from devstack.processes import ManagedProcess, alive, free_port, spawn, stop, wait_for_http
+from devstack.stack import StackState, sink_settings
+from flink_jobs.flink_config import CheckpointSettings, KafkaSettings, NearRealtimeSettings
+from llm_client.config import ClientConfig
+
+JOB_FILE = Path(__file__).resolve().parents[1] / "flink_jobs" / "near_realtime.py"
+JOB_ID = re.compile(r"JobID ([0-9a-f]{32})")
+
+
+class FlinkClusterSettings(BaseModel):
+    """Sized for a laptop or a 2-core CI runner: the whole cluster stays near 1.5-2 GB of RSS."""
+
+    jobmanager_memory: str = Field("900m", description="jobmanager.memory.process.size")
+    taskmanager_memory: str = Field("1600m", description="taskmanager.memory.process.size")
+    task_slots: int = Field(2, ge=1)
+    heartbeat_interval_ms: int = Field(2_000, gt=0, description="a lost TaskManager is noticed quickly")
+    heartbeat_timeout_ms: int = Field(10_000, gt=0)
+    start_timeout_s: float = Field(120.0, gt=0)
+
+
+@dataclass
+class FlinkClusterState:
+    flink_home: str
+    rest_port: int
+    rpc_port: int
+    processes: list[ManagedProcess] = field(default_factory=list)
+
+    @property
+    def web_url(self) -> str:
+        return f"http://127.0.0.1:{self.rest_port}"
+
+    @property
+    def conf_dir(self) -> Path:
+        return Path(self.flink_home) / "conf"
+
+    @property
+    def log_dir(self) -> Path:
+        return Path(self.flink_home) / "log"
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), indent=2)
+
+    @classmethod
+    def from_json(cls, raw: str) -> FlinkClusterState:
+        data = json.loads(raw)
+        data["processes"] = [ManagedProcess(**p) for p in data.get("processes", [])]
+        return cls(**data)
+
+
+def pyflink_home() -> Path:
+    """The Flink distribution inside the installed PyFlink wheel."""
+    import pyflink
+
+    return Path(pyflink.__file__).resolve().parent
+
+
+def cluster_dir(state_dir: Path) -> Path:
+    return state_dir / "flink"
+
+
+def cluster_state_file(state_dir: Path) -> Path:
+    return cluster_dir(state_dir) / "cluster.json"
+
+
+def load_cluster(state_dir: Path) -> FlinkClusterState:
+    path = cluster_state_file(state_dir)
+    if not path.exists():
+        raise FileNotFoundError(f"no Flink cluster state at {path}: run 'shopper flink up' first")
+    return FlinkClusterState.from_json(path.read_text())
+
+
+def _set(tree: dict[str, Any], dotted: str, value: Any) -> None:
+    """Set ``a.b.c`` in the nested YAML tree (Flink 2's config.yaml is standard nested YAML)."""
+    *parents, leaf = dotted.split(".")
+    node = tree
+    for part in parents:
+        node = node.setdefault(part, {})
+    node[leaf] = value
+
+
+def make_flink_home(root: Path, settings: FlinkClusterSettings, *, rest_port: int, rpc_port: int) -> Path:
+    """``root/home``: links to the wheel's bin/lib/opt/plugins, a writable conf/ and log/."""
+    home = root / "home"
+    home.mkdir(parents=True, exist_ok=True)
+    dist = pyflink_home()
+    for name in ("bin", "lib", "opt", "plugins"):
+        link = home / name
+        if link.is_symlink() or link.exists():
+            link.unlink()
+        link.symlink_to(dist / name, target_is_directory=True)
+    conf = home / "conf"
+    conf.mkdir(exist_ok=True)
+    for item in (dist / "conf").iterdir():
+        if item.name != "config.yaml":
+            (conf / item.name).write_bytes(item.read_bytes())
+    tree = yaml.safe_load((dist / "conf" / "config.yaml").read_text()) or {}
+    tmp = root / "tmp"
+    tmp.mkdir(exist_ok=True)
+    values: dict[str, Any] = {
+        "jobmanager.rpc.address": "localhost",
+        "jobmanager.rpc.port": rpc_port,
+        "jobmanager.bind-host": "localhost",
+        "jobmanager.memory.process.size": settings.jobmanager_memory,
+        "taskmanager.bind-host": "localhost",
+        "taskmanager.host": "localhost",
+        "taskmanager.memory.process.size": settings.taskmanager_memory,
+        "taskmanager.numberOfTaskSlots": settings.task_slots,
+        "rest.address": "127.0.0.1",
+        "rest.bind-address": "127.0.0.1",
+        "rest.port": rest_port,
+        "heartbeat.interval": settings.heartbeat_interval_ms,
+        "heartbeat.timeout": settings.heartbeat_timeout_ms,
+        "io.tmp.dirs": str(tmp),
+        "web.tmpdir": str(tmp / "web"),
+        "blob.storage.directory": str(tmp / "blobs"),
+    }
+    for key, value in values.items():
+        _set(tree, key, value)
+    (conf / "config.yaml").write_text(yaml.safe_dump(tree, sort_keys=False))
+    (home / "log").mkdir(exist_ok=True)
+    return home
+
+
+def flink_env(home: Path) -> dict[str, str]:
+    """Environment for Flink's scripts: this home, its conf and log, the job's Python on PATH."""
+    venv_bin = str(Path(sys.executable).parent)
+    return {
+        "FLINK_HOME": str(home),
+        "FLINK_CONF_DIR": str(home / "conf"),
+        "FLINK_LOG_DIR": str(home / "log"),
+        "PATH": f"{venv_bin}{os.pathsep}{os.environ.get('PATH', '')}",
+    }
+
+
+def start_taskmanager(state: FlinkClusterState, name: str = "flink-taskmanager") -> ManagedProcess:
+    """Start one more TaskManager (also what a recovery test does after killing one)."""
+    home = Path(state.flink_home)
+    process = spawn(
+        name,
+        [str(home / "bin" / "taskmanager.sh"), "start-foreground"],
+        0,
+        home / "log",
+        env=flink_env(home),
+    )
+    state.processes.append(process)
+    return process
+
+
+def cluster_up(state_dir: Path, settings: FlinkClusterSettings | None = None) -> FlinkClusterState:
+    """Start a JobManager and a TaskManager; returns once a slot is registered. Reuses a running one."""
+    settings = settings or FlinkClusterSettings()
+    path = cluster_state_file(state_dir)
+    if path.exists():
+        existing = load_cluster(state_dir)
+        if existing.processes and all(alive(p.pid) for p in existing.processes):
+            return existing
+        cluster_down(state_dir)
+    root = cluster_dir(state_dir)
+    rest_port, rpc_port = free_port(), free_port()
+    home = make_flink_home(root, settings, rest_port=rest_port, rpc_port=rpc_port)
+    state = FlinkClusterState(flink_home=str(home), rest_port=rest_port, rpc_port=rpc_port)
+    try:
+        jobmanager = spawn(
+            "flink-jobmanager",
+            [str(home / "bin" / "jobmanager.sh"), "start-foreground"],
+            rest_port,
+            home / "log",
+            env=flink_env(home),
+        )
+        state.processes.append(jobmanager)
+        start_taskmanager(state)
+        wait_for_http(jobmanager, "/overview", timeout_s=settings.start_timeout_s)
+        FlinkRest(state.web_url).wait_for_slots(1, timeout_s=settings.start_timeout_s)
+    except BaseException:
+        for process in reversed(state.processes):
+            stop(process)
+        raise
+    path.write_text(state.to_json())
+    return state
+
+
+def save_cluster(state_dir: Path, state: FlinkClusterState) -> None:
+    cluster_state_file(state_dir).write_text(state.to_json())
+
+
+def cluster_down(state_dir: Path) -> list[str]:
+    """Stop the processes this cluster's state file lists (TaskManagers first); returns their names."""
+    path = cluster_state_file(state_dir)
+    if not path.exists():
+        return []
+    state = load_cluster(state_dir)
+    for process in reversed(state.processes):
+        stop(process)
+    path.unlink()
+    return [p.name for p in state.processes]
+
+
+def cluster_status(state_dir: Path) -> dict[str, object]:
+    state = load_cluster(state_dir)
+    status: dict[str, object] = {
+        "web_ui": state.web_url,
+        "flink_home": state.flink_home,
+        "processes": {f"{p.name} ({p.pid})": ("up" if alive(p.pid) else "DOWN") for p in state.processes},
+    }
+    try:
+        rest = FlinkRest(state.web_url)
+        status["overview"] = rest.get("/overview")
+        status["jobs"] = rest.get("/jobs/overview").get("jobs", [])
+    except OSError as exc:
+        status["overview"] = f"REST not answering: {exc}"
+    return status
+
+
+# ---- jobs ------------------------------------------------------------------------------------------
+def job_settings(stack: StackState, state_dir: Path, **overrides: Any) -> NearRealtimeSettings:
+    """The job's settings from the stack's addresses (Kafka, Redis, S3, LLM endpoints); checkpoints
+    and savepoints under the stack's state dir. ``overrides`` are ``NearRealtimeSettings`` fields."""
+    data: dict[str, Any] = {
+        "kafka": KafkaSettings(bootstrap_servers=stack.kafka_bootstrap),
+        "checkpoint": CheckpointSettings(
+            interval_ms=3_000, directory=(cluster_dir(state_dir).resolve() / "checkpoints").as_uri()
+        ),
+        "llm": ClientConfig(endpoints=stack.llm_endpoints, model=stack.model),
+        "sinks": sink_settings(stack),
+        "python_executable": sys.executable,
+    }
+    data.update(overrides)
+    return NearRealtimeSettings(**data)
+
+
+@dataclass(frozen=True)
+class SubmittedJob:
+    job_id: str
+    web_url: str
+    config: str
+    output: str
+
+    @property
+    def job_url(self) -> str:
+        return f"{self.web_url}/#/job/running/{self.job_id}/overview"
+
+
+def submit(
+    state: FlinkClusterState,
+    settings: NearRealtimeSettings,
+    *,
+    config_path: Path,
+    savepoint: str | None = None,
+    job_args: tuple[str, ...] = (),
+    timeout_s: float = 180.0,
+) -> SubmittedJob:
+    """``flink run -d`` of the job with ``settings`` written to ``config_path`` (JSON); returns the
+    job id. ``savepoint`` resumes from that savepoint/checkpoint path."""
+    config_path.parent.mkdir(parents=True, exist_ok=True)
+    config_path.write_text(settings.to_json())
+    home = Path(state.flink_home)
+    python = settings.python_executable or sys.executable
+    argv = [str(home / "bin" / "flink"), "run", "-d"]
+    if savepoint:
+        argv += ["-s", savepoint]
+    argv += ["-pyclientexec", python, "-pyexec", python, "-py", str(JOB_FILE)]
+    argv += ["--config", str(config_path), *job_args]
+    done = subprocess.run(
+        argv,
+        env={**os.environ, **flink_env(home)},
+        capture_output=True,
+        text=True,
+        timeout=timeout_s,
+        cwd=str(JOB_FILE.parents[1]),
+    )
+    output = done.stdout + done.stderr
+    match = JOB_ID.search(output)
+    if done.returncode != 0 or match is None:
+        raise RuntimeError(f"flink run failed (exit {done.returncode}):\n{output[-4000:]}")
+    return SubmittedJob(match.group(1), state.web_url, str(config_path), output)
+
+
+class FlinkRest:
+    """The few calls of Flink's REST API that the CLI and tests need (sync; stdlib HTTP)."""
+
+    def __init__(self, base_url: str, timeout_s: float = 10.0) -> None:
+        self.base_url = base_url.rstrip("/")
+        self.timeout_s = timeout_s
+
+    def _call(self, method: str, path: str, body: dict[str, Any] | None = None) -> Any:
+        data = None if body is None else json.dumps(body).encode()
+        request = urllib.request.Request(
+            self.base_url + path, data=data, method=method, headers={"Content-Type": "application/json"}
+        )
+        with urllib.request.urlopen(request, timeout=self.timeout_s) as response:
+            raw = response.read()
+        return json.loads(raw) if raw else {}
+
+    def get(self, path: str) -> Any:
+        return self._call("GET", path)
+
+    def wait_for_slots(self, slots: int, timeout_s: float = 120.0) -> None:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            try:
+                if int(self.get("/overview").get("slots-available", 0)) >= slots:
+                    return
+            except OSError:
+                pass
+            time.sleep(0.5)
+        raise TimeoutError(f"no {slots} free task slot(s) at {self.base_url} within {timeout_s} s")
+
+    def job_state(self, job_id: str) -> str:
+        return str(self.get(f"/jobs/{job_id}")["state"])
+
+    def wait_for_state(self, job_id: str, states: set[str], timeout_s: float = 180.0) -> str:
+        deadline = time.monotonic() + timeout_s
+        state = "?"
+        while time.monotonic() < deadline:
+            state = self.job_state(job_id)
+            if state in states:
+                return state
+            if state in {"FAILED", "CANCELED"} and state not in states:
+                raise RuntimeError(f"job {job_id} is {state}: {self.get(f'/jobs/{job_id}/exceptions')}")
+            time.sleep(0.5)
+        raise TimeoutError(f"job {job_id} still {state} after {timeout_s} s (wanted {sorted(states)})")
+
+    def wait_running(self, job_id: str, timeout_s: float = 180.0) -> None:
+        """Until every task of the job is RUNNING (the job itself is RUNNING before its tasks are)."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            job = self.get(f"/jobs/{job_id}")
+            if job["state"] in {"FAILED", "CANCELED", "FINISHED"}:
+                raise RuntimeError(f"job {job_id} is {job['state']}")
+            if job["state"] == "RUNNING" and all(v["status"] == "RUNNING" for v in job["vertices"]):
+                return
+            time.sleep(0.5)
+        raise TimeoutError(f"job {job_id} not running within {timeout_s} s")
+
+    def completed_checkpoints(self, job_id: str) -> int:
+        return int(self.get(f"/jobs/{job_id}/checkpoints")["counts"]["completed"])
+
+    def restarts(self, job_id: str) -> int:
+        """How often the job restarted (its failover history: one entry per restart)."""
+        job = self.get(f"/jobs/{job_id}")
+        return int(job.get("status-counts", {}).get("RESTARTING", 0)) or len(
+            self.get(f"/jobs/{job_id}/exceptions").get("exceptionHistory", {}).get("entries", [])
+        )
+
+    def cancel(self, job_id: str) -> None:
+        self._call("PATCH", f"/jobs/{job_id}?mode=cancel")
+
+    def stop_with_savepoint(
+        self, job_id: str, directory: str, *, drain: bool = False, timeout_s: float = 180.0
+    ) -> str:
+        """``flink stop [--drain]``: a savepoint, then the job ends; returns the savepoint's path. With
+        ``drain`` the sources first emit the final watermark (every pending trigger fires)."""
+        trigger = self._call("POST", f"/jobs/{job_id}/stop", {"targetDirectory": directory, "drain": drain})
+        request_id = trigger["request-id"]
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            status = self.get(f"/jobs/{job_id}/savepoints/{request_id}")
+            if status["status"]["id"] == "COMPLETED":
+                operation = status["operation"]
+                if "failure-cause" in operation:
+                    raise RuntimeError(f"stop-with-savepoint failed: {operation['failure-cause']}")
+                return str(operation["location"])
+            time.sleep(0.5)
+        raise TimeoutError(f"savepoint of {job_id} not done within {timeout_s} s")

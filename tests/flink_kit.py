@@ -1,0 +1,185 @@
+"""Helpers of the tests that run the job with ``flink run`` on the standalone cluster over Tansu.
+
+Why the tests wait on committed offsets, not on the topic's end offset: the job commits its group's
+offsets on each completed checkpoint, so "committed == what we produced" means a checkpoint covering
+every record has completed (and Tansu's ListOffsets(latest) counts batches, not records, so a bounded
+``latest-offset`` read would stop early; the producer's own delivery reports give the true ends).
+The job runs with ``wall_clock_timers`` off and ``flush_on_drain`` on, and ends with ``flink stop
+--drain``: every pending trigger fires then, so the prompts depend only on each shopper's event order
+and equal the offline oracle (``tests.helpers.expected_prompts``) and the embedded runner's.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+
+import orjson
+from confluent_kafka import Consumer, KafkaError, Message, Producer, TopicPartition
+from confluent_kafka.admin import AdminClient, NewTopic  # type: ignore[attr-defined]
+
+from devstack.flink_cluster import FlinkClusterState, FlinkRest, SubmittedJob, job_settings, submit
+from devstack.stack import StackState
+from flink_jobs.flink_config import AsyncSettings, CheckpointSettings, KafkaSettings, NearRealtimeSettings
+from tests.conftest import Isolated
+
+
+@dataclass
+class FlinkTopics:
+    events: str
+    dlq: str
+    insights: str
+    group: str
+
+
+def produce(bootstrap: str, topic: str, records: list[tuple[bytes | None, bytes | None]]) -> dict[int, int]:
+    """Produce ``(key, value)`` records in order (``value`` None is a tombstone); returns, per
+    partition, the offset after the last record (from the delivery reports)."""
+    ends: dict[int, int] = {}
+
+    def delivered(error: KafkaError | None, message: Message) -> None:
+        assert error is None, error
+        partition, offset = message.partition(), message.offset()
+        assert partition is not None and offset is not None
+        ends[partition] = max(ends.get(partition, 0), offset + 1)
+
+    producer = Producer({"bootstrap.servers": bootstrap, "linger.ms": 5, "message.max.bytes": 4_000_000})
+    for key, value in records:
+        producer.produce(topic, key=key, value=value, on_delivery=delivered)
+    assert producer.flush(30) == 0
+    return ends
+
+
+def committed(bootstrap: str, group: str, topic: str, partitions: list[int]) -> dict[int, int]:
+    consumer = Consumer({"bootstrap.servers": bootstrap, "group.id": group, "enable.auto.commit": False})
+    try:
+        found = consumer.committed([TopicPartition(topic, p) for p in partitions], timeout=10)
+        return {tp.partition: tp.offset for tp in found}
+    finally:
+        consumer.close()
+
+
+def wait_committed(
+    bootstrap: str, group: str, topic: str, ends: dict[int, int], rest: FlinkRest, job_id: str
+) -> None:
+    """Until the job's group has committed every produced record (a checkpoint covers them all)."""
+    deadline = time.monotonic() + 240
+    seen: dict[int, int] = {}
+    while time.monotonic() < deadline:
+        seen = committed(bootstrap, group, topic, sorted(ends))
+        if all(seen.get(p, -1) >= end for p, end in ends.items()):
+            return
+        state = rest.job_state(job_id)
+        assert state in {"RUNNING", "RESTARTING", "INITIALIZING", "CREATED"}, f"job is {state}"
+        time.sleep(1.0)
+    raise TimeoutError(f"group {group} committed {seen}, produced up to {ends}")
+
+
+def read_all(bootstrap: str, topic: str, *, expect: int, quiet_s: float = 3.0) -> list[bytes]:
+    """Every record of ``topic`` read with ``read_committed``: until ``expect`` records are in and
+    then ``quiet_s`` without a new one (so a duplicate would still be seen)."""
+    consumer = Consumer(
+        {
+            "bootstrap.servers": bootstrap,
+            "group.id": f"read-{uuid.uuid4().hex[:8]}",
+            "isolation.level": "read_committed",
+            "enable.auto.commit": False,
+        }
+    )
+    try:
+        partitions = consumer.list_topics(topic, timeout=10).topics[topic].partitions
+        consumer.assign([TopicPartition(topic, p, 0) for p in partitions])
+        values: list[bytes] = []
+        deadline = time.monotonic() + 120
+        last_new = time.monotonic()
+        while time.monotonic() < deadline:
+            message = consumer.poll(0.3)
+            if message is not None and not message.error():
+                values.append(message.value() or b"")
+                last_new = time.monotonic()
+            elif len(values) >= expect and time.monotonic() - last_new > quiet_s:
+                break
+        return values
+    finally:
+        consumer.close()
+
+
+def flink_topics(isolated: Isolated, partitions: int = 4) -> FlinkTopics:
+    """The events topic is the isolated one; the job gets its own DLQ, insights topic and group."""
+    topics = FlinkTopics(
+        events=isolated.topic,
+        dlq=f"flink-dlq-{isolated.tag}",
+        insights=f"flink-insights-{isolated.tag}",
+        group=f"flink-{isolated.group}",
+    )
+    admin = AdminClient({"bootstrap.servers": isolated.stack.kafka_bootstrap})
+    for future in admin.create_topics([NewTopic(topics.dlq, 1, 1), NewTopic(topics.insights, 2, 1)]).values():
+        future.result(timeout=10)
+    return topics
+
+
+def cluster_job_settings(
+    stack: StackState,
+    state_dir: Path,
+    isolated: Isolated,
+    topics: FlinkTopics,
+    *,
+    prefix: str,
+    s3_prefix: str,
+) -> NearRealtimeSettings:
+    """The job's settings as ``shopper flink submit`` makes them, narrowed to this test's names."""
+    return job_settings(
+        stack,
+        state_dir,
+        kafka=KafkaSettings(
+            bootstrap_servers=stack.kafka_bootstrap,
+            events_topic=topics.events,
+            dlq_topic=topics.dlq,
+            insights_topic=topics.insights,
+            group_id=topics.group,
+            transactional_id_prefix=f"tx-{isolated.tag}",
+        ),
+        checkpoint=CheckpointSettings(
+            interval_ms=2_000,
+            min_pause_ms=500,
+            directory=(state_dir / "flink" / "checkpoints").resolve().as_uri(),
+        ),
+        async_io=AsyncSettings(capacity=64, bundle_time_ms=200),
+        llm=isolated.llm(),
+        sinks=isolated.sinks().model_copy(update={"redis_key_prefix": prefix, "s3_prefix": s3_prefix}),
+        wall_clock_timers=False,
+        flush_on_drain=True,
+    )
+
+
+def run_job(
+    cluster: FlinkClusterState,
+    settings: NearRealtimeSettings,
+    state_dir: Path,
+    *,
+    savepoint: str | None = None,
+) -> SubmittedJob:
+    job = submit(
+        cluster,
+        settings,
+        config_path=state_dir / "flink" / f"job-{uuid.uuid4().hex[:8]}.json",
+        savepoint=savepoint,
+    )
+    FlinkRest(cluster.web_url).wait_running(job.job_id)
+    return job
+
+
+def drain(cluster: FlinkClusterState, job_id: str, state_dir: Path) -> str:
+    """``flink stop --drain``: fire every pending trigger, commit, finish; returns the savepoint."""
+    rest = FlinkRest(cluster.web_url)
+    location = rest.stop_with_savepoint(
+        job_id, (state_dir / "flink" / "savepoints").resolve().as_uri(), drain=True
+    )
+    rest.wait_for_state(job_id, {"FINISHED"})
+    return location
+
+
+def request_ids(values: list[bytes]) -> list[str]:
+    return [str(orjson.loads(v)["request_id"]) for v in values]
