@@ -17,9 +17,10 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
+import msgspec
 import orjson
 
-from prompt_assembly.events import ShopperEvent
+from prompt_assembly.events import ShopperEvent, parse_event
 from prompt_assembly.records import TriggerReason
 
 
@@ -45,8 +46,21 @@ class SessionEntry:
 
     @classmethod
     def from_json(cls, raw: bytes | str) -> SessionEntry:
-        data = orjson.loads(raw)
-        return cls(data["g"], data["n"], ShopperEvent.model_validate(data["e"]))
+        """An entry as ``to_json`` stored it. The event goes through the event gate again (its fast
+        tier, for what this pipeline wrote) and keeps its JSON, so a later rewrite stores the same
+        bytes instead of re-encoding the event."""
+        stored = _STORED_ENTRY.decode(raw)
+        event_json = bytes(stored.e)
+        return cls(stored.g, stored.n, parse_event(event_json), raw=event_json)
+
+
+class _StoredEntry(msgspec.Struct, gc=False):
+    g: int
+    n: int
+    e: msgspec.Raw
+
+
+_STORED_ENTRY = msgspec.json.Decoder(_StoredEntry)
 
 
 @dataclass(slots=True)
@@ -108,12 +122,16 @@ class ShopperSession:
             return False
         entry = SessionEntry(self.seq, self.arrivals, event, raw=raw)
         self.arrivals += 1
-        if not self.entries or entry.sort_key >= self.entries[-1].sort_key:
-            self.entries.append(entry)  # the common case: events arrive in order
+        entries = self.entries
+        # In order unless it sorts before the last entry: the segment never decreases and the arrival
+        # always grows, so only an older event time in the same segment goes elsewhere.
+        if not entries or entry.segment > entries[-1].segment or event.ts >= entries[-1].event.ts:
+            entries.append(entry)  # the common case: events arrive in order
         else:
-            at = bisect.bisect_right(self.entries, entry.sort_key, key=lambda e: e.sort_key)
-            self.entries.insert(at, entry)
-        self.newest_ts = max(self.newest_ts, event.ts)
+            at = bisect.bisect_right(entries, entry.sort_key, key=lambda e: e.sort_key)
+            entries.insert(at, entry)
+        if event.ts > self.newest_ts:
+            self.newest_ts = event.ts
         self._ids.add(event.event_id)
         self._appended.append(entry)
         return True

@@ -3,19 +3,25 @@
 Layout per shopper: ``{p}session:{id}:h`` (JSON header) and ``{p}session:{id}:log`` (a list of
 entries, append-only except after a trim, when it is rewritten). Pending triggers are mirrored in
 ``{p}timers:{partition}`` (sorted set: shopper -> trigger due time in event seconds, plus the wall
-deadline in the header) so that a restarted runner re-arms them. Deltas are applied in epoch order, in
-one pipeline, only after the results of those epochs are durable.
+deadline in the header) so that a restarted runner re-arms them. Deltas are applied in epoch order,
+only after the results of those epochs are durable.
+
+Round trips (what the ingest profile in ``docs/benchmarks.md`` asked for): a save is one Lua script
+call, atomic like the MULTI/EXEC it replaced, with each shopper's deltas of the whole save merged
+first (one append or one rewrite, one header, one timer update per shopper, however many epochs
+touched it); a load is one MGET of the headers, then one pipeline of LRANGEs for the shoppers that
+exist (none, for new shoppers).
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import orjson
 import redis.asyncio as aioredis
 
-from prompt_assembly.session import SessionChanges, ShopperSession
+from prompt_assembly.session import SessionChanges, SessionEntry, ShopperSession
 from sinks.keys import RedisKeys
 
 
@@ -26,11 +32,75 @@ class SessionDelta:
     changes: SessionChanges
 
 
+@dataclass(slots=True)
+class _MergedDelta:
+    """One shopper's deltas of a save, applied in order: a rewrite replaces everything before it."""
+
+    partition: int
+    header: dict[str, object]
+    rewrite: bool = False
+    entries: list[SessionEntry] = field(default_factory=list)
+
+    def add(self, delta: SessionDelta) -> None:
+        changes = delta.changes
+        if changes.rewrite is not None:
+            self.rewrite = True
+            self.entries = list(changes.rewrite)
+        else:
+            self.entries.extend(changes.appended)
+        self.header = changes.header
+        self.partition = delta.partition
+
+
+def merge_deltas(deltas: Iterable[SessionDelta]) -> dict[str, _MergedDelta]:
+    """Per shopper, the net effect of ``deltas`` (in order), in first-touched order."""
+    merged: dict[str, _MergedDelta] = {}
+    for delta in deltas:
+        net = merged.get(delta.shopper_id)
+        if net is None:
+            net = merged[delta.shopper_id] = _MergedDelta(delta.partition, delta.changes.header)
+        net.add(delta)
+    return merged
+
+
+# KEYS: per shopper its header and log key, then the timer keys. ARGV: ttl, shopper count, then per
+# shopper: 'r' (rewrite) or 'a' (append), header, timer key index, 'z' (arm) or 'x' (clear), shopper id,
+# wall deadline, entry count, entries. RPUSH in chunks: Lua's unpack has a bounded stack.
+_SAVE_LUA = """
+local ttl = ARGV[1]
+local shoppers = tonumber(ARGV[2])
+local a = 3
+for i = 1, shoppers do
+  local header_key, log_key = KEYS[2 * i - 1], KEYS[2 * i]
+  local timers = KEYS[tonumber(ARGV[a + 2])]
+  local count = tonumber(ARGV[a + 6])
+  if ARGV[a] == 'r' then redis.call('DEL', log_key) end
+  local first = a + 7
+  local last = first + count - 1
+  while first <= last do
+    local upto = math.min(first + 999, last)
+    redis.call('RPUSH', log_key, unpack(ARGV, first, upto))
+    first = upto + 1
+  end
+  redis.call('SET', header_key, ARGV[a + 1], 'EX', ttl)
+  redis.call('EXPIRE', log_key, ttl)
+  if ARGV[a + 3] == 'z' then
+    redis.call('ZADD', timers, ARGV[a + 5], ARGV[a + 4])
+  else
+    redis.call('ZREM', timers, ARGV[a + 4])
+  end
+  a = last + 1
+end
+return shoppers
+"""
+
+
 class RedisSessionStore:
     def __init__(self, redis: aioredis.Redis, prefix: str, ttl_s: int = 7 * 24 * 3600) -> None:
         self.redis = redis
         self.keys = RedisKeys(prefix)
         self.ttl_s = ttl_s
+        self._save_script = redis.register_script(_SAVE_LUA)
 
     def _h(self, shopper_id: str) -> str:
         return self.keys.session_header(shopper_id)
@@ -45,42 +115,48 @@ class RedisSessionStore:
         """Sessions that exist in Redis (missing ids are simply absent from the result)."""
         if not shopper_ids:
             return {}
+        headers = await self.redis.mget([self._h(shopper_id) for shopper_id in shopper_ids])
+        found = [(sid, h) for sid, h in zip(shopper_ids, headers, strict=True) if h is not None]
+        if not found:
+            return {}
         pipe = self.redis.pipeline(transaction=False)
-        for shopper_id in shopper_ids:
-            pipe.get(self._h(shopper_id))
+        for shopper_id, _ in found:
             pipe.lrange(self._log(shopper_id), 0, -1)
-        replies = await pipe.execute()
-        sessions: dict[str, ShopperSession] = {}
-        for i, shopper_id in enumerate(shopper_ids):
-            header, entries = replies[2 * i], replies[2 * i + 1]
-            if header is not None:
-                sessions[shopper_id] = ShopperSession.restore(orjson.loads(header), entries)
-        return sessions
+        logs = await pipe.execute()
+        return {
+            shopper_id: ShopperSession.restore(orjson.loads(header), entries)
+            for (shopper_id, header), entries in zip(found, logs, strict=True)
+        }
 
     async def save(self, deltas: Iterable[SessionDelta], wall_deadlines: dict[str, float]) -> int:
-        """Apply deltas in order (one pipeline, one round trip). ``wall_deadlines`` gives the timer
-        deadline of each shopper with a pending trigger after these deltas."""
-        pipe = self.redis.pipeline(transaction=True)
-        count = 0
-        for delta in deltas:
-            count += 1
-            sid, changes = delta.shopper_id, delta.changes
-            log_key = self._log(sid)
-            if changes.rewrite is not None:
-                pipe.delete(log_key)
-                if changes.rewrite:
-                    pipe.rpush(log_key, *(e.to_json() for e in changes.rewrite))
-            elif changes.appended:
-                pipe.rpush(log_key, *(e.to_json() for e in changes.appended))
-            pipe.set(self._h(sid), orjson.dumps(changes.header), ex=self.ttl_s)
-            pipe.expire(log_key, self.ttl_s)
-            if changes.header.get("pending") is not None and sid in wall_deadlines:
-                pipe.zadd(self._timers(delta.partition), {sid: wall_deadlines[sid]})
-            else:
-                pipe.zrem(self._timers(delta.partition), sid)
-        if count:
-            await pipe.execute()
-        return count
+        """Apply deltas in order (one script call, one round trip, all or nothing). ``wall_deadlines``
+        gives the timer deadline of each shopper with a pending trigger after these deltas. Returns the
+        number of shoppers written."""
+        merged = merge_deltas(deltas)
+        if not merged:
+            return 0
+        keys = [key for sid in merged for key in (self._h(sid), self._log(sid))]
+        timer_keys: dict[int, int] = {}  # partition -> its 1-based index in KEYS, after the sessions
+        args: list[bytes | str | int | float] = [self.ttl_s, len(merged)]
+        for sid, net in merged.items():
+            timer_at = timer_keys.get(net.partition)
+            if timer_at is None:
+                timer_at = timer_keys[net.partition] = len(keys) + len(timer_keys) + 1
+            deadline = wall_deadlines.get(sid)
+            arm = deadline is not None and net.header.get("pending") is not None
+            args += [
+                "r" if net.rewrite else "a",
+                orjson.dumps(net.header),
+                timer_at,
+                "z" if arm else "x",
+                sid,
+                deadline if deadline is not None and arm else 0,
+                len(net.entries),
+            ]
+            args += [entry.to_json() for entry in net.entries]
+        keys += [self._timers(partition) for partition in timer_keys]  # dicts keep insertion order
+        await self._save_script(keys=keys, args=args)
+        return len(merged)
 
     async def timers(self, partition: int) -> list[tuple[str, float]]:
         """(shopper, wall deadline) of the pending triggers of ``partition``."""
