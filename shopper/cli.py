@@ -34,6 +34,9 @@ from realtime.cli import realtime_app  # noqa: E402
 app.add_typer(batch_app, name="batch")
 app.add_typer(realtime_app, name="realtime")
 app.add_typer(router_app, name="router")
+from shopper.flink_cli import flink_app  # noqa: E402
+
+app.add_typer(flink_app, name="flink")
 console = Console(width=None if sys.stdout.isatty() else 150)
 StateDir = Annotated[Path, typer.Option(help="where the stack keeps its state file and logs")]
 
@@ -250,11 +253,16 @@ def demo(
     shoppers: int = 150,
     state_dir: StateDir = Path(".state"),
     keep_stack: bool = False,
+    engine: Annotated[str, typer.Option(help="embedded (the runner) or flink (a local Flink cluster)")] = (
+        "embedded"
+    ),
 ) -> None:
     """Stack up, produce, run until drained, print what landed in Redis, S3 and the DLQ, stack down."""
     from shopper.demo import run_demo
 
-    code = run_demo(state_dir, events=events, shoppers=shoppers, keep_stack=keep_stack, console=console)
+    code = run_demo(
+        state_dir, events=events, shoppers=shoppers, keep_stack=keep_stack, console=console, engine=engine
+    )
     raise typer.Exit(code)
 
 

@@ -19,7 +19,15 @@ from shopper.producer import produce
 from shopper.readback import list_s3_records, read_dlq, read_signals
 
 
-def run_demo(state_dir: Path, *, events: int, shoppers: int, keep_stack: bool, console: Console) -> int:
+def run_demo(
+    state_dir: Path,
+    *,
+    events: int,
+    shoppers: int,
+    keep_stack: bool,
+    console: Console,
+    engine: str = "embedded",
+) -> int:
     console.rule("1. embedded stack")
     state = stack_up(StackSettings(state_dir=state_dir, replicas=3, time_scale=0.05))
     console.print(f"kafka {state.kafka_bootstrap}  redis {state.redis_url}  s3 {state.s3_endpoint_url}")
@@ -40,6 +48,18 @@ def run_demo(state_dir: Path, *, events: int, shoppers: int, keep_stack: bool, c
         console.print(
             f"{report.sent} events ({report.malformed} deliberately malformed) in {report.seconds:.2f} s"
         )
+        if engine == "flink":
+            from shopper.flink_cli import run_flink_demo_step
+
+            console.rule("3. flink run on a local standalone Flink cluster, then flink stop --drain")
+            return run_flink_demo_step(
+                state,
+                state_dir,
+                prefix=prefix,
+                s3_prefix=s3_prefix,
+                malformed=report.malformed,
+                console=console,
+            )
         console.rule("3. run until drained")
         settings = RunnerSettings(
             bootstrap_servers=state.kafka_bootstrap,

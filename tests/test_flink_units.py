@@ -139,28 +139,67 @@ def test_operator_stats_publish_gauges() -> None:
     assert values == {"a": 3, "lat_p50_ms": 30, "lat_p99_ms": 40, "ratio": 750}
 
 
-def test_missing_connector_jar_fails_fast_naming_the_fetch_script(
+def test_missing_connector_jar_fails_fast_naming_both_ways_to_get_it(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
-    monkeypatch.setattr(flink_connectors, "LIB_DIR", tmp_path)
+    monkeypatch.setattr(flink_connectors, "LIB_DIR", tmp_path / "lib")
+    monkeypatch.setenv("SHOPPER_FLINK_JARS_DIR", str(tmp_path / "cache"))
     monkeypatch.delenv("FLINK_HOME", raising=False)
     monkeypatch.delenv("FLINK_CONNECTOR_JARS", raising=False)
-    with pytest.raises(flink_connectors.MissingConnectorJar, match="scripts/fetch-flink-connectors"):
+    with pytest.raises(flink_connectors.MissingConnectorJar, match="scripts/fetch-flink-connectors") as err:
         flink_connectors.kafka_connector_jars()
-    jar = tmp_path / "flink-sql-connector-kafka-5.0.0-2.2.jar"
-    jar.write_bytes(b"PK")
-    assert flink_connectors.kafka_connector_jars() == [jar.as_uri()]
+    assert "devstack.flink_jars" in str(err.value)
 
 
-@pytest.mark.skipif(any(flink_connectors.LIB_DIR.glob("*.jar")), reason="the connector jar is present")
-def test_cli_without_the_jar_exits_2_with_the_message() -> None:
+def test_one_consistent_jar_set_is_chosen(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """The PyPI thin jars from the cache, unless the Maven SQL jar is in flink_jobs/lib (never both:
+    the same classes from two jars); an explicit FLINK_CONNECTOR_JARS wins over both."""
+    lib, cache = tmp_path / "lib", tmp_path / "cache"
+    lib.mkdir()
+    cache.mkdir()
+    monkeypatch.setattr(flink_connectors, "LIB_DIR", lib)
+    monkeypatch.setenv("SHOPPER_FLINK_JARS_DIR", str(cache))
+    monkeypatch.delenv("FLINK_HOME", raising=False)
+    monkeypatch.delenv("FLINK_CONNECTOR_JARS", raising=False)
+    thin = [cache / name for name in flink_connectors.PYPI_JARS]
+    thin[0].write_bytes(b"PK")
+    with pytest.raises(flink_connectors.MissingConnectorJar):  # half a set is no set
+        flink_connectors.kafka_connector_jars()
+    thin[1].write_bytes(b"PK")
+    assert flink_connectors.kafka_connector_jars() == [j.as_uri() for j in thin]
+    sql = lib / "flink-sql-connector-kafka-5.0.0-2.2.jar"
+    sql.write_bytes(b"PK")
+    assert flink_connectors.kafka_connector_jars() == [sql.as_uri()]
+    monkeypatch.setenv("FLINK_CONNECTOR_JARS", str(thin[1]))
+    assert flink_connectors.kafka_connector_jars() == [thin[1].as_uri()]
+
+
+def test_the_offset_reset_enum_is_the_one_the_loaded_connector_declares() -> None:
+    """PyFlink's wrapper always asks for the SQL jar's shaded enum; the job reads the parameter type
+    of ``OffsetsInitializer.committedOffsets`` instead, so the thin jar works too."""
+    shaded = "org.apache.flink.kafka.shaded.org.apache.kafka.clients.consumer.OffsetResetStrategy"
+    plain = "org.apache.kafka.clients.consumer.OffsetResetStrategy"
+    thin_jar = [[], [(plain, True)], [("java.util.Map", False)]]
+    sql_jar = [[], [(shaded, True)], [("java.util.Map", False)]]
+    assert flink_connectors.reset_strategy_class(thin_jar) == plain
+    assert flink_connectors.reset_strategy_class(sql_jar) == shaded
+    with pytest.raises(flink_connectors.MissingConnectorJar):
+        flink_connectors.reset_strategy_class([[("java.util.Map", False)], [(plain, False)]])
+
+
+def test_cli_without_the_jar_exits_2_with_the_message(tmp_path: Path) -> None:
     proc = subprocess.run(
         [sys.executable, "-m", "flink_jobs.near_realtime"],
         capture_output=True,
         text=True,
         timeout=120,
         cwd=ROOT,
-        env={"PATH": "/usr/bin:/bin", "HOME": str(Path.home())},
+        # an explicit jar list that names no file: no other place is searched
+        env={
+            "PATH": "/usr/bin:/bin",
+            "HOME": str(Path.home()),
+            "FLINK_CONNECTOR_JARS": str(tmp_path / "x.jar"),
+        },
     )
     assert proc.returncode == 2, proc.stderr[-2000:]
     assert "scripts/fetch-flink-connectors" in proc.stderr
