@@ -1,0 +1,178 @@
+"""Failure and upgrade paths of the job on the standalone Flink cluster over Tansu (``flink run``):
+
+- a TaskManager SIGKILLed mid-stream (JVM and its Python workers, as a lost machine): the job restarts
+  from its last checkpoint on a new TaskManager; at the end every event is accounted for, the insights
+  topic read with ``read_committed`` holds exactly one record per prompt, and no Redis signal went back;
+- stop with a savepoint, more events arrive, resume from the savepoint: nothing lost, nothing twice.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+from pathlib import Path
+
+import pytest
+import redis as sync_redis
+
+from devstack.flink_cluster import FlinkClusterState, FlinkRest, save_cluster, start_taskmanager
+from devstack.processes import alive
+from devstack.stack import StackState
+from devstack.synthetic import SyntheticStream
+from pipeline.dead_letter import DeadLetter
+from shopper.readback import list_s3_records
+from tests.conftest import Isolated
+from tests.flink_kit import (
+    cluster_job_settings,
+    drain,
+    flink_topics,
+    produce,
+    read_all,
+    request_ids,
+    run_job,
+    wait_committed,
+)
+from tests.helpers import expected_prompts, final_seq_by_shopper
+
+pytestmark = [pytest.mark.flink, pytest.mark.slow]
+
+
+def _records(seed: int, n: int) -> list[tuple[bytes | None, bytes | None]]:
+    return [(k, v) for k, v, _ in SyntheticStream(shoppers=16, seed=seed, malformed_rate=0.02).take(n)]
+
+
+class SignalWatcher:
+    """Samples every shopper's stored ``seq`` while the job runs; records any that went back."""
+
+    def __init__(self, redis_url: str, prefix: str) -> None:
+        self.client = sync_redis.Redis.from_url(redis_url, decode_responses=True)
+        self.prefix = prefix
+        self.highest: dict[str, int] = {}
+        self.regressions: list[str] = []
+        self.samples = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def __enter__(self) -> SignalWatcher:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        self._stop.set()
+        self._thread.join(10)
+        self.client.close()
+
+    def _run(self) -> None:
+        while not self._stop.wait(0.2):
+            for key in self.client.scan_iter(match=f"{self.prefix}signals:*", count=1000):
+                raw = self.client.hget(key, "seq")
+                if raw is None:
+                    continue
+                seq, before = int(str(raw)), self.highest.get(key, -1)
+                if seq < before:
+                    self.regressions.append(f"{key}: {before} -> {seq}")
+                self.highest[key] = max(seq, before)
+            self.samples += 1
+
+
+def _check_results(
+    isolated: Isolated,
+    stack: StackState,
+    settings_prefix: str,
+    s3_prefix: str,
+    insights_topic: str,
+    records: list[tuple[bytes | None, bytes | None]],
+) -> tuple[list[str], list[str]]:
+    """Every valid event is in a prompt whose result is stored (S3 holds every expected prompt, Redis
+    each shopper's newest), one insight record per prompt; returns (S3 ids, insight ids)."""
+    expected = expected_prompts([(k or b"", v, True) for k, v in records if v is not None])
+    insights = request_ids(read_all(stack.kafka_bootstrap, insights_topic, expect=len(expected)))
+    assert sorted(insights) == sorted(expected), "insights topic: not exactly one record per prompt"
+    sinks = isolated.sinks().model_copy(update={"s3_prefix": s3_prefix})
+    _, rows = list_s3_records(sinks, s3_prefix)
+    s3_ids = [str(r["request_id"]) for r in rows]
+    assert set(s3_ids) == set(expected), "S3 is missing results"
+    client = sync_redis.Redis.from_url(stack.redis_url, decode_responses=True)
+    try:
+        seqs = {
+            key.removeprefix(f"{settings_prefix}signals:"): int(str(client.hget(key, "seq") or -1))
+            for key in client.scan_iter(match=f"{settings_prefix}signals:*", count=1000)
+        }
+    finally:
+        client.close()
+    assert seqs == final_seq_by_shopper(expected), "a shopper's newest signal is missing in Redis"
+    return s3_ids, insights
+
+
+def test_taskmanager_killed_mid_stream_restarts_from_checkpoint(
+    isolated: Isolated, stack: StackState, stack_dir: Path, flink_cluster: FlinkClusterState
+) -> None:
+    first, second = _records(5, 240), _records(6, 160)
+    topics = flink_topics(isolated)
+    prefix, s3_prefix = f"{isolated.prefix}flink:", f"{isolated.s3_prefix}-flink"
+    settings = cluster_job_settings(stack, stack_dir, isolated, topics, prefix=prefix, s3_prefix=s3_prefix)
+    rest = FlinkRest(flink_cluster.web_url)
+    with SignalWatcher(stack.redis_url, prefix) as watcher:
+        ends = produce(stack.kafka_bootstrap, topics.events, first)
+        job = run_job(flink_cluster, settings, stack_dir)
+        while rest.completed_checkpoints(job.job_id) < 1 or not watcher.highest:
+            assert rest.job_state(job.job_id) == "RUNNING"
+            threading.Event().wait(0.3)
+        victims = [
+            p for p in flink_cluster.processes if p.name.startswith("flink-taskmanager") and alive(p.pid)
+        ]
+        assert len(victims) == 1
+        os.killpg(victims[0].pid, signal.SIGKILL)  # the JVM and its Python workers, like a lost machine
+        flink_cluster.processes.remove(victims[0])
+        start_taskmanager(flink_cluster, name="flink-taskmanager-2")
+        save_cluster(stack_dir, flink_cluster)
+        more = produce(stack.kafka_bootstrap, topics.events, second)
+        ends = {p: max(ends.get(p, 0), more.get(p, 0)) for p in {*ends, *more}}
+        wait_committed(stack.kafka_bootstrap, topics.group, topics.events, ends, rest, job.job_id)
+        drain(flink_cluster, job.job_id, stack_dir)
+    exceptions = rest.get(f"/jobs/{job.job_id}/exceptions")["exceptionHistory"]["entries"]
+    assert exceptions, "the job never noticed the lost TaskManager"
+    assert not watcher.regressions, watcher.regressions
+    assert watcher.samples > 0
+    _check_results(isolated, stack, prefix, s3_prefix, topics.insights, first + second)
+    dead = [DeadLetter.from_bytes(v) for v in read_all(stack.kafka_bootstrap, topics.dlq, expect=1)]
+    malformed = {
+        (d.partition, d.offset) for d in dead
+    }  # at-least-once: a replayed dead letter is the same bytes at the same position
+    assert len(malformed) == sum(1 for _, v in first + second if v is not None and not _valid(v))
+
+
+def _valid(value: bytes) -> bool:
+    from prompt_assembly.events import MalformedEvent, parse_event
+
+    try:
+        parse_event(value)
+    except MalformedEvent:
+        return False
+    return True
+
+
+def test_stop_with_savepoint_and_resume_loses_and_repeats_nothing(
+    isolated: Isolated, stack: StackState, stack_dir: Path, flink_cluster: FlinkClusterState
+) -> None:
+    first, second = _records(7, 150), _records(8, 150)
+    topics = flink_topics(isolated)
+    prefix, s3_prefix = f"{isolated.prefix}flink:", f"{isolated.s3_prefix}-flink"
+    settings = cluster_job_settings(stack, stack_dir, isolated, topics, prefix=prefix, s3_prefix=s3_prefix)
+    rest = FlinkRest(flink_cluster.web_url)
+    ends = produce(stack.kafka_bootstrap, topics.events, first)
+    job = run_job(flink_cluster, settings, stack_dir)
+    wait_committed(stack.kafka_bootstrap, topics.group, topics.events, ends, rest, job.job_id)
+    savepoint = rest.stop_with_savepoint(job.job_id, (stack_dir / "flink" / "savepoints").resolve().as_uri())
+    assert rest.wait_for_state(job.job_id, {"FINISHED"}) == "FINISHED"
+
+    more = produce(stack.kafka_bootstrap, topics.events, second)
+    ends = {p: max(ends.get(p, 0), more.get(p, 0)) for p in {*ends, *more}}
+    resumed = run_job(flink_cluster, settings, stack_dir, savepoint=savepoint)
+    wait_committed(stack.kafka_bootstrap, topics.group, topics.events, ends, rest, resumed.job_id)
+    drain(flink_cluster, resumed.job_id, stack_dir)
+
+    s3_ids, insights = _check_results(isolated, stack, prefix, s3_prefix, topics.insights, first + second)
+    assert len(s3_ids) == len(set(s3_ids)), "a result was written to S3 twice"
+    assert len(insights) == len(set(insights))
