@@ -1,0 +1,90 @@
+"""The runner's session store against a real Redis: deltas of many epochs, merged per shopper into one
+script call, restore exactly the sessions the processor holds (entries in order, header, trims), and
+the timer sets follow the pending triggers."""
+
+from __future__ import annotations
+
+import uuid
+from typing import Any
+
+from devstack.synthetic import SyntheticStream
+from prompt_assembly.events import parse_event
+from prompt_assembly.processor import SessionConfig, SessionProcessor
+from prompt_assembly.session import ShopperSession
+from runner.session_store import RedisSessionStore, SessionDelta, merge_deltas
+
+
+def _stored_view(session: ShopperSession) -> tuple[list[bytes], dict[str, Any]]:
+    return [entry.to_json() for entry in session.entries], session.header()
+
+
+async def test_many_epochs_merged_per_save_restore_the_same_sessions(redis_client: Any) -> None:
+    store = RedisSessionStore(redis_client, f"test-store-{uuid.uuid4().hex[:8]}:")
+    # A small event cap makes trims (log rewrites) happen between and within saves.
+    processor = SessionProcessor(SessionConfig(max_events=12, trim_to_fraction=0.5))
+    sessions: dict[str, ShopperSession] = {}
+    records = SyntheticStream(shoppers=25, seed=7).take(1500)
+    pending_saves: list[SessionDelta] = []
+    try:
+        for epoch_start in range(0, len(records), 60):
+            touched: set[str] = set()
+            for i, (_, value, _) in enumerate(records[epoch_start : epoch_start + 60]):
+                event = parse_event(value)
+                session = sessions.setdefault(event.shopper_id, processor.new_session(event.shopper_id))
+                processor.apply(session, event, value if i % 2 else None)  # with and without raw JSON
+                touched.add(event.shopper_id)
+            pending_saves += [SessionDelta(sid, 0, sessions[sid].take_changes()) for sid in touched]
+            if epoch_start % 180 == 120:  # every third epoch: one save of three epochs' deltas
+                await store.save(pending_saves, {})
+                pending_saves = []
+        await store.save(pending_saves, {})
+        assert any(session.arrivals > 12 for session in sessions.values()), "trims must have happened"
+        loaded = await store.load_many([*sessions, "nobody"])
+        assert set(loaded) == set(sessions)
+        for sid, session in sessions.items():
+            assert _stored_view(loaded[sid]) == _stored_view(session)
+            assert loaded[sid].events == session.events
+    finally:
+        keys = [key async for key in redis_client.scan_iter(f"{store.keys.prefix}*")]
+        if keys:
+            await redis_client.delete(*keys)
+
+
+async def test_timers_follow_pending_triggers(redis_client: Any) -> None:
+    store = RedisSessionStore(redis_client, f"test-store-{uuid.uuid4().hex[:8]}:")
+    processor = SessionProcessor()
+    sessions = {}
+    try:
+        for _, value, _ in SyntheticStream(shoppers=6, seed=3).take(40):
+            event = parse_event(value)
+            session = sessions.setdefault(event.shopper_id, processor.new_session(event.shopper_id))
+            processor.apply(session, event, value)
+        armed = {sid: 1000.0 + i for i, sid in enumerate(sessions) if sessions[sid].pending is not None}
+        deltas = [SessionDelta(sid, 2, s.take_changes()) for sid, s in sessions.items()]
+        await store.save(deltas, armed)
+        assert dict(await store.timers(2)) == armed
+        cleared = next(iter(armed))
+        processor.flush(sessions[cleared])  # the pending trigger fires: no timer any more
+        await store.save([SessionDelta(cleared, 2, sessions[cleared].take_changes())], {})
+        assert dict(await store.timers(2)) == {k: v for k, v in armed.items() if k != cleared}
+    finally:
+        keys = [key async for key in redis_client.scan_iter(f"{store.keys.prefix}*")]
+        if keys:
+            await redis_client.delete(*keys)
+
+
+def test_merged_deltas_keep_the_last_rewrite_and_what_came_after() -> None:
+    processor = SessionProcessor(SessionConfig(max_events=4, trim_to_fraction=0.5))
+    session = processor.new_session("s")
+    deltas = []
+    for _, value, _ in SyntheticStream(shoppers=1, seed=1).take(9):
+        processor.apply(session, parse_event(value), value)
+        deltas.append(SessionDelta("s", len(deltas) % 3, session.take_changes()))
+    net = merge_deltas(deltas)["s"]
+    assert net.rewrite and net.header == deltas[-1].changes.header and net.partition == deltas[-1].partition
+    last_rewrite = max(i for i, d in enumerate(deltas) if d.changes.rewrite is not None)
+    expected = list(deltas[last_rewrite].changes.rewrite or [])
+    for delta in deltas[last_rewrite + 1 :]:
+        expected += delta.changes.appended
+    assert [e.to_json() for e in net.entries] == [e.to_json() for e in expected]
+    assert [e.to_json() for e in net.entries] == [e.to_json() for e in session.entries]
