@@ -2,7 +2,11 @@
 versus a bare aiohttp POST, against the same instant-answer server, open-loop at a fixed rate.
 Overhead = client latency percentile - bare latency percentile, measured in one run, alternating.
 
-    python -m bench.client_overhead [--rate 2000] [--seconds 5]
+    python -m bench.client_overhead [--rate 2000] [--seconds 5] [--interleave]
+
+``--interleave`` sends even requests bare and odd ones through the client within one open loop (each
+path at half the rate, both under the same total load and machine state), which takes the drift
+between rounds out of the comparison on a shared machine.
 """
 
 from __future__ import annotations
@@ -71,7 +75,9 @@ async def open_loop(
     return latencies, errors
 
 
-async def bench(url: str, rate: float, seconds: float, rounds: int) -> list[list[object]]:
+async def bench(
+    url: str, rate: float, seconds: float, rounds: int, interleave: bool = False
+) -> list[list[object]]:
     body = {"model": "m", "messages": MESSAGES, "max_tokens": 1, "stream": False}
     results: dict[str, tuple[list[float], int]] = {"bare aiohttp": ([], 0), "LLMClient": ([], 0)}
     async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as session:
@@ -91,6 +97,22 @@ async def bench(url: str, rate: float, seconds: float, rounds: int) -> list[list
             await open_loop(bare, rate, 0.5)  # warm both paths
             await open_loop(ours, rate, 0.5)
             for _ in range(rounds):
+                if interleave:
+                    # One open loop at ``rate``: even requests take the bare path, odd ones the client, so
+                    # both see the same machine state and the same load on the event loop.
+                    split: dict[str, list[float]] = {"bare aiohttp": [], "LLMClient": []}
+
+                    async def either(i: int, split: dict[str, list[float]] = split) -> None:
+                        name = "bare aiohttp" if i % 2 == 0 else "LLMClient"
+                        started = time.perf_counter()
+                        await (bare(i) if i % 2 == 0 else ours(i))
+                        split[name].append((time.perf_counter() - started) * 1000)
+
+                    _, err = await open_loop(either, rate, seconds)
+                    for name, lat in split.items():
+                        results[name][0].extend(lat)
+                    results["LLMClient"] = (results["LLMClient"][0], results["LLMClient"][1] + err)
+                    continue
                 for name, call in (("bare aiohttp", bare), ("LLMClient", ours)):
                     lat, err = await open_loop(call, rate, seconds)
                     results[name][0].extend(lat)
@@ -117,14 +139,22 @@ def main() -> None:
     parser.add_argument("--rate", type=float, default=2000)
     parser.add_argument("--seconds", type=float, default=3)
     parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument(
+        "--interleave",
+        action="store_true",
+        help="one open loop, requests alternating between the two paths (else alternating rounds)",
+    )
     args = parser.parse_args()
     port = free_port()
     proc = subprocess.Popen([sys.executable, "-c", SERVER, str(port)], start_new_session=True)
     server = ManagedProcess("echo", proc.pid, port, "-")
     try:
         wait_for_port(server)
-        print(f"machine: {machine()}; open loop at {args.rate:.0f} req/s")
-        rows = asyncio.run(bench(f"http://127.0.0.1:{port}", args.rate, args.seconds, args.rounds))
+        mode = "requests interleaved" if args.interleave else "alternating rounds"
+        print(f"machine: {machine()}; open loop at {args.rate:.0f} req/s, {mode}")
+        rows = asyncio.run(
+            bench(f"http://127.0.0.1:{port}", args.rate, args.seconds, args.rounds, args.interleave)
+        )
     finally:
         stop(server)
     table = print_table(
@@ -133,7 +163,7 @@ def main() -> None:
     out = Path(__file__).parent / "results"
     out.mkdir(exist_ok=True)
     (out / "client_overhead.json").write_text(
-        json.dumps({"machine": machine(), "rate": args.rate, "table": table})
+        json.dumps({"machine": machine(), "rate": args.rate, "interleave": args.interleave, "table": table})
     )
 
 

@@ -237,10 +237,11 @@ class LLMClient:
         timeout = aiohttp.ClientTimeout(
             total=self.config.timeouts.attempt_s, sock_connect=self.config.timeouts.connect_s
         )
-        headers = {"x-session-id": header_value(route.key)}
+        headers = {"x-session-id": header_value(route.key), "Content-Type": "application/json"}
         try:
+            # bytes straight from orjson: ``json=`` would decode them to str and aiohttp encode them back
             async with self._session.post(
-                endpoint.url + path, json=body, headers=headers, timeout=timeout
+                endpoint.url + path, data=orjson.dumps(body), headers=headers, timeout=timeout
             ) as response:
                 if response.status >= 400:
                     await self._raise_for_status(response, endpoint)
