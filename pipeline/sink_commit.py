@@ -55,17 +55,19 @@ async def with_sink_retry(
     *,
     what: str,
     on_retry: Callable[[str, BaseException], None] | None = None,
+    retry_if: Callable[[BaseException], bool] = lambda _: True,
     clock: Callable[[], float] = time.monotonic,
 ) -> T:
-    """``write()``, retried on any error until it succeeds or ``policy.max_wait_s`` has passed (then
-    the last error is raised). Writes must be idempotent: every sink here is."""
+    """``write()``, retried on an error ``retry_if`` accepts (any, by default) until it succeeds or
+    ``policy.max_wait_s`` has passed (then the last error is raised). Writes must be idempotent: every
+    sink here is."""
     started = clock()
     backoff = policy.initial_backoff_s
     while True:
         try:
             return await write()
         except Exception as exc:
-            if clock() - started + backoff > policy.max_wait_s:
+            if not retry_if(exc) or clock() - started + backoff > policy.max_wait_s:
                 raise
             if on_retry is not None:
                 on_retry(what, exc)

@@ -12,13 +12,12 @@ rebalance, an authorisation error) is raised at once: the runner stops and the n
 from __future__ import annotations
 
 import asyncio
-import random
 import time
 from collections.abc import Callable
 
 from confluent_kafka import KafkaError, KafkaException
 
-from pipeline.sink_commit import SinkRetry
+from pipeline.sink_commit import SinkRetry, with_sink_retry
 
 TRANSIENT = frozenset(
     {
@@ -47,18 +46,13 @@ async def commit_waiting_for_broker(
     on_retry: Callable[[str, BaseException], None] | None = None,
     clock: Callable[[], float] = time.monotonic,
 ) -> None:
-    """Run the blocking ``commit()`` off the loop, retrying transient Kafka errors with capped
-    exponential backoff for up to ``policy.max_wait_s``; then, or for any other error, raise."""
-    started = clock()
-    backoff = policy.initial_backoff_s
-    while True:
-        try:
-            await asyncio.to_thread(commit)
-            return
-        except KafkaException as exc:
-            if not is_transient(exc) or clock() - started + backoff > policy.max_wait_s:
-                raise
-            if on_retry is not None:
-                on_retry("offset commit", exc)
-            await asyncio.sleep(random.uniform(backoff / 2, backoff))
-            backoff = min(policy.max_backoff_s, backoff * 2)
+    """Run the blocking ``commit()`` off the loop, retrying transient Kafka errors under ``policy``
+    (the stores' policy); any other error, or one that outlasts the policy, is raised."""
+    await with_sink_retry(
+        lambda: asyncio.to_thread(commit),
+        policy,
+        what="offset commit",
+        on_retry=on_retry,
+        retry_if=is_transient,
+        clock=clock,
+    )
