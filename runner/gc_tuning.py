@@ -13,13 +13,15 @@ to the permanent generation and never traversed again while it is active; young 
 ``young_threshold`` allocations instead of 700; the collector is never disabled (cycles, e.g. from
 asyncio tasks and exceptions, are still collected). On exit the previous thresholds are restored and
 the frozen objects return to the oldest generation, so a process that runs a runner and then does
-other work (a test) is left as it was.
+other work (a test) is left as it was; with several runners in one process, the last to stop restores.
+The collector is process-wide state, so this module keeps the one process-wide count of who uses it.
 """
 
 from __future__ import annotations
 
 import contextlib
 import gc
+import threading
 from collections.abc import Iterator
 
 YOUNG_THRESHOLD = 20_000
@@ -28,14 +30,33 @@ YOUNG_THRESHOLD = 20_000
 collector off 36-38 us; 50,000 was no better than 20,000."""
 
 
+class _Nesting:
+    """How many ``streaming_gc`` blocks are open in this process (several runners can share one, in
+    tests): the settings are applied by the first to enter and restored by the last to leave."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.depth = 0
+        self.saved: tuple[int, int, int] = gc.get_threshold()
+
+
+_NESTING = _Nesting()
+
+
 @contextlib.contextmanager
 def streaming_gc(young_threshold: int = YOUNG_THRESHOLD) -> Iterator[None]:
     """Collector settings for the duration of an ingest loop (see the module docstring)."""
-    before = gc.get_threshold()
-    gc.freeze()
-    gc.set_threshold(young_threshold, *before[1:])
+    with _NESTING.lock:
+        if _NESTING.depth == 0:
+            _NESTING.saved = gc.get_threshold()
+            gc.freeze()
+            gc.set_threshold(young_threshold, *_NESTING.saved[1:])
+        _NESTING.depth += 1
     try:
         yield
     finally:
-        gc.set_threshold(*before)
-        gc.unfreeze()
+        with _NESTING.lock:
+            _NESTING.depth -= 1
+            if _NESTING.depth == 0:
+                gc.set_threshold(*_NESTING.saved)
+                gc.unfreeze()
