@@ -1,0 +1,192 @@
+"""The fault suite's Flink case: the job on the standalone cluster (``flink run``, over Tansu) while its
+Redis is SIGKILLed for 10 s mid-stream and restarted, ending in the same reader's accounting as the
+embedded runner's cases (``tests.fault_kit``) and printing the same figures.
+
+    pytest -m faults -s tests/test_flink_faults.py
+
+What the job is expected to do: ``WriteResults`` completes a call only once its result is stored in
+Redis and S3, and its writes wait out the outage under ``sink_retry`` (the runner's policy); a
+checkpoint cannot complete while a result is waiting (the Python bundle drains before the barrier), so
+no offset is committed past a result that is not stored. A write that gave up would fail the job and
+Flink would restart it from its last checkpoint; either way, at the end every event is processed or
+dead-lettered, the insights topic read with ``read_committed`` holds exactly one record per prompt,
+S3 holds every prompt's result, and no Redis signal ever went back (sampled through the whole run).
+
+The stream arrives in three parts: before the outage (the job is storing results when Redis dies),
+during it (events keep arriving; their results must wait), and after it. Time to recover is measured
+from Redis answering again to the first signal written after it (sampled from Redis every 50 ms),
+before the last part is produced: that write is a result that waited through the outage.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from devstack.flink_cluster import FlinkClusterState, FlinkRest
+from devstack.stack import StackState
+from devstack.synthetic import SyntheticStream
+from tests.conftest import Isolated
+from tests.fault_kit import (
+    FaultFigures,
+    FaultTable,
+    OwnRedis,
+    SignalWatcher,
+    assert_fully_accounted,
+    read_back,
+    redis_signal_seqs,
+    stopping,
+)
+from tests.flink_kit import (
+    cluster_job_settings,
+    drain,
+    flink_topics,
+    produce,
+    read_all,
+    request_ids,
+    run_job,
+    wait_committed,
+)
+from tests.helpers import expected_prompts
+
+pytestmark = [pytest.mark.faults, pytest.mark.slow, pytest.mark.flink]
+
+OUTAGE_S = 10.0
+PARTS = (150, 120, 90)
+"""Events before, during and after the outage: a few hundred in all, so the case stays modest."""
+
+
+@pytest.fixture(scope="module")
+def fault_table() -> Iterator[FaultTable]:
+    table = FaultTable()
+    yield table
+    print("\n\nflink fault case:")
+    print(table.render(), flush=True)
+
+
+class FirstWriteAfter:
+    """Samples the Redis signals every 50 ms from ``start()`` and notes when they first differ from
+    what Redis held when it came back: the first result the job stored after the outage."""
+
+    def __init__(self, redis_url: str, prefix: str) -> None:
+        self.redis_url, self.prefix = redis_url, prefix
+        self.restored_at = 0.0
+        self.first_write_at: float | None = None
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="first-write", daemon=True)
+
+    def start(self) -> None:
+        self.restored_at = time.monotonic()
+        self._thread.start()
+
+    def _run(self) -> None:
+        before = redis_signal_seqs(self.redis_url, self.prefix)
+        while not self._stop.wait(0.05):
+            if redis_signal_seqs(self.redis_url, self.prefix) != before:
+                self.first_write_at = time.monotonic()
+                return
+
+    def stop(self) -> float | None:
+        self._stop.set()
+        self._thread.join(timeout=10)
+        return None if self.first_write_at is None else self.first_write_at - self.restored_at
+
+
+def test_flink_job_redis_stopped_for_10_s_mid_stream(
+    isolated: Isolated,
+    stack: StackState,
+    stack_dir: Path,
+    tmp_path: Path,
+    flink_cluster: FlinkClusterState,
+    fault_table: FaultTable,
+) -> None:
+    stream = SyntheticStream(shoppers=16, seed=91, malformed_rate=0.02).take(sum(PARTS))
+    before, during, after = (
+        stream[: PARTS[0]],
+        stream[PARTS[0] : PARTS[0] + PARTS[1]],
+        stream[PARTS[0] + PARTS[1] :],
+    )
+    expected = expected_prompts(stream)
+    redis = OwnRedis(tmp_path)
+    with stopping(redis):
+        redis.start()
+        topics = flink_topics(isolated)
+        prefix, s3_prefix = f"{isolated.prefix}flink:", f"{isolated.s3_prefix}-flink"
+        settings = cluster_job_settings(
+            stack, stack_dir, isolated, topics, prefix=prefix, s3_prefix=s3_prefix
+        )
+        sinks = settings.sinks.model_copy(update={"redis_url": redis.url})
+        settings = settings.model_copy(update={"sinks": sinks})
+        assert settings.sink_retry.max_wait_s > OUTAGE_S, "the writes are meant to wait the outage out"
+        rest = FlinkRest(flink_cluster.web_url)
+        ends: dict[int, int] = {}
+
+        def send(part: list[tuple[bytes, bytes, bool]]) -> None:
+            for p, end in produce(stack.kafka_bootstrap, topics.events, [(k, v) for k, v, _ in part]).items():
+                ends[p] = max(ends.get(p, 0), end)
+
+        with SignalWatcher(redis.url, prefix) as watcher:
+            send(before)
+            job = run_job(flink_cluster, settings, stack_dir)
+            deadline = time.monotonic() + 240
+            while rest.completed_checkpoints(job.job_id) < 1 or len(watcher.highest) < 3:
+                assert time.monotonic() < deadline, "the job stored no results"
+                assert rest.job_state(job.job_id) == "RUNNING"
+                time.sleep(0.3)
+            redis.kill()
+            killed_at = time.monotonic()
+            checkpoints_at_kill = rest.completed_checkpoints(job.job_id)
+            send(during)  # the stream goes on arriving while Redis is away
+            time.sleep(max(0.0, OUTAGE_S - (time.monotonic() - killed_at)))
+            checkpoints_in_outage = rest.completed_checkpoints(job.job_id) - checkpoints_at_kill
+            state_in_outage = rest.job_state(job.job_id)
+            redis.start()
+            recovery = FirstWriteAfter(redis.url, prefix)
+            recovery.start()
+            # No new input until a result is stored: what is written now waited through the outage.
+            deadline = time.monotonic() + 150
+            while recovery.first_write_at is None and time.monotonic() < deadline:
+                assert rest.job_state(job.job_id) in {"RUNNING", "RESTARTING", "INITIALIZING", "CREATED"}
+                time.sleep(0.1)
+            recover_s = recovery.stop()
+            assert recover_s is not None, "no result that waited through the outage was stored after it"
+            send(after)
+            wait_committed(stack.kafka_bootstrap, topics.group, topics.events, ends, rest, job.job_id)
+            drain(flink_cluster, job.job_id, stack_dir)
+        restarts = len(rest.get(f"/jobs/{job.job_id}/exceptions")["exceptionHistory"]["entries"])
+
+        malformed = sum(m for *_, m in stream)
+        view = read_back(
+            bootstrap=stack.kafka_bootstrap,
+            dlq_topic=topics.dlq,
+            sinks=sinks,
+            redis_prefix=prefix,
+            s3_prefix=s3_prefix,
+            expected=expected,
+            malformed=malformed,
+        )
+        insights = request_ids(read_all(stack.kafka_bootstrap, topics.insights, expect=len(expected)))
+    insight_duplicates = len(insights) - len(set(insights))
+    notes = [f"job restarts {restarts}", f"checkpoints completed in the outage {checkpoints_in_outage}"]
+    if malformed != len(view.dlq_positions):
+        notes.append(f"{malformed} malformed")
+    fault_table.add(
+        FaultFigures(
+            fault="Flink job (standalone cluster): Redis SIGKILLed for 10 s (AOF), restarted",
+            events_in=len(stream),
+            processed=len(stream) - len(view.dlq_positions) - view.lost,
+            dead_lettered=len(view.dlq_positions),
+            lost=view.lost,
+            reader_duplicates=view.duplicates + insight_duplicates,
+            recover_s=recover_s,
+            notes="; ".join(notes),
+        )
+    )
+    print(f"job state at the end of the outage: {state_in_outage}", flush=True)
+    assert not watcher.regressions, f"Redis signals went back in time: {watcher.regressions[:5]}"
+    assert_fully_accounted(view)
+    assert sorted(insights) == sorted(expected), "insights topic: not exactly one record per prompt"
