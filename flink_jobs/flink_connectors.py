@@ -184,16 +184,22 @@ def kafka_source_ddl(settings: NearRealtimeSettings, *, stop_at_latest: bool = F
 
 
 SOURCE_QUERY = (
-    "SELECT `value`, `topic`, `partition`, `offset`, "
+    # The partitioning key, read on the JVM: no Python stage for keying. "" where there is none (the
+    # gate dead-letters those records); the gate re-checks that a valid event's id equals its key.
+    "SELECT COALESCE(JSON_VALUE(CAST(`value` AS STRING), '$.shopper_id'), '') AS shopper_key, "
+    "ROW(`value`, `topic`, `partition`, `offset`, "
     # epoch milliseconds of the Kafka timestamp (the session time zone is UTC: see kafka_source_rows)
-    "1000 * UNIX_TIMESTAMP(DATE_FORMAT(`ts`, 'yyyy-MM-dd HH:mm:ss')) + EXTRACT(MILLISECOND FROM `ts`) "
-    f"AS timestamp_ms FROM {SOURCE_TABLE}"
+    "1000 * UNIX_TIMESTAMP(DATE_FORMAT(`ts`, 'yyyy-MM-dd HH:mm:ss')) + EXTRACT(MILLISECOND FROM `ts`)) "
+    f"AS record FROM {SOURCE_TABLE}"
 )
 
 
 def kafka_source_rows(env: Any, settings: NearRealtimeSettings, *, stop_at_latest: bool = False) -> Any:
-    """The events topic as a DataStream of ``Row(value, topic, partition, offset, timestamp_ms)``, from
-    the official connector's Table API source (``kafka_source_ddl``) turned into a DataStream.
+    """The events topic as a KeyedStream of ``Row(value, topic, partition, offset, timestamp_ms)``
+    keyed by shopper id, from the official connector's Table API source (``kafka_source_ddl``) turned
+    into a DataStream. The key is computed in SQL and the stream is keyed with PyFlink's own Java
+    ``KeyByKeySelector`` (field 0 of ``Row(key, record)``, what ``DataStream.key_by`` builds after its
+    Python key function), so no Python operator runs before the keyed session function.
 
     Why not the DataStream ``KafkaSource``: from Python it only takes a value-only deserializer, so
     partition, offset and timestamp are lost and a tombstone (null value) fails the job; a
@@ -205,7 +211,31 @@ def kafka_source_rows(env: Any, settings: NearRealtimeSettings, *, stop_at_lates
     t_env = StreamTableEnvironment.create(env)
     t_env.get_config().set("table.local-time-zone", "UTC")
     t_env.execute_sql(kafka_source_ddl(settings, stop_at_latest=stop_at_latest))
-    return t_env.to_data_stream(t_env.sql_query(SOURCE_QUERY))
+    from pyflink.common import Types
+
+    record = Types.ROW_NAMED(
+        list(SOURCE_COLUMNS),
+        [Types.PRIMITIVE_ARRAY(Types.BYTE()), Types.STRING(), Types.INT(), Types.LONG(), Types.LONG()],
+    )
+    # A RowTypeInfo stream (to_data_stream would give the Table API's ExternalTypeInfo, which PyFlink's
+    # keyed Python operator does not take), shaped as DataStream.key_by's own Row(key, record).
+    rows = t_env.to_append_stream(
+        t_env.sql_query(SOURCE_QUERY), Types.ROW_NAMED(["shopper_key", "record"], [Types.STRING(), record])
+    )
+    return keyed_by_field0(rows, record)
+
+
+def keyed_by_field0(stream: Any, record_type: Any) -> Any:
+    """A PyFlink KeyedStream over a DataStream of ``Row(key: STRING, record)``, keyed on the JVM with
+    the Java ``KeyByKeySelector`` that ``DataStream.key_by`` uses after its Python key function."""
+    from pyflink.common import Types
+    from pyflink.datastream.data_stream import KeyedStream
+    from pyflink.java_gateway import get_gateway
+
+    j_keyed = stream._j_data_stream.keyBy(
+        get_gateway().jvm.KeyByKeySelector(), Types.ROW([Types.STRING()]).get_java_type_info()
+    )
+    return KeyedStream(j_keyed, record_type, stream)
 
 
 def kafka_source(settings: NearRealtimeSettings, *, stop_at_latest: bool = False) -> Any:

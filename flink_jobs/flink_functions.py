@@ -21,7 +21,7 @@ from typing import Any
 import orjson
 from pyflink.common import Types
 from pyflink.datastream import OutputTag
-from pyflink.datastream.functions import AsyncFunction, KeyedProcessFunction, ProcessFunction, RuntimeContext
+from pyflink.datastream.functions import AsyncFunction, KeyedProcessFunction, RuntimeContext
 from pyflink.datastream.state import StateTtlConfig, ValueStateDescriptor
 from pyflink.datastream.time_domain import TimeDomain
 
@@ -58,48 +58,52 @@ def dlq_record(
     return letter.to_bytes().decode("utf-8")
 
 
-class ParseShopperEvents(ProcessFunction):
-    """The validation gate. Valid events go on keyed by shopper; everything else goes to the DLQ.
+SourceRecord = tuple[bytes | None, str | None, int | None, int | None, int | None]
+"""(value, topic, partition, offset, Kafka timestamp ms) of one source record."""
 
-    Input is a Kafka source row ``(value, topic, partition, offset, timestamp_ms)`` (``value`` is the
-    raw bytes, ``None`` for a tombstone), or, in bounded test runs, a base64 string of the value. A dead
-    letter carries the record's position, so it is byte for byte the embedded runner's."""
 
-    def __init__(self, source_topic: str | None, base64_values: bool = False) -> None:
-        self.source_topic = source_topic
-        self.base64_values = base64_values
+def source_record(value: Any, source_topic: str | None, base64_values: bool) -> SourceRecord:
+    """One input element as (value bytes or None, topic, partition, offset, timestamp_ms). Input is a
+    Kafka source row ``(value, topic, partition, offset, timestamp_ms)``, or, in bounded test runs, a
+    base64 string of the value."""
+    if base64_values:
+        return base64.b64decode(value), source_topic, None, None, None
+    if isinstance(value, str | bytes):
+        return (value.encode("utf-8") if isinstance(value, str) else value), source_topic, None, None, None
+    raw, topic, partition, offset, timestamp_ms = (value[i] for i in range(5))
+    return (None if raw is None else bytes(raw)), topic, partition, offset, timestamp_ms
 
-    def open(self, runtime_context: RuntimeContext) -> None:
-        group = runtime_context.get_metrics_group().add_group(METRIC_GROUP)
-        self.records_in = group.counter("events_in")
-        self.records_valid = group.counter("events_valid")
-        self.records_dlq = group.counter("events_dlq")
 
-    def process_element(self, value: Any, ctx: ProcessFunction.Context) -> Iterable[Any]:
-        self.records_in.inc()
-        topic, partition, offset, timestamp_ms = self.source_topic, None, None, None
-        if self.base64_values:
-            raw: bytes | None = base64.b64decode(value)
-        elif isinstance(value, str | bytes):
-            raw = value.encode("utf-8") if isinstance(value, str) else value
-        else:  # a source row
-            raw, topic, partition, offset, timestamp_ms = (value[i] for i in range(5))
-            raw = None if raw is None else bytes(raw)
-        try:
-            event = parse_event(raw)
-        except MalformedEvent as exc:
-            self.records_dlq.inc()
-            letter = dead_letter(
-                raw, exc.reason, topic=topic, partition=partition, offset=offset, timestamp_ms=timestamp_ms
-            )
-            yield DLQ_TAG, letter.to_bytes().decode("utf-8")
-            return
-        self.records_valid.inc()
-        yield event.shopper_id, event.model_dump_json()
+def gate(record: SourceRecord) -> ShopperEvent | str:
+    """``parse_event`` on one record: the event, or its dead letter (``pipeline.dead_letter``, with the
+    record's position, byte for byte the embedded runner's) as the JSON string the DLQ sink writes."""
+    raw, topic, partition, offset, timestamp_ms = record
+    try:
+        return parse_event(raw)
+    except MalformedEvent as exc:
+        letter = dead_letter(
+            raw, exc.reason, topic=topic, partition=partition, offset=offset, timestamp_ms=timestamp_ms
+        )
+        return letter.to_bytes().decode("utf-8")
+
+
+def shopper_key(value: str) -> str:
+    """The partitioning key of a bounded run's base64 value: its ``shopper_id`` when it has one, else
+    "" (the gate rejects those records under that key). Kafka runs take it on the JVM side instead."""
+    try:
+        data = orjson.loads(base64.b64decode(value))
+    except (orjson.JSONDecodeError, ValueError):
+        return ""
+    key = data.get("shopper_id") if isinstance(data, dict) else None
+    return key if isinstance(key, str) else ""
 
 
 class ShopperSessionFunction(KeyedProcessFunction):
-    """One shopper's session in keyed ``ValueState`` (JSON, with TTL); deduplication is the session's.
+    """The validation gate and one shopper's session in keyed ``ValueState`` (JSON, with TTL);
+    deduplication is the session's. Records arrive keyed by the shopper id read on the JVM side (so no
+    Python stage of its own does parsing or keying); a rejected record goes to the ``DLQ_TAG`` side
+    output, and so does a valid event whose id differs from its key (only possible for JSON with a
+    duplicated ``shopper_id`` field, which the JVM and pydantic read differently).
 
     Timers: a processing-time timer at each pending trigger's due time (event-time seconds read as
     wall-clock, so a live shopper's browse pause fires once the quiet period has passed), and one
@@ -107,10 +111,19 @@ class ShopperSessionFunction(KeyedProcessFunction):
     bounded input (or ``stop --drain``) reaches it, and it fires every pending trigger (``flush``).
     """
 
-    def __init__(self, settings_json: str, processing_time_timers: bool, flush_at_end: bool) -> None:
+    def __init__(
+        self,
+        settings_json: str,
+        processing_time_timers: bool,
+        flush_at_end: bool,
+        source_topic: str | None = None,
+        base64_values: bool = False,
+    ) -> None:
         self.settings_json = settings_json
         self.processing_time_timers = processing_time_timers
         self.flush_at_end = flush_at_end
+        self.source_topic = source_topic
+        self.base64_values = base64_values
 
     def open(self, runtime_context: RuntimeContext) -> None:
         settings = NearRealtimeSettings.from_json(self.settings_json)
@@ -125,6 +138,9 @@ class ShopperSessionFunction(KeyedProcessFunction):
         )
         self.state = runtime_context.get_state(descriptor)
         group = runtime_context.get_metrics_group().add_group(METRIC_GROUP)
+        self.records_in = group.counter("events_in")
+        self.records_valid = group.counter("events_valid")
+        self.records_dlq = group.counter("events_dlq")
         self.duplicates = group.counter("events_duplicate")
         self.accepted = group.counter("events_accepted")
         self.prompts = group.counter("prompts_emitted")
@@ -148,9 +164,32 @@ class ShopperSessionFunction(KeyedProcessFunction):
         if self.flush_at_end:
             timers.register_event_time_timer(FLUSH_TIMER_TS)
 
-    def process_element(self, value: tuple[str, str], ctx: KeyedProcessFunction.Context) -> Iterable[str]:
-        shopper_id, event_json = value
-        event = ShopperEvent.model_validate_json(event_json)
+    def process_element(self, value: Any, ctx: KeyedProcessFunction.Context) -> Iterable[Any]:
+        self.records_in.inc()
+        record = source_record(value, self.source_topic, self.base64_values)
+        event = gate(record)
+        key = ctx.get_current_key()
+        key = key[0] if isinstance(key, tuple | list) or hasattr(key, "_values") else key  # Row(key)
+        if isinstance(event, ShopperEvent) and event.shopper_id != key:
+            # It cannot be re-keyed here: a dead letter, never a silently misplaced event.
+            event = (
+                dead_letter(
+                    record[0],
+                    f"shopper_id {event_id_repr(record[0])} is ambiguous (duplicated field)",
+                    topic=record[1],
+                    partition=record[2],
+                    offset=record[3],
+                    timestamp_ms=record[4],
+                )
+                .to_bytes()
+                .decode("utf-8")
+            )
+        if isinstance(event, str):
+            self.records_dlq.inc()
+            yield DLQ_TAG, event
+            return
+        self.records_valid.inc()
+        shopper_id = event.shopper_id
         session = self._load(shopper_id)
         applied = self.processor.apply(session, event)
         if applied.outcome == "duplicate":
@@ -179,6 +218,10 @@ class ShopperSessionFunction(KeyedProcessFunction):
         self.prompts.inc(len(prompts))
         for prompt in prompts:
             yield prompt.model_dump_json()
+
+
+def event_id_repr(raw: bytes | None) -> str:
+    return "?" if raw is None else repr(raw[:40])
 
 
 class EnrichPrompts(AsyncFunction):
@@ -346,6 +389,31 @@ class WriteResults(AsyncFunction):
 
     def close(self) -> None:
         self.committer = None
+
+
+class EnrichAndWrite(AsyncFunction):
+    """``EnrichPrompts`` then ``WriteResults`` in one async call: one Python stage (one bundle of input
+    buffering and one drain) instead of two. The call completes once its result is durable, so the
+    sinks keep their at-least-once guarantee. Used when Flink-level retries are off (a retry would
+    re-run the write of an error result)."""
+
+    def __init__(self, settings_json: str) -> None:
+        self.enrich = EnrichPrompts(settings_json)
+        self.write = WriteResults(settings_json)
+
+    def open(self, runtime_context: RuntimeContext) -> None:
+        self.enrich.open(runtime_context)
+        self.write.open(runtime_context)
+
+    async def async_invoke(self, value: str) -> list[str]:
+        results = await self.enrich.async_invoke(value)
+        for result in results:
+            await self.write.async_invoke(result)
+        return results
+
+    def close(self) -> None:
+        self.enrich.close()
+        self.write.close()
 
 
 def parse_result(raw: str) -> EnrichmentResult:

@@ -2,12 +2,11 @@
 
 Topology (one chain per stage; JSON strings between operators)::
 
-    KafkaSource(shopper-events)            committed offsets, earliest for a new group
-      -> ParseShopperEvents                 malformed -> side output -> KafkaSink(shopper-events-dlq)
-      -> key_by(shopper_id)
-      -> ShopperSessionFunction             keyed state (TTL) + timers -> PromptRequest
-      -> EnrichPrompts (async, unordered)   LLM client, session-affinity routing -> EnrichmentResult
-      -> WriteResults (async, unordered)    Redis signals + S3 objects, durable before each checkpoint
+    Kafka source (Table API: raw value + metadata; shopper id read by JSON_VALUE, keyed on the JVM)
+      -> ShopperSessionFunction             gate (rejected -> DLQ side output -> KafkaSink), keyed
+                                            session state (TTL) + timers -> PromptRequest
+      -> EnrichAndWrite (async, unordered)  LLM client (session affinity) -> EnrichmentResult, then
+                                            Redis signals + S3 objects, durable before each checkpoint
       -> KafkaSink(shopper-insights)        exactly-once, explicit transaction timeout (optional)
 
 Run it on a cluster with ``flink run -py flink_jobs/near_realtime.py --config job.yaml``, or locally in
@@ -35,7 +34,7 @@ from typing import Any
 from flink_jobs.flink_config import NearRealtimeSettings
 from pipeline.redaction import redacted_config_dump
 
-PYTHON_STAGE_UIDS = ("parse-events", "shopper-sessions", "enrich-prompts", "write-results")
+PYTHON_STAGE_UIDS = ("shopper-sessions", "enrich-and-write")
 
 
 def job_configuration(settings: NearRealtimeSettings, *, local: bool) -> Any:
@@ -97,7 +96,7 @@ class Pipeline:
 
 
 def build_pipeline(
-    raw: Any,
+    keyed: Any,
     settings: NearRealtimeSettings,
     *,
     source_topic: str | None,
@@ -105,7 +104,12 @@ def build_pipeline(
     flush_at_end: bool = True,
     base64_values: bool = False,
 ) -> Pipeline:
-    """Everything between the source and the sinks; ``raw`` is a DataStream of str or bytes values."""
+    """Everything between the source and the sinks; ``keyed`` is a KeyedStream of source records keyed
+    by shopper id (``kafka_keyed_records`` or ``bounded_keyed_records``).
+
+    Two Python stages: the gate + sessions (keyed), and enrichment + sink writes (async). Each Python
+    stage holds its input for up to one bundle time and drains at each bundle end, so fewer stages is
+    what cuts the added latency (docs/flink.md, "Latency")."""
     from pyflink.common import Types
     from pyflink.common.time import Time
     from pyflink.datastream import async_retry_strategies
@@ -113,8 +117,8 @@ def build_pipeline(
 
     from flink_jobs.flink_functions import (
         DLQ_TAG,
+        EnrichAndWrite,
         EnrichPrompts,
-        ParseShopperEvents,
         ShopperSessionFunction,
         WriteResults,
         is_retryable_result,
@@ -122,26 +126,32 @@ def build_pipeline(
 
     settings_json = settings.to_json()
     aio = settings.async_io
-    parsed = (
-        raw.process(
-            ParseShopperEvents(source_topic, base64_values),
-            output_type=Types.TUPLE([Types.STRING(), Types.STRING()]),
-        )
-        .name("parse and validate events")
-        .uid("parse-events")
-    )
-    dlq = parsed.get_side_output(DLQ_TAG)
     prompts = (
-        parsed.key_by(lambda pair: pair[0], key_type=Types.STRING())
-        .process(
-            ShopperSessionFunction(settings_json, processing_time_timers, flush_at_end),
+        keyed.process(
+            ShopperSessionFunction(
+                settings_json, processing_time_timers, flush_at_end, source_topic, base64_values
+            ),
             output_type=Types.STRING(),
         )
-        .name("shopper sessions")
+        .name("gate and shopper sessions")
         .uid("shopper-sessions")
     )
-    # Timeouts are enforced on the event loop: a Flink-level timeout or retry strategy costs PyFlink one
-    # OS thread per in-flight record (see AsyncSettings). Flink-level retries only when asked for.
+    dlq = prompts.get_side_output(DLQ_TAG)
+    if settings.sinks_enabled and aio.retry_attempts == 0:
+        # Timeouts are enforced on the event loop: a Flink-level timeout costs PyFlink one OS thread per
+        # in-flight record (see AsyncSettings).
+        results = (
+            AsyncDataStream.unordered_wait(
+                prompts,
+                EnrichAndWrite(settings_json),
+                Time.milliseconds(0),
+                capacity=aio.capacity,
+                output_type=Types.STRING(),
+            )
+            .name("enrich prompts (LLM), write Redis and S3")
+            .uid("enrich-and-write")
+        )
+        return Pipeline(results=results, dlq=dlq)
     flink_timeout = Time.milliseconds(0)
     retry = async_retry_strategies.NO_RETRY_STRATEGY
     if aio.retry_attempts > 0:
@@ -191,9 +201,9 @@ def run_kafka(
     jars = kafka_connector_jars()  # fails fast, naming scripts/fetch-flink-connectors
     env = create_environment(settings, local=local, jars=jars)
     exactly_once = settings.checkpoint.mode == "exactly_once"
-    raw = kafka_source_rows(env, settings, stop_at_latest=stop_at_latest)
+    keyed = kafka_source_rows(env, settings, stop_at_latest=stop_at_latest)
     pipeline = build_pipeline(
-        raw,
+        keyed,
         settings,
         source_topic=settings.kafka.events_topic,
         processing_time_timers=settings.wall_clock_timers and not stop_at_latest,
@@ -243,8 +253,10 @@ def run_bounded(
         base64.b64encode(e.encode("utf-8") if isinstance(e, str) else bytes(e)).decode() for e in events
     ]
     raw = env.from_collection(values, type_info=Types.STRING()).name("bounded events").uid("bounded-source")
+    from flink_jobs.flink_functions import shopper_key
+
     pipeline = build_pipeline(
-        raw,
+        raw.key_by(shopper_key, key_type=Types.STRING()),
         settings,
         source_topic=None,
         processing_time_timers=processing_time_timers,
