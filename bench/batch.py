@@ -42,10 +42,10 @@ from typing import Any
 
 import redis.asyncio as aioredis
 
+from batch.admin import prepare_resume, submit_job
 from batch.config import BatchSettings
 from batch.coordination import read_progress
 from batch.launch import BatchRuntime, batch_client_config, open_batch
-from batch.admin import prepare_resume, submit_job
 from batch.storage import JobStore, S3Uri
 from batch.synthetic import synthetic_product_lines
 from bench.common import machine, print_table, temporary_stack

@@ -17,12 +17,12 @@ from typing import Any
 import orjson
 import pytest
 
+from batch.admin import cancel_job, prepare_resume, submit_job
 from batch.config import BatchSettings
 from batch.documents import PromptBudget
 from batch.errors import JobNotFound
 from batch.launch import BatchRuntime, batch_client_config, open_batch
 from batch.manifest import JobManifest
-from batch.admin import cancel_job, prepare_resume, submit_job
 from batch.storage import JobStore, S3Uri
 from batch.synthetic import synthetic_product_lines
 from devstack.stack import StackState
