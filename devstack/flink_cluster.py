@@ -364,13 +364,6 @@ class FlinkRest:
     def completed_checkpoints(self, job_id: str) -> int:
         return int(self.get(f"/jobs/{job_id}/checkpoints")["counts"]["completed"])
 
-    def restarts(self, job_id: str) -> int:
-        """How often the job restarted (its failover history: one entry per restart)."""
-        job = self.get(f"/jobs/{job_id}")
-        return int(job.get("status-counts", {}).get("RESTARTING", 0)) or len(
-            self.get(f"/jobs/{job_id}/exceptions").get("exceptionHistory", {}).get("entries", [])
-        )
-
     def cancel(self, job_id: str) -> None:
         self._call("PATCH", f"/jobs/{job_id}?mode=cancel")
 
