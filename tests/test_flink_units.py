@@ -203,3 +203,26 @@ def test_cli_without_the_jar_exits_2_with_the_message(tmp_path: Path) -> None:
     )
     assert proc.returncode == 2, proc.stderr[-2000:]
     assert "scripts/fetch-flink-connectors" in proc.stderr
+
+
+def test_the_gate_writes_the_shared_dead_letter_and_bounded_keys_never_fail() -> None:
+    from flink_jobs.flink_functions import gate, shopper_key, source_record
+    from pipeline.dead_letter import dead_letter
+
+    row = (b"\xff\xfe", "events", 3, 41, 1_700_000_000_123)
+    letter = gate(source_record(row, None, False))
+    assert isinstance(letter, str)
+    expected = dead_letter(
+        b"\xff\xfe", orjson.loads(letter)["reason"], topic="events", partition=3, offset=41
+    )
+    assert letter.encode() == expected.model_copy(update={"timestamp_ms": 1_700_000_000_123}).to_bytes()
+    tombstone = orjson.loads(str(gate(source_record((None, "events", 0, 7, 5), None, False))))
+    assert (tombstone["original"], tombstone["offset"], tombstone["reason"]) == (
+        None,
+        7,
+        "empty message (null value)",
+    )
+    encoded = base64.b64encode(b'{"shopper_id": "s-1", "type": "view"}').decode()
+    assert shopper_key(encoded) == "s-1"
+    assert shopper_key(base64.b64encode(b"\xff not json").decode()) == ""
+    assert shopper_key(base64.b64encode(b'{"shopper_id": 7}').decode()) == ""
