@@ -30,6 +30,7 @@ import pytest
 from devstack.flink_cluster import FlinkClusterState, FlinkRest
 from devstack.stack import StackState
 from devstack.synthetic import SyntheticStream
+from pipeline.sink_commit import SinkRetry
 from tests.conftest import Isolated
 from tests.fault_kit import (
     FaultFigures,
@@ -96,7 +97,13 @@ class FirstWriteAfter:
         return None if self.first_write_at is None else self.first_write_at - self.restored_at
 
 
+@pytest.mark.parametrize(
+    "give_up_s",
+    [None, 3.0],
+    ids=["writes-wait-it-out", "writes-give-up-job-restarts"],
+)
 def test_flink_job_redis_stopped_for_10_s_mid_stream(
+    give_up_s: float | None,
     isolated: Isolated,
     stack: StackState,
     stack_dir: Path,
@@ -121,7 +128,9 @@ def test_flink_job_redis_stopped_for_10_s_mid_stream(
         )
         sinks = settings.sinks.model_copy(update={"redis_url": redis.url})
         settings = settings.model_copy(update={"sinks": sinks})
-        assert settings.sink_retry.max_wait_s > OUTAGE_S, "the writes are meant to wait the outage out"
+        if give_up_s is not None:  # the other path: a write gives up, Flink restarts from a checkpoint
+            settings = settings.model_copy(update={"sink_retry": SinkRetry(max_wait_s=give_up_s)})
+        assert (settings.sink_retry.max_wait_s > OUTAGE_S) == (give_up_s is None)
         rest = FlinkRest(flink_cluster.web_url)
         ends: dict[int, int] = {}
 
@@ -176,7 +185,8 @@ def test_flink_job_redis_stopped_for_10_s_mid_stream(
         notes.append(f"{malformed} malformed")
     fault_table.add(
         FaultFigures(
-            fault="Flink job (standalone cluster): Redis SIGKILLed for 10 s (AOF), restarted",
+            fault="Flink job (standalone cluster): Redis SIGKILLed for 10 s (AOF), restarted"
+            + ("" if give_up_s is None else f"; writes give up after {give_up_s:.0f} s"),
             events_in=len(stream),
             processed=len(stream) - len(view.dlq_positions) - view.lost,
             dead_lettered=len(view.dlq_positions),
@@ -189,4 +199,6 @@ def test_flink_job_redis_stopped_for_10_s_mid_stream(
     print(f"job state at the end of the outage: {state_in_outage}", flush=True)
     assert not watcher.regressions, f"Redis signals went back in time: {watcher.regressions[:5]}"
     assert_fully_accounted(view)
+    if give_up_s is not None:
+        assert restarts > 0, "a write that gave up must fail the job into a restart"
     assert sorted(insights) == sorted(expected), "insights topic: not exactly one record per prompt"
