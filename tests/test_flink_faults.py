@@ -8,9 +8,10 @@ What the job is expected to do: ``WriteResults`` completes a call only once its 
 Redis and S3, and its writes wait out the outage under ``sink_retry`` (the runner's policy); a
 checkpoint cannot complete while a result is waiting (the Python bundle drains before the barrier), so
 no offset is committed past a result that is not stored. A write that gave up would fail the job and
-Flink would restart it from its last checkpoint; either way, at the end every event is processed or
-dead-lettered, the insights topic read with ``read_committed`` holds exactly one record per prompt,
-S3 holds every prompt's result, and no Redis signal ever went back (sampled through the whole run).
+Flink would restart it from its last checkpoint (the second case makes that happen: its writes give
+up after 3 s). Either way, at the end every event is processed or dead-lettered, the insights topic
+read with ``read_committed`` holds exactly one record per prompt, S3 holds every prompt's result, and
+no Redis signal ever went back (sampled through the whole run).
 
 The stream arrives in three parts: before the outage (the job is storing results when Redis dies),
 during it (events keep arriving; their results must wait), and after it. Time to recover is measured
