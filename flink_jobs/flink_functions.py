@@ -352,6 +352,8 @@ class WriteResults(AsyncFunction):
             extra={
                 "s3_flushes": lambda: self.committer.s3_flushes if self.committer else 0,
                 "redis_batches": lambda: self.committer.redis_batches if self.committer else 0,
+                # The runner's name: a job waiting out a store outage is told from an idle one.
+                "sink_retries": lambda: self.committer.retries if self.committer else 0,
             },
         )
 
