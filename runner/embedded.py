@@ -415,6 +415,7 @@ class EmbeddedRunner:
                 functools.partial(self._commit_offsets, offsets),
                 self.settings.sink_retry,
                 on_retry=self._on_sink_retry,
+                on_fenced=lambda exc: self.log(f"commit skipped, the group is rebalancing: {exc}"),
             )
 
     def _commit_offsets(self, offsets: list[TopicPartition]) -> None:
@@ -506,7 +507,10 @@ class EmbeddedRunner:
                 self.log(f"rebalance: hand-over failed ({exc!r}); partitions handed over uncommitted")
                 offsets = []
             if offsets:
-                self._commit_offsets(offsets)
+                try:
+                    self._commit_offsets(offsets)
+                except KafkaException as exc:  # fenced or broker away: the next owner replays them
+                    self.log(f"rebalance: hand-over commit failed ({exc}); the next owner replays")
         with contextlib.suppress(Exception):
             asyncio.run_coroutine_threadsafe(self._forget_assignment(), self._loop).result(timeout=5)
         self._assignment = []
