@@ -29,7 +29,7 @@ from devstack.stack import StackState
 from sinks.keys import RedisKeys
 from tests.conftest import Isolated
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 def _settings(**overrides: Any) -> BatchSettings:

@@ -1,7 +1,7 @@
 """The Kafka connector jars from PyPI, in a real JVM: provisioned with their pinned checksums, and the
 job's committed-offsets-with-earliest-fallback initializer builds with the thin jar (where PyFlink's
 own wrapper looks up the SQL jar's shaded class and fails). The job reading from Kafka on a real
-cluster is tests/test_engine_agreement.py and tests/test_flink_cluster.py."""
+cluster is tests/engines/test_engine_agreement.py and tests/flink_jobs/test_flink_cluster.py."""
 
 from __future__ import annotations
 

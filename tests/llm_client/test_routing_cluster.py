@@ -24,7 +24,7 @@ from llm_client.routing.prefix_aware import PrefixAwarePolicy
 from prompt_assembly.prompt import build_messages
 from prompt_assembly.tokens import count_tokens, messages_text
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 class SimCluster:

@@ -2,7 +2,7 @@
 Redis is SIGKILLed for 10 s mid-stream and restarted, ending in the same reader's accounting as the
 embedded runner's cases (``tests.fault_kit``) and printing the same figures.
 
-    pytest -m faults -s tests/test_flink_faults.py
+    pytest -m faults -s tests/flink_jobs/test_flink_faults.py
 
 What the job is expected to do: ``WriteResults`` completes a call only once its result is stored in
 Redis and S3, and its writes wait out the outage under ``sink_retry`` (the runner's policy); a

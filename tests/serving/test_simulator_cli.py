@@ -12,7 +12,7 @@ import aiohttp
 from serving.simulator.__main__ import parse_args
 from serving.simulator.launch import simulator_argv
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 def test_flags_override_environment(monkeypatch) -> None:

@@ -25,7 +25,7 @@ from runner.logs import line_logger
 from tests.conftest import Isolated
 from tests.helpers import expected_prompts, produce_records
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 DASHBOARD = ROOT / "docker/grafana/dashboards/shopper-runner.json"
 METRIC_NAME = re.compile(r"\bshopper_[a-z0-9_]+\b")
 

@@ -1,7 +1,7 @@
 """The fault suite: the embedded runner against real parts that fail mid-stream, each case ending in the
 reader's full accounting (``tests.fault_kit``) and printing its figures.
 
-    pytest -m faults -s tests/test_faults.py      # prints the table docs/reliability.md holds
+    pytest -m faults -s tests/faults/test_faults.py      # prints the table docs/reliability.md holds
 
 Each case uses parts of its own where the fault needs one (a durable Tansu, a redis-server, a moto
 server behind a proxy, simulator replicas) and the shared stack for everything else. Event counts are

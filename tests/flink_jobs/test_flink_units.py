@@ -25,7 +25,7 @@ from pipeline.sink_commit import SinkCommitter
 from prompt_assembly.records import EnrichmentError, EnrichmentResult
 from sinks.config import SinkSettings
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def _error(n: int, error_type: str = "InvalidAnswer") -> EnrichmentError:

@@ -18,7 +18,7 @@ from pipeline.enrichment import Enricher, EnrichmentSettings, parse_understandin
 from prompt_assembly.processor import SessionProcessor
 from prompt_assembly.records import EnrichmentError, PromptRequest, ShopperInsight
 from serving.simulator.testing import running_simulator
-from tests.test_sessions import event
+from tests.prompt_assembly.test_sessions import event
 
 MESSAGES = [
     {"role": "system", "content": "You describe shoppers. " * 40},
