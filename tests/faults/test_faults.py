@@ -257,6 +257,9 @@ def test_s3_endpoint_down_for_10_s_mid_stream(
             await wait_until(lambda: runner.stats.commits >= 3, "commits")
             await asyncio.to_thread(s3.stop_proxy)
             await asyncio.sleep(OUTAGE_S)
+            # On a loaded machine the window can pass with nothing to flush: keep S3 away until a write
+            # has met the outage (at the latest the final drain's flush), so the case always tests it.
+            await wait_until(lambda: runner.stats.sink_retries > 0, "an S3 write meeting the outage", 200)
             await asyncio.to_thread(s3.start_proxy)
             clock.restored()
 
