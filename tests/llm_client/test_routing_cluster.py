@@ -7,11 +7,7 @@ scale, so a request lasts a fraction of a second, and stops them at the end.
 from __future__ import annotations
 
 import asyncio
-import os
-import signal
-import sys
 from collections.abc import AsyncIterator
-from pathlib import Path
 
 import aiohttp
 import pytest
@@ -23,41 +19,19 @@ from llm_client.routing.base import RouteRequest
 from llm_client.routing.prefix_aware import PrefixAwarePolicy
 from prompt_assembly.prompt import build_messages
 from prompt_assembly.tokens import count_tokens, messages_text
+from serving.simulator.launch import SimulatorFleet
 
-REPO = Path(__file__).resolve().parents[2]
 
-
-class SimCluster:
-    """Simulator replicas as child processes; ``kill`` one to simulate a crash."""
+class SimCluster(SimulatorFleet):
+    """The one simulator launcher, started inside a test (``start``); ``kill`` one to simulate a crash,
+    ``admin`` calls a replica's test-only routes."""
 
     def __init__(self) -> None:
-        self.processes: list[asyncio.subprocess.Process] = []
-        self.urls: list[str] = []
+        super().__init__(0)
 
     async def start(self, n: int, *args: str) -> None:
-        env = {**os.environ, "PYTHONPATH": str(REPO)}
-        for i in range(n):
-            process = await asyncio.create_subprocess_exec(
-                sys.executable, "-m", "serving.simulator", "--port", "0", "--replica-id", f"r{i}", *args,
-                cwd=REPO, env=env, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT,
-            )  # fmt: skip
-            self.processes.append(process)
-        for process in self.processes:
-            self.urls.append(await _ready_url(process))
-
-    def kill(self, i: int) -> None:
-        self.processes[i].send_signal(signal.SIGKILL)
-
-    async def stop(self) -> None:
-        for process in self.processes:
-            if process.returncode is None:
-                process.terminate()
-        for process in self.processes:
-            try:
-                await asyncio.wait_for(process.wait(), 10)
-            except TimeoutError:
-                process.kill()
-                await process.wait()
+        self.count, self.args = n, args
+        await self.__aenter__()
 
     async def admin(self, i: int, path: str, body: dict[str, float] | None = None) -> dict[str, object]:
         async with aiohttp.ClientSession() as session:
@@ -67,25 +41,6 @@ class SimCluster:
             async with session.post(self.urls[i] + path, json=body or {}) as response:
                 assert response.status == 200, await response.text()
                 return dict(await response.json())
-
-
-async def _ready_url(process: asyncio.subprocess.Process) -> str:
-    assert process.stdout is not None
-    async with asyncio.timeout(30):
-        while True:
-            line = (await process.stdout.readline()).decode()
-            if not line:
-                raise RuntimeError("simulator exited before READY")
-            if line.startswith("READY "):
-                # keep draining its output so the pipe never fills up
-                asyncio.get_running_loop().create_task(_drain(process))
-                return line.split()[1]
-
-
-async def _drain(process: asyncio.subprocess.Process) -> None:
-    assert process.stdout is not None
-    while await process.stdout.readline():
-        pass
 
 
 @pytest.fixture
