@@ -8,6 +8,8 @@ from typing import Literal
 from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from serving.simulator.engine import ChunkingPolicy
+
 # The repository lives next to a ``shared/`` folder on the development machines; CI clones may not have
 # it, so a copy of the same calibration file ships inside the package (see ``resolved_calibration_path``).
 SHARED_CALIBRATION_PATH = (
@@ -48,6 +50,16 @@ class SimulatorConfig(BaseSettings):
         default=64, ge=1, description="running requests per iteration (trtllm max_batch_size)"
     )
     max_num_tokens: int = Field(default=8192, ge=1, description="prefill + decode tokens per iteration")
+    enable_chunked_prefill: bool = Field(
+        default=False,
+        description="split prefills into chunks that fill the iteration's max_num_tokens left after the "
+        "running requests' decode tokens (trtllm enable_chunked_prefill; off by default, as there)",
+    )
+    context_chunking_policy: ChunkingPolicy = Field(
+        default="first_come_first_served",
+        description="with chunked prefill: first_come_first_served (the oldest prompt takes all it can, "
+        "trtllm's default) or equal_progress (one KV block per prompt in turn)",
+    )
     default_max_tokens: int = Field(default=200, ge=1)
     slowdown: float = Field(
         default=1.0, gt=0.0, description="multiplies every iteration's time (fault injection)"

@@ -5,7 +5,16 @@ Each iteration (1) admits waiting requests, first come first served, while the b
 running request) is not spent, (2) sleeps for the cost model's time of prefilling the admitted requests
 plus one decode step of the running ones, scaled by ``time_scale * slowdown``, then (3) hands every
 admitted request its first token and every running request one more token. A request is admitted alone
-when its prompt exceeds the budget (chunked prefill is not modelled).
+when its prompt exceeds the budget.
+
+With chunked prefill (``EngineLimits.chunked_prefill``, TensorRT-LLM's ``enable_chunked_prefill``) the
+running requests' decode tokens are scheduled first and prefill *chunks* fill what is left of
+``max_num_tokens``: a prompt may be split over several iterations (chunks are whole KV blocks except a
+prompt's last), and it gets its first token at the end of the iteration that computes its last chunk. The
+chunks go first come first served (trtllm's default ``FIRST_COME_FIRST_SERVED``: the oldest prompt takes
+all it can) or, with ``equal_progress`` (trtllm's ``EQUAL_PROGRESS``), one block at a time to every
+prompt in turn, so a short prompt is not held behind a long one. A chunk costs the calibrated prefill of
+its tokens on the context computed before it (cached prefix plus earlier chunks).
 
 Wall-clock deadlines are kept on an absolute schedule, so the overshoot of each ``asyncio.sleep`` does not
 accumulate over a long decode; the loop catches up at most one iteration when the process was starved.
@@ -19,6 +28,7 @@ import logging
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Literal
 
 from serving.simulator.cost_model import CostModel
 from serving.simulator.prefix_cache import BlockPrefixCache, cached_tokens_for
@@ -26,12 +36,20 @@ from serving.simulator.prefix_cache import BlockPrefixCache, cached_tokens_for
 _log = logging.getLogger(__name__)
 
 
+ChunkingPolicy = Literal["first_come_first_served", "equal_progress"]
+
+
 @dataclass(frozen=True)
 class EngineLimits:
-    """Per-iteration capacity, as trtllm's ``max_batch_size`` and ``max_num_tokens``."""
+    """Per-iteration capacity, as trtllm's ``max_batch_size`` and ``max_num_tokens``, and how a prefill
+    may be split (trtllm's ``enable_chunked_prefill`` and ``context_chunking_policy``)."""
 
     max_batch: int
     max_num_tokens: int
+    chunked_prefill: bool = False
+    chunking_policy: ChunkingPolicy = "first_come_first_served"
+    chunk_unit: int = 32
+    """Tokens a non-final chunk is a multiple of (the KV block size, as in trtllm)."""
 
 
 @dataclass
@@ -57,6 +75,9 @@ class GenerationRequest:
     first_token_at: float | None = None
     finished_at: float | None = None
     cached_tokens: int = 0
+    prefilled_tokens: int = 0
+    """Uncached prompt tokens computed so far (chunked prefill); the prefill ends at
+    ``prompt_tokens - cached_tokens``."""
     tokens_done: int = 0
     token_times: list[float] = field(default_factory=list)
     cancelled: bool = False
@@ -105,6 +126,8 @@ class ContinuousBatchingEngine:
         self._clock = clock
         self._waiting: deque[GenerationRequest] = deque()
         self._running: list[GenerationRequest] = []
+        self._prefilling: list[GenerationRequest] = []
+        """Chunked prefill: requests in the batch whose prompt is not fully computed yet, oldest first."""
         self._task: asyncio.Task[None] | None = None
         self.stats = EngineStats()
 
@@ -114,7 +137,7 @@ class ContinuousBatchingEngine:
 
     @property
     def num_running(self) -> int:
-        return len(self._running)
+        return len(self._running) + len(self._prefilling)
 
     def submit(self, request: GenerationRequest) -> None:
         """Queue a request; its ``done`` event is set when it finishes, fails or is aborted."""
@@ -146,10 +169,14 @@ class ContinuousBatchingEngine:
     async def _run(self) -> None:
         try:
             deadline = self._now()
-            while self._waiting or self._running:
-                admitted = self._admit()
+            while self._waiting or self._running or self._prefilling:
                 decoding = self._running
-                ms = self._iteration_ms(admitted, decoding)
+                if self._limits.chunked_prefill:
+                    chunks = self._schedule_chunks()
+                    ms = self._chunked_iteration_ms(chunks, decoding)
+                else:
+                    admitted = self._admit()
+                    ms = self._iteration_ms(admitted, decoding)
                 self.stats.iterations += 1
                 self.stats.busy_ms += ms
                 delay = ms / 1000.0 * self._knobs.time_scale * self._knobs.slowdown
@@ -161,6 +188,8 @@ class ContinuousBatchingEngine:
                 else:
                     deadline = now
                     await asyncio.sleep(0)
+                if self._limits.chunked_prefill:
+                    admitted = self._complete_chunks(chunks)
                 self._complete_iteration(admitted, decoding, self._now())
         except asyncio.CancelledError:
             raise
@@ -193,6 +222,90 @@ class ContinuousBatchingEngine:
             new_total += new
             admitted.append(request)
         return admitted
+
+    def _schedule_chunks(self) -> list[tuple[GenerationRequest, int]]:
+        """This iteration's prefill chunks: decode tokens first, then chunks in the budget left."""
+        budget = self._limits.max_num_tokens - len(self._running)
+        unit = max(1, self._limits.chunk_unit)
+        equal = self._limits.chunking_policy == "equal_progress"
+        prefilling = [r for r in self._prefilling if not r.cancelled]
+        # Admit waiting requests while the batch has room and the budget can give each one a chunk
+        # (first come first served: only while the budget is not already promised to older prompts).
+        promised = unit * len(prefilling) if equal else sum(self._remaining(r) for r in prefilling)
+        now = self._now()
+        while self._waiting and len(self._running) + len(prefilling) < self._limits.max_batch:
+            request = self._waiting[0]
+            if request.cancelled:
+                self._waiting.popleft()
+                continue
+            if budget - promised < (unit if equal else min(unit, self._peek_remaining(request))):
+                break
+            self._waiting.popleft()
+            matched = self._cache.match(request.block_hashes)
+            request.cached_tokens = cached_tokens_for(matched, self._cache.block_size, request.prompt_tokens)
+            request.admitted_at = now
+            self.stats.cached_tokens_served += request.cached_tokens
+            prefilling.append(request)
+            promised += unit if equal else self._remaining(request)
+        self._prefilling = prefilling
+        sizes = [0] * len(prefilling)
+        left = budget
+        if equal:
+            progressed = True
+            while left > 0 and progressed:
+                progressed = False
+                for i, request in enumerate(prefilling):
+                    rest = self._remaining(request) - sizes[i]
+                    if rest <= 0:
+                        continue
+                    take = rest if rest <= min(unit, left) else (min(unit, left) // unit) * unit
+                    if take <= 0:
+                        continue
+                    sizes[i] += take
+                    left -= take
+                    progressed = True
+        else:
+            for i, request in enumerate(prefilling):
+                rest = self._remaining(request)
+                take = rest if rest <= left else (left // unit) * unit
+                if take <= 0:
+                    break
+                sizes[i] = take
+                left -= take
+        return [(r, n) for r, n in zip(prefilling, sizes, strict=True) if n > 0]
+
+    def _peek_remaining(self, request: GenerationRequest) -> int:
+        matched = self._cache.longest_prefix(request.block_hashes)
+        cached = cached_tokens_for(matched, self._cache.block_size, request.prompt_tokens)
+        return request.prompt_tokens - cached
+
+    @staticmethod
+    def _remaining(request: GenerationRequest) -> int:
+        return request.prompt_tokens - request.cached_tokens - request.prefilled_tokens
+
+    def _chunked_iteration_ms(
+        self, chunks: list[tuple[GenerationRequest, int]], decoding: list[GenerationRequest]
+    ) -> float:
+        ms = 0.0
+        if chunks:
+            new = sum(n for _, n in chunks)
+            context = sum(r.cached_tokens + r.prefilled_tokens for r, _ in chunks)
+            ms += self._cost.prefill_ms(new, context)
+            self.stats.prefill_tokens_computed += new
+        if decoding:
+            context = sum(r.prompt_tokens + r.tokens_done for r in decoding)
+            ms += self._cost.decode_step_ms(len(decoding), context)
+        return ms
+
+    def _complete_chunks(self, chunks: list[tuple[GenerationRequest, int]]) -> list[GenerationRequest]:
+        """Book the chunks; return the requests whose prefill this iteration finished."""
+        finished: list[GenerationRequest] = []
+        for request, n in chunks:
+            request.prefilled_tokens += n
+            if self._remaining(request) <= 0:
+                finished.append(request)
+        self._prefilling = [r for r in self._prefilling if r not in finished and not r.cancelled]
+        return finished
 
     def _iteration_ms(self, admitted: list[GenerationRequest], decoding: list[GenerationRequest]) -> float:
         ms = 0.0
@@ -241,10 +354,11 @@ class ContinuousBatchingEngine:
         return True
 
     def _fail_all(self, reason: str) -> None:
-        for request in [*self._waiting, *self._running]:
+        for request in [*self._waiting, *self._running, *self._prefilling]:
             if not request.done.is_set():
                 request.error = reason
                 request.done.set()
                 request.progress.set()
         self._waiting.clear()
         self._running = []
+        self._prefilling = []

@@ -20,6 +20,18 @@ from serving.simulator.metrics import ReplicaMetrics
 from serving.simulator.prefix_cache import BlockPrefixCache, salted_block_hashes
 
 
+def engine_limits(config: SimulatorConfig) -> EngineLimits:
+    """The scheduler limits a configuration asks for (also used by benchmarks that run the engine
+    in-process, so they measure the same engine as the replicas they drive)."""
+    return EngineLimits(
+        config.max_batch,
+        config.max_num_tokens,
+        chunked_prefill=config.enable_chunked_prefill,
+        chunking_policy=config.context_chunking_policy,
+        chunk_unit=config.block_size,
+    )
+
+
 class Replica:
     """Glue between HTTP handlers and the pure parts; one per app, so replicas in one process never
     share state."""
@@ -39,9 +51,7 @@ class Replica:
         )
         self.cache = BlockPrefixCache(config.cache_capacity_blocks, config.block_size, self.kv_events)
         self.knobs = EngineKnobs(time_scale=config.time_scale, slowdown=config.slowdown)
-        self.engine = ContinuousBatchingEngine(
-            self.cost, self.cache, EngineLimits(config.max_batch, config.max_num_tokens), self.knobs
-        )
+        self.engine = ContinuousBatchingEngine(self.cost, self.cache, engine_limits(config), self.knobs)
         self.metrics = ReplicaMetrics(
             config.replica_id,
             config.model_name,

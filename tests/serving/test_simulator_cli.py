@@ -43,3 +43,13 @@ async def test_subprocess_on_port_zero() -> None:
     finally:
         proc.terminate()
         assert await asyncio.wait_for(proc.wait(), 10) == 0
+
+
+def test_chunked_prefill_flags_and_environment(monkeypatch) -> None:
+    assert parse_args([]).enable_chunked_prefill is False
+    monkeypatch.setenv("SIM_ENABLE_CHUNKED_PREFILL", "true")
+    monkeypatch.setenv("SIM_MAX_NUM_TOKENS", "2048")
+    config = parse_args(["--context-chunking-policy", "equal_progress"])
+    assert config.enable_chunked_prefill and config.max_num_tokens == 2048
+    assert config.context_chunking_policy == "equal_progress"
+    assert parse_args(["--enable-chunked-prefill", "false"]).enable_chunked_prefill is False

@@ -284,3 +284,25 @@ async def test_admin_ttft_hands_out_each_request_once(
     assert len(ttfts) == 2 and all(t >= 0 for t in ttfts)
     async with http.get(f"{sim.url}/admin/ttft") as r:
         assert (await r.json())["ttft_ms"] == []
+
+
+async def test_chunked_prefill_answers_alike_and_splits_the_prompt(http: aiohttp.ClientSession) -> None:
+    body = _chat(stream=True, stream_options={"include_usage": True}, max_tokens=5, ignore_eos=True)
+    usages: list[dict[str, Any]] = []
+    texts: list[str] = []
+    async with (
+        running_simulator(time_scale=0.0, max_num_tokens=256) as whole,
+        running_simulator(time_scale=0.0, max_num_tokens=256, enable_chunked_prefill=True) as chunked,
+    ):
+        for sim in (whole, chunked):
+            for _ in range(2):  # the second time on the cached prefix
+                events = await _sse(http, f"{sim.url}/v1/chat/completions", body)
+                usages.append(events[-2]["usage"])
+                texts.append("".join(e["choices"][0]["delta"].get("content", "") for e in events[:-2]))
+        whole_stats, chunked_stats = whole.replica.stats()["engine"], chunked.replica.stats()["engine"]
+    assert usages[:2] == usages[2:] and texts[:2] == texts[2:]
+    prompt = usages[0]["prompt_tokens"]
+    assert prompt > 256 and usages[1]["prompt_tokens_details"]["cached_tokens"] > 0
+    assert whole_stats["prefill_tokens_computed"] == chunked_stats["prefill_tokens_computed"]
+    # Unchunked, an over-budget prompt runs in one iteration; chunked, in budget-sized pieces.
+    assert chunked_stats["iterations"] >= whole_stats["iterations"] + prompt // 256
