@@ -39,6 +39,7 @@ from llm_client.client import LLMClient
 from pipeline.enrichment import Enricher
 from pipeline.kafka_security import librdkafka_properties
 from pipeline.sink_commit import with_sink_retry
+from pipeline.topic_ends import topic_lag
 from prompt_assembly.events import MalformedEvent, parse_event
 from prompt_assembly.processor import SessionProcessor
 from prompt_assembly.records import EnrichmentResult, PromptRequest, ShopperInsight
@@ -335,24 +336,11 @@ class EmbeddedRunner:
         if time.monotonic() - self._last_message_at < self.settings.drain_idle_s:
             return False
         try:
-            return await asyncio.to_thread(self._lag) == 0
+            return (
+                await asyncio.to_thread(topic_lag, self.consumer, self.settings.topic, self._assignment) == 0
+            )
         except KafkaException:  # the broker is away: not caught up, keep consuming (it waits)
             return False
-
-    def _lag(self) -> int:
-        """Events not yet processed in *any* partition of the topic: this member's partitions by its
-        position, the others' by the group's committed offset. A member that died keeps its partitions
-        until its session times out; only the whole topic being done means drained."""
-        topic = self.settings.topic
-        metadata = self.consumer.list_topics(topic, timeout=5).topics[topic]
-        everything = [TopicPartition(topic, p) for p in metadata.partitions]
-        done = {tp.partition: tp.offset for tp in self.consumer.committed(everything, timeout=5)}
-        done.update({tp.partition: tp.offset for tp in self.consumer.position(self._assignment)})
-        lag = 0
-        for tp in everything:
-            _, high = self.consumer.get_watermark_offsets(tp, timeout=5, cached=False)
-            lag += max(0, high - max(done.get(tp.partition, 0), 0))
-        return lag
 
     # ---- timers --------------------------------------------------------------------------------
     def _wall_deadline(self, session: ShopperSession) -> float:

@@ -12,6 +12,7 @@ import orjson
 import redis.asyncio as aioredis
 from confluent_kafka import Consumer, TopicPartition
 
+from pipeline.topic_ends import end_offset
 from sinks.config import SinkSettings
 from sinks.keys import RedisKeys
 
@@ -66,7 +67,7 @@ def read_dlq(
     try:
         metadata = consumer.list_topics(topic, timeout=10).topics[topic]
         partitions = [TopicPartition(topic, p, 0) for p in metadata.partitions]
-        ends = {tp.partition: consumer.get_watermark_offsets(tp, timeout=10)[1] for tp in partitions}
+        ends = {tp.partition: end_offset(consumer, tp, timeout_s=10) for tp in partitions}
         consumer.assign(partitions)
         records: list[dict[str, Any]] = []
         done = {p for p, end in ends.items() if end == 0}
@@ -77,6 +78,8 @@ def read_dlq(
                 if message.error() or value is None or offset is None or partition is None:
                     continue
                 records.append(orjson.loads(value))
+                if offset + 1 >= ends[partition]:  # the fetch may know a later end than ListOffsets
+                    ends[partition] = end_offset(consumer, TopicPartition(topic, partition))
                 if offset + 1 >= ends[partition]:
                     done.add(partition)
         if len(done) < len(ends):

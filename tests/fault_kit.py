@@ -466,3 +466,20 @@ def stopping(*parts: OwnRedis | ProxiedMoto | DurableTansu | OwnReplicas) -> Ite
     finally:
         for part in parts:
             part.stop()
+
+
+class RunnerLog(list[str]):
+    """A runner's ``log``: keeps its lines (as written) and when each came, so that a failed case can
+    print the runner's own story (``render``) beside the assertion, however rare the failure."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._t0 = time.monotonic()
+        self._at: list[float] = []
+
+    def __call__(self, line: str) -> None:
+        self._at.append(time.monotonic() - self._t0)
+        self.append(line)
+
+    def render(self) -> str:
+        return "\n".join(f"{at:8.2f} {line}" for at, line in zip(self._at, self, strict=False))
