@@ -53,10 +53,17 @@ class FlinkClusterState:
     rest_port: int
     rpc_port: int
     processes: list[ManagedProcess] = field(default_factory=list)
+    metrics_ports: list[int] = field(default_factory=list)
+    """Ports Flink's Prometheus reporter may take, one per JobManager or TaskManager process."""
 
     @property
     def web_url(self) -> str:
         return f"http://127.0.0.1:{self.rest_port}"
+
+    @property
+    def metrics_urls(self) -> list[str]:
+        """Every port the reporter may serve ``/metrics`` on (the ones no process took refuse)."""
+        return [f"http://127.0.0.1:{port}/metrics" for port in self.metrics_ports]
 
     @property
     def conf_dir(self) -> Path:
@@ -107,8 +114,21 @@ def _set(tree: dict[str, Any], dotted: str, value: Any) -> None:
     node[leaf] = value
 
 
-def make_flink_home(root: Path, settings: FlinkClusterSettings, *, rest_port: int, rpc_port: int) -> Path:
-    """``root/home``: links to the wheel's bin/lib/opt/plugins, a writable conf/ and log/."""
+PROMETHEUS_REPORTER = "org.apache.flink.metrics.prometheus.PrometheusReporterFactory"
+"""Flink's own Prometheus reporter, shipped in the wheel's ``plugins/metrics-prometheus``: the job's
+``shopper`` metrics (and Flink's) on ``/metrics``, named as ``docs/operations.md`` lists them."""
+
+
+def make_flink_home(
+    root: Path,
+    settings: FlinkClusterSettings,
+    *,
+    rest_port: int,
+    rpc_port: int,
+    metrics_ports: list[int] | None = None,
+) -> Path:
+    """``root/home``: links to the wheel's bin/lib/opt/plugins, a writable conf/ and log/. With
+    ``metrics_ports``, each process serves Prometheus metrics on the first of them that is free."""
     home = root / "home"
     home.mkdir(parents=True, exist_ok=True)
     dist = pyflink_home()
@@ -143,6 +163,9 @@ def make_flink_home(root: Path, settings: FlinkClusterSettings, *, rest_port: in
         "web.tmpdir": str(tmp / "web"),
         "blob.storage.directory": str(tmp / "blobs"),
     }
+    if metrics_ports:
+        values["metrics.reporter.prom.factory.class"] = PROMETHEUS_REPORTER
+        values["metrics.reporter.prom.port"] = ",".join(str(port) for port in metrics_ports)
     for key, value in values.items():
         _set(tree, key, value)
     (conf / "config.yaml").write_text(yaml.safe_dump(tree, sort_keys=False))
@@ -175,6 +198,10 @@ def start_taskmanager(state: FlinkClusterState, name: str = "flink-taskmanager")
     return process
 
 
+METRICS_PORTS = 4
+"""The JobManager, the TaskManager, and room for TaskManagers started after one was lost."""
+
+
 def cluster_up(state_dir: Path, settings: FlinkClusterSettings | None = None) -> FlinkClusterState:
     """Start a JobManager and a TaskManager; returns once a slot is registered. Reuses a running one."""
     settings = settings or FlinkClusterSettings()
@@ -186,8 +213,13 @@ def cluster_up(state_dir: Path, settings: FlinkClusterSettings | None = None) ->
         cluster_down(state_dir)
     root = cluster_dir(state_dir)
     rest_port, rpc_port = free_port(), free_port()
-    home = make_flink_home(root, settings, rest_port=rest_port, rpc_port=rpc_port)
-    state = FlinkClusterState(flink_home=str(home), rest_port=rest_port, rpc_port=rpc_port)
+    metrics_ports = [free_port() for _ in range(METRICS_PORTS)]
+    home = make_flink_home(
+        root, settings, rest_port=rest_port, rpc_port=rpc_port, metrics_ports=metrics_ports
+    )
+    state = FlinkClusterState(
+        flink_home=str(home), rest_port=rest_port, rpc_port=rpc_port, metrics_ports=metrics_ports
+    )
     try:
         jobmanager = spawn(
             "flink-jobmanager",
@@ -228,6 +260,7 @@ def cluster_status(state_dir: Path) -> dict[str, object]:
     state = load_cluster(state_dir)
     status: dict[str, object] = {
         "web_ui": state.web_url,
+        "prometheus": state.metrics_urls,
         "flink_home": state.flink_home,
         "processes": {f"{p.name} ({p.pid})": ("up" if alive(p.pid) else "DOWN") for p in state.processes},
     }

@@ -1,8 +1,15 @@
-"""Test helpers: producing records, and the offline oracle of what the pipeline must emit."""
+"""Test helpers: producing records, the offline oracle of what the pipeline must emit, and checking a
+Grafana dashboard against the metrics a real process serves."""
 
 from __future__ import annotations
 
+import json
+import re
+import urllib.request
+from pathlib import Path
+
 from confluent_kafka import Producer
+from prometheus_client.parser import text_string_to_metric_families
 
 from prompt_assembly.events import MalformedEvent, parse_event
 from prompt_assembly.processor import SessionConfig, SessionProcessor
@@ -43,3 +50,26 @@ def final_seq_by_shopper(prompts: dict[str, PromptRequest]) -> dict[str, int]:
     for prompt in prompts.values():
         seqs[prompt.shopper_id] = max(seqs.get(prompt.shopper_id, 0), prompt.seq)
     return seqs
+
+
+def dashboard_metric_names(dashboard: Path, name: re.Pattern[str]) -> set[str]:
+    """The metric names (matching ``name``) a Grafana dashboard's queries ask for: a dashboard is
+    checked against what a real process exports, so a renamed metric cannot leave a panel empty."""
+    panels = json.loads(dashboard.read_text())["panels"]
+    exprs = [target["expr"] for panel in panels for target in panel["targets"]]
+    assert exprs, f"{dashboard.name} has queries"
+    return {found for expr in exprs for found in name.findall(expr)}
+
+
+def prometheus_names(urls: list[str]) -> set[str]:
+    """Every sample name served by those of ``urls`` that answer (Flink's reporter ports that no
+    process took refuse)."""
+    names: set[str] = set()
+    for url in urls:
+        try:
+            with urllib.request.urlopen(url, timeout=10) as response:
+                text = response.read().decode()
+        except OSError:
+            continue
+        names |= {s.name for family in text_string_to_metric_families(text) for s in family.samples}
+    return names

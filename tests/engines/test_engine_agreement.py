@@ -4,11 +4,13 @@ dead letters (byte for byte, partition and offset included). The records include
 an oversized event, non-UTF-8 bytes and a tombstone; the Flink job keeps running past all of them.
 
 Both engines call the same session processor, client, sinks and dead-letter module; this test guards
-the shells and the connector path (Table API Kafka source with metadata columns, KafkaSink)."""
+the shells and the connector path (Table API Kafka source with metadata columns, KafkaSink). While the
+job runs, the compose stack's Flink dashboard is checked against what the cluster's Prometheus reporter serves."""
 
 from __future__ import annotations
 
 import asyncio
+import re
 from pathlib import Path
 from typing import Any
 
@@ -33,12 +35,17 @@ from tests.flink_kit import (
     run_job,
     wait_committed,
 )
-from tests.helpers import expected_prompts
+from tests.helpers import dashboard_metric_names, expected_prompts, prometheus_names
 
 pytestmark = [pytest.mark.flink, pytest.mark.slow]
 
 # Fields that depend only on the events (and the deterministic stand-in model), not on timing or on
 # which replica's cache happened to hold the prefix.
+FLINK_DASHBOARD = Path(__file__).resolve().parents[2] / "docker/grafana/dashboards/shopper-flink.json"
+FLINK_METRIC = re.compile(r"\bflink_[A-Za-z0-9_]+\b")
+"""The compose stack's Flink dashboard, checked against the metrics the standalone cluster's Prometheus
+reporter serves while the job runs (the runner's dashboard has its own check)."""
+
 SIGNAL_FIELDS = (
     "seq",
     "request_id",
@@ -115,6 +122,12 @@ def test_flink_cluster_and_embedded_runner_write_the_same_results(
     rest = FlinkRest(flink_cluster.web_url)
     wait_committed(stack.kafka_bootstrap, topics.group, topics.events, ends, rest, job.job_id)
     assert rest.job_state(job.job_id) == "RUNNING", "the job stopped on a bad record"
+    exported = prometheus_names(flink_cluster.metrics_urls)
+    asked = dashboard_metric_names(FLINK_DASHBOARD, FLINK_METRIC)
+    assert asked <= exported, (
+        f"the Flink dashboard asks for metrics the cluster does not export: {sorted(asked - exported)}; "
+        f"exported: {sorted(n for n in exported if 'shopper' in n or 'Checkpoint' in n or 'Restarts' in n)}"
+    )
     drain(flink_cluster, job.job_id, stack_dir)
 
     stats = asyncio.run(EmbeddedRunner(isolated.runner(), log=lambda _: None).run())

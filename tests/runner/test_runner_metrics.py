@@ -23,7 +23,7 @@ from runner.dead_letters import REASON_CATEGORIES, reason_category
 from runner.embedded import EmbeddedRunner
 from runner.logs import line_logger
 from tests.conftest import Isolated
-from tests.helpers import expected_prompts, produce_records
+from tests.helpers import dashboard_metric_names, expected_prompts, produce_records
 
 ROOT = Path(__file__).resolve().parents[2]
 DASHBOARD = ROOT / "docker/grafana/dashboards/shopper-runner.json"
@@ -43,13 +43,6 @@ def parse(text: str) -> tuple[Samples, set[str]]:
 
 def value(samples: Samples, name: str, **labels: str) -> float:
     return samples[(name, tuple(sorted(labels.items())))]
-
-
-def dashboard_metric_names() -> set[str]:
-    dashboard = json.loads(DASHBOARD.read_text())
-    exprs = [target["expr"] for panel in dashboard["panels"] for target in panel["targets"]]
-    assert exprs, "the dashboard has queries"
-    return {name for expr in exprs for name in METRIC_NAME.findall(expr)}
 
 
 async def get(session: aiohttp.ClientSession, url: str) -> tuple[int, str]:
@@ -173,7 +166,7 @@ def test_the_grafana_dashboard_asks_only_for_metrics_the_runner_exports(isolated
             exported.update(parse(text)[1])
 
     asyncio.run(while_running(runner, lambda: acct.consumed == len(records) and acct.insights > 0, check))
-    used = dashboard_metric_names()
+    used = dashboard_metric_names(DASHBOARD, METRIC_NAME)
     assert used - exported == set(), (
         f"the dashboard asks for metrics the runner does not export: {used - exported}"
     )
