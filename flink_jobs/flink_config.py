@@ -39,7 +39,16 @@ class KafkaSettings(BaseModel):
         description="must exceed the checkpoint interval plus the longest restart, and stay under the "
         "broker's transaction.max.timeout.ms (15 min by default)",
     )
-    consumer_properties: dict[str, str] = Field(default_factory=dict)
+    fetch_max_wait_ms: int = Field(
+        500,
+        gt=0,
+        description="the source consumer's fetch.max.wait.ms (Kafka's default is 500). A broker that "
+        "holds a fetch for this long instead of answering when data arrives (Tansu does) adds up to "
+        "this much latency per record; on Kafka it only bounds the idle fetch rate",
+    )
+    consumer_properties: dict[str, str] = Field(
+        default_factory=dict, description="more source consumer properties; they win over the fields above"
+    )
     security: KafkaSecurity = Field(
         default_factory=KafkaSecurity,
         description="TLS/SASL of the source and sinks (pipeline.kafka_security.java_kafka_properties)",
@@ -112,6 +121,24 @@ class NearRealtimeSettings(BaseSettings):
         False,
         description="keep an event-time timer at Long.MAX_VALUE per pending trigger so that `flink stop "
         "--drain` (or the end of a bounded input) fires every pending trigger",
+    )
+    buffer_timeout_ms: int = Field(
+        100,
+        ge=0,
+        description="execution.buffer-timeout.interval: how long a network buffer between tasks (the "
+        "source -> keyed sessions exchange) waits to fill before it is sent (Flink's default 100 ms); "
+        "0 flushes after every record",
+    )
+    session_stage_mode: Literal["thread", "process"] = Field(
+        "process",
+        description="python.execution-mode of the keyed session stage alone: 'thread' runs it in the "
+        "TaskManager's JVM (PEMJA), record by record, so it holds nothing for a bundle; the async stage "
+        "always runs in 'process' mode (PyFlink has no async function in thread mode)",
+    )
+    python_path: str | None = Field(
+        None,
+        description="python.pythonpath for 'thread' mode: where the TaskManager's embedded interpreter "
+        "finds the job's packages; None = the submitting interpreter's site-packages and the project root",
     )
     kafka: KafkaSettings = Field(default_factory=KafkaSettings)
     checkpoint: CheckpointSettings = Field(default_factory=CheckpointSettings)

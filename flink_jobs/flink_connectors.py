@@ -165,6 +165,7 @@ def kafka_source_ddl(settings: NearRealtimeSettings, *, stop_at_latest: bool = F
         "scan.startup.mode": "group-offsets",
         "properties.auto.offset.reset": "earliest",
         "scan.topic-partition-discovery.interval": "60 s",
+        "properties.fetch.max.wait.ms": str(kafka.fetch_max_wait_ms),
         "format": "raw",
     }
     if stop_at_latest:  # a bounded read of what is in the topic now (tests, backfills)
@@ -258,6 +259,7 @@ def kafka_source(settings: NearRealtimeSettings, *, stop_at_latest: bool = False
         .set_value_only_deserializer(SimpleStringSchema())
         .set_property("commit.offsets.on.checkpoint", "true")
         .set_property("partition.discovery.interval.ms", "60000")
+        .set_property("fetch.max.wait.ms", str(kafka.fetch_max_wait_ms))
     )
     for key, value in {**java_kafka_properties(kafka.security), **kafka.consumer_properties}.items():
         builder = builder.set_property(key, value)

@@ -25,9 +25,11 @@ from __future__ import annotations
 
 import argparse
 import base64
+import os
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -56,6 +58,7 @@ def job_configuration(settings: NearRealtimeSettings, *, local: bool) -> Any:
         "restart-strategy.type": restart.strategy,
         "python.fn-execution.bundle.size": str(aio.bundle_size),
         "python.fn-execution.bundle.time": str(aio.bundle_time_ms),
+        "execution.buffer-timeout.interval": f"{settings.buffer_timeout_ms} ms",
         "python.metric.enabled": "true",
         # Python operator chaining (fusing consecutive Python operators into one worker) duplicates the
         # operators downstream of a Python operator with a side output in PyFlink 2.3: every prompt was
@@ -72,6 +75,13 @@ def job_configuration(settings: NearRealtimeSettings, *, local: bool) -> Any:
     if python:
         values["python.executable"] = python
         values["python.client.executable"] = python
+    if settings.session_stage_mode == "thread":
+        # The job-wide mode must say 'thread' at run time (an embedded operator refuses to open
+        # otherwise); the async stage is built as a process-mode operator (``async_stage``), which
+        # runs in its worker whatever this says. The embedded interpreter does not read the venv's
+        # .pth files, so it gets the job's packages on python.pythonpath.
+        values["python.execution-mode"] = "thread"
+        values["python.pythonpath"] = settings.python_path or default_python_path()
     for key, value in values.items():
         conf.set_string(key, value)
     return conf
@@ -85,6 +95,34 @@ def create_environment(settings: NearRealtimeSettings, *, local: bool, jars: Seq
     if jars:
         env.add_jars(*jars)
     return env
+
+
+def default_python_path() -> str:
+    """This interpreter's site-packages and the project root (an editable install is a .pth file)."""
+    import site
+    from pathlib import Path
+
+    root = str(Path(__file__).resolve().parents[1])
+    return os.pathsep.join([*site.getsitepackages(), root])
+
+
+@contextmanager
+def async_stage(stream: Any) -> Iterator[None]:
+    """Build the async operators inside with ``python.execution-mode`` = 'process'. PyFlink picks a
+    Python operator's Java class (embedded in the JVM for 'thread', a Beam worker for 'process') from
+    the environment's configuration when the operator is added, and has no async function in thread
+    mode; so with ``session_stage_mode`` 'thread' the session stage is embedded and the async stage
+    still gets its worker (whose operator does not read the mode again at run time)."""
+    from pyflink.util.java_utils import get_j_env_configuration
+
+    conf = get_j_env_configuration(stream._j_data_stream.getExecutionEnvironment())
+    key = "python.execution-mode"
+    before = conf.getString(key, "process")
+    conf.setString(key, "process")
+    try:
+        yield
+    finally:
+        conf.setString(key, before)
 
 
 @dataclass
@@ -111,21 +149,10 @@ def build_pipeline(
     stage holds its input for up to one bundle time and drains at each bundle end, so fewer stages is
     what cuts the added latency (docs/flink.md, "Latency")."""
     from pyflink.common import Types
-    from pyflink.common.time import Time
-    from pyflink.datastream import async_retry_strategies
-    from pyflink.datastream.async_data_stream import AsyncDataStream
 
-    from flink_jobs.flink_functions import (
-        DLQ_TAG,
-        EnrichAndWrite,
-        EnrichPrompts,
-        ShopperSessionFunction,
-        WriteResults,
-        is_retryable_result,
-    )
+    from flink_jobs.flink_functions import DLQ_TAG, ShopperSessionFunction
 
     settings_json = settings.to_json()
-    aio = settings.async_io
     prompts = (
         keyed.process(
             ShopperSessionFunction(
@@ -137,6 +164,20 @@ def build_pipeline(
         .uid("shopper-sessions")
     )
     dlq = prompts.get_side_output(DLQ_TAG)
+    with async_stage(prompts):
+        return _async_stages(prompts, dlq, settings, settings_json)
+
+
+def _async_stages(prompts: Any, dlq: Any, settings: NearRealtimeSettings, settings_json: str) -> Pipeline:
+    """Enrichment and sink writes: one async stage, or two where Flink-level retries are on."""
+    from pyflink.common import Types
+    from pyflink.common.time import Time
+    from pyflink.datastream import async_retry_strategies
+    from pyflink.datastream.async_data_stream import AsyncDataStream
+
+    from flink_jobs.flink_functions import EnrichAndWrite, EnrichPrompts, WriteResults, is_retryable_result
+
+    aio = settings.async_io
     if settings.sinks_enabled and aio.retry_attempts == 0:
         # Timeouts are enforced on the event loop: a Flink-level timeout costs PyFlink one OS thread per
         # in-flight record (see AsyncSettings).

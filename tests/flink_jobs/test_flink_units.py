@@ -226,3 +226,50 @@ def test_the_gate_writes_the_shared_dead_letter_and_bounded_keys_never_fail() ->
     assert shopper_key(encoded) == "s-1"
     assert shopper_key(base64.b64encode(b"\xff not json").decode()) == ""
     assert shopper_key(base64.b64encode(b'{"shopper_id": 7}').decode()) == ""
+
+
+def test_the_latency_settings_reach_the_source_and_the_flink_configuration() -> None:
+    from flink_jobs.flink_config import KafkaSettings
+    from flink_jobs.near_realtime import job_configuration
+
+    settings = NearRealtimeSettings(
+        kafka=KafkaSettings(fetch_max_wait_ms=40), buffer_timeout_ms=7, session_stage_mode="thread"
+    )
+    assert "'properties.fetch.max.wait.ms' = '40'" in flink_connectors.kafka_source_ddl(settings)
+    overridden = settings.model_copy(deep=True)
+    overridden.kafka.consumer_properties = {"fetch.max.wait.ms": "500"}
+    ddl = flink_connectors.kafka_source_ddl(overridden)
+    assert "'properties.fetch.max.wait.ms' = '500'" in ddl and "= '40'" not in ddl
+    conf = job_configuration(settings, local=True).to_dict()
+    assert conf["execution.buffer-timeout.interval"] == "7 ms"
+    assert conf["python.execution-mode"] == "thread"
+    assert str(ROOT) in conf["python.pythonpath"].split(":")
+    assert "python.execution-mode" not in job_configuration(NearRealtimeSettings(), local=True).to_dict()
+
+
+@pytest.mark.parametrize("mode", ["thread", "process"])
+def test_only_the_session_stage_follows_the_session_stage_mode(mode: str) -> None:
+    """PyFlink has no async function in thread mode: the async stage is a worker process either way."""
+    from pyflink.common import Types
+
+    from flink_jobs.flink_functions import shopper_key
+    from flink_jobs.near_realtime import build_pipeline, create_environment
+
+    settings = NearRealtimeSettings(session_stage_mode=mode)
+    env = create_environment(settings, local=True)
+    raw = env.from_collection(["e30="], type_info=Types.STRING())
+    pipeline = build_pipeline(
+        raw.key_by(shopper_key, key_type=Types.STRING()), settings, source_topic=None, base64_values=True
+    )
+    pipeline.results.print()
+    graph = env._j_stream_execution_environment.getStreamGraph(False)
+    operators = {
+        str(node.getOperatorName()): str(node.getOperatorFactory().getOperator().getClass().getSimpleName())
+        for node in graph.getStreamNodes().toArray()
+        if hasattr(node.getOperatorFactory(), "getOperator")
+    }
+    embedded = (
+        "EmbeddedPythonKeyedProcessOperator" if mode == "thread" else "ExternalPythonKeyedProcessOperator"
+    )
+    assert operators["gate and shopper sessions"] == embedded
+    assert operators["enrich prompts (LLM), write Redis and S3"] == "ExternalPythonProcessOperator"

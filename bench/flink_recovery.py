@@ -1,0 +1,341 @@
+"""Recovery of the job on the standalone cluster from a lost TaskManager, under a steady paced stream.
+
+    .venv/bin/python -m bench.flink_cluster --recovery [--rate 10] [--seconds 120] [--kill-after 40]
+
+The job runs at its defaults (checkpoint interval, restart strategy) with the rate limit off, so each
+``add_to_cart`` is a prompt at once; 1 record in 50 is malformed. ``kill_after`` s into the stream
+(and after at least one completed checkpoint) the TaskManager's process group, the JVM and its Python
+workers, is SIGKILLed, as a lost machine, and a new TaskManager is started at once (what
+``tests/flink_jobs/test_flink_cluster.py`` does). Measured from the kill: when the JobManager recorded
+the failure, when every task of the job is RUNNING again, and when the first new result is written to
+Redis; the freshness (Redis write - event time, end to end) of the events produced between the kill and
+that first result, against the steady state before the kill and after the recovery.
+
+Accounting at the end, once the group's committed offsets cover every produced record: every valid
+event is the newest event of some prompt whose result is in S3, every malformed record has a dead
+letter (deduplicated on partition/offset: the DLQ is at-least-once), and the insights topic read with
+``read_committed`` holds exactly one record per prompt.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import orjson
+from confluent_kafka import Consumer, KafkaError, Message, Producer, TopicPartition
+
+from bench.common import percentile, print_table
+from bench.flink_cluster import Knobs, SignalPoller, bench_job, cart_event, describe, wait_committed
+from devstack.flink_cluster import (
+    FlinkClusterSettings,
+    FlinkClusterState,
+    FlinkRest,
+    cluster_up,
+    save_cluster,
+    start_taskmanager,
+    submit,
+)
+from devstack.processes import alive
+from devstack.stack import StackState
+from pipeline.dead_letter import DeadLetter
+from shopper.readback import list_s3_records
+
+MALFORMED_EVERY = 50
+STEADY_WARMUP_S = 15.0
+SETTLE_S = 10.0
+"""Events produced this long after the first new result count as 'after the recovery'."""
+
+
+@dataclass
+class Stream:
+    """What the producer thread wrote: per event (shopper, Kafka timestamp, valid), and per partition
+    the offset after the last record (from the delivery reports)."""
+
+    events: list[tuple[str, float, bool]] = field(default_factory=list)
+    ends: dict[int, int] = field(default_factory=dict)
+    failures: list[str] = field(default_factory=list)
+
+
+@dataclass
+class Recovery:
+    settings: str
+    checkpoint_age_s: float
+    noticed_s: float
+    running_s: float
+    first_result_s: float
+    outage_events: int
+    outage_observed: list[float]
+    steady: list[float]
+    after: list[float]
+    produced: int
+    malformed: int
+    uncovered: int
+    results: int
+    result_errors: int
+    s3_replayed: int
+    dead_letters: int
+    insights: int
+    insight_duplicates: int
+    insights_missing: int
+    insights_extra: int
+
+
+def produce_paced(
+    bootstrap: str, topic: str, tag: str, rate: float, seconds: float, shoppers: int, out: Stream
+) -> None:
+    producer = Producer({"bootstrap.servers": bootstrap, "linger.ms": 0})
+
+    def delivered(error: KafkaError | None, message: Message) -> None:
+        partition, offset = message.partition(), message.offset()
+        if error is not None or partition is None or offset is None:
+            out.failures.append(str(error))
+            return
+        out.ends[partition] = max(out.ends.get(partition, 0), offset + 1)
+
+    started = time.time()
+    n = 0
+    while time.time() - started < seconds:
+        time.sleep(max(0.0, started + n / rate - time.time()))
+        shopper = f"shopper-{n % shoppers:04d}"
+        now = time.time()
+        valid = n % MALFORMED_EVERY != MALFORMED_EVERY - 1
+        value = cart_event(tag, n, shopper, now) if valid else b"{not json " + str(n).encode()
+        producer.produce(
+            topic, key=shopper.encode(), value=value, timestamp=int(now * 1000), on_delivery=delivered
+        )
+        producer.poll(0)
+        out.events.append((shopper, now, valid))
+        n += 1
+    producer.flush(30)
+
+
+def kill_taskmanager(cluster: FlinkClusterState, state_dir: Path) -> float:
+    """SIGKILL the TaskManager's process group and start a new TaskManager; returns the kill time."""
+    victims = [p for p in cluster.processes if p.name.startswith("flink-taskmanager") and alive(p.pid)]
+    if len(victims) != 1:
+        raise RuntimeError(f"expected one live TaskManager, found {[v.name for v in victims]}")
+    os.killpg(victims[0].pid, signal.SIGKILL)  # the JVM and its Python workers, like a lost machine
+    killed = time.time()
+    cluster.processes.remove(victims[0])
+    start_taskmanager(cluster, name="flink-taskmanager-2")
+    save_cluster(state_dir, cluster)
+    return killed
+
+
+def watch_restart(rest: FlinkRest, job_id: str, killed: float, timeout_s: float = 600.0) -> float:
+    """Until the job has left all-tasks-RUNNING and come back to it; returns the time it is back."""
+    deadline = time.monotonic() + timeout_s
+    left = False
+    while time.monotonic() < deadline:
+        try:
+            job = rest.get(f"/jobs/{job_id}")
+        except OSError:
+            time.sleep(0.2)
+            continue
+        if job["state"] in {"FAILED", "CANCELED", "FINISHED"}:
+            raise RuntimeError(f"job {job_id} is {job['state']} after the kill")
+        running = job["state"] == "RUNNING" and all(v["status"] == "RUNNING" for v in job["vertices"])
+        restarted = any(int(v.get("start-time", -1)) > killed * 1000 for v in job["vertices"])
+        if not running:
+            left = True
+        elif left or restarted:
+            return time.time()
+        time.sleep(0.2)
+    raise TimeoutError(f"job {job_id} not running again {timeout_s} s after the kill")
+
+
+def failure_noticed(rest: FlinkRest, job_id: str, killed: float) -> float:
+    """The JobManager's timestamp of the first failure recorded after the kill."""
+    entries = rest.get(f"/jobs/{job_id}/exceptions")["exceptionHistory"]["entries"]
+    stamps = [int(e["timestamp"]) / 1000 for e in entries if int(e["timestamp"]) / 1000 >= killed - 1]
+    return min(stamps) if stamps else float("nan")
+
+
+def read_topic(
+    bootstrap: str, topic: str, *, expect: int, read_committed: bool, quiet_s: float = 3.0
+) -> list[bytes]:
+    """Every record of ``topic``: until ``expect`` are in and then ``quiet_s`` without a new one (so
+    a duplicate would still be seen), at most 120 s."""
+    consumer = Consumer(
+        {
+            "bootstrap.servers": bootstrap,
+            "group.id": f"bench-read-{uuid.uuid4().hex[:8]}",
+            "isolation.level": "read_committed" if read_committed else "read_uncommitted",
+            "enable.auto.commit": False,
+        }
+    )
+    try:
+        partitions = consumer.list_topics(topic, timeout=10).topics[topic].partitions
+        consumer.assign([TopicPartition(topic, p, 0) for p in partitions])
+        values: list[bytes] = []
+        deadline = time.monotonic() + 120
+        last_new = time.monotonic()
+        while time.monotonic() < deadline:
+            message = consumer.poll(0.3)
+            if message is not None and not message.error():
+                values.append(message.value() or b"")
+                last_new = time.monotonic()
+            elif len(values) >= expect and time.monotonic() - last_new > quiet_s:
+                break
+        return values
+    finally:
+        consumer.close()
+
+
+def recovery(
+    stack: StackState,
+    state_dir: Path,
+    knobs: Knobs,
+    *,
+    rate: float,
+    seconds: float,
+    kill_after: float,
+) -> Recovery:
+    tag = uuid.uuid4().hex[:8]
+    settings = bench_job(stack, state_dir, tag, knobs, live=True)
+    cluster = cluster_up(state_dir)
+    rest = FlinkRest(cluster.web_url)
+    job = submit(cluster, settings, config_path=state_dir / "flink" / f"bench-{tag}.json")
+    rest.wait_running(job.job_id)
+    stream = Stream()
+    shoppers = max(1, int(rate * 30))  # each shopper acts every ~30 s: one event each in an outage
+    producer = threading.Thread(
+        target=produce_paced,
+        args=(stack.kafka_bootstrap, settings.kafka.events_topic, tag, rate, seconds, shoppers, stream),
+        daemon=True,
+    )
+    with SignalPoller(stack.redis_url, settings.sinks.redis_key_prefix, interval_s=0.1) as poller:
+        started = time.time()
+        producer.start()
+        while time.time() - started < kill_after or rest.completed_checkpoints(job.job_id) < 1:
+            time.sleep(0.2)
+        last = rest.get(f"/jobs/{job.job_id}/checkpoints")["latest"]["completed"]
+        killed = kill_taskmanager(cluster, state_dir)
+        checkpoint_age = killed - int(last["trigger_timestamp"]) / 1000
+        running = watch_restart(rest, job.job_id, killed)
+        noticed = failure_noticed(rest, job.job_id, killed)
+        producer.join()
+        if stream.failures:
+            raise RuntimeError(f"produce failed: {stream.failures[:3]}")
+        wait_committed(
+            stack.kafka_bootstrap, settings.kafka.group_id, settings.kafka.events_topic, stream.ends, 600
+        )
+        time.sleep(2)
+    writes = sorted(w for w, _ in poller.seen.values() if w > killed)
+    first_result = writes[0] if writes else float("nan")
+    written_at = {round(event_ts, 6): written for written, event_ts in poller.seen.values()}
+
+    def fresh(lo: float, hi: float) -> tuple[int, list[float]]:
+        window = [ts for _, ts, valid in stream.events if valid and lo <= ts < hi]
+        found = [(written_at[round(ts, 6)] - ts) * 1000 for ts in window if round(ts, 6) in written_at]
+        return len(window), found
+
+    outage_n, outage = fresh(killed, first_result)
+    _, steady = fresh(started + STEADY_WARMUP_S, killed)
+    _, after = fresh(first_result + SETTLE_S, float("inf"))
+
+    sinks = settings.sinks
+    _, records = list_s3_records(sinks, sinks.s3_prefix)
+    by_id = {str(r["request_id"]): r for r in records}
+    covered = {(str(r["shopper_id"]), round(float(r["last_event_ts"]), 6)) for r in by_id.values()}
+    valid_events = [(s, round(ts, 6)) for s, ts, valid in stream.events if valid]
+    malformed = sum(1 for _, _, valid in stream.events if not valid)
+    insights = [
+        str(orjson.loads(v)["request_id"])
+        for v in read_topic(
+            stack.kafka_bootstrap, settings.kafka.insights_topic or "", expect=len(by_id), read_committed=True
+        )
+    ]
+    dead = {
+        (d.partition, d.offset)
+        for d in (
+            DeadLetter.from_bytes(v)
+            for v in read_topic(
+                stack.kafka_bootstrap, settings.kafka.dlq_topic, expect=malformed, read_committed=False
+            )
+        )
+    }
+    rest.cancel(job.job_id)
+    return Recovery(
+        settings=describe(settings),
+        checkpoint_age_s=checkpoint_age,
+        noticed_s=noticed - killed,
+        running_s=running - killed,
+        first_result_s=first_result - killed,
+        outage_events=outage_n,
+        outage_observed=outage,
+        steady=steady,
+        after=after,
+        produced=len(stream.events),
+        malformed=malformed,
+        uncovered=sum(1 for e in valid_events if e not in covered),
+        results=len(by_id),
+        result_errors=sum(1 for r in by_id.values() if r.get("kind") == "error"),
+        s3_replayed=len(records) - len(by_id),
+        dead_letters=len(dead),
+        insights=len(insights),
+        insight_duplicates=len(insights) - len(set(insights)),
+        insights_missing=len(set(by_id) - set(insights)),
+        insights_extra=len(set(insights) - set(by_id)),
+    )
+
+
+def _ms(values: list[float]) -> str:
+    if not values:
+        return "-"
+    return f"{percentile(values, 0.5):,.0f} / {percentile(values, 0.99):,.0f} / {max(values):,.0f}"
+
+
+def print_recovery(r: Recovery) -> None:
+    cluster = FlinkClusterSettings()
+    print(
+        f"job: {r.settings}; restart exponential-delay from 1 s; cluster heartbeat "
+        f"{cluster.heartbeat_interval_ms} ms, timeout {cluster.heartbeat_timeout_ms} ms"
+    )
+    print_table(
+        ["from the SIGKILL of the TaskManager", "seconds"],
+        [
+            ["last completed checkpoint was triggered (replayed window)", f"-{r.checkpoint_age_s:.1f}"],
+            ["JobManager records the failure", f"{r.noticed_s:.1f}"],
+            ["every task RUNNING again (new TaskManager)", f"{r.running_s:.1f}"],
+            ["first new result written to Redis", f"{r.first_result_s:.1f}"],
+        ],
+    )
+    print_table(
+        ["events", "count", "freshness p50 / p99 / max ms (Redis write - event time)"],
+        [
+            ["steady, before the kill", len(r.steady), _ms(r.steady)],
+            ["produced between the kill and the first new result", r.outage_events, _ms(r.outage_observed)],
+            [f"produced from {SETTLE_S:.0f} s after the first new result", len(r.after), _ms(r.after)],
+        ],
+    )
+    print(f"(outage: {len(r.outage_observed)} of {r.outage_events} results seen by the Redis poller)")
+    print_table(
+        ["accounting", "count"],
+        [
+            ["records produced", r.produced],
+            ["malformed", r.malformed],
+            ["valid events in no stored prompt", r.uncovered],
+            ["prompts with a result in S3", r.results],
+            ["of them error results", r.result_errors],
+            ["S3 records written twice (replay, deduped on request_id)", r.s3_replayed],
+            ["dead letters (distinct partition/offset)", r.dead_letters],
+            ["insights, read_committed", r.insights],
+            [
+                "insights duplicated / missing / extra",
+                f"{r.insight_duplicates} / {r.insights_missing} / {r.insights_extra}",
+            ],
+        ],
+    )
+    ok = (
+        r.uncovered == 0
+        and r.dead_letters == r.malformed
+        and r.insight_duplicates == r.insights_missing == r.insights_extra == 0
+    )
+    print("accounting: " + ("complete" if ok else "INCOMPLETE"))
