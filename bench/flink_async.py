@@ -3,6 +3,7 @@ fixed-latency OpenAI-compatible endpoint (a tiny aiohttp server in this process)
 
     .venv/bin/python bench/flink_async.py                  # the table in docs/flink.md
     .venv/bin/python bench/flink_async.py --quick          # two rows, as a smoke test
+    .venv/bin/python bench/flink_async.py --defaults       # the job's current defaults, 200 ms and 1 s calls
 
 Each setting runs twice in the local MiniCluster:
 - saturated: the whole input is available at once; events/s = prompts completed per second between the
@@ -283,6 +284,18 @@ SETTINGS = [
     Setting("bundle 1 s, no Flink timeout, cap 1000", "http", 1.0, 1000, 1000, timeout_ms=0),
 ]
 
+
+def job_default_settings() -> list[Setting]:
+    """The job's EnrichPrompts at the job's current defaults (bundle time and size from
+    ``AsyncSettings``, no Flink-level timeout), at 200 ms and 1 s calls: the ceiling ratio to keep."""
+    defaults = AsyncSettings()
+    label = f"job defaults (bundle {defaults.bundle_time_ms} ms)"
+    return [
+        Setting(label, "http", 0.2, 50, defaults.bundle_time_ms, defaults.bundle_size, timeout_ms=0),
+        Setting(label, "http", 1.0, 250, defaults.bundle_time_ms, defaults.bundle_size, timeout_ms=0),
+    ]
+
+
 CPU_BOUND_ABOVE = 1000.0
 """Ceilings above this are CPU-bound here: they get a saturated run only (a paced run would queue)."""
 
@@ -295,6 +308,7 @@ def main() -> int:
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--only", help="run settings whose label contains this")
     parser.add_argument("--rows", help="comma-separated indices into SETTINGS")
+    parser.add_argument("--defaults", action="store_true", help="only the two rows at the job's defaults")
     args = parser.parse_args()
     server = FixedLatencyLLM()
     url = server.start()
@@ -303,10 +317,13 @@ def main() -> int:
         settings = [s for s in settings if args.only in s.label]
     if args.rows:
         settings = [SETTINGS[int(i)] for i in args.rows.split(",")]
+    if args.defaults:
+        settings = job_default_settings()
     print(
         f"machine: {platform.machine()}, {os.cpu_count()} cores (shared), "
         f"Python {platform.python_version()}, "
-        "PyFlink 2.3.0 local MiniCluster, parallelism 1"
+        "PyFlink 2.3.0 local MiniCluster, parallelism 1, "
+        f"load average {os.getloadavg()[0]:.1f} / {os.getloadavg()[1]:.1f}"
     )
     print(
         "| call | latency | capacity | setting | ceiling/s | saturated events/s | ratio | paced at /s "
