@@ -16,6 +16,7 @@ from collections import deque
 from collections.abc import Sequence
 
 from batch.aimd import AimdController, AimdSettings, WindowStats
+from capacity.background import BackgroundLoop
 from llm_client.client import LLMClient
 
 log = logging.getLogger(__name__)
@@ -49,7 +50,7 @@ class EndpointPool:
         self._limited = False
         self._window_started = 0.0
         self._retries_seen = client.retries
-        self._task: asyncio.Task[None] | None = None
+        self._adapter = BackgroundLoop(f"aimd-{self.name}", self._adapt)
         self.changed = asyncio.Event()
         """Set whenever the limit moves (the dispatcher waits on it too)."""
 
@@ -94,15 +95,11 @@ class EndpointPool:
             self._latencies.append(latency_s)
 
     def start(self) -> None:
-        if self._task is None and self.fixed_limit is None:
-            self._task = asyncio.create_task(self._adapt(), name=f"aimd-{self.name}")
+        if self.fixed_limit is None:
+            self._adapter.start()
 
     async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
-            self._task = None
+        await self._adapter.stop()
 
     async def _adapt(self) -> None:
         loop = asyncio.get_running_loop()

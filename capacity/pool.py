@@ -13,8 +13,6 @@ on it. A replica going back to batch moves at once (batch does not mind a few re
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import logging
 import time
 from collections.abc import Callable, Sequence
@@ -24,6 +22,7 @@ from typing import Literal
 import orjson
 import redis.asyncio as aioredis
 
+from capacity.background import BackgroundLoop, every
 from sinks.keys import RedisKeys
 
 log = logging.getLogger(__name__)
@@ -125,7 +124,11 @@ class PoolFollower:
         self.poll_s = poll_s
         self.handoff_s = handoff_s
         self.current: list[str] | None = None
-        self._task: asyncio.Task[None] | None = None
+        # A Redis hiccup keeps the last split in force; the next poll tries again.
+        what = f"pool follower ({side})"
+        self._loop = BackgroundLoop(
+            f"pool-follower-{side}", lambda: every(lambda: self.poll_s, self.sync, log, what)
+        )
 
     async def sync(self) -> list[str] | None:
         split = await self.board.read()
@@ -139,20 +142,7 @@ class PoolFollower:
         return urls
 
     def start(self) -> None:
-        if self._task is None:
-            self._task = asyncio.create_task(self._loop(), name=f"pool-follower-{self.side}")
+        self._loop.start()
 
     async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
-            self._task = None
-
-    async def _loop(self) -> None:
-        while True:
-            try:
-                await self.sync()
-            except Exception as exc:  # Redis hiccup: keep the last split, try again
-                log.warning("pool follower (%s): %r", self.side, exc)
-            await asyncio.sleep(self.poll_s)
+        await self._loop.stop()

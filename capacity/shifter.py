@@ -8,13 +8,12 @@ load signal; decisions are kept in ``history`` for plots and logs.
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import logging
 import time
 from collections import deque
 from collections.abc import Callable
 
+from capacity.background import BackgroundLoop, every
 from capacity.controller import CapacityController, CapacityDecision
 from capacity.pool import PoolBoard
 
@@ -40,7 +39,13 @@ class CapacityShifter:
         self.forecast = forecast
         self.clock = clock
         self.history: deque[tuple[float, CapacityDecision]] = deque(maxlen=HISTORY_KEPT)
-        self._task: asyncio.Task[None] | None = None
+        # A Redis hiccup leaves the last published split in force; the next tick tries again.
+        self._loop = BackgroundLoop(
+            "capacity-shifter", lambda: every(self._tick_s, self.tick, log, "capacity shifter")
+        )
+
+    def _tick_s(self) -> float:
+        return self.controller.settings.tick_s
 
     async def tick(self) -> CapacityDecision:
         now = self.clock()
@@ -54,20 +59,7 @@ class CapacityShifter:
         return decision
 
     def start(self) -> None:
-        if self._task is None:
-            self._task = asyncio.create_task(self._loop(), name="capacity-shifter")
+        self._loop.start()
 
     async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
-            self._task = None
-
-    async def _loop(self) -> None:
-        while True:
-            try:
-                await self.tick()
-            except Exception as exc:  # Redis hiccup: the last published split stays in force
-                log.warning("capacity shifter: %r", exc)
-            await asyncio.sleep(self.controller.settings.tick_s)
+        await self._loop.stop()

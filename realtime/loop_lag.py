@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import asyncio
-import contextlib
 from collections import deque
+
+from capacity.background import BackgroundLoop
 
 
 class LoopLag:
@@ -18,22 +19,17 @@ class LoopLag:
     def __init__(self, interval_s: float = 0.01, window: int = 100) -> None:
         self.interval_s = interval_s
         self._samples: deque[float] = deque(maxlen=window)
-        self._task: asyncio.Task[None] | None = None
+        self._loop = BackgroundLoop("loop-lag", self._measure)
 
     @property
     def recent_s(self) -> float:
         return max(self._samples, default=0.0)
 
     def start(self) -> None:
-        if self._task is None:
-            self._task = asyncio.create_task(self._measure(), name="loop-lag")
+        self._loop.start()
 
     async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
-            self._task = None
+        await self._loop.stop()
 
     async def _measure(self) -> None:
         loop = asyncio.get_running_loop()
