@@ -42,7 +42,7 @@ from llm_client.models import Completion
 from llm_client.passthrough import Forwarded
 from llm_client.retry import RetryBudget, backoff_s
 from llm_client.routing import RouteOutcome, RouteRequest, RoutingPolicy, make_policy
-from llm_client.routing.base import KvEventConsumer
+from llm_client.routing.base import KvEventConsumer, PrefillObserver
 from llm_client.sse import read_sse_json
 from llm_client.transport import auth_headers, header_value, tls_context
 from prompt_assembly.tokens import messages_text
@@ -225,10 +225,13 @@ class LLMClient:
         assert self._session is not None, "call start() or use 'async with' first"
         uncached = self.policy.estimate_uncached_tokens(route, endpoint)
         prefill_pending = [uncached]  # prefill work not yet done: cleared at the first streamed token
+        observer = self.policy if isinstance(self.policy, PrefillObserver) else None
 
         def prefill_done() -> None:
             endpoint.outstanding_prefill_tokens -= prefill_pending[0]
             prefill_pending[0] = 0
+            if observer is not None:
+                observer.prefill_done(route, endpoint)
 
         endpoint.outstanding += 1
         endpoint.outstanding_prefill_tokens += uncached

@@ -90,6 +90,16 @@ class KvEventConsumer(Protocol):
         ...
 
 
+@runtime_checkable
+class PrefillObserver(Protocol):
+    """A policy that wants to know when an attempt's prefill is over: its first token streamed (or,
+    for an answer that is not streamed, the attempt ended)."""
+
+    def prefill_done(self, request: RouteRequest, endpoint: Endpoint) -> None:
+        """The replica has computed ``request``'s prompt (its blocks are reusable from now on)."""
+        ...
+
+
 class StatelessPolicy:
     """Base for policies that keep no per-replica knowledge."""
 

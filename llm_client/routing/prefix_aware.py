@@ -68,6 +68,11 @@ log = logging.getLogger(__name__)
 _HASHES = "prefix_aware.hashes"
 _EXPECTED = "prefix_aware.expected_cached"
 _HIT = "prefix_aware.expected_hit"
+_PREFILLING = "prefix_aware.prefilling"
+"""Replicas this request was routed to whose prefill has not been reported done."""
+_SIBLING = "prefix_aware.sibling_prefilling"
+"""Replicas where another prompt of the same key was still prefilling when this one was routed, with
+the cached tokens believed there at that moment."""
 
 
 class ReplicaBlockIndex:
@@ -175,6 +180,16 @@ class PrefixAwareSettings(BaseModel):
         "this (two full 8192-token iterations) is not a candidate while another is under it, whatever "
         "it caches"
     )  # fmt: skip
+    pending_min_hit_rate: float = Field(
+        0.5, ge=0, le=1, description="a believed match on a replica where the same shopper's previous "
+        "prompt is still being prefilled counts only while at least this share of such prompts came back "
+        "warm (learned from answers; 1 at start). On an engine that prefills a prompt in one iteration "
+        "the next prompt finds the blocks; with chunked prefill it usually does not, and following the "
+        "belief piles a hot shopper's cold prompts on one replica"
+    )  # fmt: skip
+    pending_hit_alpha: float = Field(
+        0.1, gt=0, le=1, description="weight of each new answer in that learned share (EWMA)"
+    )
     seed: int = Field(0, description="seeds the power-of-two-choices sampler")
     kv_events: Literal["off", "precise"] = Field(
         "off", description="precise: follow the replicas' KV cache events (POST /kv_cache_events); "
@@ -196,6 +211,13 @@ class PrefixAwareStats:
     """Decisions made by power of two choices because the cluster was imbalanced."""
     restarts_detected: int = 0
     """Restarts inferred from answers (approximate mode's only way to see one)."""
+    restart_checks_skipped: int = 0
+    """Cold answers not taken as a restart: the key's previous prompt was still prefilling there."""
+    pending_matches_ignored: int = 0
+    """Decisions that ignored a believed match resting on a prompt still being prefilled (the learned
+    share of such prompts that came back warm was below ``pending_min_hit_rate``)."""
+    pending_hit_rate: float = 1.0
+    """That learned share (EWMA over answers to prompts routed during a sibling's prefill)."""
     kv_events: int = 0
     """KV cache events applied (precise mode)."""
     kv_blocks_removed: int = 0
@@ -242,6 +264,8 @@ class PrefixAwarePolicy:
         self._indexes: dict[str, ReplicaBlockIndex] = {}
         self._cursors: dict[str, _EventCursor] = {}
         self._key_inflight: dict[tuple[str, str], int] = {}
+        self._key_prefilling: dict[tuple[str, str], int] = {}
+        """Attempts per (key, replica) whose prefill is not over (``prefill_done`` not called yet)."""
         """Attempts in flight per (shopper, replica): routed and not yet observed. An attempt cancelled by
         its caller's deadline is never observed and stays counted; rare, and bounded by the keys."""
         self.stats = PrefixAwareStats()
@@ -289,6 +313,14 @@ class PrefixAwarePolicy:
         # prompt): it is on every busy replica, so it must not pull cold shoppers to one replica.
         floor = self.min_hit_fraction * request.prompt_tokens
         useful = {name: (tokens if tokens >= floor else 0) for name, tokens in cached.items()}
+        pending = {e.name for e in ordered if self._key_prefilling.get((request.key, e.name), 0) > 0}
+        if pending and self.stats.pending_hit_rate < self.settings.pending_min_hit_rate:
+            # The belief there rests on a prompt the replica is still computing, and such prompts have
+            # mostly come back cold: the replica holds nothing for this one yet.
+            if any(useful[name] for name in pending):
+                self.stats.pending_matches_ignored += 1
+            for name in pending:
+                useful[name] = 0
 
         bound = self.load_bound(ordered)
         eligible = [e for e in ordered if e.outstanding < bound] or ordered
@@ -329,7 +361,27 @@ class PrefixAwarePolicy:
         self.index(chosen).insert(self.block_hashes(request))
         slot = (request.key, chosen.name)
         self._key_inflight[slot] = self._key_inflight.get(slot, 0) + 1
+        if chosen.name in pending:
+            sibling: dict[str, int] = request.memo.setdefault(_SIBLING, {})  # type: ignore[assignment]
+            sibling[chosen.name] = cached[chosen.name] if cached[chosen.name] >= floor else 0
+        prefilling: set[str] = request.memo.setdefault(_PREFILLING, set())  # type: ignore[assignment]
+        prefilling.add(chosen.name)
+        self._key_prefilling[slot] = self._key_prefilling.get(slot, 0) + 1
         return chosen
+
+    def prefill_done(self, request: RouteRequest, endpoint: Endpoint) -> None:
+        """The replica computed ``request``'s prompt: a later prompt of the key can reuse it (idempotent;
+        ``observe`` calls it too, for callers that never report the first token)."""
+        prefilling = request.memo.get(_PREFILLING)
+        if not isinstance(prefilling, set) or endpoint.name not in prefilling:
+            return
+        prefilling.discard(endpoint.name)
+        slot = (request.key, endpoint.name)
+        left = self._key_prefilling.get(slot, 0) - 1
+        if left > 0:
+            self._key_prefilling[slot] = left
+        else:
+            self._key_prefilling.pop(slot, None)
 
     def estimate_uncached_tokens(self, request: RouteRequest, endpoint: Endpoint) -> int:
         expected = request.memo.get(_EXPECTED)
@@ -338,6 +390,7 @@ class PrefixAwarePolicy:
         return request.prompt_tokens - self.cached_tokens(request, endpoint)
 
     def observe(self, request: RouteRequest, endpoint: Endpoint, outcome: RouteOutcome) -> Feedback:
+        self.prefill_done(request, endpoint)
         slot = (request.key, endpoint.name)
         left = self._key_inflight.get(slot, 0) - 1
         if left > 0:
@@ -358,8 +411,24 @@ class PrefixAwarePolicy:
         # Only a real hit can reveal a restart: a replica may legitimately lack the shared head (an
         # llama-server slot never used), which is all a new shopper's prompt expected.
         expected_hit = isinstance(hit_map, dict) and bool(hit_map.get(endpoint.name))
+        # Nor can a prompt routed while the same key's previous prompt was still being prefilled there:
+        # the replica had not stored those blocks yet (an engine reuses only computed blocks), so the
+        # expected hit was routing's own record, not the replica's cache. With chunked prefill, or a
+        # queue in a burst, that window is long, and clearing the index on it scattered every shopper
+        # the replica held.
+        sibling_map = request.memo.get(_SIBLING)
+        sibling_pending = isinstance(sibling_map, dict) and endpoint.name in sibling_map
+        if sibling_pending:
+            believed = int(sibling_map[endpoint.name])  # type: ignore[index]
+            if believed >= self.restart_min_expected_tokens:
+                warm = observed >= 0.5 * believed
+                alpha = self.settings.pending_hit_alpha
+                self.stats.pending_hit_rate += alpha * (float(warm) - self.stats.pending_hit_rate)
+                if not warm:
+                    self.stats.restart_checks_skipped += 1
         restarted = (
             expected_hit
+            and not sibling_pending
             and expected >= self.restart_min_expected_tokens
             and observed <= self.restart_max_cached_tokens
         )

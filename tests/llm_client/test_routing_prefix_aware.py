@@ -372,3 +372,50 @@ def test_disabled_detector_does_nothing() -> None:
     detector = DegradationDetector(DegradationSettings(enabled=False, min_samples=1))
     feed(detector, eps, {"r0": 50.0}, rounds=10)
     assert not any(e.drained for e in eps)
+
+
+def test_a_cold_answer_while_the_keys_previous_prompt_was_prefilling_is_not_a_restart() -> None:
+    policy, eps = PrefixAwarePolicy(), endpoints(2)
+    earlier = shopper_prompt("kim", 60)
+    home = policy.choose(earlier, eps)  # routed, prefill not reported done
+    request = shopper_prompt("kim", 62)
+    assert policy.choose(request, eps) is home
+    feedback = policy.observe(request, home, RouteOutcome(True, request.prompt_tokens, cached_tokens=0))
+    assert not feedback.restart_detected and policy.stats.restart_checks_skipped == 1
+    # The earlier prompt's prefill ends: the next cold answer there is evidence again.
+    policy.prefill_done(earlier, home)
+    policy.prefill_done(earlier, home)  # idempotent
+    policy.observe(earlier, home, RouteOutcome(True, earlier.prompt_tokens, 0))
+    later = shopper_prompt("kim", 64)
+    assert policy.choose(later, eps) is home
+    assert policy.observe(later, home, RouteOutcome(True, later.prompt_tokens, 0)).restart_detected
+
+
+def test_matches_resting_on_a_pending_prefill_are_ignored_once_they_come_back_cold() -> None:
+    policy, eps = PrefixAwarePolicy(pending_hit_alpha=0.6), endpoints(2)
+    first = shopper_prompt("lena", 60)
+    home = policy.choose(first, eps)
+    home.outstanding_prefill_tokens = 500  # the client counts the attempt's expected prefill
+    second = shopper_prompt("lena", 61)
+    assert policy.choose(second, eps) is home  # nothing learned yet: the belief is followed
+    policy.observe(second, home, RouteOutcome(True, second.prompt_tokens, cached_tokens=0))
+    assert policy.stats.pending_hit_rate < 0.5 and policy.stats.restarts_detected == 0
+    # The first prompt is still being prefilled on home: the third goes where it does not queue behind it.
+    third = shopper_prompt("lena", 62)
+    assert policy.choose(third, eps) is not home and policy.stats.pending_matches_ignored == 1
+    # Once the first prompt's prefill is over, home's blocks count again.
+    policy.prefill_done(first, home)
+    home.outstanding_prefill_tokens = 0
+    assert policy.choose(shopper_prompt("lena", 63), eps) is home
+
+
+def test_warm_answers_during_a_pending_prefill_keep_the_belief() -> None:
+    policy, eps = PrefixAwarePolicy(pending_hit_alpha=0.6), endpoints(2)
+    first = shopper_prompt("mona", 60)
+    home = policy.choose(first, eps)
+    for events in (61, 62, 63):  # an engine that stored the blocks before the next prompt came
+        request = shopper_prompt("mona", events)
+        assert policy.choose(request, eps) is home
+        cached = request.prompt_tokens - policy.estimate_uncached_tokens(request, home)
+        policy.observe(request, home, RouteOutcome(True, request.prompt_tokens, cached))
+    assert policy.stats.pending_hit_rate == 1.0 and policy.stats.pending_matches_ignored == 0
