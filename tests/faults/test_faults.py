@@ -32,6 +32,7 @@ from devstack.stack import StackState
 from devstack.synthetic import SyntheticStream
 from pipeline.enrichment import EnrichmentSettings
 from runner.embedded import EmbeddedRunner
+from sinks.config import SinkSettings
 from tests.conftest import SIM_TIME_SCALE, Isolated
 from tests.fault_kit import (
     DurableTansu,
@@ -152,6 +153,31 @@ def figures(
     )
 
 
+def settle(
+    fault_table: FaultTable,
+    fault: str,
+    records: list[tuple[bytes, bytes, bool]],
+    watcher: SignalWatcher,
+    clock: RecoveryClock,
+    *,
+    bootstrap: str,
+    sinks: SinkSettings,
+    iso: Isolated,
+) -> None:
+    """The end of every case: read back what a reader sees (dead letters from ``bootstrap``, results
+    from ``sinks``), add the case's row to the table and assert the full accounting."""
+    view = read_back(
+        bootstrap=bootstrap,
+        dlq_topic=iso.dlq_topic,
+        sinks=sinks,
+        redis_prefix=iso.prefix,
+        s3_prefix=iso.s3_prefix,
+        expected=expected_prompts(records),
+        malformed=sum(m for *_, m in records),
+    )
+    finish(fault_table, fault, records, view, watcher, clock.seconds)
+
+
 def finish(
     fault_table: FaultTable,
     fault: str,
@@ -175,7 +201,6 @@ def test_broker_killed_and_restarted_mid_stream(
         create_topics(tansu.bootstrap, iso)
         records = stream(seed=71)
         produce_records(tansu.bootstrap, iso.topic, records)  # on durable storage before the kill
-        expected = expected_prompts(records)
         # Small polls and few prompts in flight: the runner is still reading when the broker dies.
         settings = iso.runner(bootstrap_servers=tansu.bootstrap, batch_max_events=20, max_in_flight_prompts=4)
         runner = EmbeddedRunner(settings, log=runner_log)
@@ -192,22 +217,15 @@ def test_broker_killed_and_restarted_mid_stream(
         with SignalWatcher(stack.redis_url, iso.prefix) as watcher:
             clock = asyncio.run(run_with_fault(runner, inject, progress="commits"))
         assert runner.stats.accounting.balanced, runner_log[-10:]
-        view = read_back(
-            bootstrap=tansu.bootstrap,
-            dlq_topic=iso.dlq_topic,
-            sinks=iso.sinks(),
-            redis_prefix=iso.prefix,
-            s3_prefix=iso.s3_prefix,
-            expected=expected,
-            malformed=sum(m for *_, m in records),
-        )
-        finish(
+        settle(
             fault_table,
             "Kafka broker SIGKILLed, restarted after 10 s",
             records,
-            view,
             watcher,
-            clock.seconds,
+            clock,
+            bootstrap=tansu.bootstrap,
+            sinks=iso.sinks(),
+            iso=iso,
         )
 
 
@@ -220,7 +238,6 @@ def test_redis_stopped_for_10_s_mid_stream(
         redis.start()
         create_topics(stack.kafka_bootstrap, iso)
         records = stream(seed=72)
-        expected = expected_prompts(records)
         sinks = iso.sinks().model_copy(update={"redis_url": redis.url})
         runner = EmbeddedRunner(iso.runner(sinks=sinks, drain_idle_s=3.0), log=runner_log)
         producer = PacedProducer(stack.kafka_bootstrap, iso.topic, records, RATE).start()
@@ -241,17 +258,15 @@ def test_redis_stopped_for_10_s_mid_stream(
         producer.join()
         assert runner.stats.sink_retries > 0, "the outage was met and waited out"
         assert runner.stats.accounting.balanced, runner_log[-10:]
-        view = read_back(
+        settle(
+            fault_table,
+            "Redis SIGKILLed for 10 s (AOF), restarted",
+            records,
+            watcher,
+            clock,
             bootstrap=stack.kafka_bootstrap,
-            dlq_topic=iso.dlq_topic,
             sinks=sinks,
-            redis_prefix=iso.prefix,
-            s3_prefix=iso.s3_prefix,
-            expected=expected,
-            malformed=sum(m for *_, m in records),
-        )
-        finish(
-            fault_table, "Redis SIGKILLed for 10 s (AOF), restarted", records, view, watcher, clock.seconds
+            iso=iso,
         )
 
 
@@ -264,7 +279,6 @@ def test_s3_endpoint_down_for_10_s_mid_stream(
         s3.start()
         create_topics(stack.kafka_bootstrap, iso)
         records = stream(seed=73)
-        expected = expected_prompts(records)
         sinks = iso.sinks().model_copy(update={"s3_endpoint_url": s3.url, "s3_bucket": s3.bucket})
         runner = EmbeddedRunner(iso.runner(sinks=sinks, drain_idle_s=3.0), log=runner_log)
         producer = PacedProducer(stack.kafka_bootstrap, iso.topic, records, RATE).start()
@@ -284,16 +298,16 @@ def test_s3_endpoint_down_for_10_s_mid_stream(
         producer.join()
         assert runner.stats.sink_retries > 0, "the outage was met and waited out"
         assert runner.stats.accounting.balanced, runner_log[-10:]
-        view = read_back(
+        settle(
+            fault_table,
+            "S3 endpoint down for 10 s",
+            records,
+            watcher,
+            clock,
             bootstrap=stack.kafka_bootstrap,
-            dlq_topic=iso.dlq_topic,
             sinks=sinks,
-            redis_prefix=iso.prefix,
-            s3_prefix=iso.s3_prefix,
-            expected=expected,
-            malformed=sum(m for *_, m in records),
+            iso=iso,
         )
-        finish(fault_table, "S3 endpoint down for 10 s", records, view, watcher, clock.seconds)
 
 
 # ---- d. every LLM replica ---------------------------------------------------------------------------
@@ -305,7 +319,6 @@ def test_every_llm_replica_down_for_20_s(
         replicas.start()
         create_topics(stack.kafka_bootstrap, iso)
         records = stream(seed=74)
-        expected = expected_prompts(records)
         # A 12 s deadline: prompts caught early in the 20 s outage become error records, later ones
         # wait for the replicas and succeed. Both paths run.
         runner = EmbeddedRunner(
@@ -339,22 +352,15 @@ def test_every_llm_replica_down_for_20_s(
         assert clock.seconds is not None, (
             f"nothing stored after the replicas came back ({restored}): {timeline}"
         )
-        view = read_back(
-            bootstrap=stack.kafka_bootstrap,
-            dlq_topic=iso.dlq_topic,
-            sinks=iso.sinks(),
-            redis_prefix=iso.prefix,
-            s3_prefix=iso.s3_prefix,
-            expected=expected,
-            malformed=sum(m for *_, m in records),
-        )
-        finish(
+        settle(
             fault_table,
             f"every LLM replica down for 20 s ({acct.errors} error records)",
             records,
-            view,
             watcher,
-            clock.seconds,
+            clock,
+            bootstrap=stack.kafka_bootstrap,
+            sinks=iso.sinks(),
+            iso=iso,
         )
 
 
