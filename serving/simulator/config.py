@@ -55,6 +55,11 @@ class SimulatorConfig(BaseSettings):
         description="split prefills into chunks that fill the iteration's max_num_tokens left after the "
         "running requests' decode tokens (trtllm enable_chunked_prefill; off by default, as there)",
     )
+    chunk_block_reuse: bool = Field(
+        default=False,
+        description="with chunked prefill: a partly prefilled prompt's full blocks become reusable after "
+        "each chunk (as vLLM's and SGLang's prefix caches do) instead of after its last chunk",
+    )
     context_chunking_policy: ChunkingPolicy = Field(
         default="first_come_first_served",
         description="with chunked prefill: first_come_first_served (the oldest prompt takes all it can, "

@@ -14,7 +14,8 @@ prompt's last), and it gets its first token at the end of the iteration that com
 chunks go first come first served (trtllm's default ``FIRST_COME_FIRST_SERVED``: the oldest prompt takes
 all it can) or, with ``equal_progress`` (trtllm's ``EQUAL_PROGRESS``), one block at a time to every
 prompt in turn, so a short prompt is not held behind a long one. A chunk costs the calibrated prefill of
-its tokens on the context computed before it (cached prefix plus earlier chunks).
+its tokens on the context computed before it (cached prefix plus earlier chunks). A partly prefilled
+prompt's blocks become reusable at its last chunk, or after every chunk with ``reuse_chunk_blocks``.
 
 Wall-clock deadlines are kept on an absolute schedule, so the overshoot of each ``asyncio.sleep`` does not
 accumulate over a long decode; the loop catches up at most one iteration when the process was starved.
@@ -50,6 +51,9 @@ class EngineLimits:
     chunking_policy: ChunkingPolicy = "first_come_first_served"
     chunk_unit: int = 32
     """Tokens a non-final chunk is a multiple of (the KV block size, as in trtllm)."""
+    reuse_chunk_blocks: bool = False
+    """Blocks of a partly prefilled prompt become reusable after each chunk (vLLM's and SGLang's prefix
+    caches do this); otherwise only when its last chunk is done."""
 
 
 @dataclass
@@ -304,6 +308,9 @@ class ContinuousBatchingEngine:
             request.prefilled_tokens += n
             if self._remaining(request) <= 0:
                 finished.append(request)
+            elif self._limits.reuse_chunk_blocks and not request.cancelled:
+                done = (request.cached_tokens + request.prefilled_tokens) // self._cache.block_size
+                self._cache.insert(request.block_hashes[:done])
         self._prefilling = [r for r in self._prefilling if r not in finished and not r.cancelled]
         return finished
 

@@ -29,6 +29,7 @@ def engine_limits(config: SimulatorConfig) -> EngineLimits:
         chunked_prefill=config.enable_chunked_prefill,
         chunking_policy=config.context_chunking_policy,
         chunk_unit=config.block_size,
+        reuse_chunk_blocks=config.chunk_block_reuse,
     )
 
 

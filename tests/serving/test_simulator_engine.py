@@ -168,3 +168,24 @@ async def test_chunked_prefill_respects_max_batch_and_reuses_cache() -> None:
     assert all(r.done.is_set() and r.error is None for r in requests)
     assert requests[-1].cached_tokens == 9 * 32  # the repeat of prompt 0 found its blocks
     assert engine.stats.prefill_tokens_computed == 3 * 300 + (300 - 9 * 32)
+
+
+async def test_chunk_blocks_become_reusable_after_each_chunk_only_when_asked() -> None:
+    for reuse in (False, True):
+        engine = ContinuousBatchingEngine(
+            COST,
+            BlockPrefixCache(1000, 32),
+            EngineLimits(
+                64, 256, chunked_prefill=True, chunking_policy="equal_progress", reuse_chunk_blocks=reuse
+            ),
+            EngineKnobs(time_scale=0.0),
+        )
+        first = _request(0, tokens=1, prompt=1000)
+        engine.submit(first)
+        while engine.stats.prefill_tokens_computed < 256:
+            await asyncio.sleep(0)
+        # The same prompt again, admitted (equal progress) between the first one's first and second chunk.
+        again = _request(0, tokens=1, prompt=1000)
+        await _run_all(engine, [again])
+        await first.done.wait()
+        assert again.cached_tokens == (256 if reuse else 0)
