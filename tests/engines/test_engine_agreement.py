@@ -5,7 +5,8 @@ an oversized event, non-UTF-8 bytes and a tombstone; the Flink job keeps running
 
 Both engines call the same session processor, client, sinks and dead-letter module; this test guards
 the shells and the connector path (Table API Kafka source with metadata columns, KafkaSink). While the
-job runs, the compose stack's Flink dashboard is checked against what the cluster's Prometheus reporter serves."""
+job runs, the compose stack's Flink dashboard is checked against what the cluster's Prometheus reporter
+serves."""
 
 from __future__ import annotations
 
