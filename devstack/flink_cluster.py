@@ -132,11 +132,12 @@ def make_flink_home(
     home = root / "home"
     home.mkdir(parents=True, exist_ok=True)
     dist = pyflink_home()
-    for name in ("bin", "lib", "opt", "plugins"):
+    for name in ("bin", "opt", "plugins"):
         link = home / name
         if link.is_symlink() or link.exists():
             link.unlink()
         link.symlink_to(dist / name, target_is_directory=True)
+    _link_lib(home / "lib", dist)
     conf = home / "conf"
     conf.mkdir(exist_ok=True)
     for item in (dist / "conf").iterdir():
@@ -159,6 +160,9 @@ def make_flink_home(
         "rest.port": rest_port,
         "heartbeat.interval": settings.heartbeat_interval_ms,
         "heartbeat.timeout": settings.heartbeat_timeout_ms,
+        # PEMJA (PyFlink's thread mode) loads libpython once per JVM: from the parent class loader
+        # (flink-python in lib/, see _link_lib) every job on this TaskManager can use it.
+        "classloader.parent-first-patterns.additional": ["pemja."],
         "io.tmp.dirs": str(tmp),
         "web.tmpdir": str(tmp / "web"),
         "blob.storage.directory": str(tmp / "blobs"),
@@ -173,6 +177,20 @@ def make_flink_home(
     return home
 
 
+def _link_lib(lib: Path, dist: Path) -> None:
+    """``lib/``: links to the wheel's lib jars plus ``opt/flink-python-*.jar``. With flink-python on the
+    TaskManager's own classpath, PEMJA (thread mode) is loaded by the parent class loader once per
+    JVM; loaded from a job's class loader, the second job on a TaskManager fails to load libpython
+    again (``NoSuchFieldException: loadedLibraryNames`` on Java 17)."""
+    if lib.is_symlink():
+        lib.unlink()
+    lib.mkdir(exist_ok=True)
+    for stale in lib.iterdir():
+        stale.unlink()
+    for jar in [*(dist / "lib").glob("*.jar"), *(dist / "opt").glob("flink-python-*.jar")]:
+        (lib / jar.name).symlink_to(jar)
+
+
 def flink_env(home: Path) -> dict[str, str]:
     """Environment for Flink's scripts: this home, its conf and log, the job's Python on PATH."""
     venv_bin = str(Path(sys.executable).parent)
@@ -180,6 +198,7 @@ def flink_env(home: Path) -> dict[str, str]:
         "FLINK_HOME": str(home),
         "FLINK_CONF_DIR": str(home / "conf"),
         "FLINK_LOG_DIR": str(home / "log"),
+        "FLINK_LIB_DIR": str(home / "lib"),  # else the scripts take the wheel's lib/ (links resolved)
         "PATH": f"{venv_bin}{os.pathsep}{os.environ.get('PATH', '')}",
     }
 

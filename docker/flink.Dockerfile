@@ -41,9 +41,13 @@ RUN /opt/venv/bin/pip install --no-cache-dir ".[flink]"
 ARG MAVEN_MIRROR=https://repo.maven.apache.org/maven2
 RUN MAVEN_MIRROR="$MAVEN_MIRROR" scripts/fetch-flink-connectors \
     && cp flink_jobs/lib/flink-sql-connector-kafka-*.jar /opt/flink/lib/ \
+    && cp /opt/flink/opt/flink-python-*.jar /opt/flink/lib/ \
     && chown -R flink:flink /opt/app /opt/flink/lib
 
-# The Python workers and `flink run -py` use the venv's interpreter.
+# The Python workers and `flink run -py` use the venv's interpreter. The job's session stage runs in
+# PyFlink's thread mode (PEMJA, in the TaskManager's JVM): flink-python in lib/ and pemja loaded
+# parent-first, so libpython is loaded once per JVM (docs/flink.md, "Latency").
 ENV FLINK_PROPERTIES="python.executable: /opt/venv/bin/python
-python.client.executable: /opt/venv/bin/python"
+python.client.executable: /opt/venv/bin/python
+classloader.parent-first-patterns.additional: pemja."
 USER flink

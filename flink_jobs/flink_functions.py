@@ -134,6 +134,12 @@ class ShopperSessionFunction(KeyedProcessFunction):
             StateTtlConfig.new_builder(_seconds(settings.state_ttl_s))
             .set_update_type(StateTtlConfig.UpdateType.OnCreateAndWrite)
             .set_state_visibility(StateTtlConfig.StateVisibility.NeverReturnExpired)
+            # Flink's background cleanup, stated explicitly: PyFlink builds its default RocksDB
+            # strategy (even when one is given) with a Duration made through the py4j gateway, which
+            # an embedded (thread mode) interpreter on a TaskManager does not have. Same effect.
+            .disable_cleanup_in_background()
+            .cleanup_incrementally(5, False)
+            .cleanup_in_rocksdb_compact_filter(1000, _PeriodicUnused())
             .build()
         )
         self.state = runtime_context.get_state(descriptor)
@@ -423,6 +429,16 @@ def parse_result(raw: str) -> EnrichmentResult:
     if data.get("kind") == "error":
         return EnrichmentError.model_validate(data)
     return ShopperInsight.model_validate(data)
+
+
+class _PeriodicUnused:
+    """``periodic_compaction_time`` of the RocksDB compaction-filter TTL cleanup. PyFlink 2.3 never
+    passes this value to Java, in either execution mode (Java's default, 30 days, applies), but
+    without one it builds ``Duration.of_days(30)`` through the py4j gateway, which fails in thread
+    mode on a cluster (``FileNotFoundError`` launching a gateway). So the value is this placeholder."""
+
+    def to_milliseconds(self) -> int:
+        return 30 * 24 * 3600 * 1000
 
 
 def _seconds(n: int) -> Any:
