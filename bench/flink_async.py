@@ -201,7 +201,7 @@ def run_once(setting: Setting, url: str, n: int, rate: float) -> dict[str, float
     from pyflink.datastream.async_data_stream import AsyncDataStream
 
     from flink_jobs.flink_functions import EnrichPrompts
-    from flink_jobs.near_realtime import create_environment
+    from flink_jobs.near_realtime import async_stage, create_environment
 
     settings = NearRealtimeSettings(
         job_name=f"bench {setting.label}",
@@ -226,14 +226,17 @@ def run_once(setting: Setting, url: str, n: int, rate: float) -> dict[str, float
 
     paced = paced_source(env, _prompts(n), rate)
     call = SleepCall(setting.latency_s) if setting.call == "sleep" else EnrichPrompts(settings.to_json())
-    results = AsyncDataStream.unordered_wait(
-        paced,
-        call,
-        Time.milliseconds(setting.timeout_ms),  # 0 = no Flink-level timeout (no timer thread per call)
-        capacity=setting.capacity,
-        output_type=Types.STRING(),
-    )
-    stamped = results.map(_stamp, output_type=Types.STRING())
+    # Both Python operators as process-mode workers, as the job's async stage is (whatever the job's
+    # session_stage_mode says), so rows stay comparable with the earlier ones.
+    with async_stage(paced):
+        results = AsyncDataStream.unordered_wait(
+            paced,
+            call,
+            Time.milliseconds(setting.timeout_ms),  # 0 = no Flink-level timeout (no timer thread per call)
+            capacity=setting.capacity,
+            output_type=Types.STRING(),
+        )
+        stamped = results.map(_stamp, output_type=Types.STRING())
     rows = []
     with stamped.execute_and_collect(settings.job_name) as records:
         for record in records:

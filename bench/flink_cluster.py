@@ -207,7 +207,11 @@ def freshness(
     cluster = cluster_up(state_dir)
     rest = FlinkRest(cluster.web_url)
     job = submit(cluster, settings, config_path=state_dir / "flink" / f"bench-{tag}.json")
-    rest.wait_running(job.job_id)
+    try:
+        rest.wait_running(job.job_id)
+    except (TimeoutError, RuntimeError) as exc:
+        rest.cancel(job.job_id)
+        return [spec, "failed to start", str(exc)[:60], *["-"] * 7], describe(settings)
     shoppers = max(1, int(rate * 4))  # each shopper acts every ~4 s
     producer = Producer({"bootstrap.servers": stack.kafka_bootstrap, "linger.ms": 0})
     with SignalPoller(stack.redis_url, settings.sinks.redis_key_prefix) as poller:
@@ -364,7 +368,7 @@ def main() -> None:
         for spec in variants:
             row, settings = freshness(stack, state_dir, spec, args.rate, args.seconds or 45.0)
             rows.append(row)
-            print(f"{spec}: {settings}; {load_average()}", flush=True)
+            print(f"{spec}: {settings}; {load_average()}\n  {row}", flush=True)
         print_table(
             [
                 "variant",

@@ -1,5 +1,6 @@
 """How long a record waits in the broker before a consumer's fetch returns it, per fetch.max.wait.ms,
-at a low steady rate (what the Flink source sees between shopper clicks).
+at a low steady rate (what the Flink source sees between shopper clicks); and whether a
+``read_committed`` consumer sees records of aborted transactions.
 
     .venv/bin/python -m bench.tansu_fetch [--rate 10] [--seconds 12] [--waits 500,100,20]
 
@@ -8,6 +9,10 @@ passed, so on Kafka the wait setting costs no latency. This measures the broker 
 here): a consumer (librdkafka, ``fetch.wait.max.ms`` = the Java client's ``fetch.max.wait.ms``) reads
 records produced at ``rate``/s; delay = receipt - the record's timestamp (set by the producer when it
 is produced). The first 3 s of each setting are warm-up.
+
+Transactions: a transactional producer writes 3 records and aborts, 2 and commits; another leaves 2
+records in an open transaction and a new producer with its transactional id fences it (what a
+restarted Flink KafkaSink does) and commits 1. A ``read_committed`` consumer must see 3 records.
 """
 
 from __future__ import annotations
@@ -18,7 +23,7 @@ import threading
 import time
 from pathlib import Path
 
-from confluent_kafka import Consumer, Producer
+from confluent_kafka import Consumer, Producer, TopicPartition
 from confluent_kafka.admin import AdminClient, NewTopic  # type: ignore[attr-defined]
 
 from bench.common import machine, percentile, print_table
@@ -73,6 +78,51 @@ def delays(bootstrap: str, wait_ms: int, rate: float, seconds: float) -> list[fl
     return [(got - sent) * 1000 for got, sent in received if sent - started > WARMUP_S]
 
 
+def read_committed_sees(bootstrap: str) -> tuple[int, int]:
+    """(records a read_committed consumer sees, records it should see) after aborted and fenced
+    transactions."""
+    topic = f"txn-probe-{int(time.time())}"
+    admin = AdminClient({"bootstrap.servers": bootstrap})
+    for future in admin.create_topics([NewTopic(topic, 1, 1)]).values():
+        future.result(timeout=10)
+    first = Producer({"bootstrap.servers": bootstrap, "transactional.id": f"{topic}-a"})
+    first.init_transactions(10)
+    for values, commit in ((["aborted"] * 3, False), (["committed"] * 2, True)):
+        first.begin_transaction()
+        for value in values:
+            first.produce(topic, value=value.encode())
+        first.flush(10)
+        (first.commit_transaction if commit else first.abort_transaction)(10)
+    orphan = Producer({"bootstrap.servers": bootstrap, "transactional.id": f"{topic}-b"})
+    orphan.init_transactions(10)
+    orphan.begin_transaction()
+    for _ in range(2):
+        orphan.produce(topic, value=b"open at the crash")
+    orphan.flush(10)
+    successor = Producer({"bootstrap.servers": bootstrap, "transactional.id": f"{topic}-b"})
+    successor.init_transactions(10)  # fences the orphan and aborts its open transaction
+    successor.begin_transaction()
+    successor.produce(topic, value=b"after the fence")
+    successor.commit_transaction(10)
+    consumer = Consumer(
+        {
+            "bootstrap.servers": bootstrap,
+            "group.id": topic,
+            "isolation.level": "read_committed",
+            "enable.auto.commit": False,
+        }
+    )
+    consumer.assign([TopicPartition(topic, 0, 0)])
+    seen = 0
+    deadline = time.monotonic() + 6
+    while time.monotonic() < deadline:
+        message = consumer.poll(0.3)
+        if message is not None and not message.error():
+            seen += 1
+    consumer.close()
+    return seen, 3
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n")[0])
     parser.add_argument("--rate", type=float, default=10.0)
@@ -97,6 +147,8 @@ def main() -> None:
                 ]
             )
         print_table(["fetch.max.wait.ms", "records", "p50 ms", "p90 ms", "p99 ms", "max ms"], rows)
+        seen, expected = read_committed_sees(bootstrap)
+        print(f"read_committed after aborted and fenced transactions: {seen} records (should be {expected})")
     finally:
         for process in reversed(started):
             stop(process)
