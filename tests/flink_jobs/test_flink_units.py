@@ -72,7 +72,7 @@ def test_settings_round_trip_through_json_keeps_secrets_usable() -> None:
 
 def test_settings_load_from_the_compose_job_file() -> None:
     settings = NearRealtimeSettings.load(ROOT / "docker/flink-job.yaml")
-    assert settings.async_io.bundle_time_ms == 1000 and settings.parallelism == 2
+    assert settings.async_io.bundle_time_ms == 250 and settings.parallelism == 2
 
 
 class FakeSink:
@@ -244,7 +244,8 @@ def test_the_latency_settings_reach_the_source_and_the_flink_configuration() -> 
     assert conf["execution.buffer-timeout.interval"] == "7 ms"
     assert conf["python.execution-mode"] == "thread"
     assert str(ROOT) in conf["python.pythonpath"].split(":")
-    assert "python.execution-mode" not in job_configuration(NearRealtimeSettings(), local=True).to_dict()
+    process = NearRealtimeSettings(session_stage_mode="process")
+    assert "python.execution-mode" not in job_configuration(process, local=True).to_dict()
 
 
 @pytest.mark.parametrize("mode", ["thread", "process"])
