@@ -4,9 +4,10 @@ Topology (one chain per stage; JSON strings between operators)::
 
     Kafka source (Table API: raw value + metadata; shopper id read by JSON_VALUE, keyed on the JVM)
       -> ShopperSessionFunction             gate (rejected -> DLQ side output -> KafkaSink), keyed
-                                            session state (TTL) + timers -> PromptRequest
+         (thread mode by default: in the    session state (TTL) + timers -> PromptRequest
+         TaskManager's JVM, no bundle)
       -> EnrichAndWrite (async, unordered)  LLM client (session affinity) -> EnrichmentResult, then
-                                            Redis signals + S3 objects, durable before each checkpoint
+         (always a process-mode worker)     Redis signals + S3 objects, durable before each checkpoint
       -> KafkaSink(shopper-insights)        exactly-once, explicit transaction timeout (optional)
 
 Run it on a cluster with ``flink run -py flink_jobs/near_realtime.py --config job.yaml``, or locally in
