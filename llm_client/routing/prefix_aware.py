@@ -190,6 +190,15 @@ class PrefixAwareSettings(BaseModel):
     pending_hit_alpha: float = Field(
         0.1, gt=0, le=1, description="weight of each new answer in that learned share (EWMA)"
     )
+    interference_weight: float = Field(
+        0.0, ge=0, description="a prefill delays every request that reaches its replica while it runs, "
+        "and a replica that gets more of the traffic (a hot shopper's holder) has more such requests: the "
+        "uncached tokens are charged (1 + this x the replica's recent share of the traffic x replicas), "
+        "so a cold prompt goes where few requests follow it. 0 = off"
+    )  # fmt: skip
+    traffic_share_alpha: float = Field(
+        1 / 32, gt=0, le=1, description="weight of each decision in a replica's recent traffic share (EWMA)"
+    )
     seed: int = Field(0, description="seeds the power-of-two-choices sampler")
     kv_events: Literal["off", "precise"] = Field(
         "off", description="precise: follow the replicas' KV cache events (POST /kv_cache_events); "
@@ -265,6 +274,8 @@ class PrefixAwarePolicy:
         self._cursors: dict[str, _EventCursor] = {}
         self._key_inflight: dict[tuple[str, str], int] = {}
         self._key_prefilling: dict[tuple[str, str], int] = {}
+        self._traffic_share: dict[str, float] = {}
+        """Each replica's recent share of the routed requests (EWMA over decisions; sums to about 1)."""
         """Attempts per (key, replica) whose prefill is not over (``prefill_done`` not called yet)."""
         """Attempts in flight per (shopper, replica): routed and not yet observed. An attempt cancelled by
         its caller's deadline is never observed and stays counted; rare, and bounded by the keys."""
@@ -336,8 +347,14 @@ class PrefixAwarePolicy:
             self.stats.hot_key_spreads += 1
             eligible = spread
 
+        n = len(ordered)
+        interference = self.settings.interference_weight
+
         def cost(e: Endpoint) -> float:
-            return self.prefill_weight * (request.prompt_tokens - useful[e.name]) + loads[e.name]
+            uncached: float = request.prompt_tokens - useful[e.name]
+            if interference > 0:
+                uncached *= 1 + interference * n * self._traffic_share.get(e.name, 1 / n)
+            return self.prefill_weight * uncached + loads[e.name]
 
         high, low = max(loads.values()), min(loads.values())
         imbalanced = high - low > self.imbalance_abs_tokens and high > self.imbalance_ratio * low
@@ -351,6 +368,10 @@ class PrefixAwarePolicy:
             if len(eligible) < len(ordered) and cost(min(ordered, key=cost)) < cost(chosen):
                 self.stats.bounded_load_skips += 1
 
+        alpha = self.settings.traffic_share_alpha
+        for e in ordered:
+            share = self._traffic_share.get(e.name, 1 / n)
+            self._traffic_share[e.name] = share + alpha * (float(e is chosen) - share)
         self.stats.decisions += 1
         if useful[chosen.name] > 0:
             self.stats.cache_hits += 1

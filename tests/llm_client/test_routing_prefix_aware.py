@@ -13,6 +13,7 @@ from llm_client.endpoints import Endpoint
 from llm_client.routing import POLICIES, make_policy
 from llm_client.routing.base import RouteOutcome, RouteRequest
 from llm_client.routing.prefix_aware import PrefixAwarePolicy, ReplicaBlockIndex
+from llm_client.routing.session_affinity import rendezvous_order
 from prompt_assembly.prompt import build_messages
 from prompt_assembly.tokens import count_tokens, messages_text
 
@@ -419,3 +420,18 @@ def test_warm_answers_during_a_pending_prefill_keep_the_belief() -> None:
         cached = request.prompt_tokens - policy.estimate_uncached_tokens(request, home)
         policy.observe(request, home, RouteOutcome(True, request.prompt_tokens, cached))
     assert policy.stats.pending_hit_rate == 1.0 and policy.stats.pending_matches_ignored == 0
+
+
+def test_interference_sends_a_cold_prompt_away_from_the_busiest_holder() -> None:
+    for weight, away in ((0.0, False), (1.0, True)):
+        policy, eps = PrefixAwarePolicy(interference_weight=weight), endpoints(3)
+        home = route(policy, shopper_prompt("nico", 40), eps)
+        for events in range(41, 61):  # a hot shopper: most recent decisions went to its holder
+            assert route(policy, shopper_prompt("nico", events), eps) is home
+        for i in range(40):  # a new shopper whose rendezvous order starts at the holder
+            newcomer = shopper_prompt(f"new{i}", 40)
+            if rendezvous_order(newcomer.key, eps)[0] is home:
+                break
+        # Equal loads and only the shared head cached anywhere: without the term the tie goes to the
+        # newcomer's rendezvous order (the holder); with it, to a replica fewer requests reach.
+        assert (policy.choose(newcomer, eps) is not home) is away
