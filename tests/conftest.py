@@ -33,6 +33,15 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[StackState]:
 
 
 @pytest.fixture(scope="session")
+def broker_hides_aborted(stack: StackState) -> bool:
+    """Whether the stack's broker hides aborted transactions from ``read_committed`` readers (Kafka
+    does, Tansu 0.6.0 does not: ``devstack.broker_probe``), asked once per session."""
+    from devstack.broker_probe import hides_aborted_transactions
+
+    return hides_aborted_transactions(stack.kafka_bootstrap)
+
+
+@pytest.fixture(scope="session")
 def stack_dir(stack: StackState, tmp_path_factory: pytest.TempPathFactory) -> Path:
     return Path(stack.processes[0].log).parent.parent
 

@@ -83,12 +83,19 @@ def _check_results(
     s3_prefix: str,
     insights_topic: str,
     records: list[tuple[bytes | None, bytes | None]],
+    *,
+    exactly_once: bool = True,
 ) -> tuple[list[str], list[str]]:
     """Every valid event is in a prompt whose result is stored (S3 holds every expected prompt, Redis
-    each shopper's newest), one insight record per prompt; returns (S3 ids, insight ids)."""
+    each shopper's newest), one insight record per prompt; returns (S3 ids, insight ids). Without
+    ``exactly_once`` (a broker that serves aborted transactions to ``read_committed`` readers, after
+    a crash), the insights topic must hold every prompt and nothing else, copies allowed."""
     expected = expected_prompts([(k or b"", v, True) for k, v in records if v is not None])
     insights = request_ids(read_all(stack.kafka_bootstrap, insights_topic, expect=len(expected)))
-    assert sorted(insights) == sorted(expected), "insights topic: not exactly one record per prompt"
+    if exactly_once:
+        assert sorted(insights) == sorted(expected), "insights topic: not exactly one record per prompt"
+    else:
+        assert set(insights) == set(expected), "insights topic: prompts missing or unexpected"
     sinks = isolated.sinks().model_copy(update={"s3_prefix": s3_prefix})
     _, rows = list_s3_records(sinks, s3_prefix)
     s3_ids = [str(r["request_id"]) for r in rows]
@@ -106,7 +113,11 @@ def _check_results(
 
 
 def test_taskmanager_killed_mid_stream_restarts_from_checkpoint(
-    isolated: Isolated, stack: StackState, stack_dir: Path, flink_cluster: FlinkClusterState
+    isolated: Isolated,
+    stack: StackState,
+    stack_dir: Path,
+    flink_cluster: FlinkClusterState,
+    broker_hides_aborted: bool,
 ) -> None:
     first, second = _records(5, 240), _records(6, 160)
     topics = flink_topics(isolated)
@@ -135,7 +146,11 @@ def test_taskmanager_killed_mid_stream_restarts_from_checkpoint(
     assert exceptions, "the job never noticed the lost TaskManager"
     assert not watcher.regressions, watcher.regressions
     assert watcher.samples > 0
-    _check_results(isolated, stack, prefix, s3_prefix, topics.insights, first + second)
+    # Exactly once in the insights topic where the broker can show it (Kafka); Tansu serves the records
+    # of the transactions the killed TaskManager left open, so there only "all, nothing else" holds.
+    _check_results(
+        isolated, stack, prefix, s3_prefix, topics.insights, first + second, exactly_once=broker_hides_aborted
+    )
     dead = [DeadLetter.from_bytes(v) for v in read_all(stack.kafka_bootstrap, topics.dlq, expect=1)]
     malformed = {
         (d.partition, d.offset) for d in dead
