@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import orjson
-from confluent_kafka import Consumer, KafkaError, Message, Producer, TopicPartition
+from confluent_kafka import KafkaError, Message, Producer
 
 from bench.common import percentile, print_table
 from bench.flink_cluster import Knobs, SignalPoller, bench_job, cart_event, describe, wait_committed
@@ -44,7 +44,7 @@ from devstack.flink_cluster import (
 from devstack.processes import alive
 from devstack.stack import StackState
 from pipeline.dead_letter import DeadLetter
-from shopper.readback import list_s3_records
+from shopper.readback import list_s3_records, read_topic
 
 MALFORMED_EVERY = 50
 STEADY_WARMUP_S = 15.0
@@ -161,37 +161,6 @@ def failure_noticed(rest: FlinkRest, job_id: str, killed: float) -> float:
     entries = rest.get(f"/jobs/{job_id}/exceptions")["exceptionHistory"]["entries"]
     stamps = [int(e["timestamp"]) / 1000 for e in entries if int(e["timestamp"]) / 1000 >= killed - 1]
     return min(stamps) if stamps else float("nan")
-
-
-def read_topic(
-    bootstrap: str, topic: str, *, expect: int, read_committed: bool, quiet_s: float = 3.0
-) -> list[bytes]:
-    """Every record of ``topic``: until ``expect`` are in and then ``quiet_s`` without a new one (so
-    a duplicate would still be seen), at most 120 s."""
-    consumer = Consumer(
-        {
-            "bootstrap.servers": bootstrap,
-            "group.id": f"bench-read-{uuid.uuid4().hex[:8]}",
-            "isolation.level": "read_committed" if read_committed else "read_uncommitted",
-            "enable.auto.commit": False,
-        }
-    )
-    try:
-        partitions = consumer.list_topics(topic, timeout=10).topics[topic].partitions
-        consumer.assign([TopicPartition(topic, p, 0) for p in partitions])
-        values: list[bytes] = []
-        deadline = time.monotonic() + 120
-        last_new = time.monotonic()
-        while time.monotonic() < deadline:
-            message = consumer.poll(0.3)
-            if message is not None and not message.error():
-                values.append(message.value() or b"")
-                last_new = time.monotonic()
-            elif len(values) >= expect and time.monotonic() - last_new > quiet_s:
-                break
-        return values
-    finally:
-        consumer.close()
 
 
 def recovery(

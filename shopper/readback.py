@@ -87,3 +87,34 @@ def read_dlq(
         return records if limit is None else records[-limit:]
     finally:
         consumer.close()
+
+
+def read_topic(
+    bootstrap: str, topic: str, *, expect: int, read_committed: bool = True, quiet_s: float = 3.0
+) -> list[bytes]:
+    """Every record value of ``topic``, as a reader of it sees them: until ``expect`` are in and then
+    ``quiet_s`` without a new one (so a duplicate would still be seen), at most 120 s."""
+    consumer = Consumer(
+        {
+            "bootstrap.servers": bootstrap,
+            "group.id": f"reader-{uuid.uuid4().hex[:8]}",
+            "isolation.level": "read_committed" if read_committed else "read_uncommitted",
+            "enable.auto.commit": False,
+        }
+    )
+    try:
+        partitions = consumer.list_topics(topic, timeout=10).topics[topic].partitions
+        consumer.assign([TopicPartition(topic, p, 0) for p in partitions])
+        values: list[bytes] = []
+        deadline = time.monotonic() + 120
+        last_new = time.monotonic()
+        while time.monotonic() < deadline:
+            message = consumer.poll(0.3)
+            if message is not None and not message.error():
+                values.append(message.value() or b"")
+                last_new = time.monotonic()
+            elif len(values) >= expect and time.monotonic() - last_new > quiet_s:
+                break
+        return values
+    finally:
+        consumer.close()

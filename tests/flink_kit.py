@@ -23,6 +23,7 @@ from confluent_kafka.admin import AdminClient, NewTopic  # type: ignore[attr-def
 from devstack.flink_cluster import FlinkClusterState, FlinkRest, SubmittedJob, job_settings, submit
 from devstack.stack import StackState
 from flink_jobs.flink_config import AsyncSettings, CheckpointSettings, KafkaSettings, NearRealtimeSettings
+from shopper.readback import read_topic
 from tests.conftest import Isolated
 
 
@@ -78,32 +79,8 @@ def wait_committed(
 
 
 def read_all(bootstrap: str, topic: str, *, expect: int, quiet_s: float = 3.0) -> list[bytes]:
-    """Every record of ``topic`` read with ``read_committed``: until ``expect`` records are in and
-    then ``quiet_s`` without a new one (so a duplicate would still be seen)."""
-    consumer = Consumer(
-        {
-            "bootstrap.servers": bootstrap,
-            "group.id": f"read-{uuid.uuid4().hex[:8]}",
-            "isolation.level": "read_committed",
-            "enable.auto.commit": False,
-        }
-    )
-    try:
-        partitions = consumer.list_topics(topic, timeout=10).topics[topic].partitions
-        consumer.assign([TopicPartition(topic, p, 0) for p in partitions])
-        values: list[bytes] = []
-        deadline = time.monotonic() + 120
-        last_new = time.monotonic()
-        while time.monotonic() < deadline:
-            message = consumer.poll(0.3)
-            if message is not None and not message.error():
-                values.append(message.value() or b"")
-                last_new = time.monotonic()
-            elif len(values) >= expect and time.monotonic() - last_new > quiet_s:
-                break
-        return values
-    finally:
-        consumer.close()
+    """Every record of ``topic`` read with ``read_committed`` (``shopper.readback.read_topic``)."""
+    return read_topic(bootstrap, topic, expect=expect, read_committed=True, quiet_s=quiet_s)
 
 
 def flink_topics(isolated: Isolated, partitions: int = 4) -> FlinkTopics:
