@@ -17,9 +17,9 @@ import asyncio
 import contextlib
 import random
 import time
-from collections.abc import AsyncIterator, Callable, Mapping, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from dataclasses import replace
-from typing import Any
+from typing import Any, TypeVar
 
 import aiohttp
 import orjson
@@ -46,6 +46,8 @@ from llm_client.routing.base import KvEventConsumer, PrefillObserver
 from llm_client.sse import read_sse_json
 from llm_client.transport import auth_headers, header_value, tls_context
 from prompt_assembly.tokens import messages_text
+
+T = TypeVar("T")
 
 
 class LLMClient:
@@ -161,13 +163,33 @@ class LLMClient:
     async def request(
         self, path: str, body: dict[str, Any], route: RouteRequest, *, deadline_s: float | None = None
     ) -> Completion:
-        deadline = deadline_s if deadline_s is not None else self.config.timeouts.deadline_s
         tried: list[str] = []
+        async with self._call(deadline_s, tried):
+
+            async def attempt(endpoint: Endpoint, number: int) -> Completion:
+                info = Attempt(endpoint.name, route.key, number)
+                self.hooks.started(info)
+                try:
+                    completion = await self._attempt(endpoint, path, body, route)
+                except LLMError as exc:
+                    self.hooks.failed(info, exc)
+                    raise
+                completion = _with_attempts(completion, number)
+                self.hooks.finished(info, completion)
+                return completion
+
+            return await self._retried(route, tried, attempt)
+
+    @contextlib.asynccontextmanager
+    async def _call(self, deadline_s: float | None, tried: list[str]) -> AsyncIterator[None]:
+        """One call, however many attempts: the backpressure gate, the in-flight count, the deadline
+        over the whole block, and the attempt count (``len(tried)``) on whatever error leaves it."""
+        deadline = deadline_s if deadline_s is not None else self.config.timeouts.deadline_s
         async with self._gate:
             self.in_flight += 1
             try:
                 async with asyncio.timeout(deadline):
-                    return await self._attempts(path, body, route, tried)
+                    yield
             except TimeoutError:
                 error = DeadlineExceeded(f"no answer within the {deadline:.3f} s deadline")
                 error.attempts = len(tried)
@@ -178,36 +200,34 @@ class LLMClient:
             finally:
                 self.in_flight -= 1
 
-    async def _attempts(
-        self, path: str, body: dict[str, Any], route: RouteRequest, tried: list[str]
-    ) -> Completion:
-        """Attempts in order; ``tried`` collects the replica of each attempt (its length is the attempt
-        count; a retry goes back to a replica already tried only when no other is routable)."""
+    async def _retried(
+        self,
+        route: RouteRequest,
+        tried: list[str],
+        attempt: Callable[[Endpoint, int], Awaitable[T]],
+    ) -> T:
+        """Attempts in order, each ``attempt(endpoint, number)`` on the replica the policy picks;
+        ``tried`` collects the replica of each (its length is the attempt count; a retry goes back to a
+        replica already tried only when no other is routable). A retryable error is retried under the
+        retry budget with backoff; any other is raised at once."""
         self._budget.on_request()
         last_error: LLMError | None = None
-        for attempt in range(self.config.retry.max_attempts):
-            if attempt > 0:
+        for number in range(1, self.config.retry.max_attempts + 1):
+            if number > 1:
                 if not self._budget.try_spend():
                     raise RetryBudgetExhausted(f"retry budget exhausted after: {last_error}")
                 self.retries += 1
-                await asyncio.sleep(backoff_s(attempt - 1, self.config.retry, self._rng))
+                await asyncio.sleep(backoff_s(number - 2, self.config.retry, self._rng))
             if not any(e.routable for e in self.endpoints):
                 await self._wait_for_routable()
             endpoint = self._choose(route, tried)
             tried.append(endpoint.name)
-            info = Attempt(endpoint.name, route.key, attempt + 1)
-            self.hooks.started(info)
             try:
-                completion = await self._attempt(endpoint, path, body, route)
+                return await attempt(endpoint, number)
             except LLMError as exc:
-                self.hooks.failed(info, exc)
                 if not exc.retryable:
                     raise
                 last_error = exc
-            else:
-                completion = _with_attempts(completion, attempt + 1)
-                self.hooks.finished(info, completion)
-                return completion
         assert last_error is not None
         raise last_error
 
@@ -352,56 +372,23 @@ class LLMClient:
         the block exits the replica's load is given back; a body read to its end teaches the policy and
         the degradation detector (usage and first-byte time read in passing), one the caller left
         unread teaches nothing."""
-        deadline = deadline_s if deadline_s is not None else self.config.timeouts.deadline_s
         tried: list[str] = []
-        async with self._gate:
-            self.in_flight += 1
+        async with self._call(deadline_s, tried):
+
+            async def attempt(endpoint: Endpoint, number: int) -> Forwarded:
+                return await self._forward_attempt(endpoint, method, path, body, route, headers or {})
+
+            forwarded = await self._retried(route, tried, attempt)
+            forwarded.attempts = len(tried)
             try:
-                async with asyncio.timeout(deadline):
-                    self._budget.on_request()
-                    forwarded: Forwarded | None = None
-                    last_error: LLMError | None = None
-                    for attempt in range(self.config.retry.max_attempts):
-                        if attempt > 0:
-                            if not self._budget.try_spend():
-                                raise RetryBudgetExhausted(f"retry budget exhausted after: {last_error}")
-                            self.retries += 1
-                            await asyncio.sleep(backoff_s(attempt - 1, self.config.retry, self._rng))
-                        if not any(e.routable for e in self.endpoints):
-                            await self._wait_for_routable()
-                        endpoint = self._choose(route, tried)
-                        tried.append(endpoint.name)
-                        try:
-                            forwarded = await self._forward_attempt(
-                                endpoint, method, path, body, route, headers or {}
-                            )
-                            break
-                        except LLMError as exc:
-                            if not exc.retryable:
-                                raise
-                            last_error = exc
-                    if forwarded is None:
-                        assert last_error is not None
-                        raise last_error
-                    forwarded.attempts = len(tried)
-                    try:
-                        yield forwarded
-                    except (EndpointUnavailable, AttemptTimeout) as exc:  # from chunks(): broke off
-                        self._fail(forwarded.endpoint, route, connection=isinstance(exc, EndpointUnavailable))
-                        raise
-                    finally:
-                        forwarded.release()
-                    if forwarded.finished_ms is not None and forwarded.status < 400:
-                        self._forward_learn(forwarded, route)
-            except TimeoutError:
-                error = DeadlineExceeded(f"no answer within the {deadline:.3f} s deadline")
-                error.attempts = len(tried)
-                raise error from None
-            except LLMError as exc:
-                exc.attempts = len(tried)
+                yield forwarded
+            except (EndpointUnavailable, AttemptTimeout) as exc:  # from chunks(): broke off
+                self._fail(forwarded.endpoint, route, connection=isinstance(exc, EndpointUnavailable))
                 raise
             finally:
-                self.in_flight -= 1
+                forwarded.release()
+            if forwarded.finished_ms is not None and forwarded.status < 400:
+                self._forward_learn(forwarded, route)
 
     async def _forward_attempt(
         self,
