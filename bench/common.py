@@ -1,10 +1,12 @@
-"""Shared bench helpers: machine description, a throwaway embedded stack, table printing."""
+"""Shared bench helpers: machine description, a throwaway embedded stack, table printing, a paced
+open-loop schedule."""
 
 from __future__ import annotations
 
 import os
 import platform
 import tempfile
+import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
@@ -34,6 +36,17 @@ def temporary_stack(**settings: object) -> Iterator[StackState]:
         yield state
     finally:
         stack_down(state_dir)
+
+
+def paced(rate: float, seconds: float) -> Iterator[int]:
+    """0, 1, 2, ... each at its scheduled time (``n / rate`` s after the start) for ``seconds``: an
+    open-loop arrival schedule that does not drift when one send runs late."""
+    started = time.time()
+    n = 0
+    while time.time() - started < seconds:
+        time.sleep(max(0.0, started + n / rate - time.time()))
+        yield n
+        n += 1
 
 
 def percentile(values: Sequence[float], q: float) -> float:

@@ -38,7 +38,7 @@ import redis as sync_redis
 from confluent_kafka import Consumer, Producer, TopicPartition
 from confluent_kafka.admin import AdminClient, NewTopic  # type: ignore[attr-defined]
 
-from bench.common import machine, percentile, print_table
+from bench.common import machine, paced, percentile, print_table
 from devstack.flink_cluster import (
     FlinkClusterSettings,
     FlinkRest,
@@ -216,15 +216,12 @@ def freshness(
     producer = Producer({"bootstrap.servers": stack.kafka_bootstrap, "linger.ms": 0})
     with SignalPoller(stack.redis_url, settings.sinks.redis_key_prefix) as poller:
         started = time.time()
-        n = 0
-        while time.time() - started < seconds:
-            time.sleep(max(0.0, started + n / rate - time.time()))
+        for n in paced(rate, seconds):
             shopper = f"shopper-{n % shoppers:04d}"
             now = time.time()
             value = cart_event(tag, n, shopper, now)
             producer.produce(topic, key=shopper.encode(), value=value, timestamp=int(now * 1000))
             producer.poll(0)
-            n += 1
         producer.flush(10)
         time.sleep(10)
     rest.cancel(job.job_id)

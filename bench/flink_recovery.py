@@ -30,7 +30,7 @@ from pathlib import Path
 import orjson
 from confluent_kafka import KafkaError, Message, Producer
 
-from bench.common import percentile, print_table
+from bench.common import paced, percentile, print_table
 from bench.flink_cluster import Knobs, SignalPoller, bench_job, cart_event, describe, wait_committed
 from devstack.flink_cluster import (
     FlinkClusterSettings,
@@ -104,10 +104,7 @@ def produce_paced(
             return
         out.ends[partition] = max(out.ends.get(partition, 0), offset + 1)
 
-    started = time.time()
-    n = 0
-    while time.time() - started < seconds:
-        time.sleep(max(0.0, started + n / rate - time.time()))
+    for n in paced(rate, seconds):
         shopper = f"shopper-{n % shoppers:04d}"
         now = time.time()
         valid = n % MALFORMED_EVERY != MALFORMED_EVERY - 1
@@ -117,7 +114,6 @@ def produce_paced(
         )
         producer.poll(0)
         out.events.append((shopper, now, valid))
-        n += 1
     producer.flush(30)
 
 

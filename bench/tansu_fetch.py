@@ -26,7 +26,7 @@ from pathlib import Path
 from confluent_kafka import Consumer, Producer
 from confluent_kafka.admin import AdminClient, NewTopic  # type: ignore[attr-defined]
 
-from bench.common import machine, percentile, print_table
+from bench.common import machine, paced, percentile, print_table
 from devstack.broker_probe import read_committed_sees
 from devstack.processes import ManagedProcess, stop
 from devstack.stack import _start_tansu
@@ -65,12 +65,9 @@ def delays(bootstrap: str, wait_ms: int, rate: float, seconds: float) -> list[fl
     reader.start()
     producer = Producer({"bootstrap.servers": bootstrap, "linger.ms": 0})
     started = time.time()
-    n = 0
-    while time.time() - started < seconds:
-        time.sleep(max(0.0, started + n / rate - time.time()))
+    for n in paced(rate, seconds):
         producer.produce(topic, key=str(n % 16).encode(), value=b"x" * 300, timestamp=int(time.time() * 1000))
         producer.poll(0)
-        n += 1
     producer.flush(10)
     time.sleep(1.5)
     done.set()
