@@ -397,12 +397,7 @@ class PrefixAwarePolicy:
         if not isinstance(prefilling, set) or endpoint.name not in prefilling:
             return
         prefilling.discard(endpoint.name)
-        slot = (request.key, endpoint.name)
-        left = self._key_prefilling.get(slot, 0) - 1
-        if left > 0:
-            self._key_prefilling[slot] = left
-        else:
-            self._key_prefilling.pop(slot, None)
+        _release(self._key_prefilling, (request.key, endpoint.name))
 
     def estimate_uncached_tokens(self, request: RouteRequest, endpoint: Endpoint) -> int:
         expected = request.memo.get(_EXPECTED)
@@ -412,12 +407,7 @@ class PrefixAwarePolicy:
 
     def observe(self, request: RouteRequest, endpoint: Endpoint, outcome: RouteOutcome) -> Feedback:
         self.prefill_done(request, endpoint)
-        slot = (request.key, endpoint.name)
-        left = self._key_inflight.get(slot, 0) - 1
-        if left > 0:
-            self._key_inflight[slot] = left
-        else:
-            self._key_inflight.pop(slot, None)
+        _release(self._key_inflight, (request.key, endpoint.name))
         expected_map = request.memo.get(_EXPECTED)
         expected = int(expected_map.get(endpoint.name, 0)) if isinstance(expected_map, dict) else 0
         hashes = self.block_hashes(request)
@@ -515,3 +505,13 @@ class PrefixAwarePolicy:
             return outcome.cached_tokens
         share = min(1.0, outcome.cached_tokens / outcome.prompt_tokens)
         return round(share * request.prompt_tokens)
+
+
+def _release(counts: dict[tuple[str, str], int], slot: tuple[str, str]) -> None:
+    """One fewer for ``slot``; a slot at zero is dropped, so the per-key maps stay as small as what is
+    in flight."""
+    left = counts.get(slot, 0) - 1
+    if left > 0:
+        counts[slot] = left
+    else:
+        counts.pop(slot, None)
