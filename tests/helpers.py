@@ -13,6 +13,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from prompt_assembly.events import MalformedEvent, parse_event
 from prompt_assembly.processor import SessionConfig, SessionProcessor
+from prompt_assembly.prompt import build_messages
 from prompt_assembly.records import PromptRequest
 
 
@@ -73,3 +74,16 @@ def prometheus_names(urls: list[str]) -> set[str]:
             continue
         names |= {s.name for family in text_string_to_metric_families(text) for s in family.samples}
     return names
+
+
+def viewed_prompt(
+    shopper: str, events: int, *, item: str, category: str, hour: int = 10, cents: int = 49
+) -> list[dict[str, str]]:
+    """A shopper's prompt of ``events`` product views (the real prompt builder), for routing tests:
+    each event adds a line, so a longer prompt of the same shopper extends a shorter one's prefix."""
+    lines = [
+        f"- 2026-11-22 {hour}:{i % 60:02d} viewed: <data>{shopper} {item} {i} with a long title</data> by "
+        f"Brand{i % 5}, {category}, ${i}.{cents}\n"
+        for i in range(events)
+    ]
+    return build_messages(shopper, lines)

@@ -8,17 +8,12 @@ import asyncio
 
 from llm_client import ClientConfig, LLMClient
 from llm_client.routing.prefix_aware import PrefixAwarePolicy
-from prompt_assembly.prompt import build_messages
 from serving.simulator.testing import running_simulator
+from tests.helpers import viewed_prompt
 
 
 def prompt(shopper: str, events: int) -> list[dict[str, str]]:
-    lines = [
-        f"- 2026-11-22 11:{i % 60:02d} viewed: <data>{shopper} kettle {i} with a long title</data> by "
-        f"Brand{i % 5}, Home > Kitchen, ${i}.99\n"
-        for i in range(events)
-    ]
-    return build_messages(shopper, lines)
+    return viewed_prompt(shopper, events, item="kettle", category="Home > Kitchen", hour=11, cents=99)
 
 
 async def test_a_prompt_sent_during_its_siblings_prefill_is_not_taken_for_a_restart() -> None:

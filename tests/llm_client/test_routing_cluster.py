@@ -17,9 +17,9 @@ from llm_client.degradation import DegradationDetector, DegradationSettings
 from llm_client.hooks import Attempt, ClientHooks
 from llm_client.routing.base import RouteRequest
 from llm_client.routing.prefix_aware import PrefixAwarePolicy
-from prompt_assembly.prompt import build_messages
 from prompt_assembly.tokens import count_tokens, messages_text
 from serving.simulator.launch import SimulatorFleet
+from tests.helpers import viewed_prompt
 
 
 class SimCluster(SimulatorFleet):
@@ -66,12 +66,7 @@ def config(urls: list[str], policy: str = "prefix_aware") -> ClientConfig:
 
 
 def prompt(shopper: str, events: int) -> list[dict[str, str]]:
-    lines = [
-        f"- 2026-11-22 10:{i % 60:02d} viewed: <data>{shopper} spooky item {i} with a long title</data> by "
-        f"Brand{i % 5}, Decor > Indoor, ${i}.49\n"
-        for i in range(events)
-    ]
-    return build_messages(shopper, lines)
+    return viewed_prompt(shopper, events, item="spooky item", category="Decor > Indoor")
 
 
 async def test_replica_killed_mid_run_loses_no_request_and_is_forgotten(cluster: SimCluster) -> None:

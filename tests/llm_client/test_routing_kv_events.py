@@ -19,20 +19,15 @@ from llm_client import ClientConfig, LLMClient
 from llm_client.kv_events import KvCacheEvent, parse_events
 from llm_client.routing.base import RouteRequest
 from llm_client.routing.prefix_aware import PrefixAwarePolicy
-from prompt_assembly.prompt import build_messages
 from prompt_assembly.tokens import chained_block_hashes, count_tokens, messages_text, token_ids
 from serving.simulator.launch import SimulatorFleet, simulator_argv
+from tests.helpers import viewed_prompt
 
 FAST = ("--time-scale", "0.002")
 
 
 def prompt(shopper: str, events: int) -> list[dict[str, str]]:
-    lines = [
-        f"- 2026-11-22 10:{i % 60:02d} viewed: <data>{shopper} lantern {i} with a long title</data> by "
-        f"Brand{i % 5}, Garden > Lights, ${i}.49\n"
-        for i in range(events)
-    ]
-    return build_messages(shopper, lines)
+    return viewed_prompt(shopper, events, item="lantern", category="Garden > Lights")
 
 
 def hashes(shopper: str, events: int) -> list[int]:
