@@ -6,6 +6,8 @@ mid-run, or to simulate a restart that lost the cache, without restarting the pr
 
 from __future__ import annotations
 
+from dataclasses import asdict
+
 import orjson
 from aiohttp import web
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
@@ -56,5 +58,7 @@ async def _stats(request: web.Request) -> web.Response:
 
 
 async def _ttft(request: web.Request) -> web.Response:
-    """Every finished request's TTFT in simulated ms since the last call: exact server-side tails."""
-    return _json({"ttft_ms": request.app[REPLICA_KEY].drain_ttfts()})
+    """Every finished request's TTFT in simulated ms since the last call (exact server-side tails), and
+    each one's timeline (``FirstTokenRecord``) in ``requests``, to tell queueing from prefill."""
+    records = request.app[REPLICA_KEY].drain_first_tokens()
+    return _json({"ttft_ms": [r.ttft_ms for r in records], "requests": [asdict(r) for r in records]})

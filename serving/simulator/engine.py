@@ -83,6 +83,11 @@ class GenerationRequest:
     """Uncached prompt tokens computed so far (chunked prefill); the prefill ends at
     ``prompt_tokens - cached_tokens``."""
     tokens_done: int = 0
+    batch_prefill_tokens: int = 0
+    """Uncached prompt tokens of every request prefilled in the iteration that gave this one its first
+    token, its own included (what a first token waited for besides the queue)."""
+    batch_running: int = 0
+    """Requests decoding in that iteration (its decode step's batch)."""
     token_times: list[float] = field(default_factory=list)
     cancelled: bool = False
     error: str | None = None
@@ -225,6 +230,9 @@ class ContinuousBatchingEngine:
             request.admitted_at = now
             new_total += new
             admitted.append(request)
+        for request in admitted:
+            request.batch_prefill_tokens = new_total
+            request.batch_running = len(self._running)
         return admitted
 
     def _schedule_chunks(self) -> list[tuple[GenerationRequest, int]]:
@@ -304,9 +312,12 @@ class ContinuousBatchingEngine:
     def _complete_chunks(self, chunks: list[tuple[GenerationRequest, int]]) -> list[GenerationRequest]:
         """Book the chunks; return the requests whose prefill this iteration finished."""
         finished: list[GenerationRequest] = []
+        iteration_tokens = sum(n for _, n in chunks)
         for request, n in chunks:
             request.prefilled_tokens += n
             if self._remaining(request) <= 0:
+                request.batch_prefill_tokens = iteration_tokens
+                request.batch_running = len(self._running)
                 finished.append(request)
             elif self._limits.reuse_chunk_blocks and not request.cancelled:
                 done = (request.cached_tokens + request.prefilled_tokens) // self._cache.block_size

@@ -5,7 +5,7 @@ from __future__ import annotations
 import random
 import uuid
 from collections import deque
-from dataclasses import asdict
+from dataclasses import asdict, dataclass
 from typing import Any
 
 from aiohttp import web
@@ -31,6 +31,32 @@ def engine_limits(config: SimulatorConfig) -> EngineLimits:
         chunk_unit=config.block_size,
         reuse_chunk_blocks=config.chunk_block_reuse,
     )
+
+
+@dataclass(frozen=True, slots=True)
+class FirstTokenRecord:
+    """How one request's first token came about, in simulated ms: the queue, then the iteration that
+    prefilled it (with whatever else was prefilled and decoded in that iteration)."""
+
+    ttft_ms: float
+    queue_ms: float
+    prompt_tokens: int
+    cached_tokens: int
+    batch_prefill_tokens: int
+    batch_running: int
+
+    @classmethod
+    def of(cls, job: GenerationRequest, scale: float) -> FirstTokenRecord:
+        ttft = job.ttft or 0.0
+        wait = job.queue_wait or 0.0
+        return cls(
+            ttft_ms=round(1000.0 * ttft / scale, 3),
+            queue_ms=round(1000.0 * wait / scale, 3),
+            prompt_tokens=job.prompt_tokens,
+            cached_tokens=job.cached_tokens,
+            batch_prefill_tokens=job.batch_prefill_tokens,
+            batch_running=job.batch_running,
+        )
 
 
 class Replica:
@@ -61,8 +87,8 @@ class Replica:
             kv_blocks_used=lambda: self.cache.used_blocks,
         )
         self.error_rate = config.error_rate
-        self.recent_ttft_ms: deque[float] = deque(maxlen=100_000)
-        """Each finished request's time to first token, simulated ms (benchmarks read exact tails)."""
+        self.recent_first_tokens: deque[FirstTokenRecord] = deque(maxlen=100_000)
+        """Each finished request's first-token timeline, simulated ms (benchmarks read exact tails)."""
         self._rng = random.Random(config.seed)
 
     def inject_error(self) -> bool:
@@ -105,7 +131,7 @@ class Replica:
         scale = self.knobs.time_scale or 1.0
         if job.ttft is not None:
             m.ttft.observe(job.ttft / scale)
-            self.recent_ttft_ms.append(1000.0 * job.ttft / scale)
+            self.recent_first_tokens.append(FirstTokenRecord.of(job, scale))
         if job.queue_wait is not None:
             m.queue_time.observe(job.queue_wait / scale)
         if job.finished_at is not None:
@@ -115,10 +141,10 @@ class Replica:
         """Lose every reusable KV block, as a restarted replica would."""
         self.cache.clear()
 
-    def drain_ttfts(self) -> list[float]:
-        """The TTFTs recorded since the last call (``GET /admin/ttft``), oldest first."""
-        out = list(self.recent_ttft_ms)
-        self.recent_ttft_ms.clear()
+    def drain_first_tokens(self) -> list[FirstTokenRecord]:
+        """The first-token timelines recorded since the last call (``GET /admin/ttft``), oldest first."""
+        out = list(self.recent_first_tokens)
+        self.recent_first_tokens.clear()
         return out
 
     def stats(self) -> dict[str, Any]:

@@ -306,3 +306,44 @@ async def test_chunked_prefill_answers_alike_and_splits_the_prompt(http: aiohttp
     assert whole_stats["prefill_tokens_computed"] == chunked_stats["prefill_tokens_computed"]
     # Unchunked, an over-budget prompt runs in one iteration; chunked, in budget-sized pieces.
     assert chunked_stats["iterations"] >= whole_stats["iterations"] + prompt // 256
+
+
+async def test_two_prompts_admitted_together_both_compute_the_shared_prefix(
+    http: aiohttp.ClientSession,
+) -> None:
+    """Why the router keeps a shopper's next prompt off a replica where its previous one is still queued
+    (``PrefixAwareSettings.cobatch_window_s``): an engine reuses only blocks it has computed, so a prompt
+    admitted in the same iteration as the one it extends finds nothing of it cached, and both first
+    tokens wait for both prefills. A prompt that arrives after that iteration reuses it."""
+    first_user = "Viewed trail shoes. " * 120
+    second_user = first_user + "Added Garmin Forerunner 265 to basket. " * 10
+    third_user = second_user + "Searched running socks. " * 10
+    async with running_simulator(time_scale=1.0) as sim:
+        url = f"{sim.url}/v1/chat/completions"
+        # A long cold prefill of another shopper holds the engine for about a second: both prompts below
+        # arrive while it runs and are admitted together at the next iteration.
+        blocker = asyncio.create_task(_post(http, url, _chat(user="Other shopper. " * 1200, max_tokens=2)))
+        while sim.replica.engine.num_running == 0:
+            await asyncio.sleep(0.005)
+        (_, first), (_, second) = await asyncio.gather(
+            _post(http, url, _chat(user=first_user, max_tokens=2)),
+            _post(http, url, _chat(user=second_user, max_tokens=2)),
+        )
+        await blocker
+        _, third = await _post(http, url, _chat(user=third_user, max_tokens=2))
+        async with http.get(f"{sim.url}/admin/ttft") as r:
+            records = (await r.json())["requests"]
+
+    def cached(body: dict[str, Any]) -> int:
+        return int(body["usage"]["prompt_tokens_details"]["cached_tokens"])
+
+    # Both reuse only the system prompt the blocker left; the second none of the first's own blocks.
+    assert cached(second) == cached(first) < first["usage"]["prompt_tokens"] - 10 * 32
+    assert cached(third) >= second["usage"]["prompt_tokens"] - 32  # all but the last partial block
+    by_prompt = {r["prompt_tokens"]: r for r in records}
+    together = [by_prompt[b["usage"]["prompt_tokens"]] for b in (first, second)]
+    new_tokens = sum(r["prompt_tokens"] - r["cached_tokens"] for r in together)
+    assert all(r["batch_prefill_tokens"] == new_tokens for r in together)
+    assert all(r["queue_ms"] > 0 for r in together)  # both waited for the blocker's iteration
+    later = by_prompt[third["usage"]["prompt_tokens"]]
+    assert later["batch_prefill_tokens"] == later["prompt_tokens"] - later["cached_tokens"]
