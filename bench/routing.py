@@ -125,11 +125,18 @@ class SimFleet:
         ):
             response.raise_for_status()
 
-    async def server_ttfts_ms(self) -> list[float]:
-        """Every request's TTFT as the replicas measured it (simulated ms), for exact server-side tails."""
+    async def server_first_tokens(self) -> list[dict[str, Any]]:
+        """Every request's first-token timeline as the replicas measured it (simulated ms: TTFT, queue
+        wait, tokens prefilled in its iteration; the simulator's ``FirstTokenRecord``), with the replica's
+        index, for exact server-side tails."""
         async with aiohttp.ClientSession() as session:
             answers = await asyncio.gather(*(_get_json(session, url + "/admin/ttft") for url in self.urls))
-        return [float(v) for a in answers if a is not None for v in a["ttft_ms"]]
+        return [
+            {**record, "replica": i}
+            for i, answer in enumerate(answers)
+            if answer is not None
+            for record in answer["requests"]
+        ]
 
     async def stats(self) -> list[dict[str, Any] | None]:
         async with aiohttp.ClientSession() as session:
@@ -337,14 +344,17 @@ def client_config(
 ) -> ClientConfig:
     """``policy`` is a policy name, ``prefix_aware_precise`` (prefix_aware following KV events) or
     ``prefix_aware_noguard`` (without the tail guards: hot-shopper spreading and the queue cap, as before
-    they existed); ``options`` are prefix_aware's settings (ignored for the others)."""
+    they existed) or ``prefix_aware_spread`` (with hot-shopper spreading, off by default); ``options``
+    are prefix_aware's settings (ignored for the others)."""
     settings: dict[str, Any] | None = None
     if policy.startswith("prefix_aware"):
         settings = {**(options or {}), "policy": "prefix_aware"}
         if policy == "prefix_aware_precise":
             settings["kv_events"] = "precise"
         if policy == "prefix_aware_noguard":
-            settings.update(max_queued_tokens=1e12, hot_key_min_inflight=10**9)
+            settings.update(max_queued_tokens=1e12, hot_key_spread=False)
+        if policy == "prefix_aware_spread":
+            settings["hot_key_spread"] = True
         policy = "prefix_aware"
     return ClientConfig.model_validate(
         {
@@ -557,7 +567,8 @@ async def run_sim(
                 await resetter
             stats = await fleet.stats()
             server_ttft = await fleet.server_ttft_ms()
-            server_ttfts = sorted(await fleet.server_ttfts_ms())
+            first_tokens = await fleet.server_first_tokens()
+            server_ttfts = sorted(float(r["ttft_ms"]) for r in first_tokens)
             result = summarise(
                 setup,
                 policy,
@@ -574,6 +585,7 @@ async def run_sim(
             result.extra["attempt_errors"] = dict(attempt_errors)
             result.extra["windows"] = windows(outcomes)
             result.extra["tail"] = tail_report(outcomes, timed)
+            result.extra["server_tail"] = server_tail_report(first_tokens)
             if server_ttfts:
                 result.server_ttft_p50_ms = _pct(server_ttfts, 50)
                 result.server_ttft_p99_ms = _pct(server_ttfts, 99)
@@ -640,6 +652,34 @@ def tail_report(outcomes: Sequence[Outcome], timed: Sequence[TraceRequest]) -> d
         "replicas": dict(Counter(o.endpoint for o in top)),
         "retried": sum(o.attempts > 1 for o in top),
         "cold_share_all": sum(o.cached_tokens < 0.3 * o.prompt_tokens for o in ok) / len(ok),
+    }
+
+
+def server_tail_report(first_tokens: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """What the slowest 1% of first tokens waited for, as the replicas saw it: the queue (iterations
+    already running or ahead of them) or the iteration that prefilled them (their own prompt and any
+    other prefilled with it), against the same for every request."""
+    ranked = sorted(first_tokens, key=lambda r: float(r["ttft_ms"]))
+    if not ranked:
+        return {}
+    top = ranked[-max(1, len(ranked) // 100) :]
+
+    def shape(records: Sequence[dict[str, Any]]) -> dict[str, float]:
+        n = len(records)
+        return {
+            "ttft_ms": sum(float(r["ttft_ms"]) for r in records) / n,
+            "queue_ms": sum(float(r["queue_ms"]) for r in records) / n,
+            "cold_share": sum(r["cached_tokens"] < 0.3 * r["prompt_tokens"] for r in records) / n,
+            "own_new_tokens": sum(r["prompt_tokens"] - r["cached_tokens"] for r in records) / n,
+            "batch_prefill_tokens": sum(r["batch_prefill_tokens"] for r in records) / n,
+            "batch_running": sum(r["batch_running"] for r in records) / n,
+        }
+
+    return {
+        "p99_set": shape(top),
+        "all": shape(ranked),
+        "p99_replicas": dict(Counter(int(r["replica"]) for r in top)),
+        "p99_requests": [dict(r) for r in top],
     }
 
 
@@ -930,7 +970,7 @@ def _write(name: str, payload: Any) -> None:
 # ---- stress scenarios -------------------------------------------------------------------------------
 SCENARIO_POLICIES = (
     "round_robin", "least_outstanding", "session_affinity", "prefix_aware", "prefix_aware_precise",
-    "prefix_aware_noguard",
+    "prefix_aware_noguard", "prefix_aware_spread",
 )  # fmt: skip
 RESTART_POLICIES = ("prefix_aware", "prefix_aware_precise")
 """The reset scenario compares the two ways of learning about it; the baselines learn nothing."""
@@ -1065,6 +1105,8 @@ async def run_scenarios(args: argparse.Namespace) -> list[RunResult]:
                     json.dumps(result.extra.get("tail")),
                     json.dumps(result.extra.get("policy_stats")),
                 )
+                server_tail = result.extra.get("server_tail") or {}
+                print("   server tail:", json.dumps({k: server_tail.get(k) for k in ("p99_set", "all")}))
         for line in scenario_targets(aggregate([r for r in results if r.setup == sc.name])):
             print("  ", line)
     return results
