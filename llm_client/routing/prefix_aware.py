@@ -51,8 +51,9 @@ from __future__ import annotations
 import logging
 import math
 import random
+import time
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar, Literal
 
@@ -167,8 +168,14 @@ class PrefixAwareSettings(BaseModel):
     restart_max_cached_tokens: int | None = Field(
         None, ge=0, description="... and at most this many came back (default: block_size)"
     )
+    hot_key_spread: bool = Field(
+        False, description="tail guard, off by default: once prompts no longer join a queued sibling's "
+        "iteration (cobatch_window_s), spreading a hot shopper bought no tail on the stress scenarios and "
+        "cost prefill (1.28-1.36x the oracle against 1.15-1.29x; docs/routing.md)"
+    )  # fmt: skip
     hot_key_share: float = Field(
-        0.5, gt=0, le=1, description="a replica already running this share of the load bound in requests "
+        0.5, gt=0, le=1, description="with hot_key_spread: a replica already running this share of the "
+        "load bound in requests "
         "of ONE shopper takes no more of that shopper's prompts while another replica can: a hot shopper "
         "spreads over a second (then third) replica instead of saturating its holder"
     )  # fmt: skip
@@ -190,6 +197,14 @@ class PrefixAwareSettings(BaseModel):
     pending_hit_alpha: float = Field(
         0.1, gt=0, le=1, description="weight of each new answer in that learned share (EWMA)"
     )
+    cobatch_window_s: float = Field(
+        0.1, ge=0, description="a prompt of the same key routed to a replica less than this many seconds "
+        "ago and not prefilled yet is likely still queued there: the engine would admit both into one "
+        "iteration, where the newer prompt can reuse only what the older one found cached (both compute "
+        "the rest, and every first token of that iteration waits for both). Within the window the newer "
+        "prompt is believed to find only that. About one decode iteration, the longest a request waits "
+        "for admission on a replica not busy with a prefill; 0 = off"
+    )  # fmt: skip
     interference_weight: float = Field(
         0.0, ge=0, description="a prefill delays every request that reaches its replica while it runs, "
         "and a replica that gets more of the traffic (a hot shopper's holder) has more such requests: the "
@@ -227,6 +242,9 @@ class PrefixAwareStats:
     share of such prompts that came back warm was below ``pending_min_hit_rate``)."""
     pending_hit_rate: float = 1.0
     """That learned share (EWMA over answers to prompts routed during a sibling's prefill)."""
+    cobatch_avoided: int = 0
+    """Decisions that discounted a believed match resting on a prompt of the same key routed there less
+    than ``cobatch_window_s`` ago (admitted in one iteration, both would compute that prompt's part)."""
     kv_events: int = 0
     """KV cache events applied (precise mode)."""
     kv_blocks_removed: int = 0
@@ -252,7 +270,13 @@ class PrefixAwarePolicy:
     name: ClassVar[str] = "prefix_aware"
     settings_type: ClassVar[type[BaseModel]] = PrefixAwareSettings
 
-    def __init__(self, settings: PrefixAwareSettings | None = None, **knobs: Any) -> None:
+    def __init__(
+        self,
+        settings: PrefixAwareSettings | None = None,
+        *,
+        clock: Callable[[], float] = time.monotonic,
+        **knobs: Any,
+    ) -> None:
         if settings is None or knobs:
             base = settings.model_dump() if settings is not None else {}
             settings = PrefixAwareSettings.model_validate({**base, **knobs})
@@ -274,6 +298,10 @@ class PrefixAwarePolicy:
         self._cursors: dict[str, _EventCursor] = {}
         self._key_inflight: dict[tuple[str, str], int] = {}
         self._key_prefilling: dict[tuple[str, str], int] = {}
+        self._key_routed_at: dict[tuple[str, str], tuple[float, int]] = {}
+        """When the key's latest attempt still prefilling on the replica was routed (``clock``), and the
+        tokens that attempt was believed to find cached there (its own blocks not counted)."""
+        self._clock = clock
         self._traffic_share: dict[str, float] = {}
         """Each replica's recent share of the routed requests (EWMA over decisions; sums to about 1)."""
         """Attempts per (key, replica) whose prefill is not over (``prefill_done`` not called yet)."""
@@ -332,6 +360,15 @@ class PrefixAwarePolicy:
                 self.stats.pending_matches_ignored += 1
             for name in pending:
                 useful[name] = 0
+        window = self.settings.cobatch_window_s
+        if pending and window > 0:
+            now = self._clock()
+            for name in pending:
+                routed_at, found = self._key_routed_at.get((request.key, name), (-math.inf, 0))
+                if now - routed_at < window and useful[name] > found:
+                    # Admitted together, this prompt reuses only what its sibling reuses.
+                    useful[name] = found if found >= floor else 0
+                    self.stats.cobatch_avoided += 1
 
         bound = self.load_bound(ordered)
         eligible = [e for e in ordered if e.outstanding < bound] or ordered
@@ -340,12 +377,13 @@ class PrefixAwarePolicy:
         if calm and len(calm) < len(eligible):
             self.stats.queue_cap_skips += 1
             eligible = calm
-        # A hot shopper spreads over more replicas once it holds its share of one.
-        key_cap = max(self.settings.hot_key_min_inflight, self.settings.hot_key_share * bound)
-        spread = [e for e in eligible if self._key_inflight.get((request.key, e.name), 0) < key_cap]
-        if spread and len(spread) < len(eligible):
-            self.stats.hot_key_spreads += 1
-            eligible = spread
+        if self.settings.hot_key_spread:
+            # A hot shopper spreads over more replicas once it holds its share of one.
+            key_cap = max(self.settings.hot_key_min_inflight, self.settings.hot_key_share * bound)
+            spread = [e for e in eligible if self._key_inflight.get((request.key, e.name), 0) < key_cap]
+            if spread and len(spread) < len(eligible):
+                self.stats.hot_key_spreads += 1
+                eligible = spread
 
         n = len(ordered)
         interference = self.settings.interference_weight
@@ -388,6 +426,8 @@ class PrefixAwarePolicy:
         prefilling: set[str] = request.memo.setdefault(_PREFILLING, set())  # type: ignore[assignment]
         prefilling.add(chosen.name)
         self._key_prefilling[slot] = self._key_prefilling.get(slot, 0) + 1
+        if window > 0:
+            self._key_routed_at[slot] = (self._clock(), useful[chosen.name])
         return chosen
 
     def prefill_done(self, request: RouteRequest, endpoint: Endpoint) -> None:
@@ -397,7 +437,10 @@ class PrefixAwarePolicy:
         if not isinstance(prefilling, set) or endpoint.name not in prefilling:
             return
         prefilling.discard(endpoint.name)
-        _release(self._key_prefilling, (request.key, endpoint.name))
+        slot = (request.key, endpoint.name)
+        _release(self._key_prefilling, slot)
+        if slot not in self._key_prefilling:
+            self._key_routed_at.pop(slot, None)
 
     def estimate_uncached_tokens(self, request: RouteRequest, endpoint: Endpoint) -> int:
         expected = request.memo.get(_EXPECTED)

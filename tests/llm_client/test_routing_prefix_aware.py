@@ -125,7 +125,6 @@ def test_imbalance_falls_back_to_power_of_two_choices() -> None:
             imbalance_ratio=2.0,
             load_factor=100,
             max_queued_tokens=1e9,  # the other guards off: only the imbalance test decides
-            hot_key_min_inflight=1000,
         ),
         endpoints(4),
     )
@@ -137,7 +136,10 @@ def test_imbalance_falls_back_to_power_of_two_choices() -> None:
 
 
 def test_a_hot_shopper_spreads_to_a_second_replica_once_it_holds_its_share() -> None:
-    policy, eps = PrefixAwarePolicy(load_factor=100, hot_key_min_inflight=3, hot_key_share=0.01), endpoints(4)
+    policy, eps = (
+        PrefixAwarePolicy(load_factor=100, hot_key_spread=True, hot_key_min_inflight=3, hot_key_share=0.01),
+        endpoints(4),
+    )
     home = route(policy, shopper_prompt("hot", 60), eps)
     picks = [policy.choose(shopper_prompt("hot", 61 + i), eps) for i in range(3)]  # in flight, unanswered
     assert picks == [home] * 3  # its cache wins while it runs fewer than 3 there
@@ -152,6 +154,13 @@ def test_a_hot_shopper_spreads_to_a_second_replica_once_it_holds_its_share() -> 
         request = shopper_prompt("hot", 61 + i)
         policy.observe(request, home, RouteOutcome(True, request.prompt_tokens, 0))
     assert policy.choose(shopper_prompt("hot", 66), eps) in (home, second)
+
+
+def test_a_hot_shopper_stays_on_its_holder_by_default() -> None:
+    policy, eps = PrefixAwarePolicy(load_factor=100, hot_key_min_inflight=3, hot_key_share=0.01), endpoints(4)
+    home = route(policy, shopper_prompt("hot", 60), eps)
+    picks = [policy.choose(shopper_prompt("hot", 61 + i), eps) for i in range(5)]
+    assert picks == [home] * 5 and policy.stats.hot_key_spreads == 0
 
 
 def test_a_long_prefill_queue_is_not_a_candidate() -> None:
@@ -393,7 +402,8 @@ def test_a_cold_answer_while_the_keys_previous_prompt_was_prefilling_is_not_a_re
 
 
 def test_matches_resting_on_a_pending_prefill_are_ignored_once_they_come_back_cold() -> None:
-    policy, eps = PrefixAwarePolicy(pending_hit_alpha=0.6), endpoints(2)
+    # The prompts come long after one another here (the co-batching window is the next tests' subject).
+    policy, eps = PrefixAwarePolicy(pending_hit_alpha=0.6, cobatch_window_s=0), endpoints(2)
     first = shopper_prompt("lena", 60)
     home = policy.choose(first, eps)
     home.outstanding_prefill_tokens = 500  # the client counts the attempt's expected prefill
@@ -411,7 +421,7 @@ def test_matches_resting_on_a_pending_prefill_are_ignored_once_they_come_back_co
 
 
 def test_warm_answers_during_a_pending_prefill_keep_the_belief() -> None:
-    policy, eps = PrefixAwarePolicy(pending_hit_alpha=0.6), endpoints(2)
+    policy, eps = PrefixAwarePolicy(pending_hit_alpha=0.6, cobatch_window_s=0), endpoints(2)
     first = shopper_prompt("mona", 60)
     home = policy.choose(first, eps)
     for events in (61, 62, 63):  # an engine that stored the blocks before the next prompt came
@@ -420,6 +430,39 @@ def test_warm_answers_during_a_pending_prefill_keep_the_belief() -> None:
         cached = request.prompt_tokens - policy.estimate_uncached_tokens(request, home)
         policy.observe(request, home, RouteOutcome(True, request.prompt_tokens, cached))
     assert policy.stats.pending_hit_rate == 1.0 and policy.stats.pending_matches_ignored == 0
+
+
+def test_a_prompt_right_behind_its_cold_sibling_does_not_join_its_iteration() -> None:
+    clock = FakeClock()
+    policy, eps = PrefixAwarePolicy(clock=clock), endpoints(2)
+    first = shopper_prompt("olga", 60)
+    home = policy.choose(first, eps)  # cold: only the shared head anywhere
+    home.outstanding_prefill_tokens = policy.estimate_uncached_tokens(first, home)
+    # 20 ms later the next prompt: on home it would be admitted with the first and computed cold too,
+    # and both first tokens would wait for both prefills. It goes where it prefills alone.
+    clock.now += 0.02
+    second = shopper_prompt("olga", 61)
+    away = policy.choose(second, eps)
+    assert away is not home and policy.stats.cobatch_avoided == 1
+    away.outstanding_prefill_tokens = policy.estimate_uncached_tokens(second, away)
+    # Past the window both are being computed: the next prompt waits for the longer one and reuses it.
+    clock.now += 0.2
+    third = shopper_prompt("olga", 62)
+    assert policy.choose(third, eps) is away
+    assert policy.estimate_uncached_tokens(third, away) < 0.1 * third.prompt_tokens
+    assert policy.stats.cobatch_avoided == 1
+
+
+def test_a_prompt_right_behind_its_warm_sibling_follows_it() -> None:
+    clock = FakeClock()
+    policy, eps = PrefixAwarePolicy(clock=clock), endpoints(3)
+    home = route(policy, shopper_prompt("pia", 60), eps)
+    warm = shopper_prompt("pia", 61)
+    assert policy.choose(warm, eps) is home  # found the first prompt cached; now prefilling its suffix
+    clock.now += 0.02
+    # Admitted together with its sibling it still reuses what the sibling reuses: it follows.
+    assert policy.choose(shopper_prompt("pia", 62), eps) is home
+    assert policy.stats.cobatch_avoided == 1
 
 
 def test_interference_sends_a_cold_prompt_away_from_the_busiest_holder() -> None:
