@@ -198,12 +198,13 @@ class PrefixAwareSettings(BaseModel):
         0.1, gt=0, le=1, description="weight of each new answer in that learned share (EWMA)"
     )
     cobatch_window_s: float = Field(
-        0.1, ge=0, description="a prompt of the same key routed to a replica less than this many seconds "
-        "ago and not prefilled yet is likely still queued there: the engine would admit both into one "
-        "iteration, where the newer prompt can reuse only what the older one found cached (both compute "
-        "the rest, and every first token of that iteration waits for both). Within the window the newer "
-        "prompt is believed to find only that. About one decode iteration, the longest a request waits "
-        "for admission on a replica not busy with a prefill; 0 = off"
+        0.08, ge=0, description="a prompt of the same key likely still queued on a replica (routed there "
+        "less than this many seconds ago, or while a prefill ran there that has not reported its first "
+        "token yet) is admitted together with a new prompt sent there: the new one then reuses only what "
+        "the queued one found cached (an engine reuses computed blocks only; both compute the rest, and "
+        "every first token of that iteration waits for both), so that is all it is believed to find. "
+        "About one decode iteration of a large batch (55-80 ms on the H100 calibration), the longest a "
+        "request waits for admission behind decode steps alone; 0 = off"
     )  # fmt: skip
     interference_weight: float = Field(
         0.0, ge=0, description="a prefill delays every request that reaches its replica while it runs, "
@@ -259,6 +260,37 @@ class PrefixAwareStats:
 
 
 @dataclass(slots=True)
+class _ReplicaPrefills:
+    """Attempts routed to one replica and those whose prefill is over, as counters: an attempt that
+    arrives while a prefill runs there is admitted when that iteration ends, i.e. at the next first token
+    the replica sends."""
+
+    routed: int = 0
+    done: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class _QueuedSibling:
+    """A key's attempt whose prefill on a replica is not over, as routing left it."""
+
+    routed_at: float
+    found: int
+    """Tokens it was believed to find cached there (its own blocks not counted)."""
+    ahead: int
+    """``_ReplicaPrefills.routed`` when it was routed: prefills routed there before it."""
+    done_then: int
+    """``_ReplicaPrefills.done`` when it was routed."""
+
+    def still_queued(self, prefills: _ReplicaPrefills, now: float, window: float) -> bool:
+        """Whether it is likely not admitted yet: routed less than ``window`` ago (the next boundary of
+        an iteration of decode steps alone), or, where a prefill was under way there, no prefill has
+        finished there since (the iteration it arrived in is still running)."""
+        if now - self.routed_at < window:
+            return True
+        return self.ahead > self.done_then and prefills.done == self.done_then
+
+
+@dataclass(slots=True)
 class _EventCursor:
     last_event_id: int | None = None
 
@@ -298,9 +330,10 @@ class PrefixAwarePolicy:
         self._cursors: dict[str, _EventCursor] = {}
         self._key_inflight: dict[tuple[str, str], int] = {}
         self._key_prefilling: dict[tuple[str, str], int] = {}
-        self._key_routed_at: dict[tuple[str, str], tuple[float, int]] = {}
-        """When the key's latest attempt still prefilling on the replica was routed (``clock``), and the
-        tokens that attempt was believed to find cached there (its own blocks not counted)."""
+        self._key_queued: dict[tuple[str, str], _QueuedSibling] = {}
+        """The key's latest attempt still prefilling on each replica: when it was routed and what it was
+        believed to find there, to tell whether a new prompt would join its iteration."""
+        self._prefills: dict[str, _ReplicaPrefills] = {}
         self._clock = clock
         self._traffic_share: dict[str, float] = {}
         """Each replica's recent share of the routed requests (EWMA over decisions; sums to about 1)."""
@@ -364,10 +397,13 @@ class PrefixAwarePolicy:
         if pending and window > 0:
             now = self._clock()
             for name in pending:
-                routed_at, found = self._key_routed_at.get((request.key, name), (-math.inf, 0))
-                if now - routed_at < window and useful[name] > found:
+                queued = self._key_queued.get((request.key, name))
+                if queued is None or useful[name] <= queued.found:
+                    continue
+                if queued.still_queued(self._replica_prefills(name), now, window):
                     # Admitted together, this prompt reuses only what its sibling reuses.
-                    useful[name] = found if found >= floor else 0
+                    cached[name] = min(cached[name], queued.found)
+                    useful[name] = queued.found if queued.found >= floor else 0
                     self.stats.cobatch_avoided += 1
 
         bound = self.load_bound(ordered)
@@ -426,8 +462,12 @@ class PrefixAwarePolicy:
         prefilling: set[str] = request.memo.setdefault(_PREFILLING, set())  # type: ignore[assignment]
         prefilling.add(chosen.name)
         self._key_prefilling[slot] = self._key_prefilling.get(slot, 0) + 1
+        prefills = self._replica_prefills(chosen.name)
         if window > 0:
-            self._key_routed_at[slot] = (self._clock(), useful[chosen.name])
+            self._key_queued[slot] = _QueuedSibling(
+                self._clock(), useful[chosen.name], prefills.routed, prefills.done
+            )
+        prefills.routed += 1
         return chosen
 
     def prefill_done(self, request: RouteRequest, endpoint: Endpoint) -> None:
@@ -440,7 +480,8 @@ class PrefixAwarePolicy:
         slot = (request.key, endpoint.name)
         _release(self._key_prefilling, slot)
         if slot not in self._key_prefilling:
-            self._key_routed_at.pop(slot, None)
+            self._key_queued.pop(slot, None)
+        self._replica_prefills(endpoint.name).done += 1
 
     def estimate_uncached_tokens(self, request: RouteRequest, endpoint: Endpoint) -> int:
         expected = request.memo.get(_EXPECTED)
@@ -540,6 +581,12 @@ class PrefixAwarePolicy:
                 self.stats.kv_blocks_removed += len(data.block_hashes)
 
     # ---- helpers -----------------------------------------------------------------------------------
+    def _replica_prefills(self, name: str) -> _ReplicaPrefills:
+        prefills = self._prefills.get(name)
+        if prefills is None:
+            prefills = self._prefills[name] = _ReplicaPrefills()
+        return prefills
+
     @staticmethod
     def _observed_cached_tokens(request: RouteRequest, outcome: RouteOutcome) -> int:
         """The server's cached count in the router's token units: servers count with their own

@@ -385,7 +385,8 @@ def test_disabled_detector_does_nothing() -> None:
 
 
 def test_a_cold_answer_while_the_keys_previous_prompt_was_prefilling_is_not_a_restart() -> None:
-    policy, eps = PrefixAwarePolicy(), endpoints(2)
+    # Long after one another: the co-batching window (tests below) would expect the cold answer anyway.
+    policy, eps = PrefixAwarePolicy(cobatch_window_s=0), endpoints(2)
     earlier = shopper_prompt("kim", 60)
     home = policy.choose(earlier, eps)  # routed, prefill not reported done
     request = shopper_prompt("kim", 62)
@@ -450,6 +451,27 @@ def test_a_prompt_right_behind_its_cold_sibling_does_not_join_its_iteration() ->
     third = shopper_prompt("olga", 62)
     assert policy.choose(third, eps) is away
     assert policy.estimate_uncached_tokens(third, away) < 0.1 * third.prompt_tokens
+    assert policy.stats.cobatch_avoided == 1
+
+
+def test_a_sibling_queued_behind_another_prefill_counts_as_queued_until_that_one_is_done() -> None:
+    clock = FakeClock()
+    policy, (home, busy) = PrefixAwarePolicy(clock=clock), endpoints(2)
+    busy.outstanding_prefill_tokens = 50_000  # the other replica is out of the question throughout
+    other = shopper_prompt("rita", 60)
+    assert policy.choose(other, [home, busy]) is home  # another shopper's prefill, still running
+    first = shopper_prompt("sam", 60)
+    assert policy.choose(first, [home, busy]) is home  # cold, queued behind it
+    clock.now += 0.5  # far past the window, but what was ahead of it has not finished
+    second = shopper_prompt("sam", 61)
+    assert policy.choose(second, [home, busy]) is home
+    assert policy.estimate_uncached_tokens(second, home) > 0.8 * second.prompt_tokens  # joins it: cold
+    assert policy.stats.cobatch_avoided == 1
+    policy.prefill_done(other, home)  # the prefill ahead is over: the first is admitted now
+    clock.now += 0.5
+    third = shopper_prompt("sam", 62)
+    assert policy.choose(third, [home, busy]) is home
+    assert policy.estimate_uncached_tokens(third, home) < 0.1 * third.prompt_tokens
     assert policy.stats.cobatch_avoided == 1
 
 
