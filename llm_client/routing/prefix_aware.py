@@ -198,13 +198,14 @@ class PrefixAwareSettings(BaseModel):
         0.1, gt=0, le=1, description="weight of each new answer in that learned share (EWMA)"
     )
     cobatch_window_s: float = Field(
-        0.08, ge=0, description="a prompt of the same key likely still queued on a replica (routed there "
+        0.04, ge=0, description="a prompt of the same key likely still queued on a replica (routed there "
         "less than this many seconds ago, or while a prefill ran there that has not reported its first "
         "token yet) is admitted together with a new prompt sent there: the new one then reuses only what "
         "the queued one found cached (an engine reuses computed blocks only; both compute the rest, and "
         "every first token of that iteration waits for both), so that is all it is believed to find. "
-        "About one decode iteration of a large batch (55-80 ms on the H100 calibration), the longest a "
-        "request waits for admission behind decode steps alone; 0 = off"
+        "About half a decode iteration of a large batch (55-80 ms on the H100 calibration): the mean wait "
+        "for admission behind decode steps alone (0.08 s, a whole iteration, cost 0.07-0.09x the oracle "
+        "in prefill on the stress scenarios for no tail gain); 0 = off"
     )  # fmt: skip
     interference_weight: float = Field(
         0.0, ge=0, description="a prefill delays every request that reaches its replica while it runs, "
