@@ -55,7 +55,7 @@ from bench.trace import (
 from llm_client import ClientConfig, LLMClient
 from llm_client.errors import LLMError
 from llm_client.hooks import Attempt
-from llm_client.routing.prefix_aware import PrefixAwarePolicy
+from llm_client.routing.prefix_aware import PrefixAwarePolicy, PrefixAwareSettings
 from prompt_assembly.tokens import chained_block_hashes, messages_text, token_ids
 
 REPO = Path(__file__).resolve().parents[1]
@@ -341,14 +341,18 @@ def client_config(
     attempt_s: float,
     deadline_s: float,
     options: dict[str, Any] | None = None,
+    time_scale: float = 1.0,
 ) -> ClientConfig:
     """``policy`` is a policy name, ``prefix_aware_precise`` (prefix_aware following KV events) or
     ``prefix_aware_noguard`` (without the tail guards: hot-shopper spreading and the queue cap, as before
     they existed) or ``prefix_aware_spread`` (with hot-shopper spreading, off by default); ``options``
-    are prefix_aware's settings (ignored for the others)."""
+    are prefix_aware's settings (ignored for the others); ``time_scale`` is the replicas' (simulated
+    engine time per wall second)."""
     settings: dict[str, Any] | None = None
     if policy.startswith("prefix_aware"):
-        settings = {**(options or {}), "policy": "prefix_aware"}
+        # The co-batching window is engine time: on replicas that run time_scale x faster, it shrinks too.
+        window = PrefixAwareSettings().cobatch_window_s * time_scale
+        settings = {"cobatch_window_s": window, **(options or {}), "policy": "prefix_aware"}
         if policy == "prefix_aware_precise":
             settings["kv_events"] = "precise"
         if policy == "prefix_aware_noguard":
@@ -546,6 +550,7 @@ async def run_sim(
             attempt_s=120 * args.time_scale + 10,
             deadline_s=300 * args.time_scale + 20,
             options=options if options is not None else json.loads(args.prefix_aware_options),
+            time_scale=args.time_scale,
         )
         async with LLMClient(config, seed=args.seed) as client:
             await client.wait_until_healthy()

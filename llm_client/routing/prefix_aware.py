@@ -61,6 +61,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from llm_client.endpoints import Endpoint
 from llm_client.routing.base import NO_FEEDBACK, Feedback, RouteOutcome, RouteRequest
+from llm_client.routing.queued_prefills import QueuedPrefills
 from llm_client.routing.session_affinity import rendezvous_order
 from prompt_assembly.tokens import chained_block_hashes, token_ids
 
@@ -71,6 +72,8 @@ _EXPECTED = "prefix_aware.expected_cached"
 _HIT = "prefix_aware.expected_hit"
 _PREFILLING = "prefix_aware.prefilling"
 """Replicas this request was routed to whose prefill has not been reported done."""
+_INDEXED = "prefix_aware.indexed"
+"""What the replica's index held of the prompt when it was routed (before the co-batching discount)."""
 _SIBLING = "prefix_aware.sibling_prefilling"
 """Replicas where another prompt of the same key was still prefilling when this one was routed, with
 the cached tokens believed there at that moment."""
@@ -198,14 +201,14 @@ class PrefixAwareSettings(BaseModel):
         0.1, gt=0, le=1, description="weight of each new answer in that learned share (EWMA)"
     )
     cobatch_window_s: float = Field(
-        0.04, ge=0, description="a prompt of the same key likely still queued on a replica (routed there "
-        "less than this many seconds ago, or while a prefill ran there that has not reported its first "
-        "token yet) is admitted together with a new prompt sent there: the new one then reuses only what "
-        "the queued one found cached (an engine reuses computed blocks only; both compute the rest, and "
-        "every first token of that iteration waits for both), so that is all it is believed to find. "
-        "About half a decode iteration of a large batch (55-80 ms on the H100 calibration): the mean wait "
-        "for admission behind decode steps alone (0.08 s, a whole iteration, cost 0.07-0.09x the oracle "
-        "in prefill on the stress scenarios for no tail gain); 0 = off"
+        0.05, ge=0, description="seconds a prompt routed to a replica that runs other requests counts as "
+        "still queued there (not admitted into an iteration yet); one routed while a prefill ran there "
+        "counts as queued until that replica sends a first token. A new prompt of the same key sent "
+        "there would join its iteration and reuse only what it found cached (an engine reuses computed "
+        "blocks only; both compute the rest, and every first token of that iteration waits for both), "
+        "so that is all it is believed to find. About one decode iteration (48-62 ms at batch 8-16 on "
+        "the H100 calibration); twice that cost 0.07-0.09x the oracle in prefill on the stress "
+        "scenarios for no tail gain; 0 = off"
     )  # fmt: skip
     interference_weight: float = Field(
         0.0, ge=0, description="a prefill delays every request that reaches its replica while it runs, "
@@ -245,8 +248,8 @@ class PrefixAwareStats:
     pending_hit_rate: float = 1.0
     """That learned share (EWMA over answers to prompts routed during a sibling's prefill)."""
     cobatch_avoided: int = 0
-    """Decisions that discounted a believed match resting on a prompt of the same key routed there less
-    than ``cobatch_window_s`` ago (admitted in one iteration, both would compute that prompt's part)."""
+    """Decisions that discounted a believed match resting on an attempt of the same key likely still
+    queued there (``cobatch_window_s``: admitted in one iteration, both would compute its part)."""
     kv_events: int = 0
     """KV cache events applied (precise mode)."""
     kv_blocks_removed: int = 0
@@ -258,37 +261,6 @@ class PrefixAwareStats:
     """Decisions that skipped a replica because it already ran its share of this shopper's requests."""
     queue_cap_skips: int = 0
     """Decisions that skipped a replica whose queued prefill exceeded ``max_queued_tokens``."""
-
-
-@dataclass(slots=True)
-class _ReplicaPrefills:
-    """Attempts routed to one replica and those whose prefill is over, as counters: an attempt that
-    arrives while a prefill runs there is admitted when that iteration ends, i.e. at the next first token
-    the replica sends."""
-
-    routed: int = 0
-    done: int = 0
-
-
-@dataclass(frozen=True, slots=True)
-class _QueuedSibling:
-    """A key's attempt whose prefill on a replica is not over, as routing left it."""
-
-    routed_at: float
-    found: int
-    """Tokens it was believed to find cached there (its own blocks not counted)."""
-    ahead: int
-    """``_ReplicaPrefills.routed`` when it was routed: prefills routed there before it."""
-    done_then: int
-    """``_ReplicaPrefills.done`` when it was routed."""
-
-    def still_queued(self, prefills: _ReplicaPrefills, now: float, window: float) -> bool:
-        """Whether it is likely not admitted yet: routed less than ``window`` ago (the next boundary of
-        an iteration of decode steps alone), or, where a prefill was under way there, no prefill has
-        finished there since (the iteration it arrived in is still running)."""
-        if now - self.routed_at < window:
-            return True
-        return self.ahead > self.done_then and prefills.done == self.done_then
 
 
 @dataclass(slots=True)
@@ -330,17 +302,14 @@ class PrefixAwarePolicy:
         self._indexes: dict[str, ReplicaBlockIndex] = {}
         self._cursors: dict[str, _EventCursor] = {}
         self._key_inflight: dict[tuple[str, str], int] = {}
-        self._key_prefilling: dict[tuple[str, str], int] = {}
-        self._key_queued: dict[tuple[str, str], _QueuedSibling] = {}
-        """The key's latest attempt still prefilling on each replica: when it was routed and what it was
-        believed to find there, to tell whether a new prompt would join its iteration."""
-        self._prefills: dict[str, _ReplicaPrefills] = {}
-        self._clock = clock
-        self._traffic_share: dict[str, float] = {}
-        """Each replica's recent share of the routed requests (EWMA over decisions; sums to about 1)."""
-        """Attempts per (key, replica) whose prefill is not over (``prefill_done`` not called yet)."""
         """Attempts in flight per (shopper, replica): routed and not yet observed. An attempt cancelled by
         its caller's deadline is never observed and stays counted; rare, and bounded by the keys."""
+        self._key_prefilling: dict[tuple[str, str], int] = {}
+        """Attempts per (key, replica) whose prefill is not over (``prefill_done`` not called yet)."""
+        self._queued = QueuedPrefills(settings.cobatch_window_s, clock)
+        """Which of them are likely still queued (not admitted into an iteration): the co-batching rule."""
+        self._traffic_share: dict[str, float] = {}
+        """Each replica's recent share of the routed requests (EWMA over decisions; sums to about 1)."""
         self.stats = PrefixAwareStats()
 
     @property
@@ -394,18 +363,18 @@ class PrefixAwarePolicy:
                 self.stats.pending_matches_ignored += 1
             for name in pending:
                 useful[name] = 0
-        window = self.settings.cobatch_window_s
-        if pending and window > 0:
-            now = self._clock()
-            for name in pending:
-                queued = self._key_queued.get((request.key, name))
-                if queued is None or useful[name] <= queued.found:
-                    continue
-                if queued.still_queued(self._replica_prefills(name), now, window):
-                    # Admitted together, this prompt reuses only what its sibling reuses.
-                    cached[name] = min(cached[name], queued.found)
-                    useful[name] = queued.found if queued.found >= floor else 0
-                    self.stats.cobatch_avoided += 1
+        indexed = dict(cached)
+        """What each replica's index holds of the prompt, before the co-batching discount."""
+        discounted = False
+        for name in pending:
+            found = self._queued.queued_found(request.key, name)
+            if found is not None and cached[name] > found:
+                # Admitted together with that attempt, this prompt reuses only what it reuses.
+                cached[name] = found
+                useful[name] = found if found >= floor else 0
+                discounted = True
+        if discounted:
+            self.stats.cobatch_avoided += 1
 
         bound = self.load_bound(ordered)
         eligible = [e for e in ordered if e.outstanding < bound] or ordered
@@ -452,6 +421,8 @@ class PrefixAwarePolicy:
             self.stats.cache_hits += 1
         expected: dict[str, int] = request.memo.setdefault(_EXPECTED, {})  # type: ignore[assignment]
         expected[chosen.name] = cached[chosen.name]
+        recorded: dict[str, int] = request.memo.setdefault(_INDEXED, {})  # type: ignore[assignment]
+        recorded[chosen.name] = indexed[chosen.name]
         hits: dict[str, bool] = request.memo.setdefault(_HIT, {})  # type: ignore[assignment]
         hits[chosen.name] = useful[chosen.name] > 0
         self.index(chosen).insert(self.block_hashes(request))
@@ -463,26 +434,24 @@ class PrefixAwarePolicy:
         prefilling: set[str] = request.memo.setdefault(_PREFILLING, set())  # type: ignore[assignment]
         prefilling.add(chosen.name)
         self._key_prefilling[slot] = self._key_prefilling.get(slot, 0) + 1
-        prefills = self._replica_prefills(chosen.name)
-        if window > 0:
-            self._key_queued[slot] = _QueuedSibling(
-                self._clock(), useful[chosen.name], prefills.routed, prefills.done
-            )
-        prefills.routed += 1
+        self._queued.routed(
+            request.key, chosen.name, request, found=cached[chosen.name], replica_busy=chosen.outstanding > 0
+        )
         return chosen
 
     def prefill_done(self, request: RouteRequest, endpoint: Endpoint) -> None:
         """The replica computed ``request``'s prompt: a later prompt of the key can reuse it (idempotent;
         ``observe`` calls it too, for callers that never report the first token)."""
+        self._prefill_over(request, endpoint, computed=True)
+
+    def _prefill_over(self, request: RouteRequest, endpoint: Endpoint, *, computed: bool) -> None:
+        """The attempt's prefill is done (``computed``) or will never be (it failed); once per attempt."""
         prefilling = request.memo.get(_PREFILLING)
         if not isinstance(prefilling, set) or endpoint.name not in prefilling:
             return
         prefilling.discard(endpoint.name)
-        slot = (request.key, endpoint.name)
-        _release(self._key_prefilling, slot)
-        if slot not in self._key_prefilling:
-            self._key_queued.pop(slot, None)
-        self._replica_prefills(endpoint.name).done += 1
+        _release(self._key_prefilling, (request.key, endpoint.name))
+        self._queued.finished(request.key, endpoint.name, request, computed=computed)
 
     def estimate_uncached_tokens(self, request: RouteRequest, endpoint: Endpoint) -> int:
         expected = request.memo.get(_EXPECTED)
@@ -491,7 +460,7 @@ class PrefixAwarePolicy:
         return request.prompt_tokens - self.cached_tokens(request, endpoint)
 
     def observe(self, request: RouteRequest, endpoint: Endpoint, outcome: RouteOutcome) -> Feedback:
-        self.prefill_done(request, endpoint)
+        self._prefill_over(request, endpoint, computed=outcome.ok)
         _release(self._key_inflight, (request.key, endpoint.name))
         expected_map = request.memo.get(_EXPECTED)
         expected = int(expected_map.get(endpoint.name, 0)) if isinstance(expected_map, dict) else 0
@@ -499,8 +468,11 @@ class PrefixAwarePolicy:
         if not outcome.ok:
             if not outcome.connection_failed:
                 # The replica did not compute this prompt: take back what routing recorded beyond the
-                # part it already held. (A connection failure ejects the replica; forget() follows.)
-                self.index(endpoint).remove(hashes[expected // self.block_size :])
+                # part its index already held (blocks of a queued sibling there stay: it computes them).
+                # (A connection failure ejects the replica; forget() follows.)
+                indexed_map = request.memo.get(_INDEXED)
+                held = int(indexed_map.get(endpoint.name, 0)) if isinstance(indexed_map, dict) else 0
+                self.index(endpoint).remove(hashes[held // self.block_size :])
             return NO_FEEDBACK
         observed = self._observed_cached_tokens(request, outcome)
         hit_map = request.memo.get(_HIT)
@@ -546,6 +518,7 @@ class PrefixAwarePolicy:
         index = self._indexes.get(endpoint.name)
         if index is not None:
             index.clear()
+        self._queued.forget(endpoint.name)
         self._cursors.pop(endpoint.name, None)
 
     # ---- precise mode: the replicas' KV cache events ---------------------------------------------------
@@ -582,12 +555,6 @@ class PrefixAwarePolicy:
                 self.stats.kv_blocks_removed += len(data.block_hashes)
 
     # ---- helpers -----------------------------------------------------------------------------------
-    def _replica_prefills(self, name: str) -> _ReplicaPrefills:
-        prefills = self._prefills.get(name)
-        if prefills is None:
-            prefills = self._prefills[name] = _ReplicaPrefills()
-        return prefills
-
     @staticmethod
     def _observed_cached_tokens(request: RouteRequest, outcome: RouteOutcome) -> int:
         """The server's cached count in the router's token units: servers count with their own

@@ -433,57 +433,128 @@ def test_warm_answers_during_a_pending_prefill_keep_the_belief() -> None:
     assert policy.stats.pending_hit_rate == 1.0 and policy.stats.pending_matches_ignored == 0
 
 
+def start(policy: PrefixAwarePolicy, request: RouteRequest, eps: list[Endpoint]) -> Endpoint:
+    """What the client does when an attempt starts: choose, then count it in flight on the replica."""
+    chosen = policy.choose(request, eps)
+    chosen.outstanding += 1
+    chosen.outstanding_prefill_tokens += policy.estimate_uncached_tokens(request, chosen)
+    return chosen
+
+
+def first_token(policy: PrefixAwarePolicy, request: RouteRequest, endpoint: Endpoint) -> None:
+    """What the client does at an attempt's first streamed token."""
+    endpoint.outstanding_prefill_tokens -= policy.estimate_uncached_tokens(request, endpoint)
+    policy.prefill_done(request, endpoint)
+
+
+def end(policy: PrefixAwarePolicy, request: RouteRequest, endpoint: Endpoint, outcome: RouteOutcome) -> None:
+    """What the client does when an attempt ends (its first token already reported if it streamed)."""
+    endpoint.outstanding -= 1
+    policy.observe(request, endpoint, outcome)
+
+
+def cobatch_policy(clock: FakeClock) -> PrefixAwarePolicy:
+    return PrefixAwarePolicy(clock=clock, cobatch_window_s=0.05)
+
+
 def test_a_prompt_right_behind_its_cold_sibling_does_not_join_its_iteration() -> None:
-    clock = FakeClock()
-    policy, eps = PrefixAwarePolicy(clock=clock), endpoints(2)
+    clock, eps = FakeClock(), endpoints(2)
+    policy = cobatch_policy(clock)
+    for e in eps:
+        e.outstanding = 1  # each replica runs decode steps for another request
     first = shopper_prompt("olga", 60)
-    home = policy.choose(first, eps)  # cold: only the shared head anywhere
-    home.outstanding_prefill_tokens = policy.estimate_uncached_tokens(first, home)
+    home = start(policy, first, eps)  # cold: only the shared head anywhere
     # 20 ms later the next prompt: on home it would be admitted with the first and computed cold too,
-    # and both first tokens would wait for both prefills. It goes where it prefills alone.
+    # and both first tokens would wait for both prefills. It is costed cold there and goes where it
+    # prefills alone.
     clock.now += 0.02
     second = shopper_prompt("olga", 61)
-    away = policy.choose(second, eps)
+    assert policy.cached_tokens(second, home) > 0.9 * first.prompt_tokens  # the index has the first
+    away = start(policy, second, eps)
     assert away is not home and policy.stats.cobatch_avoided == 1
-    away.outstanding_prefill_tokens = policy.estimate_uncached_tokens(second, away)
-    # Past the window both are being computed: the next prompt waits for the longer one and reuses it.
+    # Past the window both are being computed: the next prompt waits for one of them and reuses it.
     clock.now += 0.2
     third = shopper_prompt("olga", 62)
-    assert policy.choose(third, eps) is away
-    assert policy.estimate_uncached_tokens(third, away) < 0.1 * third.prompt_tokens
+    chosen = policy.choose(third, eps)
+    assert policy.estimate_uncached_tokens(third, chosen) < 0.1 * third.prompt_tokens
     assert policy.stats.cobatch_avoided == 1
+
+
+def test_a_prompt_right_behind_its_sibling_on_an_idle_replica_follows_it() -> None:
+    clock, (home, far) = FakeClock(), endpoints(2)
+    policy = cobatch_policy(clock)
+    far.outstanding_prefill_tokens = 50_000  # the other replica is out of the question throughout
+    first = shopper_prompt("ivy", 60)
+    assert start(policy, first, [home, far]) is home  # nothing ran there: admitted at once
+    clock.now += 0.02
+    second = shopper_prompt("ivy", 61)
+    assert policy.choose(second, [home, far]) is home  # waits for the first's iteration, then reuses it
+    assert policy.estimate_uncached_tokens(second, home) < 0.1 * second.prompt_tokens
+    assert policy.stats.cobatch_avoided == 0
 
 
 def test_a_sibling_queued_behind_another_prefill_counts_as_queued_until_that_one_is_done() -> None:
-    clock = FakeClock()
-    policy, (home, busy) = PrefixAwarePolicy(clock=clock), endpoints(2)
-    busy.outstanding_prefill_tokens = 50_000  # the other replica is out of the question throughout
+    clock, (home, far) = FakeClock(), endpoints(2)
+    policy = cobatch_policy(clock)
+    far.outstanding_prefill_tokens = 50_000
     other = shopper_prompt("rita", 60)
-    assert policy.choose(other, [home, busy]) is home  # another shopper's prefill, still running
+    assert start(policy, other, [home, far]) is home  # another shopper's prefill, still running
     first = shopper_prompt("sam", 60)
-    assert policy.choose(first, [home, busy]) is home  # cold, queued behind it
-    clock.now += 0.5  # far past the window, but what was ahead of it has not finished
+    assert start(policy, first, [home, far]) is home  # cold, queued behind it
+    clock.now += 0.5  # far past the window, but the iteration it arrived in has not ended
     second = shopper_prompt("sam", 61)
-    assert policy.choose(second, [home, busy]) is home
-    assert policy.estimate_uncached_tokens(second, home) > 0.8 * second.prompt_tokens  # joins it: cold
+    assert start(policy, second, [home, far]) is home
+    # It joins the first one's iteration: cold, and counted so in the replica's load.
+    assert policy.estimate_uncached_tokens(second, home) > 0.8 * second.prompt_tokens
     assert policy.stats.cobatch_avoided == 1
-    policy.prefill_done(other, home)  # the prefill ahead is over: the first is admitted now
+    first_token(policy, other, home)  # that iteration ended: the first two are being computed now
+    end(policy, other, home, RouteOutcome(True, other.prompt_tokens, 0))
     clock.now += 0.5
     third = shopper_prompt("sam", 62)
-    assert policy.choose(third, [home, busy]) is home
+    assert policy.choose(third, [home, far]) is home
     assert policy.estimate_uncached_tokens(third, home) < 0.1 * third.prompt_tokens
     assert policy.stats.cobatch_avoided == 1
 
 
+def test_a_failed_attempt_neither_ends_an_iteration_nor_removes_its_queued_siblings_blocks() -> None:
+    clock, (home, far) = FakeClock(), endpoints(2)
+    policy = cobatch_policy(clock)
+    far.outstanding_prefill_tokens = 50_000
+    other = shopper_prompt("uma", 60)
+    start(policy, other, [home, far])
+    first = shopper_prompt("vic", 60)
+    assert start(policy, first, [home, far]) is home  # queued behind uma's prefill
+    second = shopper_prompt("vic", 61)
+    assert start(policy, second, [home, far]) is home  # joins the first, costed cold
+    # The second attempt fails (a 503): that is no first token, and the first is still queued and will
+    # compute its blocks, so they stay in the index.
+    end(policy, second, home, RouteOutcome(False))
+    assert policy.cached_tokens(first, home) > 0.9 * first.prompt_tokens
+    clock.now += 0.5
+    third = shopper_prompt("vic", 62)
+    assert policy.choose(third, [home, far]) is home
+    assert policy.estimate_uncached_tokens(third, home) > 0.8 * third.prompt_tokens  # first still queued
+    # A first token and then its observe() count one prefill, not two.
+    first_token(policy, other, home)
+    end(policy, other, home, RouteOutcome(True, other.prompt_tokens, 0))
+    assert policy._queued.first_tokens(home.name) == 1
+
+
 def test_a_prompt_right_behind_its_warm_sibling_follows_it() -> None:
-    clock = FakeClock()
-    policy, eps = PrefixAwarePolicy(clock=clock), endpoints(3)
+    clock, eps = FakeClock(), endpoints(2)
+    policy = cobatch_policy(clock)
+    for e in eps:
+        e.outstanding = 1
     home = route(policy, shopper_prompt("pia", 60), eps)
     warm = shopper_prompt("pia", 61)
-    assert policy.choose(warm, eps) is home  # found the first prompt cached; now prefilling its suffix
+    assert start(policy, warm, eps) is home  # found the first prompt cached
+    found = warm.prompt_tokens - policy.estimate_uncached_tokens(warm, home)
     clock.now += 0.02
-    # Admitted together with its sibling it still reuses what the sibling reuses: it follows.
-    assert policy.choose(shopper_prompt("pia", 62), eps) is home
+    # Admitted together with its sibling it still reuses what the sibling reuses: it follows, and is
+    # costed for the sibling's suffix and its own.
+    third = shopper_prompt("pia", 62)
+    assert policy.choose(third, eps) is home
+    assert policy.estimate_uncached_tokens(third, home) == third.prompt_tokens - found
     assert policy.stats.cobatch_avoided == 1
 
 
