@@ -403,6 +403,9 @@ class LLMClient:
         forwarded = Forwarded(
             endpoint, route.max_tokens, self.policy.estimate_uncached_tokens(route, endpoint)
         )
+        if isinstance(self.policy, PrefillObserver):
+            observer = self.policy
+            forwarded.on_prefill_done = lambda: observer.prefill_done(route, endpoint)
         forwarded.hold()
         timeout = aiohttp.ClientTimeout(
             total=self.config.timeouts.attempt_s, sock_connect=self.config.timeouts.connect_s
@@ -419,22 +422,22 @@ class LLMClient:
                 await self._raise_for_status(forwarded.response, endpoint)
             return forwarded
         except aiohttp.ServerTimeoutError:
+            self._fail(endpoint, route, connection=False)  # before release: a failure is no first token
             forwarded.release()
-            self._fail(endpoint, route, connection=False)
             raise AttemptTimeout("connect or read timed out", endpoint=endpoint.name) from None
         except (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError, ConnectionError) as exc:
+            self._fail(endpoint, route, connection=True)  # before release: a failure is no first token
             forwarded.release()
-            self._fail(endpoint, route, connection=True)
             raise EndpointUnavailable(f"connection failed: {exc!r}", endpoint=endpoint.name) from None
         except TimeoutError:
+            self._fail(endpoint, route, connection=False)  # before release: a failure is no first token
             forwarded.release()
-            self._fail(endpoint, route, connection=False)
             raise AttemptTimeout(
                 f"attempt exceeded {self.config.timeouts.attempt_s} s", endpoint=endpoint.name
             ) from None
         except LLMError:
+            self._fail(endpoint, route, connection=False)  # before release: a failure is no first token
             forwarded.release()
-            self._fail(endpoint, route, connection=False)
             raise
         except BaseException:
             forwarded.release()

@@ -11,7 +11,7 @@ substring search per chunk.
 from __future__ import annotations
 
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -84,6 +84,9 @@ class Forwarded:
     response: aiohttp.ClientResponse | None = None
     attempts: int = 1
     tap: UsageTap = field(default_factory=lambda: UsageTap(streaming=False))
+    on_prefill_done: Callable[[], None] | None = None
+    """Told once, at the first byte of the answer (or when the attempt ends without one): the routing
+    policy learns that the replica's iteration holding this prefill is over."""
     first_byte_ms: float | None = None
     finished_ms: float | None = None
     """Set when the body was read to its end (``None``: the caller stopped early or it broke off)."""
@@ -97,6 +100,9 @@ class Forwarded:
     def _prefill_done(self) -> None:
         self.endpoint.outstanding_prefill_tokens -= self.prefill_tokens
         self.prefill_tokens = 0
+        callback, self.on_prefill_done = self.on_prefill_done, None
+        if callback is not None:
+            callback()
 
     def release(self) -> None:
         """Give the replica's load back and close the answer (a connection not read to its end is

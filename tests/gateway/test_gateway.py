@@ -29,6 +29,7 @@ from gateway.route import route_for
 from llm_client.client import LLMClient
 from llm_client.config import ClientConfig
 from llm_client.routing import RouteRequest
+from llm_client.routing.prefix_aware import PrefixAwarePolicy
 from llm_client.routing.session_affinity import rendezvous_order
 from prompt_assembly.prompt import build_messages
 from serving.simulator.launch import REPO_ROOT, SimulatorFleet
@@ -191,6 +192,24 @@ async def test_a_caller_that_goes_away_stops_the_replica(fleet: SimulatorFleet) 
             assert await _finished_tokens(probe, fleet.urls) == finished_before
         assert all(e.outstanding == 0 for e in gw.client.endpoints)
         assert gw.client.in_flight == 0
+
+
+async def test_the_policy_hears_of_the_first_token_while_the_answer_still_streams(
+    fleet: SimulatorFleet,
+) -> None:
+    """prefix_aware's co-batching rule takes a replica's first token as the end of an iteration: the
+    proxy must report it when it passes through, not when the answer ends."""
+    body = chat_body("a long answer", max_tokens=600, ignore_eos=True, stream=True, user="wren")
+    async with running_gateway(fleet.urls, "prefix_aware") as gw, aiohttp.ClientSession() as caller:
+        policy = gw.client.policy
+        assert isinstance(policy, PrefixAwarePolicy)
+        async with caller.post(gw.url + "/v1/chat/completions", json=body) as r:
+            await r.content.readuntil(b"\n\n")
+            assert gw.client.in_flight == 1  # still streaming
+            assert sum(policy._queued.first_tokens(e.name) for e in gw.client.endpoints) == 1
+            assert len(policy._queued) == 0
+            await r.read()
+        assert sum(policy._queued.first_tokens(e.name) for e in gw.client.endpoints) == 1  # once
 
 
 async def _finished_tokens(http: aiohttp.ClientSession, urls: list[str]) -> float:
