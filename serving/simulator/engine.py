@@ -85,7 +85,8 @@ class GenerationRequest:
     tokens_done: int = 0
     batch_prefill_tokens: int = 0
     """Uncached prompt tokens of every request prefilled in the iteration that gave this one its first
-    token, its own included (what a first token waited for besides the queue)."""
+    token, its own included (what a first token waited for besides the queue). With chunked prefill:
+    the tokens of that last iteration's chunks only (earlier chunks of the prompt came before it)."""
     batch_running: int = 0
     """Requests decoding in that iteration (its decode step's batch)."""
     token_times: list[float] = field(default_factory=list)
@@ -232,7 +233,7 @@ class ContinuousBatchingEngine:
             admitted.append(request)
         for request in admitted:
             request.batch_prefill_tokens = new_total
-            request.batch_running = len(self._running)
+            request.batch_running = len(self._running)  # the batch this iteration decodes
         return admitted
 
     def _schedule_chunks(self) -> list[tuple[GenerationRequest, int]]:

@@ -323,7 +323,7 @@ async def test_two_prompts_admitted_together_both_compute_the_shared_prefix(
         # A long cold prefill of another shopper holds the engine for about a second: both prompts below
         # arrive while it runs and are admitted together at the next iteration.
         blocker = asyncio.create_task(_post(http, url, _chat(user="Other shopper. " * 1200, max_tokens=2)))
-        while sim.replica.engine.num_running == 0:
+        while sim.replica.engine.stats.iterations == 0:  # counted when its prefill iteration starts
             await asyncio.sleep(0.005)
         (_, first), (_, second) = await asyncio.gather(
             _post(http, url, _chat(user=first_user, max_tokens=2)),
