@@ -457,6 +457,13 @@ def cobatch_policy(clock: FakeClock) -> PrefixAwarePolicy:
     return PrefixAwarePolicy(clock=clock, cobatch_window_s=0.05)
 
 
+def home_and_far(clock: FakeClock) -> tuple[PrefixAwarePolicy, Endpoint, Endpoint]:
+    """A policy and two replicas, the second out of the question throughout (a huge prefill queue)."""
+    home, far = endpoints(2)
+    far.outstanding_prefill_tokens = 50_000
+    return cobatch_policy(clock), home, far
+
+
 def test_a_prompt_right_behind_its_cold_sibling_does_not_join_its_iteration() -> None:
     clock, eps = FakeClock(), endpoints(2)
     policy = cobatch_policy(clock)
@@ -481,9 +488,8 @@ def test_a_prompt_right_behind_its_cold_sibling_does_not_join_its_iteration() ->
 
 
 def test_a_prompt_right_behind_its_sibling_on_an_idle_replica_follows_it() -> None:
-    clock, (home, far) = FakeClock(), endpoints(2)
-    policy = cobatch_policy(clock)
-    far.outstanding_prefill_tokens = 50_000  # the other replica is out of the question throughout
+    clock = FakeClock()
+    policy, home, far = home_and_far(clock)
     first = shopper_prompt("ivy", 60)
     assert start(policy, first, [home, far]) is home  # nothing ran there: admitted at once
     clock.now += 0.02
@@ -494,9 +500,8 @@ def test_a_prompt_right_behind_its_sibling_on_an_idle_replica_follows_it() -> No
 
 
 def test_a_sibling_queued_behind_another_prefill_counts_as_queued_until_that_one_is_done() -> None:
-    clock, (home, far) = FakeClock(), endpoints(2)
-    policy = cobatch_policy(clock)
-    far.outstanding_prefill_tokens = 50_000
+    clock = FakeClock()
+    policy, home, far = home_and_far(clock)
     other = shopper_prompt("rita", 60)
     assert start(policy, other, [home, far]) is home  # another shopper's prefill, still running
     first = shopper_prompt("sam", 60)
@@ -517,9 +522,8 @@ def test_a_sibling_queued_behind_another_prefill_counts_as_queued_until_that_one
 
 
 def test_a_failed_attempt_neither_ends_an_iteration_nor_removes_its_queued_siblings_blocks() -> None:
-    clock, (home, far) = FakeClock(), endpoints(2)
-    policy = cobatch_policy(clock)
-    far.outstanding_prefill_tokens = 50_000
+    clock = FakeClock()
+    policy, home, far = home_and_far(clock)
     other = shopper_prompt("uma", 60)
     start(policy, other, [home, far])
     first = shopper_prompt("vic", 60)
