@@ -174,7 +174,8 @@ class PrefixAwareSettings(BaseModel):
     hot_key_spread: bool = Field(
         False, description="tail guard, off by default: once prompts no longer join a queued sibling's "
         "iteration (cobatch_window_s), spreading a hot shopper bought no tail on the stress scenarios and "
-        "cost prefill (1.28-1.36x the oracle against 1.15-1.29x; docs/routing.md)"
+        "cost prefill (1.30-1.35x the oracle against 1.13-1.22x over two replays of skew, burst and "
+        "evict; docs/routing.md)"
     )  # fmt: skip
     hot_key_share: float = Field(
         0.5, gt=0, le=1, description="with hot_key_spread: a replica already running this share of the "
