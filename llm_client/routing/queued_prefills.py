@@ -3,9 +3,9 @@
 An engine reuses only KV blocks it has computed, and admits waiting requests at iteration boundaries.
 Two prompts of one key that wait in a replica's queue together (the second extending the first) are
 admitted into one iteration: the second finds nothing of the first cached, both compute the shared part,
-and both first tokens wait for both prefills. ``prefix_aware`` asks this tracker, for a key's latest
-attempt on a replica, whether it is likely still queued, and if so believes a new prompt of that key
-finds there only what the queued attempt found.
+and both first tokens wait for both prefills. ``prefix_aware`` asks this tracker whether a key has
+attempts likely still queued on a replica, and if so believes a new prompt of that key finds there only
+what those attempts found.
 
 What the router can tell without seeing the engine:
 
