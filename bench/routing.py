@@ -346,11 +346,11 @@ def client_config(
     """``policy`` is a policy name, ``prefix_aware_precise`` (prefix_aware following KV events) or
     ``prefix_aware_noguard`` (without the tail guards: hot-shopper spreading and the queue cap, as before
     they existed) or ``prefix_aware_spread`` (with hot-shopper spreading, off by default); ``options``
-    are prefix_aware's settings (ignored for the others); ``time_scale`` is the replicas' (simulated
-    engine time per wall second)."""
+    are prefix_aware's settings (ignored for the others), passed as they are (a ``cobatch_window_s``
+    there is wall time); ``time_scale`` is the replicas' (wall seconds per simulated second)."""
     settings: dict[str, Any] | None = None
     if policy.startswith("prefix_aware"):
-        # The co-batching window is engine time: on replicas that run time_scale x faster, it shrinks too.
+        # The co-batching window is engine time: a simulated second lasts time_scale wall seconds.
         window = PrefixAwareSettings().cobatch_window_s * time_scale
         settings = {"cobatch_window_s": window, **(options or {}), "policy": "prefix_aware"}
         if policy == "prefix_aware_precise":

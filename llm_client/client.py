@@ -247,12 +247,16 @@ class LLMClient:
         prefill_pending = [uncached]  # prefill work not yet done: cleared at the first streamed token
         observer = self.policy if isinstance(self.policy, PrefillObserver) else None
 
-        def prefill_done() -> None:
+        def prefill_done(computed: bool = True) -> None:
             endpoint.outstanding_prefill_tokens -= prefill_pending[0]
             prefill_pending[0] = 0
             if observer is not None:
-                observer.prefill_done(route, endpoint)
+                if computed:
+                    observer.prefill_done(route, endpoint)
+                else:
+                    observer.prefill_abandoned(route, endpoint)
 
+        answered = False
         endpoint.outstanding += 1
         endpoint.outstanding_prefill_tokens += uncached
         endpoint.outstanding_decode_tokens += route.max_tokens
@@ -272,6 +276,7 @@ class LLMClient:
                     completion = await _read_stream(response, endpoint, started, prefill_done)
                 else:
                     completion = _parse_body(await response.read(), endpoint, started)
+                answered = True
         except aiohttp.ServerTimeoutError:
             # A slow connect or read on a busy replica is not a dead replica: it counts towards the
             # consecutive-failure limit instead of ejecting at once.
@@ -295,7 +300,7 @@ class LLMClient:
             raise
         finally:
             endpoint.outstanding -= 1
-            prefill_done()
+            prefill_done(computed=answered)  # a no-op for the policy if the first token was reported
             endpoint.outstanding_decode_tokens -= route.max_tokens
         endpoint.record_success(completion.latency_ms, completion.ttft_ms)
         self.degradation.observe_success(
@@ -405,7 +410,14 @@ class LLMClient:
         )
         if isinstance(self.policy, PrefillObserver):
             observer = self.policy
-            forwarded.on_prefill_done = lambda: observer.prefill_done(route, endpoint)
+
+            def prefill_over(computed: bool) -> None:
+                if computed:
+                    observer.prefill_done(route, endpoint)
+                else:
+                    observer.prefill_abandoned(route, endpoint)
+
+            forwarded.on_prefill_done = prefill_over
         forwarded.hold()
         timeout = aiohttp.ClientTimeout(
             total=self.config.timeouts.attempt_s, sock_connect=self.config.timeouts.connect_s

@@ -84,9 +84,9 @@ class Forwarded:
     response: aiohttp.ClientResponse | None = None
     attempts: int = 1
     tap: UsageTap = field(default_factory=lambda: UsageTap(streaming=False))
-    on_prefill_done: Callable[[], None] | None = None
-    """Told once, at the first byte of the answer (or when the attempt ends without one): the routing
-    policy learns that the replica's iteration holding this prefill is over."""
+    on_prefill_done: Callable[[bool], None] | None = None
+    """Told once: ``True`` at the first byte of the answer (the replica's iteration holding this prefill
+    is over), ``False`` if the attempt ends without one (nothing known computed)."""
     first_byte_ms: float | None = None
     finished_ms: float | None = None
     """Set when the body was read to its end (``None``: the caller stopped early or it broke off)."""
@@ -97,12 +97,12 @@ class Forwarded:
         self.endpoint.outstanding_prefill_tokens += self.prefill_tokens
         self.endpoint.outstanding_decode_tokens += self.route_max_tokens
 
-    def _prefill_done(self) -> None:
+    def _prefill_done(self, *, computed: bool) -> None:
         self.endpoint.outstanding_prefill_tokens -= self.prefill_tokens
         self.prefill_tokens = 0
         callback, self.on_prefill_done = self.on_prefill_done, None
         if callback is not None:
-            callback()
+            callback(computed)
 
     def release(self) -> None:
         """Give the replica's load back and close the answer (a connection not read to its end is
@@ -111,7 +111,7 @@ class Forwarded:
             return
         self._released = True
         self.endpoint.outstanding -= 1
-        self._prefill_done()
+        self._prefill_done(computed=False)  # a no-op if the first byte came
         self.endpoint.outstanding_decode_tokens -= self.route_max_tokens
         if self.response is not None:
             if self.finished_ms is None:
@@ -138,7 +138,7 @@ class Forwarded:
             async for data in self.response.content.iter_any():
                 if self.first_byte_ms is None:
                     self.first_byte_ms = (time.perf_counter() - self.started) * 1000
-                    self._prefill_done()
+                    self._prefill_done(computed=True)
                 self.tap.feed(data)
                 yield data
         except aiohttp.ServerTimeoutError:

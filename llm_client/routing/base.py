@@ -99,6 +99,11 @@ class PrefillObserver(Protocol):
         """The replica has computed ``request``'s prompt (its blocks are reusable from now on)."""
         ...
 
+    def prefill_abandoned(self, request: RouteRequest, endpoint: Endpoint) -> None:
+        """The attempt ended without a first token (cancelled, refused with a 4xx, the caller left):
+        nothing is known to be computed, and no iteration is known to have ended."""
+        ...
+
 
 class StatelessPolicy:
     """Base for policies that keep no per-replica knowledge."""

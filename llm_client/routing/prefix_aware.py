@@ -445,6 +445,10 @@ class PrefixAwarePolicy:
         ``observe`` calls it too, for callers that never report the first token)."""
         self._prefill_over(request, endpoint, computed=True)
 
+    def prefill_abandoned(self, request: RouteRequest, endpoint: Endpoint) -> None:
+        """The attempt ended without a first token (idempotent, and a no-op after ``prefill_done``)."""
+        self._prefill_over(request, endpoint, computed=False)
+
     def _prefill_over(self, request: RouteRequest, endpoint: Endpoint, *, computed: bool) -> None:
         """The attempt's prefill is done (``computed``) or will never be (it failed); once per attempt."""
         prefilling = request.memo.get(_PREFILLING)

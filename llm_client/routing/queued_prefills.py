@@ -97,8 +97,8 @@ class QueuedPrefills:
         return min(found) if found else None
 
     def forget(self, replica: str) -> None:
-        """The replica left or restarted: what was queued there is gone."""
-        self._replicas.pop(replica, None)
+        """The replica's cache was lost: no attempt there is believed to find anything any more. Its
+        counters stay: the attempts under way there still finish (or fail) and are counted out."""
         for slot in [slot for slot in self._attempts if slot[1] == replica]:
             del self._attempts[slot]
 

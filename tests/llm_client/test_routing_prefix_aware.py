@@ -536,8 +536,11 @@ def test_a_failed_attempt_neither_ends_an_iteration_nor_removes_its_queued_sibli
     assert policy.cached_tokens(first, home) > 0.9 * first.prompt_tokens
     clock.now += 0.5
     third = shopper_prompt("vic", 62)
-    assert policy.choose(third, [home, far]) is home
+    assert start(policy, third, [home, far]) is home
     assert policy.estimate_uncached_tokens(third, home) > 0.8 * third.prompt_tokens  # first still queued
+    # An attempt that ends without a first token (cancelled, a 4xx) is no iteration's end either.
+    policy.prefill_abandoned(third, home)
+    assert policy._queued.first_tokens(home.name) == 0
     # A first token and then its observe() count one prefill, not two.
     first_token(policy, other, home)
     end(policy, other, home, RouteOutcome(True, other.prompt_tokens, 0))
