@@ -239,22 +239,34 @@ class LLMClient:
             raise NoHealthyEndpoint(f"all {len(self.endpoints)} replicas are ejected or drained")
         return self.policy.choose(route, candidates)
 
+    def _prefill_reporter(self, route: RouteRequest, endpoint: Endpoint) -> Callable[[bool], None] | None:
+        """How an attempt tells a ``PrefillObserver`` policy its prefill is over: computed (a first token
+        came) or abandoned (it ended without one); None for a policy that does not listen."""
+        observer = self.policy if isinstance(self.policy, PrefillObserver) else None
+        if observer is None:
+            return None
+
+        def report(computed: bool) -> None:
+            if computed:
+                observer.prefill_done(route, endpoint)
+            else:
+                observer.prefill_abandoned(route, endpoint)
+
+        return report
+
     async def _attempt(
         self, endpoint: Endpoint, path: str, body: dict[str, Any], route: RouteRequest
     ) -> Completion:
         assert self._session is not None, "call start() or use 'async with' first"
         uncached = self.policy.estimate_uncached_tokens(route, endpoint)
         prefill_pending = [uncached]  # prefill work not yet done: cleared at the first streamed token
-        observer = self.policy if isinstance(self.policy, PrefillObserver) else None
+        report = self._prefill_reporter(route, endpoint)
 
         def prefill_done(computed: bool = True) -> None:
             endpoint.outstanding_prefill_tokens -= prefill_pending[0]
             prefill_pending[0] = 0
-            if observer is not None:
-                if computed:
-                    observer.prefill_done(route, endpoint)
-                else:
-                    observer.prefill_abandoned(route, endpoint)
+            if report is not None:
+                report(computed)
 
         answered = False
         endpoint.outstanding += 1
@@ -408,16 +420,7 @@ class LLMClient:
         forwarded = Forwarded(
             endpoint, route.max_tokens, self.policy.estimate_uncached_tokens(route, endpoint)
         )
-        if isinstance(self.policy, PrefillObserver):
-            observer = self.policy
-
-            def prefill_over(computed: bool) -> None:
-                if computed:
-                    observer.prefill_done(route, endpoint)
-                else:
-                    observer.prefill_abandoned(route, endpoint)
-
-            forwarded.on_prefill_done = prefill_over
+        forwarded.on_prefill_done = self._prefill_reporter(route, endpoint)
         forwarded.hold()
         timeout = aiohttp.ClientTimeout(
             total=self.config.timeouts.attempt_s, sock_connect=self.config.timeouts.connect_s

@@ -305,10 +305,9 @@ class PrefixAwarePolicy:
         self._key_inflight: dict[tuple[str, str], int] = {}
         """Attempts in flight per (shopper, replica): routed and not yet observed. An attempt cancelled by
         its caller's deadline is never observed and stays counted; rare, and bounded by the keys."""
-        self._key_prefilling: dict[tuple[str, str], int] = {}
-        """Attempts per (key, replica) whose prefill is not over (``prefill_done`` not called yet)."""
         self._queued = QueuedPrefills(settings.cobatch_window_s, clock)
-        """Which of them are likely still queued (not admitted into an iteration): the co-batching rule."""
+        """Attempts per (key, replica) whose prefill is not over (``prefill_done`` not called yet), and
+        which of them are likely still queued (not admitted into an iteration): the co-batching rule."""
         self._traffic_share: dict[str, float] = {}
         """Each replica's recent share of the routed requests (EWMA over decisions; sums to about 1)."""
         self.stats = PrefixAwareStats()
@@ -356,7 +355,7 @@ class PrefixAwarePolicy:
         # prompt): it is on every busy replica, so it must not pull cold shoppers to one replica.
         floor = self.min_hit_fraction * request.prompt_tokens
         useful = {name: (tokens if tokens >= floor else 0) for name, tokens in cached.items()}
-        pending = {e.name for e in ordered if self._key_prefilling.get((request.key, e.name), 0) > 0}
+        pending = {e.name for e in ordered if self._queued.pending(request.key, e.name)}
         if pending and self.stats.pending_hit_rate < self.settings.pending_min_hit_rate:
             # The belief there rests on a prompt the replica is still computing, and such prompts have
             # mostly come back cold: the replica holds nothing for this one yet.
@@ -434,7 +433,6 @@ class PrefixAwarePolicy:
             sibling[chosen.name] = cached[chosen.name] if cached[chosen.name] >= floor else 0
         prefilling: set[str] = request.memo.setdefault(_PREFILLING, set())  # type: ignore[assignment]
         prefilling.add(chosen.name)
-        self._key_prefilling[slot] = self._key_prefilling.get(slot, 0) + 1
         self._queued.routed(
             request.key, chosen.name, request, found=cached[chosen.name], replica_busy=chosen.outstanding > 0
         )
@@ -455,7 +453,6 @@ class PrefixAwarePolicy:
         if not isinstance(prefilling, set) or endpoint.name not in prefilling:
             return
         prefilling.discard(endpoint.name)
-        _release(self._key_prefilling, (request.key, endpoint.name))
         self._queued.finished(request.key, endpoint.name, request, computed=computed)
 
     def estimate_uncached_tokens(self, request: RouteRequest, endpoint: Endpoint) -> int:

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 
 @dataclass(slots=True)
@@ -60,12 +60,9 @@ class QueuedPrefills:
     def routed(self, key: str, replica: str, attempt: object, *, found: int, replica_busy: bool) -> None:
         """``attempt`` of ``key`` was sent to ``replica``, believed to find ``found`` tokens cached."""
         state = self._replica(replica)
-        if self.window_s > 0:
-            self._attempts.setdefault((key, replica), []).append(
-                _Attempt(
-                    attempt, found, self._clock(), replica_busy, state.prefilling > 0, state.first_tokens
-                )
-            )
+        self._attempts.setdefault((key, replica), []).append(
+            _Attempt(attempt, found, self._clock(), replica_busy, state.prefilling > 0, state.first_tokens)
+        )
         state.prefilling += 1
 
     def finished(self, key: str, replica: str, attempt: object, *, computed: bool) -> None:
@@ -81,11 +78,16 @@ class QueuedPrefills:
             if not attempts:
                 del self._attempts[(key, replica)]
 
+    def pending(self, key: str, replica: str) -> bool:
+        """Whether ``key`` has an attempt on ``replica`` whose prefill is not over."""
+        return (key, replica) in self._attempts
+
     def queued_found(self, key: str, replica: str) -> int | None:
         """What ``key``'s attempts likely still queued on ``replica`` were believed to find (the least of
-        them: a new prompt sent there joins their iteration and reuses no more); None if none is."""
+        them: a new prompt sent there joins their iteration and reuses no more); None if none is, or
+        if the rule is off (``window_s`` 0)."""
         attempts = self._attempts.get((key, replica))
-        if not attempts:
+        if not attempts or self.window_s <= 0:
             return None
         now, first_tokens = self._clock(), self._replica(replica).first_tokens
         found = [
@@ -97,10 +99,11 @@ class QueuedPrefills:
         return min(found) if found else None
 
     def forget(self, replica: str) -> None:
-        """The replica's cache was lost: no attempt there is believed to find anything any more. Its
-        counters stay: the attempts under way there still finish (or fail) and are counted out."""
-        for slot in [slot for slot in self._attempts if slot[1] == replica]:
-            del self._attempts[slot]
+        """The replica's cache was lost: no attempt there is believed to find anything any more. The
+        attempts and counters stay: those under way there still finish (or fail) and are counted out."""
+        for (_, name), attempts in self._attempts.items():
+            if name == replica:
+                attempts[:] = [replace(a, found=0) for a in attempts]
 
     def first_tokens(self, replica: str) -> int:
         """Prefills reported done on ``replica`` (iteration ends seen there)."""
