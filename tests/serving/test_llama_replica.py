@@ -6,6 +6,9 @@
 from __future__ import annotations
 
 import os
+import platform
+import re
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -59,3 +62,28 @@ async def test_llama_replica_reuses_a_shoppers_prefix() -> None:
         assert client.endpoints[0].restarts_detected == 0
     with pytest.raises(ProcessLookupError):
         os.kill(pid, 0)  # stopped on exit
+
+
+# AVX-512 and AMX instructions as objdump prints them: zmm registers, opmask registers ({%k1}),
+# ternary logic (EVEX only), and the AMX tile instructions ggml's AMX kernels use.
+_NOT_PORTABLE = re.compile(rb"%zmm\d|%k[0-7]\b|vpternlog|ldtilecfg|tileloadd|tilestored|tdpb|tilezero")
+
+
+@pytest.mark.slow
+@pytest.mark.llama
+@pytest.mark.timeout(300)
+def test_llama_binary_has_no_avx512_or_amx_code() -> None:
+    """The cached binary runs on every x86-64 machine of ours: a native build on a CPU with AMX
+    segfaulted at start-up in ggml's AMX kernels (and would not run on a CPU without AVX-512)."""
+    binary = llama_binary_path()
+    assert binary.is_file(), f"llama-server is not built at {binary} (make test builds it)"
+    if platform.machine() != "x86_64":
+        pytest.fail("this check reads x86-64 code; add one for this architecture")
+    flags = (binary.parent.parent / "build-flags.txt").read_text()
+    assert "-DGGML_NATIVE=OFF" in flags and "-DGGML_AMX_INT8=OFF" in flags, flags
+    listing = subprocess.run(
+        ["objdump", "-d", "--no-show-raw-insn", str(binary)], check=True, capture_output=True
+    ).stdout
+    assert b"%ymm" in listing or "x86-64-v2" in flags, "no AVX2 code: the listing is not what we think"
+    found = sorted({m.group().decode() for m in _NOT_PORTABLE.finditer(listing)})
+    assert not found, f"{binary} holds AVX-512/AMX instructions: {found}"
