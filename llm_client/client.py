@@ -2,7 +2,13 @@
 
 Guarantees:
 - at most ``max_in_flight`` requests are in flight; further callers wait (backpressure, not errors);
-- each request ends within its deadline, with a ``Completion`` or a typed ``LLMError``;
+- each request ends within its deadline (the wait for a concurrency slot included), with a
+  ``Completion`` or a typed ``LLMError`` (``llm_client.errors``): nothing else escapes, whatever a
+  replica sends;
+- an answer is untrusted input: read within ``AnswerLimits``, decoded into typed structs
+  (``llm_client.answers``), and checked by the caller's ``validate``; an invalid one is tried once more
+  on another replica, and a replica that keeps sending them is quarantined until a probe passes
+  (``llm_client.answer_health``);
 - a failed attempt is retried on a *different* replica when retryable, under the retry budget;
 - a replica that refuses connections is ejected at once; the health checker re-admits it;
 - the client is the only writer of ``Endpoint``: the policy and the degradation detector report what
@@ -15,23 +21,27 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import random
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import Any, TypeVar
 
 import aiohttp
 import orjson
 
+from llm_client.answer_health import AnswerHealth
+from llm_client.answers import parse_body, read_body, read_stream, usage_from_documents
 from llm_client.config import ClientConfig
 from llm_client.degradation import DegradationDetector, apply_health_changes
 from llm_client.endpoints import Endpoint, endpoint_name
 from llm_client.errors import (
-    AttemptTimeout,
     BadRequest,
+    ConnectionFailed,
     DeadlineExceeded,
     EndpointUnavailable,
+    InvalidAnswer,
     LLMError,
     NoHealthyEndpoint,
     RetryBudgetExhausted,
@@ -43,11 +53,15 @@ from llm_client.passthrough import Forwarded
 from llm_client.retry import RetryBudget, backoff_s
 from llm_client.routing import RouteOutcome, RouteRequest, RoutingPolicy, make_policy
 from llm_client.routing.base import KvEventConsumer, PrefillObserver
-from llm_client.sse import read_sse_json
-from llm_client.transport import auth_headers, header_value, tls_context
+from llm_client.transport import auth_headers, header_value, mapped_transport_errors, tls_context
 from prompt_assembly.tokens import messages_text
 
+log = logging.getLogger(__name__)
+
 T = TypeVar("T")
+AnswerValidator = Callable[[str], object]
+"""Checks an answer's text and returns what the caller wants of it (kept as ``Completion.parsed``);
+raises ``InvalidAnswer`` (kind ``schema``) when the text is not what the caller's schema requires."""
 
 
 class LLMClient:
@@ -66,6 +80,10 @@ class LLMClient:
         """Attempt started / failed / finished callbacks (``llm_client.hooks``)."""
         # Drains replicas that are slow or erroring compared with their peers (see its settings).
         self.degradation = degradation or DegradationDetector()
+        # Quarantines replicas whose answers keep failing validation (see its settings).
+        self.answer_health = AnswerHealth(config.answer_health)
+        self._probe_requests: dict[str, _ProbeRequest] = {}
+        """Per quarantined replica, the request it last answered badly: its probe sends it again."""
         self.endpoints = [Endpoint(url.rstrip("/"), endpoint_name(url)) for url in config.endpoints]
         self._gate = asyncio.Semaphore(config.max_in_flight)
         self._budget = RetryBudget(config.retry)
@@ -123,6 +141,8 @@ class LLMClient:
         for url, endpoint in current.items():
             if url not in wanted:
                 self.policy.forget(endpoint)
+                self.answer_health.forget(endpoint)
+                self._probe_requests.pop(endpoint.name, None)
         self.endpoints = [current.get(url) or Endpoint(url, endpoint_name(url)) for url in wanted]
 
     # ---- calls ---------------------------------------------------------------------------------
@@ -137,9 +157,12 @@ class LLMClient:
         temperature: float = 0.0,
         extra_body: dict[str, Any] | None = None,
         prompt_tokens: int | None = None,
+        validate: AnswerValidator | None = None,
     ) -> Completion:
         """One chat completion, routed by ``routing_key`` (the shopper id). ``prompt_tokens``: the
-        caller's estimate, used for load accounting (default: about 4 characters a token)."""
+        caller's estimate, used for load accounting (default: about 4 characters a token).
+        ``validate``: the caller's check of the answer's text (its result is ``Completion.parsed``); an
+        answer it rejects is tried once more on another replica and counts against the replica."""
         body: dict[str, Any] = {
             "model": self.config.model,
             "messages": list(messages),
@@ -158,10 +181,18 @@ class LLMClient:
         text = messages_text(messages)
         estimate = prompt_tokens if prompt_tokens is not None else len(text) // 4
         route = RouteRequest(routing_key, text, estimate, max_tokens)
-        return await self.request("/v1/chat/completions", body, route, deadline_s=deadline_s)
+        return await self.request(
+            "/v1/chat/completions", body, route, deadline_s=deadline_s, validate=validate
+        )
 
     async def request(
-        self, path: str, body: dict[str, Any], route: RouteRequest, *, deadline_s: float | None = None
+        self,
+        path: str,
+        body: dict[str, Any],
+        route: RouteRequest,
+        *,
+        deadline_s: float | None = None,
+        validate: AnswerValidator | None = None,
     ) -> Completion:
         tried: list[str] = []
         async with self._call(deadline_s, tried):
@@ -170,7 +201,7 @@ class LLMClient:
                 info = Attempt(endpoint.name, route.key, number)
                 self.hooks.started(info)
                 try:
-                    completion = await self._attempt(endpoint, path, body, route)
+                    completion = await self._attempt(endpoint, path, body, route, validate)
                 except LLMError as exc:
                     self.hooks.failed(info, exc)
                     raise
@@ -182,23 +213,24 @@ class LLMClient:
 
     @contextlib.asynccontextmanager
     async def _call(self, deadline_s: float | None, tried: list[str]) -> AsyncIterator[None]:
-        """One call, however many attempts: the backpressure gate, the in-flight count, the deadline
-        over the whole block, and the attempt count (``len(tried)``) on whatever error leaves it."""
+        """One call, however many attempts: the deadline over the whole block (the wait for a slot
+        included: a caller's deadline holds however long the queue), the backpressure gate, the
+        in-flight count, and the attempt count (``len(tried)``) on whatever error leaves it."""
         deadline = deadline_s if deadline_s is not None else self.config.timeouts.deadline_s
-        async with self._gate:
-            self.in_flight += 1
-            try:
-                async with asyncio.timeout(deadline):
+        try:
+            async with asyncio.timeout(deadline), self._gate:
+                self.in_flight += 1
+                try:
                     yield
-            except TimeoutError:
-                error = DeadlineExceeded(f"no answer within the {deadline:.3f} s deadline")
-                error.attempts = len(tried)
-                raise error from None
-            except LLMError as exc:
-                exc.attempts = len(tried)
-                raise
-            finally:
-                self.in_flight -= 1
+                finally:
+                    self.in_flight -= 1
+        except TimeoutError:
+            error = DeadlineExceeded(f"no answer within the {deadline:.3f} s deadline")
+            error.attempts = len(tried)
+            raise error from None
+        except LLMError as exc:
+            exc.attempts = len(tried)
+            raise
 
     async def _retried(
         self,
@@ -209,10 +241,13 @@ class LLMClient:
         """Attempts in order, each ``attempt(endpoint, number)`` on the replica the policy picks;
         ``tried`` collects the replica of each (its length is the attempt count; a retry goes back to a
         replica already tried only when no other is routable). A retryable error is retried under the
-        retry budget with backoff; any other is raised at once."""
+        retry budget with backoff; any other is raised at once. An invalid answer is tried once more,
+        not again: two replicas answering one prompt badly say more about the prompt than the fleet."""
         self._budget.on_request()
         last_error: LLMError | None = None
         for number in range(1, self.config.retry.max_attempts + 1):
+            if isinstance(last_error, InvalidAnswer) and number > 2:
+                raise last_error
             if number > 1:
                 if not self._budget.try_spend():
                     raise RetryBudgetExhausted(f"retry budget exhausted after: {last_error}")
@@ -255,7 +290,12 @@ class LLMClient:
         return report
 
     async def _attempt(
-        self, endpoint: Endpoint, path: str, body: dict[str, Any], route: RouteRequest
+        self,
+        endpoint: Endpoint,
+        path: str,
+        body: dict[str, Any],
+        route: RouteRequest,
+        validate: AnswerValidator | None = None,
     ) -> Completion:
         assert self._session is not None, "call start() or use 'async with' first"
         uncached = self.policy.estimate_uncached_tokens(route, endpoint)
@@ -277,35 +317,32 @@ class LLMClient:
             total=self.config.timeouts.attempt_s, sock_connect=self.config.timeouts.connect_s
         )
         headers = {"x-session-id": header_value(route.key), "Content-Type": "application/json"}
+        limits = self.config.answer_limits
         try:
-            # bytes straight from orjson: ``json=`` would decode them to str and aiohttp encode them back
-            async with self._session.post(
-                endpoint.url + path, data=orjson.dumps(body), headers=headers, timeout=timeout
-            ) as response:
-                if response.status >= 400:
-                    await self._raise_for_status(response, endpoint)
-                if body.get("stream"):
-                    completion = await _read_stream(response, endpoint, started, prefill_done)
-                else:
-                    completion = _parse_body(await response.read(), endpoint, started)
-                answered = True
-        except aiohttp.ServerTimeoutError:
-            # A slow connect or read on a busy replica is not a dead replica: it counts towards the
-            # consecutive-failure limit instead of ejecting at once.
-            self._fail(endpoint, route, connection=False)
-            raise AttemptTimeout("connect or read timed out", endpoint=endpoint.name) from None
-        except (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError, ConnectionError) as exc:
-            # ClientPayloadError: the replica died mid-answer (a truncated stream), as bad as a refusal.
-            self._fail(endpoint, route, connection=True)
-            raise EndpointUnavailable(f"connection failed: {exc!r}", endpoint=endpoint.name) from None
-        except TimeoutError:
-            self._fail(endpoint, route, connection=False)
-            raise AttemptTimeout(
-                f"attempt exceeded {self.config.timeouts.attempt_s} s", endpoint=endpoint.name
-            ) from None
+            with mapped_transport_errors(endpoint.name, self.config.timeouts.attempt_s):
+                # bytes straight from orjson: ``json=`` would decode them to str and aiohttp encode them
+                async with self._session.post(
+                    endpoint.url + path, data=orjson.dumps(body), headers=headers, timeout=timeout
+                ) as response:
+                    if response.status >= 400:
+                        await self._raise_for_status(response, endpoint)
+                    if body.get("stream"):
+                        completion = await read_stream(response, limits, endpoint.name, started, prefill_done)
+                    else:
+                        completion = parse_body(
+                            await read_body(response, limits, endpoint.name), endpoint.name, started
+                        )
+            if validate is not None:
+                completion = replace(completion, parsed=_validated(validate, completion, endpoint.name))
+            answered = True
+        except InvalidAnswer as exc:
+            self._bad_answer(endpoint, route, exc, _ProbeRequest(path, {**body, "stream": False}, validate))
+            raise
         except LLMError as exc:
+            # A slow connect or read on a busy replica is not a dead replica: it counts towards the
+            # consecutive-failure limit; a failed connection ejects at once.
             if exc.retryable:
-                self._fail(endpoint, route, connection=False)
+                self._fail(endpoint, route, connection=isinstance(exc, ConnectionFailed))
             raise
         except asyncio.CancelledError:
             # The caller's deadline: the replica did nothing wrong, nothing is learned.
@@ -314,6 +351,7 @@ class LLMClient:
             endpoint.outstanding -= 1
             prefill_done(computed=answered)  # a no-op for the policy if the first token was reported
             endpoint.outstanding_decode_tokens -= route.max_tokens
+        self.answer_health.observe(endpoint, self.endpoints, None)
         endpoint.record_success(completion.latency_ms, completion.ttft_ms)
         self.degradation.observe_success(
             endpoint,
@@ -337,7 +375,8 @@ class LLMClient:
         return completion
 
     async def _raise_for_status(self, response: aiohttp.ClientResponse, endpoint: Endpoint) -> None:
-        detail = (await response.text())[:300]
+        # at most 300 bytes of an error body: a replica's error page is as untrusted as its answers
+        detail = (await response.content.read(300)).decode("utf-8", "replace")
         if response.status == 429 or response.status >= 500:
             raise EndpointUnavailable(f"HTTP {response.status}: {detail}", endpoint=endpoint.name)
         raise BadRequest(f"HTTP {response.status}: {detail}", endpoint=endpoint.name)
@@ -349,7 +388,32 @@ class LLMClient:
         self._evaluate_health()
         limit = self.config.health.eject_after_failures
         if endpoint.healthy and (connection or endpoint.consecutive_failures >= limit):
-            self.eject(endpoint)
+            self.eject(
+                endpoint,
+                "connection failed" if connection else f"{endpoint.consecutive_failures} failures in a row",
+            )
+
+    def _bad_answer(
+        self,
+        endpoint: Endpoint,
+        route: RouteRequest,
+        error: InvalidAnswer,
+        request: _ProbeRequest | None = None,
+    ) -> None:
+        """An answer that is no answer: counted by kind, taught to the policy (the replica holds nothing
+        known for this prompt), and judged by the answer health, which may quarantine the replica.
+        ``request`` (the call that got it, if the client built it) becomes the replica's probe."""
+        endpoint.failed += 1
+        endpoint.invalid_answers[error.kind] = endpoint.invalid_answers.get(error.kind, 0) + 1
+        self._observe(route, endpoint, RouteOutcome(ok=False))
+        self.degradation.observe_failure(endpoint)
+        quarantine = self.answer_health.observe(endpoint, self.endpoints, error.kind, str(error))
+        if quarantine is not None:
+            endpoint.quarantined = True
+            endpoint.out_reason = f"bad answers ({quarantine.reason}): {quarantine.detail}"
+            self.policy.forget(endpoint)
+        if request is not None and endpoint.quarantined:
+            self._probe_requests[endpoint.name] = request
 
     def _observe(self, route: RouteRequest, endpoint: Endpoint, outcome: RouteOutcome) -> None:
         """Teach the policy, and record on the replica what it learned."""
@@ -399,8 +463,11 @@ class LLMClient:
             forwarded.attempts = len(tried)
             try:
                 yield forwarded
-            except (EndpointUnavailable, AttemptTimeout) as exc:  # from chunks(): broke off
-                self._fail(forwarded.endpoint, route, connection=isinstance(exc, EndpointUnavailable))
+            except InvalidAnswer as exc:  # from chunks(): over the size limit
+                self._bad_answer(forwarded.endpoint, route, exc)
+                raise
+            except LLMError as exc:  # from chunks(): broke off or stalled
+                self._fail(forwarded.endpoint, route, connection=isinstance(exc, ConnectionFailed))
                 raise
             finally:
                 forwarded.release()
@@ -418,7 +485,10 @@ class LLMClient:
     ) -> Forwarded:
         assert self._session is not None, "call start() or use 'async with' first"
         forwarded = Forwarded(
-            endpoint, route.max_tokens, self.policy.estimate_uncached_tokens(route, endpoint)
+            endpoint,
+            route.max_tokens,
+            self.policy.estimate_uncached_tokens(route, endpoint),
+            max_bytes=self.config.answer_limits.max_answer_bytes,
         )
         forwarded.on_prefill_done = self._prefill_reporter(route, endpoint)
         forwarded.hold()
@@ -426,32 +496,23 @@ class LLMClient:
             total=self.config.timeouts.attempt_s, sock_connect=self.config.timeouts.connect_s
         )
         try:
-            forwarded.response = await self._session.request(
-                method,
-                endpoint.url + path,
-                data=body,
-                headers={**headers, "x-session-id": header_value(route.key)},
-                timeout=timeout,
-            )
-            if forwarded.response.status == 429 or forwarded.response.status >= 500:
-                await self._raise_for_status(forwarded.response, endpoint)
+            with mapped_transport_errors(endpoint.name, self.config.timeouts.attempt_s):
+                forwarded.response = await self._session.request(
+                    method,
+                    endpoint.url + path,
+                    data=body,
+                    headers={**headers, "x-session-id": header_value(route.key)},
+                    timeout=timeout,
+                )
+                if forwarded.response.status == 429 or forwarded.response.status >= 500:
+                    await self._raise_for_status(forwarded.response, endpoint)
             return forwarded
-        except aiohttp.ServerTimeoutError:
-            self._fail(endpoint, route, connection=False)  # before release: a failure is no first token
+        except InvalidAnswer as exc:
+            self._bad_answer(endpoint, route, exc)  # before release: a failure is no first token
             forwarded.release()
-            raise AttemptTimeout("connect or read timed out", endpoint=endpoint.name) from None
-        except (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError, ConnectionError) as exc:
-            self._fail(endpoint, route, connection=True)  # before release: a failure is no first token
-            forwarded.release()
-            raise EndpointUnavailable(f"connection failed: {exc!r}", endpoint=endpoint.name) from None
-        except TimeoutError:
-            self._fail(endpoint, route, connection=False)  # before release: a failure is no first token
-            forwarded.release()
-            raise AttemptTimeout(
-                f"attempt exceeded {self.config.timeouts.attempt_s} s", endpoint=endpoint.name
-            ) from None
-        except LLMError:
-            self._fail(endpoint, route, connection=False)  # before release: a failure is no first token
+            raise
+        except LLMError as exc:
+            self._fail(endpoint, route, connection=isinstance(exc, ConnectionFailed))  # before release
             forwarded.release()
             raise
         except BaseException:
@@ -463,7 +524,7 @@ class LLMClient:
         if tap.error is not None:  # an error event inside a 200 stream: the replica failed the request
             self._fail(endpoint, route, connection=False)
             return
-        prompt, cached, completion_tokens = _usage(tap.usage, tap.timings)
+        prompt, cached, completion_tokens = usage_from_documents(tap.usage, tap.timings)
         latency = forwarded.finished_ms or 0.0
         ttft = forwarded.first_byte_ms if tap.streaming and forwarded.first_byte_ms is not None else latency
         endpoint.record_success(latency, ttft)
@@ -482,16 +543,62 @@ class LLMClient:
     # ---- end of raw pass-through ------------------------------------------------------------------
 
     # ---- health --------------------------------------------------------------------------------
-    def eject(self, endpoint: Endpoint) -> None:
+    def eject(self, endpoint: Endpoint, reason: str = "ejected") -> None:
         endpoint.healthy = False
         endpoint.ejections += 1
+        endpoint.out_reason = reason
+        log.warning("ejecting replica %s until /health answers: %s", endpoint.name, reason)
         self.policy.forget(endpoint)
 
     async def _health_loop(self) -> None:
         while True:
             await asyncio.sleep(self.config.health.interval_s)
             self._evaluate_health()
-            await asyncio.gather(*(self._probe(e) for e in self.endpoints if not e.healthy))
+            await asyncio.gather(
+                *(self._probe(e) for e in self.endpoints if not e.healthy),
+                *(
+                    self._answer_probe(e)
+                    for e in self.endpoints
+                    if e.healthy and e.quarantined and self.answer_health.probe_due(e)
+                ),
+            )
+
+    async def _answer_probe(self, endpoint: Endpoint) -> None:
+        """A quarantined replica comes back only by answering well: the request it last failed, sent
+        again (not streamed) and checked by the same ``validate``, or, for a replica quarantined by the
+        gateway's pass-through, a small completion that must come back well formed. ``/health`` alone
+        says nothing about a replica's answers."""
+        assert self._session is not None
+        request = self._probe_requests.get(endpoint.name) or _ProbeRequest(
+            "/v1/chat/completions",
+            {
+                "model": self.config.model,
+                "messages": [{"role": "user", "content": "Reply with the word ok."}],
+                "max_tokens": 4,
+                "stream": False,
+            },
+            None,
+        )
+        timeout = aiohttp.ClientTimeout(total=self.config.timeouts.attempt_s)
+        try:
+            with mapped_transport_errors(endpoint.name, self.config.timeouts.attempt_s):
+                async with self._session.post(
+                    endpoint.url + request.path, data=orjson.dumps(request.body), timeout=timeout
+                ) as response:
+                    if response.status >= 400:
+                        await self._raise_for_status(response, endpoint)
+                    raw = await read_body(response, self.config.answer_limits, endpoint.name)
+            completion = parse_body(raw, endpoint.name, time.perf_counter())
+            if request.validate is not None:
+                _validated(request.validate, completion, endpoint.name)
+            elif not completion.text.strip():
+                raise InvalidAnswer("probe answer is empty", kind="empty", endpoint=endpoint.name)
+        except LLMError as exc:
+            self.answer_health.probe_failed(endpoint, str(exc))
+            return
+        self.answer_health.probe_passed(endpoint)
+        self._probe_requests.pop(endpoint.name, None)
+        endpoint.quarantined = False
 
     async def _probe(self, endpoint: Endpoint) -> None:
         assert self._session is not None
@@ -517,6 +624,13 @@ class LLMClient:
                 await asyncio.sleep(0.2)
 
 
+@dataclass(frozen=True, slots=True)
+class _ProbeRequest:
+    path: str
+    body: dict[str, Any]
+    validate: AnswerValidator | None
+
+
 def _dumps(obj: Any) -> str:
     return orjson.dumps(obj).decode()
 
@@ -525,86 +639,15 @@ def _with_attempts(completion: Completion, attempts: int) -> Completion:
     return completion if completion.attempts == attempts else replace(completion, attempts=attempts)
 
 
-def _usage(usage: dict[str, Any] | None, timings: dict[str, Any] | None) -> tuple[int, int, int]:
-    """(prompt, cached, completion) tokens from OpenAI ``usage`` or llama-server ``timings``."""
-    usage = usage or {}
-    prompt = int(usage.get("prompt_tokens") or 0)
-    completion = int(usage.get("completion_tokens") or 0)
-    details = usage.get("prompt_tokens_details") or {}
-    cached = details.get("cached_tokens")
-    if timings:
-        # llama-server: prompt_n tokens were computed, cache_n were reused from its prompt cache.
-        cache_n = int(timings.get("cache_n") or 0)
-        prompt_n = int(timings.get("prompt_n") or 0)
-        if cached is None:
-            cached = cache_n
-        if not prompt:
-            prompt = cache_n + prompt_n
-        if not completion:
-            completion = int(timings.get("predicted_n") or 0)
-    return prompt, int(cached or 0), completion
-
-
-def _parse_body(raw: bytes, endpoint: Endpoint, started: float) -> Completion:
+def _validated(validate: AnswerValidator, completion: Completion, endpoint: str) -> object:
+    """The caller's verdict on an answer; its own ``ValueError``/``TypeError`` counts as a schema miss,
+    so a validator written carelessly cannot crash the call."""
     try:
-        data = orjson.loads(raw)
-        choice = data["choices"][0]
-        text = choice["message"]["content"] if "message" in choice else choice.get("text", "")
-    except (orjson.JSONDecodeError, KeyError, IndexError, TypeError) as exc:
-        raise EndpointUnavailable(f"unreadable answer: {exc!r}", endpoint=endpoint.name) from None
-    prompt, cached, completion_tokens = _usage(data.get("usage"), data.get("timings"))
-    latency = (time.perf_counter() - started) * 1000
-    return Completion(
-        text=text or "",
-        model=data.get("model", ""),
-        endpoint=endpoint.name,
-        prompt_tokens=prompt,
-        cached_tokens=cached,
-        completion_tokens=completion_tokens,
-        ttft_ms=latency,
-        latency_ms=latency,
-        attempts=1,
-        finish_reason=choice.get("finish_reason"),
-    )
-
-
-async def _read_stream(
-    response: aiohttp.ClientResponse,
-    endpoint: Endpoint,
-    started: float,
-    on_first_token: Callable[[], None] | None = None,
-) -> Completion:
-    parts: list[str] = []
-    ttft_ms: float | None = None
-    usage: dict[str, Any] | None = None
-    timings: dict[str, Any] | None = None
-    model = ""
-    finish: str | None = None
-    async for chunk in read_sse_json(response.content):
-        model = chunk.get("model") or model
-        usage = chunk.get("usage") or usage
-        timings = chunk.get("timings") or timings
-        for choice in chunk.get("choices") or ():
-            delta = choice.get("delta") or {}
-            piece = delta.get("content") if "delta" in choice else choice.get("text")
-            if piece:
-                if ttft_ms is None:
-                    ttft_ms = (time.perf_counter() - started) * 1000
-                    if on_first_token is not None:
-                        on_first_token()
-                parts.append(piece)
-            finish = choice.get("finish_reason") or finish
-    latency = (time.perf_counter() - started) * 1000
-    prompt, cached, completion_tokens = _usage(usage, timings)
-    return Completion(
-        text="".join(parts),
-        model=model,
-        endpoint=endpoint.name,
-        prompt_tokens=prompt,
-        cached_tokens=cached,
-        completion_tokens=completion_tokens,
-        ttft_ms=latency if ttft_ms is None else ttft_ms,
-        latency_ms=latency,
-        attempts=1,
-        finish_reason=finish,
-    )
+        return validate(completion.text)
+    except InvalidAnswer as exc:
+        exc.endpoint = exc.endpoint or endpoint
+        exc.raw = completion.text[:2000] if exc.raw is None else exc.raw
+        raise
+    except (ValueError, TypeError) as exc:
+        message = f"answer rejected by the caller's schema: {exc}"
+        raise InvalidAnswer(message, kind="schema", endpoint=endpoint, raw=completion.text) from None

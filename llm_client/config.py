@@ -9,11 +9,14 @@ settings (``policy_settings``, a union tagged by ``policy``), e.g.
 
 from __future__ import annotations
 
-from pydantic import BaseModel, Field, model_validator
+from pydantic import BaseModel, Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from llm_client.answer_health import AnswerHealthSettings
+from llm_client.answers import AnswerLimits
 from llm_client.routing import POLICIES, PolicyName, PolicySettings
 from llm_client.transport import EndpointSecurity
+from prompt_assembly.errors import ConfigurationError
 
 
 class Timeouts(BaseModel):
@@ -42,7 +45,10 @@ class ClientConfig(BaseSettings):
 
     endpoints: list[str] = Field(default_factory=lambda: ["http://127.0.0.1:8000"])
     model: str = "default"
-    policy: PolicyName = Field("session_affinity", description="routing policy name, see llm_client.routing")
+    policy: PolicyName = Field(
+        "prefix_aware",
+        description="routing policy name, see llm_client.routing (docs/routing.md: prefix_aware is best)",
+    )
     policy_settings: PolicySettings | None = Field(
         None, description="the policy's typed knobs, tagged with its name (None: its defaults)"
     )
@@ -51,10 +57,26 @@ class ClientConfig(BaseSettings):
     timeouts: Timeouts = Field(default_factory=Timeouts)
     retry: RetrySettings = Field(default_factory=RetrySettings)
     health: HealthSettings = Field(default_factory=HealthSettings)
+    answer_limits: AnswerLimits = Field(
+        default_factory=AnswerLimits, description="bytes one answer may make the client read"
+    )
+    answer_health: AnswerHealthSettings = Field(
+        default_factory=AnswerHealthSettings, description="when invalid answers quarantine a replica"
+    )
     cache_salt: str | None = Field(None, description="per-tenant KV-cache isolation (vLLM/TRT-LLM)")
     security: EndpointSecurity = Field(
         default_factory=EndpointSecurity, description="bearer API key and CA bundle (llm_client.transport)"
     )
+
+    @field_validator("endpoints")
+    @classmethod
+    def _some_endpoints(cls, endpoints: list[str]) -> list[str]:
+        if not endpoints:
+            raise ConfigurationError("endpoints is empty: at least one replica URL is needed")
+        bad = [url for url in endpoints if not url.startswith(("http://", "https://"))]
+        if bad:
+            raise ConfigurationError(f"endpoints must be http:// or https:// URLs ({len(bad)} are not)")
+        return endpoints
 
     @model_validator(mode="after")
     def _settings_match_policy(self) -> ClientConfig:

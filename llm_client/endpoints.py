@@ -3,7 +3,8 @@
 An ``Endpoint`` is mutated only by the client (on the event loop), and read by routing policies.
 Ejection is immediate on connection failures (a dead replica must stop receiving traffic at once, the
 top complaint about affinity routers) and after ``eject_after_failures`` consecutive errors otherwise;
-the health checker re-admits a replica when its ``/health`` answers again.
+the health checker re-admits a replica when its ``/health`` answers again. A replica whose answers keep
+failing validation is quarantined instead, and comes back only through a real completion probe.
 """
 
 from __future__ import annotations
@@ -31,11 +32,17 @@ class Endpoint:
     error_ewma: float = 0.0
     drained: bool = False
     """Taken out of rotation as degraded (slow or erroring compared with its peers)."""
+    quarantined: bool = False
+    """Taken out of rotation for invalid answers (``llm_client.answer_health``) until a probe passes."""
+    out_reason: str | None = None
+    """Why the replica last left rotation (ejected or quarantined), for logs and ``/metrics``."""
+    invalid_answers: dict[str, int] = field(default_factory=dict)
+    """Invalid answers by kind (``InvalidAnswer.kind``)."""
     extra: dict[str, float] = field(default_factory=dict)
 
     @property
     def routable(self) -> bool:
-        return self.healthy and not self.drained
+        return self.healthy and not self.drained and not self.quarantined
 
     def record_success(self, latency_ms: float, ttft_ms: float, alpha: float = 0.1) -> None:
         self.served += 1

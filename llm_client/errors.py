@@ -1,9 +1,37 @@
-"""Typed client errors. Each says what failed and where, so a person (or a retry rule) can act."""
+"""Typed client errors. Each says what failed and where, so a person (or a retry rule) can act.
+
+The tree (the project's whole hierarchy is drawn in ``prompt_assembly.errors``)::
+
+    LLMError
+    ├── TransportError  (retryable)      the replica could not be reached, or broke off
+    │   ├── EndpointUnavailable          refused, reset or cut off; a 5xx or 429
+    │   │   └── ConnectionFailed         ... at the connection: the replica is ejected at once
+    │   └── AttemptTimeout               one attempt ran past its share of the deadline
+    ├── InvalidAnswer   (retried once)   a 2xx that is no usable answer: not JSON, the wrong shape or
+    │   │                                types, empty, or not what the caller's schema requires
+    │   └── AnswerTooLarge               ... more bytes than ``AnswerLimits`` allow
+    ├── NoHealthyEndpoint (retryable)    every replica is ejected, drained or quarantined
+    ├── DeadlineExceeded                 the call's deadline passed (waiting for a slot included)
+    ├── RetryBudgetExhausted             retries are capped so an outage does not multiply the load
+    └── BadRequest                       a 4xx other than 429: the request itself is wrong
+
+Every transport and parse failure becomes one of these in exactly two places:
+``llm_client.transport.mapped_transport_errors`` (aiohttp, sockets, timeouts) and ``llm_client.answers``
+(bytes to a ``Completion``). Nothing else (no ``TypeError`` from a wrong-typed answer, no aiohttp
+``LineTooLong`` from a huge one) leaves the client.
+"""
 
 from __future__ import annotations
 
+from typing import Literal
 
-class LLMError(Exception):
+from prompt_assembly.errors import ShopperError
+
+InvalidAnswerKind = Literal["too_large", "not_json", "wrong_shape", "empty", "schema"]
+"""Why an answer was invalid; a small fixed set, so it can label metrics."""
+
+
+class LLMError(ShopperError):
     """Base class. ``retryable`` tells the client whether another attempt, elsewhere, may succeed."""
 
     retryable = False
@@ -15,16 +43,47 @@ class LLMError(Exception):
         """Attempts the client really made for the request that failed (set by the client)."""
 
 
-class EndpointUnavailable(LLMError):
-    """Connection refused/reset, or a 5xx/429 answer: try another replica."""
+class TransportError(LLMError):
+    """The replica could not be reached, or the exchange broke off: another replica may answer."""
 
     retryable = True
 
 
-class AttemptTimeout(LLMError):
+class EndpointUnavailable(TransportError):
+    """Connection refused/reset, an answer cut off, or a 5xx/429 answer: try another replica."""
+
+
+class ConnectionFailed(EndpointUnavailable):
+    """The connection itself failed (refused, reset, closed mid-answer): the replica is ejected at once
+    and re-admitted when its ``/health`` answers."""
+
+
+class AttemptTimeout(TransportError):
     """One attempt took longer than its share of the deadline."""
 
+
+class InvalidAnswer(LLMError):
+    """The replica answered (2xx), but not with a usable answer.
+
+    Retried once on another replica (a healthy replica answers the same prompt well), and counted
+    against the replica's answer health (``llm_client.answer_health``): one that keeps sending them is
+    quarantined. ``raw`` keeps the start of what came, for the error record."""
+
     retryable = True
+
+    def __init__(
+        self, message: str, *, kind: InvalidAnswerKind, endpoint: str | None = None, raw: str | None = None
+    ) -> None:
+        super().__init__(message, endpoint=endpoint)
+        self.kind: InvalidAnswerKind = kind
+        self.raw = None if raw is None else raw[:2000]
+
+
+class AnswerTooLarge(InvalidAnswer):
+    """More bytes (or a longer stream line) than ``AnswerLimits`` allow; reading stopped at the limit."""
+
+    def __init__(self, message: str, *, endpoint: str | None = None) -> None:
+        super().__init__(message, kind="too_large", endpoint=endpoint)
 
 
 class NoHealthyEndpoint(LLMError):
@@ -34,7 +93,7 @@ class NoHealthyEndpoint(LLMError):
 
 
 class DeadlineExceeded(LLMError):
-    """The request's overall deadline passed, retries included."""
+    """The request's overall deadline passed, retries and the wait for a concurrency slot included."""
 
 
 class RetryBudgetExhausted(LLMError):
@@ -43,7 +102,3 @@ class RetryBudgetExhausted(LLMError):
 
 class BadRequest(LLMError):
     """The server rejected the request itself (4xx other than 429): retrying cannot help."""
-
-
-class InvalidAnswer(LLMError):
-    """The model answered, but not with what the caller's schema requires."""

@@ -18,3 +18,5 @@ class Completion:
     latency_ms: float
     attempts: int
     finish_reason: str | None
+    parsed: object = None
+    """What the caller's ``validate`` returned for ``text`` (None without one)."""

@@ -20,7 +20,8 @@ import orjson
 from multidict import CIMultiDictProxy
 
 from llm_client.endpoints import Endpoint
-from llm_client.errors import AttemptTimeout, EndpointUnavailable
+from llm_client.errors import AnswerTooLarge
+from llm_client.transport import mapped_transport_errors
 
 _INTERESTING = (b'"usage"', b'"timings"', b'"error"')
 
@@ -80,6 +81,8 @@ class Forwarded:
     endpoint: Endpoint
     route_max_tokens: int
     prefill_tokens: int
+    max_bytes: int = 4 * 1024 * 1024
+    """The answer is cut off (``AnswerTooLarge``) past this many bytes (``AnswerLimits``)."""
     started: float = field(default_factory=time.perf_counter)
     response: aiohttp.ClientResponse | None = None
     attempts: int = 1
@@ -130,23 +133,24 @@ class Forwarded:
         return self.response.headers
 
     async def chunks(self) -> AsyncIterator[bytes]:
-        """The body as it arrives, unchanged. A replica that breaks off or stalls past the attempt
-        timeout raises ``EndpointUnavailable`` or ``AttemptTimeout`` (nothing can be retried by then)."""
+        """The body as it arrives, unchanged. A replica that breaks off, stalls past the attempt timeout
+        or sends more than ``max_bytes`` raises ``ConnectionFailed``, ``AttemptTimeout`` or
+        ``AnswerTooLarge`` (nothing can be retried by then); the bytes before it were passed on."""
         assert self.response is not None
         self.tap = UsageTap(streaming=self.response.content_type == "text/event-stream")
-        try:
+        size = 0
+        with mapped_transport_errors(self.endpoint.name):
             async for data in self.response.content.iter_any():
                 if self.first_byte_ms is None:
                     self.first_byte_ms = (time.perf_counter() - self.started) * 1000
                     self._prefill_done(computed=True)
+                size += len(data)
+                if size > self.max_bytes:
+                    raise AnswerTooLarge(
+                        f"answer passed the {self.max_bytes}-byte limit", endpoint=self.endpoint.name
+                    )
                 self.tap.feed(data)
                 yield data
-        except aiohttp.ServerTimeoutError:
-            raise AttemptTimeout("read timed out mid-answer", endpoint=self.endpoint.name) from None
-        except (aiohttp.ClientPayloadError, aiohttp.ClientConnectionError, ConnectionError) as exc:
-            raise EndpointUnavailable(f"answer cut off: {exc!r}", endpoint=self.endpoint.name) from None
-        except TimeoutError:
-            raise AttemptTimeout("attempt timed out mid-answer", endpoint=self.endpoint.name) from None
         self.tap.finish()
         self.finished_ms = (time.perf_counter() - self.started) * 1000
 

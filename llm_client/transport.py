@@ -1,4 +1,5 @@
-"""How the client authenticates to LLM endpoints and verifies them: a bearer API key and a CA bundle.
+"""How the client talks to LLM endpoints: a bearer API key, a CA bundle, and the one translation of
+transport failures into the client's errors (``mapped_transport_errors``).
 
 Hosted OpenAI-compatible endpoints (and gateways in front of vLLM/SGLang/TensorRT-LLM) take
 ``Authorization: Bearer <key>``; private deployments often sign their certificates with an internal CA.
@@ -7,11 +8,23 @@ Both apply to every request of the client's one HTTP session (completions and he
 
 from __future__ import annotations
 
+import contextlib
 import ssl
+from collections.abc import Iterator
 from pathlib import Path
 from urllib.parse import quote
 
+import aiohttp
+from aiohttp.http_exceptions import HttpProcessingError
 from pydantic import BaseModel, ConfigDict, Field, FilePath, SecretStr
+
+from llm_client.errors import (
+    AttemptTimeout,
+    ConnectionFailed,
+    EndpointUnavailable,
+    InvalidAnswer,
+    LLMError,
+)
 
 
 class EndpointSecurity(BaseModel):
@@ -49,3 +62,32 @@ def header_value(text: str) -> str:
     encoded too, so distinct keys stay distinct. Routing keys (shopper ids) come from producers and
     the real-time API: without this, one id with a control character failed every call for it."""
     return quote(text, safe=_HEADER_SAFE)
+
+
+@contextlib.contextmanager
+def mapped_transport_errors(endpoint: str, attempt_s: float | None = None) -> Iterator[None]:
+    """Every way an exchange with a replica can fail, as one of the client's errors (as httpx's
+    ``map_httpcore_exceptions`` does): the one place where aiohttp, socket and timeout exceptions are
+    translated. ``LLMError`` passes through; anything else is a bug and passes through too.
+
+    - a slow connect or read (``ServerTimeoutError``, ``TimeoutError``): ``AttemptTimeout``;
+    - refused, reset, closed mid-answer, a truncated body: ``ConnectionFailed`` (ejects at once);
+    - a malformed HTTP exchange (a bad status line or header, a header or line over aiohttp's own
+      limits, which it raises as ``LineTooLong``/``BadHttpMessage``): ``InvalidAnswer``.
+    """
+    try:
+        yield
+    except LLMError:
+        raise
+    except aiohttp.ServerTimeoutError:
+        raise AttemptTimeout("connect or read timed out", endpoint=endpoint) from None
+    except TimeoutError:
+        limit = "its time limit" if attempt_s is None else f"{attempt_s} s"
+        raise AttemptTimeout(f"attempt exceeded {limit}", endpoint=endpoint) from None
+    except (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError, ConnectionError) as exc:
+        raise ConnectionFailed(f"connection failed: {exc!r}", endpoint=endpoint) from None
+    except (aiohttp.ClientResponseError, HttpProcessingError) as exc:
+        message = f"malformed HTTP answer: {exc!r}"[:500]
+        raise InvalidAnswer(message, kind="wrong_shape", endpoint=endpoint) from None
+    except aiohttp.ClientError as exc:
+        raise EndpointUnavailable(f"HTTP client error: {exc!r}"[:500], endpoint=endpoint) from None

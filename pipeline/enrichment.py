@@ -1,7 +1,10 @@
 """Turns a prompt request into exactly one result record: an insight, or an error that says why.
 
 This is the one place where the pipeline meets the model. It never raises for a failed or malformed
-answer (the stream must not stop); it returns an ``EnrichmentError`` that sinks store and count.
+answer (the stream must not stop); it returns an ``EnrichmentError`` that sinks store and count. The
+answer is checked inside the client (``validate=parse_understanding``), so an answer that is not a
+``ShopperUnderstanding`` is tried once more on another replica and counts against the replica that
+sent it, instead of becoming an error record while a healthy replica stands by.
 """
 
 from __future__ import annotations
@@ -12,7 +15,7 @@ import orjson
 from pydantic import BaseModel, Field, ValidationError
 
 from llm_client.client import LLMClient
-from llm_client.errors import LLMError
+from llm_client.errors import InvalidAnswer, LLMError
 from prompt_assembly.records import EnrichmentError, EnrichmentResult, PromptRequest, ShopperInsight, Usage
 from prompt_assembly.understanding import ShopperUnderstanding, response_format
 
@@ -37,13 +40,14 @@ class Enricher:
                 response_format=response_format() if self.settings.guided_json else None,
                 deadline_s=self.settings.deadline_s,
                 prompt_tokens=prompt.prompt_tokens,
+                validate=parse_understanding,
             )
+        except InvalidAnswer as exc:
+            return self._error(prompt, "InvalidAnswer", str(exc), exc.attempts, exc.raw)
         except LLMError as exc:
             return self._error(prompt, type(exc).__name__, str(exc), attempts=exc.attempts)
-        try:
-            understanding = parse_understanding(completion.text)
-        except ValueError as exc:
-            return self._error(prompt, "InvalidAnswer", str(exc), completion.attempts, completion.text)
+        understanding = completion.parsed
+        assert isinstance(understanding, ShopperUnderstanding)  # what parse_understanding returns
         return ShopperInsight(
             request_id=prompt.request_id,
             shopper_id=prompt.shopper_id,
@@ -85,15 +89,17 @@ class Enricher:
 
 
 def parse_understanding(text: str) -> ShopperUnderstanding:
-    """Validate a model answer; tolerates a fenced code block around the JSON (small models do that)."""
+    """Validate a model answer; tolerates a fenced code block around the JSON (small models do that).
+    Raises ``InvalidAnswer`` (kind ``schema``)."""
     body = text.strip()
     if body.startswith("```"):
         body = body.strip("`")
         body = body.split("\n", 1)[1] if "\n" in body else body
     start, end = body.find("{"), body.rfind("}")
     if start < 0 or end <= start:
-        raise ValueError(f"answer holds no JSON object: {text[:120]!r}")
+        raise InvalidAnswer(f"answer holds no JSON object: {text[:120]!r}", kind="schema", raw=text)
     try:
         return ShopperUnderstanding.model_validate(orjson.loads(body[start : end + 1]))
     except (orjson.JSONDecodeError, ValidationError) as exc:
-        raise ValueError(f"answer is not a valid ShopperUnderstanding: {exc}") from None
+        message = f"answer is not a valid ShopperUnderstanding: {exc}"
+        raise InvalidAnswer(message, kind="schema", raw=text) from None

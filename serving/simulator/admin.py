@@ -12,6 +12,7 @@ import orjson
 from aiohttp import web
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from serving.simulator.bad_answers import BadAnswer
 from serving.simulator.protocol import error_body
 from serving.simulator.replica import REPLICA_KEY
 
@@ -22,6 +23,8 @@ class FaultUpdate(BaseModel):
     model_config = ConfigDict(extra="forbid")
     slowdown: float | None = Field(default=None, gt=0.0)
     error_rate: float | None = Field(default=None, ge=0.0, le=1.0)
+    bad_answer: BadAnswer | None = None
+    bad_answer_rate: float | None = Field(default=None, ge=0.0, le=1.0)
 
 
 def add_admin_routes(app: web.Application) -> None:
@@ -45,7 +48,18 @@ async def _update_config(request: web.Request) -> web.Response:
         replica.knobs.slowdown = update.slowdown
     if update.error_rate is not None:
         replica.error_rate = update.error_rate
-    return _json({"slowdown": replica.knobs.slowdown, "error_rate": replica.error_rate})
+    if update.bad_answer is not None:
+        replica.bad_answer = update.bad_answer
+    if update.bad_answer_rate is not None:
+        replica.bad_answer_rate = update.bad_answer_rate
+    return _json(
+        {
+            "slowdown": replica.knobs.slowdown,
+            "error_rate": replica.error_rate,
+            "bad_answer": replica.bad_answer,
+            "bad_answer_rate": replica.bad_answer_rate,
+        }
+    )
 
 
 async def _reset_cache(request: web.Request) -> web.Response:

@@ -17,6 +17,7 @@ from aiohttp import web
 from pydantic import BaseModel, ValidationError
 
 from serving.simulator.admin import add_admin_routes
+from serving.simulator.bad_answers import bad_answer_response
 from serving.simulator.config import SimulatorConfig
 from serving.simulator.engine import GenerationRequest
 from serving.simulator.protocol import (
@@ -104,6 +105,10 @@ async def _generate(
     if replica.inject_error():
         metrics.errors.labels("injected").inc()
         return error_response("injected failure (simulator error_rate)", 503, "service_unavailable")
+    bad = replica.draw_bad_answer()
+    if bad is not None:
+        metrics.errors.labels("bad_answer").inc()
+        return bad_answer_response(bad, stream=body.stream)
     prompt_text = body.prompt_text()
     job, answer = replica.prepare(
         prompt_text,

@@ -8,6 +8,7 @@ from typing import Literal
 from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from serving.simulator.bad_answers import BadAnswer
 from serving.simulator.engine import ChunkingPolicy
 
 # The repository lives next to a ``shared/`` folder on the development machines; CI clones may not have
@@ -70,6 +71,13 @@ class SimulatorConfig(BaseSettings):
         default=1.0, gt=0.0, description="multiplies every iteration's time (fault injection)"
     )
     error_rate: float = Field(default=0.0, ge=0.0, le=1.0, description="share of requests answered 503")
+    bad_answer: BadAnswer = Field(
+        default="none",
+        description="answer with this kind of bad 200 (serving.simulator.bad_answers; fault injection)",
+    )
+    bad_answer_rate: float = Field(
+        default=1.0, ge=0.0, le=1.0, description="share of requests given the bad answer, when one is set"
+    )
     seed: int = 0
     stream_coalesce_s: float = Field(
         default=0.02,

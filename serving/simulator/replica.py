@@ -12,6 +12,7 @@ from aiohttp import web
 
 from prompt_assembly.tokens import chained_block_hashes, token_ids
 from serving.simulator.answers import Answer, plan_answer
+from serving.simulator.bad_answers import BadAnswer
 from serving.simulator.config import SimulatorConfig
 from serving.simulator.cost_model import CostModel
 from serving.simulator.engine import ContinuousBatchingEngine, EngineKnobs, EngineLimits, GenerationRequest
@@ -87,9 +88,17 @@ class Replica:
             kv_blocks_used=lambda: self.cache.used_blocks,
         )
         self.error_rate = config.error_rate
+        self.bad_answer: BadAnswer = config.bad_answer
+        self.bad_answer_rate = config.bad_answer_rate
         self.recent_first_tokens: deque[FirstTokenRecord] = deque(maxlen=100_000)
         """Each finished request's first-token timeline, simulated ms (benchmarks read exact tails)."""
         self._rng = random.Random(config.seed)
+
+    def draw_bad_answer(self) -> BadAnswer | None:
+        """The bad answer this request gets, if any (seeded, like ``inject_error``)."""
+        if self.bad_answer == "none" or self.bad_answer_rate <= 0:
+            return None
+        return self.bad_answer if self._rng.random() < self.bad_answer_rate else None
 
     def inject_error(self) -> bool:
         """Whether this request draws an injected 503 (seeded, so a test run is reproducible)."""
@@ -156,6 +165,7 @@ class Replica:
             "time_scale": self.knobs.time_scale,
             "slowdown": self.knobs.slowdown,
             "error_rate": self.error_rate,
+            "bad_answer": self.bad_answer,
             "running": self.engine.num_running,
             "waiting": self.engine.num_waiting,
             "cache": asdict(self.cache.stats()),

@@ -13,7 +13,7 @@ from aiohttp import web
 from devstack.processes import free_port
 from llm_client import ClientConfig, LLMClient
 from llm_client.config import HealthSettings, RetrySettings, Timeouts
-from llm_client.errors import BadRequest, DeadlineExceeded
+from llm_client.errors import BadRequest, DeadlineExceeded, InvalidAnswer
 from pipeline.enrichment import Enricher, EnrichmentSettings, parse_understanding
 from prompt_assembly.processor import SessionProcessor
 from prompt_assembly.records import EnrichmentError, PromptRequest, ShopperInsight
@@ -188,7 +188,7 @@ def test_parse_understanding_tolerates_fences_and_rejects_garbage() -> None:
         '{"interests": []}',
         '{"interests": ["a"], "style": "x", "price_sensitivity": "cheap", "summary": "s"}',
     ]:
-        with pytest.raises(ValueError):
+        with pytest.raises(InvalidAnswer):
             parse_understanding(bad)
 
 

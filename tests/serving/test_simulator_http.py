@@ -240,9 +240,17 @@ async def test_error_rate_one_gives_503(http: aiohttp.ClientSession) -> None:
 
 async def test_admin_config_toggles_faults(sim: RunningSimulator, http: aiohttp.ClientSession) -> None:
     status, reply = await _post(http, f"{sim.url}/admin/config", {"error_rate": 1.0, "slowdown": 3.0})
-    assert status == 200 and reply == {"slowdown": 3.0, "error_rate": 1.0}
+    assert status == 200 and reply == {
+        "slowdown": 3.0,
+        "error_rate": 1.0,
+        "bad_answer": "none",
+        "bad_answer_rate": 1.0,
+    }
     assert (await _post(http, f"{sim.url}/v1/chat/completions", _chat()))[0] == 503
-    await _post(http, f"{sim.url}/admin/config", {"error_rate": 0.0})
+    await _post(http, f"{sim.url}/admin/config", {"error_rate": 0.0, "bad_answer": "not_json"})
+    async with http.post(f"{sim.url}/v1/chat/completions", json=_chat()) as r:
+        assert r.status == 200 and r.content_type == "text/html"  # a bad answer behind a 200
+    await _post(http, f"{sim.url}/admin/config", {"bad_answer": "none"})
     assert (await _post(http, f"{sim.url}/v1/chat/completions", _chat()))[0] == 200
     assert (await _post(http, f"{sim.url}/admin/config", {"slowdown": -1}))[0] == 400
 

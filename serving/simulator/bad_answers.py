@@ -1,0 +1,66 @@
+"""What a broken replica can send with a 200: the simulator's bad-answer fault (``bad_answer``).
+
+A replica is untrusted input to the pipeline (a bad build, a broken chat template, a proxy's error page
+in front of it, a runaway generation). Each kind here is one way of failing *after* the status line,
+so the client's limits, parsing and the answer-health quarantine are tested against a real HTTP server
+(the fault suite runs one such replica among healthy ones, on both engines):
+
+- ``huge``: a few megabytes (one 6 MB stream line, or a 6 MB JSON body);
+- ``wrong_types``: the OpenAI shape with the wrong types (content a number, choices a string);
+- ``not_json``: an HTML error page with status 200;
+- ``empty``: a 200 with no body at all;
+- ``not_understanding``: a well-formed completion whose text is not the JSON the caller asked for.
+
+Nothing is computed for a bad answer: the engine never sees the request, as with a replica whose
+serving layer is what is broken.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import orjson
+from aiohttp import web
+
+BadAnswer = Literal["none", "huge", "wrong_types", "not_json", "empty", "not_understanding"]
+BAD_ANSWERS: tuple[BadAnswer, ...] = ("huge", "wrong_types", "not_json", "empty", "not_understanding")
+
+_HUGE_BYTES = 6 * 1024 * 1024
+_REFUSAL = "I'm sorry, but I can't help with describing this shopper."
+
+
+def _completion(text: object, *, stream: bool) -> dict[str, object]:
+    if stream:
+        return {"object": "chat.completion.chunk", "choices": [{"index": 0, "delta": {"content": text}}]}
+    return {
+        "object": "chat.completion",
+        "choices": [{"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": "stop"}],
+        "usage": {"prompt_tokens": 10, "completion_tokens": 10, "total_tokens": 20},
+    }
+
+
+def bad_answer_body(kind: BadAnswer, *, stream: bool) -> tuple[bytes, str]:
+    """The body and content type of one bad answer of ``kind``."""
+    if kind == "not_json":
+        return b"<html><body><h1>502 Bad Gateway</h1></body></html>", "text/html"
+    if kind == "empty":
+        return b"", "application/json"
+    if kind == "huge":
+        document: object = _completion("x" * _HUGE_BYTES, stream=stream)
+    elif kind == "wrong_types":
+        document = (
+            {"choices": [{"delta": {"content": 42}}], "usage": {"prompt_tokens": "many"}}
+            if stream
+            else {"choices": "none", "usage": {"prompt_tokens": [1]}}
+        )
+    else:
+        document = _completion(_REFUSAL, stream=stream)
+    payload = orjson.dumps(document)
+    if stream:
+        return b"data: " + payload + b"\n\ndata: [DONE]\n\n", "text/event-stream"
+    return payload, "application/json"
+
+
+def bad_answer_response(kind: BadAnswer, *, stream: bool) -> web.Response:
+    body, content_type = bad_answer_body(kind, stream=stream)
+    return web.Response(body=body, status=200, content_type=content_type)

@@ -1,0 +1,194 @@
+"""The serving side is untrusted input: every bad answer a replica can send becomes an ``LLMError``, is
+tried once more elsewhere, and a replica that keeps sending them is quarantined until a probe passes.
+
+Each case runs a real simulator replica with the ``bad_answer`` fault beside healthy ones, over HTTP.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import AsyncIterator
+
+import pytest
+from aiohttp import web
+
+from devstack.processes import free_port
+from llm_client import ClientConfig, LLMClient
+from llm_client.answer_health import AnswerHealthSettings
+from llm_client.config import HealthSettings, RetrySettings, Timeouts
+from llm_client.errors import AnswerTooLarge, DeadlineExceeded, InvalidAnswer, LLMError
+from pipeline.enrichment import Enricher, parse_understanding
+from prompt_assembly.errors import ConfigurationError
+from prompt_assembly.records import ShopperInsight
+from serving.simulator.bad_answers import BAD_ANSWERS, BadAnswer
+from serving.simulator.testing import running_simulator
+from prompt_assembly.processor import SessionProcessor
+from prompt_assembly.records import PromptRequest
+from tests.prompt_assembly.test_sessions import event
+
+MESSAGES = [{"role": "user", "content": "Describe shopper s1: viewed hats, added a witch hat to the cart."}]
+
+
+def prompt_of(shopper: str) -> PromptRequest:
+    """A cart-add prompt of its own for ``shopper`` (distinct prompts spread over the replicas)."""
+    processor = SessionProcessor()
+    session = processor.new_session(shopper)
+    processor.apply(session, event("view", 100, shopper=shopper))
+    return processor.apply(session, event("add_to_cart", 101, shopper=shopper)).prompts[0]
+
+
+def config(*urls: str, **overrides: object) -> ClientConfig:
+    options: dict[str, object] = {
+        "endpoints": list(urls),
+        "policy": "prefix_aware",
+        "timeouts": Timeouts(connect_s=1, attempt_s=5, deadline_s=10),
+        "health": HealthSettings(interval_s=0.05),
+        "retry": RetrySettings(backoff_base_s=0.01),
+        "answer_health": AnswerHealthSettings(cooldown_s=0.2),
+    }
+    options.update(overrides)
+    return ClientConfig(**options)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("stream", [True, False], ids=["stream", "body"])
+@pytest.mark.parametrize("kind", [k for k in BAD_ANSWERS if k != "not_understanding"])
+async def test_every_bad_answer_is_an_llm_error(kind: BadAnswer, stream: bool) -> None:
+    """Alone, a bad replica's answer is a typed error (it used to be LineTooLong, TypeError or a
+    KeyError-turned-unavailable); nothing else leaves the client."""
+    async with (
+        running_simulator(time_scale=0.01, bad_answer=kind) as bad,
+        LLMClient(config(bad.url, stream=stream)) as client,
+    ):
+        with pytest.raises(InvalidAnswer) as caught:
+            await client.chat(MESSAGES, routing_key="s1", max_tokens=20)
+    assert caught.value.endpoint is not None and bad.url.endswith(caught.value.endpoint)
+    if kind == "huge":
+        assert isinstance(caught.value, AnswerTooLarge)
+
+
+async def test_an_answer_over_the_limit_is_refused_before_it_is_read_whole() -> None:
+    async with (
+        running_simulator(time_scale=0.01, bad_answer="huge") as bad,
+        LLMClient(config(bad.url, answer_limits={"max_answer_bytes": 64 * 1024})) as client,
+    ):
+        with pytest.raises(AnswerTooLarge, match="65536-byte limit"):
+            await client.chat(MESSAGES, routing_key="s1", max_tokens=20)
+
+
+@pytest.mark.parametrize("kind", BAD_ANSWERS)
+async def test_a_bad_answer_is_tried_on_another_replica_and_the_bad_replica_is_quarantined(
+    kind: BadAnswer, caplog: pytest.LogCaptureFixture
+) -> None:
+    """One bad replica beside a healthy one: every prompt still gets an insight (one more attempt
+    elsewhere), and the bad replica is out of routing after a few answers, with its reason."""
+    caplog.set_level(logging.WARNING, logger="llm_client")
+    async with (
+        running_simulator(time_scale=0.01, bad_answer=kind) as bad,
+        running_simulator(time_scale=0.01) as good,
+        # session affinity: the worst case, it sends a shopper back to the replica that failed it
+        LLMClient(config(bad.url, good.url, policy="session_affinity")) as client,
+    ):
+        enricher = Enricher(client)
+        results = [await enricher.enrich(prompt_of(f"shopper-{i}")) for i in range(30)]
+        endpoint = client.endpoints[0]
+    assert all(isinstance(r, ShopperInsight) for r in results), [
+        r for r in results if not isinstance(r, ShopperInsight)
+    ]
+    assert endpoint.quarantined and not endpoint.routable
+    expected = "schema" if kind == "not_understanding" else None
+    assert endpoint.out_reason is not None and (expected or "") in endpoint.out_reason
+    assert sum(endpoint.invalid_answers.values()) >= 3
+    assert any("quarantining replica" in r.getMessage() for r in caplog.records)
+    assert sum(isinstance(r, ShopperInsight) and r.attempts == 2 for r in results) >= 3
+
+
+async def test_a_quarantined_replica_comes_back_through_a_probe_once_it_answers_well() -> None:
+    async with (
+        running_simulator(time_scale=0.01, bad_answer="wrong_types") as flaky,
+        running_simulator(time_scale=0.01) as good,
+        LLMClient(config(flaky.url, good.url, policy="round_robin")) as client,
+    ):
+        endpoint = client.endpoints[0]
+        for i in range(20):
+            await client.chat(MESSAGES, routing_key=f"s{i}", max_tokens=20)
+        assert endpoint.quarantined
+        await asyncio.sleep(0.6)  # cool-downs pass, probes keep failing: the replica still answers badly
+        assert endpoint.quarantined and client.answer_health.readmissions == 0
+        flaky.replica.bad_answer = "none"
+        async with asyncio.timeout(5):
+            while endpoint.quarantined:
+                await asyncio.sleep(0.05)
+        assert client.answer_health.readmissions == 1 and endpoint.routable
+
+
+async def test_the_last_routable_replica_is_never_quarantined() -> None:
+    async with (
+        running_simulator(time_scale=0.01, bad_answer="not_json") as bad,
+        LLMClient(config(bad.url)) as client,
+    ):
+        for i in range(10):
+            with pytest.raises(InvalidAnswer):
+                await client.chat(MESSAGES, routing_key=f"s{i}", max_tokens=20)
+        assert client.endpoints[0].routable
+
+
+async def test_an_invalid_answer_is_tried_once_more_not_until_the_attempts_run_out() -> None:
+    async with (
+        running_simulator(time_scale=0.01, bad_answer="not_understanding") as a,
+        running_simulator(time_scale=0.01, bad_answer="not_understanding") as b,
+        running_simulator(time_scale=0.01, bad_answer="not_understanding") as c,
+        LLMClient(config(a.url, b.url, c.url, retry=RetrySettings(max_attempts=3))) as client,
+    ):
+        with pytest.raises(InvalidAnswer) as caught:
+            await client.chat(MESSAGES, routing_key="s1", max_tokens=20, validate=parse_understanding)
+    assert caught.value.attempts == 2 and caught.value.raw
+
+
+@contextlib.asynccontextmanager
+async def stalling_replica() -> AsyncIterator[str]:
+    """A replica that takes 5 s to answer anything."""
+
+    async def stall(request: web.Request) -> web.Response:
+        await asyncio.sleep(5)
+        return web.json_response({"choices": [{"message": {"content": "late"}}]})
+
+    app = web.Application()
+    app.router.add_post("/v1/chat/completions", stall)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    port = free_port()
+    await web.TCPSite(runner, "127.0.0.1", port).start()
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        await runner.cleanup()
+
+
+async def test_the_deadline_covers_the_wait_for_a_concurrency_slot() -> None:
+    """With every slot taken, a caller's deadline still holds: it used to start only once a slot was
+    free, so the second call below waited for the first one's 5 s."""
+    async with stalling_replica() as url, LLMClient(config(url, max_in_flight=1, stream=False)) as client:
+        holder = asyncio.create_task(client.chat(MESSAGES, routing_key="a", max_tokens=5, deadline_s=10))
+        await asyncio.sleep(0.1)
+        with pytest.raises(DeadlineExceeded):
+            await client.chat(MESSAGES, routing_key="b", max_tokens=5, deadline_s=0.3)
+        assert not holder.done(), "the second call should have given up while the first held the slot"
+        holder.cancel()
+        with contextlib.suppress(asyncio.CancelledError, LLMError):
+            await holder
+
+
+@pytest.mark.parametrize("endpoints", [[], ["127.0.0.1:8000"]], ids=["empty", "no-scheme"])
+def test_an_unusable_endpoint_list_fails_when_the_settings_are_read(endpoints: list[str]) -> None:
+    with pytest.raises(ValueError) as caught:
+        ClientConfig(endpoints=endpoints)
+    assert "endpoints" in str(caught.value)
+    assert isinstance(caught.value.__cause__ or caught.value, ValueError)
+    with pytest.raises(ConfigurationError):
+        ClientConfig._some_endpoints(endpoints)
+
+
+def test_the_default_policy_is_the_measured_best() -> None:
+    assert ClientConfig(endpoints=["http://127.0.0.1:1"]).policy == "prefix_aware"
