@@ -2,7 +2,7 @@
 
 - ``ParseShopperEvents``: bytes -> ``(shopper_id, event JSON)``; malformed input -> DLQ side output.
 - ``ShopperSessionFunction``: keyed by shopper; ``SessionProcessor`` on a session kept in keyed state.
-- ``EnrichPrompts``: async; ``Enricher`` (LLM client with session-affinity routing) -> one result each.
+- ``EnrichPrompts``: async; ``Enricher`` (LLM client with KV-aware routing) -> one result each.
 - ``WriteResults``: async; ``SinkCommitter`` -> Redis and S3, completing a call only once it is durable.
 
 Records between operators are JSON strings (pydantic ``model_dump_json``): no pickling of project types,
@@ -234,8 +234,10 @@ class EnrichPrompts(AsyncFunction):
     """``PromptRequest`` JSON in, exactly one ``EnrichmentResult`` JSON out (an error is a result too).
 
     The client is created lazily on the operator's event loop (``open`` runs before that loop exists).
-    Session-affinity routing is the client's (``ClientConfig.policy``): a shopper's prompts go to the
-    replica that holds their prefix in its KV cache.
+    Routing is the client's (``ClientConfig.policy``): a shopper's prompts go to the replica that holds
+    their prefix in its KV cache. The client validates each answer (``Enricher``), tries an invalid one
+    once more elsewhere and quarantines a replica that keeps sending them (reason in the TaskManager
+    log; ``llm_replicas_quarantined`` and ``llm_invalid_answers`` gauges).
     """
 
     def __init__(self, settings_json: str) -> None:
@@ -261,6 +263,14 @@ class EnrichPrompts(AsyncFunction):
             extra={
                 "llm_in_flight": lambda: self.enricher.client.in_flight if self.enricher else 0,
                 "llm_client_retries": lambda: self.enricher.client.retries if self.enricher else 0,
+                "llm_replicas_quarantined": lambda: (
+                    sum(e.quarantined for e in self.enricher.client.endpoints) if self.enricher else 0
+                ),
+                "llm_invalid_answers": lambda: (
+                    sum(sum(e.invalid_answers.values()) for e in self.enricher.client.endpoints)
+                    if self.enricher
+                    else 0
+                ),
                 "llm_cache_hit_permille": lambda: self.stats.permille(
                     "llm_cached_tokens", "llm_prompt_tokens"
                 ),

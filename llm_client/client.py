@@ -410,6 +410,7 @@ class LLMClient:
         quarantine = self.answer_health.observe(endpoint, self.endpoints, error.kind, str(error))
         if quarantine is not None:
             endpoint.quarantined = True
+            endpoint.quarantine_kind = quarantine.reason
             endpoint.out_reason = f"bad answers ({quarantine.reason}): {quarantine.detail}"
             self.policy.forget(endpoint)
         if request is not None and endpoint.quarantined:

@@ -36,6 +36,8 @@ class Endpoint:
     """Taken out of rotation for invalid answers (``llm_client.answer_health``) until a probe passes."""
     out_reason: str | None = None
     """Why the replica last left rotation (ejected or quarantined), for logs and ``/metrics``."""
+    quarantine_kind: str | None = None
+    """The most frequent kind of invalid answer that quarantined it (a metrics label)."""
     invalid_answers: dict[str, int] = field(default_factory=dict)
     """Invalid answers by kind (``InvalidAnswer.kind``)."""
     extra: dict[str, float] = field(default_factory=dict)
@@ -43,6 +45,16 @@ class Endpoint:
     @property
     def routable(self) -> bool:
         return self.healthy and not self.drained and not self.quarantined
+
+    @property
+    def routing_state(self) -> str:
+        """``routable``, ``ejected`` (connections or failures), ``drained`` (degraded), or
+        ``quarantined_<kind>`` (bad answers): a small set, for ``/metrics`` labels."""
+        if not self.healthy:
+            return "ejected"
+        if self.quarantined:
+            return f"quarantined_{self.quarantine_kind}"
+        return "drained" if self.drained else "routable"
 
     def record_success(self, latency_ms: float, ttft_ms: float, alpha: float = 0.1) -> None:
         self.served += 1

@@ -145,7 +145,22 @@ class _StateCollector(Collector):
         healthy = GaugeMetricFamily(
             f"{PREFIX}_llm_endpoint_healthy", "1 while a replica is routable", labels=["endpoint"]
         )
+        state = GaugeMetricFamily(
+            f"{PREFIX}_llm_endpoint_state",
+            "1 for a replica's routing state: routable, ejected, drained, quarantined_<kind> (bad answers)",
+            labels=["endpoint", "state"],
+        )
+        invalid = CounterMetricFamily(
+            f"{PREFIX}_llm_invalid_answers",
+            "Answers that were no usable answer (too_large, not_json, wrong_shape, empty, schema)",
+            labels=["endpoint", "kind"],
+        )
         for endpoint in [] if client is None else client.endpoints:
             healthy.add_metric([endpoint.name], float(endpoint.routable))
+            state.add_metric([endpoint.name, endpoint.routing_state], 1.0)
+            for kind, count in sorted(endpoint.invalid_answers.items()):
+                invalid.add_metric([endpoint.name, kind], float(count))
         yield healthy
+        yield state
+        yield invalid
         yield gauge("runner_ready", "1 while /health/ready answers 200", float(readiness(view).ready))

@@ -14,12 +14,14 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import re
 import shutil
 import sys
 import threading
 import time
+import urllib.request
 from collections import Counter
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
@@ -427,10 +429,14 @@ class DurableTansu:
 class OwnReplicas:
     """Simulator replicas of the test's own, killed and restarted on the same ports."""
 
-    def __init__(self, workdir: Path, count: int, time_scale: float) -> None:
+    def __init__(
+        self, workdir: Path, count: int, time_scale: float, extra: Mapping[int, Sequence[str]] | None = None
+    ) -> None:
+        """``extra``: more simulator flags for some replicas, by index (e.g. a bad-answer fault)."""
         self.dir = workdir / "replicas"
         self.ports = [free_port() for _ in range(count)]
         self.time_scale = time_scale
+        self.extra = dict(extra or {})
         self.endpoints = [f"http://127.0.0.1:{port}" for port in self.ports]
         self.processes: list[ManagedProcess] = []
 
@@ -438,12 +444,24 @@ class OwnReplicas:
         self.processes = [
             spawn(
                 f"own-sim-{i}",
-                simulator_argv(port=port, replica_id=f"own-sim-{i}", time_scale=self.time_scale),
+                simulator_argv(
+                    port=port,
+                    replica_id=f"own-sim-{i}",
+                    time_scale=self.time_scale,
+                    extra=self.extra.get(i, ()),
+                ),
                 port,
                 self.dir,
             )
             for i, port in enumerate(self.ports)
         ]
+
+    def bad_answers_sent(self, index: int) -> int:
+        """Bad answers replica ``index`` has sent so far (its own ``/metrics``)."""
+        with urllib.request.urlopen(f"{self.endpoints[index]}/metrics", timeout=5) as response:
+            text = response.read().decode()
+        match = re.search(r'^sim_request_errors_total\{reason="bad_answer"\} ([0-9.e+]+)$', text, re.M)
+        return 0 if match is None else int(float(match.group(1)))
         for process in self.processes:
             wait_for_http(process)
 

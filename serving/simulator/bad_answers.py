@@ -9,7 +9,8 @@ so the client's limits, parsing and the answer-health quarantine are tested agai
 - ``wrong_types``: the OpenAI shape with the wrong types (content a number, choices a string);
 - ``not_json``: an HTML error page with status 200;
 - ``empty``: a 200 with no body at all;
-- ``not_understanding``: a well-formed completion whose text is not the JSON the caller asked for.
+- ``not_understanding``: a well-formed completion whose text is not the JSON the caller asked for;
+- ``mixed``: each bad answer one of the above, drawn at random.
 
 Nothing is computed for a bad answer: the engine never sees the request, as with a replica whose
 serving layer is what is broken.
@@ -22,7 +23,7 @@ from typing import Literal
 import orjson
 from aiohttp import web
 
-BadAnswer = Literal["none", "huge", "wrong_types", "not_json", "empty", "not_understanding"]
+BadAnswer = Literal["none", "huge", "wrong_types", "not_json", "empty", "not_understanding", "mixed"]
 BAD_ANSWERS: tuple[BadAnswer, ...] = ("huge", "wrong_types", "not_json", "empty", "not_understanding")
 
 _HUGE_BYTES = 6 * 1024 * 1024

@@ -12,7 +12,7 @@ from aiohttp import web
 
 from prompt_assembly.tokens import chained_block_hashes, token_ids
 from serving.simulator.answers import Answer, plan_answer
-from serving.simulator.bad_answers import BadAnswer
+from serving.simulator.bad_answers import BAD_ANSWERS, BadAnswer
 from serving.simulator.config import SimulatorConfig
 from serving.simulator.cost_model import CostModel
 from serving.simulator.engine import ContinuousBatchingEngine, EngineKnobs, EngineLimits, GenerationRequest
@@ -98,7 +98,9 @@ class Replica:
         """The bad answer this request gets, if any (seeded, like ``inject_error``)."""
         if self.bad_answer == "none" or self.bad_answer_rate <= 0:
             return None
-        return self.bad_answer if self._rng.random() < self.bad_answer_rate else None
+        if self._rng.random() >= self.bad_answer_rate:
+            return None
+        return self._rng.choice(BAD_ANSWERS) if self.bad_answer == "mixed" else self.bad_answer
 
     def inject_error(self) -> bool:
         """Whether this request draws an injected 503 (seeded, so a test run is reproducible)."""

@@ -32,6 +32,7 @@ from devstack.stack import StackState
 from devstack.synthetic import SyntheticStream
 from pipeline.enrichment import EnrichmentSettings
 from runner.embedded import EmbeddedRunner
+from serving.simulator.bad_answers import BAD_ANSWERS
 from sinks.config import SinkSettings
 from tests.conftest import SIM_TIME_SCALE, Isolated
 from tests.fault_kit import (
@@ -364,7 +365,79 @@ def test_every_llm_replica_down_for_20_s(
         )
 
 
-# ---- e. a worker killed during a rebalance ----------------------------------------------------------
+# ---- e. one misbehaving LLM replica among healthy ones -------------------------------------------------
+BAD_EVENTS = 600
+BAD_RATE = 60.0
+
+
+@pytest.mark.parametrize("kind", [*BAD_ANSWERS, "mixed"])
+def test_one_replica_of_three_sends_bad_answers(
+    kind: str,
+    stack: StackState,
+    iso: Isolated,
+    tmp_path: Path,
+    fault_table: FaultTable,
+    runner_log: RunnerLog,
+) -> None:
+    """One replica answers every request with a 200 that is no answer (megabytes, the wrong types, an
+    HTML page, nothing, or text that is not the understanding JSON) while two answer well: the runner
+    never stops, every event and prompt is accounted for, at most 1% of prompts become error records
+    (a bad answer is tried once more elsewhere), and the bad replica is quarantined within seconds with
+    its reason on ``/metrics``."""
+    replicas = OwnReplicas(tmp_path, count=3, time_scale=SIM_TIME_SCALE, extra={0: ["--bad-answer", kind]})
+    with stopping(replicas):
+        replicas.start()
+        create_topics(stack.kafka_bootstrap, iso)
+        records = SyntheticStream(shoppers=40, seed=81, malformed_rate=0.01).take(BAD_EVENTS)
+        runner = EmbeddedRunner(
+            iso.runner(llm=iso.llm(endpoints=replicas.endpoints, policy="prefix_aware"), drain_idle_s=3.0),
+            log=runner_log,
+        )
+        producer = PacedProducer(stack.kafka_bootstrap, iso.topic, records, BAD_RATE).start()
+        quarantined_after: list[float] = []
+
+        async def inject(clock: RecoveryClock) -> None:
+            started = time.monotonic()
+            await wait_until(
+                lambda: (
+                    getattr(runner, "client", None) is not None and runner.client.endpoints[0].quarantined
+                ),
+                "the bad replica's quarantine",
+            )
+            quarantined_after.append(time.monotonic() - started)
+            clock.restored()
+
+        with SignalWatcher(stack.redis_url, iso.prefix) as watcher:
+            clock = asyncio.run(run_with_fault(runner, inject, progress="results"))
+        producer.join()
+        bad_sent = replicas.bad_answers_sent(0)
+        acct = runner.stats.accounting
+        assert acct.balanced, runner_log[-10:]
+        bad = runner.client.endpoints[0]
+        exposition = runner.metrics.exposition().decode()
+        state = f'shopper_llm_endpoint_state{{endpoint="{bad.name}",state="{bad.routing_state}"}} 1.0'
+        print(
+            f"\n{kind}: quarantined after {quarantined_after[0]:.1f} s; {bad_sent} bad answers sent; "
+            f"{acct.errors} error records of {acct.prompts} prompts; reason: {bad.out_reason}"
+        )
+        assert bad.quarantined and bad.routing_state.startswith("quarantined_") and state in exposition
+        assert bad.out_reason and "bad answers" in bad.out_reason
+        assert acct.errors <= 0.01 * acct.prompts, [line for line in runner_log if "error record" in line][:5]
+        assert bad_sent < 0.2 * acct.prompts, "the bad replica kept its traffic"
+        settle(
+            fault_table,
+            f"one replica of 3 sends bad answers ({kind}): quarantined after {quarantined_after[0]:.1f} s, "
+            f"{bad_sent} bad answers, {acct.errors} error records",
+            records,
+            watcher,
+            clock,
+            bootstrap=stack.kafka_bootstrap,
+            sinks=iso.sinks(),
+            iso=iso,
+        )
+
+
+# ---- f. a worker killed during a rebalance ----------------------------------------------------------
 class Worker:
     """``shopper run`` as a process of its own; its log lines are kept with their arrival times."""
 
