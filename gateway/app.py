@@ -2,7 +2,8 @@
 
 Routes: ``POST /v1/chat/completions``, ``POST /v1/completions``, ``GET /v1/models`` (proxied, see
 ``gateway.proxy``), ``GET /health`` (200 while at least one replica is routable, else 503, so a load
-balancer in front stops sending), ``GET /metrics`` (Prometheus). One ``LLMClient`` per application owns
+balancer in front stops sending), ``GET /metrics`` (Prometheus). ``gateway.guard`` checks the caller's
+API key and the body size before a proxied route reads anything. One ``LLMClient`` per application owns
 the replicas' state (health, load, the policy's cache knowledge); nothing is global.
 """
 
@@ -17,6 +18,7 @@ import orjson
 from aiohttp import web
 
 from gateway.config import GatewaySettings
+from gateway.guard import caller_guard
 from gateway.metrics import CONTENT_TYPE, GatewayMetrics
 from gateway.proxy import OpenAIProxy
 from llm_client.client import LLMClient
@@ -28,9 +30,11 @@ METRICS_KEY = web.AppKey("metrics", GatewayMetrics)
 
 def create_app(settings: GatewaySettings, client_config: ClientConfig) -> web.Application:
     """An application with its own LLM client (started and closed with the application)."""
-    app = web.Application(client_max_size=settings.max_body_bytes)
     client = LLMClient(client_config)
     metrics = GatewayMetrics(client)
+    app = web.Application(
+        client_max_size=settings.max_body_bytes, middlewares=[caller_guard(settings, metrics)]
+    )
     app[CLIENT_KEY] = client
     app[METRICS_KEY] = metrics
     proxy = OpenAIProxy(client, settings, metrics)

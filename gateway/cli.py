@@ -64,7 +64,7 @@ def serve_cmd(
     if policy is not None:
         client_overrides["policy"] = policy
     client_config = ClientConfig(**client_overrides)
-    shown = {"gateway": settings.model_dump(), "llm": client_config.model_dump(mode="json")}
+    shown = {"gateway": settings.model_dump(mode="json"), "llm": client_config.model_dump(mode="json")}
     print(json.dumps(shown), flush=True)
     with contextlib.suppress(KeyboardInterrupt):
         asyncio.run(serve(settings, client_config))

@@ -71,21 +71,42 @@ _DATA_TAG = re.compile(r"<\s*(/?)\s*data\s*>?", re.IGNORECASE)
 _TEMPLATE_DELIMITERS = re.compile(r"<\||\|>")
 """``<|im_start|>``, ``<|system|>``: chat-template special tokens, which a server that tokenizes text
 with special tokens enabled would turn into real role markers."""
+_TURN_TOKEN = re.compile(
+    r"<\s*(/?)\s*(start_of_turn|end_of_turn|start_of_image|end_of_image|bos|eos|pad|unk|mask|s|sys"
+    r"|think|tool_call|tool_response|unused\d+)\s*>"
+    r"|\[\s*(/?)\s*(INST|SYSTEM_PROMPT|AVAILABLE_TOOLS|TOOL_CALLS|TOOL_RESULTS|TOOL_CONTENT)\s*\]",
+    re.IGNORECASE,
+)
+"""Chat-template special tokens written without ``<|``: Gemma's ``<start_of_turn>``/``<end_of_turn>``
+(the model llama-server serves here), ``<bos>``/``<eos>``, Llama 2's ``<s>``/``</s>``/``<<SYS>>``,
+Mistral's ``[INST]``, Qwen's ``<think>``/``<tool_call>``: they become ``(start_of_turn)``, ``(INST)``."""
+_WIDE_DELIMITERS = re.compile("<\uff5c|\uff5c>")
+"""DeepSeek's ``<\uff5cUser\uff5c>`` family, spelt with a fullwidth bar."""
 
 
 def inline_text(text: str) -> str:
-    """Untrusted text made safe for one line of the prompt: control characters and line separators
-    become spaces, bidi controls go, anything resembling a data tag becomes ``(data)``/``(/data)``,
-    and ``<|``/``|>`` are broken up. Ordinary text (letters, punctuation, ``<``, ``&``) is unchanged,
-    so prompts of normal products stay byte for byte what they were."""
-    if text.isprintable() and "<" not in text and "|" not in text:
+    """Untrusted text made safe for one line of a prompt (the pipeline's and the real-time ranking's):
+    control characters and line separators become spaces, bidi controls go, anything resembling a data
+    tag becomes ``(data)``/``(/data)``, ``<|``/``|>`` (and the fullwidth-bar spelling) are broken up,
+    and chat-template tokens written without a bar become ``(start_of_turn)``, ``(/s)``, ``(INST)``.
+    Ordinary text (letters, punctuation, ``&``, a lone ``<``) is unchanged, so prompts of normal
+    products stay byte for byte what they were."""
+    if text.isprintable() and "<" not in text and "|" not in text and "[" not in text:
         return text  # the common case, checked in C: no control, separator or format character, no tag
     text = _LINE_BREAKS_AND_CONTROLS.sub(" ", text)
     text = _BIDI_CONTROLS.sub("", text)
     text = _DATA_TAG.sub(lambda m: "(/data)" if m.group(1) else "(data)", text)
+    text = _TURN_TOKEN.sub(_parenthesised, text)
     while _TEMPLATE_DELIMITERS.search(text):  # "<|>" needs two passes: "< |>", then "< | >"
         text = text.replace("<|", "< |").replace("|>", "| >")
+    while _WIDE_DELIMITERS.search(text):
+        text = text.replace("<\uff5c", "< \uff5c").replace("\uff5c>", "\uff5c >")
     return text
+
+
+def _parenthesised(match: re.Match[str]) -> str:
+    slash, name = (match.group(1), match.group(2)) if match.group(2) else (match.group(3), match.group(4))
+    return f"({slash}{name})"
 
 
 def _data(text: str) -> str:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+import logging
 from collections.abc import Awaitable, Callable, Mapping
 from typing import Any
 
@@ -9,6 +11,8 @@ import orjson
 from aiohttp import web
 
 from realtime.models import ErrorDetail, ErrorInfo, ErrorResponse, ErrorType
+
+log = logging.getLogger(__name__)
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
@@ -41,7 +45,10 @@ def error_response(
 
 @web.middleware
 async def errors_as_json(request: web.Request, handler: Handler) -> web.StreamResponse:
-    """aiohttp's own 4xx (no route, wrong method, body over ``client_max_size``) as JSON errors."""
+    """aiohttp's own 4xx (no route, wrong method, body over ``client_max_size``) as JSON errors; and,
+    as the last line, any exception a handler lets through as a JSON 500 ``internal_error`` (the
+    traceback goes to the log, never to the caller). Failures the service expects (the model's, Redis')
+    never get here: they are degraded answers (``realtime.matching``)."""
     try:
         return await handler(request)
     except web.HTTPException as exc:
@@ -51,3 +58,8 @@ async def errors_as_json(request: web.Request, handler: Handler) -> web.StreamRe
         return error_response(
             exc.status, _STATUS_TYPES.get(exc.status, "internal_error"), exc.reason, headers=headers
         )
+    except (asyncio.CancelledError, ConnectionResetError):
+        raise  # the caller went away: nobody to answer
+    except Exception:
+        log.exception("unhandled error answering %s %s", request.method, request.path)
+        return error_response(500, "internal_error", "the service failed to answer this request")

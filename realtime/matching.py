@@ -6,6 +6,9 @@ as many calls as it can serve in time (``llm_concurrency_per_replica``), the fal
 marked ``degraded: true`` with the reason. The time kept back for answering is ``answer_reserve_ms``
 plus the event loop's recent lag, so a busy host makes the service give up on the model earlier instead
 of answering late. A call abandoned at the deadline is cancelled, which closes its connection.
+
+An answer of the wrong shape or types, in the model's text (``ranking.parse_ranking``) or in the
+replica's envelope, is ``invalid_answer``: the fallback again, never a 500.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ from llm_client.errors import (
     AttemptTimeout,
     DeadlineExceeded,
     EndpointUnavailable,
+    InvalidAnswer,
     LLMError,
     NoHealthyEndpoint,
     RetryBudgetExhausted,
@@ -133,11 +137,13 @@ class MatchService:
             return fallback, "deadline", None
         except _UNAVAILABLE:
             return fallback, "llm_unavailable", None
+        except InvalidAnswer:
+            return fallback, "invalid_answer", None
         except LLMError:
             return fallback, "llm_error", None
         finally:
             self.metrics.llm_in_flight.dec()
         try:
             return parse_ranking(completion.text, fallback, s.reason_max_chars), None, completion.model
-        except ValueError:
+        except InvalidAnswer:
             return fallback, "invalid_answer", completion.model

@@ -7,7 +7,10 @@ first, with a reason each; the other candidates follow in fallback order with th
 
 Prompt layout, most stable first (so a replica's prefix cache reuses it across a shopper's requests):
 fixed instructions; the shopper's signals; the query; the candidates; a fixed task line. Seller and
-shopper text goes inside ``<data>`` blocks that the instructions declare to be data.
+shopper text goes inside ``<data>`` blocks that the instructions declare to be data, escaped by the
+pipeline's own ``prompt_assembly.prompt.inline_text``, so it can neither close its block, start a
+line, nor open a chat turn; product ids, price tier and price sensitivity are
+made safe the same way in place.
 
 The fallback is deterministic and cheap (microseconds): term overlap between the shopper's interests,
 occasion, style and query and each product's title and batch signals, the existing ranker's score, and
@@ -23,7 +26,10 @@ from functools import lru_cache
 from typing import Any, ClassVar
 
 import orjson
+from pydantic import BaseModel, ConfigDict, ValidationError
 
+from llm_client.errors import InvalidAnswer, InvalidAnswerKind
+from prompt_assembly.prompt import inline_text
 from realtime.models import Candidate, RankedCandidate
 
 RANKING_SYSTEM_PROMPT = (
@@ -146,8 +152,8 @@ def _product_terms(p: ProductProfile) -> frozenset[str]:
 
 
 def _data(text: str) -> str:
-    cleaned = text.replace("<data>", "(data)").replace("</data>", "(/data)").replace("\n", " ")
-    return f"<data>{cleaned}</data>"
+    """Seller- or shopper-controlled text in its ``<data>`` block, unable to close it or start a turn."""
+    return f"<data>{inline_text(text)}</data>"
 
 
 def ranking_messages(
@@ -164,15 +170,17 @@ def ranking_messages(
             f"Shopper: {_data(shopper.summary)}\n"
             f"Interests: {_data(', '.join(shopper.interests))}; "
             f"occasion: {_data(shopper.occasion or 'none')}; "
-            f"style: {_data(shopper.style)}; price sensitivity: {shopper.price_sensitivity or 'unknown'}\n"
+            f"style: {_data(shopper.style)}; "
+            f"price sensitivity: {inline_text(shopper.price_sensitivity) or 'unknown'}\n"
         )
     lines = []
     for c in candidates:
         p = products.get(c.product_id)
         title = c.title or (p.title if p else "") or "(no title)"
-        line = f"- {c.product_id}: {_data(title)}"
+        line = f"- {inline_text(c.product_id)}: {_data(title)}"
         if p is not None:
-            line += f"; for {_data(', '.join(p.segments))}; {p.price_tier}; {_data(p.summary)}"
+            tier = inline_text(p.price_tier)
+            line += f"; for {_data(', '.join(p.segments))}; {tier}; {_data(p.summary)}"
         lines.append(line + "\n")
     task = TASK_LINE.format(k=min(top_k, len(candidates)))
     user = f"{about}Query: {_data(query) if query else '(none)'}\nCandidates:\n{''.join(lines)}{task}"
@@ -212,35 +220,64 @@ def ranking_response_format(
     return {"type": "json_schema", "json_schema": {"name": "match_ranking", "schema": schema, "strict": True}}
 
 
+class InvalidRanking(InvalidAnswer, ValueError):
+    """The model's answer is no usable ranking: not text, no JSON object, the wrong shape or field types,
+    or naming none of the candidates. The service answers with the fallback (``invalid_answer``); a
+    ``ValueError`` too, for callers that caught that before."""
+
+    def __init__(self, message: str, kind: InvalidAnswerKind = "schema") -> None:
+        super().__init__(message, kind=kind)
+
+
+class _Pick(BaseModel):
+    """One ranked candidate as the response format asks for it. Strict: a number is no product id."""
+
+    model_config = ConfigDict(strict=True, extra="ignore", frozen=True)
+
+    product_id: str
+    reason: str | None = None
+
+
+class _RankingAnswer(BaseModel):
+    """The model's whole answer: ``{"ranking": [{"product_id": ..., "reason": ...}, ...]}``."""
+
+    model_config = ConfigDict(strict=True, extra="ignore", frozen=True)
+
+    ranking: list[_Pick]
+
+
 def parse_ranking(
-    text: str, fallback: Sequence[RankedCandidate], reason_max_chars: int = 80
+    text: object, fallback: Sequence[RankedCandidate], reason_max_chars: int = 80
 ) -> list[RankedCandidate]:
     """The model's order for the candidates it named (unknown and repeated ids dropped), then every
-    candidate it left out in fallback order. Raises ``ValueError`` when it named none."""
+    candidate it left out in fallback order.
+
+    Raises ``InvalidRanking`` for anything else: text that is not a string or holds no JSON object, an
+    object that is not ``{"ranking": [{"product_id": str, "reason": str}, ...]}`` (validated by
+    ``_RankingAnswer``, so a wrong type anywhere is this one error, never a ``TypeError``), or a
+    ranking naming none of the candidates."""
+    if not isinstance(text, str):
+        raise InvalidRanking(f"answer text is a {type(text).__name__}, not a string", "wrong_shape")
     start, end = text.find("{"), text.rfind("}")
     if start < 0 or end <= start:
-        raise ValueError(f"answer holds no JSON object: {text[:120]!r}")
+        raise InvalidRanking(f"answer holds no JSON object: {text[:120]!r}", "not_json")
     try:
-        items = orjson.loads(text[start : end + 1]).get("ranking")
-    except (orjson.JSONDecodeError, AttributeError):
-        raise ValueError(f"answer is not a ranking object: {text[:120]!r}") from None
-    if not isinstance(items, list):
-        raise ValueError("answer has no 'ranking' list")
+        answer = _RankingAnswer.model_validate_json(text[start : end + 1])
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        where = ".".join(str(p) for p in first["loc"]) or "answer"
+        raise InvalidRanking(f"answer is no ranking ({where}: {first['msg']}): {text[:120]!r}") from None
     known = {r.product_id: r for r in fallback}
     chosen: list[tuple[str, str]] = []
     seen: set[str] = set()
-    for item in items:
-        if not isinstance(item, dict):
-            continue
-        pid, reason = item.get("product_id"), item.get("reason")
-        if isinstance(pid, str) and pid in known and pid not in seen:
+    for pick in answer.ranking:
+        pid = pick.product_id
+        if pid in known and pid not in seen:
             seen.add(pid)
-            reason_text = (
-                reason.strip()[:reason_max_chars] if isinstance(reason, str) and reason.strip() else ""
-            )
+            reason_text = (pick.reason or "").strip()[:reason_max_chars]
             chosen.append((pid, reason_text or known[pid].reason))
     if not chosen:
-        raise ValueError("the ranking names none of the candidates")
+        raise InvalidRanking("the ranking names none of the candidates")
     n = len(fallback)
     ranked = [
         RankedCandidate.model_construct(

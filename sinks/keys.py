@@ -25,7 +25,8 @@ class RedisKeys:
         return key.removeprefix(f"{self.prefix}signals:")
 
     def signal_errors(self, shopper_id: str) -> str:
-        """Hash: error records of a shopper, by ``request_id`` (kept apart from the signals)."""
+        """Hash: error records of a shopper, by ``request_id`` (kept apart from the signals); expires
+        with the same TTL as ``signals`` (``SinkSettings.signal_ttl_s``)."""
         return f"{self.prefix}signal_errors:{shopper_id}"
 
     def product(self, product_id: str) -> str:

@@ -6,6 +6,8 @@ version), request_id, last_event_ts, updated_at. A Lua script writes it only whe
 is greater than the stored one, atomically, so replays, duplicates and out-of-order completions never
 regress a value. Errors are not written here (a stale good answer beats no answer); they are counted
 in ``{prefix}signal_errors:{shopper_id}`` (request_id -> error type) and go to S3 with every other result.
+Both hashes expire after ``signal_ttl_s`` without a write; each script sets its key's expiry in the same
+call as the write, so no hash ever exists without one.
 """
 
 from __future__ import annotations
@@ -30,6 +32,14 @@ redis.call('HSET', KEYS[1], unpack(ARGV, 3))
 redis.call('EXPIRE', KEYS[1], ARGV[2])
 return 1
 """
+
+_RECORD_ERROR = """
+redis.call('HSET', KEYS[1], ARGV[2], ARGV[3])
+redis.call('EXPIRE', KEYS[1], ARGV[1])
+return 1
+"""
+"""One error record (request_id -> error type) and the hash's expiry, atomically: a replayed error is
+stored once, and a shopper who goes quiet leaves nothing behind."""
 
 
 def signal_fields(insight: ShopperInsight) -> dict[str, str]:
@@ -62,6 +72,7 @@ class RedisSignalSink:
         self.redis = client or settings.redis_client()
         self._owns_client = client is None
         self._script = self.redis.register_script(_WRITE_IF_NEWER)
+        self._record_error = self.redis.register_script(_RECORD_ERROR)
         self.written = 0
         self.stale_skipped = 0
         self.errors_counted = 0
@@ -80,9 +91,11 @@ class RedisSignalSink:
                     args += [field, value]
                 await self._script(keys=[self.key(result.shopper_id)], args=args, client=pipe)
             else:
-                # A hash keyed by request_id: a replayed error is stored once, not counted twice.
-                errors_key = self.keys.signal_errors(result.shopper_id)
-                pipe.hset(errors_key, result.request_id, result.error_type)
+                await self._record_error(
+                    keys=[self.keys.signal_errors(result.shopper_id)],
+                    args=[self.settings.signal_ttl_s, result.request_id, result.error_type],
+                    client=pipe,
+                )
         replies = await pipe.execute()
         applied = 0
         for result, reply in zip(results, replies, strict=True):

@@ -32,11 +32,13 @@ from devstack.flink_cluster import FlinkClusterState, FlinkRest
 from devstack.stack import StackState
 from devstack.synthetic import SyntheticStream
 from pipeline.sink_commit import SinkRetry
-from tests.conftest import Isolated
+from shopper.readback import list_s3_records
+from tests.conftest import SIM_TIME_SCALE, Isolated
 from tests.fault_kit import (
     FaultFigures,
     FaultTable,
     OwnRedis,
+    OwnReplicas,
     SignalWatcher,
     assert_fully_accounted,
     read_back,
@@ -203,3 +205,75 @@ def test_flink_job_redis_stopped_for_10_s_mid_stream(
     if give_up_s is not None:
         assert restarts > 0, "a write that gave up must fail the job into a restart"
     assert sorted(insights) == sorted(expected), "insights topic: not exactly one record per prompt"
+
+
+def test_flink_job_one_replica_of_three_sends_bad_answers(
+    isolated: Isolated,
+    stack: StackState,
+    stack_dir: Path,
+    tmp_path: Path,
+    flink_cluster: FlinkClusterState,
+    fault_table: FaultTable,
+) -> None:
+    """The runner's misbehaving-replica case on the Flink job: one replica answers every request with a
+    200 that is no answer (a mix of every kind) beside two healthy ones. The job keeps running, every
+    event and prompt is accounted for, at most 1% of prompts become error records, and the bad replica
+    is quarantined (its reason in the TaskManager log) so it stops getting traffic."""
+    stream = SyntheticStream(shoppers=24, seed=97, malformed_rate=0.02).take(360)
+    expected = expected_prompts(stream)
+    replicas = OwnReplicas(tmp_path, count=3, time_scale=SIM_TIME_SCALE, extra={0: ["--bad-answer", "mixed"]})
+    with stopping(replicas):
+        replicas.start()
+        topics = flink_topics(isolated)
+        prefix, s3_prefix = f"{isolated.prefix}flink:", f"{isolated.s3_prefix}-flink"
+        settings = cluster_job_settings(
+            stack, stack_dir, isolated, topics, prefix=prefix, s3_prefix=s3_prefix
+        )
+        llm = settings.llm.model_copy(update={"endpoints": replicas.endpoints, "policy": "prefix_aware"})
+        settings = settings.model_copy(update={"llm": llm})
+        rest = FlinkRest(flink_cluster.web_url)
+        logs_before = {p: p.stat().st_size for p in flink_cluster.log_dir.glob("*taskexecutor*.log")}
+        ends = produce(stack.kafka_bootstrap, topics.events, [(k, v) for k, v, _ in stream])
+        job = run_job(flink_cluster, settings, stack_dir)
+        wait_committed(stack.kafka_bootstrap, topics.group, topics.events, ends, rest, job.job_id)
+        drain(flink_cluster, job.job_id, stack_dir)
+        bad_sent = replicas.bad_answers_sent(0)
+        restarts = len(rest.get(f"/jobs/{job.job_id}/exceptions")["exceptionHistory"]["entries"])
+    view = read_back(
+        bootstrap=stack.kafka_bootstrap,
+        dlq_topic=topics.dlq,
+        sinks=settings.sinks,
+        redis_prefix=prefix,
+        s3_prefix=s3_prefix,
+        expected=expected,
+        malformed=sum(m for *_, m in stream),
+    )
+    errors = sum(
+        1
+        for record in list_s3_records(settings.sinks, s3_prefix)[1]
+        if record.get("kind") == "error" or "error_type" in record
+    )
+    log_text = "".join(
+        p.read_bytes()[logs_before.get(p, 0) :].decode("utf-8", "replace")
+        for p in flink_cluster.log_dir.glob("*taskexecutor*.log")
+    )
+    quarantines = [line for line in log_text.splitlines() if "quarantining replica" in line]
+    fault_table.add(
+        FaultFigures(
+            fault=f"Flink job: one replica of 3 sends bad answers (mixed): {bad_sent} bad answers, "
+            f"{errors} error records, {len(quarantines)} quarantines logged",
+            events_in=len(stream),
+            processed=len(stream) - len(view.dlq_positions) - view.lost,
+            dead_lettered=len(view.dlq_positions),
+            lost=view.lost,
+            reader_duplicates=view.duplicates,
+            recover_s=None,
+            notes=f"job restarts {restarts}",
+        )
+    )
+    print(f"\nquarantine log lines: {quarantines[:2]}", flush=True)
+    assert_fully_accounted(view)
+    assert restarts == 0, "a bad answer must never fail the job"
+    assert errors <= 0.01 * len(expected), f"{errors} error records of {len(expected)} prompts"
+    assert bad_sent < 0.2 * len(expected), f"the bad replica kept its traffic: {bad_sent} bad answers"
+    assert quarantines and "bad answers" in quarantines[0], "the quarantine and its reason are in the log"

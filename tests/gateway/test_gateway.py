@@ -443,3 +443,79 @@ async def test_cli_serves_the_gateway_from_several_processes_on_one_port(
             if process.returncode is None:
                 process.terminate()
             await asyncio.wait_for(process.wait(), 10)
+
+
+async def test_callers_need_the_api_key_when_one_is_set(
+    fleet: SimulatorFleet, http: aiohttp.ClientSession
+) -> None:
+    async with running_gateway(fleet.urls, "round_robin", api_key="s3cret-key") as gw:
+        url = gw.url + "/v1/chat/completions"
+        for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "s3cret-key"},
+                        {"Authorization": "Basic s3cret-key"}, {"X-API-Key": "s3cret-key"}):  # fmt: skip
+            async with http.post(url, json=chat_body("hi", max_tokens=2), headers=headers) as r:
+                assert r.status == 401, headers
+                assert r.headers["WWW-Authenticate"].startswith("Bearer")
+                error = (await r.json())["error"]
+                assert error["type"] == "authentication_error" and error["code"] == 401
+                assert "x-replica-id" not in r.headers, "refused before any replica saw it"
+        async with http.get(gw.url + "/v1/models") as r:
+            assert r.status == 401
+        for scheme in ("Bearer", "bearer"):
+            headers = {"Authorization": f"{scheme} s3cret-key"}
+            async with http.post(url, json=chat_body("hi", max_tokens=2), headers=headers) as r:
+                assert r.status == 200 and r.headers["x-replica-id"] in {"r0", "r1", "r2"}
+        async with http.get(gw.url + "/health") as r:
+            assert r.status == 200, "probes need no key"
+        async with http.get(gw.url + "/metrics") as r:
+            text = await r.text()
+        assert metric(text, "gateway_requests_total", path="/v1/chat/completions", status="401") == 5
+    assert "s3cret-key" not in GatewaySettings(api_key="s3cret-key").model_dump_json()
+
+
+async def test_body_size_is_limited_and_configurable(
+    fleet: SimulatorFleet, http: aiohttp.ClientSession, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    assert GatewaySettings().max_body_bytes == 1024 * 1024
+    monkeypatch.setenv("GATEWAY_MAX_BODY_BYTES", "4096")
+    assert GatewaySettings().max_body_bytes == 4096
+    monkeypatch.delenv("GATEWAY_MAX_BODY_BYTES")
+
+    async def chunked(data: bytes) -> AsyncIterator[bytes]:  # no Content-Length: cut while read
+        for start in range(0, len(data), 1024):
+            yield data[start : start + 1024]
+
+    for limit, fits, too_big in ((None, 900_000, 1_100_000), (4096, 3000, 5000)):
+        settings: dict[str, Any] = {} if limit is None else {"max_body_bytes": limit}
+        async with running_gateway(fleet.urls, "least_outstanding", **settings) as gw:
+            url = gw.url + "/v1/chat/completions"
+            ok = orjson.dumps(chat_body("x" * (fits - 200), max_tokens=2))
+            async with http.post(url, data=ok, headers={"Content-Type": "application/json"}) as r:
+                assert r.status == 200, (limit, len(ok))
+            big = orjson.dumps(chat_body("x" * too_big, max_tokens=2))
+            for body in (big, chunked(big)):
+                async with http.post(url, data=body, headers={"Content-Type": "application/json"}) as r:
+                    assert r.status == 413, limit
+                    error = (await r.json())["error"]
+                    assert error["type"] == "payload_too_large" and error["code"] == 413
+                    assert str(limit or 1024 * 1024) in error["message"]
+
+
+async def test_large_bodies_are_routed_off_the_event_loop_the_same_way(
+    fleet: SimulatorFleet, http: aiohttp.ClientSession
+) -> None:
+    """A body over ``offload_body_bytes`` is parsed and hashed in a worker thread: it is routed exactly
+    as the same body parsed on the loop (same replica, the policy sees the cached prefix)."""
+    prompt = "".join(f"- viewed: <data>lantern {i} with a long description</data>\n" for i in range(900))
+    replicas = []
+    for offload in (10**9, 1024):  # on the loop, then in a thread
+        async with running_gateway(fleet.urls, "prefix_aware", offload_body_bytes=offload) as gw:
+            for step in range(2):
+                body = chat_body(prompt + f"step {step}", max_tokens=2)
+                async with http.post(gw.url + "/v1/chat/completions", json=body) as r:
+                    assert r.status == 200
+                    replicas.append(r.headers["x-gateway-replica"])
+            async with http.get(gw.url + "/metrics") as r:
+                text = await r.text()
+            assert metric(text, "gateway_policy_cache_hits_total", policy="prefix_aware") >= 1
+    assert len(orjson.dumps(chat_body(prompt))) > 32 * 1024
+    assert replicas[0] == replicas[1] and replicas[2] == replicas[3]

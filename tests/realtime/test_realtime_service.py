@@ -27,7 +27,7 @@ from serving.simulator.testing import running_simulator
 from sinks.redis import RedisSignalSink
 from tests.conftest import Isolated
 
-CANDIDATES = [
+CANDIDATES: list[dict[str, Any]] = [
     {"product_id": "KID-witch", "title": "Witch Costume Set"},
     {"product_id": "MAK-paint", "title": "Glow Face Paint Palette"},
     {"product_id": "OUT-spider", "title": "Giant Spider Yard Decoration", "score": 0.9},
@@ -262,3 +262,113 @@ async def test_loop_lag_is_measured_so_a_busy_host_answers_earlier() -> None:
     await asyncio.sleep(0.03)
     assert lag.recent_s >= 0.07
     await lag.stop()
+
+
+def _chat(content: Any, **fields: Any) -> dict[str, Any]:
+    return {"choices": [{"message": {"role": "assistant", "content": content}}], **fields}
+
+
+_RANKING = '{"ranking": [{"product_id": "KID-witch", "reason": "fits"}]}'
+
+UNUSABLE = {
+    # The model's text is JSON of the wrong shape or types.
+    "scores instead of ranking": _chat('{"scores": "high"}'),
+    "a list where the object belongs": _chat('[{"product_id": "KID-witch", "reason": "x"}]'),
+    "ranking is a string": _chat('{"ranking": "high"}'),
+    "ranking is an object": _chat('{"ranking": {"product_id": "KID-witch"}}'),
+    "an item is a list": _chat('{"ranking": [["KID-witch", "fits"]]}'),
+    "product_id is a number": _chat('{"ranking": [{"product_id": 7, "reason": "fits"}]}'),
+    "reason is an object": _chat('{"ranking": [{"product_id": "KID-witch", "reason": {"a": 1}}]}'),
+    # The replica's envelope has no text where the answer belongs.
+    "content is a number": _chat(42),
+    "content is an object": _chat({"ranking": []}),
+    "choices is a string": {"choices": "high"},
+    "a choice is a string": {"choices": ["high"]},
+}
+"""Answers with no usable ranking: the fallback goes out, degraded."""
+
+ODD_METADATA = {
+    "model is a number": _chat(_RANKING, model=7),
+    "usage is a string": _chat(_RANKING, usage="lots"),
+    "usage counts are words": _chat(_RANKING, usage={"prompt_tokens": "many"}),
+    "timings is a number": _chat(_RANKING, timings=3),
+}
+"""A usable ranking in an envelope with wrong-typed bookkeeping: the ranking may be used or not (the
+client decides whether such an answer is valid), but the answer is a 200 either way."""
+
+
+@asynccontextmanager
+async def _misbehaving_replica(answer: Any) -> AsyncIterator[str]:
+    """A replica that answers every chat call 200 with ``answer`` (and says it is healthy)."""
+
+    async def chat(request: web.Request) -> web.Response:
+        await request.read()
+        return web.json_response(answer)
+
+    async def healthy(request: web.Request) -> web.Response:
+        return web.json_response({"status": "ok"})
+
+    app = web.Application()
+    app.router.add_post("/v1/chat/completions", chat)
+    app.router.add_get("/health", healthy)
+    app.router.add_get("/v1/models", healthy)
+    runner = web.AppRunner(app, access_log=None)
+    await runner.setup()
+    port = free_port()
+    await web.TCPSite(runner, "127.0.0.1", port).start()
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        await runner.cleanup()
+
+
+@pytest.mark.parametrize(
+    ("answer", "usable"),
+    [*((a, False) for a in UNUSABLE.values()), *((a, True) for a in ODD_METADATA.values())],
+    ids=[*UNUSABLE, *ODD_METADATA],
+)
+async def test_wrong_typed_answers_get_the_fallback_not_a_500(
+    isolated: Isolated, redis_client: Any, answer: Any, usable: bool
+) -> None:
+    await _write_signals(isolated, redis_client)
+    async with _misbehaving_replica(answer) as url, _service(isolated, [url]) as client:
+        for _ in range(2):  # the second call also finds the service (and the replica) usable
+            response = await client.post(
+                "/v1/match", json={"shopper_id": "s1", "candidates": CANDIDATES, "deadline_ms": 2000}
+            )
+            assert response.status == 200, await response.text()
+            assert response.content_type == "application/json"
+            body = await response.json()
+            assert body["ranked"][0]["product_id"] == "KID-witch"
+            assert body["model"] is None or isinstance(body["model"], str)
+            if usable and not body["degraded"]:
+                assert body["ranked"][0] == {
+                    "product_id": "KID-witch", "rank": 1, "score": 1.0, "reason": "fits", "source": "llm"
+                }  # fmt: skip
+                continue
+            assert body["degraded"] is True, body
+            assert body["degraded_reason"] in ("invalid_answer", "llm_unavailable", "llm_error")
+            assert all(r["source"] == "fallback" for r in body["ranked"])
+        metrics = await (await client.get("/metrics")).text()
+        assert "realtime_requests_total" in metrics
+
+
+async def test_an_unexpected_error_is_a_json_500_without_a_traceback(
+    stack: StackState, isolated: Isolated
+) -> None:
+    app = create_app(
+        RealtimeSettings(),
+        llm_config=realtime_client_config(stack.llm_endpoints, stack.model),
+        sinks=isolated.sinks(),
+    )
+
+    async def broken(request: web.Request) -> web.Response:
+        raise TypeError("'int' object has no attribute 'find'")
+
+    app.router.add_get("/broken", broken)
+    async with TestClient(TestServer(app)) as client:
+        response = await client.get("/broken")
+        assert response.status == 500 and response.content_type == "application/json"
+        text = await response.text()
+        assert "Traceback" not in text and "find" not in text
+        assert (await response.json())["error"]["type"] == "internal_error"

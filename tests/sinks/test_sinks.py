@@ -79,8 +79,26 @@ async def test_errors_do_not_overwrite_signals_and_count_once(isolated: Isolated
         await sink.write([error("s2", 2)])
         await sink.write([error("s2", 2)])  # replayed
         assert (await sink.read("s2"))["summary"] == "good"
-        errors = await sink.redis.hgetall(f"{isolated.prefix}signal_errors:s2")
+        errors = await sink.redis.hgetall(f"{isolated.prefix}signal_errors:s2")  # type: ignore[misc]
         assert errors == {b"s2:2": b"DeadlineExceeded"}
+    finally:
+        await sink.close()
+
+
+async def test_error_records_expire_with_the_signals(isolated: Isolated) -> None:
+    """A shopper who goes quiet leaves no error hash behind: it gets the signals' TTL, in the same
+    script call as the write (no window in which the hash exists without an expiry)."""
+    settings = isolated.sinks().model_copy(update={"signal_ttl_s": 600})
+    sink = RedisSignalSink(settings)
+    try:
+        await sink.write([error("s3", 1)])
+        key = sink.keys.signal_errors("s3")
+        assert 0 < await sink.redis.ttl(key) <= 600
+        await sink.redis.expire(key, 5)
+        await sink.write([error("s3", 2), insight("s3", 3)])  # a later error renews it, as signals do
+        assert 5 < await sink.redis.ttl(key) <= 600
+        assert await sink.redis.hlen(key) == 2  # type: ignore[misc]
+        assert sink.errors_counted == 2
     finally:
         await sink.close()
 
@@ -103,7 +121,11 @@ def s3_objects(isolated: Isolated) -> dict[str, list[dict[str, object]]]:
 async def test_s3_batches_are_partitioned_and_retried_flushes_overwrite(isolated: Isolated) -> None:
     sink = S3InsightSink(isolated.sinks())
     await sink.ensure_bucket()
-    batch = [insight("a", 1), insight("b", 1, ts=1_761_800_000.0 + 3600), error("c", 1)]
+    batch: list[ShopperInsight | EnrichmentError] = [
+        insight("a", 1),
+        insight("b", 1, ts=1_761_800_000.0 + 3600),
+        error("c", 1),
+    ]
     try:
         await sink.write(batch)
         assert sink.buffered == 3

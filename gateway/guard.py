@@ -1,0 +1,102 @@
+"""The HTTP guard in front of the proxied routes: caller API key, then body size.
+
+Cheapest refusal first, and never reading a body it will refuse:
+
+1. **API key** (401, ``WWW-Authenticate: Bearer``), when ``GatewaySettings.api_key`` is set: the caller
+   sends ``Authorization: Bearer <key>``, as every OpenAI SDK does with its ``api_key``. The presented and
+   the configured key are compared as SHA-256 digests with ``hmac.compare_digest``: constant time, and
+   the comparison does not even leak the key's length. The caller's key is never forwarded (replicas
+   get the gateway's own, ``LLM_SECURITY__API_KEY``).
+2. **Body size** (413): a declared ``Content-Length`` over ``max_body_bytes`` is refused before anything
+   is read; a chunked body is cut at the same limit by aiohttp's ``client_max_size`` while it is read,
+   and that refusal is turned into the same JSON 413 here.
+
+Paths in ``GatewaySettings.public_paths`` (``/health``, ``/metrics``) pass untouched. Every refusal is an
+OpenAI-style error body (``{"error": {"message", "type", "param", "code"}}``).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+from collections.abc import Awaitable, Callable, Mapping
+
+import orjson
+from aiohttp import web
+from aiohttp.typedefs import Middleware
+from pydantic import SecretStr
+
+from gateway.config import GatewaySettings
+from gateway.metrics import GatewayMetrics
+
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+BEARER = "bearer "
+
+
+class BearerKeyCheck:
+    """Accepts ``Authorization: Bearer <key>`` for the one configured key; keeps only its digest."""
+
+    def __init__(self, key: SecretStr | None) -> None:
+        self._digest = None if key is None else _digest(key.get_secret_value())
+
+    @property
+    def required(self) -> bool:
+        return self._digest is not None
+
+    def accepts(self, authorization: str | None) -> bool:
+        if self._digest is None:
+            return True
+        if not authorization or authorization[: len(BEARER)].lower() != BEARER:
+            return False
+        return hmac.compare_digest(_digest(authorization[len(BEARER) :].strip()), self._digest)
+
+
+def _digest(key: str) -> bytes:
+    return hashlib.sha256(key.encode("utf-8", "surrogatepass")).digest()
+
+
+def error_response(
+    status: int, message: str, kind: str, headers: Mapping[str, str] | None = None
+) -> web.Response:
+    """The gateway's own error, shaped as OpenAI's."""
+    body = {"error": {"message": message, "type": kind, "param": None, "code": status}}
+    return web.Response(
+        body=orjson.dumps(body), status=status, content_type="application/json", headers=headers
+    )
+
+
+def caller_guard(settings: GatewaySettings, metrics: GatewayMetrics) -> Middleware:
+    """An aiohttp middleware applying ``settings``' API key and body-size limit."""
+    keys = BearerKeyCheck(settings.api_key)
+    public = frozenset(settings.public_paths)
+    limit = settings.max_body_bytes
+
+    def too_large(request: web.Request, size: str) -> web.Response:
+        metrics.requests.labels(request.path, "413").inc()
+        return error_response(
+            413,
+            f"the body is {size}; the limit is {limit} bytes (GATEWAY_MAX_BODY_BYTES)",
+            "payload_too_large",
+        )
+
+    @web.middleware
+    async def guard(request: web.Request, handler: Handler) -> web.StreamResponse:
+        if request.path in public:
+            return await handler(request)
+        if not keys.accepts(request.headers.get("Authorization")):
+            metrics.requests.labels(request.path, "401").inc()
+            return error_response(
+                401,
+                "a valid API key is required: send it as 'Authorization: Bearer <key>'",
+                "authentication_error",
+                headers={"WWW-Authenticate": 'Bearer realm="shopper-gateway"'},
+            )
+        if request.content_length is not None and request.content_length > limit:
+            return too_large(request, f"{request.content_length} bytes")
+        try:
+            return await handler(request)
+        except web.HTTPRequestEntityTooLarge:
+            return too_large(request, f"over {limit} bytes")
+
+    return guard
