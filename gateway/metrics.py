@@ -72,7 +72,7 @@ class ClientCollector(Collector):
         yield retries
         routable = GaugeMetricFamily(
             "gateway_replica_routable",
-            "1 when the replica takes traffic (healthy, not drained)",
+            "1 when the replica takes traffic (healthy, not drained, not quarantined)",
             labels=["replica"],
         )
         outstanding = GaugeMetricFamily(
@@ -81,6 +81,16 @@ class ClientCollector(Collector):
         served = CounterMetricFamily("gateway_replica_served", "Attempts answered", labels=["replica"])
         failed = CounterMetricFamily("gateway_replica_failed", "Attempts failed", labels=["replica"])
         ejections = CounterMetricFamily("gateway_replica_ejections", "Times ejected", labels=["replica"])
+        state = GaugeMetricFamily(
+            "gateway_replica_state",
+            "1 for the replica's routing state: routable, ejected, drained, quarantined_<kind> (bad answers)",
+            labels=["replica", "state"],
+        )
+        invalid = CounterMetricFamily(
+            "gateway_replica_invalid_answers",
+            "Answers that were no usable answer (too_large, wrong_shape, ...), by kind",
+            labels=["replica", "kind"],
+        )
         for endpoint in client.endpoints:
             label = [endpoint.name]
             routable.add_metric(label, 1.0 if endpoint.routable else 0.0)
@@ -88,7 +98,10 @@ class ClientCollector(Collector):
             served.add_metric(label, endpoint.served)
             failed.add_metric(label, endpoint.failed)
             ejections.add_metric(label, endpoint.ejections)
-        yield from (routable, outstanding, served, failed, ejections)
+            state.add_metric([endpoint.name, endpoint.routing_state], 1.0)
+            for kind, count in sorted(endpoint.invalid_answers.items()):
+                invalid.add_metric([endpoint.name, kind], float(count))
+        yield from (routable, outstanding, served, failed, ejections, state, invalid)
         yield from _policy_counters(client)
 
 
