@@ -351,6 +351,8 @@ class LLMClient:
             endpoint.outstanding -= 1
             prefill_done(computed=answered)  # a no-op for the policy if the first token was reported
             endpoint.outstanding_decode_tokens -= route.max_tokens
+            if isinstance(self.policy, PrefillObserver):
+                self.policy.attempt_over(route, endpoint)
         self.answer_health.observe(endpoint, self.endpoints, None)
         endpoint.record_success(completion.latency_ms, completion.ttft_ms)
         self.degradation.observe_success(
@@ -492,6 +494,9 @@ class LLMClient:
             max_bytes=self.config.answer_limits.max_answer_bytes,
         )
         forwarded.on_prefill_done = self._prefill_reporter(route, endpoint)
+        if isinstance(self.policy, PrefillObserver):
+            observer = self.policy
+            forwarded.on_release = lambda: observer.attempt_over(route, endpoint)
         forwarded.hold()
         timeout = aiohttp.ClientTimeout(
             total=self.config.timeouts.attempt_s, sock_connect=self.config.timeouts.connect_s

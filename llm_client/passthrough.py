@@ -90,6 +90,8 @@ class Forwarded:
     on_prefill_done: Callable[[bool], None] | None = None
     """Told once: ``True`` at the first byte of the answer (the replica's iteration holding this prefill
     is over), ``False`` if the attempt ends without one (nothing known computed)."""
+    on_release: Callable[[], None] | None = None
+    """Told once, when the attempt is over (``release``)."""
     first_byte_ms: float | None = None
     finished_ms: float | None = None
     """Set when the body was read to its end (``None``: the caller stopped early or it broke off)."""
@@ -116,6 +118,8 @@ class Forwarded:
         self.endpoint.outstanding -= 1
         self._prefill_done(computed=False)  # a no-op if the first byte came
         self.endpoint.outstanding_decode_tokens -= self.route_max_tokens
+        if self.on_release is not None:
+            self.on_release()
         if self.response is not None:
             if self.finished_ms is None:
                 self.response.close()

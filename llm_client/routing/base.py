@@ -104,6 +104,12 @@ class PrefillObserver(Protocol):
         nothing is known to be computed, and no iteration is known to have ended."""
         ...
 
+    def attempt_over(self, request: RouteRequest, endpoint: Endpoint) -> None:
+        """The attempt on ``endpoint`` ended, whatever happened (answered, failed, cancelled by its
+        caller's deadline): what the policy counted for it while in flight is released. Called once
+        per attempt, after any ``observe``."""
+        ...
+
 
 class StatelessPolicy:
     """Base for policies that keep no per-replica knowledge."""

@@ -71,6 +71,8 @@ _HASHES = "prefix_aware.hashes"
 _EXPECTED = "prefix_aware.expected_cached"
 _HIT = "prefix_aware.expected_hit"
 _PREFILLING = "prefix_aware.prefilling"
+_IN_FLIGHT = "prefix_aware.key_inflight"
+"""Replicas whose ``_key_inflight`` count this request holds, one entry per attempt."""
 """Replicas this request was routed to whose prefill has not been reported done."""
 _INDEXED = "prefix_aware.indexed"
 """What the replica's index held of the prompt when it was routed (before the co-batching discount)."""
@@ -303,8 +305,9 @@ class PrefixAwarePolicy:
         self._indexes: dict[str, ReplicaBlockIndex] = {}
         self._cursors: dict[str, _EventCursor] = {}
         self._key_inflight: dict[tuple[str, str], int] = {}
-        """Attempts in flight per (shopper, replica): routed and not yet observed. An attempt cancelled by
-        its caller's deadline is never observed and stays counted; rare, and bounded by the keys."""
+        """Attempts in flight per (shopper, replica): routed, and neither observed nor over
+        (``attempt_over``, which the client calls at the end of every attempt, a cancelled one too), so
+        the map holds only what is in flight, even for the gateway's one-off anonymous keys."""
         self._queued = QueuedPrefills(settings.cobatch_window_s, clock)
         """Attempts per (key, replica) whose prefill is not over (``prefill_done`` not called yet), and
         which of them are likely still queued (not admitted into an iteration): the co-batching rule."""
@@ -428,6 +431,8 @@ class PrefixAwarePolicy:
         self.index(chosen).insert(self.block_hashes(request))
         slot = (request.key, chosen.name)
         self._key_inflight[slot] = self._key_inflight.get(slot, 0) + 1
+        counted: list[str] = request.memo.setdefault(_IN_FLIGHT, [])  # type: ignore[assignment]
+        counted.append(chosen.name)
         if chosen.name in pending:
             sibling: dict[str, int] = request.memo.setdefault(_SIBLING, {})  # type: ignore[assignment]
             sibling[chosen.name] = cached[chosen.name] if cached[chosen.name] >= floor else 0
@@ -455,6 +460,14 @@ class PrefixAwarePolicy:
         prefilling.discard(endpoint.name)
         self._queued.finished(request.key, endpoint.name, request, computed=computed)
 
+    def attempt_over(self, request: RouteRequest, endpoint: Endpoint) -> None:
+        """The attempt on ``endpoint`` ended, however (idempotent after ``observe``): it leaves the key's
+        in-flight count."""
+        counted = request.memo.get(_IN_FLIGHT)
+        if isinstance(counted, list) and endpoint.name in counted:
+            counted.remove(endpoint.name)
+            _release(self._key_inflight, (request.key, endpoint.name))
+
     def estimate_uncached_tokens(self, request: RouteRequest, endpoint: Endpoint) -> int:
         expected = request.memo.get(_EXPECTED)
         if isinstance(expected, dict) and endpoint.name in expected:
@@ -463,7 +476,7 @@ class PrefixAwarePolicy:
 
     def observe(self, request: RouteRequest, endpoint: Endpoint, outcome: RouteOutcome) -> Feedback:
         self._prefill_over(request, endpoint, computed=outcome.ok)
-        _release(self._key_inflight, (request.key, endpoint.name))
+        self.attempt_over(request, endpoint)
         expected_map = request.memo.get(_EXPECTED)
         expected = int(expected_map.get(endpoint.name, 0)) if isinstance(expected_map, dict) else 0
         hashes = self.block_hashes(request)

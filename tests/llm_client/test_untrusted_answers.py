@@ -19,13 +19,13 @@ from llm_client import ClientConfig, LLMClient
 from llm_client.answer_health import AnswerHealthSettings
 from llm_client.config import HealthSettings, RetrySettings, Timeouts
 from llm_client.errors import AnswerTooLarge, DeadlineExceeded, InvalidAnswer, LLMError
+from llm_client.routing.prefix_aware import PrefixAwarePolicy
 from pipeline.enrichment import Enricher, parse_understanding
 from prompt_assembly.errors import ConfigurationError
-from prompt_assembly.records import ShopperInsight
+from prompt_assembly.processor import SessionProcessor
+from prompt_assembly.records import PromptRequest, ShopperInsight
 from serving.simulator.bad_answers import BAD_ANSWERS, BadAnswer
 from serving.simulator.testing import running_simulator
-from prompt_assembly.processor import SessionProcessor
-from prompt_assembly.records import PromptRequest
 from tests.prompt_assembly.test_sessions import event
 
 MESSAGES = [{"role": "user", "content": "Describe shopper s1: viewed hats, added a witch hat to the cart."}]
@@ -192,3 +192,16 @@ def test_an_unusable_endpoint_list_fails_when_the_settings_are_read(endpoints: l
 
 def test_the_default_policy_is_the_measured_best() -> None:
     assert ClientConfig(endpoints=["http://127.0.0.1:1"]).policy == "prefix_aware"
+
+
+async def test_attempts_cancelled_by_their_deadline_leave_no_per_key_state() -> None:
+    """The gateway makes a new anonymous key per request: an attempt its caller's deadline cancelled was
+    never observed, so prefix_aware's per-key in-flight map kept an entry per such key for good."""
+    async with stalling_replica() as url, LLMClient(config(url, stream=False)) as client:
+        for i in range(20):
+            with pytest.raises(DeadlineExceeded):
+                await client.chat(MESSAGES, routing_key=f"anonymous-{i}", max_tokens=5, deadline_s=0.05)
+        policy = client.policy
+        assert isinstance(policy, PrefixAwarePolicy)
+        assert policy._key_inflight == {}
+        assert client.endpoints[0].outstanding == 0
