@@ -23,6 +23,7 @@ from pydantic import BaseModel, Field
 
 from batch.records import BadRecord, ProductRecord
 from batch.understanding import ProductUnderstanding
+from prompt_assembly.errors import ConfigurationError
 from prompt_assembly.tokens import count_tokens, messages_text, tokenize
 
 ChatMessages = list[dict[str, str]]
@@ -178,7 +179,7 @@ def split_text(text: str, max_tokens: int) -> list[str]:
     of the part, else at the token limit.
     """
     if max_tokens < 1:
-        raise ValueError("max_tokens must be positive")
+        raise ConfigurationError("max_tokens must be positive")
     tokens = tokenize(text)
     if len(tokens) <= max_tokens:
         return [text]

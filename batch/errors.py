@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+from prompt_assembly.errors import ShopperError
 
-class BatchError(Exception):
+
+class BatchError(ShopperError):
     """Base class of every error the batch package raises on purpose."""
 
 

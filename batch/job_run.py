@@ -36,8 +36,8 @@ from batch.records import BadRecord, ErrorReason, error_row, output_row, parse_l
 from batch.scheduler import JobDemand
 from batch.signals import ProductSignalWriter
 from batch.storage import JobStore, S3Uri
-from batch.understanding import parse_product_understanding, product_response_format
-from llm_client.errors import LLMError
+from batch.understanding import ProductUnderstanding, parse_product_understanding, product_response_format
+from llm_client.errors import InvalidAnswer, LLMError
 from llm_client.models import Completion
 from sinks.keys import RedisKeys
 
@@ -254,7 +254,12 @@ class JobRun:
                 max_tokens=self.settings.budget.max_output_tokens,
                 response_format=self._response_format,
                 deadline_s=self.settings.call_deadline_s,
+                validate=parse_product_understanding,
             )
+        except InvalidAnswer as exc:  # tried once more on another replica already, by the client
+            self.pool.observe(loop.time() - started)
+            self._on_failure(call, "invalid_answer", str(exc), retry=False)
+            return
         except LLMError as exc:
             self.pool.observe(None)
             self._on_failure(call, "llm_failed", f"{type(exc).__name__}: {exc}")
@@ -269,11 +274,8 @@ class JobRun:
             return
         work.usage.add(completion.prompt_tokens, completion.cached_tokens, completion.completion_tokens)
         work.model = completion.model
-        try:
-            answer = parse_product_understanding(completion.text)
-        except ValueError as exc:
-            self._on_failure(call, "invalid_answer", str(exc), retry=False)
-            return
+        answer = completion.parsed
+        assert isinstance(answer, ProductUnderstanding)  # what parse_product_understanding returns
         follow_up = work.on_answer(call, answer)
         if follow_up:
             # Finish started records first: their shards close sooner, so a kill loses less.

@@ -20,6 +20,7 @@ from typing import Annotated, Any, Final, Literal
 import orjson
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from batch.errors import BatchError
 from batch.understanding import ProductUnderstanding
 
 PRODUCT_UNDERSTANDING_URL: Final = "/v1/product-understanding"
@@ -27,7 +28,7 @@ PRODUCT_UNDERSTANDING_URL: Final = "/v1/product-understanding"
 ErrorReason = Literal["unparseable", "invalid", "empty", "oversized", "llm_failed", "invalid_answer"]
 
 
-class BadRecord(Exception):
+class BadRecord(BatchError):
     """A line that cannot be processed; ``reason`` is one of ``ErrorReason``."""
 
     def __init__(self, reason: ErrorReason, message: str, custom_id: str | None = None) -> None:

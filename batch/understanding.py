@@ -13,6 +13,8 @@ from typing import Annotated, Any, Literal
 import orjson
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from llm_client.errors import InvalidAnswer
+
 PriceTier = Literal["budget", "mid", "premium"]
 
 
@@ -55,13 +57,15 @@ def product_response_format() -> dict[str, Any]:
 def parse_product_understanding(text: str) -> ProductUnderstanding:
     """Validate a model answer (a fenced code block around the JSON is tolerated).
 
-    Raises ``ValueError`` with the reason, which the job records for the product.
+    Raises ``InvalidAnswer`` (kind ``schema``) with the reason, which the job records for the product;
+    the client calls it on every answer (``validate=``), so a bad one is tried once more elsewhere.
     """
     body = text.strip()
     start, end = body.find("{"), body.rfind("}")
     if start < 0 or end <= start:
-        raise ValueError(f"answer holds no JSON object: {text[:120]!r}")
+        raise InvalidAnswer(f"answer holds no JSON object: {text[:120]!r}", kind="schema", raw=text)
     try:
         return ProductUnderstanding.model_validate(orjson.loads(body[start : end + 1]))
     except (orjson.JSONDecodeError, ValidationError) as exc:
-        raise ValueError(f"answer is not a valid ProductUnderstanding: {exc}") from None
+        message = f"answer is not a valid ProductUnderstanding: {exc}"
+        raise InvalidAnswer(message, kind="schema", raw=text) from None

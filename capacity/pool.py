@@ -23,6 +23,7 @@ import orjson
 import redis.asyncio as aioredis
 
 from capacity.background import BackgroundLoop, every
+from prompt_assembly.errors import ConfigurationError
 from sinks.keys import RedisKeys
 
 log = logging.getLogger(__name__)
@@ -55,7 +56,7 @@ class SharedPool:
 
     def __init__(self, name: str, replicas: Sequence[str]) -> None:
         if not replicas:
-            raise ValueError("a pool needs at least one replica")
+            raise ConfigurationError("a pool needs at least one replica")
         self.name = name
         self.replicas = tuple(u.rstrip("/") for u in replicas)
 

@@ -25,12 +25,14 @@ from pathlib import Path
 from typing import Any
 
 import yaml
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, Field, ValidationError
 
+from devstack.errors import FlinkJobFailed
 from devstack.processes import ManagedProcess, alive, free_port, spawn, stop, wait_for_http
-from devstack.stack import StackState, sink_settings
-from flink_jobs.flink_config import CheckpointSettings, KafkaSettings, NearRealtimeSettings
+from devstack.stack import StackState, sink_settings, write_private
+from flink_jobs.flink_config import CheckpointSettings, NearRealtimeSettings
 from llm_client.config import ClientConfig
+from pipeline.kafka_security import configuration_error
 
 JOB_FILE = Path(__file__).resolve().parents[1] / "flink_jobs" / "near_realtime.py"
 JOB_ID = re.compile(r"JobID ([0-9a-f]{32})")
@@ -295,9 +297,11 @@ def cluster_status(state_dir: Path) -> dict[str, object]:
 # ---- jobs ------------------------------------------------------------------------------------------
 def job_settings(stack: StackState, state_dir: Path, **overrides: Any) -> NearRealtimeSettings:
     """The job's settings from the stack's addresses (Kafka, Redis, S3, LLM endpoints); checkpoints
-    and savepoints under the stack's state dir. ``overrides`` are ``NearRealtimeSettings`` fields."""
+    and savepoints under the stack's state dir. ``overrides`` are ``NearRealtimeSettings`` fields.
+    The Kafka address goes in as a dict, so the rest of ``FLINK_JOB_KAFKA__*`` (TLS/SASL included)
+    is merged in from the environment rather than replaced by defaults."""
     data: dict[str, Any] = {
-        "kafka": KafkaSettings(bootstrap_servers=stack.kafka_bootstrap),
+        "kafka": {"bootstrap_servers": stack.kafka_bootstrap},
         "checkpoint": CheckpointSettings(
             interval_ms=3_000, directory=(cluster_dir(state_dir).resolve() / "checkpoints").as_uri()
         ),
@@ -306,7 +310,10 @@ def job_settings(stack: StackState, state_dir: Path, **overrides: Any) -> NearRe
         "python_executable": sys.executable,
     }
     data.update(overrides)
-    return NearRealtimeSettings(**data)
+    try:
+        return NearRealtimeSettings(**data)
+    except ValidationError as error:
+        raise configuration_error(error, "the Flink job's settings (FLINK_JOB_*, --config)") from None
 
 
 @dataclass(frozen=True)
@@ -330,10 +337,11 @@ def submit(
     job_args: tuple[str, ...] = (),
     timeout_s: float = 180.0,
 ) -> SubmittedJob:
-    """``flink run -d`` of the job with ``settings`` written to ``config_path`` (JSON); returns the
-    job id. ``savepoint`` resumes from that savepoint/checkpoint path."""
+    """``flink run -d`` of the job with ``settings`` written to ``config_path`` (JSON, secrets in
+    clear for the workers, so readable by its owner only); returns the job id. ``savepoint`` resumes
+    from that savepoint/checkpoint path."""
     config_path.parent.mkdir(parents=True, exist_ok=True)
-    config_path.write_text(settings.to_json())
+    write_private(config_path, settings.to_json())
     home = Path(state.flink_home)
     python = settings.python_executable or sys.executable
     argv = [str(home / "bin" / "flink"), "run", "-d"]
@@ -352,7 +360,7 @@ def submit(
     output = done.stdout + done.stderr
     match = JOB_ID.search(output)
     if done.returncode != 0 or match is None:
-        raise RuntimeError(f"flink run failed (exit {done.returncode}):\n{output[-4000:]}")
+        raise FlinkJobFailed(f"flink run failed (exit {done.returncode}):\n{output[-4000:]}")
     return SubmittedJob(match.group(1), state.web_url, str(config_path), output)
 
 
@@ -397,7 +405,7 @@ class FlinkRest:
             if state in states:
                 return state
             if state in {"FAILED", "CANCELED"} and state not in states:
-                raise RuntimeError(f"job {job_id} is {state}: {self.get(f'/jobs/{job_id}/exceptions')}")
+                raise FlinkJobFailed(f"job {job_id} is {state}: {self.get(f'/jobs/{job_id}/exceptions')}")
             time.sleep(0.5)
         raise TimeoutError(f"job {job_id} still {state} after {timeout_s} s (wanted {sorted(states)})")
 
@@ -407,7 +415,7 @@ class FlinkRest:
         while time.monotonic() < deadline:
             job = self.get(f"/jobs/{job_id}")
             if job["state"] in {"FAILED", "CANCELED", "FINISHED"}:
-                raise RuntimeError(f"job {job_id} is {job['state']}")
+                raise FlinkJobFailed(f"job {job_id} is {job['state']}")
             if job["state"] == "RUNNING" and all(v["status"] == "RUNNING" for v in job["vertices"]):
                 return
             time.sleep(0.5)
@@ -432,7 +440,7 @@ class FlinkRest:
             if status["status"]["id"] == "COMPLETED":
                 operation = status["operation"]
                 if "failure-cause" in operation:
-                    raise RuntimeError(f"stop-with-savepoint failed: {operation['failure-cause']}")
+                    raise FlinkJobFailed(f"stop-with-savepoint failed: {operation['failure-cause']}")
                 return str(operation["location"])
             time.sleep(0.5)
         raise TimeoutError(f"savepoint of {job_id} not done within {timeout_s} s")

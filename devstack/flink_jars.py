@@ -25,6 +25,7 @@ import tempfile
 import zipfile
 from pathlib import Path
 
+from devstack.errors import StackError
 from flink_jobs.flink_connectors import (
     CONNECTOR_WHEEL,
     CONNECTOR_WHEEL_SHA256,
@@ -35,7 +36,7 @@ from flink_jobs.flink_connectors import (
 WHEEL_MEMBER_DIR = "pyflink/lib/"
 
 
-class JarChecksumMismatch(RuntimeError):
+class JarChecksumMismatch(StackError):
     """A jar (or the wheel) does not have its pinned SHA-256."""
 
 
@@ -67,7 +68,7 @@ def download_wheel(dest: Path, *, python: str = sys.executable) -> Path:
     )
     wheels = sorted(dest.glob("*.whl"))
     if len(wheels) != 1:
-        raise RuntimeError(f"pip download left {len(wheels)} wheels in {dest}, expected one")
+        raise StackError(f"pip download left {len(wheels)} wheels in {dest}, expected one")
     return wheels[0]
 
 

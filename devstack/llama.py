@@ -31,6 +31,7 @@ from typing import Any
 
 import aiohttp
 
+from devstack.errors import StackError
 from devstack.processes import free_port
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -38,7 +39,7 @@ BUILD_SCRIPT = REPO_ROOT / "scripts" / "build-llama-server"
 MODEL_ALIAS = "gemma-3-270m"
 
 
-class LlamaServerError(RuntimeError):
+class LlamaServerError(StackError):
     """The binary could not be built or a server did not become healthy; the message says where to look."""
 
 

@@ -13,6 +13,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from devstack.errors import StackError
+
 
 @dataclass(frozen=True)
 class ManagedProcess:
@@ -58,11 +60,11 @@ def wait_for_port(process: ManagedProcess, timeout_s: float = 30.0) -> None:
         if port_open(process.port):
             return
         if not alive(process.pid):
-            raise RuntimeError(
+            raise StackError(
                 f"{process.name} exited during start-up; see {process.log}:\n{_tail(process.log)}"
             )
         time.sleep(0.05)
-    raise TimeoutError(f"{process.name} did not open port {process.port} in {timeout_s} s; see {process.log}")
+    raise StackError(f"{process.name} did not open port {process.port} in {timeout_s} s; see {process.log}")
 
 
 def wait_for_http(process: ManagedProcess, path: str = "/health", timeout_s: float = 60.0) -> None:
@@ -73,11 +75,11 @@ def wait_for_http(process: ManagedProcess, path: str = "/health", timeout_s: flo
             if response.status == 200:
                 return
         if not alive(process.pid):
-            raise RuntimeError(
+            raise StackError(
                 f"{process.name} exited during start-up; see {process.log}:\n{_tail(process.log)}"
             )
         time.sleep(0.1)
-    raise TimeoutError(f"{process.name} did not answer {url} in {timeout_s} s; see {process.log}")
+    raise StackError(f"{process.name} did not answer {url} in {timeout_s} s; see {process.log}")
 
 
 def alive(pid: int) -> bool:

@@ -22,13 +22,14 @@ import orjson
 from pydantic import BaseModel, ConfigDict, ValidationError
 
 from llm_client.routing import RouteRequest
+from prompt_assembly.errors import ShopperError
 from prompt_assembly.tokens import messages_text
 
 CHARS_PER_TOKEN = 4
 """The client's own prompt-size estimate (``LLMClient.chat``): load accounting, not billing."""
 
 
-class InvalidRequest(ValueError):
+class InvalidRequest(ShopperError, ValueError):
     """The body cannot be routed (not JSON, not an object, wrong field types): answered 400."""
 
     def __init__(self, message: str, param: str | None = None) -> None:

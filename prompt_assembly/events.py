@@ -24,6 +24,8 @@ import msgspec
 import orjson
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError, model_validator
 
+from prompt_assembly.errors import ShopperError
+
 SCHEMA_VERSION = 1
 MAX_EVENT_BYTES = 16_384
 """Events larger than this are rejected before parsing: a product snapshot is a few hundred bytes."""
@@ -78,7 +80,7 @@ class ShopperEvent(BaseModel):
         return orjson.dumps(self.model_dump(exclude_defaults=False))
 
 
-class MalformedEvent(ValueError):
+class MalformedEvent(ShopperError, ValueError):
     """Raised for input that cannot become a ``ShopperEvent``; ``reason`` is short and specific."""
 
     def __init__(self, reason: str) -> None:

@@ -17,12 +17,13 @@ from urllib.parse import urlsplit
 import aiohttp
 import orjson
 
+from prompt_assembly.errors import ConfigurationError, ShopperError
 from realtime.models import Candidate, ErrorResponse, MatchResponse
 
 CandidateLike = Candidate | str | dict[str, Any]
 
 
-class MatchClientError(Exception):
+class MatchClientError(ShopperError):
     """Base class of the client's errors."""
 
 
@@ -115,7 +116,7 @@ class SyncMatchClient:
     def __init__(self, base_url: str, *, default_deadline_ms: int = 300, slack_ms: int = 50) -> None:
         parts = urlsplit(base_url)
         if parts.scheme != "http" or not parts.hostname:
-            raise ValueError(f"{base_url!r}: expected http://host:port")
+            raise ConfigurationError(f"{base_url!r}: expected http://host:port")
         self.host, self.port = parts.hostname, parts.port or 80
         self.default_deadline_ms = default_deadline_ms
         self.slack_ms = slack_ms

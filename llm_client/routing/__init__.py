@@ -13,6 +13,7 @@ from llm_client.routing.least_outstanding import LeastOutstandingPolicy, LeastOu
 from llm_client.routing.prefix_aware import PrefixAwarePolicy, PrefixAwareSettings
 from llm_client.routing.round_robin import RoundRobinPolicy, RoundRobinSettings
 from llm_client.routing.session_affinity import SessionAffinityPolicy, SessionAffinitySettings
+from prompt_assembly.errors import ConfigurationError
 
 POLICIES: dict[str, type[Any]] = {
     cls.name: cls
@@ -35,7 +36,7 @@ def make_policy(policy: str | PolicySettings, **knobs: Any) -> RoutingPolicy:
     try:
         cls = POLICIES[name]
     except KeyError:
-        raise ValueError(f"unknown routing policy {name!r}; known: {sorted(POLICIES)}") from None
+        raise ConfigurationError(f"unknown routing policy {name!r}; known: {sorted(POLICIES)}") from None
     base = {"policy": name} if isinstance(policy, str) else policy.model_dump()
     settings = cls.settings_type.model_validate({**base, **knobs})
     built: RoutingPolicy = cls(settings)

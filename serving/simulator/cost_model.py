@@ -28,6 +28,8 @@ from collections import defaultdict
 from dataclasses import dataclass
 from pathlib import Path
 
+from prompt_assembly.errors import ConfigurationError
+
 H100_HBM_BYTES_PER_S = 3.35e12
 
 # KV bytes per token = 2 (K and V) x layers x KV heads x head dim x 2 bytes (bf16).
@@ -39,7 +41,7 @@ KV_BYTES_PER_TOKEN = {
 _DECODE_TABLE_KEY = re.compile(r"^decode_step_ms_ctx(\d+)$")
 
 
-class CalibrationError(ValueError):
+class CalibrationError(ConfigurationError):
     """The calibration file lacks the model or a table the cost model needs."""
 
 

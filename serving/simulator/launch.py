@@ -17,6 +17,8 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 from types import TracebackType
 
+from serving.errors import SimulatorStartFailed
+
 READY_TIMEOUT_S = 60.0
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
@@ -78,7 +80,7 @@ class SimulatorFleet:
             while True:
                 raw = await process.stdout.readline()
                 if not raw:
-                    raise RuntimeError(f"simulator exited with {await process.wait()} before READY")
+                    raise SimulatorStartFailed(f"simulator exited with {await process.wait()} before READY")
                 if url := _ready_url(raw.decode()):
                     self._drains.append(asyncio.create_task(_drain(process.stdout)))  # a full pipe blocks
                     return url
@@ -136,7 +138,7 @@ def _wait_ready_sync(proc: subprocess.Popen[str]) -> str:
         line = proc.stdout.readline()
         if not line:
             if proc.poll() is not None:
-                raise RuntimeError(f"simulator exited with {proc.returncode} before READY")
+                raise SimulatorStartFailed(f"simulator exited with {proc.returncode} before READY")
             continue
         if url := _ready_url(line):
             return url
