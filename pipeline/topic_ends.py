@@ -28,13 +28,21 @@ def end_offset(consumer: Consumer, partition: TopicPartition, timeout_s: float =
 def topic_lag(consumer: Consumer, topic: str, assignment: Iterable[TopicPartition]) -> int:
     """Records not yet processed in *any* partition of ``topic``: the consumer's own partitions
     (``assignment``) by its position, the others by the group's committed offset. A partition of its
-    own that it has not consumed from since it was assigned has no position yet and counts from 0, so
-    a partition fetched late is never taken for done. For partitions it does not fetch, only the
+    own that it has not consumed from since it was assigned has no position: it counts from 0 until a
+    fetch answer for it came (so a partition fetched late is never taken for done), and from the
+    group's committed offset after that (a partition another member finished yields no record, hence
+    never a position, and must not keep an until-drained runner waiting for good). For partitions it does not fetch, only the
     broker's ListOffsets is known (on Tansu, a batch's base offset + 1): a member that died keeping
     its partitions counts while it has committed nothing of them, and the whole topic being done is
     what "drained" means."""
     metadata = consumer.list_topics(topic, timeout=5).topics[topic]
     everything = [TopicPartition(topic, p) for p in metadata.partitions]
     done = {tp.partition: tp.offset for tp in consumer.committed(everything, timeout=5)}
-    done.update({tp.partition: tp.offset for tp in consumer.position(list(assignment))})
+    for own in consumer.position(list(assignment)):
+        if own.offset >= 0:
+            done[own.partition] = own.offset
+        elif consumer.get_watermark_offsets(own, cached=True)[1] < 0:
+            done[own.partition] = 0  # not fetched since it was assigned: nothing is known done
+        # else fetched, and nothing consumed: the group's committed offset stands (records fetched
+        # but not yet consumed are above it, so they still count)
     return sum(max(0, end_offset(consumer, tp) - max(done.get(tp.partition, 0), 0)) for tp in everything)
