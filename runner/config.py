@@ -56,6 +56,13 @@ class RunnerSettings(BaseSettings):
         description="a rebalance waits this long for in-flight results before handing partitions over "
         "uncommitted (the next owner replays them; sinks are idempotent)",
     )
+    unknown_topic_grace_s: float = Field(
+        30.0,
+        gt=0,
+        description="a subscribed topic the broker still does not know this long after the consumer "
+        "first reported it unknown stops the runner (runner.errors.ConsumerFailed); librdkafka can "
+        "report a topic created moments before as unknown until its metadata reaches the client",
+    )
     dlq_max_original_bytes: int = Field(
         DEFAULT_MAX_ORIGINAL_BYTES, ge=0, description="a dead letter keeps at most this much of the original"
     )

@@ -1,7 +1,8 @@
 """Dead letters onto the DLQ topic, so that no record a producer sends can stop the stream.
 
 The record itself is bounded (``pipeline.dead_letter``). Producing it can still fail: the local queue
-is full (``BufferError``: wait for deliveries, try again), or the DLQ refuses it (a topic or broker with
+is full (``BufferError``: wait for deliveries, try again, ``QUEUE_FULL_RETRIES`` times
+``QUEUE_FULL_WAIT_S`` apart), or the DLQ refuses it (a topic or broker with
 a smaller ``max.message.bytes``, or this producer's own ``message.max.bytes``: send the minimal record,
 without the original, which the hash and the source position still identify). A dead letter that cannot
 be delivered even so is counted and reported — ``undelivered`` in the progress line, the totals and the
@@ -12,13 +13,21 @@ The counts live in a ``DeadLetterCounts`` the runner owns (``RunnerStats.dead_le
 outlive the publisher (and its librdkafka handle) and reach the final totals. Reasons are counted by
 ``reason_category``: a small fixed set, safe as a metric label whatever a producer sends.
 
-Delivery reports arrive on whichever thread polls or flushes the producer; the counters are plain ints
-(one writer at a time: a report, or the event loop between awaits).
+``publish`` is a coroutine on the runner's event loop, and a full queue must never block that loop (the
+runner's commits, timers, prompts and rebalance hand-overs all run on it): it polls without waiting and
+sleeps with ``asyncio.sleep`` between attempts. ``flush`` blocks, and is called off the loop
+(``asyncio.to_thread``). Delivery reports arrive on whichever thread polls or flushes the producer, inside
+librdkafka's poll, where no waiting is allowed: a record the DLQ refused in a report is not sent again
+from there but put aside (``_deferred``) and sent by the next ``publish`` or ``flush``, and ``flush``
+counts it as still queued until then, so offsets are never committed past it. The counters are plain
+ints (one writer at a time: a report, or the event loop between awaits).
 """
 
 from __future__ import annotations
 
-from collections import Counter
+import asyncio
+import time
+from collections import Counter, deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Literal
@@ -28,6 +37,9 @@ from confluent_kafka import KafkaError, KafkaException, Message, Producer
 from pipeline.dead_letter import DEFAULT_MAX_ORIGINAL_BYTES, DeadLetter, dead_letter, minimal_dead_letter
 
 QUEUE_FULL_RETRIES = 50
+QUEUE_FULL_WAIT_S = 0.1
+"""With the retries: a dead letter waits up to 5 s for room in a full producer queue, then is counted
+undelivered. librdkafka frees room as deliveries complete (``linger.ms`` plus a round trip)."""
 TOO_LARGE = frozenset({KafkaError.MSG_SIZE_TOO_LARGE, KafkaError.INVALID_MSG_SIZE})
 
 ReasonCategory = Literal["empty", "too_large", "invalid_json", "schema"]
@@ -67,12 +79,18 @@ class DeadLetterPublisher:
         *,
         max_original_bytes: int = DEFAULT_MAX_ORIGINAL_BYTES,
         counts: DeadLetterCounts | None = None,
+        queue_full_retries: int = QUEUE_FULL_RETRIES,
+        queue_full_wait_s: float = QUEUE_FULL_WAIT_S,
     ) -> None:
         self.producer = producer
         self.topic = topic
         self.log = log
         self.max_original_bytes = max_original_bytes
         self.counts = counts if counts is not None else DeadLetterCounts()
+        self.queue_full_retries = queue_full_retries
+        self.queue_full_wait_s = queue_full_wait_s
+        self._deferred: deque[tuple[DeadLetter, bytes | str | None]] = deque()
+        """Minimal records to send instead of ones the DLQ refused in a delivery report."""
 
     @property
     def delivered(self) -> int:
@@ -86,10 +104,10 @@ class DeadLetterPublisher:
     def undelivered(self) -> int:
         return self.counts.undelivered
 
-    def publish(self, message: Message, reason: str) -> DeadLetter:
+    async def publish(self, message: Message, reason: str) -> DeadLetter:
         """Queue the dead letter of a consumed ``message``; returns it (for logs and tests)."""
         timestamp_type, timestamp_ms = message.timestamp()
-        return self.publish_value(
+        return await self.publish_value(
             message.value(),
             reason,
             topic=message.topic(),
@@ -99,7 +117,7 @@ class DeadLetterPublisher:
             key=message.key(),
         )
 
-    def publish_value(
+    async def publish_value(
         self,
         value: bytes | None,
         reason: str,
@@ -110,7 +128,8 @@ class DeadLetterPublisher:
         timestamp_ms: int | None = None,
         key: bytes | str | None = None,
     ) -> DeadLetter:
-        """Queue the dead letter of a rejected value found at (topic, partition, offset); never raises."""
+        """Queue the dead letter of a rejected value found at (topic, partition, offset); never raises.
+        Returns once it is queued (or counted undelivered), without blocking the event loop."""
         letter = dead_letter(
             value,
             reason,
@@ -121,24 +140,49 @@ class DeadLetterPublisher:
             max_original_bytes=self.max_original_bytes,
         )
         self.counts.by_reason[reason_category(reason)] += 1
-        self._produce(letter, key)
+        await self._send(letter, key)
+        while (deferred := self._take_deferred()) is not None:
+            await self._send(*deferred)
         return letter
 
-    def _produce(self, letter: DeadLetter, key: bytes | str | None) -> None:
-        value = letter.to_bytes()
-        for _ in range(QUEUE_FULL_RETRIES):
-            try:
-                self.producer.produce(
-                    self.topic, key=key, value=value, on_delivery=self._on_delivery(letter, key)
-                )
-                self.counts.queued += 1
+    async def _send(self, letter: DeadLetter, key: bytes | str | None) -> None:
+        """Queue ``letter``; while the local queue is full, serve delivery reports (they make room)
+        and sleep on the loop, never in librdkafka."""
+        for _ in range(self.queue_full_retries):
+            if self._try_produce(letter, key):
                 return
-            except BufferError:
-                self.producer.poll(0.1)  # the local queue is full: let deliveries drain it
-            except KafkaException as exc:
-                self._refused(letter, key, exc.args[0] if exc.args else None)
-                return
+            self.producer.poll(0)
+            await asyncio.sleep(self.queue_full_wait_s)
         self._give_up(letter, "the producer queue stayed full")
+
+    def _send_blocking(self, letter: DeadLetter, key: bytes | str | None) -> None:
+        """``_send`` for ``flush``, which runs off the event loop and may wait in librdkafka."""
+        for _ in range(self.queue_full_retries):
+            if self._try_produce(letter, key):
+                return
+            self.producer.poll(self.queue_full_wait_s)
+        self._give_up(letter, "the producer queue stayed full")
+
+    def _try_produce(self, letter: DeadLetter, key: bytes | str | None) -> bool:
+        """One attempt that never waits: False if the local queue is full, True once the letter is
+        queued or handled otherwise (refused: sent minimal, or counted undelivered)."""
+        try:
+            self.producer.produce(
+                self.topic, key=key, value=letter.to_bytes(), on_delivery=self._on_delivery(letter, key)
+            )
+        except BufferError:
+            return False
+        except KafkaException as exc:
+            self._refused(letter, key, exc.args[0] if exc.args else None)
+            return True
+        self.counts.queued += 1
+        return True
+
+    def _take_deferred(self) -> tuple[DeadLetter, bytes | str | None] | None:
+        try:
+            return self._deferred.popleft()  # atomic: a report on the flush thread may add meanwhile
+        except IndexError:
+            return None
 
     def _on_delivery(
         self, letter: DeadLetter, key: bytes | str | None
@@ -155,9 +199,8 @@ class DeadLetterPublisher:
         too_large = isinstance(error, KafkaError) and error.code() in TOO_LARGE
         if too_large and letter.original is not None:
             self.counts.shrunk += 1
-            self._produce(
-                minimal_dead_letter(letter, "original dropped: the DLQ refused the record's size"), key
-            )
+            minimal = minimal_dead_letter(letter, "original dropped: the DLQ refused the record's size")
+            self._deferred.append((minimal, key))  # sent by the caller: this may be a delivery report
             return
         self._give_up(letter, str(error))
 
@@ -169,6 +212,13 @@ class DeadLetterPublisher:
         )
 
     def flush(self, timeout_s: float) -> int:
-        """Wait up to ``timeout_s`` for every queued dead letter's delivery report; returns how many
-        are still in the producer's queue."""
-        return int(self.producer.flush(timeout_s))
+        """Wait up to ``timeout_s`` for every queued dead letter's delivery report, sending the minimal
+        records of those the DLQ refused meanwhile; returns how many are not delivered or counted yet
+        (in the producer's queue, or put aside to be sent). Blocks: call it off the event loop."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            while (deferred := self._take_deferred()) is not None:
+                self._send_blocking(*deferred)
+            remaining = int(self.producer.flush(max(0.0, deadline - time.monotonic())))
+            if not self._deferred or time.monotonic() >= deadline:
+                return remaining + len(self._deferred)

@@ -19,7 +19,12 @@ Processing guarantees:
   keeps polling, so it stays in the group) and resumed at half that;
 - rebalance: revoked partitions are made durable and committed first, waiting at most
   ``revoke_timeout_s`` (past it they are handed over uncommitted and the next owner replays them);
-- SIGTERM drains: no new polls, in-flight prompts finish, one last durable point and commit.
+  the pending triggers of assigned partitions are re-armed from the store, never for a partition
+  revoked meanwhile;
+- SIGTERM drains: no new polls, in-flight prompts finish, one last durable point and commit;
+- a consumer error no retry can fix (a fatal error, a refused login or TLS handshake, a topic that
+  stays unknown past ``unknown_topic_grace_s``) stops the runner with ``runner.errors.ConsumerFailed``;
+  a broker that is away is waited for (``runner.consumer_errors``).
 """
 
 from __future__ import annotations
@@ -30,6 +35,7 @@ import contextlib
 import functools
 import signal
 import time
+from collections import deque
 from collections.abc import Awaitable, Callable
 from typing import TypeVar
 
@@ -46,8 +52,10 @@ from prompt_assembly.records import EnrichmentResult, PromptRequest, ShopperInsi
 from prompt_assembly.session import ShopperSession
 from runner.commits import commit_waiting_for_broker
 from runner.config import RunnerSettings
+from runner.consumer_errors import UNKNOWN_TOPIC, UnknownTopicWatch, classify, consumer_failed, topic_missing
 from runner.dead_letters import DeadLetterPublisher
 from runner.epochs import Epoch, EpochLog, merged_offsets
+from runner.errors import ConsumerFailed
 from runner.gc_tuning import streaming_gc
 from runner.logs import line_logger
 from runner.metrics import RunnerMetrics
@@ -74,7 +82,15 @@ class EmbeddedRunner:
         self._progress_line = ProgressLine(self.stats)
         self._sessions: dict[str, ShopperSession] = {}
         self._partition_of: dict[str, int] = {}
+        """The partition of each session in ``_sessions`` (and of no other): bounded with it."""
         self._tasks: set[asyncio.Task[None]] = set()
+        self._rearms: set[asyncio.Task[None]] = set()
+        self._generation = 0
+        """Counts assignments and revocations (written on the consumer thread): a re-arm started for
+        one assignment does nothing once it has changed."""
+        self._kafka_errors: deque[KafkaError] = deque()
+        """Errors librdkafka reported through ``error_cb`` (on the consumer thread), not yet looked at."""
+        self._unknown_topic = UnknownTopicWatch(settings.unknown_topic_grace_s)
         self._in_flight = 0
         self._paused = False
         self._stopping = asyncio.Event()
@@ -135,9 +151,9 @@ class EmbeddedRunner:
                     await self._ingest()
                 await self._drain()
             finally:
-                for worker in workers:
+                for worker in [*workers, *self._rearms]:
                     worker.cancel()
-                for worker in workers:
+                for worker in [*workers, *self._rearms]:
                     with contextlib.suppress(asyncio.CancelledError):
                         await worker
                 await asyncio.to_thread(self.consumer.close)
@@ -165,6 +181,8 @@ class EmbeddedRunner:
             "max.poll.interval.ms": max(60_000, s.kafka_session_timeout_ms),
             "enable.partition.eof": False,
             "log.connection.close": False,
+            "allow.auto.create.topics": False,  # a wrong topic name fails (ConsumerFailed), never creates one
+            "error_cb": self._kafka_errors.append,  # without it librdkafka's own errors reach no one
             **librdkafka_properties(s.kafka_security),
         }
 
@@ -204,27 +222,83 @@ class EmbeddedRunner:
         s = self.settings
         while not self._stopping.is_set():
             self._apply_backpressure()
-            messages = await asyncio.to_thread(self.consumer.consume, s.batch_max_events, s.poll_timeout_s)
+            try:
+                messages = await asyncio.to_thread(
+                    self.consumer.consume, s.batch_max_events, s.poll_timeout_s
+                )
+            except KafkaException as exc:  # consume raises only what it cannot go on from
+                error = exc.args[0] if exc.args else None
+                self._fail(self._consumer_failed(error) if isinstance(error, KafkaError) else exc)
+                return
+            records = self._records(messages)
+            if self._unknown_topic.due(time.monotonic()):
+                await self._recheck_topic()
             if self._failed is not None:
                 return
-            if messages:
+            if records:
+                self._unknown_topic.clear()
                 if self.stats.first_event_at is None:
                     self.stats.first_event_at = time.monotonic()
-                await self._process(messages)
+                await self._process(records)
                 self._last_message_at = self.stats.last_event_at = time.monotonic()
             elif s.until_drained and await self._caught_up():
                 return
+
+    def _records(self, messages: list[Message]) -> list[Message]:
+        """The records among ``messages``; every error among them, and every error librdkafka
+        reported through ``error_cb`` since the last poll, is classified (``runner.consumer_errors``):
+        one no retry can fix fails the runner, an unknown topic starts the grace period, the rest are
+        logged and waited out (librdkafka reconnects)."""
+        records = []
+        for message in messages:
+            error = message.error()
+            if error is None:
+                records.append(message)
+            else:
+                self._on_kafka_error(error)
+        while self._kafka_errors:
+            self._on_kafka_error(self._kafka_errors.popleft())
+        return records
+
+    def _on_kafka_error(self, error: KafkaError) -> None:
+        kind = classify(error)
+        if kind == "ignored":
+            return
+        if kind in ("fatal", "denied"):
+            self._fail(self._consumer_failed(error))
+            return
+        if kind == "unknown_topic":
+            self._unknown_topic.reported(time.monotonic())
+        self.log(f"kafka error: {error}")
+
+    def _consumer_failed(self, error: KafkaError) -> ConsumerFailed:
+        s = self.settings
+        return consumer_failed(error, topic=s.topic, group_id=s.group_id, bootstrap=s.bootstrap_servers)
+
+    async def _recheck_topic(self) -> None:
+        """The topic was reported unknown ``unknown_topic_grace_s`` ago: ask the broker again. Still
+        unknown: the runner fails; known now (its metadata was late): the watch ends. A broker that
+        does not answer is away, which is waited for: it is asked again after the next poll."""
+        topic = self.settings.topic
+        try:
+            metadata = await asyncio.to_thread(self.consumer.list_topics, topic, 5.0)
+        except KafkaException:
+            return
+        found = metadata.topics.get(topic)
+        error = None if found is None else found.error
+        if found is None or (error is not None and error.code() in UNKNOWN_TOPIC):
+            waited = self._unknown_topic.waited(time.monotonic())
+            self._fail(topic_missing(topic, self.settings.bootstrap_servers, waited))
+        elif error is not None and classify(error) in ("fatal", "denied"):
+            self._fail(self._consumer_failed(error))
+        else:
+            self._unknown_topic.clear()
 
     async def _process(self, messages: list[Message]) -> None:
         acct = self.stats.accounting
         epoch = Epoch()
         parsed = []
         for message in messages:
-            error = message.error()
-            if error is not None:
-                if error.code() != KafkaError._PARTITION_EOF:
-                    self.log(f"kafka error: {error}")
-                continue
             acct.consumed += 1
             topic, partition, offset = message.topic(), message.partition(), message.offset()
             assert topic is not None and partition is not None and offset is not None  # a real record
@@ -233,7 +307,7 @@ class EmbeddedRunner:
                 parsed.append((message, parse_event(message.value())))
             except MalformedEvent as exc:
                 acct.dead_lettered += 1
-                self.dead_letters.publish(message, exc.reason)
+                await self.dead_letters.publish(message, exc.reason)
         self.dead_letters.producer.poll(0)
         missing = list({ev.shopper_id for _, ev in parsed if ev.shopper_id not in self._sessions})
         if missing:
@@ -365,11 +439,45 @@ class EmbeddedRunner:
                 self._close_epoch(epoch, fired)
             await self.timers.wait()
 
-    async def _rearm(self, partitions: list[int]) -> None:
+    def _start_rearm(self, generation: int, partitions: list[int]) -> None:
+        """On the loop, for ``_on_assign``: re-arming runs in a task the runner keeps, so that its
+        failure fails the runner like any other worker's, and a revoke can cancel it."""
+        task = asyncio.create_task(self._rearm(generation, partitions), name=f"rearm {partitions}")
+        self._rearms.add(task)
+        task.add_done_callback(functools.partial(self._rearm_done, partitions))
+
+    def _rearm_done(self, partitions: list[int], task: asyncio.Task[None]) -> None:
+        self._rearms.discard(task)
+        if task.cancelled():
+            return
+        exc = task.exception()
+        if exc is not None:
+            self.log(f"re-arming the timers of partitions {partitions} failed: {exc!r}")
+            self._fail(exc)
+
+    def _cancel_rearms(self) -> None:
+        for task in self._rearms:
+            task.cancel()
+
+    async def _rearm(self, generation: int, partitions: list[int]) -> None:
+        """Arm the pending triggers the store holds for newly assigned ``partitions``. Each await can
+        span a rebalance; once the assignment this was started for has changed (``_generation``),
+        nothing more is armed or cached: the partitions' next owner re-arms them, and timers or sessions
+        held here would fire prompts and save sessions for partitions this member no longer owns."""
+
+        def revoked() -> bool:
+            return self._generation != generation
+
         for partition in partitions:
+            if revoked():
+                return
             timers = await self._retrying(functools.partial(self.store.timers, partition), "timer load")
+            if revoked():
+                return
             sids = [sid for sid, _ in timers if sid not in self._sessions]
             loaded = await self._retrying(functools.partial(self.store.load_many, sids), "session load")
+            if revoked():
+                return
             self._adopt(loaded)
             for sid, wall in timers:
                 session = self._sessions.get(sid)
@@ -441,14 +549,24 @@ class EmbeddedRunner:
                 raise RuntimeError(f"dead letters not delivered within {waited:.0f} s")
 
     def _evict(self) -> None:
+        """Bring the sessions held in memory down to ``session_cache_size``, the earliest loaded
+        first, with their ``_partition_of`` entries. A busy session stays: one whose delta is in an
+        epoch not yet durable, with unsaved changes, or with a pending trigger (its timer needs it).
+        Busy sessions are skipped, not stopped at, so the cache stays above the bound only when every
+        session left in it is busy."""
         excess = len(self._sessions) - self.settings.session_cache_size
         if excess <= 0:
             return
         busy = self.epochs.shoppers_in_flight()
-        for sid in list(self._sessions)[:excess]:
-            session = self._sessions[sid]
+        idle: list[str] = []
+        for sid, session in self._sessions.items():
             if sid not in busy and not session.dirty and session.pending is None:
-                del self._sessions[sid]
+                idle.append(sid)
+                if len(idle) == excess:
+                    break
+        for sid in idle:
+            del self._sessions[sid]
+            self._partition_of.pop(sid, None)
 
     async def _drain(self) -> None:
         """End of run: with ``until_drained`` fire every pending trigger first; then wait for all
@@ -471,8 +589,11 @@ class EmbeddedRunner:
     def _on_assign(self, consumer: Consumer, partitions: list[TopicPartition]) -> None:
         self.log(f"rebalance: assigned partitions {sorted(tp.partition for tp in partitions)}")
         self._assignment = list(partitions)
+        self._generation += 1
         assert self._loop is not None
-        asyncio.run_coroutine_threadsafe(self._rearm([tp.partition for tp in partitions]), self._loop)
+        self._loop.call_soon_threadsafe(
+            self._start_rearm, self._generation, [tp.partition for tp in partitions]
+        )
 
     def _on_revoke(self, consumer: Consumer, partitions: list[TopicPartition]) -> None:
         """Hand the partitions over durable and committed, waiting at most ``revoke_timeout_s``: the
@@ -480,6 +601,8 @@ class EmbeddedRunner:
         group. Past the bound the partitions go over uncommitted; the next owner replays them."""
         assert self._loop is not None
         self.log(f"rebalance: revoking partitions {sorted(tp.partition for tp in partitions)}")
+        self._generation += 1  # a re-arm still running for these partitions arms nothing more
+        self._loop.call_soon_threadsafe(self._cancel_rearms)
         if self._assignment and self._failed is None:
             future = asyncio.run_coroutine_threadsafe(self._handover(), self._loop)
             try:

@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import hashlib
+import itertools
 import time
 from collections.abc import Iterator
 
@@ -187,7 +188,7 @@ def test_a_dead_letter_the_dlq_refuses_for_size_is_sent_without_its_original(lim
     assert runner.stats.dead_letters.shrunk == shrunk
 
 
-def test_a_dead_letter_that_can_never_be_produced_is_counted_not_fatal(limits: Isolated) -> None:
+async def test_a_dead_letter_that_can_never_be_produced_is_counted_not_fatal(limits: Isolated) -> None:
     """A DLQ producer whose limit is below even the minimal record (librdkafka's minimum, 1,000
     bytes, and a long reason): each dead letter is refused twice, counted as undelivered and logged;
     ``publish`` never raises."""
@@ -197,13 +198,13 @@ def test_a_dead_letter_that_can_never_be_produced_is_counted_not_fatal(limits: I
     )
     publisher = DeadLetterPublisher(producer, limits.dlq_topic, lines.append)
     for i in range(3):
-        publisher.publish_value(b"y" * 50_000, "z" * 2_000, topic=limits.topic, partition=0, offset=i)
-    assert publisher.flush(10) == 0
+        await publisher.publish_value(b"y" * 50_000, "z" * 2_000, topic=limits.topic, partition=0, offset=i)
+    assert await asyncio.to_thread(publisher.flush, 10) == 0
     assert publisher.undelivered == 3 and publisher.shrunk == 3 and publisher.delivered == 0
     assert sum("NOT delivered" in line for line in lines) == 3
 
 
-def test_a_full_producer_queue_waits_for_deliveries_instead_of_failing(limits: Isolated) -> None:
+async def test_a_full_producer_queue_waits_for_deliveries_instead_of_failing(limits: Isolated) -> None:
     """A producer queue of two records: ``produce`` raises ``BufferError`` at the third; the
     publisher lets deliveries drain it and every dead letter arrives."""
     producer = Producer(
@@ -216,8 +217,76 @@ def test_a_full_producer_queue_waits_for_deliveries_instead_of_failing(limits: I
     publisher = DeadLetterPublisher(producer, limits.dlq_topic, lambda _: None)
     started = time.monotonic()
     for i in range(40):
-        publisher.publish_value(b"not json %d" % i, "invalid JSON", topic=limits.topic, partition=1, offset=i)
-    assert publisher.flush(30) == 0, f"after {time.monotonic() - started:.1f} s"
+        await publisher.publish_value(
+            b"not json %d" % i, "invalid JSON", topic=limits.topic, partition=1, offset=i
+        )
+    assert await asyncio.to_thread(publisher.flush, 30) == 0, f"after {time.monotonic() - started:.1f} s"
     assert publisher.delivered == 40 and publisher.undelivered == 0
     offsets = sorted(d["offset"] for d in read_dlq(limits.stack.kafka_bootstrap, limits.dlq_topic))
     assert offsets == list(range(40))
+
+
+async def test_a_full_producer_queue_never_blocks_the_event_loop(limits: Isolated) -> None:
+    """A producer queue of one record that lingers a second: every dead letter after the first waits
+    about a second for room. That wait used to be ``producer.poll`` on the event loop, which froze
+    the runner's commits, timers, prompts and rebalance hand-overs meanwhile; now the loop keeps
+    running (a coroutine ticking every 10 ms never misses more than a few ticks), and every dead
+    letter still arrives, counted once."""
+    producer = Producer(
+        {
+            "bootstrap.servers": limits.stack.kafka_bootstrap,
+            "queue.buffering.max.messages": 1,
+            "linger.ms": 1000,
+        }
+    )
+    publisher = DeadLetterPublisher(producer, limits.dlq_topic, lambda _: None)
+    ticks: list[float] = []
+
+    async def ticker() -> None:
+        while True:
+            await asyncio.sleep(0.01)
+            ticks.append(time.monotonic())
+
+    started = time.monotonic()
+    ticking = asyncio.create_task(ticker())
+    for i in range(4):
+        await publisher.publish_value(
+            b"not json %d" % i, "invalid JSON", topic=limits.topic, partition=0, offset=i
+        )
+    ended = time.monotonic()
+    ticking.cancel()
+    assert ended - started > 2.0, "the queue was full: each dead letter after the first waited for room"
+    moments = [started, *ticks, ended]
+    stall = max(later - earlier for earlier, later in itertools.pairwise(moments))
+    assert stall < 0.5, f"the event loop stalled for {stall:.2f} s (publishing took {ended - started:.2f} s)"
+    assert await asyncio.to_thread(publisher.flush, 30) == 0
+    counts = publisher.counts
+    assert counts.queued == counts.delivered == 4 and counts.undelivered == 0
+    offsets = sorted(d["offset"] for d in read_dlq(limits.stack.kafka_bootstrap, limits.dlq_topic))
+    assert offsets == [0, 1, 2, 3]
+
+
+async def test_a_queue_that_stays_full_counts_the_dead_letter_undelivered(limits: Isolated) -> None:
+    """Room never comes within the bound (``queue_full_retries`` x ``queue_full_wait_s``, short
+    here; the record ahead lingers 3 s): the dead letter is given up, counted and logged, never lost
+    silently; the one queued is delivered. Every dead letter is accounted for."""
+    producer = Producer(
+        {
+            "bootstrap.servers": limits.stack.kafka_bootstrap,
+            "queue.buffering.max.messages": 1,
+            "linger.ms": 3000,
+        }
+    )
+    lines: list[str] = []
+    publisher = DeadLetterPublisher(
+        producer, limits.dlq_topic, lines.append, queue_full_retries=5, queue_full_wait_s=0.02
+    )
+    for i in range(3):
+        await publisher.publish_value(
+            b"not json %d" % i, "invalid JSON", topic=limits.topic, partition=0, offset=i
+        )
+    assert publisher.counts.queued == 1 and publisher.undelivered == 2
+    assert sum("NOT delivered (the producer queue stayed full)" in line for line in lines) == 2
+    assert await asyncio.to_thread(publisher.flush, 30) == 0
+    assert publisher.delivered == 1 and publisher.delivered + publisher.undelivered == 3
+    assert [d["offset"] for d in read_dlq(limits.stack.kafka_bootstrap, limits.dlq_topic)] == [0]
