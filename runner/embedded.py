@@ -55,7 +55,7 @@ from runner.config import RunnerSettings
 from runner.consumer_errors import UNKNOWN_TOPIC, UnknownTopicWatch, classify, consumer_failed, topic_missing
 from runner.dead_letters import DeadLetterPublisher
 from runner.epochs import Epoch, EpochLog, merged_offsets
-from runner.errors import ConsumerFailed
+from runner.errors import ConsumerFailed, DeadLettersUndelivered
 from runner.gc_tuning import streaming_gc
 from runner.logs import line_logger
 from runner.metrics import RunnerMetrics
@@ -546,7 +546,10 @@ class EmbeddedRunner:
         while await asyncio.to_thread(self.dead_letters.flush, 5.0):
             waited += 5.0
             if waited >= self.settings.sink_retry.max_wait_s:
-                raise RuntimeError(f"dead letters not delivered within {waited:.0f} s")
+                raise DeadLettersUndelivered(
+                    f"dead letters not delivered to {self.settings.dlq_topic} within {waited:.0f} s "
+                    "(RUNNER_SINK_RETRY__MAX_WAIT_S); nothing past them was committed"
+                )
 
     def _evict(self) -> None:
         """Bring the sessions held in memory down to ``session_cache_size``, the earliest loaded

@@ -4,8 +4,9 @@
 
     ShopperError                       prompt_assembly.errors
     └── RunnerError                    the embedded runner cannot go on
-        └── ConsumerFailed             a Kafka consumer error no retry can fix: a fatal error, a
-                                       refused login or TLS handshake, a missing topic
+        ├── ConsumerFailed             a Kafka consumer error no retry can fix: a fatal error, a
+        │                              refused login or TLS handshake, a missing topic
+        └── DeadLettersUndelivered     the DLQ took no delivery for ``sink_retry.max_wait_s``
 
 A store that stays down past ``sink_retry`` stops the runner with the store's own error (a restart
 replays from the last commit); those are not translated here.
@@ -33,3 +34,8 @@ class ConsumerFailed(RunnerError):
         self.code = code
         self.setting = setting
         self.topic = topic
+
+
+class DeadLettersUndelivered(RunnerError):
+    """Dead letters stayed in the producer's queue past ``sink_retry.max_wait_s``: the runner stops
+    without committing past them, and a restart replays them."""
