@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import AsyncIterator, Callable
+from typing import Any
 
 import aiohttp
 import msgspec
@@ -68,6 +69,9 @@ class _Choice(msgspec.Struct):
     message: _Message | None = None
     text: str | None = None
     finish_reason: str | None = None
+    disaggregated_params: dict[str, Any] | None = None
+    """A P/D context server's hand-over (TensorRT-LLM: ``first_gen_tokens``, ``ctx_request_id``,
+    ``opaque_state``), passed on unread to the generation server."""
 
 
 class _Body(msgspec.Struct):
@@ -172,6 +176,7 @@ def parse_body(raw: bytes, endpoint: str, started: float) -> Completion:
         latency_ms=latency,
         attempts=1,
         finish_reason=choice.finish_reason,
+        disaggregated_params=choice.disaggregated_params,
     )
 
 
@@ -224,6 +229,8 @@ async def read_stream(
     model = ""
     finish: str | None = None
     chunks = 0
+    last_piece_at: float | None = None
+    max_gap = 0.0
     async for payload in sse_lines(response, limits, endpoint):
         try:
             chunk = _CHUNK.decode(payload)
@@ -239,10 +246,14 @@ async def read_stream(
         for choice in chunk.choices:
             piece = choice.delta.content if choice.delta is not None else choice.text
             if piece:
+                now = time.perf_counter()
                 if ttft_ms is None:
-                    ttft_ms = (time.perf_counter() - started) * 1000
+                    ttft_ms = (now - started) * 1000
                     if on_first_token is not None:
                         on_first_token()
+                elif last_piece_at is not None:
+                    max_gap = max(max_gap, now - last_piece_at)
+                last_piece_at = now
                 parts.append(piece)
             finish = choice.finish_reason or finish
     if chunks == 0:
@@ -260,4 +271,5 @@ async def read_stream(
         latency_ms=latency,
         attempts=1,
         finish_reason=finish,
+        max_itl_ms=max_gap * 1000 if len(parts) > 1 else None,
     )

@@ -42,6 +42,7 @@ from llm_client.errors import (
     DeadlineExceeded,
     EndpointUnavailable,
     InvalidAnswer,
+    KvCacheGone,
     LLMError,
     NoHealthyEndpoint,
     RetryBudgetExhausted,
@@ -53,6 +54,7 @@ from llm_client.passthrough import Forwarded
 from llm_client.retry import RetryBudget, backoff_s
 from llm_client.routing import RouteOutcome, RouteRequest, RoutingPolicy, make_policy
 from llm_client.routing.base import KvEventConsumer, PrefillObserver
+from llm_client.routing.pd_aware import PdAwarePolicy
 from llm_client.transport import auth_headers, header_value, mapped_transport_errors, tls_context
 from prompt_assembly.tokens import messages_text
 
@@ -85,6 +87,11 @@ class LLMClient:
         self._probe_requests: dict[str, _ProbeRequest] = {}
         """Per quarantined replica, the request it last answered badly: its probe sends it again."""
         self.endpoints = [Endpoint(url.rstrip("/"), endpoint_name(url)) for url in config.endpoints]
+        self.context_endpoints = [
+            Endpoint(url.rstrip("/"), endpoint_name(url)) for url in config.context_endpoints
+        ]
+        """P/D disaggregation's context (prefill) servers; ``endpoints`` are then the generation servers
+        (``llm_client.routing.pd_aware``). Empty: every replica serves whole requests."""
         self._gate = asyncio.Semaphore(config.max_in_flight)
         self._budget = RetryBudget(config.retry)
         self._rng = random.Random(seed)
@@ -92,6 +99,8 @@ class LLMClient:
         self._health_task: asyncio.Task[None] | None = None
         self.kv_events: KvEventPoller | None = None
         """Polls the replicas' KV cache events when the policy follows them (else None)."""
+        self.context_kv_events: KvEventPoller | None = None
+        """The same for P/D context servers, when the policy's context part follows them."""
         self.in_flight = 0
         self.retries = 0
 
@@ -118,11 +127,18 @@ class LLMClient:
                     self._session, lambda: self.endpoints, self.policy, self.policy.kv_event_poll_s
                 )
                 self.kv_events.start()
+            context = self.policy.context if isinstance(self.policy, PdAwarePolicy) else None
+            if context is not None and self.context_endpoints and context.kv_event_poll_s is not None:
+                self.context_kv_events = KvEventPoller(
+                    self._session, lambda: self.context_endpoints, context, context.kv_event_poll_s
+                )
+                self.context_kv_events.start()
 
     async def close(self) -> None:
-        if self.kv_events is not None:
-            await self.kv_events.stop()
-            self.kv_events = None
+        for poller in (self.kv_events, self.context_kv_events):
+            if poller is not None:
+                await poller.stop()
+        self.kv_events = self.context_kv_events = None
         if self._health_task is not None:
             self._health_task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
@@ -201,7 +217,7 @@ class LLMClient:
                 info = Attempt(endpoint.name, route.key, number)
                 self.hooks.started(info)
                 try:
-                    completion = await self._attempt(endpoint, path, body, route, validate)
+                    completion = await self._disaggregated(endpoint, path, body, route, validate)
                 except LLMError as exc:
                     self.hooks.failed(info, exc)
                     raise
@@ -210,6 +226,49 @@ class LLMClient:
                 return completion
 
             return await self._retried(route, tried, attempt)
+
+    async def _disaggregated(
+        self,
+        decode: Endpoint,
+        path: str,
+        body: dict[str, Any],
+        route: RouteRequest,
+        validate: AnswerValidator | None,
+    ) -> Completion:
+        """One attempt on ``decode``; with P/D (a ``PdAwarePolicy`` and context servers) perhaps in two
+        steps: ``context_only`` on the context server the policy picks (prefill and first token, not
+        streamed), then ``generation_only`` on ``decode`` with that server's ``disaggregated_params``.
+        A context step that fails, or blocks gone by the pull (``KvCacheGone``: timed out, restarted),
+        means a local prefill on ``decode`` instead: the request is never failed for it."""
+        policy = self.policy
+        if not isinstance(policy, PdAwarePolicy) or not self.context_endpoints:
+            return await self._attempt(decode, path, body, route, validate)
+        plan = policy.context_for(route, decode, [c for c in self.context_endpoints if c.routable])
+        if plan is not None:
+            context, step = plan
+            prefill_body = {
+                **body,
+                "stream": False,
+                "max_tokens": 1,
+                "disaggregated_params": {"request_type": "context_only"},
+            }
+            prefill_body.pop("stream_options", None)
+            try:
+                prefilled = await self._attempt(context, path, prefill_body, step)
+            except LLMError:
+                prefilled = None
+            params = None if prefilled is None else prefilled.disaggregated_params
+            if params is not None:
+                generate_body = {
+                    **body,
+                    "disaggregated_params": {**params, "request_type": "generation_only"},
+                }
+                try:
+                    return await self._attempt(decode, path, generate_body, route, validate)
+                except KvCacheGone:
+                    pass
+            policy.redone_locally()
+        return await self._attempt(decode, path, body, route, validate)
 
     @contextlib.asynccontextmanager
     async def _call(self, deadline_s: float | None, tried: list[str]) -> AsyncIterator[None]:
@@ -274,10 +333,17 @@ class LLMClient:
             raise NoHealthyEndpoint(f"all {len(self.endpoints)} replicas are ejected or drained")
         return self.policy.choose(route, candidates)
 
+    def _policy_of(self, endpoint: Endpoint) -> RoutingPolicy:
+        """The policy that routes to ``endpoint``: a P/D policy's context part for a context server."""
+        if isinstance(self.policy, PdAwarePolicy) and any(endpoint is c for c in self.context_endpoints):
+            return self.policy.context
+        return self.policy
+
     def _prefill_reporter(self, route: RouteRequest, endpoint: Endpoint) -> Callable[[bool], None] | None:
         """How an attempt tells a ``PrefillObserver`` policy its prefill is over: computed (a first token
         came) or abandoned (it ended without one); None for a policy that does not listen."""
-        observer = self.policy if isinstance(self.policy, PrefillObserver) else None
+        policy = self._policy_of(endpoint)
+        observer = policy if isinstance(policy, PrefillObserver) else None
         if observer is None:
             return None
 
@@ -298,7 +364,8 @@ class LLMClient:
         validate: AnswerValidator | None = None,
     ) -> Completion:
         assert self._session is not None, "call start() or use 'async with' first"
-        uncached = self.policy.estimate_uncached_tokens(route, endpoint)
+        policy = self._policy_of(endpoint)
+        uncached = policy.estimate_uncached_tokens(route, endpoint)
         prefill_pending = [uncached]  # prefill work not yet done: cleared at the first streamed token
         report = self._prefill_reporter(route, endpoint)
 
@@ -351,9 +418,9 @@ class LLMClient:
             endpoint.outstanding -= 1
             prefill_done(computed=answered)  # a no-op for the policy if the first token was reported
             endpoint.outstanding_decode_tokens -= route.max_tokens
-            if isinstance(self.policy, PrefillObserver):
-                self.policy.attempt_over(route, endpoint)
-        self.answer_health.observe(endpoint, self.endpoints, None)
+            if isinstance(policy, PrefillObserver):
+                policy.attempt_over(route, endpoint)
+        self.answer_health.observe(endpoint, self._peers(endpoint), None)
         endpoint.record_success(completion.latency_ms, completion.ttft_ms)
         self.degradation.observe_success(
             endpoint,
@@ -379,6 +446,8 @@ class LLMClient:
     async def _raise_for_status(self, response: aiohttp.ClientResponse, endpoint: Endpoint) -> None:
         # at most 300 bytes of an error body: a replica's error page is as untrusted as its answers
         detail = (await response.content.read(300)).decode("utf-8", "replace")
+        if response.status in (404, 409, 503) and "kv_cache_gone" in detail:
+            raise KvCacheGone(f"HTTP {response.status}: {detail}", endpoint=endpoint.name)
         if response.status == 429 or response.status >= 500:
             raise EndpointUnavailable(f"HTTP {response.status}: {detail}", endpoint=endpoint.name)
         raise BadRequest(f"HTTP {response.status}: {detail}", endpoint=endpoint.name)
@@ -409,18 +478,23 @@ class LLMClient:
         endpoint.invalid_answers[error.kind] = endpoint.invalid_answers.get(error.kind, 0) + 1
         self._observe(route, endpoint, RouteOutcome(ok=False))
         self.degradation.observe_failure(endpoint)
-        quarantine = self.answer_health.observe(endpoint, self.endpoints, error.kind, str(error))
+        quarantine = self.answer_health.observe(endpoint, self._peers(endpoint), error.kind, str(error))
         if quarantine is not None:
             endpoint.quarantined = True
             endpoint.quarantine_kind = quarantine.reason
             endpoint.out_reason = f"bad answers ({quarantine.reason}): {quarantine.detail}"
-            self.policy.forget(endpoint)
+            self._policy_of(endpoint).forget(endpoint)
         if request is not None and endpoint.quarantined:
             self._probe_requests[endpoint.name] = request
 
+    def _peers(self, endpoint: Endpoint) -> list[Endpoint]:
+        """The pool ``endpoint`` belongs to (context servers, or the others)."""
+        contexts = self.context_endpoints
+        return contexts if any(endpoint is c for c in contexts) else self.endpoints
+
     def _observe(self, route: RouteRequest, endpoint: Endpoint, outcome: RouteOutcome) -> None:
         """Teach the policy, and record on the replica what it learned."""
-        if self.policy.observe(route, endpoint, outcome).restart_detected:
+        if self._policy_of(endpoint).observe(route, endpoint, outcome).restart_detected:
             endpoint.restarts_detected += 1
 
     def _evaluate_health(self) -> None:
@@ -554,17 +628,17 @@ class LLMClient:
         endpoint.ejections += 1
         endpoint.out_reason = reason
         log.warning("ejecting replica %s until /health answers: %s", endpoint.name, reason)
-        self.policy.forget(endpoint)
+        self._policy_of(endpoint).forget(endpoint)
 
     async def _health_loop(self) -> None:
         while True:
             await asyncio.sleep(self.config.health.interval_s)
             self._evaluate_health()
             await asyncio.gather(
-                *(self._probe(e) for e in self.endpoints if not e.healthy),
+                *(self._probe(e) for e in [*self.endpoints, *self.context_endpoints] if not e.healthy),
                 *(
                     self._answer_probe(e)
-                    for e in self.endpoints
+                    for e in [*self.endpoints, *self.context_endpoints]
                     if e.healthy and e.quarantined and self.answer_health.probe_due(e)
                 ),
             )
@@ -622,10 +696,11 @@ class LLMClient:
         assert self._session is not None
         async with asyncio.timeout(timeout_s):
             while True:
-                for endpoint in self.endpoints:
+                every = [*self.endpoints, *self.context_endpoints]
+                for endpoint in every:
                     endpoint.healthy = False
-                await asyncio.gather(*(self._probe(e) for e in self.endpoints))
-                if all(e.healthy for e in self.endpoints):
+                await asyncio.gather(*(self._probe(e) for e in every))
+                if all(e.healthy for e in every):
                     return
                 await asyncio.sleep(0.2)
 

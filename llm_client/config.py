@@ -44,6 +44,11 @@ class ClientConfig(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="LLM_", env_nested_delimiter="__")
 
     endpoints: list[str] = Field(default_factory=lambda: ["http://127.0.0.1:8000"])
+    context_endpoints: list[str] = Field(
+        default_factory=list,
+        description="P/D disaggregation: the context (prefill) servers; endpoints are then the generation "
+        "(decode) servers, and the policy must be pd_aware (llm_client.routing.pd_aware)",
+    )
     model: str = "default"
     policy: PolicyName = Field(
         "prefix_aware",
@@ -77,6 +82,18 @@ class ClientConfig(BaseSettings):
         if bad:
             raise ConfigurationError(f"endpoints must be http:// or https:// URLs ({len(bad)} are not)")
         return endpoints
+
+    @model_validator(mode="after")
+    def _context_servers_need_pd_routing(self) -> ClientConfig:
+        if (
+            self.context_endpoints
+            and self.policy != "pd_aware"
+            and (self.policy_settings is None or self.policy_settings.policy != "pd_aware")
+        ):
+            raise ConfigurationError(
+                f"context_endpoints are set but the policy is {self.policy!r}: P/D needs policy pd_aware"
+            )
+        return self
 
     @model_validator(mode="after")
     def _settings_match_policy(self) -> ClientConfig:

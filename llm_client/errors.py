@@ -13,6 +13,8 @@ The tree (the project's whole hierarchy is drawn in ``prompt_assembly.errors``):
     ├── NoHealthyEndpoint (retryable)    every replica is ejected, drained or quarantined
     ├── DeadlineExceeded                 the call's deadline passed (waiting for a slot included)
     ├── RetryBudgetExhausted             retries are capped so an outage does not multiply the load
+    ├── KvCacheGone                      P/D: the context server no longer holds the prompt's KV cache
+    │                                    (transfer timeout, restart): the client prefills locally instead
     └── BadRequest                       a 4xx other than 429: the request itself is wrong
 
 Every transport and parse failure becomes one of these in exactly two places:
@@ -102,3 +104,9 @@ class RetryBudgetExhausted(LLMError):
 
 class BadRequest(LLMError):
     """The server rejected the request itself (4xx other than 429): retrying cannot help."""
+
+
+class KvCacheGone(LLMError):
+    """P/D disaggregation: a generation server could not pull the prompt's KV cache from the context
+    server (pulled already, past the transfer timeout, or lost in a restart). Retrying the pull cannot
+    help; the client redoes the prefill on the decode server instead, so the caller never sees this."""

@@ -10,6 +10,7 @@ from pydantic import Field
 
 from llm_client.routing.base import Feedback, RouteOutcome, RouteRequest, RoutingPolicy
 from llm_client.routing.least_outstanding import LeastOutstandingPolicy, LeastOutstandingSettings
+from llm_client.routing.pd_aware import PdAwarePolicy, PdAwareSettings
 from llm_client.routing.prefix_aware import PrefixAwarePolicy, PrefixAwareSettings
 from llm_client.routing.round_robin import RoundRobinPolicy, RoundRobinSettings
 from llm_client.routing.session_affinity import SessionAffinityPolicy, SessionAffinitySettings
@@ -17,13 +18,23 @@ from prompt_assembly.errors import ConfigurationError
 
 POLICIES: dict[str, type[Any]] = {
     cls.name: cls
-    for cls in (RoundRobinPolicy, LeastOutstandingPolicy, SessionAffinityPolicy, PrefixAwarePolicy)
+    for cls in (
+        RoundRobinPolicy,
+        LeastOutstandingPolicy,
+        SessionAffinityPolicy,
+        PrefixAwarePolicy,
+        PdAwarePolicy,
+    )
 }
 
-PolicyName = Literal["round_robin", "least_outstanding", "session_affinity", "prefix_aware"]
+PolicyName = Literal["round_robin", "least_outstanding", "session_affinity", "prefix_aware", "pd_aware"]
 
 PolicySettings = Annotated[
-    RoundRobinSettings | LeastOutstandingSettings | SessionAffinitySettings | PrefixAwareSettings,
+    RoundRobinSettings
+    | LeastOutstandingSettings
+    | SessionAffinitySettings
+    | PrefixAwareSettings
+    | PdAwareSettings,
     Field(discriminator="policy"),
 ]
 """One policy's typed settings; the ``policy`` field says which."""

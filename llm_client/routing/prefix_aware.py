@@ -67,7 +67,10 @@ from prompt_assembly.tokens import chained_block_hashes, token_ids
 
 log = logging.getLogger(__name__)
 
-_HASHES = "prefix_aware.hashes"
+HASHES_MEMO = "prefix_aware.hashes"
+"""Where ``block_hashes`` keeps a request's hashes in ``RouteRequest.memo`` (another route of the same
+prompt may share them)."""
+_HASHES = HASHES_MEMO
 _EXPECTED = "prefix_aware.expected_cached"
 _HIT = "prefix_aware.expected_hit"
 _PREFILLING = "prefix_aware.prefilling"
