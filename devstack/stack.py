@@ -3,12 +3,18 @@
 ``stack_up`` starts only what is not already reachable (an external service given by settings is used
 as is; Redis on 127.0.0.1:6379 is reused when it answers), writes every address to one JSON state file,
 and records the processes it started so that ``stack_down`` stops exactly those.
+
+The state file holds what the other commands need to connect, credentials included (a password in
+``STACK_REDIS_URL``, the S3 keys), so it is written readable by its owner only (``write_private``:
+created 0600, never wider for a moment); what is printed of it (``StackState.shown``, ``stack_status``)
+has every secret masked (``pipeline.redaction``).
 """
 
 from __future__ import annotations
 
 import contextlib
 import json
+import os
 import shutil
 import sys
 import time
@@ -29,6 +35,7 @@ from devstack.processes import (
     wait_for_http,
     wait_for_port,
 )
+from pipeline.redaction import redact
 from pipeline.topics import DLQ_TOPIC, EVENTS_TOPIC
 from serving.simulator.launch import simulator_argv
 from sinks.config import SinkSettings
@@ -66,7 +73,13 @@ class StackState:
     processes: list[ManagedProcess] = field(default_factory=list)
 
     def to_json(self) -> str:
+        """Everything, secrets in clear: for the state file (``write_private``), never for printing."""
         return json.dumps(asdict(self), indent=2)
+
+    def shown(self) -> dict[str, object]:
+        """What may be printed: the state with every password, secret key and URL credential masked."""
+        shown: dict[str, object] = redact(asdict(self))
+        return shown
 
     @classmethod
     def from_json(cls, raw: str) -> StackState:
@@ -77,6 +90,24 @@ class StackState:
 
 def state_file(state_dir: Path) -> Path:
     return state_dir / "stack.json"
+
+
+def write_private(path: Path, text: str) -> None:
+    """``text`` into ``path``, readable and writable by its owner only: written to a new file that is
+    created with mode 0600 (so it is never wider, not even between a write and a chmod), then renamed
+    over ``path`` (a reader sees the old file or the whole new one)."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.unlink(missing_ok=True)
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+    try:
+        with os.fdopen(fd, "w") as out:
+            out.write(text)
+            out.flush()
+            os.fsync(out.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
 
 
 def load_state(state_dir: Path) -> StackState:
@@ -94,7 +125,7 @@ def tansu_binary() -> str:
 
 def stack_up(settings: StackSettings) -> StackState:
     """Start what is missing; on any failure stop what this call started and re-raise."""
-    settings.state_dir.mkdir(parents=True, exist_ok=True)
+    settings.state_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
     if state_file(settings.state_dir).exists():
         existing = load_state(settings.state_dir)
         if all(alive(p.pid) for p in existing.processes):
@@ -131,7 +162,7 @@ def stack_up(settings: StackSettings) -> StackState:
         s3_secret_access_key=secret,
         processes=started,
     )
-    state_file(settings.state_dir).write_text(state.to_json())
+    write_private(state_file(settings.state_dir), state.to_json())
     return state
 
 
@@ -148,14 +179,18 @@ def stack_down(state_dir: Path) -> list[str]:
 
 
 def stack_status(state_dir: Path) -> dict[str, object]:
+    """Where each service is and whether its process is up; credentials in the addresses masked."""
     state = load_state(state_dir)
-    return {
-        "kafka": state.kafka_bootstrap,
-        "redis": state.redis_url,
-        "s3": state.s3_endpoint_url,
-        "llm": state.llm_endpoints,
-        "processes": {p.name: ("up" if alive(p.pid) else "DOWN") for p in state.processes},
-    }
+    status: dict[str, object] = redact(
+        {
+            "kafka": state.kafka_bootstrap,
+            "redis": state.redis_url,
+            "s3": state.s3_endpoint_url,
+            "llm": state.llm_endpoints,
+        }
+    )
+    status["processes"] = {p.name: ("up" if alive(p.pid) else "DOWN") for p in state.processes}
+    return status
 
 
 # ---- components ------------------------------------------------------------------------------

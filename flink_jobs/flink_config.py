@@ -12,12 +12,12 @@ from pathlib import Path
 from typing import Any, Literal
 
 import orjson
-from pydantic import BaseModel, Field, SecretStr
+from pydantic import BaseModel, Field, SecretStr, ValidationError
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from llm_client.config import ClientConfig
 from pipeline.enrichment import EnrichmentSettings
-from pipeline.kafka_security import KafkaSecurity
+from pipeline.kafka_security import KafkaSecurity, configuration_error
 from pipeline.sink_commit import SinkRetry
 from pipeline.topics import DLQ_TOPIC, EVENTS_TOPIC, INSIGHTS_TOPIC
 from prompt_assembly.processor import SessionConfig
@@ -106,7 +106,9 @@ class AsyncSettings(BaseModel):
 
 
 class NearRealtimeSettings(BaseSettings):
-    model_config = SettingsConfigDict(env_prefix="FLINK_JOB_", env_nested_delimiter="__")
+    model_config = SettingsConfigDict(
+        env_prefix="FLINK_JOB_", env_nested_delimiter="__", hide_input_in_errors=True
+    )
 
     job_name: str = "shopper-understanding-near-realtime"
     parallelism: int = Field(1, ge=1)
@@ -156,7 +158,9 @@ class NearRealtimeSettings(BaseSettings):
 
     @classmethod
     def load(cls, path: str | Path | None = None, **overrides: Any) -> NearRealtimeSettings:
-        """Defaults < environment < file < ``overrides``."""
+        """Defaults < environment < file < ``overrides``. Settings that cannot work raise
+        ``ConfigurationError`` (``InsecureConfiguration`` for a secret on a plaintext Kafka protocol)
+        naming each setting, never its value."""
         data: dict[str, Any] = {}
         if path is not None:
             text = Path(path).read_text()
@@ -167,7 +171,10 @@ class NearRealtimeSettings(BaseSettings):
             else:
                 data = orjson.loads(text)
         data.update(overrides)
-        return cls(**data)
+        try:
+            return cls(**data)
+        except ValidationError as error:
+            raise configuration_error(error, "the Flink job's settings (FLINK_JOB_*, --config)") from None
 
     def to_json(self) -> str:
         """What every Python function receives (pickled functions carry this string, not objects).

@@ -16,18 +16,20 @@ The two jars differ in one place that PyFlink's wrapper trips over: the SQL jar 
 ``OffsetResetStrategy`` and PyFlink's ``KafkaOffsetResetStrategy`` looks up only the shaded name.
 ``committed_offsets_or`` builds the initializer from the parameter type that the loaded connector's
 ``OffsetsInitializer.committedOffsets`` actually declares (``reset_strategy_class``), so one code path
-works with either jar.
+works with either jar. The SASL login module that the JAAS line names differs the same way, and JAAS
+loads it by name: ``connector_kafka_properties`` names the class that the jars found actually hold.
 """
 
 from __future__ import annotations
 
 import os
+import zipfile
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any, Literal
 
 from flink_jobs.flink_config import NearRealtimeSettings
-from pipeline.kafka_security import java_kafka_properties
+from pipeline.kafka_security import SHADED_PREFIX, KafkaSecurity, java_kafka_properties, login_module
 
 LIB_DIR = Path(__file__).resolve().parent / "lib"
 JAR_GLOB = "flink-sql-connector-kafka-*.jar"
@@ -103,6 +105,32 @@ def kafka_connector_jars() -> list[str]:
     return [j.resolve().as_uri() for j in jars]
 
 
+def kafka_clients_shaded(jars: Iterable[Path]) -> bool:
+    """Whether the Kafka client in ``jars`` is relocated under ``SHADED_PREFIX`` (the SQL uber jar)
+    or plain ``org.apache.kafka`` (the thin connector with ``kafka-clients.jar``), read from the jars'
+    own entries: a JAAS line must name the login module class that is really on the classpath."""
+    plain = login_module("PLAIN", shaded=False).replace(".", "/") + ".class"
+    for jar in jars:
+        with zipfile.ZipFile(jar) as archive:
+            names = set(archive.namelist())
+        if SHADED_PREFIX.replace(".", "/") + plain in names:
+            return True
+        if plain in names:
+            return False
+    raise MissingConnectorJar(
+        f"no Kafka client (org.apache.kafka.common.security) in {[str(j) for j in jars]}: the Kafka "
+        f"connector jars are incomplete; run `{PROVISION_COMMAND}` or `{FETCH_SCRIPT}`"
+    )
+
+
+def connector_kafka_properties(security: KafkaSecurity) -> dict[str, str]:
+    """``java_kafka_properties`` for the connector jars this job runs with (``find_kafka_connector_jars``):
+    with SASL, the JAAS line names the login module shaded or not as those jars hold it."""
+    if security.sasl_mechanism is None:  # no class is named
+        return java_kafka_properties(security, shaded=False)
+    return java_kafka_properties(security, shaded=kafka_clients_shaded(find_kafka_connector_jars()))
+
+
 def reset_strategy_class(overloads: Iterable[Sequence[tuple[str, bool]]]) -> str:
     """The Java enum that ``OffsetsInitializer.committedOffsets`` takes, from its overloads' parameter
     types as ``(class name, is enum)``: the unshaded ``org.apache.kafka...OffsetResetStrategy`` of the
@@ -170,7 +198,7 @@ def kafka_source_ddl(settings: NearRealtimeSettings, *, stop_at_latest: bool = F
     }
     if stop_at_latest:  # a bounded read of what is in the topic now (tests, backfills)
         options["scan.bounded.mode"] = "latest-offset"
-    for key, value in {**java_kafka_properties(kafka.security), **kafka.consumer_properties}.items():
+    for key, value in {**connector_kafka_properties(kafka.security), **kafka.consumer_properties}.items():
         options[f"properties.{key}"] = value
     with_clause = ",\n  ".join(f"{_sql_string(k)} = {_sql_string(v)}" for k, v in options.items())
     return (
@@ -261,7 +289,7 @@ def kafka_source(settings: NearRealtimeSettings, *, stop_at_latest: bool = False
         .set_property("partition.discovery.interval.ms", "60000")
         .set_property("fetch.max.wait.ms", str(kafka.fetch_max_wait_ms))
     )
-    for key, value in {**java_kafka_properties(kafka.security), **kafka.consumer_properties}.items():
+    for key, value in {**connector_kafka_properties(kafka.security), **kafka.consumer_properties}.items():
         builder = builder.set_property(key, value)
     if stop_at_latest:  # a bounded read of what is in the topic now (tests, backfills)
         builder = builder.set_bounded(KafkaOffsetsInitializer.latest())
@@ -288,7 +316,7 @@ def kafka_sink(settings: NearRealtimeSettings, topic: str, *, exactly_once: bool
         .set_record_serializer(serializer)
         .set_property("transaction.timeout.ms", str(kafka.transaction_timeout_ms))
     )
-    for key, value in java_kafka_properties(kafka.security).items():
+    for key, value in connector_kafka_properties(kafka.security).items():
         builder = builder.set_property(key, value)
     if exactly_once:
         builder = builder.set_delivery_guarantee(DeliveryGuarantee.EXACTLY_ONCE).set_transactional_id_prefix(

@@ -9,21 +9,31 @@ Supported: ``SSL`` (server verified against ``ssl_ca_file``, optional client cer
 ``SASL_SSL`` / ``SASL_PLAINTEXT`` with ``PLAIN``, ``SCRAM-SHA-256`` or ``SCRAM-SHA-512``. Amazon MSK's
 IAM authentication needs a token-signing plug-in on each client (``aws-msk-iam-auth`` jar for Java,
 an OAUTHBEARER callback for librdkafka); it is documented in docs/security.md, not built in.
+
+Settings that cannot work fail when they are read, with the setting's name: ``InsecureConfiguration``
+for a secret or a TLS file given to a protocol that would not use it (an ``ssl_key_password`` or a
+``sasl_password`` on ``PLAINTEXT``: the operator believes the connection is protected and it is not),
+``ConfigurationError`` for the other contradictions. ``configuration_error`` turns pydantic's
+``ValidationError`` of a component's settings (which wraps them) back into that error.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, FilePath, SecretStr, model_validator
+from pydantic import BaseModel, ConfigDict, Field, FilePath, SecretStr, ValidationError, model_validator
+
+from prompt_assembly.errors import ConfigurationError
 
 SecurityProtocol = Literal["PLAINTEXT", "SSL", "SASL_PLAINTEXT", "SASL_SSL"]
 SaslMechanism = Literal["PLAIN", "SCRAM-SHA-256", "SCRAM-SHA-512"]
 
 SHADED_PREFIX = "org.apache.flink.kafka.shaded."
 """The Flink SQL Kafka connector jar relocates ``org.apache.kafka`` under this package, and JAAS names
-the login module by class name, so the name must carry the prefix when that jar is used."""
+the login module by class name, so the name must carry the prefix when that jar is used, and must not
+when the thin connector jar and the plain ``kafka-clients`` jar are (``flink_jobs.flink_connectors.
+connector_kafka_properties`` looks at the jars to decide)."""
 
 _LOGIN_MODULES: dict[SaslMechanism, str] = {
     "PLAIN": "org.apache.kafka.common.security.plain.PlainLoginModule",
@@ -32,11 +42,23 @@ _LOGIN_MODULES: dict[SaslMechanism, str] = {
 }
 
 
+def login_module(mechanism: SaslMechanism, *, shaded: bool) -> str:
+    """The JAAS login module class for ``mechanism``, relocated under ``SHADED_PREFIX`` if ``shaded``."""
+    return (SHADED_PREFIX if shaded else "") + _LOGIN_MODULES[mechanism]
+
+
+class InsecureConfiguration(ConfigurationError):
+    """A secret or a TLS setting given to a Kafka protocol that would not use it: the operator believes
+    the connection is encrypted or authenticated, and it would be neither."""
+
+
 class KafkaSecurity(BaseModel):
     """TLS and SASL settings of a Kafka client (env, nested: ``RUNNER_KAFKA_SECURITY__PROTOCOL=SSL``,
-    ``FLINK_JOB_KAFKA__SECURITY__SASL_PASSWORD=...``). Invalid combinations fail at start-up."""
+    ``FLINK_JOB_KAFKA__SECURITY__SASL_PASSWORD=...``). Invalid combinations fail at start-up: built
+    directly, with ``InsecureConfiguration`` / ``ConfigurationError``; nested in a component's settings,
+    inside pydantic's ``ValidationError`` (``configuration_error`` unwraps it)."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, hide_input_in_errors=True)
 
     protocol: SecurityProtocol = Field("PLAINTEXT", description="security.protocol")
     ssl_ca_file: FilePath | None = Field(
@@ -52,19 +74,72 @@ class KafkaSecurity(BaseModel):
     sasl_username: str | None = None
     sasl_password: SecretStr | None = None
 
+    def __init__(self, **data: Any) -> None:
+        try:
+            super().__init__(**data)
+        except ValidationError as error:
+            raise configuration_error(error) from None  # the input may hold secrets
+
     @model_validator(mode="after")
     def _consistent(self) -> KafkaSecurity:
         tls = self.protocol in ("SSL", "SASL_SSL")
         sasl = self.protocol.startswith("SASL_")
-        if not tls and any(v is not None for v in (self.ssl_ca_file, self.ssl_cert_file, self.ssl_key_file)):
-            raise ValueError(f"ssl_* files are set but protocol is {self.protocol}; use SSL or SASL_SSL")
+        if not tls:
+            unused = [name for name in _TLS_SETTINGS if getattr(self, name) is not None]
+            if unused:
+                raise InsecureConfiguration(
+                    f"{', '.join(unused)} set but protocol is {self.protocol}: nothing would be "
+                    "encrypted; use SSL or SASL_SSL"
+                )
+        if not sasl:
+            unused = [name for name in _SASL_SETTINGS if getattr(self, name) is not None]
+            if unused and self.protocol == "PLAINTEXT":
+                raise InsecureConfiguration(
+                    f"{', '.join(unused)} set but protocol is PLAINTEXT: the client would neither "
+                    "authenticate nor encrypt; use SASL_SSL"
+                )
+            if unused:
+                raise ConfigurationError(
+                    f"{', '.join(unused)} set but protocol is {self.protocol}: SASL is never used; "
+                    "use SASL_SSL"
+                )
         if (self.ssl_cert_file is None) != (self.ssl_key_file is None):
-            raise ValueError("mutual TLS needs both ssl_cert_file and ssl_key_file")
+            raise ConfigurationError("mutual TLS needs both ssl_cert_file and ssl_key_file")
         if sasl and (self.sasl_mechanism is None or self.sasl_username is None or self.sasl_password is None):
-            raise ValueError(f"{self.protocol} needs sasl_mechanism, sasl_username and sasl_password")
-        if not sasl and self.sasl_mechanism is not None:
-            raise ValueError(f"sasl_mechanism is set but protocol is {self.protocol}; use SASL_SSL")
+            missing = [name for name in _SASL_SETTINGS if getattr(self, name) is None]
+            raise ConfigurationError(
+                f"{self.protocol} needs sasl_mechanism, sasl_username and sasl_password "
+                f"({', '.join(missing)} missing)"
+            )
         return self
+
+
+_TLS_SETTINGS = ("ssl_ca_file", "ssl_cert_file", "ssl_key_file", "ssl_key_password")
+_SASL_SETTINGS = ("sasl_mechanism", "sasl_username", "sasl_password")
+
+
+def configuration_error(error: ValidationError, settings: str | None = None) -> ConfigurationError:
+    """``error``, pydantic's account of why ``settings`` (a name to start the message with: ``RUNNER_*``,
+    ``the Flink job's settings``) could not be read, as the project's ``ConfigurationError``: of the class a
+    validator raised (``InsecureConfiguration`` first), one line per problem with the setting's dotted
+    name, and never the values given (they may be secrets). Raise it ``from None``: the
+    ``ValidationError`` it replaces prints the input."""
+    causes = [e.get("ctx", {}).get("error") for e in error.errors()]
+    raised = [c for c in causes if isinstance(c, ConfigurationError)]
+    kinds = {type(c) for c in raised}
+    kind: type[ConfigurationError] = (
+        kinds.pop()
+        if len(kinds) == 1
+        else InsecureConfiguration
+        if any(isinstance(c, InsecureConfiguration) for c in raised)
+        else ConfigurationError
+    )
+    lines = []
+    for item, cause in zip(error.errors(), causes, strict=True):
+        where = ".".join(str(part) for part in item["loc"])
+        what = str(cause) if isinstance(cause, ConfigurationError) else item["msg"]
+        lines.append(f"{where}: {what}" if where else what)
+    return kind((f"{settings}: " if settings else "") + "; ".join(lines))
 
 
 def librdkafka_properties(security: KafkaSecurity) -> dict[str, str]:
@@ -90,10 +165,12 @@ def librdkafka_properties(security: KafkaSecurity) -> dict[str, str]:
     return props
 
 
-def java_kafka_properties(security: KafkaSecurity, *, shaded: bool = True) -> dict[str, str]:
+def java_kafka_properties(security: KafkaSecurity, *, shaded: bool) -> dict[str, str]:
     """Kafka Java client properties for ``security`` (the Flink connector's ``set_property``): PEM
     trust and key stores (Kafka 2.7+, KIP-651) and a JAAS line for SASL. ``shaded``: the login module
-    lives under ``SHADED_PREFIX`` (the ``flink-sql-connector-kafka`` jar); False for the plain client."""
+    lives under ``SHADED_PREFIX`` (the ``flink-sql-connector-kafka`` jar); False for the thin connector
+    with the plain ``kafka-clients`` jar. No default: naming a class that is not on the classpath fails
+    the job's first connection (``flink_jobs.flink_connectors.connector_kafka_properties`` decides)."""
     if security.protocol == "PLAINTEXT":
         return {}
     props: dict[str, str] = {"security.protocol": security.protocol}
@@ -111,7 +188,7 @@ def java_kafka_properties(security: KafkaSecurity, *, shaded: bool = True) -> di
         props["ssl.endpoint.identification.algorithm"] = "https" if security.ssl_verify_hostname else ""
     if security.sasl_mechanism is not None:
         assert security.sasl_username is not None and security.sasl_password is not None
-        module = (SHADED_PREFIX if shaded else "") + _LOGIN_MODULES[security.sasl_mechanism]
+        module = login_module(security.sasl_mechanism, shaded=shaded)
         props["sasl.mechanism"] = security.sasl_mechanism
         props["sasl.jaas.config"] = (
             f"{module} required username={_jaas_quote(security.sasl_username)} "

@@ -31,10 +31,10 @@ def topic_lag(consumer: Consumer, topic: str, assignment: Iterable[TopicPartitio
     own that it has not consumed from since it was assigned has no position: it counts from 0 until a
     fetch answer for it came (so a partition fetched late is never taken for done), and from the
     group's committed offset after that (a partition another member finished yields no record, hence
-    never a position, and must not keep an until-drained runner waiting for good). For partitions it does not fetch, only the
-    broker's ListOffsets is known (on Tansu, a batch's base offset + 1): a member that died keeping
-    its partitions counts while it has committed nothing of them, and the whole topic being done is
-    what "drained" means."""
+    never a position, and must not keep an until-drained runner waiting for good). For partitions it
+    does not fetch, only the broker's ListOffsets is known (on Tansu, a batch's base offset + 1): a
+    member that died keeping its partitions counts while it has committed nothing of them, and the
+    whole topic being done is what "drained" means."""
     metadata = consumer.list_topics(topic, timeout=5).topics[topic]
     everything = [TopicPartition(topic, p) for p in metadata.partitions]
     done = {tp.partition: tp.offset for tp in consumer.committed(everything, timeout=5)}

@@ -5,13 +5,16 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import sys
 from pathlib import Path
 from typing import Annotated, Any
 
 import typer
+from pydantic import ValidationError
 from rich.console import Console
 from rich.table import Table
+from rich.text import Text
 
 from devstack.stack import (
     StackSettings,
@@ -20,10 +23,36 @@ from devstack.stack import (
     stack_status,
     stack_up,
 )
+from pipeline.kafka_security import KafkaSecurity, configuration_error
+from pipeline.redaction import RedactingStream, secrets_in_environment
 from pipeline.topics import DLQ_TOPIC, EVENTS_TOPIC
 from runner.config import RunnerSettings
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help=__doc__, pretty_exceptions_enable=False)
+
+
+@app.callback()
+def _no_secret_in_output(ctx: typer.Context) -> None:
+    # Runs before every command (a new one included): whatever it or a library prints on stdout or
+    # stderr, a traceback too, goes through a RedactingStream that masks URL credentials and every
+    # secret the environment holds (pipeline.redaction). Commands print redacted settings anyway;
+    # this is the net for what they do not control (a sub-app's own print, an exception message).
+    secrets = secrets_in_environment(os.environ)
+    streams = []
+    for name in ("stdout", "stderr"):
+        stream = getattr(sys, name)
+        if not isinstance(stream, RedactingStream):
+            stream = RedactingStream(stream, secrets)
+            setattr(sys, name, stream)
+        streams.append(stream)
+
+    def flush() -> None:
+        for stream in streams:
+            stream.flush()
+
+    ctx.call_on_close(flush)
+
+
 stack_app = typer.Typer(no_args_is_help=True, help="Start, stop and inspect the embedded stack.")
 app.add_typer(stack_app, name="stack")
 # Batch and real-time paths (issue 5): sub-apps mounted from their packages.
@@ -60,7 +89,7 @@ def stack_up_cmd(
         }
     )
     state = stack_up(settings)
-    console.print_json(state.to_json())
+    console.print_json(json.dumps(state.shown()))  # the state file keeps the secrets; this masks them
 
 
 @stack_app.command("down")
@@ -87,9 +116,12 @@ def produce(
     topic: str = EVENTS_TOPIC,
     state_dir: StateDir = Path(".state"),
 ) -> None:
-    """Produce a synthetic shopper stream (seasonal catalog, Zipf-like shoppers, bursts and pauses)."""
+    """Produce a synthetic shopper stream (seasonal catalog, Zipf-like shoppers, bursts and pauses).
+
+    Kafka TLS/SASL: the runner's settings, RUNNER_KAFKA_SECURITY__*."""
     from shopper.producer import produce as run_produce
 
+    security = kafka_security()
     bootstrap = bootstrap or load_state(state_dir).kafka_bootstrap
     report = run_produce(
         bootstrap,
@@ -100,6 +132,7 @@ def produce(
         malformed_rate=malformed_rate,
         seed=seed,
         realtime_ts=realtime_ts,
+        security=security,
     )
     console.print(
         f"produced {report.sent} events ({report.malformed} malformed) to {topic} in {report.seconds:.2f} s "
@@ -107,13 +140,27 @@ def produce(
     )
 
 
+def kafka_security() -> KafkaSecurity:
+    """The runner's Kafka TLS/SASL settings (``RUNNER_KAFKA_SECURITY__*``): every command that talks
+    to Kafka uses them, so one set of variables reaches every client."""
+    return read_runner_settings().kafka_security
+
+
+def read_runner_settings() -> RunnerSettings:
+    """``RunnerSettings()`` from the environment; settings that cannot work raise ``ConfigurationError``
+    (``InsecureConfiguration`` for a secret on a plaintext protocol) naming each one, never its value."""
+    try:
+        return RunnerSettings()
+    except ValidationError as error:
+        raise configuration_error(error, "RUNNER_* settings") from None
+
+
 def runner_settings_from_stack(state_dir: Path, **overrides: Any) -> RunnerSettings:
     """The environment's settings (``RUNNER_*``) with the embedded stack's addresses on top."""
     from devstack.stack import sink_settings
-    from runner.config import RunnerSettings
 
     state = load_state(state_dir)
-    from_env = RunnerSettings()
+    from_env = read_runner_settings()
     llm = from_env.llm.model_copy(update={"endpoints": state.llm_endpoints, "model": state.model})
     return from_env.model_copy(
         update={
@@ -138,11 +185,14 @@ def runner_settings(
     settings = (
         runner_settings_from_stack(state_dir, **overrides)
         if from_stack
-        else RunnerSettings().model_copy(update=overrides)
+        else read_runner_settings().model_copy(update=overrides)
     )
     if policy is not None:
         settings = settings.model_copy(update={"llm": settings.llm.model_copy(update={"policy": policy})})
-    return RunnerSettings.model_validate(settings.model_dump())
+    try:
+        return RunnerSettings.model_validate(settings.model_dump())
+    except ValidationError as error:
+        raise configuration_error(error, "RUNNER_* settings with the stack's addresses") from None
 
 
 @app.command()
@@ -236,15 +286,22 @@ def signals(
 def tail_dlq(
     limit: int = 20,
     bootstrap: str | None = None,
+    topic: Annotated[str, typer.Option(help="the dead-letter topic")] = DLQ_TOPIC,
     state_dir: StateDir = Path(".state"),
 ) -> None:
-    """Print dead-lettered messages with their reasons."""
-    from shopper.readback import read_dlq
+    """Print dead-lettered messages with their reasons, one bounded, escaped line each.
 
-    records = read_dlq(bootstrap or load_state(state_dir).kafka_bootstrap, DLQ_TOPIC, limit)
-    for record in records:
-        console.print(f"[yellow]{record['reason']}[/yellow]  {str(record['original'])[:100]!r}")
-    console.print(f"{len(records)} dead letters shown")
+    A record that is not a dead letter is shown too. Kafka TLS/SASL: RUNNER_KAFKA_SECURITY__*."""
+    from shopper.readback import describe_dead_letter, read_dlq_values
+
+    security = kafka_security()
+    bootstrap = bootstrap or load_state(state_dir).kafka_bootstrap
+    values = read_dlq_values(bootstrap, topic, limit, security=security)
+    for value in values:
+        reason, original = describe_dead_letter(value)
+        # Text: no markup parsed; soft_wrap: one record, one line
+        console.print(Text.assemble((reason, "yellow"), "  ", original), soft_wrap=True)
+    console.print(f"{len(values)} dead letters shown")
 
 
 @app.command()

@@ -7,16 +7,19 @@ import time
 from pathlib import Path
 
 import redis
+from pydantic import ValidationError
 from rich.console import Console
 from rich.table import Table
 
 from devstack.stack import StackSettings, sink_settings, stack_down, stack_up
 from llm_client.config import ClientConfig
+from pipeline.kafka_security import configuration_error
+from pipeline.redaction import mask_url
 from pipeline.topics import DLQ_TOPIC, EVENTS_TOPIC
 from runner.config import RunnerSettings
 from runner.embedded import EmbeddedRunner
 from shopper.producer import produce
-from shopper.readback import list_s3_records, read_dlq, read_signals
+from shopper.readback import describe_dead_letter, list_s3_records, read_dlq_values, read_signals
 
 
 def run_demo(
@@ -28,10 +31,16 @@ def run_demo(
     console: Console,
     engine: str = "embedded",
 ) -> int:
+    from shopper.cli import kafka_security
+
+    security = kafka_security()  # the runner's TLS/SASL, for every Kafka client of the demo
     console.rule("1. embedded stack")
     state = stack_up(StackSettings(state_dir=state_dir, replicas=3, time_scale=0.05))
-    console.print(f"kafka {state.kafka_bootstrap}  redis {state.redis_url}  s3 {state.s3_endpoint_url}")
-    console.print(f"LLM replicas ({state.model}): {', '.join(state.llm_endpoints)}")
+    console.print(
+        f"kafka {state.kafka_bootstrap}  redis {mask_url(state.redis_url)}  "
+        f"s3 {mask_url(state.s3_endpoint_url or '-')}"
+    )
+    console.print(f"LLM replicas ({state.model}): {', '.join(map(mask_url, state.llm_endpoints))}")
     try:
         prefix = f"su-demo-{int(time.time())}:"
         s3_prefix = prefix.rstrip(":")
@@ -44,6 +53,7 @@ def run_demo(
             rate=None,
             malformed_rate=0.01,
             seed=7,
+            security=security,
         )
         console.print(
             f"{report.sent} events ({report.malformed} deliberately malformed) in {report.seconds:.2f} s"
@@ -61,13 +71,16 @@ def run_demo(
                 console=console,
             )
         console.rule("3. run until drained")
-        settings = RunnerSettings(
-            bootstrap_servers=state.kafka_bootstrap,
-            group_id=f"demo-{prefix}",
-            until_drained=True,
-            llm=ClientConfig(endpoints=state.llm_endpoints, model=state.model),
-            sinks=sink_settings(state, redis_key_prefix=prefix, s3_prefix=s3_prefix),
-        )
+        try:
+            settings = RunnerSettings(
+                bootstrap_servers=state.kafka_bootstrap,
+                group_id=f"demo-{prefix}",
+                until_drained=True,
+                llm=ClientConfig(endpoints=state.llm_endpoints, model=state.model),
+                sinks=sink_settings(state, redis_key_prefix=prefix, s3_prefix=s3_prefix),
+            )
+        except ValidationError as error:
+            raise configuration_error(error, "RUNNER_* settings") from None
         stats = asyncio.run(
             EmbeddedRunner(settings, log=lambda line: console.print(f"[dim]{line}[/dim]")).run()
         )
@@ -104,8 +117,9 @@ def run_demo(
         )
         for key in keys[:4]:
             console.print(f"  {key}")
-        dlq = read_dlq(state.kafka_bootstrap, DLQ_TOPIC)
-        console.print(f"DLQ {DLQ_TOPIC}: {len(dlq)} records; e.g. '{dlq[0]['reason'] if dlq else '-'}'")
+        dlq = read_dlq_values(state.kafka_bootstrap, DLQ_TOPIC, security=security)
+        example = describe_dead_letter(dlq[0])[0] if dlq else "-"
+        console.print(f"DLQ {DLQ_TOPIC}: {len(dlq)} records; e.g. '{example}'", markup=False)
         acct = stats.accounting
         totals = Table(
             "events in",

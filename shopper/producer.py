@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from confluent_kafka import Producer
 
 from devstack.synthetic import SyntheticStream
+from pipeline.kafka_security import KafkaSecurity, librdkafka_properties
 
 
 @dataclass
@@ -27,9 +28,11 @@ def produce(
     malformed_rate: float,
     seed: int,
     realtime_ts: bool = False,
+    security: KafkaSecurity | None = None,
 ) -> ProduceReport:
     """Send ``events`` records; ``rate`` (events/s) paces them, None sends as fast as possible.
-    ``realtime_ts`` stamps events with the wall clock instead of the simulated event time."""
+    ``realtime_ts`` stamps events with the wall clock instead of the simulated event time;
+    ``security``: TLS/SASL, the runner's (``RUNNER_KAFKA_SECURITY__*``) when run as ``shopper produce``."""
     stream = SyntheticStream(
         shoppers=shoppers,
         seed=seed,
@@ -42,6 +45,7 @@ def produce(
             "linger.ms": 10,
             "batch.num.messages": 10000,
             "log.connection.close": False,
+            **librdkafka_properties(security or KafkaSecurity()),
         }
     )
     started = time.perf_counter()

@@ -1,4 +1,9 @@
-"""Reading results back: Redis signals, S3 objects and the dead-letter topic."""
+"""Reading results back: Redis signals, S3 objects and the dead-letter topic.
+
+The Kafka readers take the same ``KafkaSecurity`` as the runner (``RUNNER_KAFKA_SECURITY__*``), so they
+reach a broker that needs TLS or SASL. A dead-letter topic is read as bytes: anyone who may produce to
+it can put anything there, and ``describe_dead_letter`` makes any record one bounded, escaped line.
+"""
 
 from __future__ import annotations
 
@@ -12,6 +17,7 @@ import orjson
 import redis.asyncio as aioredis
 from confluent_kafka import Consumer, TopicPartition
 
+from pipeline.kafka_security import KafkaSecurity, librdkafka_properties
 from pipeline.topic_ends import end_offset
 from sinks.config import SinkSettings
 from sinks.keys import RedisKeys
@@ -52,9 +58,31 @@ def list_s3_records(settings: SinkSettings, prefix: str) -> tuple[list[str], lis
 
 
 def read_dlq(
-    bootstrap: str, topic: str, limit: int | None = None, timeout_s: float = 30.0
+    bootstrap: str,
+    topic: str,
+    limit: int | None = None,
+    timeout_s: float = 30.0,
+    *,
+    security: KafkaSecurity | None = None,
 ) -> list[dict[str, Any]]:
-    """Every record of the dead-letter topic (from the beginning), newest ``limit`` if given."""
+    """Every record of the dead-letter topic (from the beginning) parsed as JSON, newest ``limit`` if
+    given; records without a value are left out. Raises on a record that is not JSON: for readers
+    that own the topic (tests, the demo); ``shopper tail-dlq`` uses ``read_dlq_values``."""
+    values = read_dlq_values(bootstrap, topic, None, timeout_s, security=security)
+    records = [orjson.loads(value) for value in values if value is not None]
+    return records if limit is None else records[-limit:]
+
+
+def read_dlq_values(
+    bootstrap: str,
+    topic: str,
+    limit: int | None = None,
+    timeout_s: float = 30.0,
+    *,
+    security: KafkaSecurity | None = None,
+) -> list[bytes | None]:
+    """Every record value of the dead-letter topic (from the beginning) as it is, ``None`` for a
+    record without one; the newest ``limit`` if given."""
     consumer = Consumer(
         {
             "bootstrap.servers": bootstrap,
@@ -62,6 +90,7 @@ def read_dlq(
             "enable.auto.commit": False,
             "auto.offset.reset": "earliest",
             "log.connection.close": False,
+            **librdkafka_properties(security or KafkaSecurity()),
         }
     )
     try:
@@ -69,24 +98,60 @@ def read_dlq(
         partitions = [TopicPartition(topic, p, 0) for p in metadata.partitions]
         ends = {tp.partition: end_offset(consumer, tp, timeout_s=10) for tp in partitions}
         consumer.assign(partitions)
-        records: list[dict[str, Any]] = []
+        values: list[bytes | None] = []
         done = {p for p, end in ends.items() if end == 0}
         deadline = time.monotonic() + timeout_s
         while len(done) < len(ends) and time.monotonic() < deadline:
             for message in consumer.consume(1000, 0.5):
-                value, offset, partition = message.value(), message.offset(), message.partition()
-                if message.error() or value is None or offset is None or partition is None:
+                offset, partition = message.offset(), message.partition()
+                if message.error() or offset is None or partition is None:
                     continue
-                records.append(orjson.loads(value))
+                values.append(message.value())
                 if offset + 1 >= ends[partition]:  # the fetch may know a later end than ListOffsets
                     ends[partition] = end_offset(consumer, TopicPartition(topic, partition))
                 if offset + 1 >= ends[partition]:
                     done.add(partition)
         if len(done) < len(ends):
-            raise TimeoutError(f"read {len(records)} dead letters but not to the end in {timeout_s} s")
-        return records if limit is None else records[-limit:]
+            raise TimeoutError(f"read {len(values)} dead letters but not to the end in {timeout_s} s")
+        return values if limit is None else values[-limit:]
     finally:
         consumer.close()
+
+
+MAX_SHOWN_REASON = 200
+MAX_SHOWN_ORIGINAL = 100
+
+
+def describe_dead_letter(value: bytes | None) -> tuple[str, str]:
+    """``(reason, original)`` of a dead-letter record, each one printable line, bounded
+    (``MAX_SHOWN_REASON``, ``MAX_SHOWN_ORIGINAL`` characters) and escaped (control, bidi and other
+    non-printable characters as ``\\x..``/``\\u....``), so a record can neither flood a terminal nor
+    drive it. A record that is not a dead letter this project wrote (not JSON, no ``reason``) is
+    described as such, with the start of its bytes."""
+    if value is None:
+        return "(no value: a tombstone)", ""
+    try:
+        record = orjson.loads(value)
+        kind = "no reason"
+    except orjson.JSONDecodeError:
+        record, kind = None, "not JSON"
+    if isinstance(record, dict) and isinstance(record.get("reason"), str):
+        original = _cut(str(record.get("original")), MAX_SHOWN_ORIGINAL)
+        return _printable(record["reason"], MAX_SHOWN_REASON), repr(original)
+    head = value[:MAX_SHOWN_ORIGINAL] + (b"..." if len(value) > MAX_SHOWN_ORIGINAL else b"")
+    try:
+        shown = repr(head.decode("utf-8"))
+    except UnicodeDecodeError:
+        shown = repr(head)  # b'...': every byte that is not printable ASCII escaped
+    return f"(not a dead letter, {kind}: {len(value)} bytes)", shown
+
+
+def _cut(text: str, limit: int) -> str:
+    return text if len(text) <= limit else text[:limit] + "..."
+
+
+def _printable(text: str, limit: int) -> str:
+    return "".join(ch if ch.isprintable() else repr(ch)[1:-1] for ch in _cut(text, limit))
 
 
 def read_topic(

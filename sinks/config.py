@@ -4,12 +4,14 @@ from __future__ import annotations
 
 from pathlib import Path
 from typing import Any
-from urllib.parse import unquote, urlsplit, urlunsplit
+from urllib.parse import unquote, unquote_plus, urlsplit, urlunsplit
 
 import redis
 import redis.asyncio as aioredis
 from pydantic import Field, FilePath, SecretStr, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from prompt_assembly.errors import ConfigurationError
 
 
 class SinkSettings(BaseSettings):
@@ -18,7 +20,7 @@ class SinkSettings(BaseSettings):
     redis_url: str = Field(
         "redis://127.0.0.1:6379/0",
         description="redis:// or rediss:// (TLS); a password in it is moved to redis_password on load, "
-        "so the URL itself never holds a secret",
+        "(user info or ?password=), so the URL itself never holds a secret",
     )
     redis_username: str | None = Field(None, description="ACL user (Redis 6+); None = 'default'")
     redis_password: SecretStr | None = Field(None, description="AUTH password of redis_username")
@@ -38,22 +40,32 @@ class SinkSettings(BaseSettings):
 
     @model_validator(mode="after")
     def _credentials_out_of_url(self) -> SinkSettings:
-        """Move ``user:password@`` out of ``redis_url`` into the typed fields (the password as a
-        ``SecretStr``), so printing the settings can never print it."""
+        """Move the credentials out of ``redis_url`` into the typed fields (the password as a
+        ``SecretStr``), so printing the settings can never print them: ``user:password@`` and the
+        ``?password=`` / ``?username=`` query parameters that redis-py reads as the same thing."""
         parts = urlsplit(self.redis_url)
-        if parts.password is None and parts.username is None:
+        kept, from_query = _split_credential_params(parts.query)
+        if parts.password is None and parts.username is None and not from_query:
             return self
-        if parts.password is not None:
+        passwords = [unquote(parts.password)] if parts.password is not None else []
+        passwords += from_query.get("password", [])
+        if len(passwords) > 1:
+            raise ConfigurationError(
+                "redis_url holds its password twice (user info and ?password=, or ?password= repeated)"
+            )
+        if passwords:
             if self.redis_password is not None:
-                raise ValueError("a Redis password is set both in redis_url and in redis_password")
-            self.redis_password = SecretStr(unquote(parts.password))
-        if parts.username and self.redis_username is None:
-            self.redis_username = unquote(parts.username)
+                raise ConfigurationError("a Redis password is set both in redis_url and in redis_password")
+            self.redis_password = SecretStr(passwords[0])
+        usernames = [unquote(parts.username)] if parts.username else []
+        usernames += from_query.get("username", [])
+        if usernames and self.redis_username is None:
+            self.redis_username = usernames[0]
         host = parts.hostname or ""
         netloc = f"[{host}]" if ":" in host else host
         if parts.port is not None:
             netloc += f":{parts.port}"
-        self.redis_url = urlunsplit((parts.scheme, netloc, parts.path, parts.query, parts.fragment))
+        self.redis_url = urlunsplit((parts.scheme, netloc, parts.path, "&".join(kept), parts.fragment))
         return self
 
     def redis_connection_kwargs(self) -> dict[str, Any]:
@@ -91,3 +103,20 @@ class SinkSettings(BaseSettings):
             secret = self.s3_secret_access_key
             kwargs["aws_secret_access_key"] = None if secret is None else secret.get_secret_value()
         return kwargs
+
+
+_CREDENTIAL_PARAMS = ("password", "username")
+
+
+def _split_credential_params(query: str) -> tuple[list[str], dict[str, list[str]]]:
+    """A Redis URL's query split into the pieces kept as they are and the credential parameters,
+    decoded as redis-py decodes them (``parse_qs``, then ``unquote`` once more)."""
+    kept: list[str] = []
+    moved: dict[str, list[str]] = {}
+    for piece in query.split("&") if query else []:
+        name, _, raw = piece.partition("=")
+        if unquote_plus(name) in _CREDENTIAL_PARAMS:
+            moved.setdefault(unquote_plus(name), []).append(unquote(unquote_plus(raw)))
+        else:
+            kept.append(piece)
+    return kept, moved

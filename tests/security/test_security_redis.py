@@ -13,6 +13,7 @@ import pytest
 from pydantic import SecretStr, ValidationError
 from redis.exceptions import AuthenticationError, ConnectionError
 
+from pipeline.redaction import redacted_config_dump
 from prompt_assembly.records import ShopperInsight, Usage
 from prompt_assembly.understanding import ShopperUnderstanding
 from sinks.config import SinkSettings
@@ -58,6 +59,33 @@ async def test_signal_sink_writes_over_tls_as_an_acl_user(server: tuple[int, Tes
         await sink.close()
     with settings.sync_redis_client() as client:  # the blocking client (Flink's helpers) alike
         assert client.acl_whoami() == USER
+
+
+async def test_a_password_in_the_url_query_is_moved_out_like_one_in_the_user_info(
+    server: tuple[int, TestCertificates],
+) -> None:
+    """redis-py reads ``?password=`` (and ``?username=``) as the AUTH credentials: they leave the URL
+    for the typed fields as ``user:password@`` does, the client still authenticates, and the dump
+    masks them. Before, the query kept the password in ``redis_url``, printed in clear."""
+    port, certs = server
+    for query, user in (
+        (f"health_check_interval=5&password={DEFAULT_PASSWORD}", "default"),
+        (f"username={USER}&password={quote(quote(USER_PASSWORD, safe=''), safe='')}", USER),
+    ):  # redis-py decodes a query value twice (parse_qs, then unquote): so do the settings
+        settings = SinkSettings(redis_url=f"rediss://127.0.0.1:{port}/0?{query}", redis_ca_file=certs.ca)
+        assert "password" not in settings.redis_url and "username" not in settings.redis_url
+        assert settings.redis_password is not None
+        client = settings.redis_client()
+        try:
+            assert await client.acl_whoami() == user
+        finally:
+            await client.aclose()
+        assert settings.redis_password.get_secret_value() not in redacted_config_dump(settings)
+    assert settings.redis_url == f"rediss://127.0.0.1:{port}/0"
+    with pytest.raises(ValidationError, match="password twice"):
+        SinkSettings(redis_url="redis://:a@h:1/0?password=b")
+    with pytest.raises(ValidationError, match="both in redis_url and in redis_password"):
+        SinkSettings(redis_url="redis://h:1/0?password=a", redis_password=SecretStr("b"))
 
 
 async def test_default_user_password_as_a_separate_secret(server: tuple[int, TestCertificates]) -> None:

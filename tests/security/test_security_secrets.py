@@ -5,6 +5,7 @@ Kafka SASL and URLs with passwords included."""
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import signal
@@ -21,7 +22,14 @@ from pydantic import SecretStr
 from devstack.synthetic import SyntheticStream
 from llm_client.config import ClientConfig
 from pipeline.kafka_security import KafkaSecurity
-from pipeline.redaction import MASK, mask_url, redacted_config_dump
+from pipeline.redaction import (
+    MASK,
+    RedactingStream,
+    mask_text,
+    mask_url,
+    redacted_config_dump,
+    secrets_in_environment,
+)
 from realtime.config import RealtimeSettings
 from runner.config import RunnerSettings
 from sinks.config import SinkSettings
@@ -40,6 +48,48 @@ def test_mask_url_keeps_where_and_drops_the_secret() -> None:
     assert mask_url("http://127.0.0.1:8000") == "http://127.0.0.1:8000"
     assert mask_url("not a url @ all") == "not a url @ all"
     assert PLANT not in mask_url(f"http://u:{PLANT}@host:notaport/")  # unparsable port: still masked
+
+
+def test_a_secret_query_parameter_is_masked_like_a_user_info_password() -> None:
+    assert mask_url(f"redis://cache:6379/0?password={PLANT}") == f"redis://cache:6379/0?password={MASK}"
+    assert (
+        mask_url(f"rediss://cache/0?db=2&Password={PLANT}&ssl_cert_reqs=none")
+        == f"rediss://cache/0?db=2&Password={MASK}&ssl_cert_reqs=none"
+    )
+    assert (
+        mask_url(f"https://s3/b/k?X-Amz-Signature={PLANT}&x=1")
+        == f"https://s3/b/k?X-Amz-Signature={MASK}&x=1"
+    )
+    assert mask_url("redis://cache:6379/0?db=2") == "redis://cache:6379/0?db=2"
+    text = f'{{"url": "redis://u:{PLANT}@h:1/0", "other": "http://h/?api_key={PLANT}&a=b"}}'
+    assert PLANT not in mask_text(text) and "redis://u:" in mask_text(text) and "a=b" in mask_text(text)
+
+
+def test_output_stream_masks_environment_secrets_whole_lines_at_a_time() -> None:
+    environ = {
+        "RUNNER_KAFKA_SECURITY__SASL_PASSWORD": PLANT,
+        "REALTIME_API_KEYS": json.dumps([PLANT + "-2"]),
+        "SINK_REDIS_URL": f"redis://h:1/0?password={PLANT}-3",
+        "LLM_ENDPOINTS": json.dumps([f"http://u:{PLANT}-4@h:1"]),
+        "LLM_MAX_TOKENS": "4096",
+        "RUNNER_TOKEN_LIMIT": "4096",
+        "GATEWAY_PORT": "8100",
+    }
+    secrets = secrets_in_environment(environ)
+    assert {PLANT, PLANT + "-2", PLANT + "-3", PLANT + "-4"} <= secrets
+    assert "4096" not in secrets and "8100" not in secrets, "numbers are settings, not secrets"
+    target = io.StringIO()
+    stream = RedactingStream(target, secrets)
+    print("sasl", PLANT[:5], end="", file=stream)  # a secret split over writes is still one line
+    print(PLANT[5:], f'"{json.dumps(PLANT + "-2")[1:-1]}"', file=stream)
+    stream.write(f"partial {PLANT}-3")
+    assert PLANT not in target.getvalue()
+    stream.flush()
+    assert PLANT not in target.getvalue() and target.getvalue().count(MASK) >= 3
+    with pytest.raises(TypeError):
+        stream.write(b"bytes")  # type: ignore[arg-type]
+    with pytest.raises(AttributeError):
+        stream.buffer  # noqa: B018  (click writes to .buffer if it finds one: it must not)
 
 
 def test_every_config_path_is_redacted_in_process(tmp_path: Path) -> None:
