@@ -2,14 +2,17 @@
 
 Endpoints: ``POST /v1/chat/completions``, ``POST /v1/completions`` (streaming or not), ``GET /health``,
 ``GET /v1/models``, ``GET /metrics`` (also at trtllm's ``/prometheus/metrics``), ``POST /kv_cache_events``
-(trtllm's KV cache event poll, see ``serving.simulator.kv_events``; 404 when events are off), and the
-test-only admin
-routes of ``serving.simulator.admin``. Every response carries ``x-replica-id``. The ``x-session-id``
-header is read and ignored, as a real engine would; ``cache_salt`` keeps tenants' cache entries apart.
+(trtllm's KV cache event poll, see ``serving.simulator.kv_events``; 404 when events are off),
+``GET /perf_metrics`` (trtllm's per-request timelines, ``serving.simulator.perf_metrics``), on a context
+replica ``POST /internal/kv_transfer`` (a generation replica's KV pull, ``serving.simulator.disagg``), and
+the test-only admin routes of ``serving.simulator.admin``. Every response carries ``x-replica-id``. The
+``x-session-id`` header is read and ignored, as a real engine would; ``cache_salt`` keeps tenants' cache
+entries apart.
 """
 
 from __future__ import annotations
 
+from dataclasses import asdict
 from typing import Any, TypeVar
 
 import orjson
@@ -17,13 +20,18 @@ from aiohttp import web
 from pydantic import BaseModel, ValidationError
 
 from serving.simulator.admin import add_admin_routes
+from serving.simulator.answers import Answer
 from serving.simulator.bad_answers import bad_answer_response
-from serving.simulator.config import SimulatorConfig
+from serving.simulator.config import Role, SimulatorConfig
+from serving.simulator.disagg import KV_CACHE_GONE, KvCacheGone, OpaqueState, first_gen_token
 from serving.simulator.engine import GenerationRequest
+from serving.simulator.kv_transfer import PULL_PATH
 from serving.simulator.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     Endpoint,
+    KvPullRequest,
+    RequestType,
     completion_body,
     error_body,
     usage_body,
@@ -48,6 +56,8 @@ def create_app(config: SimulatorConfig) -> web.Application:
     app.router.add_get("/metrics", _metrics)
     app.router.add_get("/prometheus/metrics", _metrics)
     app.router.add_post("/kv_cache_events", _kv_cache_events)
+    app.router.add_get("/perf_metrics", _perf_metrics)
+    app.router.add_post(PULL_PATH, _kv_transfer)
     add_admin_routes(app)
     app.on_response_prepare.append(_tag_replica)
     app.on_cleanup.append(replica.close)
@@ -102,6 +112,20 @@ async def _generate(
     metrics = replica.metrics
     metrics.requests.labels(endpoint).inc()
     _ = request.headers.get("x-session-id")  # routing hint for the router in front; an engine ignores it
+    params = body.disaggregated_params
+    request_type: RequestType = params.request_type if params else "context_and_generation"
+    refusal = _role_refusal(replica.config.role, request_type)
+    if refusal is not None:
+        metrics.errors.labels("bad_request").inc()
+        return error_response(refusal, 400, "invalid_request_error", "disaggregated_params.request_type")
+    state: OpaqueState | None = None
+    if request_type == "generation_only":
+        assert params is not None and params.opaque_state is not None  # the model validator checked
+        try:
+            state = OpaqueState.decode(params.opaque_state)
+        except ValueError as exc:
+            metrics.errors.labels("bad_request").inc()
+            return error_response(str(exc), 400, "invalid_request_error", "disaggregated_params.opaque_state")
     if replica.inject_error():
         metrics.errors.labels("injected").inc()
         return error_response("injected failure (simulator error_rate)", 503, "service_unavailable")
@@ -118,14 +142,31 @@ async def _generate(
         cache_salt=body.cache_salt,
         ignore_eos=body.ignore_eos,
         min_tokens=body.min_tokens,
-        streaming=body.stream,
+        streaming=body.stream and request_type != "context_only",
     )
     if job.prompt_tokens == 0:
         metrics.errors.labels("bad_request").inc()
         return error_response("prompt is empty", 400, "invalid_request_error", "prompt")
     response_id = ("chatcmpl-" if endpoint == "chat" else "cmpl-") + job.request_id
     model = body.model or replica.config.model_name
+    if request_type == "context_only":
+        return await _context_only(request, replica, endpoint, job, answer, response_id, model)
+    if state is not None:
+        # generation_only: decode after the context replica's first token, from its KV cache.
+        job.kv_transfer = True
+        job.kv_source = state.ctx_url
+        job.ctx_request_id = state.ctx_request_id
+        job.tokens_done = 1
     replica.engine.submit(job)
+    if job.kv_transfer:
+        try:
+            await job.kv_settled.wait()
+        finally:
+            if not job.kv_settled.is_set():
+                replica.engine.abort(job)
+        if job.error is not None:
+            metrics.errors.labels(job.error_type).inc()
+            return error_response(job.error, job.error_status, job.error_type)
 
     if body.stream:
         options = body.stream_options
@@ -138,7 +179,7 @@ async def _generate(
             continuous_usage=options.continuous_usage_stats if options else False,
             coalesce_s=replica.config.stream_coalesce_s,
         )
-        _account(replica, job)
+        _account(replica, job, request_type)
         return response
 
     try:
@@ -146,20 +187,72 @@ async def _generate(
     finally:
         if not job.done.is_set():
             replica.engine.abort(job)
-    _account(replica, job)
+    _account(replica, job, request_type)
     if job.error is not None:
-        return error_response(job.error, 503, "service_unavailable")
+        return error_response(job.error, job.error_status, job.error_type)
     usage = usage_body(job.prompt_tokens, job.completion_tokens, job.cached_tokens)
     return json_response(
         completion_body(endpoint, response_id, model, answer.text, answer.finish_reason, usage)
     )
 
 
-def _account(replica: Replica, job: GenerationRequest) -> None:
+def _role_refusal(role: Role, request_type: RequestType) -> str | None:
+    """Why this replica cannot serve this kind of request (a front end sent it to the wrong pool)."""
+    if request_type == "context_only" and role != "context":
+        return f"context_only requests need a replica with role context; this one is {role}"
+    if request_type == "generation_only" and role != "generation":
+        return f"generation_only requests need a replica with role generation; this one is {role}"
+    return None
+
+
+async def _context_only(
+    request: web.Request,
+    replica: Replica,
+    endpoint: Endpoint,
+    job: GenerationRequest,
+    answer: Answer,
+    response_id: str,
+    model: str,
+) -> web.Response:
+    """Prefill, answer the first token (never streamed), and keep the prompt's KV blocks pinned for the
+    generation replica's pull (``KvSender``)."""
+    job.completion_tokens = 1
+    job.keep_pinned = True
+    job.ctx_request_id = replica.next_ctx_request_id()
+    replica.engine.submit(job)
+    try:
+        await job.done.wait()
+    finally:
+        if not job.done.is_set():
+            replica.engine.abort(job)
+        elif job.error is None and not job.cancelled:
+            replica.kv_sender.hold(job)  # even if this handler is cancelled now: the timeout frees them
+    _account(replica, job, "context_only")
+    if job.error is not None:
+        return error_response(job.error, job.error_status, job.error_type)
+    first = answer.pieces[0] if answer.pieces else ""
+    state = OpaqueState(
+        ctx_url=replica.config.advertise_url or f"{request.scheme}://{request.host}",
+        ctx_request_id=job.ctx_request_id,
+        block_hashes_count=len(job.block_hashes),
+    )
+    params = {
+        "request_type": "context_only",
+        "first_gen_tokens": [first_gen_token(first)],
+        "ctx_request_id": job.ctx_request_id,
+        "opaque_state": state.encode(),
+        "draft_tokens": None,
+    }
+    finish_reason = answer.finish_reason if answer.completion_tokens <= 1 else "length"
+    usage = usage_body(job.prompt_tokens, 1, job.cached_tokens)
+    return json_response(completion_body(endpoint, response_id, model, first, finish_reason, usage, params))
+
+
+def _account(replica: Replica, job: GenerationRequest, request_type: str) -> None:
     if job.error is not None or job.cancelled:
         replica.metrics.errors.labels("aborted" if job.cancelled else "engine").inc()
     else:
-        replica.record_finished(job)
+        replica.record_finished(job, request_type)
 
 
 async def _health(request: web.Request) -> web.Response:
@@ -174,6 +267,29 @@ async def _kv_cache_events(request: web.Request) -> web.Response:
             "KV cache events are off (kv_event_buffer_max_size is 0)", 404, "not_found_error"
         )
     return web.Response(body=orjson.dumps(events.drain()), content_type="application/json")
+
+
+async def _perf_metrics(request: web.Request) -> web.Response:
+    """Every kept request timeline since the last call, as trtllm-serve's ``GET /perf_metrics``."""
+    return web.Response(
+        body=orjson.dumps(request.app[REPLICA_KEY].drain_perf_metrics()), content_type="application/json"
+    )
+
+
+async def _kv_transfer(request: web.Request) -> web.Response:
+    """A generation replica pulls a finished context_only prompt's KV blocks (those it lacks)."""
+    replica = request.app[REPLICA_KEY]
+    if replica.config.role != "context":
+        message = f"this replica's role is {replica.config.role}, not context"
+        return error_response(message, 404, "not_found_error")
+    body = await _parse(request, KvPullRequest)
+    if isinstance(body, web.Response):
+        return body
+    try:
+        receipt = await replica.kv_sender.send(body.ctx_request_id, body.block_hashes)
+    except KvCacheGone as exc:
+        return error_response(str(exc), 404, KV_CACHE_GONE)
+    return json_response(asdict(receipt))
 
 
 async def _models(request: web.Request) -> web.Response:

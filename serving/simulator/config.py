@@ -9,6 +9,7 @@ from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from serving.simulator.bad_answers import BadAnswer
+from serving.simulator.cost_model import MixedBatchCost
 from serving.simulator.engine import ChunkingPolicy
 
 # The repository lives next to a ``shared/`` folder on the development machines; CI clones may not have
@@ -19,6 +20,7 @@ SHARED_CALIBRATION_PATH = (
 BUNDLED_CALIBRATION_PATH = Path(__file__).resolve().parent / "calibration_h100.json"
 
 CalibrationModel = Literal["qwen2.5-32b", "llama3-8b"]
+Role = Literal["aggregated", "context", "generation"]
 
 
 class SimulatorConfig(BaseSettings):
@@ -65,6 +67,51 @@ class SimulatorConfig(BaseSettings):
         default="first_come_first_served",
         description="with chunked prefill: first_come_first_served (the oldest prompt takes all it can, "
         "trtllm's default) or equal_progress (one KV block per prompt in turn)",
+    )
+    mixed_batch_cost: MixedBatchCost = Field(
+        default="additive",
+        description="an iteration that prefills and decodes costs prefill + decode step (additive, what "
+        "the calibration supports) or the larger of the two (fused: one pass over the weights)",
+    )
+    pin_running_blocks: bool = Field(
+        default=False,
+        description="running requests pin their prompt's KV blocks and admission waits for room (KV "
+        "memory); always on in the context and generation roles",
+    )
+    role: Role = Field(
+        default="aggregated",
+        description="aggregated (prefill and decode here), context (answers disaggregated context_only "
+        "requests and keeps their KV cache for a generation replica to pull) or generation (answers "
+        "generation_only requests by pulling the prompt's KV cache from the context replica)",
+    )
+    advertise_url: str | None = Field(
+        default=None,
+        description="context role: the base URL generation replicas pull KV caches from (in "
+        "opaque_state); default: scheme, host and port the context_only request was sent to",
+    )
+    kv_transfer_latency_ms: float = Field(
+        default=0.5, ge=0.0, description="fixed cost of one KV cache transfer, simulated ms"
+    )
+    kv_link_gbps: float = Field(
+        default=400.0,
+        gt=0.0,
+        description="KV transfer bandwidth in gigabits/s (400: one NDR InfiniBand NIC per H100, 50 GB/s)",
+    )
+    kv_send_slots: int = Field(
+        default=4, ge=1, description="context role: KV transfers sent at once (the cache transceiver's)"
+    )
+    kv_recv_slots: int = Field(default=4, ge=1, description="generation role: KV transfers received at once")
+    kv_transfer_timeout_s: float = Field(
+        default=30.0,
+        gt=0.0,
+        description="context role: a finished prompt's KV blocks stay pinned this long for a pull, then "
+        "are released (simulated seconds, scaled by time_scale; wall seconds at time_scale 0)",
+    )
+    perf_metrics_max_requests: int = Field(
+        default=1000,
+        ge=0,
+        description="finished requests' timelines kept for GET /perf_metrics (trtllm's "
+        "perf_metrics_max_requests); 0 keeps none",
     )
     default_max_tokens: int = Field(default=200, ge=1)
     slowdown: float = Field(

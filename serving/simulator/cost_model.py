@@ -27,6 +27,7 @@ import re
 from collections import defaultdict
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Literal
 
 from prompt_assembly.errors import ConfigurationError
 
@@ -39,6 +40,50 @@ KV_BYTES_PER_TOKEN = {
 }
 
 _DECODE_TABLE_KEY = re.compile(r"^decode_step_ms_ctx(\d+)$")
+
+MixedBatchCost = Literal["additive", "fused"]
+
+
+def mixed_iteration_ms(prefill_ms: float, decode_ms: float, mode: MixedBatchCost = "additive") -> float:
+    """GPU time of one iteration that prefills prompts (``prefill_ms``) and decodes a running batch
+    (``decode_ms``) together; either part may be 0.
+
+    ``additive`` (the default, and what the simulator always did): the two run one after the other. It is
+    the only rule the calibration can vouch for: it has no mixed-batch measurement, and its
+    ``batched_prefill_ms`` points show prompts in one step cost what they cost alone (a step's tokens add
+    up linearly), so adding the decode step's tokens is the consistent extrapolation.
+
+    ``fused``: one forward pass over the weights serves both, so the iteration costs the larger of the two.
+    Each measured time already includes the per-step floor (kernel launches, the weight read), so taking
+    the maximum pays that floor once instead of twice. On the eager PyTorch path the calibration measured,
+    short steps are launch-bound (a 25-55 ms floor), so a real fused step is much closer to the maximum
+    than to the sum; but a decode batch adds attention work a prefill does not have, so ``fused`` is a
+    lower bound and ``additive`` an upper bound of a real mixed step.
+    """
+    if mode == "fused":
+        return max(prefill_ms, decode_ms)
+    return prefill_ms + decode_ms
+
+
+def kv_cache_bytes(tokens: int, model_key: str) -> int:
+    """Bytes of KV cache ``tokens`` tokens hold (bf16, the model's real layer and head shape)."""
+    return tokens * KV_BYTES_PER_TOKEN.get(model_key, 0)
+
+
+@dataclass(frozen=True)
+class KvLink:
+    """The path a prompt's KV cache takes from a context replica to a generation replica.
+
+    ``transfer_ms(n) = latency_ms + n bytes / bandwidth``: a fixed cost per transfer (connection set-up
+    and the transceiver's bookkeeping) plus the bytes at the link's rate. ``gbps`` is in gigabits per
+    second, as NICs are sold.
+    """
+
+    latency_ms: float
+    gbps: float
+
+    def transfer_ms(self, nbytes: int) -> float:
+        return self.latency_ms + nbytes * 8 / (self.gbps * 1e9) * 1000.0
 
 
 class CalibrationError(ConfigurationError):

@@ -17,6 +17,21 @@ prompt in turn, so a short prompt is not held behind a long one. A chunk costs t
 its tokens on the context computed before it (cached prefix plus earlier chunks). A partly prefilled
 prompt's blocks become reusable at its last chunk, or after every chunk with ``reuse_chunk_blocks``.
 
+Disaggregated serving (``serving.simulator.disagg``): a request with ``kv_transfer`` (TensorRT-LLM's
+``generation_only``) is not prefilled. Admission gives it a batch slot and room for the prompt's blocks this
+replica lacks, then hands it to ``on_transfer`` (the replica pulls those blocks from the context replica,
+off the loop) and takes it back through ``transfer_done``; at the next iteration it joins the decode batch
+with its prompt as context and the context replica's first token already counted. A request with
+``keep_pinned`` (``context_only``) leaves its prompt's blocks pinned when it finishes, for the replica to
+release once they have been pulled.
+
+With ``EngineLimits.pin_blocks`` (always on in the disaggregated roles) the prefix cache is also the
+replica's KV memory: a request pins its prompt's blocks from admission until it finishes, so they are
+never evicted under it, and a request is admitted only when its blocks fit beside the pinned and reserved
+ones (first come first served: a request that does not fit holds the ones behind it). Without it, blocks are
+only an LRU of reusable prefixes, as before. How an iteration that both prefills and decodes is charged is
+``EngineLimits.mixed_batch_cost`` (``cost_model.mixed_iteration_ms``).
+
 Wall-clock deadlines are kept on an absolute schedule, so the overshoot of each ``asyncio.sleep`` does not
 accumulate over a long decode; the loop catches up at most one iteration when the process was starved.
 The loop runs as one task that exists only while there is work, so an idle replica costs no CPU.
@@ -27,11 +42,11 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
-from serving.simulator.cost_model import CostModel
+from serving.simulator.cost_model import CostModel, MixedBatchCost, mixed_iteration_ms
 from serving.simulator.prefix_cache import BlockPrefixCache, cached_tokens_for
 
 _log = logging.getLogger(__name__)
@@ -54,6 +69,11 @@ class EngineLimits:
     reuse_chunk_blocks: bool = False
     """Blocks of a partly prefilled prompt become reusable after each chunk (vLLM's and SGLang's prefix
     caches do this); otherwise only when its last chunk is done."""
+    pin_blocks: bool = False
+    """Running requests pin their prompt's blocks and admission waits for room (KV memory); off: the
+    cache is only an LRU of reusable blocks and a running request's blocks may be evicted under it."""
+    mixed_batch_cost: MixedBatchCost = "additive"
+    """How an iteration with both prefill and decode work is charged (``cost_model.mixed_iteration_ms``)."""
 
 
 @dataclass
@@ -92,6 +112,39 @@ class GenerationRequest:
     token_times: list[float] = field(default_factory=list)
     cancelled: bool = False
     error: str | None = None
+    error_status: int = 503
+    error_type: str = "service_unavailable"
+
+    first_iteration_ms: float = 0.0
+    """Simulated ms of the iteration that gave this replica's first token of the request (its prefill
+    iteration, or on a generation replica its first decode step), ``slowdown`` included."""
+    max_itl_ms: float = 0.0
+    """Largest gap between two consecutive tokens on this replica, simulated ms: each later token's
+    iteration (a running request gets a token from every iteration, so that is the gap)."""
+    first_iter: int | None = None
+    last_iter: int | None = None
+
+    # Disaggregated serving (see the module docstring).
+    kv_transfer: bool = False
+    """generation_only: the prompt's KV cache comes from ``kv_source``; no prefill here."""
+    kv_source: str | None = None
+    ctx_request_id: int | None = None
+    keep_pinned: bool = False
+    """context_only: the prompt's blocks stay pinned after it finishes, owned by the replica (``pins``)."""
+    pins: list[list[int]] = field(default_factory=list)
+    """Runs of block hashes this request pinned; each is unpinned once when it lets go."""
+    reserved_blocks: int = 0
+    held_blocks: int = 0
+    """generation_only: leading prompt blocks this replica already held at admission (not pulled)."""
+    transfer_started_at: float | None = None
+    transfer_ended_at: float | None = None
+    transfer_ms: float = 0.0
+    """Modelled time of the KV transfer (``KvLink``), simulated ms."""
+    transferred_blocks: int = 0
+    transferred_bytes: int = 0
+    kv_settled: asyncio.Event = field(default_factory=asyncio.Event)
+    """Set once a ``kv_transfer`` request's KV cache has arrived or cannot (then ``error`` says why)."""
+
     # ``progress`` is set after every new token of a streaming request; ``done`` once, at the end.
     progress: asyncio.Event = field(default_factory=asyncio.Event)
     done: asyncio.Event = field(default_factory=asyncio.Event)
@@ -128,16 +181,26 @@ class ContinuousBatchingEngine:
         limits: EngineLimits,
         knobs: EngineKnobs,
         clock: Callable[[], float] | None = None,
+        on_transfer: Callable[[GenerationRequest], None] | None = None,
     ) -> None:
         self._cost = cost
         self._cache = cache
         self._limits = limits
         self._knobs = knobs
         self._clock = clock
+        self._on_transfer = on_transfer
         self._waiting: deque[GenerationRequest] = deque()
         self._running: list[GenerationRequest] = []
         self._prefilling: list[GenerationRequest] = []
         """Chunked prefill: requests in the batch whose prompt is not fully computed yet, oldest first."""
+        self._transferring: set[GenerationRequest] = set()
+        """Admitted ``kv_transfer`` requests whose KV cache is on its way (they hold a batch slot)."""
+        self._ready: list[GenerationRequest] = []
+        """``kv_transfer`` requests whose KV cache arrived: they join the next iteration's decode batch."""
+        self._blocked = False
+        """The last admission stopped at a request that does not fit in KV memory or in the batch slots
+        transfers hold; with nothing else to run, the loop then waits for ``_released``."""
+        self._released = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
         self.stats = EngineStats()
 
@@ -147,7 +210,11 @@ class ContinuousBatchingEngine:
 
     @property
     def num_running(self) -> int:
-        return len(self._running) + len(self._prefilling)
+        return len(self._running) + len(self._prefilling) + len(self._transferring) + len(self._ready)
+
+    @property
+    def num_transferring(self) -> int:
+        return len(self._transferring)
 
     def submit(self, request: GenerationRequest) -> None:
         """Queue a request; its ``done`` event is set when it finishes, fails or is aborted."""
@@ -164,6 +231,52 @@ class ContinuousBatchingEngine:
         self.stats.aborted += 1
         request.done.set()
         request.progress.set()
+        request.kv_settled.set()
+        self._released.set()  # a loop waiting for memory drops it from the queue
+
+    def kv_released(self) -> None:
+        """Pinned blocks or batch slots were given back outside the loop (a context replica's prompt was
+        pulled or timed out): re-run admission."""
+        self._released.set()
+        if self._task is None and (self._waiting or self._ready):
+            self._task = asyncio.get_running_loop().create_task(self._run(), name="sim-engine")
+
+    def transfer_done(
+        self,
+        request: GenerationRequest,
+        error: str | None = None,
+        *,
+        error_status: int = 503,
+        error_type: str = "service_unavailable",
+    ) -> None:
+        """The KV cache of a ``kv_transfer`` request arrived (``error`` None) or cannot arrive."""
+        self._transferring.discard(request)
+        if request.cancelled or error is not None:
+            self._release(request)
+            if error is not None and not request.done.is_set():
+                request.error, request.error_status, request.error_type = error, error_status, error_type
+                request.done.set()
+                request.progress.set()
+            request.kv_settled.set()
+            self.kv_released()
+            return
+        pin = self._limits.pin_blocks
+        pinned = self._cache.insert(request.block_hashes, pin=pin, release_reserved=request.reserved_blocks)
+        if pin:
+            request.pins.append(pinned)
+        request.reserved_blocks = 0
+        request.kv_settled.set()
+        if request.tokens_done >= request.completion_tokens:  # the context's token was the whole answer
+            now = self._now()
+            request.first_token_at = request.finished_at = now
+            self.stats.served += 1
+            self._release(request)
+            request.done.set()
+            request.progress.set()
+            self.kv_released()
+            return
+        self._ready.append(request)
+        self.kv_released()
 
     async def close(self) -> None:
         """Stop the loop and release every waiter with an error."""
@@ -179,16 +292,27 @@ class ContinuousBatchingEngine:
     async def _run(self) -> None:
         try:
             deadline = self._now()
-            while self._waiting or self._running or self._prefilling:
-                decoding = self._running
+            while self._waiting or self._running or self._prefilling or self._ready:
+                self._blocked = False
+                joining = self._take_ready()
+                decoding = [*self._running, *joining] if joining else self._running
                 if self._limits.chunked_prefill:
-                    chunks = self._schedule_chunks()
+                    chunks = self._schedule_chunks(len(joining))
                     ms = self._chunked_iteration_ms(chunks, decoding)
+                    scheduled = bool(chunks or decoding)
                 else:
-                    admitted = self._admit()
+                    admitted = self._admit(len(joining))
                     ms = self._iteration_ms(admitted, decoding)
+                    scheduled = bool(admitted or decoding)
+                if not scheduled and self._blocked:
+                    # Everything waiting waits for KV memory or for batch slots held by transfers.
+                    self._released.clear()
+                    await self._released.wait()
+                    deadline = self._now()
+                    continue
                 self.stats.iterations += 1
                 self.stats.busy_ms += ms
+                step_ms = ms * self._knobs.slowdown
                 delay = ms / 1000.0 * self._knobs.time_scale * self._knobs.slowdown
                 now = self._now()
                 if delay > 0:
@@ -200,7 +324,7 @@ class ContinuousBatchingEngine:
                     await asyncio.sleep(0)
                 if self._limits.chunked_prefill:
                     admitted = self._complete_chunks(chunks)
-                self._complete_iteration(admitted, decoding, self._now())
+                self._complete_iteration(admitted, decoding, self._now(), step_ms)
         except asyncio.CancelledError:
             raise
         except Exception as exc:  # a bug here must not leave HTTP handlers waiting forever
@@ -209,10 +333,24 @@ class ContinuousBatchingEngine:
         finally:
             self._task = None
 
-    def _admit(self) -> list[GenerationRequest]:
+    def _take_ready(self) -> list[GenerationRequest]:
+        """Transferred requests joining this iteration's decode batch (each decodes one token in it)."""
+        if not self._ready:
+            return []
+        ready, self._ready = self._ready, []
+        joining: list[GenerationRequest] = []
+        for request in ready:
+            if request.cancelled:
+                self._release(request)
+            else:
+                joining.append(request)
+        return joining
+
+    def _admit(self, joining: int = 0) -> list[GenerationRequest]:
         admitted: list[GenerationRequest] = []
-        slots = self._limits.max_batch - len(self._running)
-        budget = self._limits.max_num_tokens - len(self._running)
+        running = len(self._running) + joining
+        slots = self._limits.max_batch - running - len(self._transferring)
+        budget = self._limits.max_num_tokens - running
         new_total = 0
         now = self._now()
         while self._waiting and len(admitted) < slots:
@@ -220,10 +358,17 @@ class ContinuousBatchingEngine:
             if request.cancelled:
                 self._waiting.popleft()
                 continue
+            if request.kv_transfer:
+                if not self._start_transfer(request, now):
+                    break
+                slots -= 1  # it holds a batch slot while its KV cache is on the way
+                continue
             matched = self._cache.longest_prefix(request.block_hashes)
             cached = cached_tokens_for(matched, self._cache.block_size, request.prompt_tokens)
             new = request.prompt_tokens - cached
             if admitted and new_total + new > budget:
+                break
+            if not self._hold_prompt(request, matched):
                 break
             self._waiting.popleft()
             self._cache.match(request.block_hashes)
@@ -231,27 +376,69 @@ class ContinuousBatchingEngine:
             request.admitted_at = now
             new_total += new
             admitted.append(request)
+        if self._waiting and len(admitted) >= slots and self._transferring:
+            self._blocked = True
         for request in admitted:
             request.batch_prefill_tokens = new_total
-            request.batch_running = len(self._running)  # the batch this iteration decodes
+            request.batch_running = running  # the batch this iteration decodes
         return admitted
 
-    def _schedule_chunks(self) -> list[tuple[GenerationRequest, int]]:
+    def _hold_prompt(self, request: GenerationRequest, matched: int | None = None) -> bool:
+        """With pinned blocks: pin the matched prefix and reserve room for the rest, if it fits."""
+        if not self._limits.pin_blocks:
+            return True
+        if matched is None:
+            matched = self._cache.longest_prefix(request.block_hashes)
+        need = self._cache.blocks_to_hold(request.block_hashes)
+        if not self._cache.can_hold(need):
+            self._blocked = True
+            return False
+        request.pins.append(self._cache.pin(request.block_hashes[:matched]))
+        request.reserved_blocks = self._cache.blocks_to_hold(request.block_hashes)
+        self._cache.reserve(request.reserved_blocks)
+        return True
+
+    def _start_transfer(self, request: GenerationRequest, now: float) -> bool:
+        """Admit a ``kv_transfer`` request: pin what this replica holds of its prompt, book room for the
+        rest, and hand it to ``on_transfer``. False when its blocks do not fit yet."""
+        if self._on_transfer is None:
+            raise RuntimeError("a kv_transfer request reached an engine without on_transfer")
+        matched = self._cache.longest_prefix(request.block_hashes)
+        if not self._hold_prompt(request, matched):
+            return False
+        self._waiting.popleft()
+        request.held_blocks = self._cache.match(request.block_hashes)
+        request.cached_tokens = cached_tokens_for(
+            request.held_blocks, self._cache.block_size, request.prompt_tokens
+        )
+        request.admitted_at = now
+        self._transferring.add(request)
+        self._on_transfer(request)
+        return True
+
+    def _schedule_chunks(self, joining: int = 0) -> list[tuple[GenerationRequest, int]]:
         """This iteration's prefill chunks: decode tokens first, then chunks in the budget left."""
-        budget = self._limits.max_num_tokens - len(self._running)
+        running = len(self._running) + joining
+        budget = self._limits.max_num_tokens - running
         unit = max(1, self._limits.chunk_unit)
         equal = self._limits.chunking_policy == "equal_progress"
-        prefilling = [r for r in self._prefilling if not r.cancelled]
+        prefilling = self._drop_cancelled(self._prefilling)
         # Admit waiting requests while the batch has room and the budget can give each one a chunk
         # (first come first served: only while the budget is not already promised to older prompts).
         promised = unit * len(prefilling) if equal else sum(self._remaining(r) for r in prefilling)
         now = self._now()
-        while self._waiting and len(self._running) + len(prefilling) < self._limits.max_batch:
+        while self._waiting and running + len(prefilling) + len(self._transferring) < self._limits.max_batch:
             request = self._waiting[0]
             if request.cancelled:
                 self._waiting.popleft()
                 continue
+            if request.kv_transfer:
+                if not self._start_transfer(request, now):
+                    break
+                continue
             if budget - promised < (unit if equal else min(unit, self._peek_remaining(request))):
+                break
+            if not self._hold_prompt(request):
                 break
             self._waiting.popleft()
             matched = self._cache.match(request.block_hashes)
@@ -260,6 +447,8 @@ class ContinuousBatchingEngine:
             self.stats.cached_tokens_served += request.cached_tokens
             prefilling.append(request)
             promised += unit if equal else self._remaining(request)
+        if self._waiting and self._transferring:
+            self._blocked = True  # possibly waiting for the slots transfers hold
         self._prefilling = prefilling
         sizes = [0] * len(prefilling)
         left = budget
@@ -299,16 +488,16 @@ class ContinuousBatchingEngine:
     def _chunked_iteration_ms(
         self, chunks: list[tuple[GenerationRequest, int]], decoding: list[GenerationRequest]
     ) -> float:
-        ms = 0.0
+        prefill_ms = decode_ms = 0.0
         if chunks:
             new = sum(n for _, n in chunks)
             context = sum(r.cached_tokens + r.prefilled_tokens for r, _ in chunks)
-            ms += self._cost.prefill_ms(new, context)
+            prefill_ms = self._cost.prefill_ms(new, context)
             self.stats.prefill_tokens_computed += new
         if decoding:
             context = sum(r.prompt_tokens + r.tokens_done for r in decoding)
-            ms += self._cost.decode_step_ms(len(decoding), context)
-        return ms
+            decode_ms = self._cost.decode_step_ms(len(decoding), context)
+        return mixed_iteration_ms(prefill_ms, decode_ms, self._limits.mixed_batch_cost)
 
     def _complete_chunks(self, chunks: list[tuple[GenerationRequest, int]]) -> list[GenerationRequest]:
         """Book the chunks; return the requests whose prefill this iteration finished."""
@@ -322,49 +511,75 @@ class ContinuousBatchingEngine:
                 finished.append(request)
             elif self._limits.reuse_chunk_blocks and not request.cancelled:
                 done = (request.cached_tokens + request.prefilled_tokens) // self._cache.block_size
-                self._cache.insert(request.block_hashes[:done])
-        self._prefilling = [r for r in self._prefilling if r not in finished and not r.cancelled]
+                pinned = self._cache.insert(request.block_hashes[:done], pin=self._limits.pin_blocks)
+                if pinned:
+                    request.pins.append(pinned)
+        self._prefilling = self._drop_cancelled(r for r in self._prefilling if r not in finished)
         return finished
 
     def _iteration_ms(self, admitted: list[GenerationRequest], decoding: list[GenerationRequest]) -> float:
-        ms = 0.0
+        prefill_ms = decode_ms = 0.0
         if admitted:
             cached = sum(r.cached_tokens for r in admitted)
             new = sum(r.prompt_tokens for r in admitted) - cached
-            ms += self._cost.prefill_ms(new, cached)
+            prefill_ms = self._cost.prefill_ms(new, cached)
             self.stats.prefill_tokens_computed += new
             self.stats.cached_tokens_served += cached
         if decoding:
             context = sum(r.prompt_tokens + r.tokens_done for r in decoding)
-            ms += self._cost.decode_step_ms(len(decoding), context)
-        return ms
+            decode_ms = self._cost.decode_step_ms(len(decoding), context)
+        return mixed_iteration_ms(prefill_ms, decode_ms, self._limits.mixed_batch_cost)
 
     def _complete_iteration(
-        self, admitted: list[GenerationRequest], decoding: list[GenerationRequest], now: float
+        self,
+        admitted: list[GenerationRequest],
+        decoding: list[GenerationRequest],
+        now: float,
+        step_ms: float = 0.0,
     ) -> None:
+        iteration = self.stats.iterations
         still_running: list[GenerationRequest] = []
         for request in decoding:
             if request.cancelled:
+                self._release(request)
                 continue
             self.stats.decode_tokens += 1
-            if self._emit_token(request, now):
+            if request.first_token_at is None:  # a transferred request's first step here
+                request.first_token_at = now
+                request.first_iteration_ms = step_ms
+                request.first_iter = iteration
+            else:
+                request.max_itl_ms = max(request.max_itl_ms, step_ms)
+            if self._emit_token(request, now, iteration):
                 still_running.append(request)
+        pin = self._limits.pin_blocks
         for request in admitted:
             if request.cancelled:
+                self._release(request)
                 continue
-            self._cache.insert(request.block_hashes)
+            pinned = self._cache.insert(
+                request.block_hashes, pin=pin, release_reserved=request.reserved_blocks
+            )
+            if pin:
+                request.pins.append(pinned)
+                request.reserved_blocks = 0
             request.first_token_at = now
-            if self._emit_token(request, now):
+            request.first_iteration_ms = step_ms
+            request.first_iter = iteration
+            if self._emit_token(request, now, iteration):
                 still_running.append(request)
         self._running = still_running
 
-    def _emit_token(self, request: GenerationRequest, now: float) -> bool:
+    def _emit_token(self, request: GenerationRequest, now: float, iteration: int = 0) -> bool:
         """Give ``request`` one token; return whether it still needs more."""
         request.tokens_done += 1
         request.token_times.append(now)
+        request.last_iter = iteration
         if request.tokens_done >= request.completion_tokens:
             request.finished_at = now
             self.stats.served += 1
+            if not request.keep_pinned:
+                self._release(request)
             request.done.set()
             request.progress.set()
             return False
@@ -372,12 +587,37 @@ class ContinuousBatchingEngine:
             request.progress.set()
         return True
 
+    def _drop_cancelled(self, requests: Iterable[GenerationRequest]) -> list[GenerationRequest]:
+        kept: list[GenerationRequest] = []
+        for request in requests:
+            if request.cancelled:
+                self._release(request)
+            else:
+                kept.append(request)
+        return kept
+
+    def _release(self, request: GenerationRequest) -> None:
+        """Give back what ``request`` holds of KV memory: its pins and its reservation."""
+        if not request.pins and not request.reserved_blocks:
+            return
+        for run in request.pins:
+            self._cache.unpin(run)
+        request.pins = []
+        self._cache.unreserve(request.reserved_blocks)
+        request.reserved_blocks = 0
+        self._released.set()
+
     def _fail_all(self, reason: str) -> None:
-        for request in [*self._waiting, *self._running, *self._prefilling]:
+        queued = [*self._waiting, *self._running, *self._prefilling, *self._transferring, *self._ready]
+        for request in queued:
+            self._release(request)
             if not request.done.is_set():
                 request.error = reason
                 request.done.set()
                 request.progress.set()
+            request.kv_settled.set()
         self._waiting.clear()
         self._running = []
         self._prefilling = []
+        self._transferring.clear()
+        self._ready = []

@@ -10,6 +10,14 @@ radix-tree caches of vLLM, SGLang and TensorRT-LLM.
 With an ``events`` buffer, every change is also published as a KV cache event in TensorRT-LLM's format
 (``serving.simulator.kv_events``): new blocks as ``stored``, evictions as ``removed``, ``clear`` as
 ``cleared``; what a router following the events believes is then exactly what the cache holds.
+
+Pins model the KV memory of requests in flight (the engine uses them only when asked:
+``EngineLimits.pin_blocks``). A pinned block is held by a running request (or, on a context replica,
+by a prompt waiting to be pulled) and is never evicted; pins are counted, so two requests may pin the same
+block. ``reserve`` books room for blocks a request will write (its prefill, or a transfer in flight)
+before they have a hash in the table. Eviction only ever takes unpinned blocks, and makes room for the
+reservations too: ``used_blocks + reserved_blocks <= capacity_blocks`` holds whenever the unpinned blocks
+suffice. Without pins and reservations the cache is the plain LRU it always was.
 """
 
 from __future__ import annotations
@@ -46,6 +54,10 @@ class BlockPrefixCache:
         self.block_size = block_size
         self.events = events
         self._blocks: OrderedDict[int, None] = OrderedDict()
+        """Unpinned blocks, least recently used first (the only ones eviction may take)."""
+        self._pinned: dict[int, int] = {}
+        """Pinned blocks and their pin counts; they are out of the LRU order while pinned."""
+        self._reserved = 0
         self._reset_counters()
 
     def _reset_counters(self) -> None:
@@ -55,11 +67,15 @@ class BlockPrefixCache:
         self._hit_blocks = 0
         self._evicted_blocks = 0
 
+    def _holds(self, h: int) -> bool:
+        return h in self._blocks or h in self._pinned
+
     def longest_prefix(self, block_hashes: Sequence[int]) -> int:
         """Number of leading blocks present, without touching LRU order or counters."""
         n = 0
+        blocks, pinned = self._blocks, self._pinned
         for h in block_hashes:
-            if h not in self._blocks:
+            if h not in blocks and h not in pinned:
                 break
             n += 1
         return n
@@ -73,24 +89,93 @@ class BlockPrefixCache:
             self._hits += 1
             self._hit_blocks += n
             for h in reversed(block_hashes[:n]):
-                self._blocks.move_to_end(h)
+                if h in self._blocks:
+                    self._blocks.move_to_end(h)
         return n
 
-    def insert(self, block_hashes: Sequence[int]) -> None:
-        """Store (or refresh) a prompt's blocks, evicting least recently used blocks beyond capacity."""
-        blocks = self._blocks
+    def insert(
+        self, block_hashes: Sequence[int], *, pin: bool = False, release_reserved: int = 0
+    ) -> list[int]:
+        """Store (or refresh) a prompt's blocks, evicting least recently used unpinned blocks beyond
+        capacity. With ``pin`` every block of ``block_hashes`` is pinned once more (the caller unpins
+        exactly the returned list later); ``release_reserved`` gives back the room booked for them."""
+        blocks, pinned = self._blocks, self._pinned
         if self.events is not None:
             self._publish_stored(block_hashes)
         for h in reversed(block_hashes):
-            if h in blocks:
+            if pin:
+                if h in pinned:
+                    pinned[h] += 1
+                else:
+                    blocks.pop(h, None)
+                    pinned[h] = 1
+            elif h in blocks:
                 blocks.move_to_end(h)
-            else:
+            elif h not in pinned:
                 blocks[h] = None
-        overflow = max(len(blocks) - self.capacity_blocks, 0)
+        self._reserved = max(self._reserved - release_reserved, 0)
+        self._evict()
+        return list(block_hashes) if pin else []
+
+    def _evict(self) -> None:
+        blocks = self._blocks
+        overflow = len(blocks) + len(self._pinned) + self._reserved - self.capacity_blocks
+        overflow = min(max(overflow, 0), len(blocks))
         evicted = [blocks.popitem(last=False)[0] for _ in range(overflow)]
         self._evicted_blocks += overflow
         if self.events is not None:
             self.events.removed(evicted)
+
+    def pin(self, block_hashes: Sequence[int]) -> list[int]:
+        """Pin the blocks of ``block_hashes`` that are present (the caller passes a matched prefix);
+        returns the pinned hashes, which the caller hands back to ``unpin``."""
+        blocks, pinned = self._blocks, self._pinned
+        done: list[int] = []
+        for h in block_hashes:
+            if h in pinned:
+                pinned[h] += 1
+            elif h in blocks:
+                del blocks[h]
+                pinned[h] = 1
+            else:
+                continue
+            done.append(h)
+        return done
+
+    def unpin(self, block_hashes: Sequence[int]) -> None:
+        """Drop one pin of each block; a block with no pins left becomes evictable, most recently used
+        (touched leaf to root, like an insert). Blocks the cache no longer has (``clear``) are skipped."""
+        pinned, blocks = self._pinned, self._blocks
+        for h in reversed(block_hashes):
+            count = pinned.get(h)
+            if count is None:
+                continue
+            if count > 1:
+                pinned[h] = count - 1
+            else:
+                del pinned[h]
+                blocks[h] = None
+        self._evict()
+
+    def blocks_to_hold(self, block_hashes: Sequence[int]) -> int:
+        """Blocks of this prompt that are not pinned yet: what holding all of it adds to the pinned
+        and reserved memory (an unpinned cached block costs a slot too once pinned)."""
+        pinned = self._pinned
+        return len({h for h in block_hashes if h not in pinned})
+
+    def can_hold(self, blocks: int) -> bool:
+        """Whether ``blocks`` more pinned or reserved blocks fit beside what is pinned and reserved now.
+        An empty cache takes anything (a prompt larger than the cache runs alone and over-commits)."""
+        held = len(self._pinned) + self._reserved
+        return held == 0 or held + blocks <= self.capacity_blocks
+
+    def reserve(self, blocks: int) -> None:
+        """Book room for ``blocks`` blocks not yet written; unpinned blocks are evicted to make it."""
+        self._reserved += blocks
+        self._evict()
+
+    def unreserve(self, blocks: int) -> None:
+        self._reserved = max(self._reserved - blocks, 0)
 
     def _publish_stored(self, block_hashes: Sequence[int]) -> None:
         """One ``stored`` event per run of consecutive blocks not yet held, with the block before it."""
@@ -98,7 +183,7 @@ class BlockPrefixCache:
         run: list[int] = []
         parent: int | None = None
         for i, h in enumerate(block_hashes):
-            if h in self._blocks:
+            if self._holds(h):
                 if run:
                     self.events.stored(parent, run)
                     run = []
@@ -110,15 +195,28 @@ class BlockPrefixCache:
             self.events.stored(parent, run)
 
     def clear(self) -> None:
-        """Forget every block and counter, as a restarted engine would."""
+        """Forget every block and counter, as a restarted engine would (pins included: later unpins of
+        the lost blocks are no-ops; reservations of requests in flight stay)."""
         self._blocks.clear()
+        self._pinned.clear()
         self._reset_counters()
         if self.events is not None:
             self.events.cleared()
 
     @property
     def used_blocks(self) -> int:
-        return len(self._blocks)
+        return len(self._blocks) + len(self._pinned)
+
+    @property
+    def pinned_blocks(self) -> int:
+        return len(self._pinned)
+
+    @property
+    def reserved_blocks(self) -> int:
+        return self._reserved
+
+    def is_pinned(self, h: int) -> bool:
+        return h in self._pinned
 
     def stats(self) -> CacheStats:
         return CacheStats(
@@ -126,7 +224,7 @@ class BlockPrefixCache:
             hits=self._hits,
             queried_blocks=self._queried_blocks,
             hit_blocks=self._hit_blocks,
-            used_blocks=len(self._blocks),
+            used_blocks=self.used_blocks,
             capacity_blocks=self.capacity_blocks,
             evicted_blocks=self._evicted_blocks,
         )

@@ -64,6 +64,33 @@ class ResponseFormat(BaseModel):
         return self.model_dump(by_alias=True, exclude_none=True)
 
 
+RequestType = Literal["context_only", "generation_only", "context_and_generation"]
+
+
+class DisaggregatedParams(BaseModel):
+    """TensorRT-LLM's ``disaggregated_params`` (``tensorrt_llm.disaggregated_params``): what the
+    disaggregated front end adds to a request for the context server (``context_only``), what the
+    context server answers with, and what it passes on to the generation server (``generation_only``).
+    ``opaque_state`` is engine-specific (base64); the simulator's is ``serving.simulator.disagg.OpaqueState``.
+    """
+
+    model_config = ConfigDict(extra="ignore")
+    request_type: RequestType
+    first_gen_tokens: list[int] | None = None
+    ctx_request_id: int | None = None
+    opaque_state: str | None = None
+    draft_tokens: list[int] | None = None
+
+    @model_validator(mode="after")
+    def _generation_needs_the_context(self) -> DisaggregatedParams:
+        if self.request_type == "generation_only":
+            if not self.first_gen_tokens:
+                raise ValueError("generation_only needs first_gen_tokens from the context server")
+            if not self.opaque_state:
+                raise ValueError("generation_only needs opaque_state from the context server")
+        return self
+
+
 class _GenerationRequest(BaseModel):
     model_config = ConfigDict(extra="ignore", populate_by_name=True)
 
@@ -80,6 +107,7 @@ class _GenerationRequest(BaseModel):
     top_p: float | None = Field(default=None, gt=0.0, le=1.0)
     seed: int | None = None
     user: str | None = None
+    disaggregated_params: DisaggregatedParams | None = None
 
     @field_validator("cache_salt")
     @classmethod
@@ -132,6 +160,15 @@ class CompletionRequest(_GenerationRequest):
 Endpoint = Literal["chat", "completion"]
 
 
+class KvPullRequest(BaseModel):
+    """Body of a context replica's ``POST /internal/kv_transfer``: which finished prompt, and which of
+    its blocks the generation replica lacks (it already holds the others)."""
+
+    model_config = ConfigDict(extra="ignore")
+    ctx_request_id: int
+    block_hashes: list[int] = Field(default_factory=list)
+
+
 def usage_body(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dict[str, Any]:
     return {
         "prompt_tokens": prompt_tokens,
@@ -148,8 +185,10 @@ def completion_body(
     text: str,
     finish_reason: str,
     usage: dict[str, Any],
+    disaggregated_params: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
-    """The non-streaming response of either endpoint."""
+    """The non-streaming response of either endpoint (a context server's carries
+    ``disaggregated_params`` in its choice, as trtllm-serve's does)."""
     choice: dict[str, Any]
     if endpoint == "chat":
         message = {"role": "assistant", "content": text}
@@ -158,6 +197,8 @@ def completion_body(
     else:
         choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
         kind = "text_completion"
+    if disaggregated_params is not None:
+        choice["disaggregated_params"] = disaggregated_params
     return {
         "id": response_id,
         "object": kind,

@@ -1,8 +1,17 @@
-"""One simulated replica's state: engine, cache, metrics and fault knobs, owned by its aiohttp app."""
+"""One simulated replica's state: engine, cache, metrics and fault knobs, owned by its aiohttp app.
+
+In the disaggregated roles it also owns the KV transceiver: a context replica's ``KvSender`` (finished
+prompts waiting to be pulled), a generation replica's ``KvPuller`` and the tasks that pull each request's
+KV cache while the engine keeps decoding the others.
+"""
 
 from __future__ import annotations
 
+import asyncio
+import itertools
+import logging
 import random
+import time
 import uuid
 from collections import deque
 from dataclasses import asdict, dataclass
@@ -14,11 +23,16 @@ from prompt_assembly.tokens import chained_block_hashes, token_ids
 from serving.simulator.answers import Answer, plan_answer
 from serving.simulator.bad_answers import BAD_ANSWERS, BadAnswer
 from serving.simulator.config import SimulatorConfig
-from serving.simulator.cost_model import CostModel
+from serving.simulator.cost_model import CostModel, KvLink
+from serving.simulator.disagg import KV_CACHE_GONE, KvCacheGone, KvTransferFailed
 from serving.simulator.engine import ContinuousBatchingEngine, EngineKnobs, EngineLimits, GenerationRequest
 from serving.simulator.kv_events import KvEventBuffer
+from serving.simulator.kv_transfer import KvPuller, KvSender
 from serving.simulator.metrics import ReplicaMetrics
+from serving.simulator.perf_metrics import perf_record
 from serving.simulator.prefix_cache import BlockPrefixCache, salted_block_hashes
+
+_log = logging.getLogger(__name__)
 
 
 def engine_limits(config: SimulatorConfig) -> EngineLimits:
@@ -31,6 +45,8 @@ def engine_limits(config: SimulatorConfig) -> EngineLimits:
         chunking_policy=config.context_chunking_policy,
         chunk_unit=config.block_size,
         reuse_chunk_blocks=config.chunk_block_reuse,
+        pin_blocks=config.pin_running_blocks or config.role != "aggregated",
+        mixed_batch_cost=config.mixed_batch_cost,
     )
 
 
@@ -79,7 +95,20 @@ class Replica:
         )
         self.cache = BlockPrefixCache(config.cache_capacity_blocks, config.block_size, self.kv_events)
         self.knobs = EngineKnobs(time_scale=config.time_scale, slowdown=config.slowdown)
-        self.engine = ContinuousBatchingEngine(self.cost, self.cache, engine_limits(config), self.knobs)
+        self.engine = ContinuousBatchingEngine(
+            self.cost,
+            self.cache,
+            engine_limits(config),
+            self.knobs,
+            on_transfer=self._start_transfer if config.role == "generation" else None,
+        )
+        self.kv_link = KvLink(config.kv_transfer_latency_ms, config.kv_link_gbps)
+        self._kv_sender: KvSender | None = None
+        self.kv_puller = KvPuller(config.kv_recv_slots) if config.role == "generation" else None
+        self._transfers: set[asyncio.Task[None]] = set()
+        self._ctx_request_ids = itertools.count(1)
+        self.started_at = time.monotonic()  # the event loop's clock (asyncio's loop.time())
+        self.perf_records: deque[dict[str, Any]] = deque(maxlen=max(config.perf_metrics_max_requests, 1))
         self.metrics = ReplicaMetrics(
             config.replica_id,
             config.model_name,
@@ -134,7 +163,60 @@ class Replica:
         )
         return job, answer
 
-    def record_finished(self, job: GenerationRequest) -> None:
+    @property
+    def kv_sender(self) -> KvSender:
+        """A context replica's sender; built on first use, on the event loop (it owns a semaphore)."""
+        if self._kv_sender is None:
+            self._kv_sender = KvSender(
+                self.cache,
+                self.kv_link,
+                self.config.calibration_model,
+                slots=self.config.kv_send_slots,
+                timeout_s=self.config.kv_transfer_timeout_s,
+                time_scale=lambda: self.knobs.time_scale,
+                on_release=self.engine.kv_released,
+            )
+        return self._kv_sender
+
+    def next_ctx_request_id(self) -> int:
+        """``ctx_request_id`` of a context_only request: unique in this replica's lifetime."""
+        return next(self._ctx_request_ids)
+
+    def _start_transfer(self, job: GenerationRequest) -> None:
+        """Engine callback: pull ``job``'s missing blocks off the loop, then hand it back."""
+        task = asyncio.get_running_loop().create_task(self._pull(job), name=f"kv-pull-{job.request_id}")
+        self._transfers.add(task)
+        task.add_done_callback(self._transfers.discard)
+
+    async def _pull(self, job: GenerationRequest) -> None:
+        assert self.kv_puller is not None and job.kv_source is not None and job.ctx_request_id is not None
+        error: str | None = None
+        status = 503
+        kind = "service_unavailable"
+        loop = asyncio.get_running_loop()
+        try:
+            async with self.kv_puller.slots:
+                if not job.cancelled:
+                    job.transfer_started_at = loop.time()
+                    missing = job.block_hashes[job.held_blocks :]
+                    receipt = await self.kv_puller.pull(job.kv_source, job.ctx_request_id, missing)
+                    job.transfer_ended_at = loop.time()
+                    job.transferred_blocks = receipt.blocks
+                    job.transferred_bytes = receipt.bytes
+                    job.transfer_ms = receipt.transfer_ms
+        except KvCacheGone as exc:
+            error, status, kind = str(exc), 409, KV_CACHE_GONE
+        except KvTransferFailed as exc:
+            error, status, kind = str(exc), 503, KV_CACHE_GONE
+        except asyncio.CancelledError:
+            self.engine.transfer_done(job, "replica stopped during the KV transfer")
+            raise
+        except Exception as exc:  # a bug here must not leave the request waiting forever
+            _log.exception("KV pull failed")
+            error = f"KV pull failed: {exc!r}"
+        self.engine.transfer_done(job, error, error_status=status, error_type=kind)
+
+    def record_finished(self, job: GenerationRequest, request_type: str = "context_and_generation") -> None:
         m = self.metrics
         m.prompt_tokens.inc(job.prompt_tokens)
         m.cached_tokens.inc(job.cached_tokens)
@@ -147,6 +229,22 @@ class Replica:
             m.queue_time.observe(job.queue_wait / scale)
         if job.finished_at is not None:
             m.e2e.observe((job.finished_at - job.arrival) / scale)
+        if self.config.perf_metrics_max_requests > 0:
+            self.perf_records.append(
+                perf_record(
+                    job,
+                    request_type,
+                    started_at=self.started_at,
+                    scale=scale,
+                    block_size=self.config.block_size,
+                )
+            )
+
+    def drain_perf_metrics(self) -> list[dict[str, Any]]:
+        """Every kept request timeline, oldest first; emptied, as trtllm-serve's ``/perf_metrics`` is."""
+        out = list(self.perf_records)
+        self.perf_records.clear()
+        return out
 
     def reset_cache(self) -> None:
         """Lose every reusable KV block, as a restarted replica would."""
@@ -175,9 +273,34 @@ class Replica:
             if self.kv_events is None
             else {"last_event_id": self.kv_events.last_event_id, "dropped": self.kv_events.dropped},
             "engine": asdict(self.engine.stats),
+            **({"kv_transfer": self._kv_transfer_stats()} if self.config.role != "aggregated" else {}),
         }
 
+    def _kv_transfer_stats(self) -> dict[str, Any]:
+        out: dict[str, Any] = {
+            "role": self.config.role,
+            "pinned_blocks": self.cache.pinned_blocks,
+            "reserved_blocks": self.cache.reserved_blocks,
+        }
+        sender = self._kv_sender
+        if sender is not None:
+            out.update(pending=sender.pending, sent=sender.sent, expired=sender.expired)
+        if self.kv_puller is not None:
+            out.update(
+                transferring=self.engine.num_transferring,
+                received=self.kv_puller.received,
+                gone=self.kv_puller.gone,
+            )
+        return out
+
     async def close(self, _app: web.Application | None = None) -> None:
+        for task in list(self._transfers):
+            task.cancel()
+        await asyncio.gather(*self._transfers, return_exceptions=True)
+        if self._kv_sender is not None:
+            self._kv_sender.close()
+        if self.kv_puller is not None:
+            await self.kv_puller.close()
         await self.engine.close()
 
 
