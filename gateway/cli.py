@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -46,6 +45,7 @@ def serve_cmd(
     from gateway.app import serve
     from gateway.config import GatewaySettings
     from llm_client.config import ClientConfig
+    from pipeline.redaction import redacted_config_dump
 
     gateway_overrides: dict[str, Any] = {}
     if port is not None:
@@ -64,7 +64,7 @@ def serve_cmd(
     if policy is not None:
         client_overrides["policy"] = policy
     client_config = ClientConfig(**client_overrides)
-    shown = {"gateway": settings.model_dump(mode="json"), "llm": client_config.model_dump(mode="json")}
-    print(json.dumps(shown), flush=True)
+    # endpoint URLs may carry user:password@, the API keys are secrets: printed masked
+    print(redacted_config_dump({"gateway": settings, "llm": client_config}), flush=True)
     with contextlib.suppress(KeyboardInterrupt):
         asyncio.run(serve(settings, client_config))

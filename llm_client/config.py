@@ -41,7 +41,7 @@ class HealthSettings(BaseModel):
 
 
 class ClientConfig(BaseSettings):
-    model_config = SettingsConfigDict(env_prefix="LLM_", env_nested_delimiter="__")
+    model_config = SettingsConfigDict(env_prefix="LLM_", env_nested_delimiter="__", hide_input_in_errors=True)
 
     endpoints: list[str] = Field(default_factory=lambda: ["http://127.0.0.1:8000"])
     context_endpoints: list[str] = Field(

@@ -17,7 +17,9 @@ from sinks.config import SinkSettings
 
 
 class RunnerSettings(BaseSettings):
-    model_config = SettingsConfigDict(env_prefix="RUNNER_", env_nested_delimiter="__")
+    model_config = SettingsConfigDict(
+        env_prefix="RUNNER_", env_nested_delimiter="__", hide_input_in_errors=True
+    )
 
     bootstrap_servers: str = "127.0.0.1:9092"
     kafka_security: KafkaSecurity = Field(

@@ -15,7 +15,7 @@ from prompt_assembly.errors import ConfigurationError
 
 
 class SinkSettings(BaseSettings):
-    model_config = SettingsConfigDict(env_prefix="SINK_")
+    model_config = SettingsConfigDict(env_prefix="SINK_", hide_input_in_errors=True)
 
     redis_url: str = Field(
         "redis://127.0.0.1:6379/0",
