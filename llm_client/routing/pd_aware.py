@@ -137,10 +137,12 @@ class PdAwarePolicy:
 
     # ---- the conditional rule and the context server ----------------------------------------------------
     def uncached_on_decode(self, request: RouteRequest, decode: Endpoint) -> int:
-        """Prompt tokens ``decode`` would have to prefill itself (all of them without block reuse)."""
+        """Prompt tokens ``decode`` would have to prefill itself (all of them without block reuse): what
+        it was believed to hold when ``choose`` picked it (``choose`` then records the whole prompt
+        there, as it will be once decoded)."""
         if not self.settings.generation_block_reuse:
             return request.prompt_tokens
-        return request.prompt_tokens - self.decode.cached_tokens(request, decode)
+        return self.decode.estimate_uncached_tokens(request, decode)
 
     def local_reason(
         self, request: RouteRequest, decode: Endpoint, contexts: Sequence[Endpoint]

@@ -1,0 +1,99 @@
+"""The client's P/D two-step call against simulator context and generation replicas over HTTP: a cold
+prompt is prefilled on a context server and decoded on a generation server, a shopper's next prompt
+(only its newest events uncached there) is prefilled where it is decoded, and blocks gone by the pull
+mean a local prefill, never a failed request."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import aiohttp
+
+from llm_client import ClientConfig, LLMClient
+from llm_client.config import HealthSettings, Timeouts
+from llm_client.routing.pd_aware import PdAwarePolicy
+from serving.simulator.testing import running_simulator
+from tests.llm_client.test_routing_pd_aware import words
+
+
+def pd_config(generation: str, context: str, **knobs: object) -> ClientConfig:
+    return ClientConfig(
+        endpoints=[generation],
+        context_endpoints=[context],
+        policy="pd_aware",
+        policy_settings={"policy": "pd_aware", **knobs},  # type: ignore[arg-type]
+        timeouts=Timeouts(connect_s=1, attempt_s=10, deadline_s=20),
+        health=HealthSettings(interval_s=0.05),
+    )
+
+
+async def perf(url: str) -> list[dict[str, Any]]:
+    async with aiohttp.ClientSession() as http, http.get(f"{url}/perf_metrics") as response:
+        records: list[dict[str, Any]] = await response.json()
+    return records
+
+
+def messages(text: str) -> list[dict[str, str]]:
+    return [{"role": "user", "content": text}]
+
+
+async def test_a_cold_prompt_is_prefilled_remotely_and_the_next_one_locally() -> None:
+    history = words(3000)
+    async with (
+        running_simulator(role="context", time_scale=0.0) as ctx,
+        running_simulator(role="generation", time_scale=0.0) as gen,
+        LLMClient(pd_config(gen.url, ctx.url, max_local_prefill_tokens=512)) as client,
+    ):
+        policy = client.policy
+        assert isinstance(policy, PdAwarePolicy)
+        first = await client.chat(messages(history), routing_key="s1", max_tokens=20)
+        assert first.text and first.endpoint == client.endpoints[0].name
+        assert policy.stats.remote == 1
+        ctx_records, gen_records = await perf(ctx.url), await perf(gen.url)
+        assert len(ctx_records) == 1 and len(gen_records) == 1
+        assert gen_records[0]["simulator"]["transferred_blocks"] > 0
+
+        second = await client.chat(messages(history + words(200, "new")), routing_key="s1", max_tokens=20)
+        assert second.text and policy.stats.local_small == 1
+        assert await perf(ctx.url) == [], "the newest events were prefilled where they are decoded"
+        (local,) = await perf(gen.url)
+        assert local["simulator"].get("transferred_blocks") in (None, 0)
+        assert second.cached_tokens > 0.8 * second.prompt_tokens
+
+
+async def test_blocks_gone_by_the_pull_mean_a_local_prefill() -> None:
+    async with (
+        # the context replica releases a prompt's blocks 1 µs after its first token: gone by the pull
+        running_simulator(role="context", time_scale=0.0, kv_transfer_timeout_s=1e-6) as ctx,
+        running_simulator(role="generation", time_scale=0.0) as gen,
+        LLMClient(pd_config(gen.url, ctx.url, max_local_prefill_tokens=0)) as client,
+    ):
+        completion = await client.chat(messages(words(3000)), routing_key="s1", max_tokens=20)
+        policy = client.policy
+        assert isinstance(policy, PdAwarePolicy)
+        assert completion.text and completion.attempts == 1
+        assert policy.stats.remote == 1 and policy.stats.redone_locally == 1
+        assert all(e.routable for e in [*client.endpoints, *client.context_endpoints])
+
+
+async def test_a_context_server_that_is_down_means_a_local_prefill() -> None:
+    async with running_simulator(role="generation", time_scale=0.0) as gen:
+        config = pd_config(gen.url, "http://127.0.0.1:9", max_local_prefill_tokens=0)
+        async with LLMClient(config) as client:
+            completion = await client.chat(messages(words(3000)), routing_key="s1", max_tokens=20)
+            policy = client.policy
+            assert isinstance(policy, PdAwarePolicy)
+            assert completion.text and policy.stats.redone_locally == 1
+            assert not client.context_endpoints[0].routable  # ejected: refused connections
+            await client.chat(messages(words(3000, "b")), routing_key="s2", max_tokens=20)
+            assert policy.stats.local_no_context == 1
+
+
+async def test_streamed_answers_report_their_largest_inter_token_gap() -> None:
+    async with (
+        running_simulator(time_scale=0.02, stream_coalesce_s=0.0) as sim,
+        LLMClient(ClientConfig(endpoints=[sim.url])) as client,
+    ):
+        completion = await client.chat(messages(words(500)), routing_key="s1", max_tokens=30)
+    assert completion.max_itl_ms is not None and completion.max_itl_ms > 0
+    assert completion.max_itl_ms < completion.latency_ms - completion.ttft_ms + 1
