@@ -18,11 +18,13 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterator
+from dataclasses import asdict
 
 from prometheus_client import CollectorRegistry, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from llm_client.routing.pd_aware import PdAwarePolicy
 from prompt_assembly.records import EnrichmentResult, ShopperInsight
 from runner.dead_letters import REASON_CATEGORIES
 from runner.health import RunnerView, readiness
@@ -163,4 +165,15 @@ class _StateCollector(Collector):
         yield healthy
         yield state
         yield invalid
+        policy = None if client is None else client.policy
+        if isinstance(policy, PdAwarePolicy):
+            prefills = CounterMetricFamily(
+                f"{PREFIX}_llm_prefills",
+                "P/D: where each request's prefill went: remote (a context server), local_small, "
+                "local_share, local_busy, local_no_context (on the decode server), redone_locally",
+                labels=["where"],
+            )
+            for where, count in sorted(asdict(policy.stats).items()):
+                prefills.add_metric([where], float(count))
+            yield prefills
         yield gauge("runner_ready", "1 while /health/ready answers 200", float(readiness(view).ready))
