@@ -13,6 +13,7 @@ import logging
 import random
 import time
 import uuid
+import zlib
 from collections import deque
 from dataclasses import asdict, dataclass
 from typing import Any
@@ -106,7 +107,10 @@ class Replica:
         self._kv_sender: KvSender | None = None
         self.kv_puller = KvPuller(config.kv_recv_slots) if config.role == "generation" else None
         self._transfers: set[asyncio.Task[None]] = set()
-        self._ctx_request_ids = itertools.count(1)
+        # unique across replicas too (a front end joins a generation request to its context by it)
+        self._ctx_request_ids = itertools.count(
+            (zlib.crc32(config.replica_id.encode()) & 0xFFFFF) * 10**6 + 1
+        )
         self.started_at = time.monotonic()  # the event loop's clock (asyncio's loop.time())
         self.perf_records: deque[dict[str, Any]] = deque(maxlen=max(config.perf_metrics_max_requests, 1))
         self.metrics = ReplicaMetrics(

@@ -1,0 +1,308 @@
+"""Goodput of prefill/decode disaggregation against aggregated serving, on eight simulated H100s.
+
+Goodput is the highest offered rate (requests per simulated second) at which p99 time to first token
+is at most X and p99 inter-token latency (each request's largest gap between two tokens) at most Y;
+reported per GPU. Every setup is offered the same ladder of Poisson rates; each rate's p99s come with
+a bootstrap interval over its requests (95%, 400 resamples).
+
+    python -m bench.disagg [--quick] [--cost additive fused] [--workloads seed ours]
+
+Setups (8 GPUs, one simulated replica each, the qwen2.5-32b H100 calibration):
+- ``agg``: 8 aggregated replicas, ``prefix_aware`` routing; ``agg-chunked``: the same with chunked
+  prefill (1,024-token iterations, which is what bounds a decode step behind a prefill);
+- ``xPyD-remote`` (2P6D, 4P4D, 6P2D): x context and y generation replicas, ``pd_aware`` with every
+  prefill remote (``max_local_prefill_tokens`` 0: pure P/D, TensorRT-LLM without conditional disagg);
+- ``xPyD-cond``: the same with conditional disaggregation (our per-shopper rule, 512 tokens).
+
+Workloads:
+- ``seed``: the published case: cold 2-4k-token prompts (each request a prompt of its own), ~200 out;
+- ``ours``: shopper prompts from ``bench.trace`` (growing per-shopper logs, heavy prefix reuse).
+
+Times are the replicas' own (``GET /perf_metrics``, simulated ms, so host jitter at the time scale is
+all that leaks in): TTFT of an aggregated or locally prefilled request is its replica's; of a remote
+one, the context replica's TTFT plus the generation replica's (the pull, its first decode step); the
+HTTP hops between them are left out. The client does not stream (``stream: false``): the replicas
+generate every token all the same, and the client's own load stays small on two cores.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import time
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+
+from bench.common import machine, percentile, print_table
+from bench.trace import TraceConfig, TraceRequest, generate_trace, with_poisson_arrivals
+from llm_client import ClientConfig, LLMClient
+from llm_client.config import HealthSettings, RetrySettings, Timeouts
+from llm_client.errors import LLMError
+from llm_client.routing.pd_aware import PdAwarePolicy
+from serving.simulator.launch import SimulatorFleet
+
+GPUS = 8
+RESULTS = Path(__file__).resolve().parent / "results" / "disagg.json"
+
+
+@dataclass(frozen=True)
+class Setup:
+    name: str
+    contexts: int
+    policy: str
+    engine: tuple[str, ...] = ()
+    max_local: int = 0
+
+
+def setups(quick: bool) -> list[Setup]:
+    chunked = ("--enable-chunked-prefill", "true", "--max-num-tokens", "1024")
+    out = [Setup("agg", 0, "prefix_aware"), Setup("agg-chunked", 0, "prefix_aware", chunked)]
+    for contexts in (2,) if quick else (2, 4, 6):
+        split = f"{contexts}P{GPUS - contexts}D"
+        out.append(Setup(f"{split}-remote", contexts, "pd_aware", max_local=0))
+        out.append(Setup(f"{split}-cond", contexts, "pd_aware", max_local=512))
+    return out
+
+
+def workload(kind: str, requests: int, seed: int) -> list[TraceRequest]:
+    """``requests`` prompts in order (arrival times set later, per rate)."""
+    if kind == "ours":
+        trace = generate_trace(TraceConfig(shoppers=120, seed=seed))
+        return trace[:requests]
+    rng = random.Random(seed)
+    trace = generate_trace(TraceConfig(shoppers=60, seed=seed + 1))
+    cold = []
+    for i in range(requests):
+        base = trace[i % len(trace)]
+        salt = f"Request {i}-{rng.getrandbits(64):x}. "  # first in the prompt: nothing is shared
+        messages = [
+            {**m, "content": salt + m["content"]} if j == 0 else m for j, m in enumerate(base.messages)
+        ]
+        cold.append(TraceRequest(f"cold-{i}", 0, 0.0, messages, base.prompt_tokens, base.max_tokens))
+    return cold
+
+
+@dataclass
+class RatePoint:
+    rate: float
+    requests: int
+    errors: int
+    remote_share: float
+    ttft_p99: float
+    ttft_ci: tuple[float, float]
+    itl_p99: float
+    itl_ci: tuple[float, float]
+    ttft_p50: float
+    itl_p50: float
+
+
+@dataclass
+class SetupResult:
+    workload: str
+    cost: str
+    setup: str
+    gpus_context: int
+    points: list[RatePoint] = field(default_factory=list)
+
+
+def bootstrap_p99(values: Sequence[float], rng: random.Random, rounds: int = 400) -> tuple[float, float]:
+    if not values:
+        return (float("nan"), float("nan"))
+    estimates = sorted(percentile([rng.choice(values) for _ in values], 99) for _ in range(rounds))
+    return estimates[int(0.025 * rounds)], estimates[int(0.975 * rounds) - 1]
+
+
+async def drain_perf(session: aiohttp.ClientSession, urls: Sequence[str]) -> list[dict[str, Any]]:
+    records: list[dict[str, Any]] = []
+    for url in urls:
+        async with session.get(f"{url}/perf_metrics") as response:
+            records += await response.json()
+    return records
+
+
+def server_times(records: Sequence[dict[str, Any]]) -> tuple[list[float], list[float]]:
+    """(TTFT, largest inter-token gap) per request, simulated ms, joined across roles."""
+    contexts = {r["ctx_request_id"]: r for r in records if r["request_type"] == "context_only"}
+    ttft, itl = [], []
+    for r in records:
+        sim = r["simulator"]
+        if r["request_type"] == "context_only":
+            continue
+        first = sim["ttft_ms"]
+        if r["request_type"] == "generation_only":
+            context = contexts.get(r["ctx_request_id"])
+            if context is None:
+                continue
+            first += context["simulator"]["ttft_ms"]
+        ttft.append(first)
+        itl.append(sim["max_itl_ms"])
+    return ttft, itl
+
+
+async def run_rate(
+    client: LLMClient,
+    trace: Sequence[TraceRequest],
+    rate: float,
+    time_scale: float,
+    urls: Sequence[str],
+    session: aiohttp.ClientSession,
+    rng: random.Random,
+) -> RatePoint:
+    timed = with_poisson_arrivals(trace, rate, seed=int(rate * 1000))
+    policy = client.policy
+    before = asdict(policy.stats) if isinstance(policy, PdAwarePolicy) else None
+    errors = 0
+
+    async def one(request: TraceRequest) -> None:
+        nonlocal errors
+        await asyncio.sleep(max(0.0, start + request.t * time_scale - time.perf_counter()))
+        try:
+            await client.chat(
+                request.messages,
+                routing_key=request.shopper_id,
+                max_tokens=request.max_tokens,
+                prompt_tokens=request.prompt_tokens,
+            )
+        except LLMError:
+            errors += 1
+
+    await drain_perf(session, urls)  # what an earlier rate left
+    start = time.perf_counter()
+    await asyncio.gather(*(one(r) for r in timed))
+    ttft, itl = server_times(await drain_perf(session, urls))
+    remote = 0.0
+    if isinstance(policy, PdAwarePolicy) and before is not None:
+        after = asdict(policy.stats)
+        delta = {k: after[k] - before[k] for k in after}
+        local = delta["local_small"] + delta["local_share"] + delta["local_busy"] + delta["local_no_context"]
+        remote = delta["remote"] / max(1, delta["remote"] + local)
+    return RatePoint(
+        rate=rate,
+        requests=len(ttft),
+        errors=errors,
+        remote_share=remote,
+        ttft_p99=percentile(ttft, 99),
+        ttft_ci=bootstrap_p99(ttft, rng),
+        itl_p99=percentile(itl, 99),
+        itl_ci=bootstrap_p99(itl, rng),
+        ttft_p50=percentile(ttft, 50),
+        itl_p50=percentile(itl, 50),
+    )
+
+
+async def run_setup(
+    setup: Setup, kind: str, cost: str, rates: Sequence[float], args: argparse.Namespace
+) -> SetupResult:
+    common = ("--time-scale", str(args.time_scale), "--mixed-batch-cost", cost, "--stream-coalesce-s", "0.05")
+    result = SetupResult(kind, cost, setup.name, setup.contexts)
+    trace = workload(kind, args.requests, seed=11)
+    rng = random.Random(5)
+    async with (
+        SimulatorFleet(
+            GPUS - setup.contexts,
+            *common,
+            *setup.engine,
+            *(("--role", "generation") if setup.contexts else ()),
+        ) as decoders,
+        SimulatorFleet(setup.contexts, *common, "--role", "context") as contexts,
+    ):
+        settings: dict[str, Any] = {"policy": setup.policy}
+        if setup.policy == "pd_aware":
+            settings["max_local_prefill_tokens"] = setup.max_local
+            if setup.max_local == 0:  # pure P/D: every prefill remote, however busy the context pool
+                settings["context_busy_tokens"] = 1e12
+        config = ClientConfig(
+            endpoints=decoders.urls,
+            context_endpoints=contexts.urls,
+            model="qwen2.5-32b-sim",
+            policy=setup.policy,
+            policy_settings=settings,
+            stream=False,
+            max_in_flight=4096,
+            timeouts=Timeouts(connect_s=5, attempt_s=600, deadline_s=1200),
+            health=HealthSettings(interval_s=1.0),
+            retry=RetrySettings(max_attempts=1),
+        )
+        urls = [*decoders.urls, *contexts.urls]
+        async with aiohttp.ClientSession() as session:
+            for rate in rates:
+                # every rate starts cold: empty caches, a client (and routing beliefs) of its own
+                for url in urls:
+                    async with session.post(f"{url}/admin/reset_cache") as response:
+                        response.raise_for_status()
+                async with LLMClient(config) as client:
+                    point = await run_rate(client, trace, rate, args.time_scale, urls, session, rng)
+                result.points.append(point)
+                print(
+                    f"  {kind:5} {cost:8} {setup.name:14} {rate:5.1f}/s  TTFT p99 {point.ttft_p99:7.0f} ms  "
+                    f"ITL p99 {point.itl_p99:6.0f} ms  remote {point.remote_share:4.0%}  "
+                    f"errors {point.errors}",
+                    flush=True,
+                )
+    return result
+
+
+def goodput(result: SetupResult, ttft_slo: float, itl_slo: float) -> RatePoint | None:
+    """The highest rate of the ladder meeting both SLOs (point estimates of p99), if any."""
+    passing = [p for p in result.points if p.ttft_p99 <= ttft_slo and p.itl_p99 <= itl_slo and not p.errors]
+    return max(passing, key=lambda p: p.rate) if passing else None
+
+
+def report(results: Sequence[SetupResult], slos: Sequence[tuple[float, float]]) -> None:
+    print(machine())
+    rows = []
+    for r in results:
+        row: list[object] = [r.workload, r.cost, r.setup]
+        for ttft_slo, itl_slo in slos:
+            best = goodput(r, ttft_slo, itl_slo)
+            row.append(
+                "0"
+                if best is None
+                else f"{best.rate / GPUS:.2f} (TTFT {best.ttft_ci[0]:.0f}-{best.ttft_ci[1]:.0f}, "
+                f"ITL {best.itl_ci[0]:.0f}-{best.itl_ci[1]:.0f})"
+            )
+        rows.append(row)
+    headers = ["workload", "cost", "setup"] + [f"TTFT≤{t / 1000:g}s ITL≤{i:g}ms" for t, i in slos]
+    print_table(headers, rows)
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--quick", action="store_true", help="2P6D only, three rates")
+    parser.add_argument("--cost", nargs="+", default=["additive", "fused"])
+    parser.add_argument("--workloads", nargs="+", default=["seed", "ours"])
+    parser.add_argument("--setups", nargs="*", help="only these setup names")
+    parser.add_argument("--requests", type=int, default=160, help="requests per rate")
+    parser.add_argument("--time-scale", type=float, default=0.1)
+    parser.add_argument("--rates", type=float, nargs="+", help="simulated requests/s offered (whole fleet)")
+    return parser.parse_args(argv)
+
+
+DEFAULT_RATES = {"seed": [2.0, 4.0, 6.0, 8.0, 12.0], "ours": [4.0, 8.0, 16.0, 24.0, 32.0]}
+SLOS = [(1000.0, 150.0), (1000.0, 300.0), (2000.0, 150.0), (2000.0, 300.0)]
+
+
+async def main(argv: Sequence[str] | None = None) -> None:
+    args = parse_args(argv)
+    chosen = [s for s in setups(args.quick) if not args.setups or s.name in args.setups]
+    results = []
+    for kind in args.workloads:
+        rates = args.rates or (DEFAULT_RATES[kind][1:4] if args.quick else DEFAULT_RATES[kind])
+        for cost in args.cost:
+            for setup in chosen:
+                results.append(await run_setup(setup, kind, cost, rates, args))
+    RESULTS.parent.mkdir(parents=True, exist_ok=True)
+    RESULTS.write_text(json.dumps([asdict(r) for r in results], indent=1))
+    report(results, SLOS)
+
+
+if __name__ == "__main__":
+    asyncio.run(main())
