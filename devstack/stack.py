@@ -25,6 +25,7 @@ from typing import Any, Literal
 from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from devstack.errors import StackError
 from devstack.processes import (
     ManagedProcess,
     alive,
@@ -226,7 +227,7 @@ def _redis(logs: Path, started: list[ManagedProcess]) -> str:
         return "redis://127.0.0.1:6379/0"
     binary = shutil.which("redis-server")
     if binary is None:
-        raise RuntimeError("Redis is not reachable on 127.0.0.1:6379 and redis-server is not installed")
+        raise StackError("Redis is not reachable on 127.0.0.1:6379 and redis-server is not installed")
     port = free_port()
     process = spawn(
         "redis",

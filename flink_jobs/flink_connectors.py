@@ -30,6 +30,7 @@ from typing import Any, Literal
 
 from flink_jobs.flink_config import NearRealtimeSettings
 from pipeline.kafka_security import SHADED_PREFIX, KafkaSecurity, java_kafka_properties, login_module
+from prompt_assembly.errors import ShopperError
 
 LIB_DIR = Path(__file__).resolve().parent / "lib"
 JAR_GLOB = "flink-sql-connector-kafka-*.jar"
@@ -50,7 +51,7 @@ OFFSETS_INITIALIZER = "org.apache.flink.connector.kafka.source.enumerator.initia
 ResetStrategy = Literal["EARLIEST", "LATEST", "NONE"]
 
 
-class MissingConnectorJar(RuntimeError):
+class MissingConnectorJar(ShopperError, RuntimeError):
     """The Kafka connector jar is on neither the job's lib folder, the cache nor the cluster's classpath."""
 
 

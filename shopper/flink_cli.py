@@ -14,6 +14,7 @@ import typer
 from confluent_kafka import Consumer, TopicPartition
 from rich.console import Console
 
+from devstack.errors import FlinkJobFailed
 from devstack.flink_cluster import (
     FlinkRest,
     cluster_dir,
@@ -144,7 +145,7 @@ def _run_on_flink(
                 if all(tp.offset >= ends[tp.partition] for tp in done):
                     break
                 if rest.job_state(job.job_id) in {"FAILED", "CANCELED", "FINISHED"}:
-                    raise RuntimeError(f"job {job.job_id} is {rest.job_state(job.job_id)}")
+                    raise FlinkJobFailed(f"job {job.job_id} is {rest.job_state(job.job_id)}")
                 time.sleep(1.0)
         finally:
             consumer.close()

@@ -9,6 +9,7 @@ from confluent_kafka import Producer
 
 from devstack.synthetic import SyntheticStream
 from pipeline.kafka_security import KafkaSecurity, librdkafka_properties
+from prompt_assembly.errors import ShopperError
 
 
 @dataclass
@@ -69,5 +70,9 @@ def produce(
             producer.poll(0)
     remaining = producer.flush(30)
     if remaining:
-        raise RuntimeError(f"{remaining} events were not delivered")
+        raise EventsUndelivered(f"{remaining} events were not delivered to the broker within 30 s")
     return ProduceReport(events, malformed, time.perf_counter() - started)
+
+
+class EventsUndelivered(ShopperError):
+    """``shopper produce`` could not hand every event to the broker."""
