@@ -48,7 +48,7 @@ from llm_client.routing.pd_aware import PdAwarePolicy
 from serving.simulator.launch import SimulatorFleet
 
 GPUS = 8
-RESULTS = Path(__file__).resolve().parent / "results" / "disagg.json"
+RESULTS = Path(__file__).resolve().parent / "results" / "disagg_matrix.json"
 
 
 @dataclass(frozen=True)
@@ -60,13 +60,15 @@ class Setup:
     max_local: int = 0
 
 
-def setups(quick: bool) -> list[Setup]:
+def setups(quick: bool, cond_tokens: Sequence[int] = (512,)) -> list[Setup]:
     chunked = ("--enable-chunked-prefill", "true", "--max-num-tokens", "1024")
     out = [Setup("agg", 0, "prefix_aware"), Setup("agg-chunked", 0, "prefix_aware", chunked)]
     for contexts in (2,) if quick else (2, 4, 6):
         split = f"{contexts}P{GPUS - contexts}D"
         out.append(Setup(f"{split}-remote", contexts, "pd_aware", max_local=0))
-        out.append(Setup(f"{split}-cond", contexts, "pd_aware", max_local=512))
+        for tokens in cond_tokens:
+            suffix = "" if tokens == 512 else str(tokens)
+            out.append(Setup(f"{split}-cond{suffix}", contexts, "pd_aware", max_local=tokens))
     return out
 
 
@@ -280,6 +282,14 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--cost", nargs="+", default=["additive", "fused"])
     parser.add_argument("--workloads", nargs="+", default=["seed", "ours"])
     parser.add_argument("--setups", nargs="*", help="only these setup names")
+    parser.add_argument(
+        "--cond-tokens",
+        type=int,
+        nargs="+",
+        default=[512],
+        help="max_local_prefill_tokens of the -cond setups",
+    )
+    parser.add_argument("--out", type=Path, default=RESULTS, help="where the results JSON goes")
     parser.add_argument("--requests", type=int, default=160, help="requests per rate")
     parser.add_argument("--time-scale", type=float, default=0.1)
     parser.add_argument("--rates", type=float, nargs="+", help="simulated requests/s offered (whole fleet)")
@@ -292,15 +302,15 @@ SLOS = [(1000.0, 150.0), (1000.0, 300.0), (2000.0, 150.0), (2000.0, 300.0)]
 
 async def main(argv: Sequence[str] | None = None) -> None:
     args = parse_args(argv)
-    chosen = [s for s in setups(args.quick) if not args.setups or s.name in args.setups]
+    chosen = [s for s in setups(args.quick, args.cond_tokens) if not args.setups or s.name in args.setups]
     results = []
     for kind in args.workloads:
         rates = args.rates or (DEFAULT_RATES[kind][1:4] if args.quick else DEFAULT_RATES[kind])
         for cost in args.cost:
             for setup in chosen:
                 results.append(await run_setup(setup, kind, cost, rates, args))
-    RESULTS.parent.mkdir(parents=True, exist_ok=True)
-    RESULTS.write_text(json.dumps([asdict(r) for r in results], indent=1))
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps([asdict(r) for r in results], indent=1))
     report(results, SLOS)
 
 
