@@ -6,11 +6,15 @@ from __future__ import annotations
 import json
 import re
 import urllib.request
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from pathlib import Path
 
+from aiohttp import web
 from confluent_kafka import Producer
 from prometheus_client.parser import text_string_to_metric_families
 
+from devstack.processes import free_port
 from prompt_assembly.events import MalformedEvent, parse_event
 from prompt_assembly.processor import SessionConfig, SessionProcessor
 from prompt_assembly.prompt import build_messages
@@ -87,3 +91,17 @@ def viewed_prompt(
         for i in range(events)
     ]
     return build_messages(shopper, lines)
+
+
+@asynccontextmanager
+async def serving(app: web.Application) -> AsyncIterator[str]:
+    """``app`` on 127.0.0.1 and a free port until the block exits; yields its base URL (a replica that
+    misbehaves on purpose, written by a test in a few lines)."""
+    runner = web.AppRunner(app, access_log=None)
+    await runner.setup()
+    port = free_port()
+    await web.TCPSite(runner, "127.0.0.1", port).start()
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        await runner.cleanup()

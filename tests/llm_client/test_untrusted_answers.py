@@ -14,7 +14,6 @@ from collections.abc import AsyncIterator
 import pytest
 from aiohttp import web
 
-from devstack.processes import free_port
 from llm_client import ClientConfig, LLMClient
 from llm_client.answer_health import AnswerHealthSettings
 from llm_client.config import HealthSettings, RetrySettings, Timeouts
@@ -26,6 +25,7 @@ from prompt_assembly.processor import SessionProcessor
 from prompt_assembly.records import PromptRequest, ShopperInsight
 from serving.simulator.bad_answers import BAD_ANSWERS, BadAnswer
 from serving.simulator.testing import running_simulator
+from tests.helpers import serving
 from tests.prompt_assembly.test_sessions import event
 
 MESSAGES = [{"role": "user", "content": "Describe shopper s1: viewed hats, added a witch hat to the cart."}]
@@ -156,14 +156,8 @@ async def stalling_replica() -> AsyncIterator[str]:
 
     app = web.Application()
     app.router.add_post("/v1/chat/completions", stall)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    port = free_port()
-    await web.TCPSite(runner, "127.0.0.1", port).start()
-    try:
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        await runner.cleanup()
+    async with serving(app) as url:
+        yield url
 
 
 async def test_the_deadline_covers_the_wait_for_a_concurrency_slot() -> None:

@@ -26,6 +26,7 @@ from realtime.service import LoopLag, create_app, realtime_client_config
 from serving.simulator.testing import running_simulator
 from sinks.redis import RedisSignalSink
 from tests.conftest import Isolated
+from tests.helpers import serving
 
 CANDIDATES: list[dict[str, Any]] = [
     {"product_id": "KID-witch", "title": "Witch Costume Set"},
@@ -312,14 +313,8 @@ async def _misbehaving_replica(answer: Any) -> AsyncIterator[str]:
     app.router.add_post("/v1/chat/completions", chat)
     app.router.add_get("/health", healthy)
     app.router.add_get("/v1/models", healthy)
-    runner = web.AppRunner(app, access_log=None)
-    await runner.setup()
-    port = free_port()
-    await web.TCPSite(runner, "127.0.0.1", port).start()
-    try:
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        await runner.cleanup()
+    async with serving(app) as url:
+        yield url
 
 
 @pytest.mark.parametrize(

@@ -11,7 +11,6 @@ from __future__ import annotations
 import asyncio
 import json
 import math
-from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -29,6 +28,7 @@ from serving.simulator.engine import ContinuousBatchingEngine, EngineKnobs, Engi
 from serving.simulator.prefix_cache import BlockPrefixCache
 from serving.simulator.replica import engine_limits
 from serving.simulator.testing import RunningSimulator, running_simulator
+from tests.serving.conftest import post_json
 
 COST = CostModel.from_calibration(SimulatorConfig().resolved_calibration_path(), "qwen2.5-32b")
 BS = 32
@@ -43,17 +43,6 @@ def _body(prompt: str, max_tokens: int, **extra: Any) -> dict[str, Any]:
     return {"model": "m", "prompt": prompt, "max_tokens": max_tokens, "ignore_eos": True, **extra}
 
 
-@pytest.fixture
-async def http() -> AsyncIterator[aiohttp.ClientSession]:
-    async with aiohttp.ClientSession() as session:
-        yield session
-
-
-async def _post(http: aiohttp.ClientSession, url: str, body: Any) -> tuple[int, dict[str, Any]]:
-    async with http.post(url, json=body) as response:
-        return response.status, await response.json()
-
-
 async def _get(http: aiohttp.ClientSession, url: str) -> Any:
     async with http.get(url) as response:
         assert response.status == 200
@@ -64,7 +53,7 @@ async def _context(
     http: aiohttp.ClientSession, ctx: RunningSimulator, body: dict[str, Any]
 ) -> dict[str, Any]:
     """The front end's first hop: the prompt's KV cache and first token; returns the response."""
-    status, reply = await _post(
+    status, reply = await post_json(
         http, f"{ctx.url}/v1/completions", {**body, "disaggregated_params": {"request_type": "context_only"}}
     )
     assert status == 200, reply
@@ -121,7 +110,7 @@ async def test_context_replica_answers_the_first_token_and_the_generation_replic
         running_simulator(role="context", time_scale=0.0) as ctx,
         running_simulator(role="generation", time_scale=0.0) as gen,
     ):
-        _, whole = await _post(http, f"{agg.url}/v1/completions", body)
+        _, whole = await post_json(http, f"{agg.url}/v1/completions", body)
         ctx_reply = await _context(http, ctx, {**body, "stream": True})  # never streamed
         params = ctx_reply["choices"][0]["disaggregated_params"]
         assert params["request_type"] == "context_only" and params["draft_tokens"] is None
@@ -148,29 +137,31 @@ async def test_context_replica_answers_the_first_token_and_the_generation_replic
         # Requests sent to the wrong pool, and malformed params, are 400s that say why.
         for url, request_type in ((agg.url, "context_only"), (ctx.url, "generation_only")):
             extra = {"first_gen_tokens": [1], "opaque_state": params["opaque_state"]}
-            status, reply = await _post(
+            status, reply = await post_json(
                 http,
                 f"{url}/v1/completions",
                 {**body, "disaggregated_params": {"request_type": request_type, **extra}},
             )
             assert status == 400 and "role" in reply["error"]["message"]
         for bad in ({"request_type": "generation_only"}, {"request_type": "x"}):
-            status, _ = await _post(http, f"{gen.url}/v1/completions", {**body, "disaggregated_params": bad})
+            status, _ = await post_json(
+                http, f"{gen.url}/v1/completions", {**body, "disaggregated_params": bad}
+            )
             assert status == 400
         bad_state = {
             "request_type": "generation_only",
             "first_gen_tokens": [1],
             "opaque_state": "bm90IGpzb24=",
         }
-        status, reply = await _post(
+        status, reply = await post_json(
             http, f"{gen.url}/v1/completions", {**body, "disaggregated_params": bad_state}
         )
         assert status == 400 and reply["error"]["param"] == "disaggregated_params.opaque_state"
-        status, _ = await _post(http, f"{agg.url}/internal/kv_transfer", {"ctx_request_id": 1})
+        status, _ = await post_json(http, f"{agg.url}/internal/kv_transfer", {"ctx_request_id": 1})
         assert status == 404
         # Plain requests are served by every role.
         for sim in (ctx, gen):
-            status, reply = await _post(http, f"{sim.url}/v1/completions", _body(_prompt("plain", 40), 3))
+            status, reply = await post_json(http, f"{sim.url}/v1/completions", _body(_prompt("plain", 40), 3))
             assert status == 200 and reply["usage"]["completion_tokens"] == 3
 
 
@@ -253,7 +244,7 @@ async def test_a_prefill_burst_stretches_decode_gaps_when_aggregated_but_not_on_
         long = asyncio.create_task(_stream(http, url, long_body))
         while agg.replica.engine.stats.decode_tokens < 3:
             await asyncio.sleep(0.001)
-        await asyncio.gather(*(_post(http, url, b) for b in burst))
+        await asyncio.gather(*(post_json(http, url, b) for b in burst))
         await long
         records = await _get(http, f"{agg.url}/perf_metrics")
     agg_long = next(r for r in records if r["simulator"]["completion_tokens"] == 400)["simulator"]
@@ -294,7 +285,7 @@ async def test_a_shoppers_next_request_moves_only_its_new_blocks(http: aiohttp.C
         running_simulator(role="context", time_scale=0.0, kv_event_buffer_max_size=100) as ctx,
         running_simulator(role="generation", time_scale=0.0, kv_event_buffer_max_size=100) as gen,
     ):
-        await _post(http, f"{gen.url}/kv_cache_events", {})  # drop the "created" event
+        await post_json(http, f"{gen.url}/kv_cache_events", {})  # drop the "created" event
         ctx_one, _, _ = await _disaggregated(http, ctx, gen, first)
         ctx_two, _, usage = await _disaggregated(http, ctx, gen, second)
         records = _by_ctx_id(await _get(http, f"{gen.url}/perf_metrics"))
@@ -358,11 +349,11 @@ async def test_pinned_blocks_are_never_evicted_and_a_late_pull_finds_the_kv_cach
         assert ctx.replica.cache.pinned_blocks == 0
         assert ctx.replica.stats()["kv_transfer"]["expired"] == 1
         ctx_id = two["choices"][0]["disaggregated_params"]["ctx_request_id"]
-        status, reply = await _post(
+        status, reply = await post_json(
             http, f"{ctx.url}/internal/kv_transfer", {"ctx_request_id": ctx_id, "block_hashes": h2}
         )
         assert status == 404 and reply["error"]["type"] == "kv_cache_gone"
-        status, reply = await _post(http, f"{gen.url}/v1/completions", _generation_body(p2, two))
+        status, reply = await post_json(http, f"{gen.url}/v1/completions", _generation_body(p2, two))
         assert status == 409 and reply["error"]["type"] == "kv_cache_gone"
         assert gen.replica.cache.pinned_blocks == 0 and gen.replica.cache.reserved_blocks == 0
         # The client recovers by redoing the prefill.
@@ -419,7 +410,7 @@ async def test_disaggregation_costs_the_same_gpu_time_as_aggregated_at_low_load(
         running_simulator(role="generation", time_scale=0.0) as gen,
     ):
         for body in bodies:
-            status, _ = await _post(http, f"{agg.url}/v1/completions", body)
+            status, _ = await post_json(http, f"{agg.url}/v1/completions", body)
             assert status == 200
             await _disaggregated(http, ctx, gen, body)
         busy = {

@@ -13,6 +13,7 @@ import pytest
 
 from prompt_assembly.tokens import chained_block_hashes, messages_text, token_ids
 from serving.simulator.testing import RunningSimulator, running_simulator
+from tests.serving.conftest import post_json
 
 SYSTEM = "You summarise a shopper's recent catalogue activity for a recommender. " * 20
 USER = "Viewed Nike Air Zoom Pegasus 41, added Garmin Forerunner 265 to basket, searched trail shoes."
@@ -27,17 +28,6 @@ def _chat(user: str = USER, **extra: Any) -> dict[str, Any]:
 async def sim() -> AsyncIterator[RunningSimulator]:
     async with running_simulator(time_scale=0.0, replica_id="r7") as running:
         yield running
-
-
-@pytest.fixture
-async def http() -> AsyncIterator[aiohttp.ClientSession]:
-    async with aiohttp.ClientSession() as session:
-        yield session
-
-
-async def _post(http: aiohttp.ClientSession, url: str, body: Any) -> tuple[int, dict[str, Any]]:
-    async with http.post(url, json=body) as response:
-        return response.status, await response.json()
 
 
 async def _sse(http: aiohttp.ClientSession, url: str, body: dict[str, Any]) -> list[Any]:
@@ -74,7 +64,7 @@ async def test_chat_stream_matches_non_stream_and_ends_with_usage(
     sim: RunningSimulator, http: aiohttp.ClientSession
 ) -> None:
     url = f"{sim.url}/v1/chat/completions"
-    _, plain = await _post(http, url, _chat(user="stream me " + USER))
+    _, plain = await post_json(http, url, _chat(user="stream me " + USER))
     events = await _sse(
         http, url, _chat(user="stream me " + USER, stream=True, stream_options={"include_usage": True})
     )
@@ -102,7 +92,7 @@ async def test_completions_stream_and_not(sim: RunningSimulator, http: aiohttp.C
     url = f"{sim.url}/v1/completions"
     prompt = "Shopper likes Lego Technic and Duplo sets."
     body = {"model": "m", "prompt": prompt, "max_tokens": 12}
-    status, plain = await _post(http, url, body)
+    status, plain = await post_json(http, url, body)
     assert status == 200 and plain["object"] == "text_completion"
     assert plain["usage"]["prompt_tokens"] == len(token_ids(prompt))
     assert plain["usage"]["completion_tokens"] == 12 or plain["choices"][0]["finish_reason"] == "stop"
@@ -114,9 +104,9 @@ async def test_completions_stream_and_not(sim: RunningSimulator, http: aiohttp.C
 
 async def test_max_tokens_variants_and_ignore_eos(sim: RunningSimulator, http: aiohttp.ClientSession) -> None:
     url = f"{sim.url}/v1/chat/completions"
-    _, body = await _post(http, url, {**_chat(), "max_tokens": None, "max_completion_tokens": 3})
+    _, body = await post_json(http, url, {**_chat(), "max_tokens": None, "max_completion_tokens": 3})
     assert body["usage"]["completion_tokens"] == 3
-    _, body = await _post(http, url, _chat(max_tokens=250, ignore_eos=True))
+    _, body = await post_json(http, url, _chat(max_tokens=250, ignore_eos=True))
     assert body["usage"]["completion_tokens"] == 250 and body["choices"][0]["finish_reason"] == "length"
 
 
@@ -139,7 +129,7 @@ async def test_json_schema_answer_validates(sim: RunningSimulator, http: aiohttp
             events = await _sse(http, f"{sim.url}/v1/chat/completions", body)
             text = "".join(e["choices"][0]["delta"].get("content", "") for e in events[:-1] if e["choices"])
         else:
-            _, reply = await _post(http, f"{sim.url}/v1/chat/completions", body)
+            _, reply = await post_json(http, f"{sim.url}/v1/chat/completions", body)
             text = reply["choices"][0]["message"]["content"]
             assert reply["choices"][0]["finish_reason"] == "stop"
         jsonschema.validate(json.loads(text), schema)
@@ -151,14 +141,14 @@ async def test_cached_tokens_are_exactly_the_shared_full_blocks(
     url = f"{sim.url}/v1/completions"
     prefix = "".join(f" w{i}" for i in range(150))  # " w12" is two tokens: " w" and "12"
     first, second = prefix + " first tail" * 30, prefix + " second tail" * 30
-    _, a = await _post(http, url, {"prompt": first, "max_tokens": 2})
-    _, b = await _post(http, url, {"prompt": second, "max_tokens": 2})
+    _, a = await post_json(http, url, {"prompt": first, "max_tokens": 2})
+    _, b = await post_json(http, url, {"prompt": second, "max_tokens": 2})
     assert a["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
     ha, hb = chained_block_hashes(token_ids(first), 32), chained_block_hashes(token_ids(second), 32)
     shared_blocks = next(i for i, (x, y) in enumerate(zip(ha, hb, strict=False)) if x != y)
     assert shared_blocks == len(token_ids(prefix)) // 32 == 9
     assert b["usage"]["prompt_tokens_details"]["cached_tokens"] == shared_blocks * 32
-    _, again = await _post(http, url, {"prompt": second, "max_tokens": 2})
+    _, again = await post_json(http, url, {"prompt": second, "max_tokens": 2})
     n = again["usage"]["prompt_tokens"]
     assert again["usage"]["prompt_tokens_details"]["cached_tokens"] == min(n // 32 * 32, n - 1)
 
@@ -199,7 +189,7 @@ async def test_cache_salt_isolates_and_session_header_is_ignored(
 async def test_bad_input_is_400_with_openai_error(
     sim: RunningSimulator, http: aiohttp.ClientSession, path: str, body: Any
 ) -> None:
-    status, reply = await _post(http, sim.url + path, body)
+    status, reply = await post_json(http, sim.url + path, body)
     assert status == 400
     assert reply["error"]["type"] == "invalid_request_error" and reply["error"]["message"]
 
@@ -215,8 +205,8 @@ async def test_health_models_and_metrics(sim: RunningSimulator, http: aiohttp.Cl
         assert r.status == 200 and await r.json() == {"status": "ok"}
     async with http.get(f"{sim.url}/v1/models") as r:
         assert (await r.json())["data"][0]["id"] == "qwen2.5-32b-sim"
-    await _post(http, f"{sim.url}/v1/chat/completions", _chat())
-    await _post(http, f"{sim.url}/v1/chat/completions", _chat())
+    await post_json(http, f"{sim.url}/v1/chat/completions", _chat())
+    await post_json(http, f"{sim.url}/v1/chat/completions", _chat())
     async with http.get(f"{sim.url}/metrics") as r:
         text = await r.text()
     prompt_tokens = len(token_ids(messages_text(_chat()["messages"])))
@@ -232,36 +222,36 @@ async def test_health_models_and_metrics(sim: RunningSimulator, http: aiohttp.Cl
 
 async def test_error_rate_one_gives_503(http: aiohttp.ClientSession) -> None:
     async with running_simulator(time_scale=0.0, error_rate=1.0) as failing:
-        status, reply = await _post(http, f"{failing.url}/v1/chat/completions", _chat())
+        status, reply = await post_json(http, f"{failing.url}/v1/chat/completions", _chat())
         assert status == 503 and reply["error"]["code"] == 503
         async with http.get(f"{failing.url}/metrics") as r:
             assert 'sim_request_errors_total{reason="injected"} 1.0' in await r.text()
 
 
 async def test_admin_config_toggles_faults(sim: RunningSimulator, http: aiohttp.ClientSession) -> None:
-    status, reply = await _post(http, f"{sim.url}/admin/config", {"error_rate": 1.0, "slowdown": 3.0})
+    status, reply = await post_json(http, f"{sim.url}/admin/config", {"error_rate": 1.0, "slowdown": 3.0})
     assert status == 200 and reply == {
         "slowdown": 3.0,
         "error_rate": 1.0,
         "bad_answer": "none",
         "bad_answer_rate": 1.0,
     }
-    assert (await _post(http, f"{sim.url}/v1/chat/completions", _chat()))[0] == 503
-    await _post(http, f"{sim.url}/admin/config", {"error_rate": 0.0, "bad_answer": "not_json"})
+    assert (await post_json(http, f"{sim.url}/v1/chat/completions", _chat()))[0] == 503
+    await post_json(http, f"{sim.url}/admin/config", {"error_rate": 0.0, "bad_answer": "not_json"})
     async with http.post(f"{sim.url}/v1/chat/completions", json=_chat()) as r:
         assert r.status == 200 and r.content_type == "text/html"  # a bad answer behind a 200
-    await _post(http, f"{sim.url}/admin/config", {"bad_answer": "none"})
-    assert (await _post(http, f"{sim.url}/v1/chat/completions", _chat()))[0] == 200
-    assert (await _post(http, f"{sim.url}/admin/config", {"slowdown": -1}))[0] == 400
+    await post_json(http, f"{sim.url}/admin/config", {"bad_answer": "none"})
+    assert (await post_json(http, f"{sim.url}/v1/chat/completions", _chat()))[0] == 200
+    assert (await post_json(http, f"{sim.url}/admin/config", {"slowdown": -1}))[0] == 400
 
 
 async def test_reset_cache_loses_the_prefix(sim: RunningSimulator, http: aiohttp.ClientSession) -> None:
     url = f"{sim.url}/v1/chat/completions"
-    await _post(http, url, _chat())
-    assert (await _post(http, url, _chat()))[1]["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
-    status, _ = await _post(http, f"{sim.url}/admin/reset_cache", {})
+    await post_json(http, url, _chat())
+    assert (await post_json(http, url, _chat()))[1]["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
+    status, _ = await post_json(http, f"{sim.url}/admin/reset_cache", {})
     assert status == 200
-    assert (await _post(http, url, _chat()))[1]["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+    assert (await post_json(http, url, _chat()))[1]["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
     async with http.get(f"{sim.url}/admin/stats") as r:
         stats = await r.json()
     assert stats["engine"]["served"] == 3 and stats["cache"]["lookups"] == 1
@@ -285,7 +275,7 @@ async def test_admin_ttft_hands_out_each_request_once(
     sim: RunningSimulator, http: aiohttp.ClientSession
 ) -> None:
     for user in ("first", "second"):
-        status, _ = await _post(http, f"{sim.url}/v1/chat/completions", _chat(user))
+        status, _ = await post_json(http, f"{sim.url}/v1/chat/completions", _chat(user))
         assert status == 200
     async with http.get(f"{sim.url}/admin/ttft") as r:
         ttfts = (await r.json())["ttft_ms"]
@@ -330,15 +320,17 @@ async def test_two_prompts_admitted_together_both_compute_the_shared_prefix(
         url = f"{sim.url}/v1/chat/completions"
         # A long cold prefill of another shopper holds the engine for about a second: both prompts below
         # arrive while it runs and are admitted together at the next iteration.
-        blocker = asyncio.create_task(_post(http, url, _chat(user="Other shopper. " * 1200, max_tokens=2)))
+        blocker = asyncio.create_task(
+            post_json(http, url, _chat(user="Other shopper. " * 1200, max_tokens=2))
+        )
         while sim.replica.engine.stats.iterations == 0:  # counted when its prefill iteration starts
             await asyncio.sleep(0.005)
         (_, first), (_, second) = await asyncio.gather(
-            _post(http, url, _chat(user=first_user, max_tokens=2)),
-            _post(http, url, _chat(user=second_user, max_tokens=2)),
+            post_json(http, url, _chat(user=first_user, max_tokens=2)),
+            post_json(http, url, _chat(user=second_user, max_tokens=2)),
         )
         await blocker
-        _, third = await _post(http, url, _chat(user=third_user, max_tokens=2))
+        _, third = await post_json(http, url, _chat(user=third_user, max_tokens=2))
         async with http.get(f"{sim.url}/admin/ttft") as r:
             records = (await r.json())["requests"]
 
