@@ -12,7 +12,10 @@ Setups (8 GPUs, one simulated replica each, the qwen2.5-32b H100 calibration):
   prefill (1,024-token iterations, which is what bounds a decode step behind a prefill);
 - ``xPyD-remote`` (2P6D, 4P4D, 6P2D): x context and y generation replicas, ``pd_aware`` with every
   prefill remote (``max_local_prefill_tokens`` 0: pure P/D, TensorRT-LLM without conditional disagg);
-- ``xPyD-cond``: the same with conditional disaggregation (our per-shopper rule, 512 tokens).
+- ``xPyD-cond``: conditional disaggregation by size alone (512 tokens, as TensorRT-LLM's
+  ``conditional_disagg_config``), spilling prefills onto decode servers when the context pool is busy;
+- ``xPyD-idle``: ``pd_aware``'s defaults, inter-token latency first: a local prefill of at most 512
+  uncached tokens only on a decode server with nothing in flight, and no spill when the pool is busy.
 
 Workloads:
 - ``seed``: the published case: cold 2-4k-token prompts (each request a prompt of its own), ~200 out;
@@ -58,6 +61,8 @@ class Setup:
     policy: str
     engine: tuple[str, ...] = ()
     max_local: int = 0
+    knobs: tuple[tuple[str, object], ...] = ()
+    """More ``PdAwareSettings`` knobs."""
 
 
 def setups(quick: bool, cond_tokens: Sequence[int] = (512,)) -> list[Setup]:
@@ -66,9 +71,15 @@ def setups(quick: bool, cond_tokens: Sequence[int] = (512,)) -> list[Setup]:
     for contexts in (2,) if quick else (2, 4, 6):
         split = f"{contexts}P{GPUS - contexts}D"
         out.append(Setup(f"{split}-remote", contexts, "pd_aware", max_local=0))
+        # the size rule alone (TensorRT-LLM's conditional_disagg_config), spilling when the pool is busy
+        size_only = (("local_only_when_idle", False), ("local_when_busy", True))
         for tokens in cond_tokens:
             suffix = "" if tokens == 512 else str(tokens)
-            out.append(Setup(f"{split}-cond{suffix}", contexts, "pd_aware", max_local=tokens))
+            out.append(
+                Setup(f"{split}-cond{suffix}", contexts, "pd_aware", max_local=tokens, knobs=size_only)
+            )
+        # pd_aware's defaults, inter-token latency first: local only on an idle decode server, no spill
+        out.append(Setup(f"{split}-idle", contexts, "pd_aware", max_local=512))
     return out
 
 
@@ -219,6 +230,7 @@ async def run_setup(
             settings["max_local_prefill_tokens"] = setup.max_local
             if setup.max_local == 0:  # pure P/D: every prefill remote, however busy the context pool
                 settings["context_busy_tokens"] = 1e12
+            settings.update(dict(setup.knobs))
         config = ClientConfig(
             endpoints=decoders.urls,
             context_endpoints=contexts.urls,

@@ -74,8 +74,8 @@ def test_min_remote_share_keeps_a_mostly_cached_prompt_local() -> None:
     assert policy.context_for(route(words(3000, "other")), decode, contexts) is not None  # all new
 
 
-def test_a_busy_context_pool_means_a_local_prefill() -> None:
-    policy = PdAwarePolicy(PdAwareSettings(context_busy_tokens=1000))
+def test_a_busy_context_pool_means_a_local_prefill_when_asked_for() -> None:
+    policy = PdAwarePolicy(PdAwareSettings(context_busy_tokens=1000, local_when_busy=True))
     (decode,), contexts = servers("d", 1), servers("c", 2)
     for c in contexts:
         c.outstanding_prefill_tokens = 1000
@@ -127,3 +127,21 @@ def test_context_servers_need_the_pd_aware_policy() -> None:
         ClientConfig(endpoints=["http://d:1"], context_endpoints=["http://c:1"], policy="prefix_aware")
     config = ClientConfig(endpoints=["http://d:1"], context_endpoints=["http://c:1"], policy="pd_aware")
     assert config.routing().policy == "pd_aware"
+
+
+def test_local_only_when_idle_keeps_a_busy_decode_servers_batch_free_of_prefills() -> None:
+    policy = PdAwarePolicy()  # the default
+    (decode,), contexts = servers("d", 1), servers("c", 1)
+    history = words(2048)
+    warm(policy, decode, history)
+    request = route(history + words(100, "n"))
+    assert policy.context_for(request, decode, contexts) is None  # idle: local
+    decode.outstanding = 1
+    assert policy.context_for(request, decode, contexts) is not None  # decoding: remote
+
+
+def test_local_when_busy_off_queues_at_the_context_servers() -> None:
+    policy = PdAwarePolicy(PdAwareSettings(context_busy_tokens=1000))  # off by default
+    (decode,), contexts = servers("d", 1), servers("c", 1)
+    contexts[0].outstanding_prefill_tokens = 5000
+    assert policy.context_for(route(words(3000)), decode, contexts) is not None
