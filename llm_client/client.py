@@ -403,7 +403,13 @@ class LLMClient:
                 completion = replace(completion, parsed=_validated(validate, completion, endpoint.name))
             answered = True
         except InvalidAnswer as exc:
-            self._bad_answer(endpoint, route, exc, _ProbeRequest(path, {**body, "stream": False}, validate))
+            # the probe replays the request whole and not streamed (a P/D hand-over cannot be replayed)
+            probe_body = {
+                k: v for k, v in body.items() if k not in ("disaggregated_params", "stream_options")
+            }
+            self._bad_answer(
+                endpoint, route, exc, _ProbeRequest(path, {**probe_body, "stream": False}, validate)
+            )
             raise
         except LLMError as exc:
             # A slow connect or read on a busy replica is not a dead replica: it counts towards the
