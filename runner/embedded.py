@@ -590,7 +590,12 @@ class EmbeddedRunner:
 
     # ---- rebalance (called on the consumer thread, inside consume) -------------------------------
     def _on_assign(self, consumer: Consumer, partitions: list[TopicPartition]) -> None:
+        """A new assignment starts unpaused. librdkafka keeps a partition's pause across a rebalance:
+        one paused by backpressure when it was revoked came back paused while ``_paused`` said no, so
+        nothing resumed it and the runner fetched nothing from it again (the broker-restart fault case
+        hung that way now and then)."""
         self.log(f"rebalance: assigned partitions {sorted(tp.partition for tp in partitions)}")
+        consumer.resume(partitions)
         self._assignment = list(partitions)
         self._generation += 1
         assert self._loop is not None
