@@ -395,6 +395,7 @@ def test_one_replica_of_three_sends_bad_answers(
         )
         producer = PacedProducer(stack.kafka_bootstrap, iso.topic, records, BAD_RATE).start()
         quarantined_after: list[float] = []
+        at_quarantine: dict[str, float] = {}
 
         async def inject(clock: RecoveryClock) -> None:
             started = time.monotonic()
@@ -405,12 +406,20 @@ def test_one_replica_of_three_sends_bad_answers(
                 "the bad replica's quarantine",
             )
             quarantined_after.append(time.monotonic() - started)
+            at_quarantine["in_flight"] = runner.client.endpoints[0].outstanding
+            at_quarantine["at"] = time.monotonic()
+            at_quarantine["bad"] = await asyncio.to_thread(replicas.bad_answers_sent, 0)
             clock.restored()
 
         with SignalWatcher(stack.redis_url, iso.prefix) as watcher:
             clock = asyncio.run(run_with_fault(runner, inject, progress="results"))
         producer.join()
         bad_sent = replicas.bad_answers_sent(0)
+        # once quarantined, the replica gets only what was in flight to it then, and probes
+        probes = 1 + int(
+            (time.monotonic() - at_quarantine["at"]) / runner.client.config.answer_health.cooldown_s
+        )
+        after = bad_sent - at_quarantine["bad"]
         acct = runner.stats.accounting
         assert acct.balanced, runner_log[-10:]
         bad = runner.client.endpoints[0]
@@ -423,7 +432,10 @@ def test_one_replica_of_three_sends_bad_answers(
         assert bad.quarantined and bad.routing_state.startswith("quarantined_") and state in exposition
         assert bad.out_reason and "bad answers" in bad.out_reason
         assert acct.errors <= 0.01 * acct.prompts, [line for line in runner_log if "error record" in line][:5]
-        assert bad_sent < 0.2 * acct.prompts, "the bad replica kept its traffic"
+        assert after <= at_quarantine["in_flight"] + probes, (
+            f"after its quarantine the bad replica got {after} requests "
+            f"({at_quarantine['in_flight']:.0f} were in flight then, {probes} probes)"
+        )
         settle(
             fault_table,
             f"one replica of 3 sends bad answers ({kind}): quarantined after {quarantined_after[0]:.1f} s, "
