@@ -15,7 +15,12 @@ Setups (8 GPUs, one simulated replica each, the qwen2.5-32b H100 calibration):
 - ``xPyD-cond``: conditional disaggregation by size alone (512 tokens, as TensorRT-LLM's
   ``conditional_disagg_config``), spilling prefills onto decode servers when the context pool is busy;
 - ``xPyD-idle``: ``pd_aware``'s defaults, inter-token latency first: a local prefill of at most 512
-  uncached tokens only on a decode server with nothing in flight, and no spill when the pool is busy.
+  uncached tokens only on a decode server with nothing in flight, and no spill when the pool is busy;
+- ``xPyD-trtllm-cond`` / ``xPyD-trtllm-remote``: TensorRT-LLM's own front end instead of our client's
+  routing: the ``trtllm-serve disaggregated`` stand-in (``serving.disagg_router``) with the production
+  YAML (``serving/trtllm/disagg/disagg_config.yaml``: ``kv_cache_aware`` routers on both pools, fed by
+  the replicas' KV cache events) with or without its ``conditional_disagg_config`` (512 tokens). The
+  client sends every request to the stand-in; a stand-in of its own per rate, like the client.
 
 Workloads:
 - ``seed``: the published case: cold 2-4k-token prompts (each request a prompt of its own), ~200 out;
@@ -35,12 +40,14 @@ import asyncio
 import json
 import random
 import time
-from collections.abc import Sequence
+from collections.abc import AsyncIterator, Sequence
+from contextlib import asynccontextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
 import aiohttp
+from aiohttp import web
 
 from bench.common import machine, percentile, print_table
 from bench.trace import TraceConfig, TraceRequest, generate_trace, with_poisson_arrivals
@@ -48,10 +55,17 @@ from llm_client import ClientConfig, LLMClient
 from llm_client.config import HealthSettings, RetrySettings, Timeouts
 from llm_client.errors import LLMError
 from llm_client.routing.pd_aware import PdAwarePolicy
-from serving.simulator.launch import SimulatorFleet
+from serving.disagg_router.app import SERVICE, create_app
+from serving.disagg_router.config import DisaggConfig
+from serving.disagg_router.service import DisaggService
+from serving.simulator.launch import REPO_ROOT, SimulatorFleet
 
 GPUS = 8
 RESULTS = Path(__file__).resolve().parent / "results" / "disagg_matrix.json"
+STANDIN = "trtllm-standin"
+PRODUCTION_YAML = REPO_ROOT / "serving" / "trtllm" / "disagg" / "disagg_config.yaml"
+KV_EVENTS = ("--kv-event-buffer-max-size", "16384")
+"""The stand-in's kv_cache_aware routers need the replicas' events (as the production YAMLs buffer)."""
 
 
 @dataclass(frozen=True)
@@ -60,7 +74,9 @@ class Setup:
     contexts: int
     policy: str
     engine: tuple[str, ...] = ()
-    max_local: int = 0
+    max_local: int | None = 0
+    """``pd_aware``'s ``max_local_prefill_tokens``; the stand-in's ``max_local_prefill_length``, None
+    for no ``conditional_disagg_config``."""
     knobs: tuple[tuple[str, object], ...] = ()
     """More ``PdAwareSettings`` knobs."""
 
@@ -80,6 +96,9 @@ def setups(quick: bool, cond_tokens: Sequence[int] = (512,)) -> list[Setup]:
             )
         # pd_aware's defaults, inter-token latency first: local only on an idle decode server, no spill
         out.append(Setup(f"{split}-idle", contexts, "pd_aware", max_local=512))
+        # TensorRT-LLM's own front end (the stand-in) with the production YAML, and without its rule
+        out.append(Setup(f"{split}-trtllm-cond", contexts, STANDIN, max_local=512))
+        out.append(Setup(f"{split}-trtllm-remote", contexts, STANDIN, max_local=None))
     return out
 
 
@@ -127,7 +146,7 @@ class SetupResult:
 def bootstrap_p99(values: Sequence[float], rng: random.Random, rounds: int = 400) -> tuple[float, float]:
     if not values:
         return (float("nan"), float("nan"))
-    estimates = sorted(percentile([rng.choice(values) for _ in values], 99) for _ in range(rounds))
+    estimates = sorted(percentile([rng.choice(values) for _ in values], 0.99) for _ in range(rounds))
     return estimates[int(0.025 * rounds)], estimates[int(0.975 * rounds) - 1]
 
 
@@ -166,6 +185,7 @@ async def run_rate(
     urls: Sequence[str],
     session: aiohttp.ClientSession,
     rng: random.Random,
+    standin: DisaggService | None = None,
 ) -> RatePoint:
     timed = with_poisson_arrivals(trace, rate, seed=int(rate * 1000))
     policy = client.policy
@@ -195,24 +215,49 @@ async def run_rate(
         delta = {k: after[k] - before[k] for k in after}
         local = delta["local_small"] + delta["local_share"] + delta["local_busy"] + delta["local_no_context"]
         remote = delta["remote"] / max(1, delta["remote"] + local)
+    if standin is not None:  # a stand-in of this rate's own
+        counted = standin.counters
+        remote = counted.context_requests / max(1, counted.context_requests + counted.local_prefills)
     return RatePoint(
         rate=rate,
         requests=len(ttft),
         errors=errors,
         remote_share=remote,
-        ttft_p99=percentile(ttft, 99),
+        ttft_p99=percentile(ttft, 0.99),
         ttft_ci=bootstrap_p99(ttft, rng),
-        itl_p99=percentile(itl, 99),
+        itl_p99=percentile(itl, 0.99),
         itl_ci=bootstrap_p99(itl, rng),
-        ttft_p50=percentile(ttft, 50),
-        itl_p50=percentile(itl, 50),
+        ttft_p50=percentile(ttft, 0.5),
+        itl_p50=percentile(itl, 0.5),
     )
+
+
+@asynccontextmanager
+async def serving_standin(
+    setup: Setup, contexts: Sequence[str], generations: Sequence[str]
+) -> AsyncIterator[tuple[str, DisaggService]]:
+    """The production YAML's front end over these replicas, in this process, on a free port."""
+    conditional = None if setup.max_local is None else {"max_local_prefill_length": setup.max_local}
+    config = DisaggConfig.load(PRODUCTION_YAML).with_overrides(
+        context_urls=list(contexts), generation_urls=list(generations), conditional_disagg_config=conditional
+    )
+    app = create_app(config, request_timeout_s=600)
+    runner = web.AppRunner(app, access_log=None)
+    await runner.setup()
+    try:
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        port = next(a[1] for a in runner.addresses if isinstance(a, tuple))
+        yield f"http://127.0.0.1:{port}", app[SERVICE]
+    finally:
+        await runner.cleanup()
 
 
 async def run_setup(
     setup: Setup, kind: str, cost: str, rates: Sequence[float], args: argparse.Namespace
 ) -> SetupResult:
-    common = ("--time-scale", str(args.time_scale), "--mixed-batch-cost", cost, "--stream-coalesce-s", "0.05")
+    common: tuple[str, ...] = ("--time-scale", str(args.time_scale), "--mixed-batch-cost", cost)
+    common += ("--stream-coalesce-s", "0.05", *(KV_EVENTS if setup.policy == STANDIN else ()))
     result = SetupResult(kind, cost, setup.name, setup.contexts)
     trace = workload(kind, args.requests, seed=11)
     rng = random.Random(5)
@@ -225,6 +270,9 @@ async def run_setup(
         ) as decoders,
         SimulatorFleet(setup.contexts, *common, "--role", "context") as contexts,
     ):
+        if setup.policy == STANDIN:
+            await run_standin_rates(setup, result, trace, rates, args, decoders.urls, contexts.urls, rng)
+            return result
         settings: dict[str, Any] = {"policy": setup.policy}
         if setup.policy == "pd_aware":
             settings["max_local_prefill_tokens"] = setup.max_local
@@ -260,6 +308,47 @@ async def run_setup(
                     flush=True,
                 )
     return result
+
+
+async def run_standin_rates(
+    setup: Setup,
+    result: SetupResult,
+    trace: Sequence[TraceRequest],
+    rates: Sequence[float],
+    args: argparse.Namespace,
+    generations: Sequence[str],
+    contexts: Sequence[str],
+    rng: random.Random,
+) -> None:
+    """The stand-in's rates: as ``run_setup``'s, the client sending everything to the stand-in."""
+    urls = [*generations, *contexts]
+    async with aiohttp.ClientSession() as session:
+        for rate in rates:
+            for url in urls:
+                async with session.post(f"{url}/admin/reset_cache") as response:
+                    response.raise_for_status()
+                async with session.post(f"{url}/kv_cache_events") as response:  # what a rate left
+                    response.raise_for_status()
+            async with serving_standin(setup, contexts, generations) as (front, standin):
+                config = ClientConfig(
+                    endpoints=[front],
+                    model="qwen2.5-32b-sim",
+                    policy="round_robin",
+                    stream=False,
+                    max_in_flight=4096,
+                    timeouts=Timeouts(connect_s=5, attempt_s=600, deadline_s=1200),
+                    health=HealthSettings(interval_s=1.0),
+                    retry=RetrySettings(max_attempts=1),
+                )
+                async with LLMClient(config) as client:
+                    point = await run_rate(client, trace, rate, args.time_scale, urls, session, rng, standin)
+            result.points.append(point)
+            print(
+                f"  {result.workload:5} {result.cost:8} {setup.name:18} {rate:5.1f}/s  "
+                f"TTFT p99 {point.ttft_p99:7.0f} ms  ITL p99 {point.itl_p99:6.0f} ms  "
+                f"remote {point.remote_share:4.0%}  errors {point.errors}",
+                flush=True,
+            )
 
 
 def goodput(result: SetupResult, ttft_slo: float, itl_slo: float) -> RatePoint | None:

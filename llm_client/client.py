@@ -66,6 +66,11 @@ AnswerValidator = Callable[[str], object]
 raises ``InvalidAnswer`` (kind ``schema``) when the text is not what the caller's schema requires."""
 
 
+KV_GONE_STATUSES = frozenset({404, 409})
+"""A ``generation_only`` request answered with these: the context server's blocks were not there to pull
+(released after the transfer timeout, or the server restarted); the request is prefilled locally."""
+
+
 class LLMClient:
     def __init__(
         self,
@@ -540,6 +545,16 @@ class LLMClient:
         async with self._call(deadline_s, tried):
 
             async def attempt(endpoint: Endpoint, number: int) -> Forwarded:
+                generation = await self._context_step(endpoint, path, body, route)
+                if generation is not None:
+                    forwarded = await self._forward_attempt(
+                        endpoint, method, path, generation, route, headers or {}
+                    )
+                    if forwarded.response is None or forwarded.response.status not in KV_GONE_STATUSES:
+                        return forwarded
+                    forwarded.release()  # the context server's blocks are gone: prefill here instead
+                    if isinstance(self.policy, PdAwarePolicy):
+                        self.policy.redone_locally()
                 return await self._forward_attempt(endpoint, method, path, body, route, headers or {})
 
             forwarded = await self._retried(route, tried, attempt)
@@ -556,6 +571,40 @@ class LLMClient:
                 forwarded.release()
             if forwarded.finished_ms is not None and forwarded.status < 400:
                 self._forward_learn(forwarded, route)
+
+    async def _context_step(
+        self, decode: Endpoint, path: str, body: bytes | None, route: RouteRequest
+    ) -> bytes | None:
+        """``forward``'s P/D step, as ``_disaggregated`` makes it for ``chat``: when the policy sends
+        this request's prefill to a context server, run ``context_only`` there and return the body of
+        the ``generation_only`` request for ``decode``; None to forward ``body`` unchanged (no P/D, a
+        local prefill, or a context step that failed: never the caller's failure)."""
+        policy = self.policy
+        if body is None or not isinstance(policy, PdAwarePolicy) or not self.context_endpoints:
+            return None
+        plan = policy.context_for(route, decode, [c for c in self.context_endpoints if c.routable])
+        if plan is None:
+            return None
+        try:
+            parsed = orjson.loads(body)
+        except orjson.JSONDecodeError:
+            return None  # the replica answers a body it cannot read with its own 400
+        if not isinstance(parsed, dict):
+            return None
+        context, step = plan
+        prefill_body = {**parsed, "stream": False, "max_tokens": 1}
+        prefill_body["disaggregated_params"] = {"request_type": "context_only"}
+        prefill_body.pop("stream_options", None)
+        try:
+            prefilled = await self._attempt(context, path, prefill_body, step)
+        except LLMError:
+            prefilled = None
+        params = None if prefilled is None else prefilled.disaggregated_params
+        if params is None:
+            policy.redone_locally()
+            return None
+        generation = {**parsed, "disaggregated_params": {**params, "request_type": "generation_only"}}
+        return orjson.dumps(generation)
 
     async def _forward_attempt(
         self,

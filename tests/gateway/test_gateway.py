@@ -519,3 +519,82 @@ async def test_large_bodies_are_routed_off_the_event_loop_the_same_way(
             assert metric(text, "gateway_policy_cache_hits_total", policy="prefix_aware") >= 1
     assert len(orjson.dumps(chat_body(prompt))) > 32 * 1024
     assert replicas[0] == replicas[1] and replicas[2] == replicas[3]
+
+
+async def test_group_weights_change_live_through_the_admin_route_and_show_on_metrics(
+    fleet: SimulatorFleet, http: aiohttp.ClientSession
+) -> None:
+    groups = {
+        "groups": [
+            {"name": "local", "endpoints": fleet.urls[:2]},
+            {"name": "east", "endpoints": fleet.urls[2:], "rtt_ms": 40},
+        ]
+    }
+    settings = {"policy": "predicted_ttft", **groups}
+    async with running_gateway(fleet.urls, "predicted_ttft", settings, api_key="admin-key") as gw:
+        auth = {"Authorization": "Bearer admin-key"}
+        url = gw.url + "/admin/groups/east/weight"
+        async with http.put(url, json={"weight": 0.25}) as r:
+            assert r.status == 401, "the admin route is behind the API key"
+        async with http.put(url, json={"weight": 0.25}, headers=auth) as r:
+            assert r.status == 200 and (await r.json())["groups"] == {"local": 1.0, "east": 0.25}
+        for path, body in (
+            ("/admin/groups/west/weight", {"weight": 1}),
+            (url[len(gw.url) :], {"weight": -1}),
+        ):
+            async with http.put(gw.url + path, json=body, headers=auth) as r:
+                assert r.status == 400, path
+        async with http.get(gw.url + "/metrics", headers=auth) as r:
+            text = await r.text()
+        assert metric(text, "gateway_group_weight", group="east") == 0.25
+        assert metric(text, "gateway_group_weight", group="local") == 1.0
+    async with running_gateway(fleet.urls, "round_robin") as gw, http.get(gw.url + "/admin/groups") as r:
+        assert r.status == 404
+
+
+async def test_the_gateway_makes_the_two_step_pd_call_and_streams_from_the_decode_server(
+    http: aiohttp.ClientSession,
+) -> None:
+    from llm_client.routing.pd_aware import PdAwarePolicy
+    from serving.simulator.testing import running_simulator
+    from tests.llm_client.test_routing_pd_aware import words
+
+    async with (
+        running_simulator(role="context", time_scale=0.0) as ctx,
+        running_simulator(role="generation", time_scale=0.0) as gen,
+    ):
+        config = ClientConfig.model_validate(
+            {
+                "endpoints": [gen.url],
+                "context_endpoints": [ctx.url],
+                "policy": "pd_aware",
+                "timeouts": {"connect_s": 0.5, "attempt_s": 20, "deadline_s": 30},
+                "health": {"interval_s": 0.2},
+            }
+        )
+        app = create_app(GatewaySettings(port=0), config)
+        runner = web.AppRunner(app, access_log=None)
+        await runner.setup()
+        try:
+            site = web.TCPSite(runner, "127.0.0.1", 0)
+            await site.start()
+            port = next(a[1] for a in runner.addresses if isinstance(a, tuple))
+            url = f"http://127.0.0.1:{port}/v1/chat/completions"
+            history = words(3000)
+            body = chat_body(history, max_tokens=20, stream=True, user="s1")
+            async with http.post(url, json=body) as r:
+                assert r.status == 200 and r.headers["Content-Type"].startswith("text/event-stream")
+                streamed = (await r.read()).decode()
+            assert streamed.rstrip().endswith("data: [DONE]")
+            policy = app[CLIENT_KEY].policy
+            assert isinstance(policy, PdAwarePolicy) and policy.stats.remote == 1
+            async with http.get(f"{gen.url}/perf_metrics") as r:
+                (record,) = await r.json()
+            assert record["simulator"]["transferred_blocks"] > 0, "the decode server pulled the KV cache"
+            body = chat_body(history + words(200, "new"), max_tokens=20, stream=True, user="s1")
+            async with http.post(url, json=body) as r:
+                assert r.status == 200
+                await r.read()
+            assert policy.stats.local_small == 1, "the shopper's newest events were prefilled locally"
+        finally:
+            await runner.cleanup()
