@@ -2,8 +2,9 @@
 
 Routes: ``POST /v1/chat/completions``, ``POST /v1/completions``, ``GET /v1/models`` (proxied, see
 ``gateway.proxy``), ``GET /health`` (200 while at least one replica is routable, else 503, so a load
-balancer in front stops sending), ``GET /metrics`` (Prometheus). ``gateway.guard`` checks the caller's
-API key and the body size before a proxied route reads anything. One ``LLMClient`` per application owns
+balancer in front stops sending), ``GET /metrics`` (Prometheus), ``/admin/groups`` (endpoint group
+weights, ``gateway.admin``). ``gateway.guard`` checks the caller's API key and the body size before a
+proxied route reads anything. One ``LLMClient`` per application owns
 the replicas' state (health, load, the policy's cache knowledge); nothing is global.
 """
 
@@ -17,6 +18,7 @@ from collections.abc import AsyncIterator
 import orjson
 from aiohttp import web
 
+from gateway.admin import add_admin_routes
 from gateway.config import GatewaySettings
 from gateway.guard import caller_guard
 from gateway.metrics import CONTENT_TYPE, GatewayMetrics
@@ -43,6 +45,7 @@ def create_app(settings: GatewaySettings, client_config: ClientConfig) -> web.Ap
     app.router.add_get("/v1/models", proxy.models)
     app.router.add_get("/health", _health)
     app.router.add_get("/metrics", _metrics)
+    add_admin_routes(app, client)
     app.cleanup_ctx.append(_client_lifetime)
     return app
 

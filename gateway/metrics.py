@@ -103,6 +103,25 @@ class ClientCollector(Collector):
                 invalid.add_metric([endpoint.name, kind], float(count))
         yield from (routable, outstanding, served, failed, ejections, state, invalid)
         yield from _policy_counters(client)
+        yield from _group_weights(client)
+
+
+def _group_weights(client: LLMClient) -> Iterator[Metric]:
+    """Endpoint group weights and the spill state, when the policy has groups (``predicted_ttft``)."""
+    weights = getattr(client.policy, "group_weights", None)
+    if not callable(weights):
+        return
+    family = GaugeMetricFamily(
+        "gateway_group_weight",
+        "Traffic weight of an endpoint group (set live: PUT /admin/groups/...)",
+        labels=["group"],
+    )
+    for group, weight in sorted(weights().items()):
+        family.add_metric([group], weight)
+    yield family
+    spilling = GaugeMetricFamily("gateway_policy_spilling", "1 while the local group misses the TTFT SLO")
+    spilling.add_metric([], 1.0 if getattr(client.policy, "spilling", False) else 0.0)
+    yield spilling
 
 
 def _policy_counters(client: LLMClient) -> Iterator[Metric]:

@@ -11,6 +11,7 @@ from pydantic import Field
 from llm_client.routing.base import Feedback, RouteOutcome, RouteRequest, RoutingPolicy
 from llm_client.routing.least_outstanding import LeastOutstandingPolicy, LeastOutstandingSettings
 from llm_client.routing.pd_aware import PdAwarePolicy, PdAwareSettings
+from llm_client.routing.predicted_ttft import PredictedTtftPolicy, PredictedTtftSettings
 from llm_client.routing.prefix_aware import PrefixAwarePolicy, PrefixAwareSettings
 from llm_client.routing.round_robin import RoundRobinPolicy, RoundRobinSettings
 from llm_client.routing.session_affinity import SessionAffinityPolicy, SessionAffinitySettings
@@ -24,17 +25,21 @@ POLICIES: dict[str, type[Any]] = {
         SessionAffinityPolicy,
         PrefixAwarePolicy,
         PdAwarePolicy,
+        PredictedTtftPolicy,
     )
 }
 
-PolicyName = Literal["round_robin", "least_outstanding", "session_affinity", "prefix_aware", "pd_aware"]
+PolicyName = Literal[
+    "round_robin", "least_outstanding", "session_affinity", "prefix_aware", "pd_aware", "predicted_ttft"
+]
 
 PolicySettings = Annotated[
     RoundRobinSettings
     | LeastOutstandingSettings
     | SessionAffinitySettings
     | PrefixAwareSettings
-    | PdAwareSettings,
+    | PdAwareSettings
+    | PredictedTtftSettings,
     Field(discriminator="policy"),
 ]
 """One policy's typed settings; the ``policy`` field says which."""

@@ -12,6 +12,7 @@ entries apart.
 
 from __future__ import annotations
 
+import asyncio
 from dataclasses import asdict
 from typing import Any, TypeVar
 
@@ -109,6 +110,8 @@ async def _generate(
     request: web.Request, endpoint: Endpoint, body: ChatCompletionRequest | CompletionRequest
 ) -> web.StreamResponse:
     replica = request.app[REPLICA_KEY]
+    if replica.config.network_rtt_ms:
+        await asyncio.sleep(replica.config.network_rtt_ms / 1000)  # another region's round trip
     metrics = replica.metrics
     metrics.requests.labels(endpoint).inc()
     _ = request.headers.get("x-session-id")  # routing hint for the router in front; an engine ignores it

@@ -115,7 +115,16 @@ class SimulatorConfig(BaseSettings):
     )
     default_max_tokens: int = Field(default=200, ge=1)
     slowdown: float = Field(
-        default=1.0, gt=0.0, description="multiplies every iteration's time (fault injection)"
+        default=1.0,
+        gt=0.0,
+        description="multiplies every iteration's time: a slower accelerator kind (2 = half the speed), "
+        "or a degraded replica (fault injection)",
+    )
+    network_rtt_ms: float = Field(
+        default=0.0,
+        ge=0.0,
+        description="wall milliseconds added before each answer starts, not scaled by time_scale: the "
+        "round trip to a replica in another region",
     )
     error_rate: float = Field(default=0.0, ge=0.0, le=1.0, description="share of requests answered 503")
     bad_answer: BadAnswer = Field(

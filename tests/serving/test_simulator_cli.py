@@ -8,6 +8,7 @@ import os
 from pathlib import Path
 
 import aiohttp
+import pytest
 
 from serving.simulator.__main__ import parse_args
 from serving.simulator.launch import simulator_argv
@@ -15,7 +16,7 @@ from serving.simulator.launch import simulator_argv
 REPO = Path(__file__).resolve().parents[2]
 
 
-def test_flags_override_environment(monkeypatch) -> None:
+def test_flags_override_environment(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("SIM_REPLICA_ID", "from-env")
     monkeypatch.setenv("SIM_TIME_SCALE", "0.5")
     config = parse_args(["--replica-id", "from-flag", "--max-batch", "8"])
@@ -45,7 +46,7 @@ async def test_subprocess_on_port_zero() -> None:
         assert await asyncio.wait_for(proc.wait(), 10) == 0
 
 
-def test_chunked_prefill_flags_and_environment(monkeypatch) -> None:
+def test_chunked_prefill_flags_and_environment(monkeypatch: pytest.MonkeyPatch) -> None:
     assert parse_args([]).enable_chunked_prefill is False
     monkeypatch.setenv("SIM_ENABLE_CHUNKED_PREFILL", "true")
     monkeypatch.setenv("SIM_MAX_NUM_TOKENS", "2048")

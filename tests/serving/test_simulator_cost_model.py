@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -14,7 +15,7 @@ CALIBRATION = SimulatorConfig().resolved_calibration_path()
 MODELS = ("qwen2.5-32b", "llama3-8b")
 
 
-def _results(model: str) -> dict:
+def _results(model: str) -> dict[str, Any]:
     data = json.loads(CALIBRATION.read_text())
     return next(r for r in data["results"] if r["model"] == model)
 

@@ -1,0 +1,315 @@
+"""Heterogeneous replicas and regions: routing by predicted time to first token against the baselines.
+
+``python -m bench.regions --scenario mixed``: six simulated H100 replicas, two of them 2x slower (a second
+accelerator kind); Poisson arrivals of the shopper trace (growing per-shopper prompts) at several rates;
+per policy the p99 time to first token (client side, bootstrap interval) and goodput: the highest rate
+whose p99 TTFT meets the SLO.
+
+``--scenario surge``: two regions of three replicas, 40 ms apart, the client in the west; the west's
+rate triples for the middle third of the run. ``predicted_ttft`` with spill-over against the same policy
+with the east's weight at 0 (no spill-over), and the no-surge run for the prefill tokens per request.
+
+``--scenario lost``: the same two regions during a surge (spilled); at half time every east replica is
+killed. Every prompt must be answered or counted as an error; the table shows the answers per second
+around the loss.
+
+Client-side TTFT includes the round trip. Each run prints a table and writes bench/results/regions_*.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import time
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+from bench.common import machine, percentile, print_table
+from bench.trace import TraceConfig, TraceRequest, generate_trace, with_poisson_arrivals
+from llm_client import ClientConfig, LLMClient
+from llm_client.errors import LLMError
+from llm_client.routing import make_policy
+from llm_client.routing.predicted_ttft import EndpointGroup, PredictedTtftPolicy, PredictedTtftSettings
+from serving.simulator.launch import SimulatorFleet
+
+RESULTS = Path(__file__).resolve().parent / "results"
+H100_MS_PER_TOKEN = 0.122
+"""Prefill ms per prompt token of the calibration (32B, H100): the policy's prior at time scale 1."""
+
+
+@dataclass
+class Sample:
+    t: float
+    ok: bool
+    ttft_ms: float = 0.0
+    group: str = ""
+    prefill_tokens: int = 0
+
+
+@dataclass
+class Run:
+    scenario: str
+    setup: str
+    rate: float
+    samples: list[Sample] = field(default_factory=list)
+    stats: dict[str, Any] = field(default_factory=dict)
+
+    def ttfts(self, start: float = 0.0, end: float = float("inf")) -> list[float]:
+        return [s.ttft_ms for s in self.samples if s.ok and start <= s.t < end]
+
+
+def bootstrap_p99(values: Sequence[float], rng: random.Random, rounds: int = 400) -> tuple[float, float]:
+    if not values:
+        return (float("nan"), float("nan"))
+    draws = sorted(percentile([rng.choice(values) for _ in values], 0.99) for _ in range(rounds))
+    return draws[int(0.025 * rounds)], draws[int(0.975 * rounds) - 1]
+
+
+def trace(requests: int, seed: int, max_tokens: int) -> list[TraceRequest]:
+    base = generate_trace(TraceConfig(shoppers=max(40, requests // 6), seed=seed))[:requests]
+    return [replace(r, max_tokens=min(r.max_tokens, max_tokens)) for r in base]
+
+
+def surge_arrivals(
+    trace_: Sequence[TraceRequest], rate: float, factor: float, seconds: float
+) -> list[TraceRequest]:
+    """Poisson arrivals at ``rate``, ``factor`` x that in the middle third of ``seconds``."""
+    rng = random.Random(int(rate * 1000))
+    t, timed = 0.0, []
+    for request in trace_:
+        now_rate = rate * factor if seconds / 3 <= t < 2 * seconds / 3 else rate
+        t += rng.expovariate(now_rate)
+        if t >= seconds:
+            break
+        timed.append(replace(request, t=t))
+    return timed
+
+
+def client_config(urls: Sequence[str]) -> ClientConfig:
+    return ClientConfig.model_validate(
+        {
+            "endpoints": list(urls),
+            "max_in_flight": 512,
+            "timeouts": {"connect_s": 1, "attempt_s": 30, "deadline_s": 60},
+            "retry": {"max_attempts": 3, "backoff_base_s": 0.01, "budget_min_tokens": 50},
+            "health": {"interval_s": 0.5},
+        }
+    )
+
+
+async def replay(
+    run: Run, client: LLMClient, timed: Sequence[TraceRequest], group_of: dict[str, str]
+) -> None:
+    start = time.perf_counter()
+
+    async def one(request: TraceRequest) -> None:
+        await asyncio.sleep(max(0.0, start + request.t - time.perf_counter()))
+        try:
+            answer = await client.chat(
+                request.messages,
+                routing_key=request.shopper_id,
+                max_tokens=request.max_tokens,
+                prompt_tokens=request.prompt_tokens,
+            )
+        except LLMError:
+            run.samples.append(Sample(request.t, ok=False))
+            return
+        run.samples.append(
+            Sample(
+                request.t,
+                ok=True,
+                ttft_ms=answer.ttft_ms,
+                group=group_of.get(answer.endpoint, "?"),
+                prefill_tokens=answer.prompt_tokens - answer.cached_tokens,
+            )
+        )
+
+    await asyncio.gather(*(one(r) for r in timed))
+    stats = getattr(client.policy, "stats", None)
+    run.stats = asdict(stats) if stats is not None and hasattr(stats, "__dataclass_fields__") else {}
+
+
+def predicted_ttft(groups: list[EndpointGroup], slo_ms: float, **knobs: Any) -> PredictedTtftPolicy:
+    return PredictedTtftPolicy(PredictedTtftSettings(groups=groups, slo_ms=slo_ms, **knobs))
+
+
+# ---- scenarios -------------------------------------------------------------------------------------
+async def mixed(args: argparse.Namespace) -> list[Run]:
+    scale = args.time_scale
+    runs = []
+    async with (
+        SimulatorFleet(4, "--time-scale", str(scale)) as fast,
+        SimulatorFleet(2, "--time-scale", str(scale), "--slowdown", "2") as slow,
+    ):
+        urls = [*fast.urls, *slow.urls]
+        prior = H100_MS_PER_TOKEN * scale
+        for rate in args.rates:
+            for setup in args.policies:
+                if setup == "predicted_ttft":
+                    group = EndpointGroup(name="local", endpoints=urls, ms_per_token=prior)
+                    policy: Any = predicted_ttft([group], args.slo_ms * scale)
+                else:
+                    policy = make_policy(setup)
+                run = Run("mixed", setup, rate)
+                timed = with_poisson_arrivals(
+                    trace(int(rate * args.seconds), args.seed, args.max_tokens), rate
+                )
+                timed = [replace(r, t=r.t) for r in timed if r.t < args.seconds]
+                async with LLMClient(client_config(urls), policy) as client:
+                    await client.wait_until_healthy()
+                    names = {e.url: e.name for e in client.endpoints}
+                    group_of = {names[u]: ("slow" if u in slow.urls else "fast") for u in urls}
+                    await replay(run, client, timed, group_of)
+                runs.append(run)
+                print(f"  mixed {setup} @ {rate}/s: {len(run.samples)} requests", flush=True)
+                for fleet in (fast, slow):  # a fresh cache for the next setup
+                    await _reset(fleet.urls)
+    return runs
+
+
+async def regions(args: argparse.Namespace, *, lose_east: bool) -> list[Run]:
+    scale = args.time_scale
+    runs = []
+    async with (
+        SimulatorFleet(3, "--time-scale", str(scale)) as west,
+        SimulatorFleet(3, "--time-scale", str(scale), "--network-rtt-ms", str(args.rtt_ms)) as east,
+    ):
+        prior = H100_MS_PER_TOKEN * scale
+        groups = [
+            EndpointGroup(name="west", endpoints=west.urls, ms_per_token=prior),
+            EndpointGroup(name="east", endpoints=east.urls, rtt_ms=args.rtt_ms, ms_per_token=prior),
+        ]
+        rate = args.rates[0]
+        requests = trace(int(rate * args.seconds * args.surge), args.seed, args.max_tokens)
+        setups = [("spill-over", args.surge, 1.0), ("no spill-over", args.surge, 0.0), ("no surge", 1.0, 1.0)]
+        if lose_east:
+            setups = [("east lost mid-run", args.surge, 1.0)]
+        for setup, factor, east_weight in setups:
+            policy = predicted_ttft(
+                groups, args.slo_ms * scale, local_group="west", min_spill_s=args.min_spill_s
+            )
+            policy.set_group_weight("east", east_weight)
+            run = Run("lost" if lose_east else "surge", setup, rate)
+            timed = surge_arrivals(requests, rate, factor, args.seconds)
+            async with LLMClient(client_config([*west.urls, *east.urls]), policy) as client:
+                await client.wait_until_healthy()
+                group_of = {e.name: ("east" if e.url in east.urls else "west") for e in client.endpoints}
+                killer = asyncio.create_task(_kill_later(east, args.seconds / 2)) if lose_east else None
+                await replay(run, client, timed, group_of)
+                if killer is not None:
+                    await killer
+            runs.append(run)
+            print(f"  {run.scenario} {setup}: {len(run.samples)} requests", flush=True)
+            if not lose_east:
+                await _reset([*west.urls, *east.urls])
+    return runs
+
+
+async def _kill_later(fleet: SimulatorFleet, delay_s: float) -> None:
+    await asyncio.sleep(delay_s)
+    for i in range(fleet.count):
+        fleet.kill(i)
+
+
+async def _reset(urls: Sequence[str]) -> None:
+    import aiohttp
+
+    async with aiohttp.ClientSession() as session:
+        for url in urls:
+            async with session.post(f"{url}/admin/reset_cache") as response:
+                await response.read()
+
+
+# ---- report ----------------------------------------------------------------------------------------
+def report(runs: Sequence[Run], args: argparse.Namespace) -> str:
+    rng = random.Random(1)
+    slo = args.slo_ms * args.time_scale
+    out = []
+    if any(r.scenario == "mixed" for r in runs):
+        rows = []
+        for run in runs:
+            values = run.ttfts()
+            lo, hi = bootstrap_p99(values, rng)
+            slow_share = sum(s.group == "slow" for s in run.samples if s.ok) / max(1, len(values))
+            rows.append(
+                [run.setup, run.rate, len(run.samples), f"{percentile(values, 0.5):.0f}",
+                 f"{percentile(values, 0.99):.0f} [{lo:.0f}, {hi:.0f}]", f"{slow_share:.2f}",
+                 sum(not s.ok for s in run.samples)]
+            )  # fmt: skip
+        out.append(print_table(["policy", "rate/s", "requests", "TTFT p50 ms", "TTFT p99 ms [95% CI]",
+                                "share on slow", "errors"], rows))  # fmt: skip
+        goodput = []
+        for setup in args.policies:
+            meeting = [r.rate for r in runs if r.setup == setup and percentile(r.ttfts(), 0.99) <= slo]
+            goodput.append([setup, max(meeting, default=0.0), f"{max(meeting, default=0.0) / 6:.2f}"])
+        out.append(
+            print_table([f"policy (SLO p99 TTFT <= {slo:.0f} ms)", "goodput req/s", "per replica"], goodput)
+        )
+    for run in (r for r in runs if r.scenario in ("surge", "lost")):
+        third = args.seconds / 3
+        surge = run.ttfts(third, 2 * third)
+        lo, hi = bootstrap_p99(surge, rng)
+        answered = [s for s in run.samples if s.ok]
+        east = sum(s.group == "east" for s in answered) / max(1, len(answered))
+        prefill = sum(s.prefill_tokens for s in answered) / max(1, len(answered))
+        line = (
+            f"{run.scenario} | {run.setup}: {len(run.samples)} prompts, {len(answered)} answered, "
+            f"{len(run.samples) - len(answered)} errors; surge-window TTFT p99 "
+            f"{percentile(surge, 0.99):.0f} ms [{lo:.0f}, {hi:.0f}], whole run p99 "
+            f"{percentile(run.ttfts(), 0.99):.0f} ms; share east {east:.2f}; prefill tokens/request "
+            f"{prefill:.0f}; spills {run.stats.get('spills')} returns {run.stats.get('returns')}"
+        )
+        print(line)
+        out.append(line)
+        if run.scenario == "lost":
+            seconds = int(args.seconds)
+            per_s = [sum(1 for s in run.samples if int(s.t) == t and s.ok) for t in range(seconds)]
+            errs = [sum(1 for s in run.samples if int(s.t) == t and not s.ok) for t in range(seconds)]
+            for label, counts in (("answered", per_s), ("errors", errs)):
+                line = f"{label} per second (by arrival): " + " ".join(map(str, counts))
+                print(line)
+                out.append(line)
+    return "\n\n".join(out)
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="python -m bench.regions", description=__doc__)
+    parser.add_argument("--scenario", choices=["mixed", "surge", "lost"], default="mixed")
+    parser.add_argument(
+        "--rates", default="6,10,14", help="requests/s (surge, lost: the first, before the surge)"
+    )
+    parser.add_argument("--policies", default="round_robin,least_outstanding,prefix_aware,predicted_ttft")
+    parser.add_argument("--seconds", type=float, default=30.0)
+    parser.add_argument("--time-scale", type=float, default=1.0)
+    parser.add_argument("--slo-ms", type=float, default=1000.0, help="p99 TTFT target (simulated ms)")
+    parser.add_argument("--rtt-ms", type=float, default=40.0)
+    parser.add_argument("--surge", type=float, default=3.0)
+    parser.add_argument("--min-spill-s", type=float, default=5.0)
+    parser.add_argument("--max-tokens", type=int, default=32)
+    parser.add_argument("--seed", type=int, default=7)
+    args = parser.parse_args(argv)
+    args.rates = [float(r) for r in str(args.rates).split(",")]
+    args.policies = str(args.policies).split(",")
+    return args
+
+
+async def main(argv: Sequence[str] | None = None) -> None:
+    args = parse_args(argv)
+    if args.scenario == "mixed":
+        runs = await mixed(args)
+    else:
+        runs = await regions(args, lose_east=args.scenario == "lost")
+    text = report(runs, args)
+    RESULTS.mkdir(exist_ok=True)
+    path = RESULTS / f"regions_{args.scenario}.json"
+    payload = {"machine": machine(), "args": vars(args), "report": text, "runs": [asdict(r) for r in runs]}
+    path.write_text(json.dumps(payload, indent=1))
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    asyncio.run(main())

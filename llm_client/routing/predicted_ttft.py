@@ -1,0 +1,276 @@
+"""Routing by predicted time to first token, over replicas of different speeds in several regions.
+
+A fleet is rarely uniform: two accelerator kinds, replicas in regions tens of milliseconds apart. So
+the cost of a candidate is not a token count but the time its first token would take::
+
+    predicted_ttft(r) = rtt(group(r)) + ms_per_token(r) * (queued_tokens(r) + uncached_tokens(prompt, r))
+
+- ``queued_tokens`` is the prefill (and weighted decode) work already routed there and not done, as
+  ``PrefixAwarePolicy.load`` counts it; ``uncached_tokens`` credits the prefix the replica is believed to
+  hold (its block index: approximate, or precise with KV cache events);
+- ``ms_per_token`` is the replica's own speed: a prior (its group's ``ms_per_token``, from the
+  calibration of that accelerator kind), then learned from every first token it sends back (an EWMA of
+  ``(ttft - rtt) / work``), so a slow or degraded replica is weighed as it is;
+- ``rtt`` is the round trip to the replica's endpoint group (a region or zone).
+
+Prediction decides who *may* serve, the cache decides who does: every candidate predicted to meet
+``slo_ms`` (or, when none does, within ``admit_slack`` x the best prediction) is admissible, and
+``PrefixAwarePolicy`` chooses among them with its cache credit and load guards. So a slow or distant
+replica takes traffic only while it can still answer in time, and shoppers keep their warm replicas.
+
+Spreading over groups (the traffic orchestrator of the fleet this project answers): requests stay in
+the ``local_group`` while its best prediction meets ``slo_ms``; when it does not, the policy *spills*:
+every group with a non-zero weight competes on its prediction (divided by its weight). It comes back
+only once the local prediction is under ``return_ratio * slo_ms`` and at least ``min_spill_s`` after it
+left: that gap is the hysteresis that keeps a surge at the threshold from flapping. While spilled, a
+shopper whose blocks are warm in another region keeps going there (its uncached part is small there), so
+KV affinity survives the spill; once local is calm again, shoppers come home.
+
+Group weights are live: ``set_group_weight`` (the gateway's admin endpoint calls it) changes how much a
+group is preferred, and 0 takes it out of rotation. Pure and synchronous, like every policy.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, ClassVar, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from llm_client.endpoints import Endpoint
+from llm_client.routing.base import Feedback, RouteOutcome, RouteRequest
+from llm_client.routing.prefix_aware import PrefixAwarePolicy, PrefixAwareSettings
+from prompt_assembly.errors import ConfigurationError
+
+_PREDICTED = "predicted_ttft.work"
+"""Per replica the request was routed to: (work tokens, rtt ms) at routing time, to learn its speed."""
+
+
+class EndpointGroup(BaseModel):
+    """Replicas that share a network location (a region or zone)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    name: str = Field(min_length=1)
+    endpoints: list[str] = Field(description="replica base URLs in this group (as in ClientConfig.endpoints)")
+    rtt_ms: float = Field(0.0, ge=0, description="round trip from this client to the group")
+    weight: float = Field(1.0, ge=0, description="preference when spilled (prediction / weight); 0 = out")
+    ms_per_token: float | None = Field(
+        None, gt=0, description="prior prefill speed of its accelerator kind; None = the policy's default"
+    )
+
+
+class PredictedTtftSettings(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    policy: Literal["predicted_ttft"] = "predicted_ttft"
+    prefix: PrefixAwareSettings = Field(
+        default_factory=PrefixAwareSettings, description="the block index and load accounting"
+    )
+    groups: list[EndpointGroup] = Field(
+        default_factory=list, description="endpoint groups; a replica in none is in the local group"
+    )
+    local_group: str = Field("local", description="the group this client runs next to")
+    slo_ms: float = Field(1000.0, gt=0, description="the time to first token to hold (p99 target)")
+    return_ratio: float = Field(
+        0.7, gt=0, le=1, description="come back when the local prediction is under this x slo_ms"
+    )
+    min_spill_s: float = Field(10.0, ge=0, description="stay spilled at least this long (no flapping)")
+    ms_per_token: float = Field(
+        0.122,
+        gt=0,
+        description=(
+            "default prior: H100, 32B model, 4,096-token prefill in ~500 ms"
+            " (serving/simulator/calibration_h100.json)"
+        ),
+    )
+    speed_alpha: float = Field(0.2, gt=0, le=1, description="EWMA weight of each learned speed sample")
+    speed_half_life_s: float = Field(
+        60.0, gt=0, description="a learned speed with no new sample relaxes to the prior with this half-life"
+    )
+    admit_slack: float = Field(
+        1.25,
+        ge=1,
+        description="when no replica is predicted to meet slo_ms, those within this x the best prediction "
+        "are admissible",
+    )
+    min_work_tokens: int = Field(
+        256, ge=1, description="a first token after less work than this teaches nothing about speed"
+    )
+
+    @model_validator(mode="after")
+    def _each_endpoint_once(self) -> PredictedTtftSettings:
+        seen: dict[str, str] = {}
+        for group in self.groups:
+            for url in group.endpoints:
+                if url in seen:
+                    raise ConfigurationError(f"endpoint {url} is in groups {seen[url]} and {group.name}")
+                seen[url] = group.name
+        return self
+
+
+@dataclass(slots=True)
+class PredictedTtftStats:
+    spills: int = 0
+    """Times the local group stopped meeting the SLO and requests began to go elsewhere."""
+    returns: int = 0
+    routed_remote: int = 0
+    routed_local: int = 0
+    speed_samples: int = 0
+
+
+class PredictedTtftPolicy:
+    name: ClassVar[str] = "predicted_ttft"
+    settings_type: ClassVar[type[BaseModel]] = PredictedTtftSettings
+
+    def __init__(
+        self,
+        settings: PredictedTtftSettings | None = None,
+        *,
+        clock: Callable[[], float] = time.monotonic,
+        **knobs: Any,
+    ) -> None:
+        if settings is None or knobs:
+            base = settings.model_dump() if settings is not None else {}
+            settings = PredictedTtftSettings.model_validate({**base, **knobs})
+        self.settings = settings
+        self.prefix = PrefixAwarePolicy(settings.prefix, clock=clock)
+        self._clock = clock
+        self._group_of = {url: group for group in settings.groups for url in group.endpoints}
+        self._weights = {group.name: group.weight for group in settings.groups}
+        self._weights.setdefault(settings.local_group, 1.0)
+        self._speed: dict[str, tuple[float, float]] = {}
+        """Per replica: learned ms per token of work, and when it was last learned."""
+        self.spilled_since: float | None = None
+        self.stats = PredictedTtftStats()
+
+    # ---- groups --------------------------------------------------------------------------------
+    def group(self, endpoint: Endpoint) -> str:
+        found = self._group_of.get(endpoint.url)
+        return self.settings.local_group if found is None else found.name
+
+    def rtt_ms(self, endpoint: Endpoint) -> float:
+        found = self._group_of.get(endpoint.url)
+        return 0.0 if found is None else found.rtt_ms
+
+    def group_weights(self) -> dict[str, float]:
+        return dict(self._weights)
+
+    def set_group_weight(self, group: str, weight: float) -> None:
+        """Change a group's weight live (0 takes it out of rotation)."""
+        if group not in self._weights:
+            raise ConfigurationError(f"unknown endpoint group {group!r}; known: {sorted(self._weights)}")
+        if weight < 0:
+            raise ConfigurationError(f"a group weight is >= 0, not {weight}")
+        self._weights[group] = weight
+
+    @property
+    def spilling(self) -> bool:
+        return self.spilled_since is not None
+
+    # ---- the prediction ------------------------------------------------------------------------
+    def prior_ms_per_token(self, endpoint: Endpoint) -> float:
+        found = self._group_of.get(endpoint.url)
+        prior = None if found is None else found.ms_per_token
+        return self.settings.ms_per_token if prior is None else prior
+
+    def ms_per_token(self, endpoint: Endpoint) -> float:
+        """The learned speed, relaxing back to the prior with ``speed_half_life_s`` while no sample
+        arrives: a replica that spilled traffic avoided is re-tried once what was learned has aged."""
+        prior = self.prior_ms_per_token(endpoint)
+        learned = self._speed.get(endpoint.name)
+        if learned is None:
+            return prior
+        value, at = learned
+        decay: float = 0.5 ** ((self._clock() - at) / self.settings.speed_half_life_s)
+        return prior + (value - prior) * decay
+
+    def work_tokens(self, request: RouteRequest, endpoint: Endpoint) -> float:
+        uncached = request.prompt_tokens - self.prefix.cached_tokens(request, endpoint)
+        return self.prefix.load(endpoint) + uncached
+
+    def predicted_ttft_ms(self, request: RouteRequest, endpoint: Endpoint) -> float:
+        return self.rtt_ms(endpoint) + self.ms_per_token(endpoint) * self.work_tokens(request, endpoint)
+
+    # ---- RoutingPolicy -------------------------------------------------------------------------
+    def choose(self, request: RouteRequest, endpoints: Sequence[Endpoint]) -> Endpoint:
+        if not endpoints:
+            raise ValueError("choose() needs at least one endpoint")
+        predicted = {e.name: self.predicted_ttft_ms(request, e) for e in endpoints}
+        local_name = self.settings.local_group
+        local = [e for e in endpoints if self.group(e) == local_name and self._weights[local_name] > 0]
+        best_local = min(local, key=lambda e: predicted[e.name], default=None)
+        local_ms = float("inf") if best_local is None else predicted[best_local.name]
+        self._update_spill(local_ms)
+        if best_local is not None and not self.spilling:
+            pool, scored = local, {e.name: predicted[e.name] for e in local}
+        else:
+            pool = [e for e in endpoints if self._weights.get(self.group(e), 0.0) > 0] or list(endpoints)
+            scored = {
+                e.name: predicted[e.name] / max(self._weights.get(self.group(e), 0.0), 1e-9) for e in pool
+            }
+        # Every replica predicted to meet the SLO (or, if none does, near the best) is admissible, and
+        # prefix_aware chooses among them with its cache credit and load guards: speed and distance
+        # decide who may serve, the cache decides who serves.
+        best = min(scored.values())
+        bound = max(self.settings.slo_ms, best * self.settings.admit_slack)
+        admissible = [e for e in pool if scored[e.name] <= bound]
+        work_before = {e.name: self.work_tokens(request, e) for e in admissible}
+        chosen = self.prefix.choose(request, admissible)  # records the prompt in its block index
+        if self.group(chosen) == local_name:
+            self.stats.routed_local += 1
+        else:
+            self.stats.routed_remote += 1
+        work: dict[str, tuple[float, float]] = request.memo.setdefault(_PREDICTED, {})  # type: ignore[assignment]
+        work[chosen.name] = (work_before[chosen.name], self.rtt_ms(chosen))
+        return chosen
+
+    def _update_spill(self, local_ms: float) -> None:
+        now = self._clock()
+        slo = self.settings.slo_ms
+        if self.spilled_since is None:
+            if local_ms > slo:
+                self.spilled_since = now
+                self.stats.spills += 1
+        elif (
+            local_ms <= self.settings.return_ratio * slo
+            and now - self.spilled_since >= self.settings.min_spill_s
+        ):
+            self.spilled_since = None
+            self.stats.returns += 1
+
+    def estimate_uncached_tokens(self, request: RouteRequest, endpoint: Endpoint) -> int:
+        return self.prefix.estimate_uncached_tokens(request, endpoint)
+
+    def observe(self, request: RouteRequest, endpoint: Endpoint, outcome: RouteOutcome) -> Feedback:
+        work_map = request.memo.get(_PREDICTED)
+        routed = work_map.get(endpoint.name) if isinstance(work_map, dict) else None
+        if outcome.ok and routed is not None and outcome.ttft_ms > 0:
+            work, rtt = routed
+            if work >= self.settings.min_work_tokens:
+                sample = max(0.0, outcome.ttft_ms - rtt) / work
+                before = self.ms_per_token(endpoint)
+                learned = before + self.settings.speed_alpha * (sample - before)
+                self._speed[endpoint.name] = (learned, self._clock())
+                self.stats.speed_samples += 1
+        return self.prefix.observe(request, endpoint, outcome)
+
+    def forget(self, endpoint: Endpoint) -> None:
+        self.prefix.forget(endpoint)
+
+    # ---- what the prefix bookkeeping needs (KvEventConsumer, PrefillObserver) --------------------
+    @property
+    def kv_event_poll_s(self) -> float | None:
+        return self.prefix.kv_event_poll_s
+
+    def apply_kv_events(self, endpoint: Endpoint, events: Sequence[Any]) -> None:
+        self.prefix.apply_kv_events(endpoint, events)
+
+    def prefill_done(self, request: RouteRequest, endpoint: Endpoint) -> None:
+        self.prefix.prefill_done(request, endpoint)
+
+    def prefill_abandoned(self, request: RouteRequest, endpoint: Endpoint) -> None:
+        self.prefix.prefill_abandoned(request, endpoint)
+
+    def attempt_over(self, request: RouteRequest, endpoint: Endpoint) -> None:
+        self.prefix.attempt_over(request, endpoint)

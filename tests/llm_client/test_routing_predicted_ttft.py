@@ -1,0 +1,228 @@
+"""Routing by predicted time to first token: the prediction on hand-built queues, the spill-over and its
+hysteresis, live group weights, learned speeds and KV affinity across a spill (pure), then the same
+against simulator processes in two "regions"."""
+
+from __future__ import annotations
+
+import asyncio
+
+import aiohttp
+import pytest
+
+from llm_client import ClientConfig, LLMClient
+from llm_client.endpoints import Endpoint
+from llm_client.routing import make_policy
+from llm_client.routing.base import RouteOutcome, RouteRequest
+from llm_client.routing.predicted_ttft import EndpointGroup, PredictedTtftPolicy, PredictedTtftSettings
+from prompt_assembly.errors import ConfigurationError
+from prompt_assembly.tokens import count_tokens
+from serving.simulator.launch import SimulatorFleet
+from tests.helpers import viewed_prompt
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def route(text: str, key: str = "s1") -> RouteRequest:
+    return RouteRequest(key, text, count_tokens(text), 200)
+
+
+def words(n: int, seed: str = "w") -> str:
+    return "".join(f" {seed}{i % 97}x" for i in range(n // 2))
+
+
+def fleet() -> tuple[list[Endpoint], list[Endpoint]]:
+    local = [Endpoint(f"http://local{i}", f"local{i}") for i in range(2)]
+    remote = [Endpoint(f"http://east{i}", f"east{i}") for i in range(2)]
+    return local, remote
+
+
+def policy(clock: Clock, **knobs: object) -> PredictedTtftPolicy:
+    local, remote = fleet()
+    groups = [
+        EndpointGroup(name="local", endpoints=[e.url for e in local], ms_per_token=0.1),
+        EndpointGroup(name="east", endpoints=[e.url for e in remote], rtt_ms=60, ms_per_token=0.2),
+    ]
+    settings = PredictedTtftSettings(groups=groups, slo_ms=1000, return_ratio=0.7, min_spill_s=10)
+    return PredictedTtftPolicy(settings, clock=clock, **knobs)
+
+
+def test_the_prediction_is_rtt_plus_speed_times_queued_and_uncached_work() -> None:
+    p = policy(Clock())
+    local, remote = fleet()
+    local[0].outstanding_prefill_tokens = 3000
+    local[1].outstanding_prefill_tokens, local[1].outstanding_decode_tokens = 500, 1000
+    request = route(words(2000))
+    n = request.prompt_tokens
+    decode_weight = p.settings.prefix.decode_weight
+    assert p.predicted_ttft_ms(request, local[0]) == pytest.approx(0.1 * (3000 + n))
+    assert p.predicted_ttft_ms(request, local[1]) == pytest.approx(0.1 * (500 + decode_weight * 1000 + n))
+    assert p.predicted_ttft_ms(request, remote[0]) == pytest.approx(60 + 0.2 * n)
+    # A fast replica with a queue against a slow one without: the smaller predicted time wins.
+    fast, slow = Endpoint("http://local0", "local0"), Endpoint("http://local1", "local1")
+    p2 = PredictedTtftPolicy(
+        PredictedTtftSettings(
+            groups=[
+                EndpointGroup(name="local", endpoints=["http://local0"], ms_per_token=0.1),
+                EndpointGroup(name="other", endpoints=["http://local1"], ms_per_token=0.4),
+            ],
+            local_group="local",
+            slo_ms=10_000,
+        )
+    )
+    fast.outstanding_prefill_tokens = 2 * n  # 0.1 x 3n < 0.4 x n? no: 0.3n < 0.4n, so fast wins
+    assert p2.choose(route(words(2000)), [fast, slow]) is fast
+    fast.outstanding_prefill_tokens = 4 * n  # 0.5n > 0.4n: still local, the SLO holds locally
+    assert p2.choose(route(words(2000), key="s2"), [fast, slow]) is fast
+
+
+def test_spill_over_waits_for_the_slo_and_comes_back_only_past_the_hysteresis() -> None:
+    clock = Clock()
+    p = policy(clock)
+    local, remote = fleet()
+    endpoints = [*local, *remote]
+    request_tokens = route(words(2000)).prompt_tokens
+
+    def set_local_ms(ms: float) -> None:  # local prediction = 0.1 ms/token x (queue + prompt)
+        for e in local:
+            e.outstanding_prefill_tokens = int(ms / 0.1) - request_tokens
+
+    chosen_groups = []
+    # The local prediction wanders around the SLO: 900, 1100, 950, 1050, 800, 650 ms, 2 s apart.
+    for i, ms in enumerate([900, 1100, 950, 1050, 800, 650]):
+        set_local_ms(ms)
+        chosen = p.choose(route(words(2000, f"k{i}"), key=f"k{i}"), endpoints)  # nothing cached yet
+        chosen_groups.append(p.group(chosen))
+        clock.now += 2
+    # East predicts 60 ms + 0.2 ms x 3,000 tokens = 660 ms. Spilled, every replica predicted to meet
+    # the SLO may serve, local ones again at 650 ms; but the spill is not over (under return_ratio x
+    # SLO, before min_spill_s since it began), so a rebound to 1,100 ms would go east at once.
+    assert chosen_groups[:5] == ["local", "east", "east", "east", "east"]
+    assert p.stats.spills == 1 and p.stats.returns == 0, "no flapping around the SLO"
+    assert p.spilling
+    clock.now += 10
+    set_local_ms(650)
+    assert p.group(p.choose(route(words(2000, "back"), key="back"), endpoints)) == "local"
+    assert p.stats.returns == 1 and not p.spilling
+
+
+def test_group_weights_change_live_and_zero_takes_a_group_out() -> None:
+    clock = Clock()
+    p = policy(clock)
+    local, remote = fleet()
+    for e in local:
+        e.outstanding_prefill_tokens = 50_000  # local far over the SLO: spilled
+    remote[1].outstanding_prefill_tokens = 100
+    assert p.choose(route(words(2000), key="a"), [*local, *remote]) is remote[0]
+    p.set_group_weight("east", 0.0)
+    assert p.group(p.choose(route(words(2000), key="b"), [*local, *remote])) == "local"
+    assert p.group_weights() == {"local": 1.0, "east": 0.0}
+    with pytest.raises(ConfigurationError):
+        p.set_group_weight("west", 1.0)
+    with pytest.raises(ConfigurationError):
+        p.set_group_weight("east", -1.0)
+
+
+def test_a_slow_replica_is_learned_from_its_first_tokens_and_forgotten_with_time() -> None:
+    clock = Clock()
+    p = policy(clock)
+    local, _ = fleet()
+    request = route(words(2000))
+    n = request.prompt_tokens
+    assert p.choose(request, [local[0]]) is local[0]
+    p.observe(request, local[0], RouteOutcome(ok=True, prompt_tokens=n, ttft_ms=0.5 * n))  # 5x the prior
+    learned = p.ms_per_token(local[0])
+    assert learned == pytest.approx(0.1 + 0.2 * (0.5 - 0.1))
+    clock.now += p.settings.speed_half_life_s
+    assert p.ms_per_token(local[0]) == pytest.approx(0.1 + (learned - 0.1) / 2)
+
+
+def test_a_spilled_shopper_keeps_its_remote_replica_while_local_is_hot_then_comes_home() -> None:
+    clock = Clock()
+    p = policy(clock)
+    local, remote = fleet()
+    endpoints = [*local, *remote]
+    for e in local:
+        e.outstanding_prefill_tokens = 20_000
+    history = words(3000)
+    first = route(history, key="shopper")
+    home = p.choose(first, endpoints)
+    assert home in remote
+    p.observe(first, home, RouteOutcome(ok=True, prompt_tokens=first.prompt_tokens, ttft_ms=1.0))
+    other = next(e for e in remote if e is not home)
+    other.outstanding_prefill_tokens = 0
+    home.outstanding_prefill_tokens = 1500  # busier than the other remote replica, but warm
+    again = p.choose(route(history + words(200, "n"), key="shopper"), endpoints)
+    assert again is home, "the warm prefix outweighs the other region replica's shorter queue"
+    for e in local:
+        e.outstanding_prefill_tokens = 0
+    clock.now += p.settings.min_spill_s
+    assert p.choose(route(history + words(400, "n"), key="shopper"), endpoints) in local
+
+
+def test_settings_refuse_an_endpoint_in_two_groups_and_the_policy_is_registered() -> None:
+    with pytest.raises(ValueError, match="in groups a and b"):
+        PredictedTtftSettings(
+            groups=[
+                EndpointGroup(name="a", endpoints=["http://x"]),
+                EndpointGroup(name="b", endpoints=["http://x"]),
+            ]
+        )
+    assert isinstance(make_policy("predicted_ttft", slo_ms=500), PredictedTtftPolicy)
+
+
+async def test_against_simulators_a_slow_local_region_spills_keeps_affinity_and_comes_back() -> None:
+    """Two local replicas 80x slow (an overloaded or slower accelerator), two replicas 40 ms away:
+    the policy learns the local speed from first tokens, spills, keeps each shopper on its warm remote
+    replica, and comes home once the local replicas are fast again and the learned slowness has aged."""
+    local_sims, east_sims = (
+        SimulatorFleet(2, "--time-scale", "0.01", "--slowdown", "80"),
+        SimulatorFleet(2, "--time-scale", "0.01", "--network-rtt-ms", "40"),
+    )
+    async with local_sims, east_sims:
+        prior = 0.122 * 0.01  # the calibration's ms per prefill token, at this time scale
+        settings = PredictedTtftSettings(
+            groups=[
+                EndpointGroup(name="local", endpoints=local_sims.urls, ms_per_token=prior),
+                EndpointGroup(name="east", endpoints=east_sims.urls, rtt_ms=40, ms_per_token=prior),
+            ],
+            slo_ms=50,
+            min_spill_s=1.0,
+            speed_half_life_s=1.5,
+            min_work_tokens=64,
+        )
+        config = ClientConfig.model_validate(
+            {
+                "endpoints": [*local_sims.urls, *east_sims.urls],
+                "policy": "predicted_ttft",
+                "timeouts": {"connect_s": 1, "attempt_s": 20, "deadline_s": 30},
+                "health": {"interval_s": 0.2},
+            }
+        )
+        policy = PredictedTtftPolicy(settings)
+        async with LLMClient(config, policy) as client:
+            await client.wait_until_healthy()
+            east_names = {e.name for e in client.endpoints if e.url in east_sims.urls}
+            for i in range(8):  # cold shoppers: local first, until its first tokens show it is slow
+                await client.chat(prompt(f"warmup{i}", 40), routing_key=f"warmup{i}", max_tokens=5)
+            first = await client.chat(prompt("alice", 40), routing_key="alice", max_tokens=5)
+            assert policy.spilling and policy.stats.spills == 1
+            second = await client.chat(prompt("alice", 48), routing_key="alice", max_tokens=5)
+            assert first.endpoint in east_names and second.endpoint == first.endpoint
+            assert second.cached_tokens > 0.5 * second.prompt_tokens
+            async with aiohttp.ClientSession() as session:
+                for url in local_sims.urls:
+                    async with session.post(f"{url}/admin/config", json={"slowdown": 1.0}) as response:
+                        assert response.status == 200
+            await asyncio.sleep(6.0)  # past min_spill_s, and four half-lives of the learned slowness
+            back = await client.chat(prompt("bob", 40), routing_key="bob", max_tokens=5)
+            assert back.endpoint not in east_names and policy.stats.returns == 1
+
+
+def prompt(shopper: str, events: int) -> list[dict[str, str]]:
+    return viewed_prompt(shopper, events, item="costume", category="Costumes > Kids")
