@@ -43,7 +43,12 @@ class FlinkClusterSettings(BaseModel):
 
     jobmanager_memory: str = Field("900m", description="jobmanager.memory.process.size")
     taskmanager_memory: str = Field("1600m", description="taskmanager.memory.process.size")
-    task_slots: int = Field(2, ge=1)
+    taskmanagers: int = Field(
+        2, ge=1, description="TaskManager processes: a job at parallelism 2 runs a subtask on each"
+    )
+    task_slots: int = Field(
+        1, ge=1, description="slots per TaskManager: one, so parallel subtasks land on different ones"
+    )
     heartbeat_interval_ms: int = Field(2_000, gt=0, description="a lost TaskManager is noticed quickly")
     heartbeat_timeout_ms: int = Field(10_000, gt=0)
     start_timeout_s: float = Field(120.0, gt=0)
@@ -219,12 +224,13 @@ def start_taskmanager(state: FlinkClusterState, name: str = "flink-taskmanager")
     return process
 
 
-METRICS_PORTS = 4
-"""The JobManager, the TaskManager, and room for TaskManagers started after one was lost."""
+SPARE_METRICS_PORTS = 3
+"""Beyond one per TaskManager: the JobManager, and room for TaskManagers started after one was lost."""
 
 
 def cluster_up(state_dir: Path, settings: FlinkClusterSettings | None = None) -> FlinkClusterState:
-    """Start a JobManager and a TaskManager; returns once a slot is registered. Reuses a running one."""
+    """Start a JobManager and ``settings.taskmanagers`` TaskManagers; returns once all their slots are
+    registered. Reuses a running one."""
     settings = settings or FlinkClusterSettings()
     path = cluster_state_file(state_dir)
     if path.exists():
@@ -234,7 +240,7 @@ def cluster_up(state_dir: Path, settings: FlinkClusterSettings | None = None) ->
         cluster_down(state_dir)
     root = cluster_dir(state_dir)
     rest_port, rpc_port = free_port(), free_port()
-    metrics_ports = [free_port() for _ in range(METRICS_PORTS)]
+    metrics_ports = [free_port() for _ in range(settings.taskmanagers + SPARE_METRICS_PORTS)]
     home = make_flink_home(
         root, settings, rest_port=rest_port, rpc_port=rpc_port, metrics_ports=metrics_ports
     )
@@ -250,9 +256,11 @@ def cluster_up(state_dir: Path, settings: FlinkClusterSettings | None = None) ->
             env=flink_env(home),
         )
         state.processes.append(jobmanager)
-        start_taskmanager(state)
+        for n in range(1, settings.taskmanagers + 1):
+            start_taskmanager(state, name=f"flink-taskmanager-{n}")
         wait_for_http(jobmanager, "/overview", timeout_s=settings.start_timeout_s)
-        FlinkRest(state.web_url).wait_for_slots(1, timeout_s=settings.start_timeout_s)
+        slots = settings.taskmanagers * settings.task_slots
+        FlinkRest(state.web_url).wait_for_slots(slots, timeout_s=settings.start_timeout_s)
     except BaseException:
         for process in reversed(state.processes):
             stop(process)

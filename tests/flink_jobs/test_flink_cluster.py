@@ -1,9 +1,14 @@
-"""Failure and upgrade paths of the job on the standalone Flink cluster over Tansu (``flink run``):
+"""Failure, upgrade and rescaling paths of the job on the standalone Flink cluster over Tansu (``flink
+run``), two TaskManagers of one slot each, so a job at parallelism 2 runs one subtask on each:
 
-- a TaskManager SIGKILLed mid-stream (JVM and its Python workers, as a lost machine): the job restarts
-  from its last checkpoint on a new TaskManager; at the end every event is accounted for, the insights
-  topic read with ``read_committed`` holds exactly one record per prompt, and no Redis signal went back;
-- stop with a savepoint, more events arrive, resume from the savepoint: nothing lost, nothing twice.
+- at parallelism 2, one TaskManager SIGKILLed mid-stream (JVM and its Python workers, as a lost
+  machine): the job restarts from its last checkpoint on a new TaskManager; at the end every event is
+  accounted for, the insights topic read with ``read_committed`` holds exactly one record per prompt
+  (where the broker hides aborted transactions), and no Redis signal went back;
+- rescaling: stop with a savepoint at parallelism 1 while triggers are pending, resume at 2, stop with a
+  savepoint again, resume at 1, events arriving between each: nothing lost, nothing twice, and every
+  shopper's prompts exactly those the pure processor computes over the whole stream (so each session
+  kept its history and its pending trigger across both moves of its key group).
 """
 
 from __future__ import annotations
@@ -122,7 +127,9 @@ def test_taskmanager_killed_mid_stream_restarts_from_checkpoint(
     first, second = _records(5, 240), _records(6, 160)
     topics = flink_topics(isolated)
     prefix, s3_prefix = f"{isolated.prefix}flink:", f"{isolated.s3_prefix}-flink"
-    settings = cluster_job_settings(stack, stack_dir, isolated, topics, prefix=prefix, s3_prefix=s3_prefix)
+    settings = cluster_job_settings(
+        stack, stack_dir, isolated, topics, prefix=prefix, s3_prefix=s3_prefix
+    ).model_copy(update={"parallelism": 2})
     rest = FlinkRest(flink_cluster.web_url)
     with SignalWatcher(stack.redis_url, prefix) as watcher:
         ends = produce(stack.kafka_bootstrap, topics.events, first)
@@ -130,13 +137,14 @@ def test_taskmanager_killed_mid_stream_restarts_from_checkpoint(
         while rest.completed_checkpoints(job.job_id) < 1 or not watcher.highest:
             assert rest.job_state(job.job_id) == "RUNNING"
             threading.Event().wait(0.3)
-        victims = [
+        taskmanagers = [
             p for p in flink_cluster.processes if p.name.startswith("flink-taskmanager") and alive(p.pid)
         ]
-        assert len(victims) == 1
-        os.killpg(victims[0].pid, signal.SIGKILL)  # the JVM and its Python workers, like a lost machine
-        flink_cluster.processes.remove(victims[0])
-        start_taskmanager(flink_cluster, name="flink-taskmanager-2")
+        assert len(taskmanagers) == 2 and _busy_taskmanagers(rest, job.job_id) == 2
+        victim = taskmanagers[0]
+        os.killpg(victim.pid, signal.SIGKILL)  # the JVM and its Python workers, like a lost machine
+        flink_cluster.processes.remove(victim)
+        start_taskmanager(flink_cluster, name=f"{victim.name}-replaced")
         save_cluster(stack_dir, flink_cluster)
         more = produce(stack.kafka_bootstrap, topics.events, second)
         ends = {p: max(ends.get(p, 0), more.get(p, 0)) for p in {*ends, *more}}
@@ -168,26 +176,59 @@ def _valid(value: bytes) -> bool:
     return True
 
 
-def test_stop_with_savepoint_and_resume_loses_and_repeats_nothing(
+def test_rescale_1_to_2_to_1_through_savepoints_loses_and_repeats_nothing(
     isolated: Isolated, stack: StackState, stack_dir: Path, flink_cluster: FlinkClusterState
 ) -> None:
-    first, second = _records(7, 150), _records(8, 150)
+    parts = [_records(7, 150), _records(8, 150), _records(9, 150)]
     topics = flink_topics(isolated)
     prefix, s3_prefix = f"{isolated.prefix}flink:", f"{isolated.s3_prefix}-flink"
     settings = cluster_job_settings(stack, stack_dir, isolated, topics, prefix=prefix, s3_prefix=s3_prefix)
     rest = FlinkRest(flink_cluster.web_url)
-    ends = produce(stack.kafka_bootstrap, topics.events, first)
-    job = run_job(flink_cluster, settings, stack_dir)
-    wait_committed(stack.kafka_bootstrap, topics.group, topics.events, ends, rest, job.job_id)
-    savepoint = rest.stop_with_savepoint(job.job_id, (stack_dir / "flink" / "savepoints").resolve().as_uri())
-    assert rest.wait_for_state(job.job_id, {"FINISHED"}) == "FINISHED"
+    savepoints = (stack_dir / "flink" / "savepoints").resolve().as_uri()
+    ends: dict[int, int] = {}
+    savepoint: str | None = None
+    assert _pending_triggers(parts[0]) > 0, "no trigger is pending at the first move"
+    for index, (part, parallelism) in enumerate(zip(parts, (1, 2, 1), strict=True)):
+        more = produce(stack.kafka_bootstrap, topics.events, part)
+        ends = {p: max(ends.get(p, 0), more.get(p, 0)) for p in {*ends, *more}}
+        scaled = settings.model_copy(update={"parallelism": parallelism})
+        job = run_job(flink_cluster, scaled, stack_dir, savepoint=savepoint)
+        assert _busy_taskmanagers(rest, job.job_id) == parallelism
+        wait_committed(stack.kafka_bootstrap, topics.group, topics.events, ends, rest, job.job_id)
+        if index < len(parts) - 1:  # move: a savepoint (no drain: pending triggers stay pending)
+            savepoint = rest.stop_with_savepoint(job.job_id, savepoints)
+            assert rest.wait_for_state(job.job_id, {"FINISHED"}) == "FINISHED"
+        else:
+            drain(flink_cluster, job.job_id, stack_dir)
 
-    more = produce(stack.kafka_bootstrap, topics.events, second)
-    ends = {p: max(ends.get(p, 0), more.get(p, 0)) for p in {*ends, *more}}
-    resumed = run_job(flink_cluster, settings, stack_dir, savepoint=savepoint)
-    wait_committed(stack.kafka_bootstrap, topics.group, topics.events, ends, rest, resumed.job_id)
-    drain(flink_cluster, resumed.job_id, stack_dir)
-
-    s3_ids, insights = _check_results(isolated, stack, prefix, s3_prefix, topics.insights, first + second)
+    records = [r for part in parts for r in part]
+    s3_ids, insights = _check_results(isolated, stack, prefix, s3_prefix, topics.insights, records)
     assert len(s3_ids) == len(set(s3_ids)), "a result was written to S3 twice"
     assert len(insights) == len(set(insights))
+
+
+def _busy_taskmanagers(rest: FlinkRest, job_id: str) -> int:
+    """How many TaskManagers run a subtask of ``job_id`` (from the REST API's per-vertex view)."""
+    hosts: set[str] = set()
+    for vertex in rest.get(f"/jobs/{job_id}")["vertices"]:
+        for subtask in rest.get(f"/jobs/{job_id}/vertices/{vertex['id']}/taskmanagers")["taskmanagers"]:
+            hosts.add(str(subtask.get("taskmanager-id") or subtask.get("resource-id")))
+    return len(hosts)
+
+
+def _pending_triggers(records: list[tuple[bytes | None, bytes | None]]) -> int:
+    """Shoppers with a trigger still pending after ``records``, by the same pure processor."""
+    from prompt_assembly.events import MalformedEvent, parse_event
+    from prompt_assembly.processor import SessionProcessor
+    from prompt_assembly.session import ShopperSession
+
+    processor = SessionProcessor()
+    sessions: dict[str, ShopperSession] = {}
+    for _, value in records:
+        try:
+            event = parse_event(value)
+        except MalformedEvent:
+            continue
+        session = sessions.setdefault(event.shopper_id, processor.new_session(event.shopper_id))
+        processor.apply(session, event)
+    return sum(1 for session in sessions.values() if session.pending is not None)
