@@ -32,7 +32,7 @@ lint: $(STAMP)
 	$(VENV)/bin/lint-imports
 
 typecheck: $(STAMP)
-	$(VENV)/bin/mypy $(PACKAGES)
+	$(VENV)/bin/mypy $(PACKAGES) tests bench
 
 # The Flink Kafka connector jars, pinned, from PyPI (devstack/flink_jars.py; cached in ~/.cache).
 flink-jars: $(STAMP)

@@ -102,7 +102,7 @@ async def main() -> None:
         started = time.perf_counter()
         for _ in range(args.repeat):
             await read_stream(_Response(chunks), limits, "r", 0.0)  # type: ignore[arg-type]
-        return (time.perf_counter() - started) / args.repeat * 1e6
+        return float((time.perf_counter() - started) / args.repeat * 1e6)
 
     rows = []
     plain_s = per_call_us(lambda: plain_stream(chunks), args.repeat)

@@ -86,7 +86,7 @@ def _served(stack: StackState) -> int:
 
 def _busy_ms(stack: StackState) -> float:
     """Simulated GPU time the replicas spent (all of them, before the time scale)."""
-    return sum(e["busy_ms"] for e in _engines(stack))
+    return float(sum(e["busy_ms"] for e in _engines(stack)))
 
 
 def _steady_rate(series: list[tuple[float, int, int]], lo: float = 0.2, hi: float = 0.9) -> float:

@@ -115,7 +115,7 @@ async def _day_traffic(
 
         start = loop.time()
         at = start
-        tasks = []
+        tasks: list[asyncio.Task[None]] = []
         while at < start + seconds and len(tasks) < peak_rps * seconds:
             rate = max(peak_rps * share_at(24 * (at - start) / seconds), 0.5)
             body = _body(rng, products, shoppers, deadline_ms)
@@ -230,7 +230,7 @@ def summarise(
             return float(done[0][1]) if done else 0.0
         for (ta, da), (tb, db) in itertools.pairwise(done):
             if ta <= t <= tb:
-                return da + (db - da) * (t - ta) / max(tb - ta, 1e-9)
+                return float(da + (db - da) * (t - ta) / max(tb - ta, 1e-9))
         return float(done[-1][1])
 
     def batch_rate(t0: float, t1: float) -> float:

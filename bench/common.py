@@ -50,6 +50,9 @@ def paced(rate: float, seconds: float) -> Iterator[int]:
 
 
 def percentile(values: Sequence[float], q: float) -> float:
+    """The ``q`` quantile (a fraction: 0.99 for p99) of ``values``, nearest rank."""
+    if not 0 <= q <= 1:
+        raise ValueError(f"percentile takes a fraction (0.99 for p99), not {q}")
     if not values:
         return float("nan")
     ordered = sorted(values)
@@ -66,3 +69,17 @@ def print_table(headers: Sequence[str], rows: Sequence[Sequence[object]]) -> str
     text = "\n".join(lines)
     print(text)
     return text
+
+
+def process_group_cpu_seconds(pgid: int) -> float:
+    """User + system CPU of every live process in process group ``pgid``, with what their exited,
+    waited-for children used (``/proc``; Linux only): a Flink TaskManager's JVM and Python workers."""
+    total = 0
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:  # the process ended while we looked
+            continue
+        if int(fields[2]) == pgid:
+            total += sum(int(f) for f in fields[11:15])
+    return total / os.sysconf("SC_CLK_TCK")

@@ -37,6 +37,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from flink_jobs.flink_config import AsyncSettings, NearRealtimeSettings
 from llm_client.config import ClientConfig, HealthSettings, RetrySettings, Timeouts
 from prompt_assembly.records import PromptRequest
+from sinks.config import SinkSettings
 
 ANSWER = orjson.dumps(
     {
@@ -219,7 +220,7 @@ def run_once(setting: Setting, url: str, n: int, rate: float) -> dict[str, float
             retry=RetrySettings(max_attempts=1),
             health=HealthSettings(interval_s=5),
         ),
-        sinks_enabled=False,
+        sinks=SinkSettings(enabled=()),  # the async stage alone: no sinks
     )
     settings.checkpoint.interval_ms = 3_600_000
     env = create_environment(settings, local=True)

@@ -1,6 +1,6 @@
 """Recovery of the job on the standalone cluster from a lost TaskManager, under a steady paced stream.
 
-    .venv/bin/python -m bench.flink_cluster --recovery [--rate 10] [--seconds 120] [--kill-after 40]
+    .venv/bin/python -m bench.flink_recovery [--rate 10] [--seconds 120] [--kill-after 40]
 
 The job runs at its defaults (checkpoint interval, restart strategy) with the rate limit off, so each
 ``add_to_cart`` is a prompt at once; 1 record in 50 is malformed. ``kill_after`` s into the stream
@@ -19,8 +19,10 @@ letter (deduplicated on partition/offset: the DLQ is at-least-once), and the ins
 
 from __future__ import annotations
 
+import argparse
 import os
 import signal
+import tempfile
 import threading
 import time
 import uuid
@@ -30,19 +32,28 @@ from pathlib import Path
 import orjson
 from confluent_kafka import KafkaError, Message, Producer
 
-from bench.common import paced, percentile, print_table
-from bench.flink_cluster import Knobs, SignalPoller, bench_job, cart_event, describe, wait_committed
+from bench.common import machine, paced, percentile, print_table
+from bench.flink_kit import (
+    Knobs,
+    SignalPoller,
+    bench_job,
+    cart_event,
+    describe,
+    parse_variant,
+    wait_committed,
+)
 from devstack.flink_cluster import (
     FlinkClusterSettings,
     FlinkClusterState,
     FlinkRest,
+    cluster_down,
     cluster_up,
     save_cluster,
     start_taskmanager,
     submit,
 )
 from devstack.processes import alive
-from devstack.stack import StackState
+from devstack.stack import StackSettings, StackState, stack_down, stack_up
 from pipeline.dead_letter import DeadLetter
 from shopper.readback import list_s3_records, read_topic
 
@@ -221,7 +232,7 @@ def recovery(
     insights = [
         str(orjson.loads(v)["request_id"])
         for v in read_topic(
-            stack.kafka_bootstrap, settings.kafka.insights_topic or "", expect=len(by_id), read_committed=True
+            stack.kafka_bootstrap, settings.insights_topic or "", expect=len(by_id), read_committed=True
         )
     ]
     dead = {
@@ -327,3 +338,28 @@ def print_recovery(r: Recovery) -> None:
         )
     else:
         print("insights: INCOMPLETE")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n")[0])
+    parser.add_argument("--rate", type=float, default=10.0, help="events/s, each one a prompt")
+    parser.add_argument("--seconds", type=float, default=120.0, help="stream length")
+    parser.add_argument("--kill-after", type=float, default=40.0, help="seconds into the stream")
+    parser.add_argument("--variant", default="default", help="job knobs (bench.flink_kit.KNOBS)")
+    args = parser.parse_args()
+    state_dir = Path(tempfile.mkdtemp(prefix="bench-flink-"))
+    stack = stack_up(StackSettings(state_dir=state_dir, replicas=2, time_scale=0.01))
+    try:
+        print(f"machine: {machine()}; Flink 2.3 standalone, Tansu, 2 simulator replicas (x0.01)", flush=True)
+        knobs = parse_variant(args.variant)
+        run = recovery(
+            stack, state_dir, knobs, rate=args.rate, seconds=args.seconds, kill_after=args.kill_after
+        )
+        print_recovery(run)
+    finally:
+        cluster_down(state_dir)
+        stack_down(state_dir)
+
+
+if __name__ == "__main__":
+    main()

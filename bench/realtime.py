@@ -115,13 +115,13 @@ async def _write_signals(stack: StackState, prefix: str, shoppers: int) -> list[
     insights = []
     for i in range(shoppers):
         interests = INTERESTS[i % len(INTERESTS)]
-        understanding = ShopperUnderstanding(
+        shopper = ShopperUnderstanding(
             interests=interests, occasion="halloween", style="fun", price_sensitivity="medium",
             summary=f"Shopper interested in {', '.join(interests)}.",
         )  # fmt: skip
         insight = ShopperInsight(
             request_id=f"b{i}:1", shopper_id=f"b{i}", seq=1, reason="add_to_cart",
-            understanding=understanding, text="t", model="m", replica="r", usage=Usage(), event_count=3,
+            understanding=shopper, text="t", model="m", replica="r", usage=Usage(), event_count=3,
             last_event_ts=time.time(), ttft_ms=1, latency_ms=1, attempts=1, produced_at=time.time(),
         )  # fmt: skip
         insights.append(insight)
@@ -175,7 +175,7 @@ async def open_loop(
             latency = (loop.time() - scheduled) * 1000
             samples.append(Sample(scheduled, lag, latency, status, reason, llm_ms, deadline_ms, elapsed))
 
-        tasks = []
+        tasks: list[asyncio.Task[None]] = []
         start = loop.time() + 0.2
         at = start
         limit = int(rate * seconds * 1.5)

@@ -100,7 +100,7 @@ def settings_for(
 
 
 def create_topic(bootstrap: str, partitions: int = 4) -> str:
-    from confluent_kafka.admin import AdminClient, NewTopic
+    from confluent_kafka.admin import AdminClient, NewTopic  # type: ignore[attr-defined]
 
     name = f"bench-{uuid.uuid4().hex[:8]}"
     admin = AdminClient({"bootstrap.servers": bootstrap})

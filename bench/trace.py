@@ -185,7 +185,7 @@ class OracleBound:
     any routing over any number of replicas)."""
     prefill_tokens_per_shopper: int
     """Infinite cache, perfect affinity: a prompt pays what it does not share with its shopper's previous
-    prompt (the issue's definition; the shared system prompt is paid once per shopper)."""
+    prompt (the oracle's definition; the shared system prompt is paid once per shopper)."""
 
 
 def oracle_prefill(trace: Sequence[TraceRequest], block_size: int = 32) -> OracleBound:

@@ -37,7 +37,7 @@ from devstack.processes import (
     wait_for_port,
 )
 from pipeline.redaction import redact
-from pipeline.topics import DLQ_TOPIC, EVENTS_TOPIC
+from pipeline.topics import DLQ_TOPIC, EVENTS_TOPIC, INSIGHTS_TOPIC
 from serving.simulator.launch import simulator_argv
 from sinks.config import SinkSettings
 
@@ -213,7 +213,7 @@ def _create_topics(bootstrap: str, partitions: int) -> None:
     from confluent_kafka.admin import AdminClient, NewTopic  # type: ignore[attr-defined]
 
     admin = AdminClient({"bootstrap.servers": bootstrap})
-    wanted = {EVENTS_TOPIC: partitions, DLQ_TOPIC: 1}
+    wanted = {EVENTS_TOPIC: partitions, DLQ_TOPIC: 1, INSIGHTS_TOPIC: partitions}
     existing = admin.list_topics(timeout=10).topics
     new = [NewTopic(name, n, 1) for name, n in wanted.items() if name not in existing]
     if new:

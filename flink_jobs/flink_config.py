@@ -8,29 +8,33 @@ The LLM client, enrichment, session and sink settings are the components' own mo
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Any, Literal
 
 import orjson
-from pydantic import BaseModel, Field, SecretStr, ValidationError
+from pydantic import BaseModel, Field, SecretStr, ValidationError, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from llm_client.config import ClientConfig
+from pipeline.dead_letter import DEFAULT_MAX_ORIGINAL_BYTES
 from pipeline.enrichment import EnrichmentSettings
 from pipeline.kafka_security import KafkaSecurity, configuration_error
-from pipeline.sink_commit import SinkRetry
-from pipeline.topics import DLQ_TOPIC, EVENTS_TOPIC, INSIGHTS_TOPIC
+from pipeline.setting_names import refuse_settings_named_twice
+from pipeline.sink_retry import SinkRetry
+from pipeline.topics import DLQ_TOPIC, EVENTS_TOPIC
+from prompt_assembly.errors import ConfigurationError
 from prompt_assembly.processor import SessionConfig
-from sinks.config import SinkSettings
+from sinks.config import SinkName, SinkSettings
+
+FLINK_NATIVE_SINKS: frozenset[SinkName] = frozenset({"kafka"})
+"""Enabled sinks the job writes with a Flink connector rather than from Python."""
 
 
 class KafkaSettings(BaseModel):
     bootstrap_servers: str = "kafka:9092"
     events_topic: str = EVENTS_TOPIC
     dlq_topic: str = DLQ_TOPIC
-    insights_topic: str | None = Field(
-        INSIGHTS_TOPIC, description="results also go to this topic (exactly-once); None = off"
-    )
     group_id: str = "shopper-understanding-flink"
     transactional_id_prefix: str = "shopper-understanding"
     transaction_timeout_ms: int = Field(
@@ -53,6 +57,16 @@ class KafkaSettings(BaseModel):
         default_factory=KafkaSecurity,
         description="TLS/SASL of the source and sinks (pipeline.kafka_security.java_kafka_properties)",
     )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _moved_settings(cls, data: Any) -> Any:
+        if isinstance(data, dict) and "insights_topic" in data:
+            raise ConfigurationError(
+                "kafka.insights_topic is now sinks.insights_topic, written when sinks.enabled holds 'kafka' "
+                "(one name for both engines)"
+            )
+        return data
 
 
 class CheckpointSettings(BaseModel):
@@ -112,6 +126,15 @@ class NearRealtimeSettings(BaseSettings):
 
     job_name: str = "shopper-understanding-near-realtime"
     parallelism: int = Field(1, ge=1)
+    max_parallelism: int = Field(
+        128,
+        ge=1,
+        le=32768,
+        description="key groups: the most subtasks the keyed state can ever be split over. Fixed for "
+        "the life of the state (a savepoint restores only at the same value), so set it once, well "
+        "above any parallelism planned (docs/flink.md, 'Rescaling'); 128 is also Flink's own default "
+        "for jobs below parallelism 86, so savepoints taken without it still restore",
+    )
     python_executable: str | None = Field(None, description="worker python; None = this interpreter locally")
     state_ttl_s: int = Field(7 * 24 * 3600, gt=0, description="a quiet shopper's session is dropped")
     max_lateness_for_timer_s: float = Field(
@@ -152,9 +175,40 @@ class NearRealtimeSettings(BaseSettings):
     llm: ClientConfig = Field(default_factory=ClientConfig)
     enrichment: EnrichmentSettings = Field(default_factory=EnrichmentSettings)
     session: SessionConfig = Field(default_factory=SessionConfig)
-    sinks: SinkSettings = Field(default_factory=SinkSettings)
-    sinks_enabled: bool = Field(True, description="write Redis and S3 (off only in engine benchmarks)")
+    dlq_max_original_bytes: int = Field(
+        DEFAULT_MAX_ORIGINAL_BYTES, ge=0, description="a dead letter keeps at most this much of the original"
+    )
+    sinks: SinkSettings = Field(
+        default_factory=SinkSettings,
+        description="sinks.enabled as in the runner; 'kafka' is the connector's transactional KafkaSink "
+        "on sinks.insights_topic, the others are written from the async stage; () = none (benchmarks)",
+    )
     sink_retry: SinkRetry = Field(default_factory=SinkRetry, description="the runner's policy, shared")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _one_name_per_setting(cls, data: Any) -> Any:
+        refuse_settings_named_twice(os.environ, "FLINK_JOB_", {"llm": "LLM_", "sinks": "SINK_"})
+        return data
+
+    @model_validator(mode="after")
+    def _parallelism_within_key_groups(self) -> NearRealtimeSettings:
+        if self.parallelism > self.max_parallelism:
+            raise ConfigurationError(
+                f"parallelism {self.parallelism} exceeds max_parallelism {self.max_parallelism}"
+            )
+        return self
+
+    @property
+    def result_sinks(self) -> tuple[SinkName, ...]:
+        """The sinks the async stage writes (``sinks.registry``): every enabled one except 'kafka',
+        which is Flink's own exactly-once ``KafkaSink`` (``insights_topic``)."""
+        return tuple(name for name in self.sinks.enabled if name not in FLINK_NATIVE_SINKS)
+
+    @property
+    def insights_topic(self) -> str | None:
+        """The results topic of the connector's ``KafkaSink``; None when 'kafka' is not enabled."""
+        return self.sinks.insights_topic if "kafka" in self.sinks.enabled else None
 
     @classmethod
     def load(cls, path: str | Path | None = None, **overrides: Any) -> NearRealtimeSettings:

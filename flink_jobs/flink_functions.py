@@ -3,7 +3,8 @@
 - ``ParseShopperEvents``: bytes -> ``(shopper_id, event JSON)``; malformed input -> DLQ side output.
 - ``ShopperSessionFunction``: keyed by shopper; ``SessionProcessor`` on a session kept in keyed state.
 - ``EnrichPrompts``: async; ``Enricher`` (LLM client with KV-aware routing) -> one result each.
-- ``WriteResults``: async; ``SinkCommitter`` -> Redis and S3, completing a call only once it is durable.
+- ``WriteResults``: async; ``SinkCommitter`` -> the enabled sinks (``sinks.registry``), completing a
+  call only once it is durable.
 
 Records between operators are JSON strings (pydantic ``model_dump_json``): no pickling of project types,
 and the same bytes the embedded runner and the Kafka topics carry. Functions receive the job settings as
@@ -27,7 +28,7 @@ from pyflink.datastream.time_domain import TimeDomain
 
 from flink_jobs.flink_config import NearRealtimeSettings
 from flink_jobs.flink_metrics import OperatorStats
-from pipeline.dead_letter import dead_letter
+from pipeline.dead_letter import DEFAULT_MAX_ORIGINAL_BYTES, dead_letter
 from prompt_assembly.events import MalformedEvent, ShopperEvent, parse_event
 from prompt_assembly.processor import SessionProcessor
 from prompt_assembly.records import EnrichmentError, EnrichmentResult, PromptRequest, ShopperInsight
@@ -38,24 +39,6 @@ FLUSH_TIMER_TS = 2**63 - 1
 """Event-time timer that only the final watermark of a bounded input (or a drain) reaches."""
 
 METRIC_GROUP = "shopper"
-
-
-def dlq_record(
-    raw: bytes | str | None,
-    reason: str,
-    *,
-    topic: str | None = None,
-    partition: int | None = None,
-    offset: int | None = None,
-    timestamp_ms: int | None = None,
-) -> str:
-    """The DLQ value, from the one shared module (``pipeline.dead_letter``), as the JSON string the
-    Kafka sink writes."""
-    value = raw.encode("utf-8") if isinstance(raw, str) else raw
-    letter = dead_letter(
-        value, reason, topic=topic, partition=partition, offset=offset, timestamp_ms=timestamp_ms
-    )
-    return letter.to_bytes().decode("utf-8")
 
 
 SourceRecord = tuple[bytes | None, str | None, int | None, int | None, int | None]
@@ -74,17 +57,28 @@ def source_record(value: Any, source_topic: str | None, base64_values: bool) -> 
     return (None if raw is None else bytes(raw)), topic, partition, offset, timestamp_ms
 
 
-def gate(record: SourceRecord) -> ShopperEvent | str:
+def gate(record: SourceRecord, max_original_bytes: int = DEFAULT_MAX_ORIGINAL_BYTES) -> ShopperEvent | str:
     """``parse_event`` on one record: the event, or its dead letter (``pipeline.dead_letter``, with the
-    record's position, byte for byte the embedded runner's) as the JSON string the DLQ sink writes."""
-    raw, topic, partition, offset, timestamp_ms = record
+    record's position and at most ``max_original_bytes`` of it, byte for byte the embedded runner's) as
+    the JSON string the DLQ sink writes."""
     try:
-        return parse_event(raw)
+        return parse_event(record[0])
     except MalformedEvent as exc:
-        letter = dead_letter(
-            raw, exc.reason, topic=topic, partition=partition, offset=offset, timestamp_ms=timestamp_ms
-        )
-        return letter.to_bytes().decode("utf-8")
+        return dead_letter_json(record, exc.reason, max_original_bytes)
+
+
+def dead_letter_json(record: SourceRecord, reason: str, max_original_bytes: int) -> str:
+    raw, topic, partition, offset, timestamp_ms = record
+    letter = dead_letter(
+        raw,
+        reason,
+        topic=topic,
+        partition=partition,
+        offset=offset,
+        timestamp_ms=timestamp_ms,
+        max_original_bytes=max_original_bytes,
+    )
+    return letter.to_bytes().decode("utf-8")
 
 
 def shopper_key(value: str) -> str:
@@ -128,6 +122,7 @@ class ShopperSessionFunction(KeyedProcessFunction):
     def open(self, runtime_context: RuntimeContext) -> None:
         settings = NearRealtimeSettings.from_json(self.settings_json)
         self.processor = SessionProcessor(settings.session)
+        self.dlq_max_original_bytes = settings.dlq_max_original_bytes
         self.lateness_ms = int(settings.max_lateness_for_timer_s * 1000)
         descriptor = ValueStateDescriptor("session", Types.STRING())
         descriptor.enable_time_to_live(
@@ -173,23 +168,13 @@ class ShopperSessionFunction(KeyedProcessFunction):
     def process_element(self, value: Any, ctx: KeyedProcessFunction.Context) -> Iterable[Any]:
         self.records_in.inc()
         record = source_record(value, self.source_topic, self.base64_values)
-        event = gate(record)
+        event = gate(record, self.dlq_max_original_bytes)
         key = ctx.get_current_key()
         key = key[0] if isinstance(key, tuple | list) or hasattr(key, "_values") else key  # Row(key)
         if isinstance(event, ShopperEvent) and event.shopper_id != key:
             # It cannot be re-keyed here: a dead letter, never a silently misplaced event.
-            event = (
-                dead_letter(
-                    record[0],
-                    f"shopper_id {event_id_repr(record[0])} is ambiguous (duplicated field)",
-                    topic=record[1],
-                    partition=record[2],
-                    offset=record[3],
-                    timestamp_ms=record[4],
-                )
-                .to_bytes()
-                .decode("utf-8")
-            )
+            reason = f"shopper_id {event_id_repr(record[0])} is ambiguous (duplicated field)"
+            event = dead_letter_json(record, reason, self.dlq_max_original_bytes)
         if isinstance(event, str):
             self.records_dlq.inc()
             yield DLQ_TAG, event
@@ -197,7 +182,7 @@ class ShopperSessionFunction(KeyedProcessFunction):
         self.records_valid.inc()
         shopper_id = event.shopper_id
         session = self._load(shopper_id)
-        applied = self.processor.apply(session, event)
+        applied = self.processor.apply(session, event, record[0])  # the raw JSON, kept as the runner keeps it
         if applied.outcome == "duplicate":
             self.duplicates.inc()
             return
@@ -350,8 +335,9 @@ def is_retryable_result(results: list[str]) -> bool:
 
 
 class WriteResults(AsyncFunction):
-    """Results to Redis and S3 through ``sinks``; a call completes once its result is durable in both,
-    so the drain before each checkpoint makes the sinks at-least-once (see ``SinkCommitter``)."""
+    """Results to the enabled sinks through the shared ``Checkpoint``; a call completes once its result
+    is durable in every one, so the drain before each checkpoint makes the sinks at-least-once (see
+    ``SinkCommitter``)."""
 
     def __init__(self, settings_json: str) -> None:
         self.settings_json = settings_json
@@ -359,6 +345,7 @@ class WriteResults(AsyncFunction):
     def open(self, runtime_context: RuntimeContext) -> None:
         self.settings = NearRealtimeSettings.from_json(self.settings_json)
         self.committer: Any = None
+        self.retries = 0
         self.stats = OperatorStats()
         group = runtime_context.get_metrics_group().add_group(METRIC_GROUP)
         self.stats.register(
@@ -366,29 +353,32 @@ class WriteResults(AsyncFunction):
             counters=["results_written", "insights_written", "errors_written"],
             windows=["freshness", "sink_commit"],
             extra={
-                "s3_flushes": lambda: self.committer.s3_flushes if self.committer else 0,
-                "redis_batches": lambda: self.committer.redis_batches if self.committer else 0,
+                "sink_flushes": lambda: self.committer.flushes if self.committer else 0,
+                "sink_batches": lambda: self.committer.batches if self.committer else 0,
                 # The runner's name: a job waiting out a store outage is told from an idle one.
-                "sink_retries": lambda: self.committer.retries if self.committer else 0,
+                "sink_retries": lambda: self.retries,
             },
         )
 
     def _ensure_committer(self) -> Any:
         if self.committer is None:
+            from pipeline.checkpoint import Checkpoint
             from pipeline.sink_commit import SinkCommitter
-            from sinks.redis import RedisSignalSink
-            from sinks.s3 import S3InsightSink
+            from sinks.registry import SinkResources, build_sinks
 
+            sinks = build_sinks(self.settings.sinks, SinkResources(), names=self.settings.result_sinks)
+            checkpoint = Checkpoint(sinks, self.settings.sink_retry, on_retry=self._retried)
             self.committer = SinkCommitter(
-                RedisSignalSink(self.settings.sinks),
-                S3InsightSink(self.settings.sinks),
+                checkpoint,
                 idle_flush_s=self.settings.async_io.sink_idle_flush_ms / 1000,
-                retry=self.settings.sink_retry,
-                on_redis_written=self._on_redis_written,
+                on_written=self._on_written,
             )
         return self.committer
 
-    def _on_redis_written(self, results: Any) -> None:
+    def _retried(self, what: str, exc: BaseException) -> None:
+        self.retries += 1
+
+    def _on_written(self, results: Any) -> None:
         now = time.time()
         for result in results:
             # End-to-end freshness: from the newest event in the prompt to its answer being readable.

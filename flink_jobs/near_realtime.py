@@ -93,6 +93,7 @@ def create_environment(settings: NearRealtimeSettings, *, local: bool, jars: Seq
 
     env = StreamExecutionEnvironment.get_execution_environment(job_configuration(settings, local=local))
     env.set_parallelism(settings.parallelism)
+    env.set_max_parallelism(settings.max_parallelism)
     if jars:
         env.add_jars(*jars)
     return env
@@ -179,7 +180,7 @@ def _async_stages(prompts: Any, dlq: Any, settings: NearRealtimeSettings, settin
     from flink_jobs.flink_functions import EnrichAndWrite, EnrichPrompts, WriteResults, is_retryable_result
 
     aio = settings.async_io
-    if settings.sinks_enabled and aio.retry_attempts == 0:
+    if settings.result_sinks and aio.retry_attempts == 0:
         # Timeouts are enforced on the event loop: a Flink-level timeout costs PyFlink one OS thread per
         # in-flight record (see AsyncSettings).
         results = (
@@ -190,7 +191,7 @@ def _async_stages(prompts: Any, dlq: Any, settings: NearRealtimeSettings, settin
                 capacity=aio.capacity,
                 output_type=Types.STRING(),
             )
-            .name("enrich prompts (LLM), write Redis and S3")
+            .name(f"enrich prompts (LLM), write {', '.join(settings.result_sinks)}")
             .uid("enrich-and-write")
         )
         return Pipeline(results=results, dlq=dlq)
@@ -213,7 +214,7 @@ def _async_stages(prompts: Any, dlq: Any, settings: NearRealtimeSettings, settin
         .name("enrich prompts (LLM)")
         .uid("enrich-prompts")
     )
-    if settings.sinks_enabled:
+    if settings.result_sinks:
         results = (
             AsyncDataStream.unordered_wait(
                 results,
@@ -222,7 +223,7 @@ def _async_stages(prompts: Any, dlq: Any, settings: NearRealtimeSettings, settin
                 capacity=aio.sink_capacity,
                 output_type=Types.STRING(),
             )
-            .name("write Redis and S3")
+            .name(f"write {', '.join(settings.result_sinks)}")
             .uid("write-results")
         )
     return Pipeline(results=results, dlq=dlq)
@@ -254,9 +255,9 @@ def run_kafka(
     pipeline.dlq.sink_to(kafka_sink(settings, settings.kafka.dlq_topic, exactly_once=False)).name(
         "kafka dlq"
     ).uid("kafka-dlq")
-    if settings.kafka.insights_topic:
+    if settings.insights_topic:
         pipeline.results.sink_to(
-            kafka_sink(settings, settings.kafka.insights_topic, exactly_once=exactly_once)
+            kafka_sink(settings, settings.insights_topic, exactly_once=exactly_once)
         ).name("kafka insights").uid("kafka-insights")
     if detached:
         env.execute_async(settings.job_name)

@@ -6,7 +6,7 @@ the embedded broker, answers ListOffsets with the base offset of the partition's
 so a batch of 300 records reads as an end of 1, while its fetch responses are right. An until-drained
 runner that trusted ListOffsets alone saw a lag of 0 with records still unread and ended early; after a
 broker restart, when some partitions are fetched late, that lost the tails of two partitions (the
-fault suite's broker case, issue 9). The end used here is the larger of the two, so a broker wrong in
+fault suite's broker case). The end used here is the larger of the two, so a broker wrong in
 either answer can only make a reader wait, never stop early.
 """
 

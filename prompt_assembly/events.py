@@ -13,7 +13,7 @@ without a second source of truth for what is valid or for why something is not:
   ``"quantity": 1.0``; a duplicate key; malformed input), goes to the pydantic validator, which alone
   decides and alone words every rejection.
 So the outcome (the event, or the rejection and its reason) is pydantic's for every input;
-``tests/test_event_gate_tiers.py`` checks that on fuzzed input, field by field.
+``tests/prompt_assembly/test_event_gate_tiers.py`` checks that on fuzzed input, field by field.
 """
 
 from __future__ import annotations
@@ -212,8 +212,8 @@ def _product(wire: _WireProduct) -> ProductSnapshot:
 def _built(cls: type[_M], values: dict[str, Any], fields_set: set[str]) -> _M:
     """An instance of ``cls`` holding already-validated ``values``: what ``model_construct`` does for
     a model without extra or private attributes, in a fraction of its time (the whole point of the
-    fast tier). ``tests/test_event_gate_tiers.py`` compares the result with pydantic's own, internals
-    included, so a pydantic upgrade that changes them fails there."""
+    fast tier). ``tests/prompt_assembly/test_event_gate_tiers.py`` compares the result with pydantic's
+    own, internals included, so a pydantic upgrade that changes them fails there."""
     model = _new(cls)
     _set(model, "__dict__", values)
     _set(model, "__pydantic_fields_set__", fields_set)

@@ -11,7 +11,7 @@ server's prefix (KV) cache can skip their prefill:
 Product text (titles, descriptions, review snippets) and search queries are seller- or shopper-controlled:
 they are rendered inside ``<data>`` blocks that they cannot close (``inline_text``), and the instructions
 say such blocks are data. Brands, categories and the shopper id are made safe the same way, on one
-line. tests/test_security_prompt.py plants text that tries to escape and checks the assembled prompt.
+line. tests/security/test_security_prompt.py plants text that tries to escape and checks the assembled prompt.
 """
 
 from __future__ import annotations

@@ -63,6 +63,14 @@ class _StoredEntry(msgspec.Struct, gc=False):
 _STORED_ENTRY = msgspec.json.Decoder(_StoredEntry)
 
 
+class _StoredSession(msgspec.Struct, gc=False):
+    h: dict[str, Any]
+    entries: list[msgspec.Raw]
+
+
+_STORED_SESSION = msgspec.json.Decoder(_StoredSession)
+
+
 @dataclass(slots=True)
 class PendingTrigger:
     reason: TriggerReason
@@ -184,15 +192,16 @@ class ShopperSession:
         return changes
 
     def to_json(self) -> bytes:
-        """The whole session, for engines that keep it as one state value (Flink ValueState)."""
-        return orjson.dumps(
-            {"h": self.header(), "entries": [orjson.loads(e.to_json()) for e in self.entries]}
-        )
+        """The whole session, for engines that keep it as one state value (Flink ValueState): the
+        header and each entry exactly as ``SessionEntry.to_json`` gives it, so an entry is the same
+        bytes here as in the runner's Redis log (``runner.session_store``)."""
+        entries = b",".join(entry.to_json() for entry in self.entries)
+        return b'{"h":%b,"entries":[%b]}' % (orjson.dumps(self.header()), entries)
 
     @classmethod
     def from_json(cls, raw: bytes | str) -> ShopperSession:
-        data = orjson.loads(raw)
-        return cls.restore(data["h"], [orjson.dumps(e) for e in data["entries"]])
+        stored = _STORED_SESSION.decode(raw)
+        return cls.restore(stored.h, [bytes(entry) for entry in stored.entries])
 
     @classmethod
     def restore(cls, header: dict[str, Any], entries: list[bytes]) -> ShopperSession:

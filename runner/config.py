@@ -1,15 +1,23 @@
-"""Embedded runner configuration (env prefix ``RUNNER_``; nested components keep their own models)."""
+"""Embedded runner configuration (env prefix ``RUNNER_``; nested components keep their own models).
+
+A component's field has two environment names, ``RUNNER_LLM__MODEL`` and the component's own
+``LLM_MODEL`` (``SINK_*`` for ``sinks``): either works, both at once is a ``ConfigurationError``
+(``pipeline.setting_names``)."""
 
 from __future__ import annotations
 
-from pydantic import Field
+import os
+from typing import Any
+
+from pydantic import Field, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from llm_client.config import ClientConfig
 from pipeline.dead_letter import DEFAULT_MAX_ORIGINAL_BYTES
 from pipeline.enrichment import EnrichmentSettings
 from pipeline.kafka_security import KafkaSecurity
-from pipeline.sink_commit import SinkRetry
+from pipeline.setting_names import refuse_settings_named_twice
+from pipeline.sink_retry import SinkRetry
 from pipeline.topics import DLQ_TOPIC, EVENTS_TOPIC
 from prompt_assembly.processor import SessionConfig
 from runner.logs import LogFormat
@@ -81,3 +89,13 @@ class RunnerSettings(BaseSettings):
     llm: ClientConfig = Field(default_factory=ClientConfig)
     enrichment: EnrichmentSettings = Field(default_factory=EnrichmentSettings)
     sinks: SinkSettings = Field(default_factory=SinkSettings)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _one_name_per_setting(cls, data: Any) -> Any:
+        refuse_settings_named_twice(os.environ, "RUNNER_", COMPONENT_PREFIXES)
+        return data
+
+
+COMPONENT_PREFIXES = {"llm": "LLM_", "sinks": "SINK_"}
+"""Nested settings that are also read from their own environment prefix."""

@@ -4,7 +4,7 @@ librdkafka reports errors two ways: as error events among the consumed messages 
 that is unknown, an authorisation failure), and through ``error_cb`` (connection, TLS and SASL
 failures, fatal errors), which nothing sees unless a callback is set. Before, the runner logged the
 first kind and never saw the second, so a wrong topic or security setting never failed it and
-``--until-drained`` never returned (issue 18). Now every error is classified here:
+``--until-drained`` never returned. Now every error is classified here:
 
 - ``transient``: a broker restarting or unreachable (``_TRANSPORT``, ``_ALL_BROKERS_DOWN``, ...) and
   anything not named below. Logged; librdkafka reconnects and the runner waits, as it waits for a store

@@ -35,6 +35,7 @@ from typing import Literal
 from confluent_kafka import KafkaError, KafkaException, Message, Producer
 
 from pipeline.dead_letter import DEFAULT_MAX_ORIGINAL_BYTES, DeadLetter, dead_letter, minimal_dead_letter
+from runner.errors import DeadLettersUndelivered
 
 QUEUE_FULL_RETRIES = 50
 QUEUE_FULL_WAIT_S = 0.1
@@ -81,7 +82,10 @@ class DeadLetterPublisher:
         counts: DeadLetterCounts | None = None,
         queue_full_retries: int = QUEUE_FULL_RETRIES,
         queue_full_wait_s: float = QUEUE_FULL_WAIT_S,
+        deliver_max_wait_s: float = 120.0,
     ) -> None:
+        """``deliver_max_wait_s``: how long ``deliver`` waits for a broker that is away (the engine's
+        ``SinkRetry.max_wait_s``)."""
         self.producer = producer
         self.topic = topic
         self.log = log
@@ -89,6 +93,7 @@ class DeadLetterPublisher:
         self.counts = counts if counts is not None else DeadLetterCounts()
         self.queue_full_retries = queue_full_retries
         self.queue_full_wait_s = queue_full_wait_s
+        self.deliver_max_wait_s = deliver_max_wait_s
         self._deferred: deque[tuple[DeadLetter, bytes | str | None]] = deque()
         """Minimal records to send instead of ones the DLQ refused in a delivery report."""
 
@@ -222,3 +227,17 @@ class DeadLetterPublisher:
             remaining = int(self.producer.flush(max(0.0, deadline - time.monotonic())))
             if not self._deferred or time.monotonic() >= deadline:
                 return remaining + len(self._deferred)
+
+    async def deliver(self, *, poll_s: float = 5.0) -> None:
+        """Wait until every queued dead letter has its delivery report (delivered, or counted as
+        undelivered): offsets are never committed past a dead letter still in the producer's queue.
+        While the broker is away this waits, as consuming does, for up to ``max_wait_s``; then raises
+        ``DeadLettersUndelivered``: the ``DeadLetterQueue`` step of ``pipeline.checkpoint``."""
+        waited = 0.0
+        while await asyncio.to_thread(self.flush, poll_s):
+            waited += poll_s
+            if waited >= self.deliver_max_wait_s:
+                raise DeadLettersUndelivered(
+                    f"dead letters not delivered to {self.topic} within {waited:.0f} s "
+                    "(RUNNER_SINK_RETRY__MAX_WAIT_S); nothing past them was committed"
+                )

@@ -5,15 +5,18 @@ It only delivers: records in, each shopper's events in order to the engine-free 
 The parts it is built from each have one job: ``epochs`` (what may be committed), ``timers`` (pending
 triggers on the wall clock), ``dead_letters`` (a DLQ that cannot stop the stream), ``session_store``
 (sessions in Redis), ``progress`` (counters and the progress line), ``metrics``/``health``/``ops_server``
-(Prometheus ``/metrics`` and ``/health``), ``logs`` (text or JSON lines); the dead-letter record, the
-enrichment step and the sink retry policy are the shared ``pipeline`` layer the Flink job calls too.
+(Prometheus ``/metrics`` and ``/health``), ``logs`` (text or JSON lines). The dead-letter record, the
+enrichment step, the sink retry policy and the commit protocol (``pipeline.checkpoint.Checkpoint``)
+are the shared ``pipeline`` layer the Flink job calls too; the sinks are those ``SinkSettings.enabled``
+names, built by ``sinks.registry``.
 
 Processing guarantees:
 - per-partition order: one consumer per group member, and a shopper's events share a partition (key);
 - at-least-once, made effectively-once by idempotent sinks: an epoch's session deltas are saved and
-  its offsets committed only after every result it caused is durable (Redis written, S3 flushed, dead
-  letters delivered), in epoch order. A crash replays from the last commit; replayed events are
-  deduplicated by the restored sessions, and replayed prompts carry the same ``request_id``/``seq``;
+  its offsets committed only after every result it caused is durable (every sink flushed, dead
+  letters delivered: ``Checkpoint.make_durable``), in epoch order. A crash replays from the last
+  commit; replayed events are deduplicated by the restored sessions, and replayed prompts carry the
+  same ``request_id``/``seq``;
 - a store that is down is waited for (``sink_retry``), never committed past;
 - backpressure: beyond ``max_in_flight_prompts`` the assigned partitions are paused (the consumer
   keeps polling, so it stays in the group) and resumed at half that;
@@ -42,20 +45,20 @@ from typing import TypeVar
 from confluent_kafka import Consumer, KafkaError, KafkaException, Message, Producer, TopicPartition
 
 from llm_client.client import LLMClient
+from pipeline.checkpoint import Checkpoint
 from pipeline.enrichment import Enricher
 from pipeline.kafka_security import librdkafka_properties
-from pipeline.sink_commit import with_sink_retry
+from pipeline.sink_retry import with_sink_retry
 from pipeline.topic_ends import topic_lag
 from prompt_assembly.events import MalformedEvent, parse_event
 from prompt_assembly.processor import SessionProcessor
 from prompt_assembly.records import EnrichmentResult, PromptRequest, ShopperInsight
 from prompt_assembly.session import ShopperSession
-from runner.commits import commit_waiting_for_broker
 from runner.config import RunnerSettings
 from runner.consumer_errors import UNKNOWN_TOPIC, UnknownTopicWatch, classify, consumer_failed, topic_missing
 from runner.dead_letters import DeadLetterPublisher
 from runner.epochs import Epoch, EpochLog, merged_offsets
-from runner.errors import ConsumerFailed, DeadLettersUndelivered
+from runner.errors import ConsumerFailed
 from runner.gc_tuning import streaming_gc
 from runner.logs import line_logger
 from runner.metrics import RunnerMetrics
@@ -63,8 +66,7 @@ from runner.ops_server import OpsServer
 from runner.progress import ProgressLine, RunnerStats
 from runner.session_store import RedisSessionStore, SessionDelta
 from runner.timers import TimerQueue
-from sinks.redis import RedisSignalSink
-from sinks.s3 import S3InsightSink
+from sinks.registry import SinkResources, build_sinks
 
 T = TypeVar("T")
 
@@ -111,25 +113,24 @@ class EmbeddedRunner:
         self._loop = asyncio.get_running_loop()
         redis = s.sinks.redis_client()  # ACL user, password and CA from SinkSettings
         self.store = RedisSessionStore(redis, s.sinks.redis_key_prefix)
-        self.redis_sink = RedisSignalSink(s.sinks, redis)
-        self.s3_sink = S3InsightSink(s.sinks)
-        await self._retrying(self.s3_sink.ensure_bucket, "s3 bucket")
+        kafka = {"bootstrap.servers": s.bootstrap_servers, **librdkafka_properties(s.kafka_security)}
         self.consumer = Consumer(self._consumer_config())
-        producer = Producer(
-            {
-                "bootstrap.servers": s.bootstrap_servers,
-                "linger.ms": 20,
-                "log.connection.close": False,
-                **librdkafka_properties(s.kafka_security),
-            }
-        )
+        producer = Producer({**kafka, "linger.ms": 20, "log.connection.close": False})
         self.dead_letters = DeadLetterPublisher(
             producer,
             s.dlq_topic,
             self.log,
             max_original_bytes=s.dlq_max_original_bytes,
             counts=self.stats.dead_letters,
+            deliver_max_wait_s=s.sink_retry.max_wait_s,
         )
+        self.checkpoint = Checkpoint(
+            build_sinks(s.sinks, SinkResources(redis=redis, kafka=kafka)),
+            s.sink_retry,
+            dead_letters=self.dead_letters,
+            on_retry=self._on_sink_retry,
+        )
+        await self.checkpoint.open()
         self.consumer.subscribe([s.topic], on_assign=self._on_assign, on_revoke=self._on_revoke)
         for sig in (signal.SIGTERM, signal.SIGINT):
             with contextlib.suppress(NotImplementedError, RuntimeError):
@@ -158,9 +159,8 @@ class EmbeddedRunner:
                         await worker
                 await asyncio.to_thread(self.consumer.close)
                 await asyncio.to_thread(self.dead_letters.flush, 10)
-                del self.dead_letters  # librdkafka handles are released when the last reference goes
-                with contextlib.suppress(Exception):
-                    await self.s3_sink.close()
+                await self.checkpoint.close()
+                del self.dead_letters, self.checkpoint  # librdkafka handles go with the last reference
                 await redis.aclose()
                 if self.ops is not None:
                     await self.ops.stop()
@@ -364,8 +364,7 @@ class EmbeddedRunner:
         epoch.pending -= 1
 
     async def _store_result(self, result: EnrichmentResult) -> None:
-        await self._retrying(lambda: self.redis_sink.write([result]), "redis signal write")
-        await self.s3_sink.write([result])  # buffers; flushed (and retried) at the durable point
+        await self.checkpoint.write([result])  # buffering sinks are flushed at the durable point
         acct = self.stats.accounting
         if isinstance(result, ShopperInsight):
             acct.insights += 1
@@ -489,7 +488,8 @@ class EmbeddedRunner:
         """Sessions loaded from the store, for shoppers not in memory *now*: a load awaits, and the
         other loader (ingest or re-arming timers after an assignment) may have loaded the same shopper
         and applied events to it meanwhile. Replacing that session with the stale copy lost those
-        events' changes (prompts went missing after a rebalance, tests/test_faults.py case e)."""
+        events' changes (prompts went missing after a rebalance: the rebalance case of
+        tests/faults/test_faults.py)."""
         for sid, session in loaded.items():
             self._sessions.setdefault(sid, session)
 
@@ -507,10 +507,8 @@ class EmbeddedRunner:
         """The one commit path: make the completed prefix durable, then commit its offsets."""
         offsets = await self._durable_point()
         if offsets:
-            await commit_waiting_for_broker(
+            await self.checkpoint.commit(
                 functools.partial(self._commit_offsets, offsets),
-                self.settings.sink_retry,
-                on_retry=self._on_sink_retry,
                 on_fenced=lambda exc: self.log(f"commit skipped, the group is rebalancing: {exc}"),
             )
 
@@ -521,35 +519,21 @@ class EmbeddedRunner:
 
     async def _durable_point(self) -> list[TopicPartition]:
         """Make every completed epoch (in order, up to the first incomplete one) durable and return
-        the offsets that may now be committed."""
+        the offsets that may now be committed: the checkpoint flushes the sinks, delivers the dead
+        letters, then saves the epochs' session deltas."""
         async with self._commit_lock:
             ready = self.epochs.take_completed_prefix()
             if not ready:
                 return []
-            await self._retrying(self.s3_sink.flush, "s3 flush")
-            await self._deliver_dead_letters()
             deltas = [d for epoch in ready for d in epoch.deltas]
             deadlines = {}
             for delta in deltas:
                 session = self._sessions.get(delta.shopper_id)
                 if session is not None and session.pending is not None:
                     deadlines[delta.shopper_id] = self._wall_deadline(session)
-            await self._retrying(lambda: self.store.save(deltas, deadlines), "session save")
+            await self.checkpoint.make_durable(save_state=lambda: self.store.save(deltas, deadlines))
             self._evict()
             return [TopicPartition(t, p, o) for (t, p), o in merged_offsets(ready).items()]
-
-    async def _deliver_dead_letters(self) -> None:
-        """Wait until every queued dead letter has its delivery report (delivered, or counted as
-        undelivered): offsets are never committed past a dead letter still in the producer's queue.
-        While the broker is away this waits, as consuming does."""
-        waited = 0.0
-        while await asyncio.to_thread(self.dead_letters.flush, 5.0):
-            waited += 5.0
-            if waited >= self.settings.sink_retry.max_wait_s:
-                raise DeadLettersUndelivered(
-                    f"dead letters not delivered to {self.settings.dlq_topic} within {waited:.0f} s "
-                    "(RUNNER_SINK_RETRY__MAX_WAIT_S); nothing past them was committed"
-                )
 
     def _evict(self) -> None:
         """Bring the sessions held in memory down to ``session_cache_size``, the earliest loaded

@@ -55,7 +55,7 @@ def _no_secret_in_output(ctx: typer.Context) -> None:
 
 stack_app = typer.Typer(no_args_is_help=True, help="Start, stop and inspect the embedded stack.")
 app.add_typer(stack_app, name="stack")
-# Batch and real-time paths (issue 5): sub-apps mounted from their packages.
+# Batch and real-time paths: sub-apps mounted from their packages.
 from batch.cli import batch_app  # noqa: E402
 from gateway.cli import router_app  # noqa: E402
 from realtime.cli import realtime_app  # noqa: E402

@@ -159,6 +159,16 @@ def read_topic(
 ) -> list[bytes]:
     """Every record value of ``topic``, as a reader of it sees them: until ``expect`` are in and then
     ``quiet_s`` without a new one (so a duplicate would still be seen), at most 120 s."""
+    records = read_topic_records(
+        bootstrap, topic, expect=expect, read_committed=read_committed, quiet_s=quiet_s
+    )
+    return [value for _, value in records]
+
+
+def read_topic_records(
+    bootstrap: str, topic: str, *, expect: int, read_committed: bool = True, quiet_s: float = 3.0
+) -> list[tuple[bytes | None, bytes]]:
+    """``read_topic`` with each record's key: (key, value) pairs."""
     consumer = Consumer(
         {
             "bootstrap.servers": bootstrap,
@@ -170,13 +180,13 @@ def read_topic(
     try:
         partitions = consumer.list_topics(topic, timeout=10).topics[topic].partitions
         consumer.assign([TopicPartition(topic, p, 0) for p in partitions])
-        values: list[bytes] = []
+        values: list[tuple[bytes | None, bytes]] = []
         deadline = time.monotonic() + 120
         last_new = time.monotonic()
         while time.monotonic() < deadline:
             message = consumer.poll(0.3)
             if message is not None and not message.error():
-                values.append(message.value() or b"")
+                values.append((message.key(), message.value() or b""))
                 last_new = time.monotonic()
             elif len(values) >= expect and time.monotonic() - last_new > quiet_s:
                 break

@@ -1,21 +1,35 @@
-"""Sink settings (env prefix ``SINK_``)."""
+"""Sink settings (env prefix ``SINK_``): which sinks an engine writes (``enabled``, built by
+``sinks.registry``) and how each one reaches its store."""
 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 from urllib.parse import unquote, unquote_plus, urlsplit, urlunsplit
 
 import redis
 import redis.asyncio as aioredis
-from pydantic import Field, FilePath, SecretStr, model_validator
+from pydantic import Field, FilePath, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from prompt_assembly.errors import ConfigurationError
 
+SinkName = Literal["redis", "s3", "kafka"]
+"""The sinks ``sinks.registry`` can build."""
+
+DEFAULT_INSIGHTS_TOPIC = "shopper-insights"
+
 
 class SinkSettings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="SINK_", hide_input_in_errors=True)
+
+    enabled: tuple[SinkName, ...] = Field(
+        ("redis", "s3", "kafka"),
+        description='the sinks every result goes to, in this order (SINK_ENABLED=\'["redis","s3"]\')',
+    )
+    insights_topic: str = Field(
+        DEFAULT_INSIGHTS_TOPIC, min_length=1, description="the kafka sink's topic: results as JSON"
+    )
 
     redis_url: str = Field(
         "redis://127.0.0.1:6379/0",
@@ -37,6 +51,14 @@ class SinkSettings(BaseSettings):
     s3_secret_access_key: SecretStr | None = None
     s3_max_records: int = Field(5000, ge=1, description="flush when this many records are buffered")
     s3_max_age_s: float = Field(5.0, gt=0, description="flush records older than this")
+
+    @field_validator("enabled")
+    @classmethod
+    def _each_sink_once(cls, enabled: tuple[SinkName, ...]) -> tuple[SinkName, ...]:
+        repeated = sorted({name for name in enabled if enabled.count(name) > 1})
+        if repeated:
+            raise ConfigurationError(f"sinks listed twice in enabled: {', '.join(repeated)}")
+        return enabled
 
     @model_validator(mode="after")
     def _credentials_out_of_url(self) -> SinkSettings:

@@ -46,6 +46,8 @@ KEYS_KEPT = 1_000
 
 
 class S3InsightSink:
+    name = "s3"
+
     def __init__(self, settings: SinkSettings, *, clock: Callable[[], float] = time.monotonic) -> None:
         """``clock``: monotonic seconds for the age-based flush (tests pass their own)."""
         self.settings = settings
@@ -71,6 +73,9 @@ class S3InsightSink:
             await self._client.head_bucket(Bucket=self.settings.s3_bucket)
         except Exception:
             await self._client.create_bucket(Bucket=self.settings.s3_bucket)
+
+    async def open(self) -> None:
+        await self.ensure_bucket()
 
     @property
     def buffered(self) -> int:

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 import redis as sync_redis
-from confluent_kafka.admin import AdminClient, NewTopic
+from confluent_kafka.admin import AdminClient, NewTopic  # type: ignore[attr-defined]
 
 from devstack.containers import test_or_embedded_stack
 from devstack.stack import StackState, sink_settings
@@ -55,19 +55,30 @@ class Isolated:
         self.tag = tag
         self.topic = f"events-{tag}"
         self.dlq_topic = f"dlq-{tag}"
+        self.insights_topic = f"insights-{tag}"
         self.prefix = f"test-{tag}:"
         self.s3_prefix = f"test-{tag}"
         self.group = f"group-{tag}"
 
     def create_topics(self, partitions: int = 4) -> None:
         admin = AdminClient({"bootstrap.servers": self.stack.kafka_bootstrap})
-        futures = admin.create_topics([NewTopic(self.topic, partitions, 1), NewTopic(self.dlq_topic, 1, 1)])
+        futures = admin.create_topics(
+            [
+                NewTopic(self.topic, partitions, 1),
+                NewTopic(self.dlq_topic, 1, 1),
+                NewTopic(self.insights_topic, 1, 1),
+            ]
+        )
         for future in futures.values():
             future.result(timeout=10)
 
     def sinks(self) -> SinkSettings:
         return sink_settings(
-            self.stack, redis_key_prefix=self.prefix, s3_prefix=self.s3_prefix, s3_max_age_s=0.5
+            self.stack,
+            redis_key_prefix=self.prefix,
+            s3_prefix=self.s3_prefix,
+            s3_max_age_s=0.5,
+            insights_topic=self.insights_topic,
         )
 
     def runner(self, **overrides: object) -> RunnerSettings:

@@ -383,7 +383,7 @@ class ProxiedMoto:
 
 
 class DurableTansu:
-    """A Tansu broker of the test's own, its storage on the stack's S3 endpoint (REAL-PARTS.md): a
+    """A Tansu broker of the test's own, its storage on the stack's S3 endpoint (Tansu's default is memory): a
     SIGKILL and a restart on the same port and bucket keep every topic, record and committed offset."""
 
     def __init__(self, workdir: Path, stack: StackState, bucket: str) -> None:

@@ -114,7 +114,6 @@ def cluster_job_settings(
             bootstrap_servers=stack.kafka_bootstrap,
             events_topic=topics.events,
             dlq_topic=topics.dlq,
-            insights_topic=topics.insights,
             group_id=topics.group,
             transactional_id_prefix=f"tx-{isolated.tag}",
         ),
@@ -125,7 +124,9 @@ def cluster_job_settings(
         ),
         async_io=AsyncSettings(capacity=64, bundle_time_ms=200),
         llm=isolated.llm(),
-        sinks=isolated.sinks().model_copy(update={"redis_key_prefix": prefix, "s3_prefix": s3_prefix}),
+        sinks=isolated.sinks().model_copy(
+            update={"redis_key_prefix": prefix, "s3_prefix": s3_prefix, "insights_topic": topics.insights}
+        ),
         wall_clock_timers=False,
         flush_on_drain=True,
     )

@@ -19,6 +19,7 @@ from prompt_assembly.events import MalformedEvent, parse_event
 from prompt_assembly.processor import SessionConfig, SessionProcessor
 from prompt_assembly.prompt import build_messages
 from prompt_assembly.records import PromptRequest
+from prompt_assembly.session import ShopperSession
 
 
 def produce_records(bootstrap: str, topic: str, records: list[tuple[bytes, bytes, bool]]) -> None:
@@ -34,7 +35,7 @@ def expected_prompts(
     """Every prompt the pipeline must emit for ``records`` when pending triggers fire only from event
     time or at the final drain: the same pure processor, run in memory in per-shopper order."""
     processor = SessionProcessor(config)
-    sessions = {}
+    sessions: dict[str, ShopperSession] = {}
     prompts: dict[str, PromptRequest] = {}
     for _, value, _ in records:
         try:

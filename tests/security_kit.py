@@ -3,7 +3,7 @@
 - ``TestCertificates``: a CA and a server certificate for 127.0.0.1/localhost (``trustme``);
 - ``tls_redis``: a ``redis-server`` speaking TLS only, with a password and an ACL user;
 - ``tls_terminator``: ``socat`` terminating TLS in front of a plain TCP port (Tansu, the simulator),
-  as in /work/shared/REAL-PARTS.md (Tansu's own TLS flags gave no TLS listener).
+  because Tansu 0.6's own ``--cert``/``--key`` flags gave no TLS listener.
 """
 
 from __future__ import annotations

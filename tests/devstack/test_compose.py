@@ -7,7 +7,7 @@ import json
 import re
 import tomllib
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import jsonschema
 import pytest
@@ -32,7 +32,7 @@ def _interpolate(value: Any) -> Any:
 @pytest.fixture(scope="module")
 def compose() -> dict[str, Any]:
     raw = yaml.safe_load((ROOT / "docker-compose.yml").read_text())
-    return _interpolate(raw)
+    return cast(dict[str, Any], _interpolate(raw))
 
 
 def test_compose_file_matches_the_compose_spec_schema(compose: dict[str, Any]) -> None:

@@ -1,11 +1,15 @@
 """The two engines agree: the same Kafka records through the job submitted with ``flink run`` to the
-standalone Flink cluster and through the embedded runner give identical Redis signals, S3 records and
-dead letters (byte for byte, partition and offset included). The records include malformed JSON,
-an oversized event, non-UTF-8 bytes and a tombstone; the Flink job keeps running past all of them.
+standalone Flink cluster (at parallelism 2, a subtask on each of two TaskManagers) and through the
+embedded runner give identical Redis signals, S3 records, insights-topic records and dead letters (dead
+letters byte for byte, partition, offset and the size limit's cut included; results in every field the
+events determine, which leaves out timings and the replica that answered). Stored session entries are
+the same bytes too: Flink's keyed state cannot be read from Python, so that is checked on the state
+value the job builds (``tests/runner/test_session_store.py``). The records include malformed JSON, an
+oversized event, non-UTF-8 bytes and a tombstone; the Flink job keeps running past all of them.
 
-Both engines call the same session processor, client, sinks and dead-letter module; this test guards
-the shells and the connector path (Table API Kafka source with metadata columns, KafkaSink). While the
-job runs, the compose stack's Flink dashboard is checked against what the cluster's Prometheus reporter
+Both engines call the same session processor, client, sinks and dead-letter module; this test guards the
+shells and the connector path (Table API Kafka source with metadata columns, KafkaSink). While the job
+runs, the compose stack's Flink dashboard is checked against what the cluster's Prometheus reporter
 serves."""
 
 from __future__ import annotations
@@ -13,7 +17,7 @@ from __future__ import annotations
 import asyncio
 import re
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import orjson
 import pytest
@@ -60,6 +64,8 @@ SIGNAL_FIELDS = (
     "last_event_ts",
     "model",
 )
+DLQ_MAX_ORIGINAL_BYTES = 4_096
+"""Both engines' ``dlq_max_original_bytes``: under the oversized record, so both cut it the same way."""
 RECORD_FIELDS = (
     "kind",
     "request_id",
@@ -77,7 +83,9 @@ def signals(redis_url: str, prefix: str) -> dict[str, dict[str, str]]:
     client = sync_redis.Redis.from_url(redis_url, decode_responses=True)
     try:
         return {
-            key.removeprefix(f"{prefix}signals:"): {f: client.hget(key, f) or "" for f in SIGNAL_FIELDS}
+            key.removeprefix(f"{prefix}signals:"): {
+                f: cast(str | None, client.hget(key, f)) or "" for f in SIGNAL_FIELDS
+            }
             for key in client.scan_iter(match=f"{prefix}signals:*", count=1000)
         }
     finally:
@@ -88,6 +96,14 @@ def records(isolated: Isolated, s3_prefix: str) -> dict[str, dict[str, Any]]:
     settings = isolated.sinks().model_copy(update={"s3_prefix": s3_prefix})
     _, rows = list_s3_records(settings, s3_prefix)
     return {str(r["request_id"]): {f: r.get(f) for f in RECORD_FIELDS} for r in rows}
+
+
+def topic_results(bootstrap: str, topic: str, expect: int) -> dict[str, dict[str, Any]]:
+    """The insights topic's results by request id, their event-determined fields (as for S3)."""
+    rows = [orjson.loads(value) for value in read_all(bootstrap, topic, expect=expect)]
+    by_id = {str(r["request_id"]): {f: r.get(f) for f in RECORD_FIELDS} for r in rows}
+    assert len(by_id) == len(rows), f"duplicates on {topic}"
+    return by_id
 
 
 def bad_records() -> list[tuple[bytes | None, bytes | None]]:
@@ -118,7 +134,7 @@ def test_flink_cluster_and_embedded_runner_write_the_same_results(
     flink_prefix, flink_s3 = f"{isolated.prefix}flink:", f"{isolated.s3_prefix}-flink"
     settings = cluster_job_settings(
         stack, stack_dir, isolated, topics, prefix=flink_prefix, s3_prefix=flink_s3
-    )
+    ).model_copy(update={"dlq_max_original_bytes": DLQ_MAX_ORIGINAL_BYTES, "parallelism": 2})
     job = run_job(flink_cluster, settings, stack_dir)
     rest = FlinkRest(flink_cluster.web_url)
     wait_committed(stack.kafka_bootstrap, topics.group, topics.events, ends, rest, job.job_id)
@@ -131,7 +147,8 @@ def test_flink_cluster_and_embedded_runner_write_the_same_results(
     )
     drain(flink_cluster, job.job_id, stack_dir)
 
-    stats = asyncio.run(EmbeddedRunner(isolated.runner(), log=lambda _: None).run())
+    runner = isolated.runner(dlq_max_original_bytes=DLQ_MAX_ORIGINAL_BYTES)
+    stats = asyncio.run(EmbeddedRunner(runner, log=lambda _: None).run())
     assert stats.accounting.balanced and stats.accounting.insights == len(expected)
 
     embedded_signals = signals(stack.redis_url, isolated.prefix)
@@ -148,6 +165,11 @@ def test_flink_cluster_and_embedded_runner_write_the_same_results(
     assert flink_dlq == embedded_dlq, "dead letters differ between the engines"
     letters = [DeadLetter.from_bytes(v) for v in flink_dlq]
     assert len(letters) == n_dead >= len(bad)
+    assert any(letter.truncated for letter in letters), "the size limit cut the oversized record"
+
+    embedded_topic = topic_results(stack.kafka_bootstrap, isolated.insights_topic, len(expected))
+    assert set(embedded_topic) == set(expected)
+    assert topic_results(stack.kafka_bootstrap, topics.insights, len(expected)) == embedded_topic
     assert all(d.reason and d.topic == isolated.topic for d in letters)
     assert all(d.partition is not None and d.offset is not None and d.timestamp_ms for d in letters)
     reasons = " | ".join(d.reason for d in letters)

@@ -98,7 +98,13 @@ def iso(stack: StackState) -> Iterator[Isolated]:
 
 def create_topics(bootstrap: str, iso: Isolated, partitions: int = 4) -> None:
     admin = AdminClient({"bootstrap.servers": bootstrap})
-    futures = admin.create_topics([NewTopic(iso.topic, partitions, 1), NewTopic(iso.dlq_topic, 1, 1)])
+    futures = admin.create_topics(
+        [
+            NewTopic(iso.topic, partitions, 1),
+            NewTopic(iso.dlq_topic, 1, 1),
+            NewTopic(iso.insights_topic, 1, 1),
+        ]
+    )
     for future in futures.values():
         future.result(timeout=30)
 
@@ -501,6 +507,7 @@ def worker_env(iso: Isolated) -> dict[str, str]:
         "RUNNER_SINKS__S3_ENDPOINT_URL": settings.sinks.s3_endpoint_url or "",
         "RUNNER_SINKS__S3_BUCKET": settings.sinks.s3_bucket,
         "RUNNER_SINKS__S3_PREFIX": iso.s3_prefix,
+        "RUNNER_SINKS__INSIGHTS_TOPIC": iso.insights_topic,
         "RUNNER_SINKS__S3_ACCESS_KEY_ID": settings.sinks.s3_access_key_id or "",
         "RUNNER_SINKS__S3_SECRET_ACCESS_KEY": "testing",
         "RUNNER_SINKS__S3_MAX_AGE_S": "0.5",

@@ -31,7 +31,7 @@ import pytest
 from devstack.flink_cluster import FlinkClusterState, FlinkRest
 from devstack.stack import StackState
 from devstack.synthetic import SyntheticStream
-from pipeline.sink_commit import SinkRetry
+from pipeline.sink_retry import SinkRetry
 from shopper.readback import list_s3_records
 from tests.conftest import SIM_TIME_SCALE, Isolated
 from tests.fault_kit import (

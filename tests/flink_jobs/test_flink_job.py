@@ -17,12 +17,13 @@ import pyflink  # noqa: F401
 import pytest
 import redis as sync_redis
 
-from devstack.flink_local import moto_s3, sample_events, simulator_replicas
+from devstack.flink_local import moto_s3, sample_events
 from devstack.stack import StackState
 from flink_jobs.flink_config import AsyncSettings, CheckpointSettings, NearRealtimeSettings
 from flink_jobs.near_realtime import BoundedRun, run_bounded
 from llm_client.config import ClientConfig, HealthSettings, Timeouts
 from prompt_assembly.events import MalformedEvent, parse_event
+from serving.simulator.launch import simulator_replicas
 from sinks.config import SinkSettings
 from tests.helpers import expected_prompts, final_seq_by_shopper
 

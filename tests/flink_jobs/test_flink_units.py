@@ -19,9 +19,11 @@ import pytest
 
 from flink_jobs import flink_connectors
 from flink_jobs.flink_config import NearRealtimeSettings
-from flink_jobs.flink_functions import dlq_record, is_retryable_result, parse_result
+from flink_jobs.flink_functions import gate, is_retryable_result, parse_result
 from flink_jobs.flink_metrics import OperatorStats
+from pipeline.checkpoint import Checkpoint
 from pipeline.sink_commit import SinkCommitter
+from pipeline.sink_retry import SinkRetry
 from prompt_assembly.records import EnrichmentError, EnrichmentResult
 from sinks.config import SinkSettings
 
@@ -42,18 +44,20 @@ def _error(n: int, error_type: str = "InvalidAnswer") -> EnrichmentError:
     )
 
 
-def test_dlq_record_keeps_text_as_utf8_and_binary_as_base64() -> None:
-    text = orjson.loads(dlq_record(b'{"a":', "invalid JSON", topic="t", partition=3, offset=9))
+def test_dead_letters_keep_text_as_utf8_binary_as_base64_and_honour_the_size_limit() -> None:
+    text = orjson.loads(str(gate((b'{"a":', "t", 3, 9, None))))
     assert (text["original"], text["original_encoding"], text["partition"], text["offset"]) == (
         '{"a":',
         "utf-8",
         3,
         9,
     )
-    binary = orjson.loads(dlq_record(b"\xff\x00", "invalid JSON"))
+    binary = orjson.loads(str(gate((b"\xff\x00", None, None, None, None))))
     assert binary["original_encoding"] == "base64"
     assert base64.b64decode(binary["original"]) == b"\xff\x00"
-    assert orjson.loads(dlq_record(None, "empty message"))["original"] is None
+    assert orjson.loads(str(gate((None, None, None, None, None))))["original"] is None
+    cut = orjson.loads(str(gate((b"{" + b"x" * 500, "t", 0, 1, None), max_original_bytes=100)))
+    assert len(cut["original"]) == 100 and cut["truncated"] is True
 
 
 def test_only_no_healthy_endpoint_errors_are_retried_by_flink() -> None:
@@ -76,12 +80,18 @@ def test_settings_load_from_the_compose_job_file() -> None:
 
 
 class FakeSink:
-    def __init__(self, fail: bool = False) -> None:
+    """Records what the group committer asks of a sink (the real sinks have their own tests)."""
+
+    def __init__(self, name: str, fail: bool = False) -> None:
+        self.name = name
         self.written: list[str] = []
         self.flushed: list[list[str]] = []
         self.buffer: list[str] = []
         self.fail = fail
         self.closed = False
+
+    async def open(self) -> None:
+        return None
 
     async def write(self, results: Sequence[EnrichmentResult]) -> None:
         if self.fail:
@@ -101,20 +111,23 @@ class FakeSink:
 
 
 async def test_a_result_completes_only_after_its_s3_flush() -> None:
-    redis, s3 = FakeSink(), FakeSink()
-    committer = SinkCommitter(redis, s3, idle_flush_s=0.05)  # type: ignore[arg-type]
+    redis, s3 = FakeSink("redis"), FakeSink("s3")
+    committer = SinkCommitter(Checkpoint([redis, s3], SinkRetry()), idle_flush_s=0.05)
     started = time.monotonic()
     await asyncio.gather(*(committer.submit(_error(n)) for n in range(20)))
     assert time.monotonic() - started >= 0.04  # waited for the idle flush
     assert sorted(redis.written) == sorted(f"s:{n}" for n in range(20))
     assert sorted(rid for batch in s3.flushed for rid in batch) == sorted(redis.written)
-    assert committer.s3_flushes == 1 and committer.redis_batches >= 1
+    assert committer.flushes == 1 and committer.batches >= 1
     await committer.close()
     assert s3.closed and redis.closed
 
 
 async def test_a_failed_write_fails_every_waiting_call() -> None:
-    committer = SinkCommitter(FakeSink(fail=True), FakeSink(), idle_flush_s=0.01)  # type: ignore[arg-type]
+    retry = SinkRetry(max_wait_s=0.05, initial_backoff_s=0.01)
+    committer = SinkCommitter(
+        Checkpoint([FakeSink("redis", fail=True), FakeSink("s3")], retry), idle_flush_s=0.01
+    )
     results = await asyncio.gather(*(committer.submit(_error(n)) for n in range(3)), return_exceptions=True)
     assert all(isinstance(r, ConnectionError) for r in results)
     with pytest.raises(ConnectionError):  # a stopped committer keeps refusing
@@ -273,4 +286,4 @@ def test_only_the_session_stage_follows_the_session_stage_mode(mode: str) -> Non
         "EmbeddedPythonKeyedProcessOperator" if mode == "thread" else "ExternalPythonKeyedProcessOperator"
     )
     assert operators["gate and shopper sessions"] == embedded
-    assert operators["enrich prompts (LLM), write Redis and S3"] == "ExternalPythonProcessOperator"
+    assert operators["enrich prompts (LLM), write redis, s3"] == "ExternalPythonProcessOperator"

@@ -21,7 +21,7 @@ def pd_config(generation: str, context: str, **knobs: object) -> ClientConfig:
         endpoints=[generation],
         context_endpoints=[context],
         policy="pd_aware",
-        policy_settings={"policy": "pd_aware", **knobs},  # type: ignore[arg-type]
+        policy_settings={"policy": "pd_aware", **knobs},
         timeouts=Timeouts(connect_s=1, attempt_s=10, deadline_s=20),
         health=HealthSettings(interval_s=0.05),
     )

@@ -75,7 +75,7 @@ def test_config_selects_the_policy_by_name_and_types_its_settings(monkeypatch: p
 )
 def test_rejects_bad_knobs(bad: dict[str, float]) -> None:
     with pytest.raises(ValueError):
-        PrefixAwarePolicy(None, **bad)
+        PrefixAwarePolicy(None, **bad)  # type: ignore[arg-type]  # knobs by keyword, validated at run time
 
 
 def test_block_index_is_lru_bounded_and_prefix_matched() -> None:

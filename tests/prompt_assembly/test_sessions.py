@@ -31,7 +31,7 @@ def event(
         event_id=eid,
         shopper_id=shopper,
         type=kind,
-        ts=ts,  # type: ignore[arg-type]
+        ts=ts,
         product={
             "product_id": "p1",
             "title": title,

@@ -1,4 +1,4 @@
-"""Consumer errors no retry can fix stop the runner with ``ConsumerFailed`` (issue 18, defect 1).
+"""Consumer errors no retry can fix stop the runner with ``ConsumerFailed``.
 
 Before, every consumer error was logged and skipped, and librdkafka's own errors (TLS, SASL, fatal)
 reached no one at all: a runner pointed at a wrong topic or with a wrong CA polled forever, and

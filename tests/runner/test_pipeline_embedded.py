@@ -14,6 +14,7 @@ import sys
 import time
 from collections import Counter
 from pathlib import Path
+from typing import cast
 
 import orjson
 import pytest
@@ -24,7 +25,7 @@ from devstack.synthetic import SyntheticStream
 from pipeline.dead_letter import FORMAT
 from runner.embedded import EmbeddedRunner
 from serving.simulator.launch import simulator_argv
-from shopper.readback import list_s3_records, read_dlq
+from shopper.readback import list_s3_records, read_dlq, read_topic_records
 from tests.conftest import SIM_TIME_SCALE, Isolated
 from tests.helpers import expected_prompts, final_seq_by_shopper, produce_records
 
@@ -36,7 +37,7 @@ def redis_seqs(isolated: Isolated) -> dict[str, int]:
     prefix = f"{isolated.prefix}signals:"
     seqs = {}
     for key in client.scan_iter(match=f"{prefix}*", count=1000):
-        seqs[key.decode()[len(prefix) :]] = int(client.hget(key, "seq"))
+        seqs[key.decode()[len(prefix) :]] = int(cast(bytes, client.hget(key, "seq")))
     client.close()
     return seqs
 
@@ -87,6 +88,13 @@ def test_every_event_and_prompt_is_accounted_for(isolated: Isolated) -> None:
     )
     assert originals == bad_values
     assert all(d["format"] == FORMAT and d["partition"] is not None and d["offset"] is not None for d in dlq)
+    # The insights topic (the kafka sink): every result once, keyed by its shopper, the S3 record's JSON.
+    topic = read_topic_records(isolated.stack.kafka_bootstrap, isolated.insights_topic, expect=len(expected))
+    by_id = {orjson.loads(value)["request_id"]: (key, orjson.loads(value)) for key, value in topic}
+    assert len(topic) == len(by_id) == len(expected) and set(by_id) == set(expected)
+    assert all(key == data["shopper_id"].encode() for key, data in by_id.values())
+    s3_by_id = {r["request_id"]: r for r in s3_records}
+    assert all(data == s3_by_id[rid] for rid, (_, data) in by_id.items())
     # Session affinity made the prefix cache work: most prompt tokens were served from cache.
     assert stats.cache_hit_ratio > 0.5
 
@@ -147,6 +155,7 @@ def _runner_env(isolated: Isolated, **extra: str) -> dict[str, str]:
         "RUNNER_SINKS__S3_ENDPOINT_URL": settings.sinks.s3_endpoint_url or "",
         "RUNNER_SINKS__S3_BUCKET": settings.sinks.s3_bucket,
         "RUNNER_SINKS__S3_PREFIX": isolated.s3_prefix,
+        "RUNNER_SINKS__INSIGHTS_TOPIC": isolated.insights_topic,
         "RUNNER_SINKS__S3_ACCESS_KEY_ID": settings.sinks.s3_access_key_id or "",
         "RUNNER_SINKS__S3_SECRET_ACCESS_KEY": "testing",
         **extra,

@@ -1,4 +1,4 @@
-"""Re-arming timers after an assignment (issue 18, defect 2), against the real broker and Redis.
+"""Re-arming timers after an assignment, against the real broker and Redis.
 
 On an assignment the runner loads the pending triggers of its new partitions from Redis. That load
 used to run as a future nobody kept: its failure vanished (the runner went on without those timers),
@@ -24,7 +24,7 @@ import redis.exceptions
 from confluent_kafka import Consumer, TopicPartition
 
 from devstack.synthetic import SyntheticStream
-from pipeline.sink_commit import SinkRetry
+from pipeline.sink_retry import SinkRetry
 from prompt_assembly.events import parse_event
 from prompt_assembly.processor import SessionProcessor
 from prompt_assembly.session import ShopperSession

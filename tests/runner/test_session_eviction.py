@@ -1,4 +1,4 @@
-"""The sessions the runner keeps in memory stay bounded by ``session_cache_size`` (issue 18, defects
+"""The sessions the runner keeps in memory stay bounded by ``session_cache_size`` (defects
 4 and 5), and so does the shopper -> partition map kept beside them.
 
 Before, eviction looked only at the oldest ``excess`` sessions and stopped there: busy ones among them

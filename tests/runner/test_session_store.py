@@ -4,8 +4,11 @@ the timer sets follow the pending triggers."""
 
 from __future__ import annotations
 
+import json
 import uuid
 from typing import Any
+
+import orjson
 
 from devstack.synthetic import SyntheticStream
 from prompt_assembly.events import parse_event
@@ -53,7 +56,7 @@ async def test_many_epochs_merged_per_save_restore_the_same_sessions(redis_clien
 async def test_timers_follow_pending_triggers(redis_client: Any) -> None:
     store = RedisSessionStore(redis_client, f"test-store-{uuid.uuid4().hex[:8]}:")
     processor = SessionProcessor()
-    sessions = {}
+    sessions: dict[str, ShopperSession] = {}
     try:
         for _, value, _ in SyntheticStream(shoppers=6, seed=3).take(40):
             event = parse_event(value)
@@ -76,7 +79,7 @@ async def test_timers_follow_pending_triggers(redis_client: Any) -> None:
 def test_merged_deltas_keep_the_last_rewrite_and_what_came_after() -> None:
     processor = SessionProcessor(SessionConfig(max_events=4, trim_to_fraction=0.5))
     session = processor.new_session("s")
-    deltas = []
+    deltas: list[SessionDelta] = []
     for _, value, _ in SyntheticStream(shoppers=1, seed=1).take(9):
         processor.apply(session, parse_event(value), value)
         deltas.append(SessionDelta("s", len(deltas) % 3, session.take_changes()))
@@ -88,3 +91,41 @@ def test_merged_deltas_keep_the_last_rewrite_and_what_came_after() -> None:
         expected += delta.changes.appended
     assert [e.to_json() for e in net.entries] == [e.to_json() for e in expected]
     assert [e.to_json() for e in net.entries] == [e.to_json() for e in session.entries]
+
+
+async def test_the_flink_state_value_holds_the_same_entry_bytes_as_the_runner_store(
+    redis_client: Any,
+) -> None:
+    """Both engines keep a session entry as the same bytes: the runner's Redis log (one list item per
+    entry) and the Flink job's keyed state (``ShopperSession.to_json``, what ``ShopperSessionFunction``
+    stores), for the same events with their raw JSON, as both engines pass it. Flink's keyed state cannot
+    be read from Python, so the state value is checked here, as the function builds it."""
+    store = RedisSessionStore(redis_client, f"test-store-{uuid.uuid4().hex[:8]}:")
+    processor = SessionProcessor(SessionConfig(max_events=12, trim_to_fraction=0.5))
+    runner_sessions: dict[str, ShopperSession] = {}
+    flink_state: dict[str, bytes] = {}
+    try:
+        for _, compact, _ in SyntheticStream(shoppers=8, seed=11).take(300):
+            value = json.dumps(orjson.loads(compact)).encode()  # as a producer may send it: spaced
+            event = parse_event(value)
+            sid = event.shopper_id
+            session = runner_sessions.setdefault(sid, processor.new_session(sid))
+            processor.apply(session, event, value)
+            await store.save([SessionDelta(sid, 0, session.take_changes())], {})
+            in_flink = ShopperSession.from_json(flink_state[sid]) if sid in flink_state else None
+            in_flink = in_flink or processor.new_session(sid)
+            processor.apply(in_flink, event, value)
+            in_flink.take_changes()
+            flink_state[sid] = in_flink.to_json()
+        for sid, state in flink_state.items():
+            stored_log = await redis_client.lrange(store.keys.session_log(sid), 0, -1)
+            assert stored_log, sid
+            flink_entries = [entry.to_json() for entry in ShopperSession.from_json(state).entries]
+            assert b",".join(flink_entries) in state  # stored as is, not re-encoded
+            assert sorted(flink_entries) == sorted(stored_log)
+            stored_header = await redis_client.get(store.keys.session_header(sid))
+            assert orjson.loads(stored_header) == orjson.loads(state)["h"]
+    finally:
+        keys = [key async for key in redis_client.scan_iter(f"{store.keys.prefix}*")]
+        if keys:
+            await redis_client.delete(*keys)

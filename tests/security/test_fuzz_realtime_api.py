@@ -92,7 +92,9 @@ def base_url() -> Iterator[str]:
 
 @schema.parametrize()
 @settings(max_examples=150, deadline=None, suppress_health_check=list(HealthCheck))
-def test_api_answers_every_generated_request_as_documented(case: schemathesis.Case, base_url: str) -> None:
+def test_api_answers_every_generated_request_as_documented(
+    case: schemathesis.Case[Any], base_url: str
+) -> None:
     response = case.call(base_url=base_url, timeout=10)
     case.validate_response(response, checks=CHECKS)
     if 400 <= response.status_code < 500:

@@ -170,6 +170,19 @@ def _environment(isolated: Isolated, redis_port: int, certs_dir: Path) -> dict[s
     return env
 
 
+COMPONENT_COMMANDS = ("router", "realtime", "batch")
+"""Commands configured by the components' own names (``LLM_*``, ``SINK_*``); the others read the
+engines' nested names (``RUNNER_LLM__*``, ``FLINK_JOB_SINKS__*``). One environment holding both names of
+a setting is refused (``pipeline.setting_names``), so each family gets its own."""
+NESTED_NAMES = ("RUNNER_LLM__", "RUNNER_SINKS__", "FLINK_JOB_LLM__", "FLINK_JOB_SINKS__")
+OWN_NAMES = ("LLM_", "SINK_")
+
+
+def _env_for(path: tuple[str, ...], env: dict[str, str]) -> dict[str, str]:
+    drop = NESTED_NAMES if path[0] in COMPONENT_COMMANDS else OWN_NAMES
+    return {key: value for key, value in env.items() if not key.startswith(drop)}
+
+
 def _run(argv: list[str], env: dict[str, str], timeout_s: float = 90.0) -> str:
     """Everything the command wrote, run as its own process (librdkafka writes to the real stderr,
     below Python); stopped after ``timeout_s``."""
@@ -232,7 +245,7 @@ def test_no_command_prints_a_secret_and_the_state_is_private(
             argv = [*path, *args]
             if _takes_state_dir(path):
                 argv += ["--state-dir", str(state_dir)]
-            output = _run(argv, env)
+            output = _run(argv, _env_for(path, env))
             name = " ".join([*path, *args])
             outputs[name] = output
             if _leaks(output):
@@ -251,6 +264,11 @@ def test_no_command_prints_a_secret_and_the_state_is_private(
 
     assert "kafka_bootstrap" in outputs["stack up"] and MASK in outputs["stack up"], outputs["stack up"]
     assert "runner config:" in outputs["run --until-drained"], outputs["run --until-drained"][-3000:]
+    both_names = _run(["run", "--until-drained", "--no-from-stack"], env)  # LLM_* and RUNNER_LLM__* set
+    assert "set under two names" in both_names and "RUNNER_LLM__ENDPOINTS and LLM_ENDPOINTS" in both_names
+    if _leaks(both_names):
+        leaks["run (both names)"] = _leaks(both_names)
+        outputs["run (both names)"] = both_names
     assert '"endpoints"' in outputs[f"router serve --port {busy_port}"]
     assert leaks == {}, "\n\n".join(f"$ shopper {name}\n{outputs[name][-2000:]}" for name in leaks)
 

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 from confluent_kafka import Consumer, KafkaException, Producer, TopicPartition
-from confluent_kafka.admin import AdminClient, NewTopic
+from confluent_kafka.admin import AdminClient, NewTopic  # type: ignore[attr-defined]
 from pydantic import SecretStr
 from typer.testing import CliRunner
 
@@ -42,7 +42,10 @@ def test_tls_produce_and_consume_through_the_runner_settings(tmp_path: Path) -> 
             bootstrap_servers=bootstrap,
             kafka_security=KafkaSecurity(protocol="SSL", ssl_ca_file=certs.ca),
         )
-        secure = {"bootstrap.servers": bootstrap, **librdkafka_properties(settings.kafka_security)}
+        secure: dict[str, str | int | float | bool] = {
+            "bootstrap.servers": bootstrap,
+            **librdkafka_properties(settings.kafka_security),
+        }
         assert secure["security.protocol"] == "ssl"
         assert secure["ssl.ca.location"] == str(certs.ca.resolve())
 
@@ -63,7 +66,7 @@ def test_tls_produce_and_consume_through_the_runner_settings(tmp_path: Path) -> 
             for _ in range(200):
                 message = consumer.poll(0.2)
                 if message is not None and message.error() is None:
-                    received.append(message.value())
+                    received.append(message.value() or b"")
                 if len(received) == len(sent):
                     break
         finally:
@@ -71,7 +74,11 @@ def test_tls_produce_and_consume_through_the_runner_settings(tmp_path: Path) -> 
         assert received == sent
 
         # Without the test CA the broker's certificate is not trusted: no connection at all.
-        untrusting = {"bootstrap.servers": bootstrap, "security.protocol": "ssl", "socket.timeout.ms": 3000}
+        untrusting: dict[str, str | int | float | bool] = {
+            "bootstrap.servers": bootstrap,
+            "security.protocol": "ssl",
+            "socket.timeout.ms": 3000,
+        }
         with pytest.raises(KafkaException):
             AdminClient(untrusting).list_topics(timeout=5)
         # And a plaintext client does not get through the TLS port either.
@@ -92,7 +99,10 @@ def test_mutual_tls_with_an_encrypted_client_key(tmp_path: Path) -> None:
             ssl_key_file=certs.client_key,
             ssl_key_password=SecretStr(CLIENT_KEY_PASSWORD),
         )
-        secure = {"bootstrap.servers": bootstrap, **librdkafka_properties(security)}
+        secure: dict[str, str | int | float | bool] = {
+            "bootstrap.servers": bootstrap,
+            **librdkafka_properties(security),
+        }
         topic = f"mtls-{uuid.uuid4().hex[:8]}"
         admin = AdminClient(secure)  # kept referenced until its futures resolve
         for future in admin.create_topics([NewTopic(topic, 1, 1)]).values():

@@ -30,8 +30,8 @@ def _config(url: str, **security: object) -> ClientConfig:
         endpoints=[url],
         model="m",
         stream=False,
-        retry={"max_attempts": 1},  # type: ignore[arg-type]
-        timeouts={"connect_s": 2.0, "attempt_s": 5.0, "deadline_s": 5.0},  # type: ignore[arg-type]
+        retry={"max_attempts": 1},
+        timeouts={"connect_s": 2.0, "attempt_s": 5.0, "deadline_s": 5.0},
         security=EndpointSecurity.model_validate(security),
     )
 

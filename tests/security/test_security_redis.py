@@ -157,5 +157,5 @@ def test_settings_refuse_two_passwords_and_missing_ca(
     make_certificates(tmp_path)
     monkeypatch.chdir(tmp_path)
     relative = SinkSettings(redis_ca_file=Path("ca.crt"))
-    # redis-py fails with a relative CA path (REAL-PARTS.md): the client always gets an absolute one.
+    # redis-py fails with a relative CA path: the client always gets an absolute one.
     assert Path(relative.redis_connection_kwargs()["ssl_ca_certs"]).is_absolute()

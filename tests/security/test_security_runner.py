@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import redis as sync_redis
 from confluent_kafka import Producer
-from confluent_kafka.admin import AdminClient, NewTopic
+from confluent_kafka.admin import AdminClient, NewTopic  # type: ignore[attr-defined]
 from pydantic import SecretStr
 
 from devstack.synthetic import SyntheticStream
@@ -50,7 +50,10 @@ def test_runner_over_mutual_tls_kafka_and_tls_redis(isolated: Isolated, tmp_path
         tansu_behind_tls(tmp_path, certs, require_client_cert=True) as bootstrap,
         tls_redis(tmp_path, certs, "unused-default-pw", user="runner", user_password=REDIS_PASSWORD) as port,
     ):
-        secure = {"bootstrap.servers": bootstrap, **librdkafka_properties(security)}
+        secure: dict[str, str | int | float | bool] = {
+            "bootstrap.servers": bootstrap,
+            **librdkafka_properties(security),
+        }
         admin = AdminClient(secure)
         topics = [NewTopic(isolated.topic, 2, 1), NewTopic(isolated.dlq_topic, 1, 1)]
         for future in admin.create_topics(topics).values():

@@ -13,6 +13,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import cast
 
 import orjson
 import pytest
@@ -107,7 +108,7 @@ def test_every_config_path_is_redacted_in_process(tmp_path: Path) -> None:
         ),
         llm=ClientConfig(
             endpoints=[f"https://user:{PLANT}@llm-1:8000"],
-            security={"api_key": PLANT},  # type: ignore[arg-type]
+            security={"api_key": PLANT},
         ),
         sinks=SinkSettings(
             redis_url=f"rediss://writer:{PLANT}@cache:6380/0",
@@ -156,6 +157,7 @@ def test_runner_output_holds_no_secret(isolated: Isolated) -> None:
         "RUNNER_SINKS__S3_ENDPOINT_URL": settings.sinks.s3_endpoint_url or "",
         "RUNNER_SINKS__S3_BUCKET": settings.sinks.s3_bucket,
         "RUNNER_SINKS__S3_PREFIX": isolated.s3_prefix,
+        "RUNNER_SINKS__INSIGHTS_TOPIC": isolated.insights_topic,
         "RUNNER_SINKS__S3_ACCESS_KEY_ID": settings.sinks.s3_access_key_id or "testing",
         "RUNNER_SINKS__S3_SECRET_ACCESS_KEY": PLANT,
     }
@@ -172,9 +174,10 @@ def test_runner_output_holds_no_secret(isolated: Isolated) -> None:
         for key in client.scan_iter(match=f"{isolated.prefix}*", count=1000):
             kind = client.type(key)
             if kind == b"hash":
-                stored.append(b" ".join(k + b"=" + v for k, v in client.hgetall(key).items()))
+                fields = cast(dict[bytes, bytes], client.hgetall(key))
+                stored.append(b" ".join(k + b"=" + v for k, v in fields.items()))
             elif kind == b"string":
-                stored.append(client.get(key) or b"")
+                stored.append(cast(bytes | None, client.get(key)) or b"")
     finally:
         client.close()
     assert any(b"replica" in value for value in stored), "signals were stored"

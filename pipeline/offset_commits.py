@@ -4,7 +4,7 @@ A commit is the last step of a durable point: everything before it is already st
 is restarting (or the group's coordinator is moving), librdkafka answers the synchronous commit with a
 transient error (``_WAIT_COORD``, ``_TRANSPORT``, ``COORDINATOR_NOT_AVAILABLE``, ...). Failing the runner
 there would throw away a durable point for nothing, so such a commit is retried under the same policy
-as the stores (``pipeline.sink_commit.SinkRetry``): waited for up to ``max_wait_s``, never skipped.
+as the stores (``pipeline.sink_retry.SinkRetry``): waited for up to ``max_wait_s``, never skipped.
 Committing the same offsets again is idempotent. A member the group has fenced (its session expired
 while the broker was away, or a rebalance is under way) skips the commit and goes on: the consumer
 rejoins and whoever owns the partitions next replays them. Any other error (an authorisation error) is
@@ -19,7 +19,7 @@ from collections.abc import Callable
 
 from confluent_kafka import KafkaError, KafkaException
 
-from pipeline.sink_commit import SinkRetry, with_sink_retry
+from pipeline.sink_retry import SinkRetry, with_sink_retry
 
 TRANSIENT = frozenset(
     {

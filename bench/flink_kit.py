@@ -1,0 +1,180 @@
+"""What the Flink cluster benchmarks share: the job's knobs (variants), its topics and settings, the
+events they produce, a Redis signal poller and the wait for committed offsets. ``bench.flink_cluster``
+(freshness, throughput) and ``bench.flink_recovery`` (a lost TaskManager) both import it, so neither
+imports the other."""
+
+from __future__ import annotations
+
+import threading
+import time
+from pathlib import Path
+
+import orjson
+import redis as sync_redis
+from confluent_kafka import Consumer, TopicPartition
+from confluent_kafka.admin import AdminClient, NewTopic  # type: ignore[attr-defined]
+
+from devstack.flink_cluster import (
+    job_settings,
+)
+from devstack.stack import StackState, sink_settings
+from flink_jobs.flink_config import CheckpointSettings, KafkaSettings, NearRealtimeSettings
+from llm_client.config import ClientConfig
+from prompt_assembly.processor import SessionConfig
+from prompt_assembly.triggers import TriggerPolicy
+
+WARMUP_S = 15.0
+
+KNOBS: dict[str, tuple[str | None, str]] = {
+    "bundle_time_ms": ("async_io", "bundle_time_ms"),
+    "bundle_size": ("async_io", "bundle_size"),
+    "capacity": ("async_io", "capacity"),
+    "fetch_max_wait_ms": ("kafka", "fetch_max_wait_ms"),
+    "buffer_timeout_ms": (None, "buffer_timeout_ms"),
+    "checkpoint_ms": ("checkpoint", "interval_ms"),
+    "session_stage_mode": (None, "session_stage_mode"),
+}
+"""Variant keys -> (settings section, field) of ``NearRealtimeSettings``."""
+
+
+Knobs = dict[str, int | str]
+
+
+def parse_variant(spec: str) -> Knobs:
+    """``"bundle_time_ms=200,session_stage_mode=thread"`` -> knobs; ``"default"`` -> none."""
+    spec = spec.strip()
+    if spec in {"", "default"}:
+        return {}
+    knobs: Knobs = {}
+    for part in spec.split(","):
+        name, _, value = part.partition("=")
+        if name.strip() not in KNOBS:
+            raise SystemExit(f"unknown knob {name!r}; known: {', '.join(KNOBS)}")
+        knobs[name.strip()] = int(value) if value.strip().isdigit() else value.strip()
+    return knobs
+
+
+def apply_variant(settings: NearRealtimeSettings, knobs: Knobs) -> NearRealtimeSettings:
+    for name, value in knobs.items():
+        section, field = KNOBS[name]
+        setattr(settings if section is None else getattr(settings, section), field, value)
+    return settings
+
+
+def describe(settings: NearRealtimeSettings) -> str:
+    """The latency-relevant settings of a job, for the tables."""
+    return (
+        f"bundle {settings.async_io.bundle_time_ms} ms / {settings.async_io.bundle_size}, "
+        f"fetch.max.wait {settings.kafka.fetch_max_wait_ms} ms, "
+        f"buffer timeout {settings.buffer_timeout_ms} ms, "
+        f"checkpoint every {settings.checkpoint.interval_ms} ms, capacity {settings.async_io.capacity}, "
+        f"session stage in {settings.session_stage_mode} mode"
+    )
+
+
+def make_topics(stack: StackState, tag: str) -> tuple[str, str, str]:
+    names = (f"bench-ev-{tag}", f"bench-dlq-{tag}", f"bench-ins-{tag}")
+    admin = AdminClient({"bootstrap.servers": stack.kafka_bootstrap})
+    for future in admin.create_topics([NewTopic(n, 4, 1) for n in names]).values():
+        future.result(timeout=10)
+    return names
+
+
+def bench_job(
+    stack: StackState, state_dir: Path, tag: str, knobs: Knobs, *, live: bool
+) -> NearRealtimeSettings:
+    """The job's defaults (checkpoint interval, bundles, capacity, fetch wait) with this run's names and
+    ``knobs``. ``live``: the rate limit off and wall-clock timers on (each ``add_to_cart`` is a prompt
+    at once); otherwise prompts depend only on event order and the end is a drain."""
+    events, dlq, insights = make_topics(stack, tag)
+    prefix = f"bench-flink-{tag}:"
+    settings = job_settings(
+        stack,
+        state_dir,
+        kafka=KafkaSettings(
+            bootstrap_servers=stack.kafka_bootstrap,
+            events_topic=events,
+            dlq_topic=dlq,
+            group_id=f"bench-{tag}",
+            transactional_id_prefix=f"bench-{tag}",
+        ),
+        checkpoint=CheckpointSettings(directory=(state_dir / "flink" / "checkpoints").resolve().as_uri()),
+        llm=ClientConfig(endpoints=stack.llm_endpoints, model=stack.model),
+        session=SessionConfig(triggers=TriggerPolicy(min_prompt_interval_s=0.0)) if live else SessionConfig(),
+        sinks=sink_settings(
+            stack, redis_key_prefix=prefix, s3_prefix=prefix.rstrip(":"), insights_topic=insights
+        ),
+        wall_clock_timers=live,
+        flush_on_drain=not live,
+    )
+    return apply_variant(settings, knobs)
+
+
+def cart_event(tag: str, n: int, shopper: str, now: float) -> bytes:
+    """An ``add_to_cart`` (a prompt at once with the rate limit off) stamped ``now``."""
+    event = {
+        "event_id": f"{tag}-{n}",
+        "shopper_id": shopper,
+        "type": "add_to_cart",
+        "ts": now,
+        "product": {
+            "product_id": f"p{n % 50}",
+            "title": "Trail shoe",
+            "brand": "Acme",
+            "category": "shoes",
+            "price": 90.0,
+        },
+    }
+    return orjson.dumps(event)
+
+
+class SignalPoller:
+    """Samples every shopper's Redis signal: ``request_id -> (updated_at, last_event_ts)`` of each
+    version seen. Keys are re-listed every second and read in one pipeline per ``interval_s``."""
+
+    def __init__(self, redis_url: str, prefix: str, interval_s: float = 0.05) -> None:
+        self.redis_url = redis_url
+        self.prefix = prefix
+        self.interval_s = interval_s
+        self.seen: dict[str, tuple[float, float]] = {}
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def __enter__(self) -> SignalPoller:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        self._stop.set()
+        self._thread.join(10)
+
+    def _run(self) -> None:
+        client = sync_redis.Redis.from_url(self.redis_url, decode_responses=True)
+        keys: list[str] = []
+        listed = 0.0
+        while not self._stop.wait(self.interval_s):
+            if time.monotonic() - listed > 1.0:
+                keys = list(client.scan_iter(match=f"{self.prefix}signals:*", count=1000))
+                listed = time.monotonic()
+            pipe = client.pipeline(transaction=False)
+            for key in keys:
+                pipe.hmget(key, ["request_id", "updated_at", "last_event_ts"])
+            for request_id, updated_at, event_ts in pipe.execute():
+                if request_id and request_id not in self.seen:
+                    self.seen[request_id] = (float(updated_at or 0), float(event_ts or 0))
+        client.close()
+
+
+def wait_committed(bootstrap: str, group: str, topic: str, ends: dict[int, int], timeout_s: float) -> None:
+    """Until the group's committed offsets cover ``ends`` (a completed checkpoint covers every record)."""
+    consumer = Consumer({"bootstrap.servers": bootstrap, "group.id": group, "enable.auto.commit": False})
+    deadline = time.monotonic() + timeout_s
+    try:
+        while time.monotonic() < deadline:
+            done = consumer.committed([TopicPartition(topic, p) for p in ends], timeout=10)
+            if all(tp.offset >= ends[tp.partition] for tp in done):
+                return
+            time.sleep(0.5)
+    finally:
+        consumer.close()
+    raise TimeoutError(f"group {group} did not commit {ends} within {timeout_s} s")

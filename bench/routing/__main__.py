@@ -1,0 +1,7 @@
+"""``python -m bench.routing``."""
+
+import asyncio
+
+from bench.routing.cli import main
+
+asyncio.run(main())

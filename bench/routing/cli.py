@@ -1,0 +1,84 @@
+"""The command line: ``python -m bench.routing``."""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Sequence
+
+from bench.routing.consts import POLICIES
+from bench.routing.plots import replot
+from bench.routing.report import load_results, machine
+from bench.routing.scenarios import SCENARIO_POLICIES, _other_setups, report_scenarios, run_scenarios
+
+
+# ---- main ------------------------------------------------------------------------------------------
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(
+        prog="python -m bench.routing",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("--quick", action="store_true", help="small trace, one utilisation: a smoke run")
+    p.add_argument("--setups", default="sim,kill,llama", help="comma list of sim, kill, llama, scenarios")
+    s = p.add_argument_group("stress scenarios (--setups scenarios)")
+    s.add_argument("--scenarios", default="base,skew,burst,long,evict,restart")
+    s.add_argument("--scenario-policies", default=",".join(SCENARIO_POLICIES))
+    s.add_argument("--scenario-utilisation", type=float, default=0.7)
+    s.add_argument(
+        "--repeats", type=int, default=1, help="replays per scenario and policy, each with new arrival times"
+    )
+    s.add_argument("--skew-hot-shoppers", type=int, default=1, help="shoppers making a large share")
+    s.add_argument("--skew-hot-factor", type=float, default=35.0, help="their bursts, x an ordinary one")
+    s.add_argument("--burst-peak", type=float, default=3.0, help="on-period rate, x the mean")
+    s.add_argument("--burst-on-fraction", type=float, default=0.25)
+    s.add_argument("--burst-period-s", type=float, default=40.0, help="simulated seconds")
+    s.add_argument("--long-hot-fraction", type=float, default=0.1)
+    s.add_argument("--long-hot-factor", type=float, default=8.0)
+    s.add_argument("--long-max-log-tokens", type=int, default=2400)
+    s.add_argument("--evict-cache-blocks", type=int, default=1024, help="KV blocks per replica")
+    p.add_argument("--policies", default=",".join(POLICIES))
+    p.add_argument("--utilisations", default="0.5,0.7,0.9")
+    p.add_argument("--shoppers", type=int, default=200)
+    p.add_argument("--replicas", type=int, default=8)
+    p.add_argument("--time-scale", type=float, default=0.5, help="wall seconds per simulated second")
+    p.add_argument("--coalesce-s", type=float, default=0.25, help="simulator SSE coalescing (wall s)")
+    p.add_argument("--kill-utilisation", type=float, default=0.7)
+    p.add_argument("--kill-replica", type=int, default=3)
+    p.add_argument("--llama-replicas", type=int, default=3)
+    p.add_argument("--llama-shoppers", type=int, default=6)
+    p.add_argument("--seed", type=int, default=1)
+    p.add_argument("--prefix-aware-options", default="{}", help="JSON of PrefixAwareSettings")
+    p.add_argument(
+        "--engine-options",
+        default="{}",
+        help="JSON of SimulatorConfig settings for every replica of every policy, e.g. "
+        '\'{"enable_chunked_prefill": true, "max_num_tokens": 2048}\' (capacity is measured with them)',
+    )
+    p.add_argument("--tag", default="", help="suffix of the result files (routing<TAG>.json ...)")
+    p.add_argument("--replot", action="store_true", help="only redraw the PNGs from the JSON results")
+    p.add_argument(
+        "--combine",
+        default="",
+        help="comma list of routing_scenarios*.json files: pool their runs (e.g. scenarios run in separate "
+        "invocations), print the tables and targets, write routing_scenarios<TAG>.json; runs nothing",
+    )
+    args = p.parse_args(argv)
+    if args.quick:
+        args.shoppers, args.utilisations, args.llama_shoppers = 40, "0.7", 4
+    return args
+
+
+async def main(argv: Sequence[str] | None = None) -> None:
+    args = parse_args(argv)
+    if args.replot:
+        replot(args.tag)
+        return
+    setups = set(args.setups.split(","))
+    policies = args.policies.split(",")
+    print(f"machine: {machine()}")
+    if args.combine:
+        report_scenarios(load_results(args.combine.split(",")), args)
+        return
+    if "scenarios" in setups:
+        report_scenarios(await run_scenarios(args), args)
+    await _other_setups(args, setups, policies)

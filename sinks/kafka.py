@@ -1,0 +1,85 @@
+"""Results onto a Kafka topic (``insights_topic``), for consumers other than Redis and S3.
+
+Each record is a result's JSON (``model_dump_json``: the bytes the Flink job's insights topic carries),
+keyed by ``shopper_id`` so that one shopper's results stay in order in one partition. ``write`` only
+queues records in librdkafka (which sends them in the background); ``flush`` waits for every delivery
+report and raises ``SinkWriteFailed`` while any record is undelivered, sending the refused ones again
+first, so a durable point never passes a result the topic does not hold. At-least-once: a retried flush
+can deliver a result twice, and consumers dedupe on ``request_id``.
+
+librdkafka blocks nothing here: produce never waits (a full queue is polled from a thread until it has
+room), and ``flush`` runs off the event loop. Delivery reports arrive on the thread that polls; they only
+append to lists, which the loop reads after that thread is done.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Mapping, Sequence
+
+from confluent_kafka import KafkaError, Message, Producer
+
+from prompt_assembly.records import EnrichmentResult
+from sinks.errors import SinkWriteFailed
+
+FULL_QUEUE_POLL_S = 0.05
+
+
+class KafkaResultSink:
+    name = "kafka"
+
+    def __init__(
+        self, topic: str, producer_config: Mapping[str, object], *, flush_timeout_s: float = 10.0
+    ) -> None:
+        """``producer_config``: librdkafka properties of the engine's cluster (bootstrap servers,
+        TLS/SASL); ``flush_timeout_s``: one ``flush`` waits this long before it reports what is left
+        (the engine's retry policy decides how long to keep trying)."""
+        self.topic = topic
+        self.flush_timeout_s = flush_timeout_s
+        self._producer = Producer({"linger.ms": 20, "log.connection.close": False, **dict(producer_config)})
+        self._refused: list[tuple[bytes, bytes]] = []
+        self._errors: list[KafkaError] = []
+        self.delivered = 0
+
+    async def open(self) -> None:
+        return None
+
+    async def write(self, results: Sequence[EnrichmentResult]) -> None:
+        for result in results:
+            await self._produce(result.shopper_id.encode(), result.model_dump_json().encode())
+        self._producer.poll(0)
+
+    async def _produce(self, key: bytes, value: bytes) -> None:
+        while True:
+            try:
+                self._producer.produce(self.topic, value=value, key=key, on_delivery=self._delivered)
+                return
+            except BufferError:  # the local queue is full: deliveries (or their timeouts) free it
+                await asyncio.to_thread(self._producer.poll, FULL_QUEUE_POLL_S)
+
+    def _delivered(self, error: KafkaError | None, message: Message) -> None:
+        if error is None:
+            self.delivered += 1
+            return
+        self._errors.append(error)
+        self._refused.append((message.key() or b"", message.value() or b""))
+
+    def due(self) -> bool:
+        return False  # librdkafka sends as it goes; a durable point only waits for the reports
+
+    async def flush(self) -> None:
+        refused, self._refused = self._refused, []
+        for key, value in refused:
+            await self._produce(key, value)
+        left = await asyncio.to_thread(self._producer.flush, self.flush_timeout_s)
+        if left or self._refused:
+            errors, self._errors = self._errors, []
+            reason = str(errors[0]) if errors else f"no delivery report within {self.flush_timeout_s} s"
+            raise SinkWriteFailed(
+                f"kafka sink: {left} results still queued and {len(self._refused)} refused by topic "
+                f"{self.topic!r} ({reason})"
+            )
+        self._errors.clear()
+
+    async def close(self) -> None:
+        await asyncio.to_thread(self._producer.flush, self.flush_timeout_s)
