@@ -73,8 +73,10 @@ def freshness(
         rest.wait_running(job.job_id)
     except (TimeoutError, RuntimeError) as exc:
         rest.cancel(job.job_id)
-        return [spec, "failed to start", str(exc)[:60], *["-"] * 7], describe(settings)
+        return [spec, "failed to start", str(exc)[:60], *["-"] * 8], describe(settings)
     shoppers = max(1, int(rate * 4))  # each shopper acts every ~4 s
+    taskmanagers = [p.pid for p in cluster.processes if p.name.startswith("flink-taskmanager")]
+    cpu_before = sum(process_group_cpu_seconds(pid) for pid in taskmanagers)
     producer = Producer({"bootstrap.servers": stack.kafka_bootstrap, "linger.ms": 0})
     with SignalPoller(stack.redis_url, settings.sinks.redis_key_prefix) as poller:
         started = time.time()
@@ -86,6 +88,9 @@ def freshness(
             producer.poll(0)
         producer.flush(10)
         time.sleep(10)
+    cores_busy = (sum(process_group_cpu_seconds(pid) for pid in taskmanagers) - cpu_before) / (
+        time.time() - started
+    )
     rest.cancel(job.job_id)
     _, records = list_s3_records(settings.sinks, settings.sinks.s3_prefix)
     calls = {
@@ -112,6 +117,7 @@ def freshness(
         f"{percentile(write, 0.99):.0f}",
         f"{percentile(added, 0.5):.0f}",
         f"{percentile(added, 0.99):.0f}",
+        f"{cores_busy:.2f}",
     ]
     return row, describe(settings)
 
@@ -236,6 +242,7 @@ def main() -> None:
                     "write p99",
                     "added p50 ms",
                     "added p99 ms",
+                    "TM cores busy",
                 ],
                 rows,
             )

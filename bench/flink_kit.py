@@ -33,6 +33,7 @@ KNOBS: dict[str, tuple[str | None, str]] = {
     "buffer_timeout_ms": (None, "buffer_timeout_ms"),
     "checkpoint_ms": ("checkpoint", "interval_ms"),
     "session_stage_mode": (None, "session_stage_mode"),
+    "parallelism": (None, "parallelism"),
 }
 """Variant keys -> (settings section, field) of ``NearRealtimeSettings``."""
 
@@ -68,7 +69,7 @@ def describe(settings: NearRealtimeSettings) -> str:
         f"fetch.max.wait {settings.kafka.fetch_max_wait_ms} ms, "
         f"buffer timeout {settings.buffer_timeout_ms} ms, "
         f"checkpoint every {settings.checkpoint.interval_ms} ms, capacity {settings.async_io.capacity}, "
-        f"session stage in {settings.session_stage_mode} mode"
+        f"session stage in {settings.session_stage_mode} mode, parallelism {settings.parallelism}"
     )
 
 
