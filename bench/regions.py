@@ -9,9 +9,10 @@ whose p99 TTFT meets the SLO.
 rate triples for the middle third of the run. ``predicted_ttft`` with spill-over against the same policy
 with the east's weight at 0 (no spill-over), and the no-surge run for the prefill tokens per request.
 
-``--scenario lost``: the same two regions during a surge (spilled); at half time every east replica is
-killed. Every prompt must be answered or counted as an error; the table shows the answers per second
-around the loss.
+``--scenario lost``: the same two regions during a surge (spilled); at half time every replica of one
+region is killed (``--lose east``: the region taking the spill; ``--lose west``: the client's own).
+Every prompt must be answered or counted as an error; the table shows the answers per second around
+the loss.
 
 Client-side TTFT includes the round trip. Each run prints a table and writes bench/results/regions_*.json.
 """
@@ -171,7 +172,7 @@ async def mixed(args: argparse.Namespace) -> list[Run]:
     return runs
 
 
-async def regions(args: argparse.Namespace, *, lose_east: bool) -> list[Run]:
+async def regions(args: argparse.Namespace, *, lose: bool) -> list[Run]:
     scale = args.time_scale
     runs = []
     async with (
@@ -186,25 +187,26 @@ async def regions(args: argparse.Namespace, *, lose_east: bool) -> list[Run]:
         rate = args.rates[0]
         requests = trace(int(rate * args.seconds * args.surge), args.seed, args.max_tokens)
         setups = [("spill-over", args.surge, 1.0), ("no spill-over", args.surge, 0.0), ("no surge", 1.0, 1.0)]
-        if lose_east:
-            setups = [("east lost mid-run", args.surge, 1.0)]
+        if lose:
+            setups = [(f"{args.lose} lost mid-run", args.surge, 1.0)]
         for setup, factor, east_weight in setups:
             policy = predicted_ttft(
                 groups, args.slo_ms * scale, local_group="west", min_spill_s=args.min_spill_s
             )
             policy.set_group_weight("east", east_weight)
-            run = Run("lost" if lose_east else "surge", setup, rate)
+            run = Run("lost" if lose else "surge", setup, rate)
             timed = surge_arrivals(requests, rate, factor, args.seconds)
             async with LLMClient(client_config([*west.urls, *east.urls]), policy) as client:
                 await client.wait_until_healthy()
                 group_of = {e.name: ("east" if e.url in east.urls else "west") for e in client.endpoints}
-                killer = asyncio.create_task(_kill_later(east, args.seconds / 2)) if lose_east else None
+                victim = east if args.lose == "east" else west
+                killer = asyncio.create_task(_kill_later(victim, args.seconds / 2)) if lose else None
                 await replay(run, client, timed, group_of)
                 if killer is not None:
                     await killer
             runs.append(run)
             print(f"  {run.scenario} {setup}: {len(run.samples)} requests", flush=True)
-            if not lose_east:
+            if not lose:
                 await _reset([*west.urls, *east.urls])
     return runs
 
@@ -261,7 +263,9 @@ def report(runs: Sequence[Run], args: argparse.Namespace) -> str:
             f"{len(run.samples) - len(answered)} errors; surge-window TTFT p99 "
             f"{percentile(surge, 0.99):.0f} ms [{lo:.0f}, {hi:.0f}], whole run p99 "
             f"{percentile(run.ttfts(), 0.99):.0f} ms; share east {east:.2f}; prefill tokens/request "
-            f"{prefill:.0f}; spills {run.stats.get('spills')} returns {run.stats.get('returns')}"
+            f"{prefill:.0f}; spills {run.stats.get('spills')} returns {run.stats.get('returns')}; "
+            f"while spilled {run.stats.get('spilled_requests')} sent out, "
+            f"{run.stats.get('kept_local_while_spilled')} kept local"
         )
         print(line)
         out.append(line)
@@ -288,6 +292,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--slo-ms", type=float, default=1000.0, help="p99 TTFT target (simulated ms)")
     parser.add_argument("--rtt-ms", type=float, default=40.0)
     parser.add_argument("--surge", type=float, default=3.0)
+    parser.add_argument(
+        "--lose", choices=["east", "west"], default="east", help="lost: the region killed at half time"
+    )
     parser.add_argument("--min-spill-s", type=float, default=5.0)
     parser.add_argument("--max-tokens", type=int, default=32)
     parser.add_argument("--seed", type=int, default=7)
@@ -302,10 +309,11 @@ async def main(argv: Sequence[str] | None = None) -> None:
     if args.scenario == "mixed":
         runs = await mixed(args)
     else:
-        runs = await regions(args, lose_east=args.scenario == "lost")
+        runs = await regions(args, lose=args.scenario == "lost")
     text = report(runs, args)
     RESULTS.mkdir(exist_ok=True)
-    path = RESULTS / f"regions_{args.scenario}.json"
+    name = f"lost_{args.lose}" if args.scenario == "lost" else args.scenario
+    path = RESULTS / f"regions_{name}.json"
     payload = {"machine": machine(), "args": vars(args), "report": text, "runs": [asdict(r) for r in runs]}
     path.write_text(json.dumps(payload, indent=1))
     print(f"wrote {path}")

@@ -13,18 +13,22 @@ the cost of a candidate is not a token count but the time its first token would 
   ``(ttft - rtt) / work``), so a slow or degraded replica is weighed as it is;
 - ``rtt`` is the round trip to the replica's endpoint group (a region or zone).
 
-Prediction decides who *may* serve, the cache decides who does: every candidate predicted to meet
-``slo_ms`` (or, when none does, within ``admit_slack`` x the best prediction) is admissible, and
-``PrefixAwarePolicy`` chooses among them with its cache credit and load guards. So a slow or distant
-replica takes traffic only while it can still answer in time, and shoppers keep their warm replicas.
+Prediction decides who *may* serve: every candidate predicted to meet ``slo_ms`` (or, when none does,
+within ``admit_slack`` x the best prediction) is admissible. ``PrefixAwarePolicy`` chooses among them
+with its cache credit and load guards, its token costs turned into time at each replica's speed and
+round trip (``time_of``): the least predicted time wins, so a replica twice as slow takes a request only
+when its queue is less than half as long, and shoppers keep their warm replicas.
 
 Spreading over groups (the traffic orchestrator of the fleet this project answers): requests stay in
-the ``local_group`` while its best prediction meets ``slo_ms``; when it does not, the policy *spills*:
-every group with a non-zero weight competes on its prediction (divided by its weight). It comes back
-only once the local prediction is under ``return_ratio * slo_ms`` and at least ``min_spill_s`` after it
-left: that gap is the hysteresis that keeps a surge at the threshold from flapping. While spilled, a
-shopper whose blocks are warm in another region keeps going there (its uncached part is small there), so
-KV affinity survives the spill; once local is calm again, shoppers come home.
+the ``local_group`` while its best prediction meets ``slo_ms``; when it does not, the policy *spills*.
+It comes back only once the local prediction is under ``return_ratio * slo_ms`` and at least
+``min_spill_s`` after it left: that gap is the hysteresis that keeps a surge at the threshold from
+flapping. Spilling is decided per request: while spilled, a request that some local replica can still
+serve within the SLO (a shopper warm there) stays local, and only one that would miss competes over
+every group with a non-zero weight (prediction divided by weight), so only the requests that need it
+pay a cold prefill elsewhere. A shopper whose blocks are warm in another region keeps going there while
+spilled (that replica stays a candidate, and its cache credit wins), so KV affinity survives the spill;
+once local is calm again, shoppers come home.
 
 Group weights are live: ``set_group_weight`` (the gateway's admin endpoint calls it) changes how much a
 group is preferred, and 0 takes it out of rotation. Pure and synchronous, like every policy.
@@ -116,6 +120,10 @@ class PredictedTtftStats:
     returns: int = 0
     routed_remote: int = 0
     routed_local: int = 0
+    spilled_requests: int = 0
+    """Requests routed while spilled that no local replica could serve within the SLO."""
+    kept_local_while_spilled: int = 0
+    """Requests routed while spilled that stayed local: a local replica met the SLO for them."""
     speed_samples: int = 0
 
 
@@ -202,21 +210,20 @@ class PredictedTtftPolicy:
         best_local = min(local, key=lambda e: predicted[e.name], default=None)
         local_ms = float("inf") if best_local is None else predicted[best_local.name]
         self._update_spill(local_ms)
+        slo = self.settings.slo_ms
         if best_local is not None and not self.spilling:
-            pool, scored = local, {e.name: predicted[e.name] for e in local}
+            pool = local
         else:
-            pool = [e for e in endpoints if self._weights.get(self.group(e), 0.0) > 0] or list(endpoints)
-            scored = {
-                e.name: predicted[e.name] / max(self._weights.get(self.group(e), 0.0), 1e-9) for e in pool
-            }
+            pool = self._spill_pool(request, endpoints, local, predicted)
+        scored = {e.name: predicted[e.name] / max(self._weights.get(self.group(e), 0.0), 1e-9) for e in pool}
         # Every replica predicted to meet the SLO (or, if none does, near the best) is admissible, and
-        # prefix_aware chooses among them with its cache credit and load guards: speed and distance
-        # decide who may serve, the cache decides who serves.
+        # prefix_aware chooses among them with its cache credit and load guards, its costs turned into
+        # time at each replica's speed and round trip.
         best = min(scored.values())
-        bound = max(self.settings.slo_ms, best * self.settings.admit_slack)
+        bound = max(slo, best * self.settings.admit_slack)
         admissible = [e for e in pool if scored[e.name] <= bound]
         work_before = {e.name: self.work_tokens(request, e) for e in admissible}
-        chosen = self.prefix.choose(request, admissible)  # records the prompt in its block index
+        chosen = self.prefix.choose(request, admissible, time_of=self._time_of)  # records the prompt
         if self.group(chosen) == local_name:
             self.stats.routed_local += 1
         else:
@@ -224,6 +231,39 @@ class PredictedTtftPolicy:
         work: dict[str, tuple[float, float]] = request.memo.setdefault(_PREDICTED, {})  # type: ignore[assignment]
         work[chosen.name] = (work_before[chosen.name], self.rtt_ms(chosen))
         return chosen
+
+    def _time_of(self, endpoint: Endpoint, tokens: float) -> float:
+        """A cost in prompt tokens of work, as time at ``endpoint``: its round trip plus its speed."""
+        return self.rtt_ms(endpoint) + self.ms_per_token(endpoint) * tokens
+
+    def _spill_pool(
+        self,
+        request: RouteRequest,
+        endpoints: Sequence[Endpoint],
+        local: Sequence[Endpoint],
+        predicted: dict[str, float],
+    ) -> list[Endpoint]:
+        """Where a request may go while spilled. Spilling is per request: one that the local group can
+        still serve within the SLO (typically a shopper whose prefix is warm there) stays local, so
+        only the requests that would miss pay a cold prefill elsewhere; a remote replica that holds
+        more of this prompt than any local one (the shopper spilled there earlier) stays a candidate
+        beside them, so affinity survives the spill. A request no local replica can serve in time
+        competes over every group with a non-zero weight."""
+        weighted = [e for e in endpoints if self._weights.get(self.group(e), 0.0) > 0] or list(endpoints)
+        in_time = [e for e in local if predicted[e.name] <= self.settings.slo_ms]
+        if not in_time:
+            self.stats.spilled_requests += 1
+            return weighted
+        held_locally = max(self.prefix.cached_tokens(request, e) for e in local)
+        warm_elsewhere = [
+            e
+            for e in weighted
+            if self.group(e) != self.settings.local_group
+            and self.prefix.cached_tokens(request, e) > held_locally
+            and predicted[e.name] <= self.settings.slo_ms
+        ]
+        self.stats.kept_local_while_spilled += not warm_elsewhere
+        return [*in_time, *warm_elsewhere]
 
     def _update_spill(self, local_ms: float) -> None:
         now = self._clock()

@@ -351,7 +351,16 @@ class PrefixAwarePolicy:
         return endpoint.outstanding_prefill_tokens + self.decode_weight * endpoint.outstanding_decode_tokens
 
     # ---- RoutingPolicy -----------------------------------------------------------------------------
-    def choose(self, request: RouteRequest, endpoints: Sequence[Endpoint]) -> Endpoint:
+    def choose(
+        self,
+        request: RouteRequest,
+        endpoints: Sequence[Endpoint],
+        *,
+        time_of: Callable[[Endpoint, float], float] | None = None,
+    ) -> Endpoint:
+        """``time_of(endpoint, tokens)`` turns a cost in tokens into the time it takes there (a
+        policy that knows each replica's speed and round trip, ``predicted_ttft``); None = every replica
+        is as fast as every other, and tokens are the cost."""
         if not endpoints:
             raise ValueError("choose() needs at least one endpoint")
         ordered = rendezvous_order(request.key, endpoints)
@@ -404,13 +413,15 @@ class PrefixAwarePolicy:
             uncached: float = request.prompt_tokens - useful[e.name]
             if interference > 0:
                 uncached *= 1 + interference * n * self._traffic_share.get(e.name, 1 / n)
-            return self.prefill_weight * uncached + loads[e.name]
+            tokens = self.prefill_weight * uncached + loads[e.name]
+            return tokens if time_of is None else time_of(e, tokens)
 
         high, low = max(loads.values()), min(loads.values())
         imbalanced = high - low > self.imbalance_abs_tokens and high > self.imbalance_ratio * low
         if imbalanced and len(eligible) > 1:
             a, b = self._rng.sample(eligible, 2)
-            chosen = min((a, b), key=lambda e: (loads[e.name], -useful[e.name]))
+            wait = loads if time_of is None else {e.name: time_of(e, loads[e.name]) for e in (a, b)}
+            chosen = min((a, b), key=lambda e: (wait[e.name], -useful[e.name]))
             self.stats.imbalance_fallbacks += 1
         else:
             # min() keeps the first of equal costs: the key's rendezvous order breaks ties.

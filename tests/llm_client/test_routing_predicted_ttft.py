@@ -99,16 +99,65 @@ def test_spill_over_waits_for_the_slo_and_comes_back_only_past_the_hysteresis() 
         chosen = p.choose(route(words(2000, f"k{i}"), key=f"k{i}"), endpoints)  # nothing cached yet
         chosen_groups.append(p.group(chosen))
         clock.now += 2
-    # East predicts 60 ms + 0.2 ms x 3,000 tokens = 660 ms. Spilled, every replica predicted to meet
-    # the SLO may serve, local ones again at 650 ms; but the spill is not over (under return_ratio x
-    # SLO, before min_spill_s since it began), so a rebound to 1,100 ms would go east at once.
-    assert chosen_groups[:5] == ["local", "east", "east", "east", "east"]
+    # East predicts 60 ms + 0.2 ms x 3,000 tokens = 660 ms. Spilled, a request goes east only when
+    # no local replica meets the SLO for it (1,100 and 1,050 ms); one that local can serve in time
+    # stays local (950, 800, 650 ms), so only the requests that need it pay a cold prefill elsewhere.
+    assert chosen_groups == ["local", "east", "local", "east", "local", "local"]
     assert p.stats.spills == 1 and p.stats.returns == 0, "no flapping around the SLO"
-    assert p.spilling
+    assert p.stats.spilled_requests == 2 and p.stats.kept_local_while_spilled == 3
+    assert p.spilling  # under return_ratio x SLO, but before min_spill_s since the spill began
+    set_local_ms(1100)
+    assert p.group(p.choose(route(words(2000, "again"), key="again"), endpoints)) == "east"
+    assert p.stats.spills == 1, "a rebound while spilled is no new spill"
     clock.now += 10
     set_local_ms(650)
     assert p.group(p.choose(route(words(2000, "back"), key="back"), endpoints)) == "local"
     assert p.stats.returns == 1 and not p.spilling
+
+
+def test_while_spilled_a_shopper_warm_at_home_stays_and_a_cold_one_spills() -> None:
+    clock = Clock()
+    p = policy(clock)
+    local, remote = fleet()
+    endpoints = [*local, *remote]
+    history = words(3000, "h")
+    warm = route(history, key="warm")
+    assert p.choose(warm, endpoints) in local  # calm: warm's prefix is now held at home
+    home = next(e for e in local if p.prefix.cached_tokens(warm, e) > 0)
+    for e in local:  # a surge: 7,000 queued tokens ahead on each local replica (700 ms)
+        e.outstanding_prefill_tokens = 7000
+    cold = route(words(3000, "c"), key="cold")  # 700 + 0.1 x ~4,500 > 1,000 ms at home: it spills
+    assert p.group(p.choose(cold, endpoints)) == "east" and p.spilling
+    again = route(history + words(100, "n"), key="warm")  # 700 + 0.1 x (a few new blocks) < 1,000 ms
+    assert p.choose(again, endpoints) is home, "its warm prefix keeps it home: no cold prefill east"
+    assert p.stats.spilled_requests == 1 and p.stats.kept_local_while_spilled == 1
+
+
+def test_prefix_aware_costs_become_time_so_a_slow_replica_needs_half_the_queue() -> None:
+    fast, slow = Endpoint("http://f", "fast"), Endpoint("http://s", "slow")
+    p = PredictedTtftPolicy(
+        PredictedTtftSettings(
+            groups=[EndpointGroup(name="local", endpoints=["http://f", "http://s"], ms_per_token=0.1)],
+            slo_ms=100_000,
+            speed_alpha=1.0,
+        )
+    )
+    probe = route(words(2000, "probe"), key="probe")
+    assert p.choose(probe, [slow]) is slow
+    p.observe(
+        probe,
+        slow,
+        RouteOutcome(ok=True, prompt_tokens=probe.prompt_tokens, ttft_ms=0.2 * probe.prompt_tokens),
+    )
+    assert p.ms_per_token(slow) == pytest.approx(0.2)  # learned: a second accelerator kind, half the speed
+    n = probe.prompt_tokens
+    fast.outstanding_prefill_tokens = n // 2
+    # In tokens the idle slow replica is cheaper, and prefix_aware alone would pick it; in time the fast
+    # one answers first (0.1 x 1.5n < 0.2 x n).
+    assert p.prefix.choose(route(words(2000, "a"), key="a"), [fast, slow]) is slow
+    assert p.choose(route(words(2000, "b"), key="b"), [fast, slow]) is fast
+    fast.outstanding_prefill_tokens = 2 * n  # 0.1 x 3n > 0.2 x n: now the slow one is sooner
+    assert p.choose(route(words(2000, "c"), key="c"), [fast, slow]) is slow
 
 
 def test_group_weights_change_live_and_zero_takes_a_group_out() -> None:
