@@ -66,6 +66,10 @@ AnswerValidator = Callable[[str], object]
 raises ``InvalidAnswer`` (kind ``schema``) when the text is not what the caller's schema requires."""
 
 
+ERROR_BODY_MAX_BYTES = 4096
+KV_CACHE_GONE = "kv_cache_gone"
+"""The error type a generation server answers when it could not pull the context server's blocks."""
+
 KV_GONE_STATUSES = frozenset({404, 409})
 """A ``generation_only`` request answered with these: the context server's blocks were not there to pull
 (released after the transfer timeout, or the server restarted); the request is prefilled locally."""
@@ -455,9 +459,12 @@ class LLMClient:
         return completion
 
     async def _raise_for_status(self, response: aiohttp.ClientResponse, endpoint: Endpoint) -> None:
-        # at most 300 bytes of an error body: a replica's error page is as untrusted as its answers
-        detail = (await response.content.read(300)).decode("utf-8", "replace")
-        if response.status in (404, 409, 503) and "kv_cache_gone" in detail:
+        # at most 4 KiB of an error body, 300 characters of it in the error: a replica's error page is
+        # as untrusted as its answers. The error's type can follow a long message (a KV pull's
+        # connection error), so the whole bounded body is searched for it.
+        body = (await response.content.read(ERROR_BODY_MAX_BYTES)).decode("utf-8", "replace")
+        detail = body[:300]
+        if response.status in (404, 409, 503) and KV_CACHE_GONE in body:
             raise KvCacheGone(f"HTTP {response.status}: {detail}", endpoint=endpoint.name)
         if response.status == 429 or response.status >= 500:
             raise EndpointUnavailable(f"HTTP {response.status}: {detail}", endpoint=endpoint.name)
@@ -547,14 +554,11 @@ class LLMClient:
             async def attempt(endpoint: Endpoint, number: int) -> Forwarded:
                 generation = await self._context_step(endpoint, path, body, route)
                 if generation is not None:
-                    forwarded = await self._forward_attempt(
-                        endpoint, method, path, generation, route, headers or {}
+                    handed_over = await self._generation_step(
+                        endpoint, method, path, generation, route, headers
                     )
-                    if forwarded.response is None or forwarded.response.status not in KV_GONE_STATUSES:
-                        return forwarded
-                    forwarded.release()  # the context server's blocks are gone: prefill here instead
-                    if isinstance(self.policy, PdAwarePolicy):
-                        self.policy.redone_locally()
+                    if handed_over is not None:
+                        return handed_over
                 return await self._forward_attempt(endpoint, method, path, body, route, headers or {})
 
             forwarded = await self._retried(route, tried, attempt)
@@ -606,6 +610,35 @@ class LLMClient:
         generation = {**parsed, "disaggregated_params": {**params, "request_type": "generation_only"}}
         return orjson.dumps(generation)
 
+    async def _generation_step(
+        self,
+        endpoint: Endpoint,
+        method: str,
+        path: str,
+        generation: bytes,
+        route: RouteRequest,
+        headers: Mapping[str, str] | None,
+    ) -> Forwarded | None:
+        """``forward``'s ``generation_only`` request; None when the decode server could not take the
+        hand-over, and the caller's own request is then prefilled there instead: the context server's
+        blocks were gone by the pull (``kv_cache_gone``, as a 503, 404 or 409: the decode server is not
+        to blame), or it refused the hand-over with another 404/409 (the caller then sees the
+        replica's own answer to its own request, byte for byte)."""
+        try:
+            forwarded = await self._forward_attempt(endpoint, method, path, generation, route, headers or {})
+        except KvCacheGone:
+            gone = True
+        else:
+            response = forwarded.response
+            if response is None or response.status not in KV_GONE_STATUSES:
+                return forwarded
+            detail = await response.content.read(ERROR_BODY_MAX_BYTES)  # released just below
+            forwarded.release()
+            gone = KV_CACHE_GONE.encode() in detail
+        if gone and isinstance(self.policy, PdAwarePolicy):
+            self.policy.redone_locally()
+        return None
+
     async def _forward_attempt(
         self,
         endpoint: Endpoint,
@@ -647,7 +680,8 @@ class LLMClient:
             forwarded.release()
             raise
         except LLMError as exc:
-            self._fail(endpoint, route, connection=isinstance(exc, ConnectionFailed))  # before release
+            if exc.retryable:  # as in _attempt: blocks gone at the pull are not the replica's failure
+                self._fail(endpoint, route, connection=isinstance(exc, ConnectionFailed))  # before release
             forwarded.release()
             raise
         except BaseException:

@@ -67,6 +67,9 @@ class _Clock:
     ctx_done: float = 0.0
     first: float | None = None
     last: float = 0.0
+    generation_finished: bool = False
+    """The generation router was told of this request's end (once only: a client that goes away after
+    that, during the KV-event poll or ``write_eof``, must not take its load off a second time)."""
 
 
 @dataclass
@@ -96,7 +99,6 @@ class DisaggService:
         clock = _Clock()
         gen: Routed | None = None
         ctx: Routed | None = None
-        done = False
         try:
             need_ctx = True
             condition = self.config.conditional_disagg_config
@@ -124,7 +126,6 @@ class DisaggService:
                 gen = self.generation_router.choose(gen_route, exclude=ctx.server if ctx else None)
             self.counters.generation_requests += 1
             response = await self._generation(request, gen, gen_body, clock)
-            done = True
             if ctx is not None and ctx_request_id is not None and clock.first is not None:
                 self.perf.add(
                     DisaggRequestTimes(
@@ -143,7 +144,8 @@ class DisaggService:
             self.counters.errors += 1
             raise
         finally:
-            if gen is not None and not done:
+            if gen is not None and not clock.generation_finished:
+                clock.generation_finished = True
                 await self._finish(self.generation_router, gen, success=False)
 
     async def _context(self, path: str, ctx: Routed, body: dict[str, Any], clock: _Clock) -> dict[str, Any]:
@@ -172,6 +174,7 @@ class DisaggService:
         if not body.get("stream"):
             answer = await self.workers.post_json(url, body)
             clock.first = clock.last = self.clock()
+            clock.generation_finished = True
             await self._finish(self.generation_router, gen, success=True)
             return web.json_response(answer)
         out = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
@@ -183,6 +186,7 @@ class DisaggService:
                         clock.first = self.clock()
                     await out.write(chunk)
         clock.last = self.clock()
+        clock.generation_finished = True
         await self._finish(self.generation_router, gen, success=True)
         await out.write_eof()
         return out

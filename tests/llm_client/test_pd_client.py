@@ -8,10 +8,14 @@ from __future__ import annotations
 from typing import Any
 
 import aiohttp
+import orjson
+import pytest
 
 from llm_client import ClientConfig, LLMClient
 from llm_client.config import HealthSettings, Timeouts
+from llm_client.routing.base import RouteRequest
 from llm_client.routing.pd_aware import PdAwarePolicy
+from prompt_assembly.tokens import count_tokens
 from serving.simulator.testing import running_simulator
 from tests.llm_client.test_routing_pd_aware import words
 
@@ -74,6 +78,43 @@ async def test_blocks_gone_by_the_pull_mean_a_local_prefill() -> None:
         assert completion.text and completion.attempts == 1
         assert policy.stats.remote == 1 and policy.stats.redone_locally == 1
         assert all(e.routable for e in [*client.endpoints, *client.context_endpoints])
+
+
+async def forwarded(client: LLMClient, text: str) -> tuple[int, dict[str, Any]]:
+    """The gateway's path: the caller's body forwarded, the answer read back as the caller gets it."""
+    body = {"model": client.config.model, "messages": messages(text), "max_tokens": 20, "stream": False}
+    route = RouteRequest("s1", text, count_tokens(text), 20)
+    async with client.forward("/v1/chat/completions", orjson.dumps(body), route) as answer:
+        status = answer.status
+        data = b"".join([chunk async for chunk in answer.chunks()])
+    return status, orjson.loads(data)
+
+
+@pytest.mark.parametrize(
+    "context_settings",
+    [
+        {"kv_transfer_timeout_s": 1e-6},  # released before the pull: the decode server answers 409
+        {"advertise_url": "http://127.0.0.1:9"},  # unreachable at the pull: it answers 503
+    ],
+    ids=["released-409", "unreachable-503"],
+)
+async def test_forward_prefills_locally_when_the_blocks_are_gone_and_blames_no_one(
+    context_settings: dict[str, Any],
+) -> None:
+    async with (
+        running_simulator(role="context", time_scale=0.0, **context_settings) as ctx,
+        running_simulator(role="generation", time_scale=0.0) as gen,
+        LLMClient(pd_config(gen.url, ctx.url, max_local_prefill_tokens=0)) as client,
+    ):
+        status, answer = await forwarded(client, words(3000))
+        policy = client.policy
+        assert isinstance(policy, PdAwarePolicy)
+        assert status == 200 and answer["choices"][0]["message"]["content"]
+        assert policy.stats.remote == 1 and policy.stats.redone_locally == 1
+        (decode,) = client.endpoints
+        assert decode.routable and decode.consecutive_failures == 0, "the decode server did nothing wrong"
+        records = await perf(gen.url)
+        assert [r["request_type"] for r in records].count("generation_only") == 0, "prefilled there"
 
 
 async def test_a_context_server_that_is_down_means_a_local_prefill() -> None:
