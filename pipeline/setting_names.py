@@ -3,12 +3,15 @@
 The runner and the Flink job nest their components' settings (``RunnerSettings.llm`` is the LLM
 client's ``ClientConfig``, read from ``LLM_*`` on its own), so a field has two environment names:
 ``RUNNER_LLM__MODEL`` and ``LLM_MODEL``. pydantic-settings merges them field by field and the nested
-name wins, silently. Setting both is refused instead, naming both variables (never their values), so a
-deployment cannot believe it set a value that another name overrides. Setting either one alone works.
+name wins, silently. The nested name can also be the component's whole JSON
+(``RUNNER_SINKS='{"redis_url": ...}'``), whose keys are names too. Setting both is refused instead,
+naming both variables (never their values), so a deployment cannot believe it set a value that another
+name overrides. Setting either one alone works.
 """
 
 from __future__ import annotations
 
+import json
 from collections.abc import Mapping
 
 from prompt_assembly.errors import ConfigurationError
@@ -24,12 +27,28 @@ def settings_named_twice(
     twice = []
     for field, own_prefix in components.items():
         nested_prefix = f"{engine_prefix}{field}__".upper()
-        for upper, name in present.items():
-            if upper.startswith(nested_prefix):
-                own = f"{own_prefix}{upper[len(nested_prefix) :]}".upper()
-                if own in present:
-                    twice.append((name, present[own]))
+        nested: list[tuple[str, str]] = [
+            (name, upper[len(nested_prefix) :])
+            for upper, name in present.items()
+            if upper.startswith(nested_prefix)
+        ]
+        whole = present.get(f"{engine_prefix}{field}".upper())
+        if whole is not None:  # the JSON form, RUNNER_SINKS='{"redis_url": ...}', names fields too
+            nested += [(f"{whole}.{key}", key.upper()) for key in _json_keys(environ[whole])]
+        for name, suffix in nested:
+            own = f"{own_prefix}{suffix}".upper()
+            if own in present:
+                twice.append((name, present[own]))
     return sorted(twice)
+
+
+def _json_keys(value: str) -> list[str]:
+    """The top-level keys of a JSON object setting; none when it is not one (pydantic reports that)."""
+    try:
+        parsed = json.loads(value)
+    except ValueError:
+        return []
+    return [str(key) for key in parsed] if isinstance(parsed, dict) else []
 
 
 def refuse_settings_named_twice(

@@ -114,7 +114,6 @@ class EmbeddedRunner:
         redis = s.sinks.redis_client()  # ACL user, password and CA from SinkSettings
         self.store = RedisSessionStore(redis, s.sinks.redis_key_prefix)
         kafka = {"bootstrap.servers": s.bootstrap_servers, **librdkafka_properties(s.kafka_security)}
-        self.consumer = Consumer(self._consumer_config())
         producer = Producer({**kafka, "linger.ms": 20, "log.connection.close": False})
         self.dead_letters = DeadLetterPublisher(
             producer,
@@ -130,7 +129,13 @@ class EmbeddedRunner:
             dead_letters=self.dead_letters,
             on_retry=self._on_sink_retry,
         )
-        await self.checkpoint.open()
+        try:  # a store still down past the retry policy: nothing was consumed, close what was opened
+            await self.checkpoint.open()
+        except BaseException:
+            await self.checkpoint.close()
+            await redis.aclose()
+            raise
+        self.consumer = Consumer(self._consumer_config())
         self.consumer.subscribe([s.topic], on_assign=self._on_assign, on_revoke=self._on_revoke)
         for sig in (signal.SIGTERM, signal.SIGINT):
             with contextlib.suppress(NotImplementedError, RuntimeError):

@@ -1,11 +1,14 @@
 """Results onto a Kafka topic (``insights_topic``), for consumers other than Redis and S3.
 
 Each record is a result's JSON (``model_dump_json``: the bytes the Flink job's insights topic carries),
-keyed by ``shopper_id`` so that one shopper's results stay in order in one partition. ``write`` only
-queues records in librdkafka (which sends them in the background); ``flush`` waits for every delivery
-report and raises ``SinkWriteFailed`` while any record is undelivered, sending the refused ones again
-first, so a durable point never passes a result the topic does not hold. At-least-once: a retried flush
-can deliver a result twice, and consumers dedupe on ``request_id``.
+keyed by ``shopper_id`` so that one shopper's results land in one partition (the Flink job's
+``KafkaSink`` writes the same values unkeyed: docs/flink.md, "What the engines write"). ``write`` only
+queues records in librdkafka (which sends them in the background, idempotently, so its own retries keep
+a partition's order); ``flush`` waits for every delivery report and raises ``SinkWriteFailed`` while any
+record is undelivered, sending the refused ones again first, so a durable point never passes a result
+the topic does not hold. At-least-once: a retried flush can deliver a result twice, or after a later
+result of the same shopper; consumers dedupe on ``request_id`` and order a shopper's results by
+``seq``, as the Redis sink does.
 
 librdkafka blocks nothing here: produce never waits (a full queue is polled from a thread until it has
 room), and ``flush`` runs off the event loop. Delivery reports arrive on the thread that polls; they only
@@ -36,7 +39,14 @@ class KafkaResultSink:
         (the engine's retry policy decides how long to keep trying)."""
         self.topic = topic
         self.flush_timeout_s = flush_timeout_s
-        self._producer = Producer({"linger.ms": 20, "log.connection.close": False, **dict(producer_config)})
+        self._producer = Producer(
+            {
+                "linger.ms": 20,
+                "log.connection.close": False,
+                "enable.idempotence": True,  # librdkafka's own retries keep a partition's order
+                **dict(producer_config),
+            }
+        )
         self._refused: list[tuple[bytes, bytes]] = []
         self._errors: list[KafkaError] = []
         self.delivered = 0
@@ -68,9 +78,15 @@ class KafkaResultSink:
         return False  # librdkafka sends as it goes; a durable point only waits for the reports
 
     async def flush(self) -> None:
+        # Each refused record leaves the list only once it is queued again: a produce that raises (the
+        # topic gone, the flush cancelled) keeps the rest, so the next flush cannot pass them by.
         refused, self._refused = self._refused, []
-        for key, value in refused:
-            await self._produce(key, value)
+        try:
+            while refused:
+                await self._produce(*refused[0])
+                refused.pop(0)
+        finally:
+            self._refused[:0] = refused
         left = await asyncio.to_thread(self._producer.flush, self.flush_timeout_s)
         if left or self._refused:
             errors, self._errors = self._errors, []

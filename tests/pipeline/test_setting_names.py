@@ -42,3 +42,15 @@ def test_the_flink_job_refuses_both_names_too(monkeypatch: pytest.MonkeyPatch) -
     monkeypatch.setenv("SINK_S3_BUCKET", "b")
     with pytest.raises(ConfigurationError, match="FLINK_JOB_SINKS__S3_BUCKET and SINK_S3_BUCKET"):
         NearRealtimeSettings.load()
+
+
+def test_the_json_form_of_a_nested_setting_counts_as_a_name(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("RUNNER_SINKS", '{"redis_key_prefix": "secret-looking-1"}')
+    monkeypatch.setenv("SINK_REDIS_KEY_PREFIX", "secret-looking-2")
+    with pytest.raises(ConfigurationError) as error:
+        read_runner_settings()
+    message = str(error.value)
+    assert "RUNNER_SINKS.redis_key_prefix and SINK_REDIS_KEY_PREFIX" in message
+    assert "secret-looking" not in message
+    monkeypatch.delenv("SINK_REDIS_KEY_PREFIX")
+    assert RunnerSettings().sinks.redis_key_prefix == "secret-looking-1", "alone, the JSON form works"
