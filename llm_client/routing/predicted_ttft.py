@@ -23,10 +23,11 @@ Spreading over groups (the traffic orchestrator of the fleet this project answer
 the ``local_group`` while its best prediction meets ``slo_ms``; when it does not, the policy *spills*.
 It comes back only once the local prediction is under ``return_ratio * slo_ms`` and at least
 ``min_spill_s`` after it left: that gap is the hysteresis that keeps a surge at the threshold from
-flapping. Spilling is decided per request: while spilled, a request that some local replica can still
-serve within the SLO (a shopper warm there) stays local, and only one that would miss competes over
-every group with a non-zero weight (prediction divided by weight), so only the requests that need it
-pay a cold prefill elsewhere. A shopper whose blocks are warm in another region keeps going there while
+flapping. Spilling is decided per request: while spilled, a request warm at home that some local
+replica can still serve within the SLO stays local; one cold at home (a full prefill anywhere) or that
+would miss competes over every group with a non-zero weight (prediction divided by weight). So the
+heaviest prefills leave the hot region first, and warm shoppers neither wait nor pay a cold prefill
+elsewhere. A shopper whose blocks are warm in another region keeps going there while
 spilled (that replica stays a candidate, and its cache credit wins), so KV affinity survives the spill;
 once local is calm again, shoppers come home.
 
@@ -121,7 +122,8 @@ class PredictedTtftStats:
     routed_remote: int = 0
     routed_local: int = 0
     spilled_requests: int = 0
-    """Requests routed while spilled that no local replica could serve within the SLO."""
+    """Requests routed while spilled over every group: cold at home, or no local replica could serve
+    them within the SLO."""
     kept_local_while_spilled: int = 0
     """Requests routed while spilled that stayed local: a local replica met the SLO for them."""
     speed_samples: int = 0
@@ -243,18 +245,22 @@ class PredictedTtftPolicy:
         local: Sequence[Endpoint],
         predicted: dict[str, float],
     ) -> list[Endpoint]:
-        """Where a request may go while spilled. Spilling is per request: one that the local group can
-        still serve within the SLO (typically a shopper whose prefix is warm there) stays local, so
-        only the requests that would miss pay a cold prefill elsewhere; a remote replica that holds
-        more of this prompt than any local one (the shopper spilled there earlier) stays a candidate
-        beside them, so affinity survives the spill. A request no local replica can serve in time
-        competes over every group with a non-zero weight."""
+        """Where a request may go while spilled. Spilling is per request. A request warm at home
+        that some local replica can still serve within the SLO stays local, so it pays no cold
+        prefill elsewhere; a remote replica that holds more of this prompt than any local one (the
+        shopper spilled there earlier) stays a candidate beside them, so affinity survives the spill.
+        A request cold at home (it pays a full prefill anywhere) or that no local replica can serve
+        in time competes over every group with a non-zero weight."""
         weighted = [e for e in endpoints if self._weights.get(self.group(e), 0.0) > 0] or list(endpoints)
         in_time = [e for e in local if predicted[e.name] <= self.settings.slo_ms]
-        if not in_time:
+        held_locally = max((self.prefix.cached_tokens(request, e) for e in local), default=0)
+        cold_here = held_locally < self.prefix.min_hit_fraction * request.prompt_tokens
+        if not in_time or cold_here:
+            # A request cold at home costs a full prefill wherever it goes: while the local group is
+            # hot it goes where it is answered soonest, which takes the heaviest prefills off the
+            # local queue first and keeps the warm shoppers there in time.
             self.stats.spilled_requests += 1
             return weighted
-        held_locally = max(self.prefix.cached_tokens(request, e) for e in local)
         warm_elsewhere = [
             e
             for e in weighted
