@@ -134,8 +134,21 @@ async def replay(
     run.stats = asdict(stats) if stats is not None and hasattr(stats, "__dataclass_fields__") else {}
 
 
-def predicted_ttft(groups: list[EndpointGroup], slo_ms: float, **knobs: Any) -> PredictedTtftPolicy:
-    return PredictedTtftPolicy(PredictedTtftSettings(groups=groups, slo_ms=slo_ms, **knobs))
+FIRST_TOKEN_FLOOR_MS = 100.0
+"""The policy's default floor: the calibration's engine iteration (simulated ms at time scale 1)."""
+
+
+def predicted_ttft(
+    groups: list[EndpointGroup], slo_ms: float, time_scale: float, **knobs: Any
+) -> PredictedTtftPolicy:
+    """``predicted_ttft`` with every time setting at the replicas' time scale."""
+    settings = PredictedTtftSettings(
+        groups=groups,
+        slo_ms=slo_ms * time_scale,
+        first_token_floor_ms=FIRST_TOKEN_FLOOR_MS * time_scale,
+        **knobs,
+    )
+    return PredictedTtftPolicy(settings)
 
 
 # ---- scenarios -------------------------------------------------------------------------------------
@@ -152,7 +165,7 @@ async def mixed(args: argparse.Namespace) -> list[Run]:
             for setup in args.policies:
                 if setup == "predicted_ttft":
                     group = EndpointGroup(name="local", endpoints=urls, ms_per_token=prior)
-                    policy: Any = predicted_ttft([group], args.slo_ms * scale)
+                    policy: Any = predicted_ttft([group], args.slo_ms, scale)
                 else:
                     policy = make_policy(setup)
                 run = Run("mixed", setup, rate)
@@ -191,7 +204,7 @@ async def regions(args: argparse.Namespace, *, lose: bool) -> list[Run]:
             setups = [(f"{args.lose} lost mid-run", args.surge, 1.0)]
         for setup, factor, east_weight in setups:
             policy = predicted_ttft(
-                groups, args.slo_ms * scale, local_group="west", min_spill_s=args.min_spill_s
+                groups, args.slo_ms, scale, local_group="west", min_spill_s=args.min_spill_s
             )
             policy.set_group_weight("east", east_weight)
             run = Run("lost" if lose else "surge", setup, rate)

@@ -3,14 +3,19 @@
 A fleet is rarely uniform: two accelerator kinds, replicas in regions tens of milliseconds apart. So
 the cost of a candidate is not a token count but the time its first token would take::
 
-    predicted_ttft(r) = rtt(group(r)) + ms_per_token(r) * (queued_tokens(r) + uncached_tokens(prompt, r))
+    predicted_ttft(r) = rtt(group(r)) + slowness(r) * (floor + prior_ms_per_token(r) * work(r))
+    work(r) = queued_tokens(r) + uncached_tokens(prompt, r)
 
 - ``queued_tokens`` is the prefill (and weighted decode) work already routed there and not done, as
   ``PrefixAwarePolicy.load`` counts it; ``uncached_tokens`` credits the prefix the replica is believed to
   hold (its block index: approximate, or precise with KV cache events);
-- ``ms_per_token`` is the replica's own speed: a prior (its group's ``ms_per_token``, from the
-  calibration of that accelerator kind), then learned from every first token it sends back (an EWMA of
-  ``(ttft - rtt) / work``), so a slow or degraded replica is weighed as it is;
+- ``prior_ms_per_token`` is the prefill speed of the replica's accelerator kind (its group's
+  ``ms_per_token``, from that kind's calibration), and ``floor`` (``first_token_floor_ms``) what any
+  first token costs however little work is ahead of it (the engine iteration it waits for);
+- ``slowness`` is learned from every first token the replica sends back: an EWMA of the observed
+  ``ttft - rtt`` over what the prior predicted for the same work, so a slow or degraded replica is
+  weighed as it is. Learning the ratio to a model with a floor, rather than milliseconds per token of
+  work, keeps a replica with little work ahead (an idle one, a warm prompt) from looking slow;
 - ``rtt`` is the round trip to the replica's endpoint group (a region or zone).
 
 Prediction decides who *may* serve: every candidate predicted to meet ``slo_ms`` (or, when none does,
@@ -88,6 +93,12 @@ class PredictedTtftSettings(BaseModel):
             "default prior: H100, 32B model, 4,096-token prefill in ~500 ms"
             " (serving/simulator/calibration_h100.json)"
         ),
+    )
+    first_token_floor_ms: float = Field(
+        100.0,
+        ge=0,
+        description="what a first token costs with no work ahead: the engine iteration it waits for "
+        "(H100, 32B: a ~55 ms decode step plus a ~58 ms minimum prefill iteration; less with CUDA graphs)",
     )
     speed_alpha: float = Field(0.2, gt=0, le=1, description="EWMA weight of each learned speed sample")
     speed_half_life_s: float = Field(
@@ -184,23 +195,30 @@ class PredictedTtftPolicy:
         prior = None if found is None else found.ms_per_token
         return self.settings.ms_per_token if prior is None else prior
 
-    def ms_per_token(self, endpoint: Endpoint) -> float:
-        """The learned speed, relaxing back to the prior with ``speed_half_life_s`` while no sample
-        arrives: a replica that spilled traffic avoided is re-tried once what was learned has aged."""
-        prior = self.prior_ms_per_token(endpoint)
+    def slowness(self, endpoint: Endpoint) -> float:
+        """Observed first-token times over the prior's (1 = as the calibration says), relaxing back to 1
+        with ``speed_half_life_s`` while no sample arrives: a replica that traffic avoided is tried
+        again once what was learned has aged."""
         learned = self._speed.get(endpoint.name)
         if learned is None:
-            return prior
+            return 1.0
         value, at = learned
         decay: float = 0.5 ** ((self._clock() - at) / self.settings.speed_half_life_s)
-        return prior + (value - prior) * decay
+        return 1.0 + (value - 1.0) * decay
+
+    def ms_per_token(self, endpoint: Endpoint) -> float:
+        """The replica's prefill speed as learned: its prior times its slowness."""
+        return self.prior_ms_per_token(endpoint) * self.slowness(endpoint)
+
+    def _prior_ms(self, endpoint: Endpoint, work: float) -> float:
+        return self.settings.first_token_floor_ms + self.prior_ms_per_token(endpoint) * work
 
     def work_tokens(self, request: RouteRequest, endpoint: Endpoint) -> float:
         uncached = request.prompt_tokens - self.prefix.cached_tokens(request, endpoint)
         return self.prefix.load(endpoint) + uncached
 
     def predicted_ttft_ms(self, request: RouteRequest, endpoint: Endpoint) -> float:
-        return self.rtt_ms(endpoint) + self.ms_per_token(endpoint) * self.work_tokens(request, endpoint)
+        return self._time_of(endpoint, self.work_tokens(request, endpoint))
 
     # ---- RoutingPolicy -------------------------------------------------------------------------
     def choose(self, request: RouteRequest, endpoints: Sequence[Endpoint]) -> Endpoint:
@@ -236,7 +254,7 @@ class PredictedTtftPolicy:
 
     def _time_of(self, endpoint: Endpoint, tokens: float) -> float:
         """A cost in prompt tokens of work, as time at ``endpoint``: its round trip plus its speed."""
-        return self.rtt_ms(endpoint) + self.ms_per_token(endpoint) * tokens
+        return self.rtt_ms(endpoint) + self.slowness(endpoint) * self._prior_ms(endpoint, tokens)
 
     def _spill_pool(
         self,
@@ -269,7 +287,7 @@ class PredictedTtftPolicy:
             and predicted[e.name] <= self.settings.slo_ms
         ]
         self.stats.kept_local_while_spilled += not warm_elsewhere
-        return [*in_time, *warm_elsewhere]
+        return [*local, *warm_elsewhere]  # the admission bound then applies to all of them
 
     def _update_spill(self, local_ms: float) -> None:
         now = self._clock()
@@ -294,8 +312,8 @@ class PredictedTtftPolicy:
         if outcome.ok and routed is not None and outcome.ttft_ms > 0:
             work, rtt = routed
             if work >= self.settings.min_work_tokens:
-                sample = max(0.0, outcome.ttft_ms - rtt) / work
-                before = self.ms_per_token(endpoint)
+                sample = max(0.0, outcome.ttft_ms - rtt) / self._prior_ms(endpoint, work)
+                before = self.slowness(endpoint)
                 learned = before + self.settings.speed_alpha * (sample - before)
                 self._speed[endpoint.name] = (learned, self._clock())
                 self.stats.speed_samples += 1

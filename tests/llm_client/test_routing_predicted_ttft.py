@@ -48,7 +48,9 @@ def policy(clock: Clock, **knobs: object) -> PredictedTtftPolicy:
         EndpointGroup(name="local", endpoints=[e.url for e in local], ms_per_token=0.1),
         EndpointGroup(name="east", endpoints=[e.url for e in remote], rtt_ms=60, ms_per_token=0.2),
     ]
-    settings = PredictedTtftSettings(groups=groups, slo_ms=1000, return_ratio=0.7, min_spill_s=10)
+    settings = PredictedTtftSettings(
+        groups=groups, slo_ms=1000, return_ratio=0.7, min_spill_s=10, first_token_floor_ms=0
+    )
     return PredictedTtftPolicy(settings, clock=clock, **knobs)
 
 
@@ -139,6 +141,7 @@ def test_prefix_aware_costs_become_time_so_a_slow_replica_needs_half_the_queue()
             groups=[EndpointGroup(name="local", endpoints=["http://f", "http://s"], ms_per_token=0.1)],
             slo_ms=100_000,
             speed_alpha=1.0,
+            first_token_floor_ms=0,
         )
     )
     probe = route(words(2000, "probe"), key="probe")
@@ -213,6 +216,28 @@ def test_a_spilled_shopper_keeps_its_remote_replica_while_local_is_hot_then_come
     assert p.choose(route(history + words(400, "n"), key="shopper"), endpoints) in local
 
 
+def test_a_first_token_floor_keeps_an_idle_replica_with_a_warm_prompt_from_looking_slow() -> None:
+    clock = Clock()
+    p = PredictedTtftPolicy(
+        PredictedTtftSettings(
+            groups=[EndpointGroup(name="local", endpoints=["http://local0"], ms_per_token=0.1)],
+            first_token_floor_ms=100,
+            min_work_tokens=1,
+        ),
+        clock=clock,
+    )
+    (replica,) = [Endpoint("http://local0", "local0")]
+    request = route(words(600))
+    n = request.prompt_tokens
+    assert p.predicted_ttft_ms(request, replica) == pytest.approx(100 + 0.1 * n)
+    assert p.choose(request, [replica]) is replica
+    # Exactly what the calibration predicts for this little work: the floor plus the prefill.
+    p.observe(request, replica, RouteOutcome(ok=True, prompt_tokens=n, ttft_ms=100 + 0.1 * n))
+    assert p.slowness(replica) == pytest.approx(1.0), "as fast as its kind: nothing learned"
+    # Without the floor the same first token would read as ms per token of work: 1 + 100 / (0.1 n) x.
+    assert (100 + 0.1 * n) / (0.1 * n) > 1.5
+
+
 def test_settings_refuse_an_endpoint_in_two_groups_and_the_policy_is_registered() -> None:
     with pytest.raises(ValueError, match="in groups a and b"):
         PredictedTtftSettings(
@@ -243,6 +268,7 @@ async def test_against_simulators_a_slow_local_region_spills_keeps_affinity_and_
             min_spill_s=1.0,
             speed_half_life_s=1.5,
             min_work_tokens=64,
+            first_token_floor_ms=100 * 0.01,  # the default's engine iteration, at this time scale
         )
         config = ClientConfig.model_validate(
             {
