@@ -71,6 +71,15 @@ def print_table(headers: Sequence[str], rows: Sequence[Sequence[object]]) -> str
     return text
 
 
+def machine_busy_seconds() -> float:
+    """CPU seconds all cores of this machine spent busy since boot (``/proc/stat``: user, nice, system,
+    irq, softirq, steal; Linux only). The difference over a run, divided by its length, is how many
+    cores the whole run kept busy: the engine with the broker, Redis, S3 and the replicas it drives."""
+    fields = Path("/proc/stat").read_text().splitlines()[0].split()[1:]
+    user, nice, system, _idle, _iowait, irq, softirq, steal = (int(f) for f in fields[:8])
+    return (user + nice + system + irq + softirq + steal) / os.sysconf("SC_CLK_TCK")
+
+
 def process_group_cpu_seconds(pgid: int) -> float:
     """User + system CPU of every live process in process group ``pgid``, with what their exited,
     waited-for children used (``/proc``; Linux only): a Flink TaskManager's JVM and Python workers."""
