@@ -290,7 +290,35 @@ def report(runs: Sequence[Run], args: argparse.Namespace) -> str:
                 line = f"{label} per second (by arrival): " + " ".join(map(str, counts))
                 print(line)
                 out.append(line)
+            out.append(print_table(*windows(run, args.seconds, args.lose)))
     return "\n\n".join(out)
+
+
+def windows(
+    run: Run, seconds: float, region: str, width: float = 5.0
+) -> tuple[list[str], list[list[object]]]:
+    """Per ``width`` seconds of arrivals: answered, errors, the share the survivors answered, TTFT p50
+    and p99. How soon the surviving regions take the load shows here."""
+    survivors = "west" if region == "east" else "east"
+    rows: list[list[object]] = []
+    start = 0.0
+    while start < seconds:
+        window = [s for s in run.samples if start <= s.t < start + width]
+        ttfts = [s.ttft_ms for s in window if s.ok]
+        took = sum(s.group == survivors for s in window if s.ok) / max(1, len(ttfts))
+        rows.append(
+            [f"{start:.0f}-{start + width:.0f} s", len(ttfts), len(window) - len(ttfts), f"{took:.2f}",
+             f"{percentile(ttfts, 0.5):.0f}", f"{percentile(ttfts, 0.99):.0f}"]
+        )  # fmt: skip
+        start += width
+    return [
+        "arrivals",
+        "answered",
+        "errors",
+        f"share answered in {survivors}",
+        "TTFT p50 ms",
+        "TTFT p99 ms",
+    ], rows
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
@@ -311,14 +339,29 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--min-spill-s", type=float, default=5.0)
     parser.add_argument("--max-tokens", type=int, default=32)
     parser.add_argument("--seed", type=int, default=7)
+    parser.add_argument(
+        "--report-from", type=Path, help="print the report of this results JSON again (same options)"
+    )
     args = parser.parse_args(argv)
     args.rates = [float(r) for r in str(args.rates).split(",")]
     args.policies = str(args.policies).split(",")
     return args
 
 
+def load_runs(path: Path) -> list[Run]:
+    """The runs of an earlier results JSON, to print its report again (``--report-from``)."""
+    payload = json.loads(path.read_text())
+    return [
+        Run(r["scenario"], r["setup"], r["rate"], [Sample(**s) for s in r["samples"]], r["stats"])
+        for r in payload["runs"]
+    ]
+
+
 async def main(argv: Sequence[str] | None = None) -> None:
     args = parse_args(argv)
+    if args.report_from is not None:
+        report(load_runs(args.report_from), args)
+        return
     if args.scenario == "mixed":
         runs = await mixed(args)
     else:
