@@ -25,7 +25,8 @@ round trip (``time_of``): the least predicted time wins, so a replica twice as s
 when its queue is less than half as long, and shoppers keep their warm replicas.
 
 Spreading over groups (the traffic orchestrator of the fleet this project answers): requests stay in
-the ``local_group`` while its best prediction meets ``slo_ms``; when it does not, the policy *spills*.
+the ``local_group`` while its best prediction is under ``spill_ratio * slo_ms`` (a prediction is a
+typical first token, the SLO a p99: the margin is what holds the tail); past it the policy *spills*.
 It comes back only once the local prediction is under ``return_ratio * slo_ms`` and at least
 ``min_spill_s`` after it left: that gap is the hysteresis that keeps a surge at the threshold from
 flapping. Spilling is decided per request: while spilled, a request warm at home that some local
@@ -82,8 +83,15 @@ class PredictedTtftSettings(BaseModel):
     )
     local_group: str = Field("local", description="the group this client runs next to")
     slo_ms: float = Field(1000.0, gt=0, description="the time to first token to hold (p99 target)")
+    spill_ratio: float = Field(
+        0.8,
+        gt=0,
+        le=1,
+        description="spill when the local prediction passes this x slo_ms: a prediction is a typical "
+        "first token, and the SLO a p99, so the decision keeps a margin",
+    )
     return_ratio: float = Field(
-        0.7, gt=0, le=1, description="come back when the local prediction is under this x slo_ms"
+        0.6, gt=0, le=1, description="come back when the local prediction is under this x slo_ms"
     )
     min_spill_s: float = Field(10.0, ge=0, description="stay spilled at least this long (no flapping)")
     ms_per_token: float = Field(
@@ -113,6 +121,14 @@ class PredictedTtftSettings(BaseModel):
     min_work_tokens: int = Field(
         256, ge=1, description="a first token after less work than this teaches nothing about speed"
     )
+
+    @model_validator(mode="after")
+    def _return_below_spill(self) -> PredictedTtftSettings:
+        if self.return_ratio >= self.spill_ratio:
+            raise ConfigurationError(
+                f"return_ratio {self.return_ratio} must be under spill_ratio {self.spill_ratio} (hysteresis)"
+            )
+        return self
 
     @model_validator(mode="after")
     def _each_endpoint_once(self) -> PredictedTtftSettings:
@@ -270,7 +286,8 @@ class PredictedTtftPolicy:
         A request cold at home (it pays a full prefill anywhere) or that no local replica can serve
         in time competes over every group with a non-zero weight."""
         weighted = [e for e in endpoints if self._weights.get(self.group(e), 0.0) > 0] or list(endpoints)
-        in_time = [e for e in local if predicted[e.name] <= self.settings.slo_ms]
+        target = self.settings.spill_ratio * self.settings.slo_ms
+        in_time = [e for e in local if predicted[e.name] <= target]
         held_locally = max((self.prefix.cached_tokens(request, e) for e in local), default=0)
         cold_here = held_locally < self.prefix.min_hit_fraction * request.prompt_tokens
         if not in_time or cold_here:
@@ -284,7 +301,7 @@ class PredictedTtftPolicy:
             for e in weighted
             if self.group(e) != self.settings.local_group
             and self.prefix.cached_tokens(request, e) > held_locally
-            and predicted[e.name] <= self.settings.slo_ms
+            and predicted[e.name] <= target
         ]
         self.stats.kept_local_while_spilled += not warm_elsewhere
         return [*local, *warm_elsewhere]  # the admission bound then applies to all of them
@@ -293,7 +310,7 @@ class PredictedTtftPolicy:
         now = self._clock()
         slo = self.settings.slo_ms
         if self.spilled_since is None:
-            if local_ms > slo:
+            if local_ms > self.settings.spill_ratio * slo:
                 self.spilled_since = now
                 self.stats.spills += 1
         elif (

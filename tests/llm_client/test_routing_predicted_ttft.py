@@ -49,7 +49,12 @@ def policy(clock: Clock, **knobs: object) -> PredictedTtftPolicy:
         EndpointGroup(name="east", endpoints=[e.url for e in remote], rtt_ms=60, ms_per_token=0.2),
     ]
     settings = PredictedTtftSettings(
-        groups=groups, slo_ms=1000, return_ratio=0.7, min_spill_s=10, first_token_floor_ms=0
+        groups=groups,
+        slo_ms=1000,
+        spill_ratio=1.0,
+        return_ratio=0.7,
+        min_spill_s=10,
+        first_token_floor_ms=0,
     )
     return PredictedTtftPolicy(settings, clock=clock, **knobs)
 
@@ -239,6 +244,8 @@ def test_a_first_token_floor_keeps_an_idle_replica_with_a_warm_prompt_from_looki
 
 
 def test_settings_refuse_an_endpoint_in_two_groups_and_the_policy_is_registered() -> None:
+    with pytest.raises(ValueError, match=r"return_ratio 0\.8 must be under spill_ratio 0\.8"):
+        PredictedTtftSettings(spill_ratio=0.8, return_ratio=0.8)
     with pytest.raises(ValueError, match="in groups a and b"):
         PredictedTtftSettings(
             groups=[
