@@ -176,8 +176,8 @@ class PredictedTtftPolicy:
         self._group_of = {url: group for group in settings.groups for url in group.endpoints}
         self._weights = {group.name: group.weight for group in settings.groups}
         self._weights.setdefault(settings.local_group, 1.0)
-        self._speed: dict[str, tuple[float, float]] = {}
-        """Per replica: learned ms per token of work, and when it was last learned."""
+        self._slowness: dict[str, tuple[float, float]] = {}
+        """Per replica: learned slowness (observed over predicted first-token time), and when."""
         self.spilled_since: float | None = None
         self.stats = PredictedTtftStats()
 
@@ -215,7 +215,7 @@ class PredictedTtftPolicy:
         """Observed first-token times over the prior's (1 = as the calibration says), relaxing back to 1
         with ``speed_half_life_s`` while no sample arrives: a replica that traffic avoided is tried
         again once what was learned has aged."""
-        learned = self._speed.get(endpoint.name)
+        learned = self._slowness.get(endpoint.name)
         if learned is None:
             return 1.0
         value, at = learned
@@ -332,7 +332,7 @@ class PredictedTtftPolicy:
                 sample = max(0.0, outcome.ttft_ms - rtt) / self._prior_ms(endpoint, work)
                 before = self.slowness(endpoint)
                 learned = before + self.settings.speed_alpha * (sample - before)
-                self._speed[endpoint.name] = (learned, self._clock())
+                self._slowness[endpoint.name] = (learned, self._clock())
                 self.stats.speed_samples += 1
         return self.prefix.observe(request, endpoint, outcome)
 

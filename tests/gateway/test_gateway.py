@@ -557,6 +557,7 @@ async def test_the_gateway_makes_the_two_step_pd_call_and_streams_from_the_decod
 ) -> None:
     from llm_client.routing.pd_aware import PdAwarePolicy
     from serving.simulator.testing import running_simulator
+    from tests.helpers import serving
     from tests.llm_client.test_routing_pd_aware import words
 
     async with (
@@ -573,13 +574,8 @@ async def test_the_gateway_makes_the_two_step_pd_call_and_streams_from_the_decod
             }
         )
         app = create_app(GatewaySettings(port=0), config)
-        runner = web.AppRunner(app, access_log=None)
-        await runner.setup()
-        try:
-            site = web.TCPSite(runner, "127.0.0.1", 0)
-            await site.start()
-            port = next(a[1] for a in runner.addresses if isinstance(a, tuple))
-            url = f"http://127.0.0.1:{port}/v1/chat/completions"
+        async with serving(app) as base:
+            url = f"{base}/v1/chat/completions"
             history = words(3000)
             body = chat_body(history, max_tokens=20, stream=True, user="s1")
             async with http.post(url, json=body) as r:
@@ -596,5 +592,3 @@ async def test_the_gateway_makes_the_two_step_pd_call_and_streams_from_the_decod
                 assert r.status == 200
                 await r.read()
             assert policy.stats.local_small == 1, "the shopper's newest events were prefilled locally"
-        finally:
-            await runner.cleanup()
