@@ -32,6 +32,7 @@ from typing import Any
 from bench.common import machine, percentile, print_table
 from bench.trace import TraceConfig, TraceRequest, generate_trace, with_poisson_arrivals
 from llm_client import ClientConfig, LLMClient
+from llm_client.degradation import DegradationDetector, DegradationSettings
 from llm_client.errors import LLMError
 from llm_client.routing import make_policy
 from llm_client.routing.predicted_ttft import EndpointGroup, PredictedTtftPolicy, PredictedTtftSettings
@@ -130,8 +131,22 @@ async def replay(
         )
 
     await asyncio.gather(*(one(r) for r in timed))
-    stats = getattr(client.policy, "stats", None)
-    run.stats = asdict(stats) if stats is not None and hasattr(stats, "__dataclass_fields__") else {}
+    run.stats = policy_stats(client)
+
+
+def policy_stats(client: LLMClient) -> dict[str, Any]:
+    """The policy's counters (and its block index's, for ``predicted_ttft``), what it learned of each
+    replica's speed, and the degradation detector's drains: why a run went as it did."""
+    policy = client.policy
+    found: dict[str, Any] = {}
+    for owner in (getattr(policy, "prefix", None), policy):
+        stats = getattr(owner, "stats", None)
+        if stats is not None and hasattr(stats, "__dataclass_fields__"):
+            found.update(asdict(stats))
+    if isinstance(policy, PredictedTtftPolicy):
+        found["slowness"] = {e.name: round(policy.slowness(e), 2) for e in client.endpoints}
+    found["drains"] = [f"{c.endpoint} {c.action}: {c.reason}" for c in client.degradation.changes]
+    return found
 
 
 FIRST_TOKEN_FLOOR_MS = 100.0
@@ -165,7 +180,7 @@ async def mixed(args: argparse.Namespace) -> list[Run]:
             for setup in args.policies:
                 if setup == "predicted_ttft":
                     group = EndpointGroup(name="local", endpoints=urls, ms_per_token=prior)
-                    policy: Any = predicted_ttft([group], args.slo_ms, scale)
+                    policy: Any = predicted_ttft([group], args.slo_ms, scale, **json.loads(args.knobs))
                 else:
                     policy = make_policy(setup)
                 run = Run("mixed", setup, rate)
@@ -173,13 +188,20 @@ async def mixed(args: argparse.Namespace) -> list[Run]:
                     trace(int(rate * args.seconds), args.seed, args.max_tokens), rate
                 )
                 timed = [replace(r, t=r.t) for r in timed if r.t < args.seconds]
-                async with LLMClient(client_config(urls), policy) as client:
+                # The degradation detector compares a replica with all its peers, so under load it
+                # drains the slow kind (3x the median latency per unit of work, queueing included) and
+                # takes a third of this fleet's capacity from whichever policy loads them: off here, so
+                # the policies are compared on the same six replicas (docs/routing.md).
+                detector = DegradationDetector(DegradationSettings(enabled=False))
+                async with LLMClient(client_config(urls), policy, degradation=detector) as client:
                     await client.wait_until_healthy()
                     names = {e.url: e.name for e in client.endpoints}
                     group_of = {names[u]: ("slow" if u in slow.urls else "fast") for u in urls}
                     await replay(run, client, timed, group_of)
                 runs.append(run)
-                print(f"  mixed {setup} @ {rate}/s: {len(run.samples)} requests", flush=True)
+                print(
+                    f"  mixed {setup} @ {rate}/s: {len(run.samples)} requests; {diagnosis(run)}", flush=True
+                )
                 for fleet in (fast, slow):  # a fresh cache for the next setup
                     await _reset(fleet.urls)
     return runs
@@ -222,6 +244,21 @@ async def regions(args: argparse.Namespace, *, lose: bool) -> list[Run]:
             if not lose:
                 await _reset([*west.urls, *east.urls])
     return runs
+
+
+def diagnosis(run: Run) -> str:
+    """One line of why: cache hits, load-guard decisions, learned slowness, drains."""
+    st = run.stats
+    parts = [
+        f"hits {st.get('cache_hits', '-')}/{st.get('decisions', '-')}",
+        f"imbalance {st.get('imbalance_fallbacks', '-')}",
+        f"bounded {st.get('bounded_load_skips', '-')}",
+        f"queue-cap {st.get('queue_cap_skips', '-')}",
+        f"drains {sum(' drained' in c for c in st.get('drains', []))}",
+    ]
+    if "slowness" in st:
+        parts.append("slowness " + " ".join(f"{v:.2f}" for v in st["slowness"].values()))
+    return ", ".join(parts)
 
 
 async def _kill_later(fleet: SimulatorFleet, delay_s: float) -> None:
@@ -339,6 +376,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--min-spill-s", type=float, default=5.0)
     parser.add_argument("--max-tokens", type=int, default=32)
     parser.add_argument("--seed", type=int, default=7)
+    parser.add_argument("--knobs", default="{}", help="predicted_ttft settings (JSON) for the mixed fleet")
     parser.add_argument(
         "--report-from", type=Path, help="print the report of this results JSON again (same options)"
     )

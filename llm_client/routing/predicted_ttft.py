@@ -12,8 +12,8 @@ the cost of a candidate is not a token count but the time its first token would 
 - ``prior_ms_per_token`` is the prefill speed of the replica's accelerator kind (its group's
   ``ms_per_token``, from that kind's calibration), and ``floor`` (``first_token_floor_ms``) what any
   first token costs however little work is ahead of it (the engine iteration it waits for);
-- ``slowness`` is learned from every first token the replica sends back: an EWMA of the observed
-  ``ttft - rtt`` over what the prior predicted for the same work, so a slow or degraded replica is
+- ``slowness`` is learned from every first token the replica sends back: an EWMA (of logs) of the
+  observed ``ttft - rtt`` over what the prior predicted for the same work, so a slow or degraded replica is
   weighed as it is. Learning the ratio to a model with a floor, rather than milliseconds per token of
   work, keeps a replica with little work ahead (an idle one, a warm prompt) from looking slow;
 - ``rtt`` is the round trip to the replica's endpoint group (a region or zone).
@@ -22,7 +22,9 @@ Prediction decides who *may* serve: every candidate predicted to meet ``slo_ms``
 within ``admit_slack`` x the best prediction) is admissible. ``PrefixAwarePolicy`` chooses among them
 with its cache credit and load guards, its token costs turned into time at each replica's speed and
 round trip (``time_of``): the least predicted time wins, so a replica twice as slow takes a request only
-when its queue is less than half as long, and shoppers keep their warm replicas.
+when its queue is less than half as long, and shoppers keep their warm replicas. Its bounded load is in
+capacity shares (``capacity_of``): a replica twice as fast may hold twice the requests in flight before
+its shoppers are moved off their cache.
 
 Spreading over groups (the traffic orchestrator of the fleet this project answers): requests stay in
 the ``local_group`` while its best prediction is under ``spill_ratio * slo_ms`` (a prediction is a
@@ -43,6 +45,7 @@ group is preferred, and 0 takes it out of rotation. Pure and synchronous, like e
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -108,7 +111,15 @@ class PredictedTtftSettings(BaseModel):
         description="what a first token costs with no work ahead: the engine iteration it waits for "
         "(H100, 32B: a ~55 ms decode step plus a ~58 ms minimum prefill iteration; less with CUDA graphs)",
     )
-    speed_alpha: float = Field(0.2, gt=0, le=1, description="EWMA weight of each learned speed sample")
+    speed_alpha: float = Field(
+        0.05,
+        gt=0,
+        le=1,
+        description="EWMA weight of each learned slowness sample (in log space). One first token is a "
+        "noisy sample (where in an engine iteration it landed, the batch it joined): at 0.2 two fast "
+        "replicas of one fleet were learned 1.25x and 2.5x as slow at the same moment, and warm shoppers "
+        "were moved off their cache for it",
+    )
     speed_half_life_s: float = Field(
         60.0, gt=0, description="a learned speed with no new sample relaxes to the prior with this half-life"
     )
@@ -259,7 +270,9 @@ class PredictedTtftPolicy:
         bound = max(slo, best * self.settings.admit_slack)
         admissible = [e for e in pool if scored[e.name] <= bound]
         work_before = {e.name: self.work_tokens(request, e) for e in admissible}
-        chosen = self.prefix.choose(request, admissible, time_of=self._time_of)  # records the prompt
+        chosen = self.prefix.choose(
+            request, admissible, time_of=self._time_of, capacity_of=self._capacity
+        )  # records the prompt
         if self.group(chosen) == local_name:
             self.stats.routed_local += 1
         else:
@@ -267,6 +280,10 @@ class PredictedTtftPolicy:
         work: dict[str, tuple[float, float]] = request.memo.setdefault(_PREDICTED, {})  # type: ignore[assignment]
         work[chosen.name] = (work_before[chosen.name], self.rtt_ms(chosen))
         return chosen
+
+    def _capacity(self, endpoint: Endpoint) -> float:
+        """Relative prefill capacity (tokens per ms), for the load bound."""
+        return 1.0 / self.ms_per_token(endpoint)
 
     def _time_of(self, endpoint: Endpoint, tokens: float) -> float:
         """A cost in prompt tokens of work, as time at ``endpoint``: its round trip plus its speed."""
@@ -329,9 +346,10 @@ class PredictedTtftPolicy:
         if outcome.ok and routed is not None and outcome.ttft_ms > 0:
             work, rtt = routed
             if work >= self.settings.min_work_tokens:
-                sample = max(0.0, outcome.ttft_ms - rtt) / self._prior_ms(endpoint, work)
-                before = self.slowness(endpoint)
-                learned = before + self.settings.speed_alpha * (sample - before)
+                sample = max(outcome.ttft_ms - rtt, 1.0) / self._prior_ms(endpoint, work)
+                # A ratio: averaged in log space, so one 5x outlier moves it by 5**alpha, not 4 * alpha.
+                before = math.log(self.slowness(endpoint))
+                learned = math.exp(before + self.settings.speed_alpha * (math.log(sample) - before))
                 self._slowness[endpoint.name] = (learned, self._clock())
                 self.stats.speed_samples += 1
         return self.prefix.observe(request, endpoint, outcome)

@@ -34,7 +34,8 @@ after evictions under cache pressure and after restarts.
 Load guards, so that caches never concentrate traffic on a few replicas:
 
 - bounded load (Mirrokni et al.): a replica with ``load_factor`` x the mean outstanding requests or more
-  (and at least ``min_load_bound``) is not a candidate, whatever its cache holds;
+  (and at least ``min_load_bound``) is not a candidate, whatever its cache holds; over replicas of
+  different speeds (``choose(capacity_of=...)``) the mean is weighted by each replica's capacity;
 - when the cluster is imbalanced (the most loaded replica carries more than ``imbalance_abs_tokens``
   *and* more than ``imbalance_ratio`` x the token load of the least loaded one) the policy stops
   following caches and picks the less loaded of two replicas sampled at random (power of two choices),
@@ -347,6 +348,20 @@ class PrefixAwarePolicy:
         total = sum(e.outstanding for e in endpoints) + 1
         return max(self.min_load_bound, math.ceil(self.load_factor * total / len(endpoints)))
 
+    def load_bounds(
+        self, endpoints: Sequence[Endpoint], capacity_of: Callable[[Endpoint], float]
+    ) -> dict[str, int]:
+        """Bounded load over replicas of different speeds: each replica's bound is its share of the
+        requests in flight by capacity (``capacity_of``, any unit), so a replica twice as fast may
+        hold twice as many before its shoppers are moved off their cache."""
+        total = sum(e.outstanding for e in endpoints) + 1
+        capacity = {e.name: max(capacity_of(e), 1e-9) for e in endpoints}
+        whole = sum(capacity.values())
+        return {
+            name: max(self.min_load_bound, math.ceil(self.load_factor * total * share / whole))
+            for name, share in capacity.items()
+        }
+
     def load(self, endpoint: Endpoint) -> float:
         return endpoint.outstanding_prefill_tokens + self.decode_weight * endpoint.outstanding_decode_tokens
 
@@ -357,10 +372,12 @@ class PrefixAwarePolicy:
         endpoints: Sequence[Endpoint],
         *,
         time_of: Callable[[Endpoint, float], float] | None = None,
+        capacity_of: Callable[[Endpoint], float] | None = None,
     ) -> Endpoint:
-        """``time_of(endpoint, tokens)`` turns a cost in tokens into the time it takes there (a
-        policy that knows each replica's speed and round trip, ``predicted_ttft``); None = every replica
-        is as fast as every other, and tokens are the cost."""
+        """``time_of(endpoint, tokens)`` turns a cost in tokens into the time it takes there, and
+        ``capacity_of(endpoint)`` is the replica's relative capacity for the load bound (a policy that
+        knows each replica's speed and round trip, ``predicted_ttft``); None = every replica is as fast
+        as every other, and tokens are the cost."""
         if not endpoints:
             raise ValueError("choose() needs at least one endpoint")
         ordered = rendezvous_order(request.key, endpoints)
@@ -392,7 +409,12 @@ class PrefixAwarePolicy:
             self.stats.cobatch_avoided += 1
 
         bound = self.load_bound(ordered)
-        eligible = [e for e in ordered if e.outstanding < bound] or ordered
+        bounds = (
+            {e.name: bound for e in ordered}
+            if capacity_of is None
+            else self.load_bounds(ordered, capacity_of)
+        )
+        eligible = [e for e in ordered if e.outstanding < bounds[e.name]] or ordered
         # Admission by predicted wait: a long prefill queue delays a first token more than a cold prefill.
         calm = [e for e in eligible if loads[e.name] <= self.settings.max_queued_tokens]
         if calm and len(calm) < len(eligible):

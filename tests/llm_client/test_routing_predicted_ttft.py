@@ -14,6 +14,7 @@ from llm_client.endpoints import Endpoint
 from llm_client.routing import make_policy
 from llm_client.routing.base import RouteOutcome, RouteRequest
 from llm_client.routing.predicted_ttft import EndpointGroup, PredictedTtftPolicy, PredictedTtftSettings
+from llm_client.routing.prefix_aware import PrefixAwarePolicy
 from prompt_assembly.errors import ConfigurationError
 from prompt_assembly.tokens import count_tokens
 from serving.simulator.launch import SimulatorFleet
@@ -193,9 +194,59 @@ def test_a_slow_replica_is_learned_from_its_first_tokens_and_forgotten_with_time
     assert p.choose(request, [local[0]]) is local[0]
     p.observe(request, local[0], RouteOutcome(ok=True, prompt_tokens=n, ttft_ms=0.5 * n))  # 5x the prior
     learned = p.ms_per_token(local[0])
-    assert learned == pytest.approx(0.1 + 0.2 * (0.5 - 0.1))
+    assert learned == pytest.approx(0.1 * 5**p.settings.speed_alpha), "one 5x sample moves it by 5**alpha"
     clock.now += p.settings.speed_half_life_s
     assert p.ms_per_token(local[0]) == pytest.approx(0.1 + (learned - 0.1) / 2)
+
+
+def test_noisy_first_tokens_teach_the_typical_slowness_not_their_mean() -> None:
+    """First tokens of a replica twice as slow as its prior, some landing early in an engine iteration
+    (1x) and some late (4x): what is learned is their geometric mean, 2x, where an average of the
+    ratios would settle at 2.5x and rank the replica slower than it is."""
+    clock = Clock()
+    p = policy(clock)
+    local, _ = fleet()
+    for i in range(400):
+        request = route(words(2000, f"n{i}"), key=f"n{i}")
+        n = request.prompt_tokens
+        assert p.choose(request, [local[0]]) is local[0]
+        ratio = 1.0 if i % 2 else 4.0
+        p.observe(request, local[0], RouteOutcome(ok=True, prompt_tokens=n, ttft_ms=ratio * 0.1 * n))
+        local[0].outstanding_prefill_tokens = 0
+    assert p.slowness(local[0]) == pytest.approx(2.0, rel=0.1)
+
+
+def test_a_replica_twice_as_fast_may_hold_twice_the_requests_before_its_shoppers_move() -> None:
+    """Bounded load in capacity shares: prefix_aware's bound counts requests as if every replica were
+    as fast, so on a mixed fleet it moves shoppers off a warm fast replica that is only carrying its
+    share."""
+    fast, slow = Endpoint("http://f", "fast"), Endpoint("http://s", "slow")
+    p = PredictedTtftPolicy(
+        PredictedTtftSettings(
+            groups=[
+                EndpointGroup(name="local", endpoints=["http://f"], ms_per_token=0.1),
+                EndpointGroup(name="slow", endpoints=["http://s"], ms_per_token=0.2),
+            ],
+            slo_ms=100_000,
+            first_token_floor_ms=0,
+        )
+    )
+    history = words(3000, "h")
+    first = route(history, key="warm")
+    assert p.choose(first, [fast]) is fast
+    p.prefill_done(first, fast)  # its prefix is now on the fast one
+    fast.outstanding = 6  # of 7 in flight with this request: uniform bound max(2, ceil(1.5 x 7 / 2)) = 6
+    assert p.prefix.load_bound([fast, slow]) == 6
+    assert p.prefix.load_bounds([fast, slow], lambda e: 1 / p.ms_per_token(e)) == {"fast": 7, "slow": 4}
+    again = route(history + words(100, "n"), key="warm")
+    assert p.choose(again, [fast, slow]) is fast, "in capacity shares the fast replica is under its bound"
+    assert p.prefix.stats.bounded_load_skips == 0
+    uniform = PrefixAwarePolicy()
+    first = route(history, key="warm")
+    uniform.choose(first, [fast])
+    uniform.prefill_done(first, fast)
+    assert uniform.choose(route(history + words(100, "n"), key="warm"), [fast, slow]) is slow
+    assert uniform.stats.bounded_load_skips == 1
 
 
 def test_a_spilled_shopper_keeps_its_remote_replica_while_local_is_hot_then_comes_home() -> None:
