@@ -7,7 +7,8 @@ whose p99 TTFT meets the SLO.
 
 ``--scenario surge``: two regions of three replicas, 40 ms apart, the client in the west; the west's
 rate triples for the middle third of the run. ``predicted_ttft`` with spill-over against the same policy
-with the east's weight at 0 (no spill-over), and the no-surge run for the prefill tokens per request.
+with the east's weight at 0 (no spill-over), and the same prompts at the base rate all along (no surge,
+a longer run) for the prefill tokens per request.
 
 ``--scenario lost``: the same two regions during a surge (spilled); at half time every replica of one
 region is killed (``--lose east``: the region taking the spill; ``--lose west``: the client's own).
@@ -221,16 +222,20 @@ async def regions(args: argparse.Namespace, *, lose: bool) -> list[Run]:
         ]
         rate = args.rates[0]
         requests = trace(int(rate * args.seconds * args.surge), args.seed, args.max_tokens)
-        setups = [("spill-over", args.surge, 1.0), ("no spill-over", args.surge, 0.0), ("no surge", 1.0, 1.0)]
+        setups = [("spill-over", 1.0), ("no spill-over", 0.0), ("no surge", 1.0)]
         if lose:
-            setups = [(f"{args.lose} lost mid-run", args.surge, 1.0)]
-        for setup, factor, east_weight in setups:
+            setups = [(f"{args.lose} lost mid-run", 1.0)]
+        surged = surge_arrivals(requests, rate, args.surge, args.seconds)
+        for setup, east_weight in setups:
             policy = predicted_ttft(
                 groups, args.slo_ms, scale, local_group="west", min_spill_s=args.min_spill_s
             )
             policy.set_group_weight("east", east_weight)
             run = Run("lost" if lose else "surge", setup, rate)
-            timed = surge_arrivals(requests, rate, factor, args.seconds)
+            # Without the surge: the same prompts at the base rate all along (a longer run), so the
+            # prefill tokens per request compare the same shoppers' same prompts.
+            calm = setup == "no surge"
+            timed = with_poisson_arrivals(surged, rate, seed=int(rate * 1000)) if calm else surged
             async with LLMClient(client_config([*west.urls, *east.urls]), policy) as client:
                 await client.wait_until_healthy()
                 group_of = {e.name: ("east" if e.url in east.urls else "west") for e in client.endpoints}
@@ -373,7 +378,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--lose", choices=["east", "west"], default="east", help="lost: the region killed at half time"
     )
-    parser.add_argument("--min-spill-s", type=float, default=5.0)
+    parser.add_argument(
+        "--min-spill-s", type=float, default=15.0, help="as long as the surge: 5 s flapped (docs/routing.md)"
+    )
     parser.add_argument("--max-tokens", type=int, default=32)
     parser.add_argument("--seed", type=int, default=7)
     parser.add_argument("--knobs", default="{}", help="predicted_ttft settings (JSON) for the mixed fleet")

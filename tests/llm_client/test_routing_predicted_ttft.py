@@ -326,6 +326,7 @@ async def test_against_simulators_a_slow_local_region_spills_keeps_affinity_and_
             min_spill_s=1.0,
             speed_half_life_s=1.5,
             min_work_tokens=64,
+            speed_alpha=0.5,  # an 80x slowdown is no noise: learn it from the eight first tokens below
             first_token_floor_ms=100 * 0.01,  # the default's engine iteration, at this time scale
         )
         config = ClientConfig.model_validate(
