@@ -8,6 +8,7 @@ the level is read from what the line says, so the call sites stay one ``log(str)
 from __future__ import annotations
 
 import sys
+import threading
 from collections.abc import Callable
 from datetime import UTC, datetime
 from typing import Literal, TextIO
@@ -35,10 +36,21 @@ def level_of(line: str) -> str:
 def line_logger(
     fmt: LogFormat, stream: TextIO | None = None, logger: str = "runner"
 ) -> Callable[[str], None]:
-    """A ``log(line)`` writing to ``stream`` (stderr by default) in ``fmt``."""
+    """A ``log(line)`` writing to ``stream`` (stderr by default) in ``fmt``.
+
+    Lines come from more than one thread (a rebalance callback runs inside the consumer's poll, off the
+    event loop), so each line is one write under a lock: ``print`` writes the text and its newline
+    separately, and two JSON records once landed on one line."""
+    lock = threading.Lock()
+
+    def write(line: str) -> None:
+        out = stream or sys.stderr
+        with lock:
+            out.write(line + "\n")
+            out.flush()
 
     def text(line: str) -> None:
-        print(line, file=stream or sys.stderr, flush=True)
+        write(line)
 
     def json(line: str) -> None:
         record = {
@@ -47,6 +59,6 @@ def line_logger(
             "logger": logger,
             "msg": line,
         }
-        print(orjson.dumps(record).decode(), file=stream or sys.stderr, flush=True)
+        write(orjson.dumps(record).decode())
 
     return json if fmt == "json" else text

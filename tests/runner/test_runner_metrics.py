@@ -9,6 +9,8 @@ import asyncio
 import io
 import json
 import re
+import threading
+import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
@@ -21,7 +23,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from devstack.synthetic import SyntheticStream
 from runner.dead_letters import REASON_CATEGORIES, reason_category
 from runner.embedded import EmbeddedRunner
-from runner.logs import line_logger
+from runner.logs import LogFormat, line_logger
 from tests.conftest import Isolated
 from tests.helpers import dashboard_metric_names, expected_prompts, produce_records
 
@@ -215,6 +217,36 @@ def test_json_log_lines_carry_a_level() -> None:
     entries = [json.loads(line) for line in out.getvalue().splitlines()]
     assert [e["level"] for e in entries] == ["info", "error", "warning"]
     assert entries[0]["logger"] == "runner" and entries[0]["ts"].endswith("+00:00")
+
+
+class SlowStream(io.StringIO):
+    """A stream that lets another thread run inside every write, as a pipe to a log collector may."""
+
+    def write(self, text: str) -> int:
+        time.sleep(0.0002)
+        return super().write(text)
+
+
+@pytest.mark.parametrize("fmt", ["json", "text"])
+def test_lines_logged_from_several_threads_stay_whole_lines(fmt: LogFormat) -> None:
+    """The rebalance callback logs from the consumer's poll thread while the loop logs progress: each
+    line must reach the stream whole (``print`` wrote text and newline apart, and two JSON records
+    once shared a line in CI)."""
+    out = SlowStream()
+    log = line_logger(fmt, out)
+
+    def burst(thread: int) -> None:
+        for i in range(100):
+            log(f"[progress] thread {thread} line {i}")
+
+    threads = [threading.Thread(target=burst, args=(t,)) for t in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    lines = out.getvalue().splitlines()
+    texts = [json.loads(line)["msg"] for line in lines] if fmt == "json" else lines
+    assert sorted(texts) == sorted(f"[progress] thread {t} line {i}" for t in range(4) for i in range(100))
 
 
 @pytest.mark.slow
