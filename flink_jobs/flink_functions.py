@@ -29,7 +29,13 @@ from pyflink.datastream.time_domain import TimeDomain
 from flink_jobs.flink_config import NearRealtimeSettings
 from flink_jobs.flink_metrics import OperatorStats
 from pipeline.dead_letter import DEFAULT_MAX_ORIGINAL_BYTES, dead_letter
-from prompt_assembly.events import MalformedEvent, ShopperEvent, parse_event
+from prompt_assembly.events import (
+    DEFAULT_EVENT_TIME_WINDOW,
+    EventTimeWindow,
+    MalformedEvent,
+    ShopperEvent,
+    parse_event,
+)
 from prompt_assembly.processor import SessionProcessor
 from prompt_assembly.records import EnrichmentError, EnrichmentResult, PromptRequest, ShopperInsight
 from prompt_assembly.session import ShopperSession
@@ -57,12 +63,18 @@ def source_record(value: Any, source_topic: str | None, base64_values: bool) -> 
     return (None if raw is None else bytes(raw)), topic, partition, offset, timestamp_ms
 
 
-def gate(record: SourceRecord, max_original_bytes: int = DEFAULT_MAX_ORIGINAL_BYTES) -> ShopperEvent | str:
+def gate(
+    record: SourceRecord,
+    max_original_bytes: int = DEFAULT_MAX_ORIGINAL_BYTES,
+    window: EventTimeWindow = DEFAULT_EVENT_TIME_WINDOW,
+) -> ShopperEvent | str:
     """``parse_event`` on one record: the event, or its dead letter (``pipeline.dead_letter``, with the
     record's position and at most ``max_original_bytes`` of it, byte for byte the embedded runner's) as
-    the JSON string the DLQ sink writes."""
+    the JSON string the DLQ sink writes. Event time is checked against the record's Kafka timestamp
+    (``window``), as the runner checks it."""
+    timestamp_ms = record[4]
     try:
-        return parse_event(record[0])
+        return parse_event(record[0], None if timestamp_ms is None else timestamp_ms / 1000.0, window)
     except MalformedEvent as exc:
         return dead_letter_json(record, exc.reason, max_original_bytes)
 
@@ -168,7 +180,7 @@ class ShopperSessionFunction(KeyedProcessFunction):
     def process_element(self, value: Any, ctx: KeyedProcessFunction.Context) -> Iterable[Any]:
         self.records_in.inc()
         record = source_record(value, self.source_topic, self.base64_values)
-        event = gate(record, self.dlq_max_original_bytes)
+        event = gate(record, self.dlq_max_original_bytes, self.processor.config.event_time)
         key = ctx.get_current_key()
         key = key[0] if isinstance(key, tuple | list) or hasattr(key, "_values") else key  # Row(key)
         if isinstance(event, ShopperEvent) and event.shopper_id != key:

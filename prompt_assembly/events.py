@@ -14,6 +14,11 @@ without a second source of truth for what is valid or for why something is not:
   decides and alone words every rejection.
 So the outcome (the event, or the rejection and its reason) is pydantic's for every input;
 ``tests/prompt_assembly/test_event_gate_tiers.py`` checks that on fuzzed input, field by field.
+
+Event time is checked against the Kafka record's timestamp when the engine passes it
+(``EventTimeWindow``): one event stamped a day ahead by a device clock would otherwise hold every later
+trigger of its shopper a day out, and one stamped 2001 would land in a 2001 partition. Such events are
+refused with a reason starting ``EVENT_TIME_REASON`` (dead-lettered and counted like any other).
 """
 
 from __future__ import annotations
@@ -80,6 +85,56 @@ class ShopperEvent(BaseModel):
         return orjson.dumps(self.model_dump(exclude_defaults=False))
 
 
+class EventTimeWindow(BaseModel):
+    """Which event times the gate accepts, relative to the Kafka record's timestamp (the producer's
+    send time, or the broker's append time on a ``LogAppendTime`` topic), so a replay of old records
+    is judged exactly as the live run was. Records without a timestamp are not checked."""
+
+    model_config = ConfigDict(frozen=True)
+
+    max_ahead_s: float = Field(
+        300.0,
+        ge=0,
+        description="an event may be stamped at most this far after its record (device clock skew); "
+        "further ahead it would hold its shopper's triggers back until that time",
+    )
+    max_behind_s: float | None = Field(
+        None,
+        gt=0,
+        description="an event may be stamped at most this far before its record; None: no relative "
+        "bound (archives and synthetic streams replay old event times on purpose)",
+    )
+    not_before_ts: float = Field(
+        1_577_836_800.0,
+        ge=0,
+        description="no event is older than this (2020-01-01 UTC): an earlier stamp is a producer's "
+        "default or a unit mistake, not a shopper's action",
+    )
+
+    def violation(self, ts: float, record_time: float) -> str | None:
+        """The rejection reason for an event stamped ``ts`` in a record stamped ``record_time``
+        (seconds), or None when the event time is accepted."""
+        if ts - record_time > self.max_ahead_s:
+            return (
+                f"{EVENT_TIME_REASON} {ts:.3f} is {ts - record_time:.0f} s after its record's timestamp "
+                f"{record_time:.3f}, over the {self.max_ahead_s:g} s allowed"
+            )
+        if ts < self.not_before_ts:
+            return f"{EVENT_TIME_REASON} {ts:.3f} is before {self.not_before_ts:.0f}, the earliest accepted"
+        if self.max_behind_s is not None and record_time - ts > self.max_behind_s:
+            return (
+                f"{EVENT_TIME_REASON} {ts:.3f} is {record_time - ts:.0f} s before its record's timestamp "
+                f"{record_time:.3f}, over the {self.max_behind_s:g} s allowed"
+            )
+        return None
+
+
+EVENT_TIME_REASON = "ts: event time"
+"""How every event-time rejection reason starts (engines count them apart from schema errors)."""
+
+DEFAULT_EVENT_TIME_WINDOW = EventTimeWindow()
+
+
 class MalformedEvent(ShopperError, ValueError):
     """Raised for input that cannot become a ``ShopperEvent``; ``reason`` is short and specific."""
 
@@ -91,8 +146,30 @@ class MalformedEvent(ShopperError, ValueError):
 _EVENT = TypeAdapter(ShopperEvent)
 
 
-def parse_event(raw: bytes | bytearray | memoryview | None) -> ShopperEvent:
-    """Validate raw Kafka value bytes into an event, or raise ``MalformedEvent`` saying why."""
+def parse_event(
+    raw: bytes | bytearray | memoryview | None,
+    record_time: float | None = None,
+    window: EventTimeWindow = DEFAULT_EVENT_TIME_WINDOW,
+) -> ShopperEvent:
+    """Validate raw Kafka value bytes into an event, or raise ``MalformedEvent`` saying why.
+    ``record_time``: the record's Kafka timestamp in seconds (None, or not positive: none known); the
+    event's time must then lie in ``window`` around it."""
+    event = _parse(raw)
+    if record_time is not None and record_time > 0:
+        problem = window.violation(event.ts, record_time)
+        if problem is not None:
+            raise MalformedEvent(problem)
+    return event
+
+
+def record_time_s(timestamp: tuple[int, int]) -> float | None:
+    """A confluent-kafka ``Message.timestamp()`` (type, ms) in seconds; None when the record has none
+    (type 0, ``TIMESTAMP_NOT_AVAILABLE``)."""
+    kind, ms = timestamp
+    return ms / 1000.0 if kind != 0 and ms > 0 else None
+
+
+def _parse(raw: bytes | bytearray | memoryview | None) -> ShopperEvent:
     if raw is None:
         raise MalformedEvent("empty message (null value)")
     if len(raw) > MAX_EVENT_BYTES:

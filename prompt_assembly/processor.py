@@ -15,7 +15,7 @@ from typing import Literal
 
 from pydantic import BaseModel, Field
 
-from prompt_assembly.events import ShopperEvent
+from prompt_assembly.events import EventTimeWindow, ShopperEvent
 from prompt_assembly.prompt import TASK_TOKENS, build_messages, head_tokens, render_event
 from prompt_assembly.records import PromptRequest, TriggerReason
 from prompt_assembly.session import ShopperSession
@@ -31,6 +31,10 @@ class SessionConfig(BaseModel):
     )
     max_events: int = Field(400, ge=4, description="hard cap on events kept per shopper")
     remember_trimmed_ids: int = Field(512, ge=0, description="ids of trimmed events kept for dedup")
+    event_time: EventTimeWindow = Field(
+        default_factory=EventTimeWindow,
+        description="event times the gate accepts around each record's Kafka timestamp",
+    )
 
 
 @dataclass(frozen=True, slots=True)

@@ -35,6 +35,7 @@ from typing import Literal
 from confluent_kafka import KafkaError, KafkaException, Message, Producer
 
 from pipeline.dead_letter import DEFAULT_MAX_ORIGINAL_BYTES, DeadLetter, dead_letter, minimal_dead_letter
+from prompt_assembly.events import EVENT_TIME_REASON
 from runner.errors import DeadLettersUndelivered
 
 QUEUE_FULL_RETRIES = 50
@@ -43,8 +44,8 @@ QUEUE_FULL_WAIT_S = 0.1
 undelivered. librdkafka frees room as deliveries complete (``linger.ms`` plus a round trip)."""
 TOO_LARGE = frozenset({KafkaError.MSG_SIZE_TOO_LARGE, KafkaError.INVALID_MSG_SIZE})
 
-ReasonCategory = Literal["empty", "too_large", "invalid_json", "schema"]
-REASON_CATEGORIES: tuple[ReasonCategory, ...] = ("empty", "too_large", "invalid_json", "schema")
+ReasonCategory = Literal["empty", "too_large", "invalid_json", "event_time", "schema"]
+REASON_CATEGORIES: tuple[ReasonCategory, ...] = ("empty", "too_large", "invalid_json", "event_time", "schema")
 
 
 def reason_category(reason: str) -> ReasonCategory:
@@ -56,6 +57,8 @@ def reason_category(reason: str) -> ReasonCategory:
         return "too_large"
     if reason.startswith("invalid JSON"):
         return "invalid_json"
+    if reason.startswith(EVENT_TIME_REASON):
+        return "event_time"
     return "schema"
 
 

@@ -50,7 +50,7 @@ from pipeline.enrichment import Enricher
 from pipeline.kafka_security import librdkafka_properties
 from pipeline.sink_retry import with_sink_retry
 from pipeline.topic_ends import topic_lag
-from prompt_assembly.events import MalformedEvent, parse_event
+from prompt_assembly.events import MalformedEvent, parse_event, record_time_s
 from prompt_assembly.processor import SessionProcessor
 from prompt_assembly.records import EnrichmentResult, PromptRequest, ShopperInsight
 from prompt_assembly.session import ShopperSession
@@ -78,6 +78,7 @@ class EmbeddedRunner:
         self.settings = settings
         self.log = log or line_logger(settings.log_format)
         self.processor = SessionProcessor(settings.session)
+        self._window = settings.session.event_time
         self.stats = RunnerStats()
         self.epochs = EpochLog()
         self.timers = TimerQueue()
@@ -309,7 +310,8 @@ class EmbeddedRunner:
             assert topic is not None and partition is not None and offset is not None  # a real record
             epoch.offsets[(topic, partition)] = offset + 1
             try:
-                parsed.append((message, parse_event(message.value())))
+                event = parse_event(message.value(), record_time_s(message.timestamp()), self._window)
+                parsed.append((message, event))
             except MalformedEvent as exc:
                 acct.dead_lettered += 1
                 await self.dead_letters.publish(message, exc.reason)
