@@ -3,7 +3,8 @@ emits the same prompts for the same events.
 
 - ``add_to_cart`` / ``purchase``: now, unless the shopper was prompted less than
   ``min_prompt_interval_s`` ago (event time); then at the end of that interval (rate limit).
-- browsing (view, click, search): after ``quiet_period_s`` without activity (debounced).
+- browsing (view, click, search): after ``quiet_period_s`` without activity (debounced), counted from
+  the newest event time seen, so a late event never brings the pause forward.
 A pending trigger fires either when the shopper's next event shows that its due time has passed, or by
 a processing-time timer in the engine shell when no event comes.
 """
@@ -35,8 +36,13 @@ class TriggerPolicy(BaseModel):
             else max(event.ts, session.last_prompt_ts + self.min_prompt_interval_s)
         )
         reason: TriggerReason = event.type if event.type in ("add_to_cart", "purchase") else "browse_pause"
+        # The quiet period runs from the shopper's newest activity, not from this event: a late event
+        # (older than one already in the log) must not make a browse pause fire before it has passed.
+        quiet_from = max(event.ts, session.newest_ts)
         due = (
-            earliest if event.type in self.immediate_types else max(earliest, event.ts + self.quiet_period_s)
+            earliest
+            if event.type in self.immediate_types
+            else max(earliest, quiet_from + self.quiet_period_s)
         )
         current = session.pending
         if current is not None and _STRENGTH[current.reason] > _STRENGTH[reason]:

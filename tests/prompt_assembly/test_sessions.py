@@ -94,6 +94,23 @@ def test_stale_timer_does_not_fire_early() -> None:
     assert len(processor.fire_pending(session, due_ts=135)) == 1
 
 
+def test_a_late_browse_event_never_brings_the_pause_forward() -> None:
+    """Views at t and t+gap, then one from before t arrives late: the browse pause still waits a whole
+    quiet period after t+gap, and the shopper's next event inside that period fires nothing."""
+    policy = TriggerPolicy()
+    quiet, gap = policy.quiet_period_s, policy.quiet_period_s / 2
+    processor = SessionProcessor(SessionConfig(triggers=policy))
+    session = processor.new_session("s1")
+    start = 1000.0
+    processor.apply(session, event("view", start))
+    processor.apply(session, event("view", start + gap))
+    processor.apply(session, event("click", start - gap))  # late
+    assert session.pending is not None and session.pending.due_ts == start + gap + quiet
+    assert processor.fire_pending(session, due_ts=start - gap + quiet) == []
+    inside = start + gap + quiet / 2
+    assert processor.apply(session, event("view", inside)).prompts == []
+
+
 def test_duplicates_are_ignored_and_reported() -> None:
     processor = SessionProcessor()
     session = processor.new_session("s1")
