@@ -8,10 +8,11 @@ server's prefix (KV) cache can skip their prefill:
    first, each rendered from the event alone (never from "now" or from its neighbours);
 3. a short fixed task line at the very end.
 
-Product text (titles, descriptions, review snippets) and search queries are seller- or shopper-controlled:
-they are rendered inside ``<data>`` blocks that they cannot close (``inline_text``), and the instructions
-say such blocks are data. Brands, categories and the shopper id are made safe the same way, on one
-line. tests/security/test_security_prompt.py plants text that tries to escape and checks the assembled prompt.
+Every text a producer controls (titles, brands, categories, descriptions, review snippets, search
+queries) is rendered inside its own ``<data>`` block that it cannot close (``inline_text``), and the
+instructions say such blocks are data; outside them there is only our own wording, numbers and dates.
+The shopper id, in the header, is made one safe line the same way.
+tests/security/test_security_prompt.py plants text that tries to escape and checks the assembled prompt.
 """
 
 from __future__ import annotations
@@ -122,8 +123,8 @@ def render_event(event: ShopperEvent) -> str:
     product = event.product
     assert product is not None  # guaranteed by ShopperEvent's validator
     qty = f" x{event.quantity}" if event.quantity > 1 else ""
-    brand = f" by {inline_text(product.brand)}" if product.brand else ""
-    category = inline_text(product.category) if product.category else "uncategorised"
+    brand = f" by {_data(product.brand)}" if product.brand else ""
+    category = _data(product.category) if product.category else "uncategorised"
     line = (
         f"- {stamp} {_VERB[event.type]}{qty}: {_data(product.title)}{brand}, "
         f"{category}, ${product.price:.2f}\n"

@@ -23,7 +23,8 @@ UNDERSTANDING_KEYS = frozenset({"interests", "occasion", "style", "price_sensiti
 
 _LINE = re.compile(
     r"^- \d{4}-\d{2}-\d{2} \d{2}:\d{2} (?P<verb>viewed|clicked|added to cart|purchased)(?: x\d+)?: "
-    r"<data>(?P<title>.*?)</data>(?: by [^,]*)?, (?P<category>[^,]*), \$(?P<price>[0-9.]+)\s*$"
+    r"<data>(?P<title>.*?)</data>(?: by <data>.*?</data>)?, "
+    r"(?:<data>(?P<category>.*?)</data>|(?P<bare_category>[^,]*)), \$(?P<price>[0-9.]+)\s*$"
 )
 _SEARCH = re.compile(r"^- \d{4}-\d{2}-\d{2} \d{2}:\d{2} searched <data>(?P<query>.*?)</data>\s*$")
 _WEIGHT = {"viewed": 1, "clicked": 2, "added to cart": 4, "purchased": 6}
@@ -63,7 +64,11 @@ def shopper_understanding(log_text: str) -> dict[str, Any]:
     carts = purchases = 0
     for line in log_text.splitlines():
         if match := _LINE.match(line):
-            verb, title, category = match["verb"], match["title"], match["category"].strip()
+            verb, title, category = (
+                match["verb"],
+                match["title"],
+                (match["category"] or match["bare_category"]).strip(),
+            )
             weights[category] += _WEIGHT[verb]
             prices.append(float(match["price"]))
             words.append(f"{title} {category}".lower())

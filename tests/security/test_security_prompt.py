@@ -68,7 +68,10 @@ def _assert_contained(shopper_id: str, events: list[ShopperEvent]) -> None:
         assert separator not in user, f"{separator!r} can read as a line break"
     # Every data block closes where we close it.
     opened, closed = user.count("<data>"), user.count("</data>")
-    assert opened == closed == 3  # title, snippet, query
+    product = events[0].product
+    assert product is not None
+    # title, snippet, query; brand and category when they are given
+    assert opened == closed == 3 + bool(product.brand) + bool(product.category)
     for block in _BLOCK.findall(user):
         assert not re.search(r"<\s*/?\s*data", block, re.IGNORECASE), f"a tag inside a block: {block!r}"
         assert "<|" not in block and "|>" not in block, "chat-template delimiters are broken up"
@@ -103,5 +106,5 @@ def test_ordinary_text_is_rendered_unchanged() -> None:
     """Containment must not change what a normal product looks like (prefix caches, the simulator's
     reading of the log and the engines' agreement rely on the exact line)."""
     (view, search) = _events("Witch Costume Set (kids) <M> & more")
-    assert "<data>Witch Costume Set (kids) <M> & more</data> by Witch Costume Set" in render_event(view)
+    assert "<data>Witch Costume Set (kids) <M> & more</data> by <data>Witch Costume Set" in render_event(view)
     assert render_event(search).endswith("searched <data>Witch Costume Set (kids) <M> & more</data>\n")
