@@ -17,6 +17,12 @@ class BatchSettings(BaseSettings):
         100, ge=1, description="input lines per output part: the unit of resume (a kill redoes about one)"
     )
     budget: PromptBudget = Field(default_factory=PromptBudget)
+    max_line_bytes: int = Field(
+        8 << 20,
+        ge=1,
+        description="an input line longer than this is an 'oversized' error row, never read whole; "
+        "8 MiB is 8x what the default budget can use (32 parts of 8k tokens, about 1 MB of text)",
+    )
     aimd: AimdSettings = Field(default_factory=AimdSettings)
     per_replica_budget: int = Field(
         128, ge=1, description="capacity budget: concurrent calls per replica of the pool (cap of AIMD)"

@@ -7,8 +7,12 @@ Guarantees:
 - a shard's part is written once it is complete, under a key fixed by the shard number, so a redone
   shard overwrites rather than duplicates; product signals in Redis are overwrites too;
 - after a kill, a resumed job redoes only shards that were not yet written (records in flight plus
-  at most one shard per open shard), adopting parts written after the last manifest checkpoint;
-- one worker at a time runs a job (the Redis lease); a worker that loses its lease stops.
+  at most one shard per open shard), adopting parts written after the last manifest checkpoint, and
+  writes an adopted shard's product signals again (the kill may have come between its part and its
+  Redis write; the write is an overwrite, so doing it twice is harmless);
+- one worker at a time runs a job (the Redis lease): the manifest is read again once the lease is
+  held, and a worker writes a part, signals or the manifest only while it still holds the lease
+  (``JobLease.still_held``). A worker that loses it stops and leaves the manifest to the new holder.
 
 Everything here is I/O glue around the pure parts: ``documents``/``mapreduce`` (what to ask),
 ``scheduler`` (whose call goes next), ``aimd`` (how many at once), ``manifest`` (what is done).
@@ -29,13 +33,14 @@ from batch.config import BatchSettings
 from batch.coordination import JobLease, publish_progress
 from batch.documents import plan_document
 from batch.errors import InputChanged, JobLeaseHeld, JobStateError
+from batch.lines import OversizedLine
 from batch.manifest import TERMINAL_STATES, JobManifest, ShardBook, ShardCommit
 from batch.mapreduce import LLMCall, RecordWork
 from batch.pool import EndpointPool
 from batch.records import BadRecord, ErrorReason, error_row, output_row, parse_line
 from batch.scheduler import JobDemand
 from batch.signals import ProductSignalWriter
-from batch.storage import JobStore, S3Uri
+from batch.storage import JobStore, S3Uri, part_key
 from batch.understanding import ProductUnderstanding, parse_product_understanding, product_response_format
 from llm_client.errors import InvalidAnswer, LLMError
 from llm_client.models import Completion
@@ -116,7 +121,10 @@ class JobRun:
 
     # ---- lifecycle ---------------------------------------------------------------------------------
     async def claim(self) -> None:
-        """Take the lease and check the input; adopt parts written after the last checkpoint."""
+        """Take the lease, read the manifest again (the caller's copy was read before the lease, so a
+        cancel or another worker's finish may have come since) and check the input; adopt parts
+        written after the last checkpoint. Raises ``JobStateError`` for a job that is no longer
+        runnable; ``self.manifest`` is then the stored one."""
         if not await self.lease.acquire():
             raise JobLeaseHeld(
                 f"job {self.job_id} is held by worker {await self.lease.holder()!r}; it expires "
@@ -129,9 +137,19 @@ class JobRun:
             raise
 
     async def _check_and_adopt(self) -> None:
-        m = self.manifest
+        # The cancel marker first, then the manifest: ``admin.cancel_job`` writes the marker before it
+        # looks for a lease and clears it only after writing ``cancelled``, so in this order one of
+        # the two is always seen.
+        cancel_requested = await self.store.cancel_requested(self.job_id)
+        self.manifest = m = await self.store.read_manifest(self.job_id)
         if m.state in TERMINAL_STATES:
             raise JobStateError(f"job {self.job_id} is {m.state}; resume it first")
+        if cancel_requested:
+            m.state, m.message = "cancelled", "cancelled before a worker picked it up"
+            m.updated_at = time.time()
+            await self.store.write_manifest(m)
+            await self.store.clear_cancel(self.job_id)
+            raise JobStateError(f"job {self.job_id} is cancelled; resume it first")
         etag, size = await self.store.head(S3Uri.parse(self.spec.input_uri))
         if m.input_etag is not None and etag != m.input_etag:
             raise InputChanged(
@@ -140,6 +158,9 @@ class JobRun:
             )
         m.input_etag, m.input_bytes = etag, size
         adopted = await self.store.written_shards(self.output, known=set(m.shards))
+        for shard in sorted(adopted):
+            # The part is written before the signals: a kill between the two left Redis without them.
+            await self.signals.write(self.job_id, await self.store.read_jsonl(part_key(self.output, shard)))
         m.shards.update(adopted)
         if adopted:
             log.info(
@@ -179,6 +200,11 @@ class JobRun:
     async def _finalise(self) -> JobManifest:
         m = self.manifest
         m.updated_at = time.time()
+        if not await self.lease.still_held():
+            # Another worker may hold the job now: its manifest is the truth, this one is stale.
+            m.message = self.lease.lost
+            log.warning("job %s: %s; the manifest is left as it is", self.job_id, self.lease.lost)
+            return m
         if self.stopping is None and m.complete:
             with_errors = [k for k, c in m.shards.items() if c.errors]
             errors_uri = await self.store.merge_errors(self.output, with_errors)
@@ -205,11 +231,17 @@ class JobRun:
         shard_records = self.spec.shard_records
         committed = self.book.committed
         line = -1
-        async for raw in self.store.iter_lines(S3Uri.parse(self.spec.input_uri)):
+        cap = self.settings.max_line_bytes
+        async for raw in self.store.iter_lines(S3Uri.parse(self.spec.input_uri), max_line_bytes=cap):
             line += 1
             self.bytes_read += len(raw) + 1
             self.lines_read = line + 1
-            if line // shard_records not in committed:
+            if line // shard_records in committed:
+                pass
+            elif isinstance(raw, OversizedLine):
+                message = f"the line is {raw.size} bytes, more than max_line_bytes ({cap})"
+                self._finish_error(line, "oversized", message, None, requests=0)
+            else:
                 self._take_line(line, raw)
             if self.lines_read % shard_records == 0:
                 self._enqueue_commits(self.book.seal_through(self.lines_read))
@@ -333,6 +365,9 @@ class JobRun:
 
     async def _write(self, commit: ShardCommit) -> None:
         async with self._commit_gate:
+            if not await self.lease.still_held():
+                self.stop(self.lease.lost or "lost the lease")
+                return
             for attempt in range(4):
                 try:
                     await self.store.write_shard(
@@ -358,8 +393,8 @@ class JobRun:
                 log.warning("job %s: checkpoint failed: %r", self.job_id, exc)
 
     async def checkpoint(self) -> None:
-        if not await self.lease.refresh():
-            self.stop(f"lost the lease on job {self.job_id}: another worker may be running it")
+        if not await self.lease.still_held():
+            self.stop(self.lease.lost or "lost the lease")
             return
         if self._dirty:
             self._dirty = False

@@ -26,6 +26,7 @@ from aiobotocore.session import get_session
 from botocore.exceptions import ClientError
 
 from batch.errors import InvalidUri, JobNotFound
+from batch.lines import LineSplitter, OversizedLine
 from batch.manifest import JobManifest, ShardCounts
 from sinks.config import SinkSettings
 
@@ -148,18 +149,20 @@ class JobStore:
             raise
         return str(head["ETag"]), int(head["ContentLength"])
 
-    async def iter_lines(self, uri: S3Uri, chunk_size: int = 1 << 20) -> AsyncIterator[bytes]:
-        """Every line of the object, without its newline (a last line without one included)."""
+    async def iter_lines(
+        self, uri: S3Uri, *, max_line_bytes: int, chunk_size: int = 1 << 20
+    ) -> AsyncIterator[bytes | OversizedLine]:
+        """Every line of the object, without its newline (a last line without one included); a line
+        longer than ``max_line_bytes`` comes as an ``OversizedLine`` and is never held whole
+        (``batch.lines``: linear time, memory at most the cap plus one chunk)."""
         response = await self.client.get_object(Bucket=uri.bucket, Key=uri.key)
-        pending = b""
+        splitter = LineSplitter(max_line_bytes)
         async with response["Body"] as body:
             while chunk := await body.read(chunk_size):
-                lines = (pending + chunk).split(b"\n")
-                pending = lines.pop()
-                for line in lines:
+                for line in splitter.feed(chunk):
                     yield line
-        if pending:
-            yield pending
+        for line in splitter.end():
+            yield line
 
     # ---- output -----------------------------------------------------------------------------------
     async def put(

@@ -11,7 +11,7 @@ from collections.abc import Callable, Sequence
 import redis.asyncio as aioredis
 
 from batch.config import BatchSettings
-from batch.errors import InputChanged, JobLeaseHeld
+from batch.errors import InputChanged, JobLeaseHeld, JobStateError
 from batch.job_run import JobRun
 from batch.manifest import TERMINAL_STATES, JobManifest
 from batch.mapreduce import LLMCall
@@ -131,6 +131,12 @@ class BatchWorker:
                 await job.claim()
             except JobLeaseHeld as exc:
                 log.info("%s", exc)
+                continue
+            except JobStateError as exc:  # cancelled or finished since the manifest above was read
+                log.info("%s", exc)
+                if pending is not None:
+                    pending.remove(manifest.job_id)
+                    results.append(job.manifest)
                 continue
             except (InputChanged, FileNotFoundError) as exc:
                 manifest.state, manifest.message = "failed", str(exc)

@@ -20,6 +20,7 @@ from batch.documents import (
     reduce_room,
     split_text,
 )
+from batch.lines import LineSplitter, OversizedLine
 from batch.manifest import ShardBook
 from batch.mapreduce import RecordWork
 from batch.records import BadRecord, ProductRecord, parse_line
@@ -320,3 +321,38 @@ def test_every_shard_commits_once_with_all_its_rows(
         assert [r["line"] for r in c.rows] == sorted(r["line"] for r in c.rows)
         assert c.counts.ok + c.counts.errors == len(got) and c.counts.requests == len(got)
     assert book.open_records == 0
+
+
+# ---- input lines ---------------------------------------------------------------------------------
+
+_line_bytes = st.lists(st.binary(max_size=40).map(lambda b: b.replace(b"\n", b"")), max_size=12)
+
+
+@settings(max_examples=300, deadline=None)
+@given(lines=_line_bytes, trailing_newline=st.booleans(), cap=st.integers(1, 30), cuts=st.data())
+def test_line_splitter_gives_every_line_and_holds_at_most_the_cap(
+    lines: list[bytes], trailing_newline: bool, cap: int, cuts: st.DataObject
+) -> None:
+    data = b"\n".join(lines) + (b"\n" if trailing_newline and lines else b"")
+    points = sorted(cuts.draw(st.lists(st.integers(0, len(data)), max_size=8)))
+    chunks = [data[a:b] for a, b in zip([0, *points], [*points, len(data)], strict=True)]
+    splitter = LineSplitter(cap)
+    out: list[bytes | OversizedLine] = []
+    for chunk in chunks:
+        out += splitter.feed(chunk)
+        assert splitter.buffered_bytes <= cap
+    out += splitter.end()
+    expected_lines = data.split(b"\n")
+    if expected_lines and expected_lines[-1] == b"":
+        expected_lines.pop()  # a final newline ends the last line; it does not start an empty one
+    assert out == [line if len(line) <= cap else OversizedLine(len(line)) for line in expected_lines]
+
+
+def test_a_line_longer_than_the_cap_is_dropped_as_it_arrives() -> None:
+    cap = 8
+    splitter = LineSplitter(cap)
+    piece = b"x" * (cap // 2 + 1)
+    assert splitter.feed(b"ok\n" + piece) == [b"ok"]
+    assert splitter.feed(piece) == [] and splitter.buffered_bytes == 0
+    assert splitter.feed(piece + b"\nnext") == [OversizedLine(3 * len(piece))]
+    assert splitter.end() == [b"next"]

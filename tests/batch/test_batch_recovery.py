@@ -1,0 +1,207 @@
+"""What a kill, a cancel, a lost lease or an outsized line leaves behind, against the real parts:
+simulator replicas over HTTP, Redis (the stack's, or a redis-server of the test's own that the test
+kills) and moto S3. Each test writes under its own S3 prefix and Redis key prefix (``isolated``).
+
+The states a kill leaves are built directly (a part in S3 whose signals never reached Redis, a manifest
+read just before a cancel, a lease another worker took over): the same objects the kill would leave,
+without racing a SIGKILL against a millisecond window."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from pathlib import Path
+from typing import Any
+
+import orjson
+import pytest
+
+from batch.admin import cancel_job, prepare_resume, submit_job
+from batch.errors import JobStateError
+from batch.job_run import JobRun
+from batch.launch import BatchRuntime, open_batch
+from batch.manifest import JobManifest
+from batch.signals import ProductSignalWriter
+from batch.storage import S3Uri
+from batch.synthetic import synthetic_product_lines
+from devstack.stack import StackState
+from sinks.keys import RedisKeys
+from tests.batch.test_batch_job import _all_rows, _llm, _run, _settings, _upload
+from tests.conftest import Isolated
+from tests.fault_kit import OwnRedis
+
+
+def _job_run(runtime: BatchRuntime, manifest: JobManifest, worker_id: str, redis: Any = None) -> JobRun:
+    """One job as a worker runs it (``BatchWorker`` builds the same), on ``redis`` if given."""
+    redis = runtime.redis if redis is None else redis
+    prefix = runtime.sinks.redis_key_prefix
+    return JobRun(
+        manifest,
+        store=runtime.store,
+        redis=redis,
+        signals=ProductSignalWriter(redis, prefix, runtime.settings.product_signal_ttl_s),
+        pool=runtime.pool,
+        settings=runtime.settings,
+        key_prefix=prefix,
+        worker_id=worker_id,
+        wake=asyncio.Event(),
+    )
+
+
+async def _submit_blank_lines(
+    runtime: BatchRuntime, isolated: Isolated, shards: int, name: str = "blank"
+) -> JobManifest:
+    """A job whose lines are all blank: every line is an ``empty`` error row at once, with no LLM
+    call, so its shards complete as soon as the reader has read them."""
+    base = f"s3://{runtime.sinks.s3_bucket}/{isolated.s3_prefix}/{name}"
+    await _upload(runtime.store, f"{base}.jsonl", [b""] * (shards * runtime.settings.shard_records))
+    return await submit_job(
+        runtime.store, f"{base}.jsonl", f"{base}-out", shard_records=runtime.settings.shard_records
+    )
+
+
+async def test_resume_writes_the_signals_of_shards_adopted_after_a_kill(
+    stack: StackState, isolated: Isolated, redis_client: Any
+) -> None:
+    """A kill after a shard's part is written and before its product signals are: the part is
+    adopted on resume, and its signals must reach Redis then (they never would otherwise)."""
+    settings = _settings()
+    sinks = isolated.sinks()
+    records = 2 * settings.shard_records
+    lines = list(synthetic_product_lines(records, seed=11, long_share=0.0, bad_share=0.0))
+    base = f"s3://{sinks.s3_bucket}/{isolated.s3_prefix}"
+    async with open_batch(settings, sinks, _llm(stack, settings)) as runtime:
+        await _upload(runtime.store, f"{base}/in.jsonl", lines)
+        job = await submit_job(
+            runtime.store, f"{base}/in.jsonl", f"{base}/out", shard_records=settings.shard_records
+        )
+        first = (await _run(runtime, [job.job_id]))[job.job_id]
+        assert first.state == "succeeded", first.message
+        rows, _ = await _all_rows(runtime.store, first)
+        assert len(rows) == records
+        keys = [RedisKeys(sinks.redis_key_prefix).product(r["response"]["body"]["product_id"]) for r in rows]
+
+        # What the kill leaves: every part in S3, no signal in Redis, no checkpoint since the start.
+        await redis_client.delete(*keys)
+        killed = first.model_copy(update={"state": "running", "shards": {}, "total_records": None})
+        await runtime.store.write_manifest(killed)
+        await prepare_resume(runtime.store, job.job_id)
+
+        resumed = (await _run(runtime, [job.job_id]))[job.job_id]
+    assert resumed.state == "succeeded" and resumed.runs == first.runs + 1
+    assert resumed.requests == first.requests, "adopted shards are not redone"
+    for row, key in zip(rows, keys, strict=True):
+        stored = await redis_client.hgetall(key)
+        assert stored, f"no product signal for line {row['line']} after the resume"
+        assert json.loads(stored[b"segments"]) == row["response"]["body"]["understanding"]["segments"]
+
+
+async def test_a_job_cancelled_after_the_worker_read_its_manifest_stays_cancelled(
+    stack: StackState, isolated: Isolated
+) -> None:
+    """A worker lists a queued job, the job is cancelled, then the worker claims it: the claim reads
+    the manifest again and refuses, instead of writing ``running`` over ``cancelled``."""
+    settings = _settings()
+    sinks = isolated.sinks()
+    async with open_batch(settings, sinks, _llm(stack, settings)) as runtime:
+        job = await _submit_blank_lines(runtime, isolated, shards=1)
+        read_before_the_cancel = await runtime.store.read_manifest(job.job_id)
+        cancelled = await cancel_job(runtime.store, runtime.redis, sinks.redis_key_prefix, job.job_id)
+        assert cancelled.state == "cancelled"
+        late = _job_run(runtime, read_before_the_cancel, "late-worker")
+        with pytest.raises(JobStateError):
+            await late.claim()
+        assert (await runtime.store.read_manifest(job.job_id)).state == "cancelled"
+        lease = RedisKeys(sinks.redis_key_prefix).batch_lease(job.job_id)
+        assert await runtime.redis.get(lease) is None, "the refused claim gives its lease back"
+
+        # The other order: the cancel's marker is written, then the worker takes the lease before
+        # the cancel looks for one (so the cancel leaves the manifest to the worker).
+        second = await _submit_blank_lines(runtime, isolated, shards=1, name="second")
+        await runtime.store.request_cancel(second.job_id)
+        with pytest.raises(JobStateError):
+            await _job_run(runtime, second, "worker-a").claim()
+        assert (await runtime.store.read_manifest(second.job_id)).state == "cancelled"
+        assert not await runtime.store.cancel_requested(second.job_id)
+
+
+async def test_a_worker_that_lost_its_lease_writes_nothing_over_the_new_holder(
+    stack: StackState, isolated: Isolated
+) -> None:
+    """Worker A's lease expires and worker B takes the job and writes its manifest. A must not commit
+    shards nor write ``failed`` (or anything) over B's manifest."""
+    settings = _settings()
+    sinks = isolated.sinks()
+    async with open_batch(settings, sinks, _llm(stack, settings)) as runtime:
+        job = await _submit_blank_lines(runtime, isolated, shards=2)
+        a = _job_run(runtime, job, "worker-a")
+        await a.claim()
+        lease = RedisKeys(sinks.redis_key_prefix).batch_lease(job.job_id)
+        await runtime.redis.set(lease, "worker-b", px=int(settings.lease_ttl_s * 1000))
+        theirs = await runtime.store.read_manifest(job.job_id)
+        theirs.runs += 1
+        theirs.message = "worker-b's run"
+        await runtime.store.write_manifest(theirs)
+
+        final = await a.run()
+        stored = await runtime.store.read_manifest(job.job_id)
+        written = await runtime.store.written_shards(S3Uri.parse(job.spec.output_uri))
+    assert "lost the lease" in (final.message or "")
+    assert stored == theirs, "the new holder's manifest is left as it wrote it"
+    assert written == {}, "no part written after the lease was lost"
+
+
+async def test_a_worker_that_cannot_renew_its_lease_stops_writing(
+    stack: StackState, isolated: Isolated, tmp_path: Path
+) -> None:
+    """Redis goes away: the worker may go on only while its last renewal lasts; after that another
+    worker may hold the job, so it commits no shard and leaves the manifest as it was."""
+    settings = _settings()
+    sinks = isolated.sinks()
+    own = OwnRedis(tmp_path)
+    own.start()
+    try:
+        async with open_batch(settings, sinks, _llm(stack, settings)) as runtime:
+            job = await _submit_blank_lines(runtime, isolated, shards=2)
+            gone = sinks.model_copy(update={"redis_url": own.url}).redis_client()
+            try:
+                worker = _job_run(runtime, job, "worker-a", redis=gone)
+                await worker.claim()
+                claimed = await runtime.store.read_manifest(job.job_id)
+                own.kill()
+                await asyncio.sleep(settings.lease_ttl_s)  # the renewal it got at the claim runs out
+                final = await worker.run()
+            finally:
+                await gone.aclose()
+            stored = await runtime.store.read_manifest(job.job_id)
+            written = await runtime.store.written_shards(S3Uri.parse(job.spec.output_uri))
+    finally:
+        own.stop()
+    assert "could not renew the lease" in (final.message or "")
+    assert written == {}, "no part written without the lease"
+    assert stored == claimed, "the manifest stays as the claim wrote it: resumable once the lease expires"
+
+
+async def test_a_line_over_the_cap_is_an_oversized_error_row(stack: StackState, isolated: Isolated) -> None:
+    """A line longer than ``max_line_bytes`` is never read whole: it becomes one ``oversized`` error
+    row and the lines around it are processed as usual."""
+    sinks = isolated.sinks()
+    lines = list(synthetic_product_lines(6, seed=12, long_share=0.0, bad_share=0.0))
+    cap = 2 * max(len(line) for line in lines)
+    text = "Volume one. " * (cap // len("Volume one. ") + 1)
+    huge = orjson.dumps({"custom_id": "too-long-a-line", "body": {"title": "Encyclopedia", "text": text}})
+    assert len(huge) > cap
+    at = len(lines) // 2
+    lines.insert(at, huge)
+    settings = _settings(max_line_bytes=cap)
+    base = f"s3://{sinks.s3_bucket}/{isolated.s3_prefix}"
+    async with open_batch(settings, sinks, _llm(stack, settings)) as runtime:
+        await _upload(runtime.store, f"{base}/in.jsonl", lines)
+        job = await submit_job(runtime.store, f"{base}/in.jsonl", f"{base}/out")
+        final = (await _run(runtime, [job.job_id]))[job.job_id]
+        rows, errors = await _all_rows(runtime.store, final)
+    assert final.state == "succeeded", final.message
+    assert sorted(r["line"] for r in rows + errors) == list(range(len(lines)))
+    (error,) = errors
+    assert error["line"] == at and error["error"]["reason"] == "oversized"
+    assert str(len(huge)) in error["error"]["message"] and "max_line_bytes" in error["error"]["message"]
