@@ -13,6 +13,7 @@ entries apart.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from dataclasses import asdict
 from typing import Any, TypeVar
 
@@ -150,6 +151,10 @@ async def _generate(
     if job.prompt_tokens == 0:
         metrics.errors.labels("bad_request").inc()
         return error_response("prompt is empty", 400, "invalid_request_error", "prompt")
+    too_long = oversize_refusal(replica.config, job.prompt_tokens, job.max_new_tokens)
+    if too_long is not None:
+        metrics.errors.labels("bad_request").inc()
+        return error_response(too_long, 400, "invalid_request_error", "prompt")
     response_id = ("chatcmpl-" if endpoint == "chat" else "cmpl-") + job.request_id
     model = body.model or replica.config.model_name
     if request_type == "context_only":
@@ -185,11 +190,12 @@ async def _generate(
         _account(replica, job, request_type)
         return response
 
+    started = asyncio.get_running_loop().time()
     try:
-        await job.done.wait()
+        await _await_answer(request, replica, job)
     finally:
         if not job.done.is_set():
-            replica.engine.abort(job)
+            _abort_at_next_poll(replica, job, started)
     _account(replica, job, request_type)
     if job.error is not None:
         return error_response(job.error, job.error_status, job.error_type)
@@ -197,6 +203,56 @@ async def _generate(
     return json_response(
         completion_body(endpoint, response_id, model, answer.text, answer.finish_reason, usage)
     )
+
+
+def oversize_refusal(config: SimulatorConfig, prompt_tokens: int, max_tokens: int) -> str | None:
+    """Why trtllm-serve would refuse this prompt outright (a 400, never a queue): without chunked prefill
+    a prompt must fit in one iteration's ``max_num_tokens``, and prompt + ``max_tokens`` must fit in
+    ``max_seq_len``. The messages are TensorRT-LLM's (``LLM._check_arguments``)."""
+    if not config.enable_chunked_prefill and prompt_tokens > config.max_num_tokens:
+        return (
+            f"The sum of prompt length ({prompt_tokens}) and query length (0) should not exceed "
+            f"max_num_tokens ({config.max_num_tokens})"
+        )
+    if prompt_tokens + max_tokens > config.max_seq_len:
+        return (
+            f"The sum of prompt length ({prompt_tokens}) and max_tokens ({max_tokens}) should not exceed "
+            f"max_seq_len ({config.max_seq_len})"
+        )
+    return None
+
+
+def _poll_s(replica: Replica) -> float:
+    """Wall seconds between disconnect polls: ``disconnect_poll_s`` simulated seconds."""
+    return replica.config.disconnect_poll_s * replica.knobs.time_scale
+
+
+async def _await_answer(request: web.Request, replica: Replica, job: GenerationRequest) -> None:
+    """Wait for ``job``, looking for a vanished client once per poll as trtllm-serve does
+    (``await_disconnected``: ``is_disconnected()`` every second): the engine keeps computing an
+    abandoned request until the next poll, then frees its slot; blocks it computed stay cached."""
+    poll = _poll_s(replica)
+    if poll <= 0:
+        await job.done.wait()
+        return
+    while not job.done.is_set():
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(job.done.wait(), poll)
+        transport = request.transport
+        if not job.done.is_set() and (transport is None or transport.is_closing()):
+            replica.engine.abort(job)
+
+
+def _abort_at_next_poll(replica: Replica, job: GenerationRequest, started: float) -> None:
+    """The handler was cancelled (the server cancels handlers of closed connections): abort ``job`` at
+    the poll that would have noticed, not at once."""
+    poll = _poll_s(replica)
+    loop = asyncio.get_running_loop()
+    if poll <= 0:
+        replica.engine.abort(job)
+        return
+    delay = poll - (loop.time() - started) % poll
+    loop.call_later(delay, replica.engine.abort, job)
 
 
 def _role_refusal(role: Role, request_type: RequestType) -> str | None:
@@ -219,7 +275,7 @@ async def _context_only(
 ) -> web.Response:
     """Prefill, answer the first token (never streamed), and keep the prompt's KV blocks pinned for the
     generation replica's pull (``KvSender``)."""
-    job.completion_tokens = 1
+    job.completion_tokens = job.max_new_tokens = 1
     job.keep_pinned = True
     job.ctx_request_id = replica.next_ctx_request_id()
     replica.engine.submit(job)

@@ -5,12 +5,13 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Literal
 
-from pydantic import Field
+from pydantic import Field, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from serving.simulator.bad_answers import BadAnswer
-from serving.simulator.cost_model import MixedBatchCost
-from serving.simulator.engine import ChunkingPolicy
+from serving.simulator.cost_model import CostModelKind, MixedBatchCost
+from serving.simulator.engine import CapacityPolicy, ChunkingPolicy
+from serving.simulator.hardware import MODELS, GpuKind, KvCacheDtype, KvMemory, WeightDtype, kv_memory
 
 # The repository lives next to a ``shared/`` folder on the development machines; CI clones may not have
 # it, so a copy of the same calibration file ships inside the package (see ``resolved_calibration_path``).
@@ -38,11 +39,38 @@ class SimulatorConfig(BaseSettings):
     )
     replica_id: str = "r0"
     model_name: str = "qwen2.5-32b-sim"
-    calibration_model: CalibrationModel = "qwen2.5-32b"
+    calibration_model: CalibrationModel = Field(
+        default="qwen2.5-32b",
+        description="the model's shape: its weights, KV bytes per token and FLOPs (and, with the "
+        "eager_pytorch cost model, its calibration table)",
+    )
+    gpu: GpuKind = Field(default="h100-80gb", description="the GPU kind one replica stands for")
+    weight_dtype: WeightDtype = Field(default="bf16", description="weights in memory and GEMM peak")
+    kv_cache_dtype: KvCacheDtype = Field(
+        default="auto",
+        description="KV cache data type; auto follows the weights (trtllm's kv_cache_config.dtype)",
+    )
+    free_gpu_memory_fraction: float = Field(
+        default=0.9,
+        gt=0.0,
+        le=1.0,
+        description="share of the memory left after weights and activations given to KV blocks "
+        "(trtllm's kv_cache_config.free_gpu_memory_fraction)",
+    )
+    cost_model: CostModelKind = Field(
+        default="roofline",
+        description="roofline: one fused pass per iteration on the GPU's roofline, calibrated to "
+        "TensorRT-LLM's published H100 throughput; eager_pytorch: the measured eager table",
+    )
     calibration_path: Path = SHARED_CALIBRATION_PATH
     time_scale: float = Field(default=1.0, ge=0.0)
     block_size: int = Field(default=32, ge=1, description="tokens per KV block, as trtllm's tokens_per_block")
-    cache_capacity_blocks: int = Field(default=8192, ge=1, description="about 64 prompts of 4k tokens")
+    cache_capacity_blocks: int = Field(
+        default=0,
+        ge=0,
+        description="KV blocks; 0 sizes them from the GPU's memory (hardware.kv_memory: 1,848 for the "
+        "32B model in bf16 on an H100)",
+    )
     kv_event_buffer_max_size: int = Field(
         default=0,
         ge=0,
@@ -53,6 +81,12 @@ class SimulatorConfig(BaseSettings):
         default=64, ge=1, description="running requests per iteration (trtllm max_batch_size)"
     )
     max_num_tokens: int = Field(default=8192, ge=1, description="prefill + decode tokens per iteration")
+    max_seq_len: int = Field(
+        default=0,
+        ge=0,
+        description="prompt + max_tokens longer than this is refused (400); 0: the model's "
+        "max_position_embeddings, as trtllm-serve",
+    )
     enable_chunked_prefill: bool = Field(
         default=False,
         description="split prefills into chunks that fill the iteration's max_num_tokens left after the "
@@ -74,9 +108,25 @@ class SimulatorConfig(BaseSettings):
         "the calibration supports) or the larger of the two (fused: one pass over the weights)",
     )
     pin_running_blocks: bool = Field(
-        default=False,
-        description="running requests pin their prompt's KV blocks and admission waits for room (KV "
-        "memory); always on in the context and generation roles",
+        default=True,
+        description="running requests hold their KV blocks (prompt and generated tokens) and admission "
+        "waits for room (KV memory); always on in the context and generation roles",
+    )
+    capacity_policy: CapacityPolicy = Field(
+        default="guaranteed_no_evict",
+        description="guaranteed_no_evict: admit only when prompt + max_tokens fits (trtllm's default); "
+        "max_utilization: admit on the prompt, pause the most recently started requests when full",
+    )
+    defer_shared_prefixes: bool = Field(
+        default=True,
+        description="hold back a prompt whose first uncached block a prompt admitted in the same "
+        "iteration computes, so it reuses it next iteration (trtllm's beneficialToSkip)",
+    )
+    disconnect_poll_s: float = Field(
+        default=1.0,
+        ge=0.0,
+        description="a non-streaming request's client disconnect is noticed at the next poll, every this "
+        "many simulated seconds (trtllm-serve polls is_disconnected() every second)",
     )
     role: Role = Field(
         default="aggregated",
@@ -141,6 +191,27 @@ class SimulatorConfig(BaseSettings):
         description="a stream writes at most one chunk per this many wall seconds (first and last chunk "
         "excepted), so fast time scales do not cost one write per token",
     )
+
+    @model_validator(mode="after")
+    def _size_from_hardware(self) -> SimulatorConfig:
+        """Fill the settings that follow from the hardware when left at 0."""
+        if self.cache_capacity_blocks == 0:
+            self.cache_capacity_blocks = self.kv_memory().blocks
+        if self.max_seq_len == 0:
+            self.max_seq_len = MODELS[self.calibration_model].max_position_embeddings
+        return self
+
+    def kv_memory(self) -> KvMemory:
+        """How the GPU's memory sizes the KV cache (``hardware.kv_memory``), whatever the override."""
+        return kv_memory(
+            self.calibration_model,
+            self.gpu,
+            self.weight_dtype,
+            self.kv_cache_dtype,
+            free_gpu_memory_fraction=self.free_gpu_memory_fraction,
+            tokens_per_block=self.block_size,
+            max_num_tokens=self.max_num_tokens,
+        )
 
     def resolved_calibration_path(self) -> Path:
         """The configured calibration file, or the bundled copy when that file is missing."""

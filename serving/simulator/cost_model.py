@@ -27,7 +27,7 @@ import re
 from collections import defaultdict
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
+from typing import Literal, Protocol
 
 from prompt_assembly.errors import ConfigurationError
 
@@ -42,6 +42,27 @@ KV_BYTES_PER_TOKEN = {
 _DECODE_TABLE_KEY = re.compile(r"^decode_step_ms_ctx(\d+)$")
 
 MixedBatchCost = Literal["additive", "fused"]
+CostModelKind = Literal["roofline", "eager_pytorch"]
+
+
+@dataclass(frozen=True)
+class IterationWork:
+    """What one engine iteration computes: each prompt (or chunk) it prefills as ``(new tokens, tokens
+    already in the KV cache before them)``, and the decode batch with the context it attends to."""
+
+    prefills: tuple[tuple[int, int], ...]
+    decode_batch: int
+    decode_context: int
+
+
+class IterationCost(Protocol):
+    """Anything that prices an iteration: ``roofline.RooflineCost`` (the default) or ``CostModel``."""
+
+    def iteration_ms(self, work: IterationWork, mixed: MixedBatchCost = "fused") -> float: ...
+
+    def prefill_ms(self, new_tokens: int, cached_tokens: int = 0) -> float: ...
+
+    def decode_step_ms(self, batch_size: int, context_tokens: int) -> float: ...
 
 
 def mixed_iteration_ms(prefill_ms: float, decode_ms: float, mode: MixedBatchCost = "additive") -> float:
@@ -160,6 +181,16 @@ class CostModel:
         decode = PiecewiseLinear.from_points({float(k): float(v) for k, v in table.items()})
         kv_ms = KV_BYTES_PER_TOKEN.get(model_key, 0) / H100_HBM_BYTES_PER_S * 1000.0
         return cls(model_key, cold, excess, decode, reference_context, kv_ms)
+
+    def iteration_ms(self, work: IterationWork, mixed: MixedBatchCost = "additive") -> float:
+        """The eager table's price of an iteration: every prefill in it as one prompt of their summed new
+        tokens on their summed cached ones, and the decode step, combined by ``mixed_iteration_ms``."""
+        prefill = 0.0
+        if work.prefills:
+            new = sum(n for n, _ in work.prefills)
+            prefill = self.prefill_ms(new, sum(c for _, c in work.prefills))
+        decode = self.decode_step_ms(work.decode_batch, work.decode_context)
+        return mixed_iteration_ms(prefill, decode, mixed)
 
     def prefill_ms(self, new_tokens: int, cached_tokens: int = 0) -> float:
         """GPU time to compute ``new_tokens`` prompt tokens whose first ``cached_tokens`` are reused."""

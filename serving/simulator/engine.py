@@ -46,13 +46,14 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
-from serving.simulator.cost_model import CostModel, MixedBatchCost, mixed_iteration_ms
+from serving.simulator.cost_model import IterationCost, IterationWork, MixedBatchCost
 from serving.simulator.prefix_cache import BlockPrefixCache, cached_tokens_for
 
 _log = logging.getLogger(__name__)
 
 
 ChunkingPolicy = Literal["first_come_first_served", "equal_progress"]
+CapacityPolicy = Literal["guaranteed_no_evict", "max_utilization"]
 
 
 @dataclass(frozen=True)
@@ -69,11 +70,21 @@ class EngineLimits:
     reuse_chunk_blocks: bool = False
     """Blocks of a partly prefilled prompt become reusable after each chunk (vLLM's and SGLang's prefix
     caches do this); otherwise only when its last chunk is done."""
-    pin_blocks: bool = False
-    """Running requests pin their prompt's blocks and admission waits for room (KV memory); off: the
-    cache is only an LRU of reusable blocks and a running request's blocks may be evicted under it."""
+    pin_blocks: bool = True
+    """Running requests hold their blocks (prompt and generated tokens) and admission waits for room (KV
+    memory, as in TensorRT-LLM); off: the cache is only an LRU of reusable blocks and a running request's
+    blocks may be evicted under it (the simulator's behaviour before issue 28)."""
     mixed_batch_cost: MixedBatchCost = "additive"
-    """How an iteration with both prefill and decode work is charged (``cost_model.mixed_iteration_ms``)."""
+    """How the eager table charges an iteration with both prefill and decode work
+    (``cost_model.mixed_iteration_ms``); the roofline cost is always one fused pass."""
+    capacity_policy: CapacityPolicy = "guaranteed_no_evict"
+    """With ``pin_blocks``: ``guaranteed_no_evict`` (TensorRT-LLM's default) admits a request only when
+    blocks for its prompt plus ``max_new_tokens`` fit, so a running request never waits for memory;
+    ``max_utilization`` admits on the prompt's blocks, grows each request a block at a time, and pauses
+    the most recently started requests when a block is missing (they recompute when readmitted)."""
+    defer_shared_prefixes: bool = True
+    """TensorRT-LLM's ``beneficialToSkip``: a prompt whose first uncached block another prompt admitted
+    in the same iteration will compute waits one iteration, then reuses those blocks."""
 
 
 @dataclass
@@ -93,6 +104,8 @@ class GenerationRequest:
     block_hashes: Sequence[int]
     completion_tokens: int
     streaming: bool = False
+    max_new_tokens: int = 0
+    """The request's ``max_tokens`` (0: ``completion_tokens``): what GUARANTEED_NO_EVICT books room for."""
 
     arrival: float = 0.0
     admitted_at: float | None = None
@@ -134,6 +147,10 @@ class GenerationRequest:
     pins: list[list[int]] = field(default_factory=list)
     """Runs of block hashes this request pinned; each is unpinned once when it lets go."""
     reserved_blocks: int = 0
+    gen_blocks: int = 0
+    """Blocks booked beyond the prompt's full blocks: its partial last block and generated tokens."""
+    paused: int = 0
+    """Times MAX_UTILIZATION paused it for memory (it recomputes its prompt and tokens when readmitted)."""
     held_blocks: int = 0
     """generation_only: leading prompt blocks this replica already held at admission (not pulled)."""
     transfer_started_at: float | None = None
@@ -164,6 +181,9 @@ class EngineStats:
 
     served: int = 0
     aborted: int = 0
+    paused: int = 0
+    deferred: int = 0
+    """Admissions ``beneficialToSkip`` held back one iteration for a prefix another prompt computes."""
     iterations: int = 0
     prefill_tokens_computed: int = 0
     cached_tokens_served: int = 0
@@ -176,7 +196,7 @@ class ContinuousBatchingEngine:
 
     def __init__(
         self,
-        cost: CostModel,
+        cost: IterationCost,
         cache: BlockPrefixCache,
         limits: EngineLimits,
         knobs: EngineKnobs,
@@ -295,6 +315,8 @@ class ContinuousBatchingEngine:
             while self._waiting or self._running or self._prefilling or self._ready:
                 self._blocked = False
                 joining = self._take_ready()
+                if self._limits.pin_blocks and self._limits.capacity_policy == "max_utilization":
+                    joining = self._grow_or_pause(joining)
                 decoding = [*self._running, *joining] if joining else self._running
                 if self._limits.chunked_prefill:
                     chunks = self._schedule_chunks(len(joining))
@@ -347,11 +369,16 @@ class ContinuousBatchingEngine:
         return joining
 
     def _admit(self, joining: int = 0) -> list[GenerationRequest]:
+        """This iteration's new prompts, first come first served, while the batch has slots and the
+        iteration's ``max_num_tokens`` (less one token per running request) holds their **whole**
+        prompts (TensorRT-LLM charges a prompt's reused tokens too when prefill is not chunked)."""
         admitted: list[GenerationRequest] = []
         running = len(self._running) + joining
         slots = self._limits.max_batch - running - len(self._transferring)
         budget = self._limits.max_num_tokens - running
-        new_total = 0
+        charged = new_total = 0
+        contributed: set[int] = set()
+        deferred: list[GenerationRequest] = []
         now = self._now()
         while self._waiting and len(admitted) < slots:
             request = self._waiting[0]
@@ -364,18 +391,24 @@ class ContinuousBatchingEngine:
                 slots -= 1  # it holds a batch slot while its KV cache is on the way
                 continue
             matched = self._cache.longest_prefix(request.block_hashes)
+            if self._defer(request, matched, contributed):
+                deferred.append(self._waiting.popleft())
+                continue
             cached = cached_tokens_for(matched, self._cache.block_size, request.prompt_tokens)
-            new = request.prompt_tokens - cached
-            if admitted and new_total + new > budget:
+            tokens = request.prompt_tokens + self._resumed_tokens(request)
+            if admitted and charged + tokens > budget:
                 break
             if not self._hold_prompt(request, matched):
                 break
             self._waiting.popleft()
             self._cache.match(request.block_hashes)
             request.cached_tokens = cached
-            request.admitted_at = now
-            new_total += new
+            if request.admitted_at is None:
+                request.admitted_at = now
+            charged += tokens
+            new_total += tokens - cached
             admitted.append(request)
+        self._waiting.extendleft(reversed(deferred))
         if self._waiting and len(admitted) >= slots and self._transferring:
             self._blocked = True
         for request in admitted:
@@ -383,20 +416,86 @@ class ContinuousBatchingEngine:
             request.batch_running = running  # the batch this iteration decodes
         return admitted
 
+    def _defer(self, request: GenerationRequest, matched: int, contributed: set[int]) -> bool:
+        """``beneficialToSkip``: whether a prompt admitted earlier in this iteration computes this one's
+        first uncached block (then it waits an iteration and reuses it). Otherwise its first uncached
+        block joins ``contributed``."""
+        if not self._limits.defer_shared_prefixes or matched >= len(request.block_hashes):
+            return False
+        first_new = request.block_hashes[matched]
+        if first_new in contributed:
+            self.stats.deferred += 1
+            return True
+        contributed.add(first_new)
+        return False
+
+    @staticmethod
+    def _resumed_tokens(request: GenerationRequest) -> int:
+        """Tokens a paused request generated before it was paused: recomputed with its prompt."""
+        return request.tokens_done if request.paused and not request.kv_transfer else 0
+
+    def _extra_blocks(self, request: GenerationRequest, tokens_after: int) -> int:
+        """Blocks beyond the prompt's full blocks a sequence of ``prompt + tokens_after`` tokens needs."""
+        size = self._cache.block_size
+        total = -(-(request.prompt_tokens + tokens_after) // size)
+        return max(total - len(request.block_hashes), 0)
+
     def _hold_prompt(self, request: GenerationRequest, matched: int | None = None) -> bool:
-        """With pinned blocks: pin the matched prefix and reserve room for the rest, if it fits."""
+        """With pinned blocks: pin the matched prefix and book room for the rest of the prompt and, under
+        GUARANTEED_NO_EVICT, for every token it may generate (``max_new_tokens``), if it all fits beside
+        what running requests hold; unpinned cached blocks count as free (eviction takes them)."""
         if not self._limits.pin_blocks:
             return True
         if matched is None:
             matched = self._cache.longest_prefix(request.block_hashes)
-        need = self._cache.blocks_to_hold(request.block_hashes)
+        if self._limits.capacity_policy == "guaranteed_no_evict":
+            limit = request.max_new_tokens or request.completion_tokens
+            extra = self._extra_blocks(request, max(limit, request.tokens_done + 1))
+        else:
+            extra = self._extra_blocks(request, request.tokens_done + 1)
+        need = self._cache.blocks_to_hold(request.block_hashes) + extra
         if not self._cache.can_hold(need):
             self._blocked = True
             return False
         request.pins.append(self._cache.pin(request.block_hashes[:matched]))
         request.reserved_blocks = self._cache.blocks_to_hold(request.block_hashes)
-        self._cache.reserve(request.reserved_blocks)
+        request.gen_blocks = extra
+        self._cache.reserve(request.reserved_blocks + extra)
         return True
+
+    def _grow_or_pause(self, joining: list[GenerationRequest]) -> list[GenerationRequest]:
+        """MAX_UTILIZATION: give every decoding request the block its next token needs; when memory has
+        none, pause the most recently started requests (back to the front of the queue, their blocks
+        released to the cache) until the others fit. Returns ``joining`` less any paused."""
+        order = [*self._running, *joining]
+        paused: set[int] = set()
+        for i, request in enumerate(order):
+            if id(request) in paused:
+                break
+            need = self._extra_blocks(request, request.tokens_done + 1) - request.gen_blocks
+            if request.cancelled or need <= 0:
+                continue
+            last = len(order) - 1
+            while not self._cache.can_hold(need) and last > i:
+                victim = order[last]
+                if id(victim) not in paused and not victim.kv_transfer:
+                    paused.add(id(victim))
+                    self._pause(victim)
+                last -= 1
+            self._cache.reserve(need)
+            request.gen_blocks += need
+        if not paused:
+            return joining
+        self._running = [r for r in self._running if id(r) not in paused]
+        return [r for r in joining if id(r) not in paused]
+
+    def _pause(self, request: GenerationRequest) -> None:
+        """Back to the front of the queue, its blocks released (still cached for its own readmission)."""
+        request.paused += 1
+        request.prefilled_tokens = 0
+        self.stats.paused += 1
+        self._release(request)
+        self._waiting.appendleft(request)
 
     def _start_transfer(self, request: GenerationRequest, now: float) -> bool:
         """Admit a ``kv_transfer`` request: pin what this replica holds of its prompt, book room for the
@@ -426,6 +525,14 @@ class ContinuousBatchingEngine:
         # Admit waiting requests while the batch has room and the budget can give each one a chunk
         # (first come first served: only while the budget is not already promised to older prompts).
         promised = unit * len(prefilling) if equal else sum(self._remaining(r) for r in prefilling)
+        # Blocks the prompts already prefilling compute next: a prompt needing one of them waits.
+        size = self._cache.block_size
+        contributed = {
+            r.block_hashes[(r.cached_tokens + r.prefilled_tokens) // size]
+            for r in prefilling
+            if (r.cached_tokens + r.prefilled_tokens) // size < len(r.block_hashes)
+        }
+        deferred: list[GenerationRequest] = []
         now = self._now()
         while self._waiting and running + len(prefilling) + len(self._transferring) < self._limits.max_batch:
             request = self._waiting[0]
@@ -438,15 +545,20 @@ class ContinuousBatchingEngine:
                 continue
             if budget - promised < (unit if equal else min(unit, self._peek_remaining(request))):
                 break
+            if self._defer(request, self._cache.longest_prefix(request.block_hashes), contributed):
+                deferred.append(self._waiting.popleft())
+                continue
             if not self._hold_prompt(request):
                 break
             self._waiting.popleft()
             matched = self._cache.match(request.block_hashes)
             request.cached_tokens = cached_tokens_for(matched, self._cache.block_size, request.prompt_tokens)
-            request.admitted_at = now
+            if request.admitted_at is None:
+                request.admitted_at = now
             self.stats.cached_tokens_served += request.cached_tokens
             prefilling.append(request)
             promised += unit if equal else self._remaining(request)
+        self._waiting.extendleft(reversed(deferred))
         if self._waiting and self._transferring:
             self._blocked = True  # possibly waiting for the slots transfers hold
         self._prefilling = prefilling
@@ -488,16 +600,14 @@ class ContinuousBatchingEngine:
     def _chunked_iteration_ms(
         self, chunks: list[tuple[GenerationRequest, int]], decoding: list[GenerationRequest]
     ) -> float:
-        prefill_ms = decode_ms = 0.0
-        if chunks:
-            new = sum(n for _, n in chunks)
-            context = sum(r.cached_tokens + r.prefilled_tokens for r, _ in chunks)
-            prefill_ms = self._cost.prefill_ms(new, context)
-            self.stats.prefill_tokens_computed += new
-        if decoding:
-            context = sum(r.prompt_tokens + r.tokens_done for r in decoding)
-            decode_ms = self._cost.decode_step_ms(len(decoding), context)
-        return mixed_iteration_ms(prefill_ms, decode_ms, self._limits.mixed_batch_cost)
+        prefills = tuple((n, r.cached_tokens + r.prefilled_tokens) for r, n in chunks)
+        self.stats.prefill_tokens_computed += sum(n for _, n in chunks)
+        return self._price(prefills, decoding)
+
+    def _price(self, prefills: tuple[tuple[int, int], ...], decoding: list[GenerationRequest]) -> float:
+        context = sum(r.prompt_tokens + r.tokens_done for r in decoding)
+        work = IterationWork(prefills, len(decoding), context)
+        return self._cost.iteration_ms(work, self._limits.mixed_batch_cost)
 
     def _complete_chunks(self, chunks: list[tuple[GenerationRequest, int]]) -> list[GenerationRequest]:
         """Book the chunks; return the requests whose prefill this iteration finished."""
@@ -518,17 +628,12 @@ class ContinuousBatchingEngine:
         return finished
 
     def _iteration_ms(self, admitted: list[GenerationRequest], decoding: list[GenerationRequest]) -> float:
-        prefill_ms = decode_ms = 0.0
-        if admitted:
-            cached = sum(r.cached_tokens for r in admitted)
-            new = sum(r.prompt_tokens for r in admitted) - cached
-            prefill_ms = self._cost.prefill_ms(new, cached)
-            self.stats.prefill_tokens_computed += new
-            self.stats.cached_tokens_served += cached
-        if decoding:
-            context = sum(r.prompt_tokens + r.tokens_done for r in decoding)
-            decode_ms = self._cost.decode_step_ms(len(decoding), context)
-        return mixed_iteration_ms(prefill_ms, decode_ms, self._limits.mixed_batch_cost)
+        prefills = tuple(
+            (r.prompt_tokens + self._resumed_tokens(r) - r.cached_tokens, r.cached_tokens) for r in admitted
+        )
+        self.stats.prefill_tokens_computed += sum(n for n, _ in prefills)
+        self.stats.cached_tokens_served += sum(c for _, c in prefills)
+        return self._price(prefills, decoding)
 
     def _complete_iteration(
         self,
@@ -555,6 +660,9 @@ class ContinuousBatchingEngine:
         pin = self._limits.pin_blocks
         for request in admitted:
             if request.cancelled:
+                # The pass ran: its blocks are computed and stay reusable, only the slot is freed.
+                self._cache.insert(request.block_hashes, release_reserved=request.reserved_blocks)
+                request.reserved_blocks = 0
                 self._release(request)
                 continue
             pinned = self._cache.insert(
@@ -563,9 +671,10 @@ class ContinuousBatchingEngine:
             if pin:
                 request.pins.append(pinned)
                 request.reserved_blocks = 0
-            request.first_token_at = now
-            request.first_iteration_ms = step_ms
-            request.first_iter = iteration
+            if request.first_token_at is None:  # not a paused request resuming
+                request.first_token_at = now
+                request.first_iteration_ms = step_ms
+                request.first_iter = iteration
             if self._emit_token(request, now, iteration):
                 still_running.append(request)
         self._running = still_running
@@ -580,6 +689,8 @@ class ContinuousBatchingEngine:
             self.stats.served += 1
             if not request.keep_pinned:
                 self._release(request)
+            else:
+                self._release_generated(request)
             request.done.set()
             request.progress.set()
             return False
@@ -598,14 +709,22 @@ class ContinuousBatchingEngine:
 
     def _release(self, request: GenerationRequest) -> None:
         """Give back what ``request`` holds of KV memory: its pins and its reservation."""
-        if not request.pins and not request.reserved_blocks:
+        if not request.pins and not request.reserved_blocks and not request.gen_blocks:
             return
         for run in request.pins:
             self._cache.unpin(run)
         request.pins = []
         self._cache.unreserve(request.reserved_blocks)
         request.reserved_blocks = 0
+        self._release_generated(request)
         self._released.set()
+
+    def _release_generated(self, request: GenerationRequest) -> None:
+        """Give back the room booked for generated tokens (a context replica keeps only the prompt's)."""
+        if request.gen_blocks:
+            self._cache.unreserve(request.gen_blocks)
+            request.gen_blocks = 0
+            self._released.set()
 
     def _fail_all(self, reason: str) -> None:
         queued = [*self._waiting, *self._running, *self._prefilling, *self._transferring, *self._ready]

@@ -24,7 +24,7 @@ from prompt_assembly.tokens import chained_block_hashes, token_ids
 from serving.simulator.answers import Answer, plan_answer
 from serving.simulator.bad_answers import BAD_ANSWERS, BadAnswer
 from serving.simulator.config import SimulatorConfig
-from serving.simulator.cost_model import CostModel, KvLink
+from serving.simulator.cost_model import CostModel, IterationCost, KvLink
 from serving.simulator.disagg import KV_CACHE_GONE, KvCacheGone, KvTransferFailed
 from serving.simulator.engine import ContinuousBatchingEngine, EngineKnobs, EngineLimits, GenerationRequest
 from serving.simulator.kv_events import KvEventBuffer
@@ -32,6 +32,7 @@ from serving.simulator.kv_transfer import KvPuller, KvSender
 from serving.simulator.metrics import ReplicaMetrics
 from serving.simulator.perf_metrics import perf_record
 from serving.simulator.prefix_cache import BlockPrefixCache, salted_block_hashes
+from serving.simulator.roofline import RooflineCost
 
 _log = logging.getLogger(__name__)
 
@@ -48,7 +49,18 @@ def engine_limits(config: SimulatorConfig) -> EngineLimits:
         reuse_chunk_blocks=config.chunk_block_reuse,
         pin_blocks=config.pin_running_blocks or config.role != "aggregated",
         mixed_batch_cost=config.mixed_batch_cost,
+        capacity_policy=config.capacity_policy,
+        defer_shared_prefixes=config.defer_shared_prefixes,
     )
+
+
+def iteration_cost(config: SimulatorConfig) -> IterationCost:
+    """The cost model a configuration asks for: the fused roofline of its model, data type and GPU
+    (default), or the eager-PyTorch calibration table (``--cost-model eager_pytorch``)."""
+    if config.cost_model == "eager_pytorch":
+        return CostModel.from_calibration(config.resolved_calibration_path(), config.calibration_model)
+    kv = config.kv_memory()
+    return RooflineCost.for_hardware(config.calibration_model, config.gpu, config.weight_dtype, kv.kv_dtype)
 
 
 @dataclass(frozen=True, slots=True)
@@ -84,7 +96,7 @@ class Replica:
     def __init__(self, config: SimulatorConfig) -> None:
         self.config = config
         self.calibration_path = config.resolved_calibration_path()
-        self.cost = CostModel.from_calibration(self.calibration_path, config.calibration_model)
+        self.cost = iteration_cost(config)
         self.kv_events = (
             KvEventBuffer(
                 config.kv_event_buffer_max_size,
@@ -164,6 +176,7 @@ class Replica:
             block_hashes=hashes,
             completion_tokens=max(answer.completion_tokens, 1),
             streaming=streaming,
+            max_new_tokens=limit,
         )
         return job, answer
 
@@ -266,11 +279,18 @@ class Replica:
             "model": self.config.model_name,
             "calibration_model": self.config.calibration_model,
             "calibration_path": str(self.calibration_path),
+            "cost_model": self.config.cost_model,
             "time_scale": self.knobs.time_scale,
             "slowdown": self.knobs.slowdown,
             "error_rate": self.error_rate,
             "bad_answer": self.bad_answer,
             "running": self.engine.num_running,
+            "kv_blocks": {
+                "capacity": self.cache.capacity_blocks,
+                "pinned": self.cache.pinned_blocks,
+                "reserved": self.cache.reserved_blocks,
+                "used": self.cache.used_blocks,
+            },
             "waiting": self.engine.num_waiting,
             "cache": asdict(self.cache.stats()),
             "kv_events": None

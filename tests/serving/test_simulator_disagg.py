@@ -165,11 +165,11 @@ async def test_context_replica_answers_the_first_token_and_the_generation_replic
             assert status == 200 and reply["usage"]["completion_tokens"] == 3
 
 
-def test_aggregated_default_keeps_the_old_engine() -> None:
-    limits = engine_limits(SimulatorConfig())
-    assert limits.pin_blocks is False and limits.mixed_batch_cost == "additive"
-    assert engine_limits(SimulatorConfig(role="context")).pin_blocks is True
-    assert engine_limits(SimulatorConfig(role="generation")).pin_blocks is True
+def test_every_role_holds_running_blocks_by_default_and_the_old_engine_stays_an_option() -> None:
+    for role in ("aggregated", "context", "generation"):
+        limits = engine_limits(SimulatorConfig(role=role))
+        assert limits.pin_blocks is True and limits.capacity_policy == "guaranteed_no_evict"
+    assert engine_limits(SimulatorConfig(pin_running_blocks=False)).pin_blocks is False
 
 
 # ---- TTFT identity ----------------------------------------------------------------------------------
@@ -210,13 +210,13 @@ async def test_ttft_is_queue_plus_prefill_plus_transfer_plus_first_decode_step(
         c, g = ctx_perf[ctx_id]["simulator"], gen_perf[ctx_id]["simulator"]
         n = c["prompt_tokens"]
         # Each modelled part is what the cost model says for this request alone.
-        assert c["prefill_ms"] == pytest.approx(COST.prefill_ms(n), abs=1e-3)
+        assert c["prefill_ms"] == pytest.approx(ctx.replica.cost.prefill_ms(n), abs=1e-3)
         blocks = math.ceil(n / BS)
         assert g["transferred_blocks"] == blocks
         assert g["transfer_ms"] == pytest.approx(
             KvLink(0.5, 400.0).transfer_ms(blocks * BS * KV_BYTES_PER_TOKEN["qwen2.5-32b"]), abs=1e-3
         )
-        assert g["first_iteration_ms"] == pytest.approx(COST.decode_step_ms(1, n + 1), abs=1e-3)
+        assert g["first_iteration_ms"] == pytest.approx(gen.replica.cost.decode_step_ms(1, n + 1), abs=1e-3)
         parts = (c["queue_ms"] + c["prefill_ms"] + g["queue_ms"] + g["kv_wait_ms"] + g["transfer_ms"]) + g[
             "first_iteration_ms"
         ]
@@ -343,7 +343,9 @@ async def test_pinned_blocks_are_never_evicted_and_a_late_pull_finds_the_kv_cach
             removed = [
                 h for e in await r.json() if e["data"]["type"] == "removed" for h in e["data"]["block_hashes"]
             ]
-        assert len(removed) == 10 and set(removed) <= set(h1)  # 25 + 25 > 40: only unpinned blocks went
+        # The second holds its 25 blocks and one for its partial last block and first token: only the
+        # first prompt's (unpinned) blocks went, as many as that overflows.
+        assert len(removed) == len(h1) + len(h2) + 1 - 40 and set(removed) <= set(h1)
 
         await asyncio.sleep(1.3)  # past kv_transfer_timeout_s (wall seconds at time scale 0)
         assert ctx.replica.cache.pinned_blocks == 0
@@ -420,7 +422,7 @@ async def test_disaggregation_costs_the_same_gpu_time_as_aggregated_at_low_load(
     assert busy["agg"]["served"] == busy["ctx"]["served"] == busy["gen"]["served"] == 3
     assert busy["ctx"]["busy_ms"] + busy["gen"]["busy_ms"] == pytest.approx(busy["agg"]["busy_ms"], rel=1e-4)
     assert busy["ctx"]["busy_ms"] == pytest.approx(
-        sum(COST.prefill_ms(len(token_ids(b["prompt"]))) for b in bodies), rel=1e-9
+        sum(agg.replica.cost.prefill_ms(len(token_ids(b["prompt"]))) for b in bodies), rel=1e-9
     )
 
 

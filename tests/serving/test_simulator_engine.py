@@ -176,7 +176,12 @@ async def test_chunk_blocks_become_reusable_after_each_chunk_only_when_asked() -
             COST,
             BlockPrefixCache(1000, 32),
             EngineLimits(
-                64, 256, chunked_prefill=True, chunking_policy="equal_progress", reuse_chunk_blocks=reuse
+                64,
+                256,
+                chunked_prefill=True,
+                chunking_policy="equal_progress",
+                reuse_chunk_blocks=reuse,
+                defer_shared_prefixes=False,  # else the repeat waits for the whole first prompt
             ),
             EngineKnobs(time_scale=0.0),
         )

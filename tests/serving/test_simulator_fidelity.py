@@ -58,8 +58,8 @@ async def _chunk_times(http: aiohttp.ClientSession, url: str, prompt: str, max_t
 @pytest.fixture
 async def servers() -> AsyncIterator[tuple[RunningSimulator, RunningSimulator]]:
     async with (
-        running_simulator(time_scale=1.0, replica_id="timed") as timed,
-        running_simulator(time_scale=0.0, replica_id="instant") as instant,
+        running_simulator(time_scale=1.0, replica_id="timed", cost_model="eager_pytorch") as timed,
+        running_simulator(time_scale=0.0, replica_id="instant", cost_model="eager_pytorch") as instant,
     ):
         yield timed, instant
 

@@ -289,7 +289,7 @@ async def test_chunked_prefill_answers_alike_and_splits_the_prompt(http: aiohttp
     usages: list[dict[str, Any]] = []
     texts: list[str] = []
     async with (
-        running_simulator(time_scale=0.0, max_num_tokens=256) as whole,
+        running_simulator(time_scale=0.0) as whole,
         running_simulator(time_scale=0.0, max_num_tokens=256, enable_chunked_prefill=True) as chunked,
     ):
         for sim in (whole, chunked):
@@ -302,24 +302,26 @@ async def test_chunked_prefill_answers_alike_and_splits_the_prompt(http: aiohttp
     prompt = usages[0]["prompt_tokens"]
     assert prompt > 256 and usages[1]["prompt_tokens_details"]["cached_tokens"] > 0
     assert whole_stats["prefill_tokens_computed"] == chunked_stats["prefill_tokens_computed"]
-    # Unchunked, an over-budget prompt runs in one iteration; chunked, in budget-sized pieces.
+    # Unchunked, the prompt runs in one iteration; chunked, in pieces of the 256-token budget.
     assert chunked_stats["iterations"] >= whole_stats["iterations"] + prompt // 256
 
 
-async def test_two_prompts_admitted_together_both_compute_the_shared_prefix(
-    http: aiohttp.ClientSession,
+@pytest.mark.parametrize("defer", [True, False])
+async def test_a_prompt_extending_one_admitted_in_the_same_iteration_waits_one_and_reuses_it(
+    http: aiohttp.ClientSession, defer: bool
 ) -> None:
-    """Why the router keeps a shopper's next prompt off a replica where its previous one is still queued
-    (``PrefixAwareSettings.cobatch_window_s``): an engine reuses only blocks it has computed, so a prompt
-    admitted in the same iteration as the one it extends finds nothing of it cached, and both first
-    tokens wait for both prefills. A prompt that arrives after that iteration reuses it."""
+    """TensorRT-LLM's ``beneficialToSkip`` (on by default here as there): of two prompts arriving
+    together, the second extends the first, so its first uncached block is one the first computes in this
+    iteration; the scheduler holds it back one iteration, and it then reuses the first's blocks. With
+    ``defer_shared_prefixes`` off (the simulator before issue 28), both are admitted together and both
+    compute the shared prefix, which is what the router's co-batching rule
+    (``PrefixAwareSettings.cobatch_window_s``) worked around."""
     first_user = "Viewed trail shoes. " * 120
     second_user = first_user + "Added Garmin Forerunner 265 to basket. " * 10
-    third_user = second_user + "Searched running socks. " * 10
-    async with running_simulator(time_scale=1.0) as sim:
+    async with running_simulator(time_scale=1.0, defer_shared_prefixes=defer) as sim:
         url = f"{sim.url}/v1/chat/completions"
-        # A long cold prefill of another shopper holds the engine for about a second: both prompts below
-        # arrive while it runs and are admitted together at the next iteration.
+        # A long cold prefill of another shopper holds the engine: both prompts below arrive while it
+        # runs and meet at the next admission.
         blocker = asyncio.create_task(
             post_json(http, url, _chat(user="Other shopper. " * 1200, max_tokens=2))
         )
@@ -330,20 +332,23 @@ async def test_two_prompts_admitted_together_both_compute_the_shared_prefix(
             post_json(http, url, _chat(user=second_user, max_tokens=2)),
         )
         await blocker
-        _, third = await post_json(http, url, _chat(user=third_user, max_tokens=2))
+        deferred = sim.replica.engine.stats.deferred
         async with http.get(f"{sim.url}/admin/ttft") as r:
             records = (await r.json())["requests"]
 
     def cached(body: dict[str, Any]) -> int:
         return int(body["usage"]["prompt_tokens_details"]["cached_tokens"])
 
-    # Both reuse only the system prompt the blocker left; the second none of the first's own blocks.
-    assert cached(second) == cached(first) < first["usage"]["prompt_tokens"] - 10 * 32
-    assert cached(third) >= second["usage"]["prompt_tokens"] - 32  # all but the last partial block
     by_prompt = {r["prompt_tokens"]: r for r in records}
-    together = [by_prompt[b["usage"]["prompt_tokens"]] for b in (first, second)]
-    new_tokens = sum(r["prompt_tokens"] - r["cached_tokens"] for r in together)
-    assert all(r["batch_prefill_tokens"] == new_tokens for r in together)
-    assert all(r["queue_ms"] > 0 for r in together)  # both waited for the blocker's iteration
-    later = by_prompt[third["usage"]["prompt_tokens"]]
-    assert later["batch_prefill_tokens"] == later["prompt_tokens"] - later["cached_tokens"]
+    one, two = (by_prompt[b["usage"]["prompt_tokens"]] for b in (first, second))
+    if defer:
+        assert deferred == 1
+        assert cached(second) >= first["usage"]["prompt_tokens"] - 32  # all the first's full blocks
+        assert two["queue_ms"] > one["queue_ms"]  # it waited for the first's iteration
+        assert two["batch_prefill_tokens"] == two["prompt_tokens"] - two["cached_tokens"]
+    else:
+        # Both reuse only the system prompt the blocker left; the second none of the first's own blocks.
+        assert deferred == 0
+        assert cached(second) == cached(first) < first["usage"]["prompt_tokens"] - 10 * 32
+        new_tokens = sum(r["prompt_tokens"] - r["cached_tokens"] for r in (one, two))
+        assert one["batch_prefill_tokens"] == two["batch_prefill_tokens"] == new_tokens
