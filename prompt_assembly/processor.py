@@ -17,8 +17,8 @@ from pydantic import BaseModel, Field
 
 from prompt_assembly.events import EventTimeWindow, ShopperEvent
 from prompt_assembly.prompt import TASK_TOKENS, build_messages, head_tokens, render_event
-from prompt_assembly.records import PromptRequest, TriggerReason
-from prompt_assembly.session import ShopperSession
+from prompt_assembly.records import PromptRequest, TriggerReason, request_id
+from prompt_assembly.session import ShopperSession, session_epoch
 from prompt_assembly.tokens import count_tokens
 from prompt_assembly.triggers import TriggerPolicy
 
@@ -54,6 +54,8 @@ class SessionProcessor:
         """Add ``event`` (``raw``: the JSON it was parsed from, optional) and return the prompts due."""
         if session.has_seen(event.event_id):
             return Applied("duplicate", [])
+        if session.arrivals == 0 and session.epoch == 0:
+            session.epoch = session_epoch(event.ts)
         prompts: list[PromptRequest] = []
         pending = session.pending
         if pending is not None and event.ts >= pending.due_ts:
@@ -96,6 +98,7 @@ class SessionProcessor:
                 drop += 1
             session.trim_head(drop, self.config.remember_trimmed_ids)
             lines, counts = lines[drop:], counts[drop:]
+        new_event_ids = [e.event.event_id for e in session.entries if e.segment >= session.seq]
         head = head_tokens(session.shopper_id)
         if session.seq == 0:
             shared = 0
@@ -104,12 +107,14 @@ class SessionProcessor:
         else:
             shared = session.last_log_tokens
         request = PromptRequest(
-            request_id=f"{session.shopper_id}:{session.seq + 1}",
+            request_id=request_id(session.shopper_id, session.epoch, session.seq + 1),
             shopper_id=session.shopper_id,
+            session_epoch=session.epoch,
             seq=session.seq + 1,
             reason=reason,
             messages=build_messages(session.shopper_id, lines),
             event_count=len(lines),
+            new_event_ids=new_event_ids,
             last_event_ts=session.last_event_ts,
             prompt_tokens=head + log_tokens + TASK_TOKENS,
             shared_prefix_tokens=shared,

@@ -1,13 +1,18 @@
 """Records that flow between the stages: prompt requests out of the session logic, and exactly one
-result (an insight or an error) back for each of them. ``request_id`` = ``shopper_id:seq`` is the
-idempotency key end to end: a replayed trigger produces the same id, so sinks overwrite instead of
-duplicating."""
+result (an insight or an error) back for each of them.
+
+``request_id`` = ``shopper_id:session_epoch:seq`` is the idempotency key end to end: a replayed
+trigger produces the same id, so sinks overwrite instead of duplicating. The version of a shopper's
+answer is the pair ``(session_epoch, seq)``, compared in that order: ``seq`` counts the prompts of one
+session and ``session_epoch`` names the session (``prompt_assembly.session.session_epoch``), so a
+session that restarts after its state was lost gets ids never used before, and its answers outrank
+the lost session's."""
 
 from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, Field
 
 from prompt_assembly.understanding import ShopperUnderstanding
 
@@ -15,16 +20,26 @@ ChatMessage = dict[str, str]
 TriggerReason = Literal["add_to_cart", "purchase", "browse_pause"]
 
 
+def request_id(shopper_id: str, epoch: int, seq: int) -> str:
+    return f"{shopper_id}:{epoch}:{seq}"
+
+
 class PromptRequest(BaseModel):
     model_config = ConfigDict(frozen=True)
 
     request_id: str
     shopper_id: str
+    session_epoch: int = 0
+    """The session's epoch: the first part of the version (0 for sessions from before epochs)."""
     seq: int
-    """Per-shopper prompt number, strictly increasing: the version that Redis writes compare on."""
+    """Prompt number within the session, strictly increasing: the second part of the version."""
     reason: TriggerReason
     messages: list[ChatMessage]
     event_count: int
+    new_event_ids: list[str] = Field(default_factory=list)
+    """Ids of the events this prompt is the first of its session to include, in log order: with the
+    earlier versions' lists they name every event behind an answer (bounded by
+    ``SessionConfig.max_events``)."""
     last_event_ts: float
     """Event time of the newest event in the prompt; freshness is measured from it."""
     prompt_tokens: int
@@ -45,6 +60,7 @@ class ShopperInsight(BaseModel):
     kind: Literal["insight"] = "insight"
     request_id: str
     shopper_id: str
+    session_epoch: int = 0
     seq: int
     reason: TriggerReason
     understanding: ShopperUnderstanding
@@ -53,6 +69,7 @@ class ShopperInsight(BaseModel):
     replica: str
     usage: Usage
     event_count: int
+    new_event_ids: list[str] = Field(default_factory=list)
     last_event_ts: float
     ttft_ms: float
     latency_ms: float
@@ -66,11 +83,13 @@ class EnrichmentError(BaseModel):
     kind: Literal["error"] = "error"
     request_id: str
     shopper_id: str
+    session_epoch: int = 0
     seq: int
     reason: TriggerReason
     error_type: str
     message: str
     attempts: int
+    new_event_ids: list[str] = Field(default_factory=list)
     last_event_ts: float
     produced_at: float
     raw_answer: str | None = None

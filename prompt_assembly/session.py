@@ -71,6 +71,11 @@ class _StoredSession(msgspec.Struct, gc=False):
 _STORED_SESSION = msgspec.json.Decoder(_StoredSession)
 
 
+def session_epoch(first_event_ts: float) -> int:
+    """The epoch of a session started by an event at ``first_event_ts`` (seconds): its milliseconds."""
+    return int(first_event_ts * 1000)
+
+
 @dataclass(slots=True)
 class PendingTrigger:
     reason: TriggerReason
@@ -94,6 +99,11 @@ class ShopperSession:
     entries: list[SessionEntry] = field(default_factory=list)
     seq: int = 0
     """Prompts emitted so far; also the segment of entries arriving now."""
+    epoch: int = 0
+    """Which session of the shopper this is: the event time, in milliseconds, of the event that started
+    it (``session_epoch``), so a session started after the state was lost (a redeploy without a
+    savepoint, a state TTL, an engine switch) outranks the one before it, and a replay from the same
+    first event reproduces it. 0: a session stored before epochs existed."""
     arrivals: int = 0
     last_prompt_ts: float | None = None
     pending: PendingTrigger | None = None
@@ -171,6 +181,7 @@ class ShopperSession:
         return {
             "shopper_id": self.shopper_id,
             "seq": self.seq,
+            "epoch": self.epoch,
             "arrivals": self.arrivals,
             "last_prompt_ts": self.last_prompt_ts,
             "pending": None if self.pending is None else [self.pending.reason, self.pending.due_ts],
@@ -212,6 +223,7 @@ class ShopperSession:
             shopper_id=header["shopper_id"],
             entries=parsed,
             seq=header["seq"],
+            epoch=header.get("epoch", 0),
             arrivals=header["arrivals"],
             last_prompt_ts=header["last_prompt_ts"],
             pending=None if pending is None else PendingTrigger(pending[0], pending[1]),

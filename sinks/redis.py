@@ -1,10 +1,13 @@
 """Per-shopper signals in Redis (ElastiCache in production), for ad servers to read.
 
 Key ``{prefix}signals:{shopper_id}`` is a hash: summary, interests (JSON), occasion, style,
-price_sensitivity, understanding (JSON), model, replica, prompt/cached/completion tokens, seq (the
-version), request_id, last_event_ts, updated_at. A Lua script writes it only when the incoming ``seq``
-is greater than the stored one, atomically, so replays, duplicates and out-of-order completions never
-regress a value. Errors are not written here (a stale good answer beats no answer); they are counted
+price_sensitivity, understanding (JSON), model, replica, prompt/cached/completion tokens, session_epoch
+and seq (the version), resets, request_id, last_event_ts, updated_at (``signal_fields``; the contract
+is docs/contracts.md). A Lua script writes it only when the incoming version ``(session_epoch, seq)`` is
+greater than the stored one, atomically, so replays, duplicates and out-of-order completions never
+regress a value, while the answers of a session started after its state was lost (a newer epoch)
+replace the lost session's at once; ``resets`` counts how often that happened to the shopper.
+Errors are not written here (a stale good answer beats no answer); they are counted
 in ``{prefix}signal_errors:{shopper_id}`` (request_id -> error type) and go to S3 with every other result.
 Both hashes expire after ``signal_ttl_s`` without a write; each script sets its key's expiry in the same
 call as the write, so no hash ever exists without one.
@@ -24,14 +27,25 @@ from sinks.config import SinkSettings
 from sinks.keys import RedisKeys
 
 _WRITE_IF_NEWER = """
-local current = redis.call('HGET', KEYS[1], 'seq')
-if current and tonumber(current) >= tonumber(ARGV[1]) then
-  return 0
+local stored = redis.call('HMGET', KEYS[1], 'session_epoch', 'seq', 'resets')
+local epoch, seq = tonumber(ARGV[1]), tonumber(ARGV[2])
+local reset = 0
+if stored[2] then
+  local stored_epoch, stored_seq = tonumber(stored[1]) or 0, tonumber(stored[2])
+  if stored_epoch > epoch or (stored_epoch == epoch and stored_seq >= seq) then
+    return 0
+  end
+  if stored_epoch < epoch then
+    reset = 1
+  end
 end
-redis.call('HSET', KEYS[1], unpack(ARGV, 3))
-redis.call('EXPIRE', KEYS[1], ARGV[2])
-return 1
+local resets = (tonumber(stored[3]) or 0) + reset
+redis.call('HSET', KEYS[1], 'resets', resets, unpack(ARGV, 4))
+redis.call('EXPIRE', KEYS[1], ARGV[3])
+return 1 + reset
 """
+"""Write the answer only when its version ``(session_epoch, seq)`` is newer than the stored one; a newer
+epoch over an older one is a session reset: counted in the hash (``resets``) and answered 2."""
 
 _RECORD_ERROR = """
 redis.call('HSET', KEYS[1], ARGV[2], ARGV[3])
@@ -45,6 +59,7 @@ stored once, and a shopper who goes quiet leaves nothing behind."""
 def signal_fields(insight: ShopperInsight) -> dict[str, str]:
     u = insight.understanding
     return {
+        "session_epoch": str(insight.session_epoch),
         "seq": str(insight.seq),
         "request_id": insight.request_id,
         "summary": u.summary,
@@ -77,6 +92,9 @@ class RedisSignalSink:
         self._record_error = self.redis.register_script(_RECORD_ERROR)
         self.written = 0
         self.stale_skipped = 0
+        self.session_resets = 0
+        """Answers of a new session that replaced an older session's (its state was lost or expired
+        while the shopper's signal lived): the counter an engine exposes as ``session_resets``."""
         self.errors_counted = 0
 
     def key(self, shopper_id: str) -> str:
@@ -88,7 +106,7 @@ class RedisSignalSink:
         pipe = self.redis.pipeline(transaction=False)
         for result in results:
             if isinstance(result, ShopperInsight):
-                args: list[Any] = [result.seq, self.settings.signal_ttl_s]
+                args: list[Any] = [result.session_epoch, result.seq, self.settings.signal_ttl_s]
                 for field, value in signal_fields(result).items():
                     args += [field, value]
                 await self._script(keys=[self.key(result.shopper_id)], args=args, client=pipe)
@@ -102,8 +120,9 @@ class RedisSignalSink:
         applied = 0
         for result, reply in zip(results, replies, strict=True):
             if isinstance(result, ShopperInsight):
-                if reply == 1:
+                if reply >= 1:
                     applied += 1
+                    self.session_resets += reply == 2
                 else:
                     self.stale_skipped += 1
             else:

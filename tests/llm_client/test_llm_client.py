@@ -156,7 +156,7 @@ async def test_enricher_returns_an_insight_for_a_valid_answer() -> None:
     async with running_simulator(time_scale=0.01) as sim, LLMClient(config(sim.url)) as client:
         result = await Enricher(client).enrich(a_prompt())
     assert isinstance(result, ShopperInsight)
-    assert result.request_id == "s-42:1" and result.understanding.summary
+    assert result.request_id == a_prompt().request_id and result.understanding.summary
     assert result.usage.prompt_tokens > 0
 
 
