@@ -8,10 +8,10 @@ quickly, and affinity keeps sending a shopper back to the replica that failed it
 ``invalid_share`` of them, were invalid (``InvalidAnswer``), the replica is *quarantined*: no new
 requests, its reason (the most frequent kind of invalid answer) in the log and on ``/metrics``.
 
-After ``cooldown_s`` the client probes it: the request it last answered badly is sent again and must
-pass the same validation (``LLMClient._answer_probe``; a small completion that must come back well
-formed where no such request is known); a pass re-admits it on probation (an empty window), a failure
-keeps it out for another cool-down. A replica quarantined again soon after is kept out twice as long, up to
+After ``cooldown_s`` the client probes it with a known-good request: the last one a replica of its pool
+answered well (``llm_client.answer_probes``; a small completion with the configured model name when no
+answer was good yet); a pass re-admits it on probation (an empty window), a failure keeps it out for
+another cool-down. A replica quarantined again soon after is kept out twice as long, up to
 ``max_cooldown_s``. The last routable replica is never quarantined: if every replica answers badly the
 fault is more likely the caller's schema than the fleet, and error records say so.
 
@@ -64,7 +64,8 @@ class _Record:
 
 @dataclass
 class AnswerHealth:
-    """Feeds on every answer the client reads; decides quarantines and when to probe."""
+    """Feeds on every answer the client reads, good ones included (the window is a share of answers);
+    decides quarantines and when to probe."""
 
     settings: AnswerHealthSettings = field(default_factory=AnswerHealthSettings)
     clock: Callable[[], float] = time.monotonic

@@ -273,3 +273,23 @@ async def read_stream(
         finish_reason=finish,
         max_itl_ms=max_gap * 1000 if len(parts) > 1 else None,
     )
+
+
+# ---- the caller's verdict ---------------------------------------------------------------------------
+AnswerValidator = Callable[[str], object]
+"""Checks an answer's text and returns what the caller wants of it (kept as ``Completion.parsed``);
+raises ``InvalidAnswer`` (kind ``schema``) when the text is not what the caller's schema requires."""
+
+
+def validated(validate: AnswerValidator, completion: Completion, endpoint: str) -> object:
+    """The caller's verdict on an answer; its own ``ValueError``/``TypeError`` counts as a schema miss,
+    so a validator written carelessly cannot crash the call."""
+    try:
+        return validate(completion.text)
+    except InvalidAnswer as exc:
+        exc.endpoint = exc.endpoint or endpoint
+        exc.raw = completion.text[:2000] if exc.raw is None else exc.raw
+        raise
+    except (ValueError, TypeError) as exc:
+        message = f"answer rejected by the caller's schema: {exc}"
+        raise InvalidAnswer(message, kind="schema", endpoint=endpoint, raw=completion.text) from None

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import ssl
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from urllib.parse import quote
 
@@ -25,6 +25,10 @@ from llm_client.errors import (
     InvalidAnswer,
     LLMError,
 )
+
+SessionSource = Callable[[], aiohttp.ClientSession]
+"""The client's one HTTP session, for the parts that talk to replicas (``LLMClient`` opens it in
+``start``; asking before that is a bug, and says so)."""
 
 
 class EndpointSecurity(BaseModel):

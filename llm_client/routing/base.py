@@ -42,6 +42,10 @@ class RouteOutcome:
     latency_ms: float = 0.0
     ttft_ms: float = 0.0
     connection_failed: bool = False
+    completion_tokens: int = 0
+    first_token: bool = False
+    """``ttft_ms`` is when a streamed answer's first token came. Otherwise (an answer not streamed) it is
+    the whole answer's latency, decode included, and says nothing of the time to a first token."""
 
 
 @dataclass(frozen=True, slots=True)

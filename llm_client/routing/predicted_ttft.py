@@ -51,12 +51,17 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from llm_client.endpoints import Endpoint
 from llm_client.routing.base import Feedback, RouteOutcome, RouteRequest
 from llm_client.routing.prefix_aware import PrefixAwarePolicy, PrefixAwareSettings
 from prompt_assembly.errors import ConfigurationError
+
+MAX_GROUP_WEIGHT = 10.0
+"""The largest group weight. A weight divides a group's predicted first-token time: 10 already prefers a
+group over one ten times faster. Without a bound a weight of ``Infinity`` (or ``1e309``, which JSON reads
+as infinity) made every prediction of the group 0, so it was admissible however slow it became."""
 
 _PREDICTED = "predicted_ttft.work"
 """Per replica the request was routed to: (work tokens, rtt ms) at routing time, to learn its speed."""
@@ -69,10 +74,23 @@ class EndpointGroup(BaseModel):
     name: str = Field(min_length=1)
     endpoints: list[str] = Field(description="replica base URLs in this group (as in ClientConfig.endpoints)")
     rtt_ms: float = Field(0.0, ge=0, description="round trip from this client to the group")
-    weight: float = Field(1.0, ge=0, description="preference when spilled (prediction / weight); 0 = out")
+    weight: float = Field(
+        1.0,
+        ge=0,
+        le=MAX_GROUP_WEIGHT,
+        allow_inf_nan=False,
+        description="preference when spilled (prediction / weight); 0 = out",
+    )
     ms_per_token: float | None = Field(
         None, gt=0, description="prior prefill speed of its accelerator kind; None = the policy's default"
     )
+
+    @field_validator("endpoints")
+    @classmethod
+    def _as_the_client_names_them(cls, endpoints: list[str]) -> list[str]:
+        """The client drops a URL's trailing slash (``Endpoint.url``): a group URL written with one
+        matched no replica, and its replica silently counted as local, at a round trip of 0."""
+        return [url.rstrip("/") for url in endpoints]
 
 
 class PredictedTtftSettings(BaseModel):
@@ -208,8 +226,8 @@ class PredictedTtftPolicy:
         """Change a group's weight live (0 takes it out of rotation)."""
         if group not in self._weights:
             raise ConfigurationError(f"unknown endpoint group {group!r}; known: {sorted(self._weights)}")
-        if weight < 0:
-            raise ConfigurationError(f"a group weight is >= 0, not {weight}")
+        if not 0 <= weight <= MAX_GROUP_WEIGHT:  # NaN fails this too
+            raise ConfigurationError(f"a group weight is finite, from 0 to {MAX_GROUP_WEIGHT}, not {weight}")
         self._weights[group] = weight
 
     @property
@@ -256,7 +274,12 @@ class PredictedTtftPolicy:
         local = [e for e in endpoints if self.group(e) == local_name and self._weights[local_name] > 0]
         best_local = min(local, key=lambda e: predicted[e.name], default=None)
         local_ms = float("inf") if best_local is None else predicted[best_local.name]
-        self._update_spill(local_ms)
+        if _PREDICTED not in request.memo:
+            # A retry's candidates leave out the replicas it already tried: one 503 from the only local
+            # replica would read as "no local replica" and spill every request for min_spill_s. The
+            # spill state is the fleet's, so only a request's first routing (all routable replicas)
+            # moves it.
+            self._update_spill(local_ms)
         slo = self.settings.slo_ms
         if best_local is not None and not self.spilling:
             pool = local
@@ -343,7 +366,9 @@ class PredictedTtftPolicy:
     def observe(self, request: RouteRequest, endpoint: Endpoint, outcome: RouteOutcome) -> Feedback:
         work_map = request.memo.get(_PREDICTED)
         routed = work_map.get(endpoint.name) if isinstance(work_map, dict) else None
-        if outcome.ok and routed is not None and outcome.ttft_ms > 0:
+        # Only a streamed first token says how long a first token took: a non-streamed answer's time
+        # is its whole decode too (sixty 6.3 s answers taught 11x, and the policy stayed spilled).
+        if outcome.ok and outcome.first_token and routed is not None and outcome.ttft_ms > 0:
             work, rtt = routed
             if work >= self.settings.min_work_tokens:
                 sample = max(outcome.ttft_ms - rtt, 1.0) / self._prior_ms(endpoint, work)
@@ -355,7 +380,10 @@ class PredictedTtftPolicy:
         return self.prefix.observe(request, endpoint, outcome)
 
     def forget(self, endpoint: Endpoint) -> None:
+        """The replica restarted, was ejected or left: its learned slowness goes with its cache (a
+        restarted replica is a new process; one ejected for being slow earns its slowness again)."""
         self.prefix.forget(endpoint)
+        self._slowness.pop(endpoint.name, None)
 
     # ---- what the prefix bookkeeping needs (KvEventConsumer, PrefillObserver) --------------------
     @property

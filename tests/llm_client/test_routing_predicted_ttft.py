@@ -155,7 +155,9 @@ def test_prefix_aware_costs_become_time_so_a_slow_replica_needs_half_the_queue()
     p.observe(
         probe,
         slow,
-        RouteOutcome(ok=True, prompt_tokens=probe.prompt_tokens, ttft_ms=0.2 * probe.prompt_tokens),
+        RouteOutcome(
+            ok=True, prompt_tokens=probe.prompt_tokens, ttft_ms=0.2 * probe.prompt_tokens, first_token=True
+        ),
     )
     assert p.ms_per_token(slow) == pytest.approx(0.2)  # learned: a second accelerator kind, half the speed
     n = probe.prompt_tokens
@@ -192,7 +194,9 @@ def test_a_slow_replica_is_learned_from_its_first_tokens_and_forgotten_with_time
     request = route(words(2000))
     n = request.prompt_tokens
     assert p.choose(request, [local[0]]) is local[0]
-    p.observe(request, local[0], RouteOutcome(ok=True, prompt_tokens=n, ttft_ms=0.5 * n))  # 5x the prior
+    p.observe(
+        request, local[0], RouteOutcome(ok=True, prompt_tokens=n, ttft_ms=0.5 * n, first_token=True)
+    )  # 5x the prior
     learned = p.ms_per_token(local[0])
     assert learned == pytest.approx(0.1 * 5**p.settings.speed_alpha), "one 5x sample moves it by 5**alpha"
     clock.now += p.settings.speed_half_life_s
@@ -211,7 +215,11 @@ def test_noisy_first_tokens_teach_the_typical_slowness_not_their_mean() -> None:
         n = request.prompt_tokens
         assert p.choose(request, [local[0]]) is local[0]
         ratio = 1.0 if i % 2 else 4.0
-        p.observe(request, local[0], RouteOutcome(ok=True, prompt_tokens=n, ttft_ms=ratio * 0.1 * n))
+        p.observe(
+            request,
+            local[0],
+            RouteOutcome(ok=True, prompt_tokens=n, ttft_ms=ratio * 0.1 * n, first_token=True),
+        )
         local[0].outstanding_prefill_tokens = 0
     assert p.slowness(local[0]) == pytest.approx(2.0, rel=0.1)
 
@@ -260,7 +268,9 @@ def test_a_spilled_shopper_keeps_its_remote_replica_while_local_is_hot_then_come
     first = route(history, key="shopper")
     home = p.choose(first, endpoints)
     assert home in remote
-    p.observe(first, home, RouteOutcome(ok=True, prompt_tokens=first.prompt_tokens, ttft_ms=1.0))
+    p.observe(
+        first, home, RouteOutcome(ok=True, prompt_tokens=first.prompt_tokens, ttft_ms=1.0, first_token=True)
+    )
     other = next(e for e in remote if e is not home)
     other.outstanding_prefill_tokens = 0
     home.outstanding_prefill_tokens = 1500  # busier than the other remote replica, but warm
@@ -288,7 +298,9 @@ def test_a_first_token_floor_keeps_an_idle_replica_with_a_warm_prompt_from_looki
     assert p.predicted_ttft_ms(request, replica) == pytest.approx(100 + 0.1 * n)
     assert p.choose(request, [replica]) is replica
     # Exactly what the calibration predicts for this little work: the floor plus the prefill.
-    p.observe(request, replica, RouteOutcome(ok=True, prompt_tokens=n, ttft_ms=100 + 0.1 * n))
+    p.observe(
+        request, replica, RouteOutcome(ok=True, prompt_tokens=n, ttft_ms=100 + 0.1 * n, first_token=True)
+    )
     assert p.slowness(replica) == pytest.approx(1.0), "as fast as its kind: nothing learned"
     # Without the floor the same first token would read as ms per token of work: 1 + 100 / (0.1 n) x.
     assert (100 + 0.1 * n) / (0.1 * n) > 1.5

@@ -1,0 +1,121 @@
+"""One attempt of a parsed call (``LLMClient.chat`` and ``request``) on one replica.
+
+The request is POSTed as JSON; the answer is read within ``AnswerLimits`` and decoded into a
+``Completion`` (``llm_client.answers``), then checked by the caller's ``validate``. While the attempt runs
+the replica carries its load (outstanding requests, prefill tokens until the first streamed token,
+decode tokens); however the attempt ends the load is given back and the fleet told how it ended
+(``Fleet.succeeded``, ``failed`` or ``bad_answer``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import replace
+from typing import Any
+
+import aiohttp
+import orjson
+
+from llm_client.answer_probes import AnswerProber, ProbeRequest
+from llm_client.answers import AnswerValidator, parse_body, read_body, read_stream, validated
+from llm_client.config import ClientConfig
+from llm_client.endpoints import Endpoint
+from llm_client.errors import ConnectionFailed, InvalidAnswer, LLMError
+from llm_client.fleet import Fleet
+from llm_client.models import Completion
+from llm_client.routing import RouteOutcome, RouteRequest
+from llm_client.routing.base import PrefillObserver
+from llm_client.status import raise_for_status
+from llm_client.transport import SessionSource, header_value, mapped_transport_errors
+
+
+class Exchange:
+    def __init__(
+        self, config: ClientConfig, fleet: Fleet, session: SessionSource, prober: AnswerProber
+    ) -> None:
+        self.config = config
+        self.fleet = fleet
+        self._session = session
+        self.prober = prober
+
+    async def completion(
+        self,
+        endpoint: Endpoint,
+        path: str,
+        body: dict[str, Any],
+        route: RouteRequest,
+        validate: AnswerValidator | None = None,
+    ) -> Completion:
+        session = self._session()
+        policy = self.fleet.policy_of(endpoint)
+        uncached = policy.estimate_uncached_tokens(route, endpoint)
+        prefill_pending = [uncached]  # prefill work not yet done: cleared at the first streamed token
+        report = self.fleet.prefill_reporter(route, endpoint)
+
+        def prefill_done(computed: bool = True) -> None:
+            endpoint.outstanding_prefill_tokens -= prefill_pending[0]
+            prefill_pending[0] = 0
+            if report is not None:
+                report(computed)
+
+        answered = False
+        endpoint.outstanding += 1
+        endpoint.outstanding_prefill_tokens += uncached
+        endpoint.outstanding_decode_tokens += route.max_tokens
+        started = time.perf_counter()
+        timeout = aiohttp.ClientTimeout(
+            total=self.config.timeouts.attempt_s, sock_connect=self.config.timeouts.connect_s
+        )
+        headers = {"x-session-id": header_value(route.key), "Content-Type": "application/json"}
+        limits = self.config.answer_limits
+        try:
+            with mapped_transport_errors(endpoint.name, self.config.timeouts.attempt_s):
+                # bytes straight from orjson: ``json=`` would decode them to str and aiohttp encode them
+                async with session.post(
+                    endpoint.url + path, data=orjson.dumps(body), headers=headers, timeout=timeout
+                ) as response:
+                    if response.status >= 400:
+                        await raise_for_status(response, endpoint)
+                    if body.get("stream"):
+                        completion = await read_stream(response, limits, endpoint.name, started, prefill_done)
+                    else:
+                        completion = parse_body(
+                            await read_body(response, limits, endpoint.name), endpoint.name, started
+                        )
+            if validate is not None:
+                completion = replace(completion, parsed=validated(validate, completion, endpoint.name))
+            answered = True
+        except InvalidAnswer as exc:
+            self.fleet.bad_answer(endpoint, route, exc)
+            raise
+        except LLMError as exc:
+            # A slow connect or read on a busy replica is not a dead replica: it counts towards the
+            # consecutive-failure limit; a failed connection ejects at once.
+            if exc.retryable:
+                self.fleet.failed(endpoint, route, connection=isinstance(exc, ConnectionFailed))
+            raise
+        except asyncio.CancelledError:
+            # The caller's deadline: the replica did nothing wrong, nothing is learned.
+            raise
+        finally:
+            endpoint.outstanding -= 1
+            prefill_done(computed=answered)  # a no-op for the policy if the first token was reported
+            endpoint.outstanding_decode_tokens -= route.max_tokens
+            if isinstance(policy, PrefillObserver):
+                policy.attempt_over(route, endpoint)
+        self.fleet.succeeded(
+            endpoint,
+            route,
+            RouteOutcome(
+                ok=True,
+                prompt_tokens=completion.prompt_tokens,
+                cached_tokens=completion.cached_tokens,
+                latency_ms=completion.latency_ms,
+                ttft_ms=completion.ttft_ms,
+                completion_tokens=completion.completion_tokens,
+                first_token=bool(body.get("stream")),
+            ),
+        )
+        self.prober.answered_well(endpoint, ProbeRequest(path, body, validate))
+        return completion

@@ -1,0 +1,179 @@
+"""The replicas, and the one place where what the client learns about them is written down.
+
+``Endpoint`` is mutated only here (on the event loop): the routing policy, the degradation detector and
+the answer health report what they learned (``Feedback``, ``HealthChange``, ``Quarantine``) and the fleet
+records it. Every attempt ends in exactly one of ``succeeded``, ``failed`` or ``bad_answer``; whatever
+else happens to a replica (ejection, quarantine, re-admission) follows from those and from the health
+checks (``llm_client.health_checks``).
+
+With P/D disaggregation the fleet has two pools: ``endpoints`` (generation servers, or every replica
+without P/D) and ``context_endpoints`` (context servers, routed by the P/D policy's context part).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable, Sequence
+
+from llm_client.answer_health import AnswerHealth, Quarantine
+from llm_client.config import ClientConfig
+from llm_client.degradation import DegradationDetector, apply_health_changes
+from llm_client.endpoints import Endpoint, endpoint_name
+from llm_client.errors import InvalidAnswer, NoHealthyEndpoint
+from llm_client.routing import RouteOutcome, RouteRequest, RoutingPolicy
+from llm_client.routing.base import PrefillObserver
+from llm_client.routing.pd_aware import PdAwarePolicy
+
+log = logging.getLogger("llm_client.client")
+"""Ejections are logged under the client's name, where operators have always looked for them."""
+
+
+class Fleet:
+    """The replicas' state and its only writer."""
+
+    def __init__(
+        self,
+        config: ClientConfig,
+        policy: RoutingPolicy,
+        degradation: DegradationDetector,
+        answer_health: AnswerHealth,
+    ) -> None:
+        self.config = config
+        self.policy = policy
+        self.degradation = degradation
+        self.answer_health = answer_health
+        self.endpoints = [Endpoint(url.rstrip("/"), endpoint_name(url)) for url in config.endpoints]
+        self.context_endpoints = [
+            Endpoint(url.rstrip("/"), endpoint_name(url)) for url in config.context_endpoints
+        ]
+
+    @property
+    def every(self) -> list[Endpoint]:
+        return [*self.endpoints, *self.context_endpoints]
+
+    def set_endpoints(self, urls: Sequence[str]) -> None:
+        """Route to exactly ``urls`` from now on. Kept replicas keep their state; new ones start fresh;
+        dropped ones are forgotten by the routing policy and the answer health."""
+        wanted = [u.rstrip("/") for u in urls]
+        current = {e.url: e for e in self.endpoints}
+        for url, endpoint in current.items():
+            if url not in wanted:
+                self.policy.forget(endpoint)
+                self.answer_health.forget(endpoint)
+        self.endpoints = [current.get(url) or Endpoint(url, endpoint_name(url)) for url in wanted]
+
+    # ---- which pool, which policy ----------------------------------------------------------------
+    def policy_of(self, endpoint: Endpoint) -> RoutingPolicy:
+        """The policy that routes to ``endpoint``: a P/D policy's context part for a context server."""
+        if isinstance(self.policy, PdAwarePolicy) and any(endpoint is c for c in self.context_endpoints):
+            return self.policy.context
+        return self.policy
+
+    def peers(self, endpoint: Endpoint) -> list[Endpoint]:
+        """The pool ``endpoint`` belongs to (context servers, or the others)."""
+        contexts = self.context_endpoints
+        return contexts if any(endpoint is c for c in contexts) else self.endpoints
+
+    def choose(self, route: RouteRequest, tried: Sequence[str]) -> Endpoint:
+        """The policy's pick among routable replicas not yet tried (all routable ones when every one
+        was tried)."""
+        candidates = [e for e in self.endpoints if e.routable and e.name not in tried]
+        if not candidates:
+            candidates = [e for e in self.endpoints if e.routable]
+        if not candidates:
+            raise NoHealthyEndpoint(f"all {len(self.endpoints)} replicas are ejected or drained")
+        return self.policy.choose(route, candidates)
+
+    async def wait_for_routable(self) -> None:
+        """Every replica is ejected: wait (within the caller's deadline) for the health checker to
+        re-admit one, instead of failing every request of a short outage."""
+        while not any(e.routable for e in self.endpoints):
+            await asyncio.sleep(self.config.health.interval_s / 2)
+
+    def prefill_reporter(self, route: RouteRequest, endpoint: Endpoint) -> Callable[[bool], None] | None:
+        """How an attempt tells a ``PrefillObserver`` policy its prefill is over: computed (a first token
+        came) or abandoned (it ended without one); None for a policy that does not listen."""
+        policy = self.policy_of(endpoint)
+        observer = policy if isinstance(policy, PrefillObserver) else None
+        if observer is None:
+            return None
+
+        def report(computed: bool) -> None:
+            if computed:
+                observer.prefill_done(route, endpoint)
+            else:
+                observer.prefill_abandoned(route, endpoint)
+
+        return report
+
+    # ---- how an attempt ended --------------------------------------------------------------------
+    def succeeded(self, endpoint: Endpoint, route: RouteRequest, outcome: RouteOutcome) -> None:
+        """A usable answer: counted as a good answer, as latency, and taught to the policy."""
+        self.answer_health.observe(endpoint, self.peers(endpoint), None)
+        endpoint.record_success(outcome.latency_ms, outcome.ttft_ms)
+        self.degradation.observe_success(
+            endpoint,
+            outcome.latency_ms,
+            prompt_tokens=outcome.prompt_tokens,
+            cached_tokens=outcome.cached_tokens,
+            completion_tokens=outcome.completion_tokens,
+        )
+        self.evaluate_health()
+        self.observe(route, endpoint, outcome)
+
+    def failed(self, endpoint: Endpoint, route: RouteRequest, *, connection: bool) -> None:
+        """A retryable failure (5xx, 429, timeout, broken connection): a failed connection ejects at
+        once, other failures after ``eject_after_failures`` in a row."""
+        endpoint.record_failure()
+        self.observe(route, endpoint, RouteOutcome(ok=False, connection_failed=connection))
+        self.degradation.observe_failure(endpoint)
+        self.evaluate_health()
+        limit = self.config.health.eject_after_failures
+        if endpoint.healthy and (connection or endpoint.consecutive_failures >= limit):
+            self.eject(
+                endpoint,
+                "connection failed" if connection else f"{endpoint.consecutive_failures} failures in a row",
+            )
+
+    def bad_answer(self, endpoint: Endpoint, route: RouteRequest, error: InvalidAnswer) -> Quarantine | None:
+        """An answer that is no answer: counted by kind, taught to the policy (the replica holds nothing
+        known for this prompt), and judged by the answer health, which may quarantine the replica."""
+        endpoint.failed += 1
+        endpoint.invalid_answers[error.kind] = endpoint.invalid_answers.get(error.kind, 0) + 1
+        self.observe(route, endpoint, RouteOutcome(ok=False))
+        self.degradation.observe_failure(endpoint)
+        quarantine = self.answer_health.observe(endpoint, self.peers(endpoint), error.kind, str(error))
+        if quarantine is not None:
+            endpoint.quarantined = True
+            endpoint.quarantine_kind = quarantine.reason
+            endpoint.out_reason = f"bad answers ({quarantine.reason}): {quarantine.detail}"
+            self.policy_of(endpoint).forget(endpoint)
+        return quarantine
+
+    def observe(self, route: RouteRequest, endpoint: Endpoint, outcome: RouteOutcome) -> None:
+        """Teach the policy, and record on the replica what it learned."""
+        if self.policy_of(endpoint).observe(route, endpoint, outcome).restart_detected:
+            endpoint.restarts_detected += 1
+
+    def evaluate_health(self) -> None:
+        """Let the degradation detector judge the replicas, and apply its drains and re-admissions."""
+        apply_health_changes(self.endpoints, self.degradation.evaluate(self.endpoints))
+
+    # ---- out of rotation and back ----------------------------------------------------------------
+    def eject(self, endpoint: Endpoint, reason: str = "ejected") -> None:
+        endpoint.healthy = False
+        endpoint.ejections += 1
+        endpoint.out_reason = reason
+        log.warning("ejecting replica %s until /health answers: %s", endpoint.name, reason)
+        self.policy_of(endpoint).forget(endpoint)
+
+    def readmit(self, endpoint: Endpoint) -> None:
+        """``/health`` answered: the replica takes traffic again."""
+        endpoint.healthy = True
+        endpoint.consecutive_failures = 0
+
+    def lift_quarantine(self, endpoint: Endpoint) -> None:
+        """An answer probe passed: re-admitted on probation (``AnswerHealth.probe_passed``)."""
+        self.answer_health.probe_passed(endpoint)
+        endpoint.quarantined = False

@@ -1,0 +1,104 @@
+"""One attempt of a pass-through call (``LLMClient.forward``, for the gateway) on one replica.
+
+The caller's bytes go to the replica unchanged; its answer comes back unread (``Forwarded``) once the
+status line and headers are in. A 429 or 5xx is read as an error here (so it can be retried elsewhere);
+any other status is the caller's to see. What the answer teaches (usage, first-byte time, an error event
+inside a 200 stream) is learned only once the caller has read it to its end (``learn``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import aiohttp
+
+from llm_client.answers import usage_from_documents
+from llm_client.config import ClientConfig
+from llm_client.endpoints import Endpoint
+from llm_client.errors import ConnectionFailed, InvalidAnswer, LLMError
+from llm_client.fleet import Fleet
+from llm_client.passthrough import Forwarded
+from llm_client.routing import RouteOutcome, RouteRequest
+from llm_client.routing.base import PrefillObserver
+from llm_client.status import raise_for_status
+from llm_client.transport import SessionSource, header_value, mapped_transport_errors
+
+
+class Forwarder:
+    def __init__(self, config: ClientConfig, fleet: Fleet, session: SessionSource) -> None:
+        self.config = config
+        self.fleet = fleet
+        self._session = session
+
+    async def attempt(
+        self,
+        endpoint: Endpoint,
+        method: str,
+        path: str,
+        body: bytes | None,
+        route: RouteRequest,
+        headers: Mapping[str, str],
+    ) -> Forwarded:
+        session = self._session()
+        policy = self.fleet.policy
+        forwarded = Forwarded(
+            endpoint,
+            route.max_tokens,
+            policy.estimate_uncached_tokens(route, endpoint),
+            max_bytes=self.config.answer_limits.max_answer_bytes,
+        )
+        forwarded.on_prefill_done = self.fleet.prefill_reporter(route, endpoint)
+        if isinstance(policy, PrefillObserver):
+            observer = policy
+            forwarded.on_release = lambda: observer.attempt_over(route, endpoint)
+        forwarded.hold()
+        timeout = aiohttp.ClientTimeout(
+            total=self.config.timeouts.attempt_s, sock_connect=self.config.timeouts.connect_s
+        )
+        try:
+            with mapped_transport_errors(endpoint.name, self.config.timeouts.attempt_s):
+                forwarded.response = await session.request(
+                    method,
+                    endpoint.url + path,
+                    data=body,
+                    headers={**headers, "x-session-id": header_value(route.key)},
+                    timeout=timeout,
+                )
+                if forwarded.response.status == 429 or forwarded.response.status >= 500:
+                    await raise_for_status(forwarded.response, endpoint)
+            return forwarded
+        except InvalidAnswer as exc:
+            self.fleet.bad_answer(endpoint, route, exc)  # before release: a failure is no first token
+            forwarded.release()
+            raise
+        except LLMError as exc:
+            if exc.retryable:  # as for a parsed call: blocks gone at the pull are not the replica's failure
+                self.fleet.failed(endpoint, route, connection=isinstance(exc, ConnectionFailed))
+            forwarded.release()
+            raise
+        except BaseException:
+            forwarded.release()
+            raise
+
+    def learn(self, forwarded: Forwarded, route: RouteRequest) -> None:
+        """The caller read the answer to its end: teach the fleet what it said. A good answer counts as
+        one for the replica's answer health too: a quarantine needs a *share* of bad answers, and
+        without the good ones any three bad answers over the process's life made that share."""
+        endpoint, tap = forwarded.endpoint, forwarded.tap
+        if tap.error is not None:  # an error event inside a 200 stream: the replica failed the request
+            self.fleet.failed(endpoint, route, connection=False)
+            return
+        prompt, cached, completion_tokens = usage_from_documents(tap.usage, tap.timings)
+        latency = forwarded.finished_ms or 0.0
+        first_token = tap.streaming and forwarded.first_byte_ms is not None
+        ttft = forwarded.first_byte_ms if first_token and forwarded.first_byte_ms is not None else latency
+        outcome = RouteOutcome(
+            ok=True,
+            prompt_tokens=prompt,
+            cached_tokens=cached,
+            latency_ms=latency,
+            ttft_ms=ttft,
+            completion_tokens=completion_tokens,
+            first_token=first_token,
+        )
+        self.fleet.succeeded(endpoint, route, outcome)

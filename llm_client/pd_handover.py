@@ -1,0 +1,171 @@
+"""The P/D hand-over: a prompt prefilled on a context server and decoded on a generation server.
+
+With a ``PdAwarePolicy`` and context servers, an attempt on a generation (decode) server may be two
+steps (TensorRT-LLM's disaggregated protocol): ``context_only`` on the context server the policy picks
+(prefill and first token, not streamed), then ``generation_only`` on the decode server with that
+server's ``disaggregated_params``. A context step that fails, or blocks gone by the pull
+(``kv_cache_gone``: timed out, restarted), means a local prefill on the decode server instead: the
+request is never failed for it, and the decode server is not blamed.
+
+``disaggregated_params`` are the client's own: it writes them, and only from what a context server
+answered it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import orjson
+
+from llm_client.answers import AnswerValidator
+from llm_client.endpoints import Endpoint
+from llm_client.errors import ConnectionFailed, KvCacheGone, LLMError
+from llm_client.exchange import Exchange
+from llm_client.fleet import Fleet
+from llm_client.forwarding import Forwarder
+from llm_client.models import Completion
+from llm_client.passthrough import Forwarded
+from llm_client.routing import RouteRequest
+from llm_client.routing.pd_aware import PdAwarePolicy
+from llm_client.status import ERROR_BODY_MAX_BYTES, KV_CACHE_GONE, KV_GONE_STATUSES
+from llm_client.transport import mapped_transport_errors
+
+
+class PdHandover:
+    def __init__(self, fleet: Fleet, exchange: Exchange, forwarder: Forwarder) -> None:
+        self.fleet = fleet
+        self.exchange = exchange
+        self.forwarder = forwarder
+
+    def _plan(
+        self, decode: Endpoint, route: RouteRequest
+    ) -> tuple[PdAwarePolicy, Endpoint, RouteRequest] | None:
+        policy = self.fleet.policy
+        if not isinstance(policy, PdAwarePolicy) or not self.fleet.context_endpoints:
+            return None
+        routable = [c for c in self.fleet.context_endpoints if c.routable]
+        plan = policy.context_for(route, decode, routable)
+        return None if plan is None else (policy, *plan)
+
+    # ---- parsed calls (``LLMClient.chat``) -----------------------------------------------------------
+    async def completion(
+        self,
+        decode: Endpoint,
+        path: str,
+        body: dict[str, Any],
+        route: RouteRequest,
+        validate: AnswerValidator | None,
+    ) -> Completion:
+        """One attempt on ``decode``, in two steps when the policy sends the prefill elsewhere."""
+        plan = self._plan(decode, route)
+        if plan is None:  # no P/D, or the policy prefills this one where it is decoded
+            return await self.exchange.completion(decode, path, body, route, validate)
+        policy, context, step = plan
+        prefill_body = {
+            **body,
+            "stream": False,
+            "max_tokens": 1,
+            "disaggregated_params": {"request_type": "context_only"},
+        }
+        prefill_body.pop("stream_options", None)
+        try:
+            prefilled: Completion | None = await self.exchange.completion(context, path, prefill_body, step)
+        except LLMError:
+            prefilled = None
+        params = None if prefilled is None else prefilled.disaggregated_params
+        if params is not None:
+            generate_body = {**body, "disaggregated_params": {**params, "request_type": "generation_only"}}
+            try:
+                return await self.exchange.completion(decode, path, generate_body, route, validate)
+            except KvCacheGone:
+                pass
+        policy.redone_locally()
+        return await self.exchange.completion(decode, path, body, route, validate)
+
+    # ---- pass-through (``LLMClient.forward``) --------------------------------------------------------
+    async def forwarded(
+        self,
+        decode: Endpoint,
+        method: str,
+        path: str,
+        body: bytes | None,
+        route: RouteRequest,
+        headers: Mapping[str, str],
+    ) -> Forwarded:
+        """One pass-through attempt on ``decode``: the hand-over when the policy plans one and the
+        decode server takes it, else the caller's own request, forwarded unchanged."""
+        generation = await self._context_step(decode, path, body, route)
+        if generation is not None:
+            handed_over = await self._generation_step(decode, method, path, generation, route, headers)
+            if handed_over is not None:
+                return handed_over
+        return await self.forwarder.attempt(decode, method, path, body, route, headers)
+
+    async def _context_step(
+        self, decode: Endpoint, path: str, body: bytes | None, route: RouteRequest
+    ) -> bytes | None:
+        """When the policy sends this request's prefill to a context server, run ``context_only`` there
+        and return the body of the ``generation_only`` request for ``decode``; None to forward ``body``
+        unchanged (no P/D, a local prefill, or a context step that failed: never the caller's failure)."""
+        if body is None:
+            return None
+        plan = self._plan(decode, route)
+        if plan is None:
+            return None
+        policy, context, step = plan
+        try:
+            parsed = orjson.loads(body)
+        except orjson.JSONDecodeError:
+            return None  # the replica answers a body it cannot read with its own 400
+        if not isinstance(parsed, dict):
+            return None
+        prefill_body = {**parsed, "stream": False, "max_tokens": 1}
+        prefill_body["disaggregated_params"] = {"request_type": "context_only"}
+        prefill_body.pop("stream_options", None)
+        try:
+            prefilled: Completion | None = await self.exchange.completion(context, path, prefill_body, step)
+        except LLMError:
+            prefilled = None
+        params = None if prefilled is None else prefilled.disaggregated_params
+        if params is None:
+            policy.redone_locally()
+            return None
+        generation = {**parsed, "disaggregated_params": {**params, "request_type": "generation_only"}}
+        return orjson.dumps(generation)
+
+    async def _generation_step(
+        self,
+        endpoint: Endpoint,
+        method: str,
+        path: str,
+        generation: bytes,
+        route: RouteRequest,
+        headers: Mapping[str, str],
+    ) -> Forwarded | None:
+        """The ``generation_only`` request; None when the decode server could not take the hand-over,
+        and the caller's own request is then prefilled there instead: the context server's blocks were
+        gone by the pull (``kv_cache_gone``, as a 503, 404 or 409: the decode server is not to blame),
+        or it refused the hand-over with another 404/409 (the caller then sees the replica's own answer
+        to its own request, byte for byte)."""
+        try:
+            forwarded = await self.forwarder.attempt(endpoint, method, path, generation, route, headers)
+        except KvCacheGone:
+            gone = True
+        else:
+            response = forwarded.response
+            if response is None or response.status not in KV_GONE_STATUSES:
+                return forwarded
+            try:
+                with mapped_transport_errors(endpoint.name, self.forwarder.config.timeouts.attempt_s):
+                    detail = await response.content.read(ERROR_BODY_MAX_BYTES)
+            except LLMError as exc:
+                # The decode server broke off its own refusal: its failure, as any broken answer.
+                self.fleet.failed(endpoint, route, connection=isinstance(exc, ConnectionFailed))
+                raise
+            finally:
+                forwarded.release()  # whatever happened: the load it held there leaked for good
+            gone = KV_CACHE_GONE.encode() in detail
+        if gone and isinstance(self.fleet.policy, PdAwarePolicy):
+            self.fleet.policy.redone_locally()
+        return None

@@ -1,0 +1,33 @@
+"""A replica's error status, read as untrusted input, as one of the client's errors.
+
+At most ``ERROR_BODY_MAX_BYTES`` of an error body are read and 300 characters of it kept in the error: a
+replica's error page is as untrusted as its answers. The error's type can follow a long message (a KV
+pull's connection error), so the whole bounded body is searched for it.
+"""
+
+from __future__ import annotations
+
+import aiohttp
+
+from llm_client.endpoints import Endpoint
+from llm_client.errors import BadRequest, EndpointUnavailable, KvCacheGone
+
+ERROR_BODY_MAX_BYTES = 4096
+KV_CACHE_GONE = "kv_cache_gone"
+"""The error type a generation server answers when it could not pull the context server's blocks."""
+
+KV_GONE_STATUSES = frozenset({404, 409})
+"""A ``generation_only`` request answered with these: the context server's blocks were not there to pull
+(released after the transfer timeout, or the server restarted); the request is prefilled locally."""
+
+
+async def raise_for_status(response: aiohttp.ClientResponse, endpoint: Endpoint) -> None:
+    """Raise the error a status of 400 or more stands for: ``KvCacheGone`` (a P/D hand-over whose blocks
+    were gone), ``EndpointUnavailable`` (429, 5xx: retryable) or ``BadRequest`` (any other 4xx)."""
+    body = (await response.content.read(ERROR_BODY_MAX_BYTES)).decode("utf-8", "replace")
+    detail = body[:300]
+    if response.status in (404, 409, 503) and KV_CACHE_GONE in body:
+        raise KvCacheGone(f"HTTP {response.status}: {detail}", endpoint=endpoint.name)
+    if response.status == 429 or response.status >= 500:
+        raise EndpointUnavailable(f"HTTP {response.status}: {detail}", endpoint=endpoint.name)
+    raise BadRequest(f"HTTP {response.status}: {detail}", endpoint=endpoint.name)
