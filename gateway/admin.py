@@ -3,7 +3,9 @@
 ``PUT /admin/groups/{group}/weight`` with ``{"weight": 0.5}`` sets the weight the ``predicted_ttft``
 policy divides a group's predicted time to first token by when it spills (0 takes the group out of
 rotation), as a traffic orchestrator shifts load between regions; ``GET /admin/groups`` lists them.
-Behind the gateway's API key like every non-public route; the new weights show on ``/metrics``
+Behind the operators' own key (``GATEWAY_ADMIN_API_KEY``, ``gateway.guard``), never the callers'; with
+none set the routes answer 403. A weight is finite and at most ``MAX_GROUP_WEIGHT`` (``Infinity`` or
+``1e309`` would make a group admissible however slow it is). The new weights show on ``/metrics``
 (``gateway_group_weight``). A policy without groups answers 404.
 """
 
@@ -16,6 +18,7 @@ from aiohttp import web
 from pydantic import BaseModel, Field, ValidationError
 
 from llm_client.client import LLMClient
+from llm_client.routing.predicted_ttft import MAX_GROUP_WEIGHT
 from prompt_assembly.errors import ConfigurationError
 
 
@@ -29,7 +32,7 @@ class GroupWeighted(Protocol):
 
 
 class WeightUpdate(BaseModel):
-    weight: float = Field(ge=0)
+    weight: float = Field(ge=0, le=MAX_GROUP_WEIGHT, allow_inf_nan=False)
 
 
 def add_admin_routes(app: web.Application, client: LLMClient) -> None:

@@ -7,8 +7,10 @@ HTTP face in front of them.
 
 from __future__ import annotations
 
-from pydantic import Field, SecretStr
+from pydantic import Field, SecretStr, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from prompt_assembly.errors import ConfigurationError
 
 
 class GatewaySettings(BaseSettings):
@@ -39,6 +41,11 @@ class GatewaySettings(BaseSettings):
         description="callers must send 'Authorization: Bearer <key>'; None = no authentication "
         "(GATEWAY_API_KEY)",
     )
+    admin_api_key: SecretStr | None = Field(
+        None,
+        description="the operators' credential for /admin routes ('Authorization: Bearer <key>'), "
+        "apart from the callers' key; None = the admin routes answer 403 (GATEWAY_ADMIN_API_KEY)",
+    )
     public_paths: tuple[str, ...] = Field(
         ("/health", "/metrics"), description="paths served without the key (probes, scrapes)"
     )
@@ -50,3 +57,16 @@ class GatewaySettings(BaseSettings):
     deadline_s: float | None = Field(
         None, gt=0, description="whole request, retries and streaming included; default: LLM timeouts"
     )
+
+    @model_validator(mode="after")
+    def _admin_key_is_its_own(self) -> GatewaySettings:
+        if (
+            self.admin_api_key is not None
+            and self.api_key is not None
+            and self.admin_api_key.get_secret_value() == self.api_key.get_secret_value()
+        ):
+            raise ConfigurationError(
+                "GATEWAY_ADMIN_API_KEY equals GATEWAY_API_KEY: every caller could change the routing; "
+                "give the admin routes a key of their own"
+            )
+        return self

@@ -1,4 +1,4 @@
-"""The HTTP guard in front of the proxied routes: caller API key, then body size.
+"""The HTTP guard in front of the proxied routes: caller API key (or the admin key), then body size.
 
 Cheapest refusal first, and never reading a body it will refuse:
 
@@ -10,6 +10,10 @@ Cheapest refusal first, and never reading a body it will refuse:
 2. **Body size** (413): a declared ``Content-Length`` over ``max_body_bytes`` is refused before anything
    is read; a chunked body is cut at the same limit by aiohttp's ``client_max_size`` while it is read,
    and that refusal is turned into the same JSON 413 here.
+
+The admin routes (``ADMIN_PREFIX``: live group weights, ``gateway.admin``) take the operators' own key,
+``GatewaySettings.admin_api_key``, checked the same way; the callers' key does not open them. With no
+admin key set they answer 403: changing the routing needs a credential someone chose for it.
 
 Paths in ``GatewaySettings.public_paths`` (``/health``, ``/metrics``) pass untouched. Every refusal is an
 OpenAI-style error body (``{"error": {"message", "type", "param", "code"}}``).
@@ -32,6 +36,8 @@ from gateway.metrics import GatewayMetrics
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 BEARER = "bearer "
+ADMIN_PREFIX = "/admin/"
+"""Routes behind the admin key instead of the callers' key."""
 
 
 class BearerKeyCheck:
@@ -69,6 +75,7 @@ def error_response(
 def caller_guard(settings: GatewaySettings, metrics: GatewayMetrics) -> Middleware:
     """An aiohttp middleware applying ``settings``' API key and body-size limit."""
     keys = BearerKeyCheck(settings.api_key)
+    admin_keys = BearerKeyCheck(settings.admin_api_key)
     public = frozenset(settings.public_paths)
     limit = settings.max_body_bytes
 
@@ -84,11 +91,20 @@ def caller_guard(settings: GatewaySettings, metrics: GatewayMetrics) -> Middlewa
     async def guard(request: web.Request, handler: Handler) -> web.StreamResponse:
         if request.path in public:
             return await handler(request)
-        if not keys.accepts(request.headers.get("Authorization")):
+        admin = request.path.startswith(ADMIN_PREFIX) or request.path == ADMIN_PREFIX.rstrip("/")
+        if admin and not admin_keys.required:
+            metrics.requests.labels(request.path, "403").inc()
+            return error_response(
+                403,
+                "the admin routes are off: they need a key of their own (GATEWAY_ADMIN_API_KEY)",
+                "permission_error",
+            )
+        if not (admin_keys if admin else keys).accepts(request.headers.get("Authorization")):
             metrics.requests.labels(request.path, "401").inc()
+            which = "admin key" if admin else "API key"
             return error_response(
                 401,
-                "a valid API key is required: send it as 'Authorization: Bearer <key>'",
+                f"a valid {which} is required: send it as 'Authorization: Bearer <key>'",
                 "authentication_error",
                 headers={"WWW-Authenticate": 'Bearer realm="shopper-gateway"'},
             )

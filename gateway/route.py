@@ -10,6 +10,12 @@ taken from them:
   ``LLMClient.chat`` and the simulator flatten them (text parts of multi-part messages only), or the
   completion prompt, so the block hashes of both paths agree;
 - the decode budget (``max_completion_tokens`` / ``max_tokens``) for load accounting.
+
+Fields that only the serving side may write are refused (400), never passed on (``SERVER_ONLY_FIELDS``):
+a caller's ``disaggregated_params`` would make a decode replica pull KV blocks from any URL it names
+(a request from inside the serving network: SSRF) or pull another request's pinned blocks by guessing
+its sequential ``ctx_request_id``; vLLM's ``kv_transfer_params`` carry a remote host and port the same
+way; a caller's ``cache_salt`` would choose which tenant's KV cache its prompt may reuse.
 """
 
 from __future__ import annotations
@@ -27,6 +33,13 @@ from prompt_assembly.tokens import messages_text
 
 CHARS_PER_TOKEN = 4
 """The client's own prompt-size estimate (``LLMClient.chat``): load accounting, not billing."""
+
+SERVER_ONLY_FIELDS = {
+    "disaggregated_params": "the P/D hand-over between replicas (TensorRT-LLM) is the gateway's own",
+    "kv_transfer_params": "the P/D hand-over between replicas (vLLM) is the gateway's own",
+    "cache_salt": "KV-cache isolation between tenants is set by the serving side, not by callers",
+}
+"""Request fields a caller may not send, and why (the 400's message)."""
 
 
 class InvalidRequest(ShopperError, ValueError):
@@ -85,6 +98,9 @@ def route_for(
         raise InvalidRequest(f"request body is not valid JSON: {exc}") from None
     if not isinstance(document, dict):
         raise InvalidRequest("request body must be a JSON object")
+    for name, why in SERVER_ONLY_FIELDS.items():
+        if name in document:
+            raise InvalidRequest(f"{name} may not be sent to this gateway: {why}", name)
     try:
         view = RoutingView.model_validate(document)
     except ValidationError as exc:

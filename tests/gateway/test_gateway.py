@@ -29,6 +29,7 @@ from gateway.route import route_for
 from llm_client.client import LLMClient
 from llm_client.config import ClientConfig
 from llm_client.routing import RouteRequest
+from llm_client.routing.predicted_ttft import MAX_GROUP_WEIGHT, PredictedTtftPolicy
 from llm_client.routing.prefix_aware import PrefixAwarePolicy
 from llm_client.routing.session_affinity import rendezvous_order
 from prompt_assembly.prompt import build_messages
@@ -531,25 +532,54 @@ async def test_group_weights_change_live_through_the_admin_route_and_show_on_met
         ]
     }
     settings = {"policy": "predicted_ttft", **groups}
-    async with running_gateway(fleet.urls, "predicted_ttft", settings, api_key="admin-key") as gw:
+    keys = {"api_key": "caller-key", "admin_api_key": "admin-key"}
+    async with running_gateway(fleet.urls, "predicted_ttft", settings, **keys) as gw:
         auth = {"Authorization": "Bearer admin-key"}
         url = gw.url + "/admin/groups/east/weight"
-        async with http.put(url, json={"weight": 0.25}) as r:
-            assert r.status == 401, "the admin route is behind the API key"
+        for caller in ({}, {"Authorization": "Bearer caller-key"}):
+            async with http.put(url, json={"weight": 0.25}, headers=caller) as r:
+                assert r.status == 401, "the admin route takes the admin key, not the callers' key"
         async with http.put(url, json={"weight": 0.25}, headers=auth) as r:
             assert r.status == 200 and (await r.json())["groups"] == {"local": 1.0, "east": 0.25}
         for path, body in (
-            ("/admin/groups/west/weight", {"weight": 1}),
-            (url[len(gw.url) :], {"weight": -1}),
+            ("/admin/groups/west/weight", b'{"weight": 1}'),
+            (url[len(gw.url) :], b'{"weight": -1}'),
+            (url[len(gw.url) :], b'{"weight": Infinity}'),
+            (url[len(gw.url) :], b'{"weight": 1e309}'),  # read as infinity by a JSON parser
+            (url[len(gw.url) :], b'{"weight": NaN}'),
+            (url[len(gw.url) :], orjson.dumps({"weight": 10 * MAX_GROUP_WEIGHT})),
         ):
-            async with http.put(gw.url + path, json=body, headers=auth) as r:
-                assert r.status == 400, path
-        async with http.get(gw.url + "/metrics", headers=auth) as r:
+            async with http.put(gw.url + path, data=body, headers=auth) as r:
+                assert r.status == 400, (path, body)
+        async with http.get(gw.url + "/metrics") as r:
             text = await r.text()
         assert metric(text, "gateway_group_weight", group="east") == 0.25
         assert metric(text, "gateway_group_weight", group="local") == 1.0
-    async with running_gateway(fleet.urls, "round_robin") as gw, http.get(gw.url + "/admin/groups") as r:
+    async with (
+        running_gateway(fleet.urls, "round_robin", admin_api_key="admin-key") as gw,
+        http.get(gw.url + "/admin/groups", headers=auth) as r,
+    ):
         assert r.status == 404
+
+
+async def test_the_admin_routes_are_off_without_an_admin_key_of_their_own(
+    fleet: SimulatorFleet, http: aiohttp.ClientSession
+) -> None:
+    """The admin routes were opened by the callers' key, and by nothing when no key was set: any caller
+    could take a region out of rotation."""
+    groups = {"groups": [{"name": "local", "endpoints": fleet.urls[:2]}, {"name": "east", "endpoints": []}]}
+    settings = {"policy": "predicted_ttft", **groups}
+    for keys in ({}, {"api_key": "caller-key"}):
+        async with running_gateway(fleet.urls, "predicted_ttft", settings, **keys) as gw:
+            caller = {"Authorization": "Bearer caller-key"}
+            async with http.put(
+                gw.url + "/admin/groups/east/weight", json={"weight": 0}, headers=caller
+            ) as r:
+                assert r.status == 403 and "GATEWAY_ADMIN_API_KEY" in (await r.json())["error"]["message"]
+            policy = gw.client.policy
+            assert isinstance(policy, PredictedTtftPolicy) and policy.group_weights()["east"] == 1.0
+    with pytest.raises(ValueError, match="GATEWAY_ADMIN_API_KEY"):
+        GatewaySettings(api_key="same", admin_api_key="same")
 
 
 async def test_the_gateway_makes_the_two_step_pd_call_and_streams_from_the_decode_server(
