@@ -1,7 +1,8 @@
 """Run one simulated replica: ``python -m serving.simulator --port 8001 --replica-id r0 --time-scale 0.01``.
 
 Every ``SimulatorConfig`` field is a flag (``--cache-capacity-blocks``...) and a ``SIM_*`` variable; flags
-win. Prints the effective configuration as one JSON line, then ``READY http://HOST:PORT`` once listening
+win. Prints the effective configuration as one JSON line (with ``kv_memory``: GPU memory, weights,
+activations and the KV blocks they leave), then ``READY http://HOST:PORT`` once listening
 (with the real port when ``--port 0``), which is what launchers wait for.
 """
 
@@ -14,6 +15,7 @@ import json
 import signal
 import sys
 from collections.abc import Sequence
+from dataclasses import asdict
 
 from aiohttp import web
 
@@ -61,7 +63,9 @@ def _bound_port(runner: web.AppRunner, configured: int) -> int:
 
 def main(argv: Sequence[str] | None = None) -> None:
     config = parse_args(argv)
-    print(json.dumps(config.model_dump(mode="json"), sort_keys=True), flush=True)
+    # One line: the settings, and how the GPU's memory sized the KV cache (whatever the override).
+    effective = {**config.model_dump(mode="json"), "kv_memory": asdict(config.kv_memory())}
+    print(json.dumps(effective, sort_keys=True), flush=True)
     with contextlib.suppress(KeyboardInterrupt):
         asyncio.run(serve(config))
     sys.stdout.flush()
