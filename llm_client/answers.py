@@ -186,27 +186,83 @@ async def sse_lines(
     """The ``data:`` payloads of a server-sent-event stream, up to ``data: [DONE]`` or the end.
 
     Lines are split here (not by aiohttp's ``readline``, whose own limit raises its internal
-    ``LineTooLong``), so both limits hold and raise ``AnswerTooLarge``."""
-    total, tail = 0, b""
+    ``LineTooLong``), so both limits hold and raise ``AnswerTooLarge``: every line, complete or not, is
+    held to ``max_line_bytes`` (a complete oversized line inside one read passed before). Each byte is
+    copied once (``LineSplitter``): re-joining the unfinished line on every read made a replica that
+    streams megabytes without a newline cost time quadratic in them."""
+    total = 0
+    lines = LineSplitter(limits.max_line_bytes)
     async for data in response.content.iter_any():
         total += len(data)
         if total > limits.max_answer_bytes:
             raise AnswerTooLarge(f"stream passed the {limits.max_answer_bytes}-byte limit", endpoint=endpoint)
-        lines = (tail + data).split(b"\n")
-        tail = lines.pop()
-        if len(tail) > limits.max_line_bytes:
-            raise AnswerTooLarge(
-                f"stream line passed the {limits.max_line_bytes}-byte limit", endpoint=endpoint
-            )
-        for line in lines:
+        for line in lines.feed(data):
+            if line is None:
+                raise AnswerTooLarge(
+                    f"stream line passed the {limits.max_line_bytes}-byte limit", endpoint=endpoint
+                )
             payload = _payload(line)
             if payload == b"[DONE]":
                 return
             if payload is not None:
                 yield payload
-    payload = _payload(tail)
+    payload = _payload(lines.rest())
     if payload is not None and payload != b"[DONE]":
         yield payload
+
+
+class LineSplitter:
+    """Splits a byte stream into ``\n``-ended lines, copying each byte once, holding at most
+    ``max_line_bytes`` of an unfinished line. A line over the limit comes out as None (once, when it
+    passes the limit); its remaining bytes are skipped up to its end."""
+
+    def __init__(self, max_line_bytes: int) -> None:
+        self.max_line_bytes = max_line_bytes
+        self._pieces: list[bytes] = []
+        self._size = 0
+        self._skipping = False
+
+    @property
+    def buffered(self) -> int:
+        """Bytes held of the unfinished line (never more than ``max_line_bytes``)."""
+        return self._size
+
+    def feed(self, data: bytes) -> list[bytes | None]:
+        out: list[bytes | None] = []
+        start = 0
+        while True:
+            end = data.find(b"\n", start)
+            if end < 0:
+                break
+            if self._skipping:
+                self._skipping = False
+            elif self._size + end - start > self.max_line_bytes:
+                out.append(None)
+            elif self._pieces:
+                self._pieces.append(data[start:end])
+                out.append(b"".join(self._pieces))
+            else:
+                out.append(data[start:end])
+            self._pieces.clear()
+            self._size = 0
+            start = end + 1
+        if start < len(data) and not self._skipping:
+            if self._size + len(data) - start > self.max_line_bytes:
+                out.append(None)
+                self._pieces.clear()
+                self._size = 0
+                self._skipping = True
+            else:
+                self._pieces.append(data[start:] if start else data)
+                self._size += len(data) - start
+        return out
+
+    def rest(self) -> bytes:
+        """The unfinished last line (a stream may end without a newline)."""
+        line = b"".join(self._pieces)
+        self._pieces.clear()
+        self._size = 0
+        return line
 
 
 def _payload(line: bytes) -> bytes | None:

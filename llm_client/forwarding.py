@@ -46,6 +46,7 @@ class Forwarder:
             route.max_tokens,
             policy.estimate_uncached_tokens(route, endpoint),
             max_bytes=self.config.answer_limits.max_answer_bytes,
+            max_line_bytes=self.config.answer_limits.max_line_bytes,
         )
         forwarded.on_prefill_done = self.fleet.prefill_reporter(route, endpoint)
         if isinstance(policy, PrefillObserver):

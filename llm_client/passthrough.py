@@ -19,6 +19,7 @@ import aiohttp
 import orjson
 from multidict import CIMultiDictProxy
 
+from llm_client.answers import AnswerLimits, LineSplitter
 from llm_client.endpoints import Endpoint
 from llm_client.errors import AnswerTooLarge
 from llm_client.transport import mapped_transport_errors
@@ -28,30 +29,41 @@ _INTERESTING = (b'"usage"', b'"timings"', b'"error"')
 
 @dataclass(slots=True)
 class UsageTap:
-    """Reads usage and errors from an answer's bytes without changing or holding up any of them."""
+    """Reads usage and errors from an answer's bytes without changing or holding up any of them.
+
+    A stream's lines are split copying each byte once (``LineSplitter``), and at most ``max_line_bytes``
+    of an unfinished line are held: a line longer than that (no usage line is) is passed on to the
+    caller but not read. Re-joining the unfinished line on every read made a replica that streams MiBs
+    without a newline block the gateway's event loop for seconds (0.4 s at 1 MiB, 1.5 s at 2 MiB)."""
 
     streaming: bool
+    max_line_bytes: int = AnswerLimits().max_line_bytes
     usage: dict[str, Any] | None = None
     timings: dict[str, Any] | None = None
     error: str | None = None
-    _tail: bytes = b""
+    _lines: LineSplitter | None = None
     _body: list[bytes] = field(default_factory=list)
+
+    @property
+    def buffered(self) -> int:
+        """Bytes held of a stream's unfinished line."""
+        return 0 if self._lines is None else self._lines.buffered
 
     def feed(self, data: bytes) -> None:
         if not self.streaming:
             self._body.append(data)  # one JSON document, read when it is complete
             return
-        lines = (self._tail + data).split(b"\n")
-        self._tail = lines.pop()
-        for line in lines:
-            if line.startswith(b"data:") and any(word in line for word in _INTERESTING):
+        if self._lines is None:
+            self._lines = LineSplitter(self.max_line_bytes)
+        for line in self._lines.feed(data):
+            if line is not None and line.startswith(b"data:") and any(word in line for word in _INTERESTING):
                 self._read(line[5:].strip())
 
     def finish(self) -> None:
         if self.streaming:
-            if self._tail.startswith(b"data:"):
-                self._read(self._tail[5:].strip())
-            self._tail = b""
+            tail = b"" if self._lines is None else self._lines.rest()
+            if tail.startswith(b"data:"):
+                self._read(tail[5:].strip())
         else:
             self._read(b"".join(self._body))
             self._body.clear()
@@ -83,6 +95,8 @@ class Forwarded:
     prefill_tokens: int
     max_bytes: int = 4 * 1024 * 1024
     """The answer is cut off (``AnswerTooLarge``) past this many bytes (``AnswerLimits``)."""
+    max_line_bytes: int = AnswerLimits().max_line_bytes
+    """The longest stream line the usage tap reads (``AnswerLimits``); longer ones pass unread."""
     started: float = field(default_factory=time.perf_counter)
     response: aiohttp.ClientResponse | None = None
     attempts: int = 1
@@ -141,7 +155,8 @@ class Forwarded:
         or sends more than ``max_bytes`` raises ``ConnectionFailed``, ``AttemptTimeout`` or
         ``AnswerTooLarge`` (nothing can be retried by then); the bytes before it were passed on."""
         assert self.response is not None
-        self.tap = UsageTap(streaming=self.response.content_type == "text/event-stream")
+        streaming = self.response.content_type == "text/event-stream"
+        self.tap = UsageTap(streaming=streaming, max_line_bytes=self.max_line_bytes)
         size = 0
         with mapped_transport_errors(self.endpoint.name):
             async for data in self.response.content.iter_any():

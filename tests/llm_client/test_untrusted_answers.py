@@ -11,13 +11,16 @@ import contextlib
 import logging
 from collections.abc import AsyncIterator
 
+import orjson
 import pytest
 from aiohttp import web
 
 from llm_client import ClientConfig, LLMClient
 from llm_client.answer_health import AnswerHealthSettings
+from llm_client.answers import AnswerLimits
 from llm_client.config import HealthSettings, RetrySettings, Timeouts
 from llm_client.errors import AnswerTooLarge, DeadlineExceeded, InvalidAnswer, LLMError
+from llm_client.passthrough import UsageTap
 from llm_client.routing.prefix_aware import PrefixAwarePolicy
 from pipeline.enrichment import Enricher, parse_understanding
 from prompt_assembly.errors import ConfigurationError
@@ -199,3 +202,60 @@ async def test_attempts_cancelled_by_their_deadline_leave_no_per_key_state() -> 
         assert isinstance(policy, PrefixAwarePolicy)
         assert policy._key_inflight == {}
         assert client.endpoints[0].outstanding == 0
+
+
+@contextlib.asynccontextmanager
+async def one_write_stream(payload: bytes) -> AsyncIterator[str]:
+    """A replica that streams ``payload`` in one write (so one read of the client gets all of it)."""
+
+    async def answer(request: web.Request) -> web.StreamResponse:
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await response.prepare(request)
+        await response.write(payload)
+        await response.write_eof()
+        return response
+
+    app = web.Application()
+    app.router.add_post("/v1/chat/completions", answer)
+    async with serving(app) as url:
+        yield url
+
+
+def sse_chunk(content: str) -> bytes:
+    document = {"object": "chat.completion.chunk", "choices": [{"index": 0, "delta": {"content": content}}]}
+    return b"data: " + orjson.dumps(document) + b"\n\n"
+
+
+async def test_every_complete_stream_line_is_held_to_the_line_limit() -> None:
+    """A complete oversized line inside one read passed: only the unfinished last line was checked."""
+    limit: int = AnswerLimits.model_fields["max_line_bytes"].metadata[0].ge  # the smallest limit allowed
+    small = AnswerLimits(max_line_bytes=limit)
+    fits = sse_chunk("x" * (limit // 4))
+    too_long = sse_chunk("x" * (4 * limit))
+    for payload, over in ((fits + b"data: [DONE]\n\n", False), (too_long + b"data: [DONE]\n\n", True)):
+        async with (
+            one_write_stream(payload) as url,
+            LLMClient(config(url, answer_limits=small)) as client,
+        ):
+            if over:
+                with pytest.raises(AnswerTooLarge, match=f"{limit}-byte limit"):
+                    await client.chat(MESSAGES, routing_key="s1", max_tokens=20)
+            else:
+                assert (await client.chat(MESSAGES, routing_key="s1", max_tokens=20)).text
+
+
+def test_the_usage_tap_holds_at_most_one_line_limit_of_an_unfinished_line() -> None:
+    """The gateway's tap re-joined the unfinished line on every read (quadratic in a line with no end:
+    1.5 s of a blocked event loop at 2 MiB) and held all of it; now it holds at most the line limit and
+    still reads the usage that follows."""
+    limits = AnswerLimits()
+    tap = UsageTap(streaming=True, max_line_bytes=limits.max_line_bytes)
+    piece = b"x" * (limits.max_line_bytes // 16)
+    tap.feed(b"data: {")
+    for _ in range(8 * 16):  # eight line limits without a newline
+        tap.feed(piece)
+        assert tap.buffered <= limits.max_line_bytes
+    usage = {"prompt_tokens": 7, "completion_tokens": 3}
+    tap.feed(b"\n\ndata: " + orjson.dumps({"choices": [], "usage": usage}) + b"\n\ndata: [DONE]\n\n")
+    tap.finish()
+    assert tap.usage == usage and tap.buffered == 0
