@@ -51,7 +51,8 @@ class SessionProcessor:
         return ShopperSession(shopper_id)
 
     def apply(self, session: ShopperSession, event: ShopperEvent, raw: bytes | None = None) -> Applied:
-        """Add ``event`` (``raw``: the JSON it was parsed from, optional) and return the prompts due."""
+        """Add ``event`` and return the prompts due. ``raw`` (the record it was parsed from) is accepted
+        for the engines' sake and not kept: a session stores only the event's schema fields."""
         if session.has_seen(event.event_id):
             return Applied("duplicate", [])
         if session.arrivals == 0 and session.epoch == 0:

@@ -20,7 +20,7 @@ from typing import Any
 import msgspec
 import orjson
 
-from prompt_assembly.events import ShopperEvent, parse_event
+from prompt_assembly.events import MalformedEvent, ShopperEvent, parse_event
 from prompt_assembly.records import TriggerReason
 
 
@@ -32,32 +32,68 @@ class SessionEntry:
     line: str | None = field(default=None, compare=False)
     """Rendered log line, cached by the prompt builder (a pure function of ``event``)."""
     tokens: int = field(default=0, compare=False)
-    raw: bytes | None = field(default=None, compare=False, repr=False)
-    """The event's original JSON, when known: stored as is instead of re-serialising the event."""
+    stored: bytes | None = field(default=None, compare=False, repr=False)
+    """The event as it is stored (``stored_event``), cached: made once, written on every save."""
+    legacy: bool = field(default=False, compare=False, repr=False)
+    """Read from an entry that kept the producer's bytes (ignored fields included): store it again."""
 
     @property
     def sort_key(self) -> tuple[int, float, int]:
         return (self.segment, self.event.ts, self.arrival)
 
     def to_json(self) -> bytes:
-        if self.raw is not None:
-            return b'{"g":%d,"n":%d,"e":%b}' % (self.segment, self.arrival, self.raw)
-        return orjson.dumps({"g": self.segment, "n": self.arrival, "e": self.event.model_dump()})
+        """The stored entry: its sort key and the event's schema fields only (``stored_event``)."""
+        if self.stored is None:
+            self.stored = stored_event(self.event)
+        return b'{"g":%d,"n":%d,"v":%b}' % (self.segment, self.arrival, self.stored)
 
     @classmethod
     def from_json(cls, raw: bytes | str) -> SessionEntry:
         """An entry as ``to_json`` stored it. The event goes through the event gate again (its fast
-        tier, for what this pipeline wrote) and keeps its JSON, so a later rewrite stores the same
-        bytes instead of re-encoding the event."""
+        tier, for what this pipeline wrote). An entry from before ``stored_event`` (key ``e``: the
+        producer's bytes, ignored fields included) is read the same way and stored again without them."""
         stored = _STORED_ENTRY.decode(raw)
-        event_json = bytes(stored.e)
-        return cls(stored.g, stored.n, parse_event(event_json), raw=event_json)
+        if not isinstance(stored.v, msgspec.UnsetType):
+            event_json = bytes(stored.v)
+            return cls(stored.g, stored.n, parse_event(event_json), stored=event_json)
+        if isinstance(stored.e, msgspec.UnsetType):
+            raise MalformedEvent("a stored session entry holds no event")
+        return cls(stored.g, stored.n, parse_event(bytes(stored.e)), legacy=True)
+
+
+def stored_event(event: ShopperEvent) -> bytes:
+    """The JSON a session keeps of an event: the fields prompts and deduplication use, with defaults
+    left out, never a field the schema ignores (``session_id``, ``device``, ``utm_source``: whatever a
+    producer adds is not kept for the state's lifetime). Each field is bounded by the schema, so an
+    entry stays under about 1.5 KB, whatever the size of the record it came from."""
+    data: dict[str, Any] = {
+        "event_id": event.event_id,
+        "shopper_id": event.shopper_id,
+        "type": event.type,
+        "ts": event.ts,
+    }
+    product = event.product
+    if product is not None:
+        snapshot: dict[str, Any] = {"product_id": product.product_id, "title": product.title}
+        for name in ("brand", "category", "snippet"):
+            if value := getattr(product, name):
+                snapshot[name] = value
+        snapshot["price"] = product.price
+        data["product"] = snapshot
+    if event.query:
+        data["query"] = event.query
+    if event.quantity != 1:
+        data["quantity"] = event.quantity
+    return orjson.dumps(data)
 
 
 class _StoredEntry(msgspec.Struct, gc=False):
     g: int
     n: int
-    e: msgspec.Raw
+    v: msgspec.Raw | msgspec.UnsetType = msgspec.UNSET
+    """The event as ``stored_event`` wrote it."""
+    e: msgspec.Raw | msgspec.UnsetType = msgspec.UNSET
+    """Before ``stored_event``: the producer's bytes."""
 
 
 _STORED_ENTRY = msgspec.json.Decoder(_StoredEntry)
@@ -134,11 +170,12 @@ class ShopperSession:
 
     # ---- changing ------------------------------------------------------------------------------
     def add(self, event: ShopperEvent, raw: bytes | None = None) -> bool:
-        """Insert ``event`` in order; returns False (and changes nothing) for a duplicate. ``raw`` is
-        the validated JSON the event was parsed from, kept to store the entry without re-encoding."""
+        """Insert ``event`` in order; returns False (and changes nothing) for a duplicate. ``raw`` (the
+        record the event was parsed from) is not kept: only the event's schema fields are stored."""
+        del raw
         if event.event_id in self._ids:
             return False
-        entry = SessionEntry(self.seq, self.arrivals, event, raw=raw)
+        entry = SessionEntry(self.seq, self.arrivals, event)
         self.arrivals += 1
         entries = self.entries
         # In order unless it sorts before the last entry: the segment never decreases and the arrival
@@ -233,4 +270,5 @@ class ShopperSession:
         )
         session.newest_ts = max((e.event.ts for e in parsed), default=0.0)
         session._ids = {e.event.event_id for e in parsed} | set(session.trimmed_ids)
+        session._rewrite = any(e.legacy for e in parsed)  # store the log again without ignored fields
         return session
