@@ -28,12 +28,15 @@ from gateway.config import GatewaySettings
 from gateway.route import route_for
 from llm_client.client import LLMClient
 from llm_client.config import ClientConfig
+from llm_client.endpoints import Endpoint, endpoint_name
 from llm_client.routing import RouteRequest
 from llm_client.routing.predicted_ttft import MAX_GROUP_WEIGHT, PredictedTtftPolicy
 from llm_client.routing.prefix_aware import PrefixAwarePolicy
 from llm_client.routing.session_affinity import rendezvous_order
 from prompt_assembly.prompt import build_messages
 from serving.simulator.launch import REPO_ROOT, SimulatorFleet
+from serving.simulator.testing import running_simulator
+from tests.helpers import serving
 
 TIME_SCALE = "0.05"
 """Simulated H100 timings at 1/20: one decode step ~2.5 ms, so a 600-token stream lasts over a second."""
@@ -47,8 +50,15 @@ class Gateway:
 
 @asynccontextmanager
 async def running_gateway(
-    urls: list[str], policy: str, policy_settings: dict[str, Any] | None = None, **settings: Any
+    urls: list[str],
+    policy: str,
+    policy_settings: dict[str, Any] | None = None,
+    *,
+    client: dict[str, Any] | None = None,
+    **settings: Any,
 ) -> AsyncIterator[Gateway]:
+    """A gateway in the test's loop; ``client``: more ``ClientConfig`` fields, ``settings``: the
+    gateway's own."""
     config = ClientConfig.model_validate(
         {
             "endpoints": urls,
@@ -57,6 +67,7 @@ async def running_gateway(
             "timeouts": {"connect_s": 0.5, "attempt_s": 20, "deadline_s": 30},
             "retry": {"max_attempts": 3, "backoff_base_s": 0.01, "budget_min_tokens": 50},
             "health": {"interval_s": 0.2},
+            **(client or {}),
         }
     )
     app = create_app(GatewaySettings(port=0, **settings), config)
@@ -586,8 +597,6 @@ async def test_the_gateway_makes_the_two_step_pd_call_and_streams_from_the_decod
     http: aiohttp.ClientSession,
 ) -> None:
     from llm_client.routing.pd_aware import PdAwarePolicy
-    from serving.simulator.testing import running_simulator
-    from tests.helpers import serving
     from tests.llm_client.test_routing_pd_aware import words
 
     async with (
@@ -622,3 +631,110 @@ async def test_the_gateway_makes_the_two_step_pd_call_and_streams_from_the_decod
                 assert r.status == 200
                 await r.read()
             assert policy.stats.local_small == 1, "the shopper's newest events were prefilled locally"
+
+
+def key_for(replica: str, urls: list[str]) -> str:
+    """A shopper key that ``session_affinity`` sends to ``replica`` first."""
+    endpoints = [Endpoint(url, endpoint_name(url)) for url in urls]
+    return next(
+        f"shopper-{i}" for i in range(1000) if rendezvous_order(f"shopper-{i}", endpoints)[0].url == replica
+    )
+
+
+LIMITS = {"max_answer_bytes": 1024}
+"""The smallest answer limit: a simulator's answer of a few hundred tokens is over it, one of a few
+tokens far under it."""
+HEALTH = {"window": 10, "min_invalid": 3, "invalid_share": 0.5, "cooldown_s": 0.2}
+
+
+async def test_good_answers_count_so_a_few_bad_ones_among_them_quarantine_no_one(
+    http: aiohttp.ClientSession,
+) -> None:
+    """The gateway recorded only bad answers: any three over the process's life quarantined a replica,
+    and a caller could aim them with ``x-session-id`` (three oversized answers were enough)."""
+    async with (
+        running_simulator(time_scale=0.0) as a,
+        running_simulator(time_scale=0.0) as b,
+        running_gateway(
+            [a.url, b.url],
+            "session_affinity",
+            client={"answer_limits": LIMITS, "answer_health": HEALTH},
+        ) as gw,
+    ):
+        key = key_for(a.url, [a.url, b.url])
+        target = gw.client.endpoints[0]
+        window = HEALTH["window"]
+        good_per_bad = window // HEALTH["min_invalid"]
+        for _ in range(HEALTH["min_invalid"] + 1):
+            for _ in range(good_per_bad):
+                body = chat_body("hi there", max_tokens=5)
+                async with http.post(gw.url + "/v1/chat/completions", json=body, headers=sid(key)) as r:
+                    assert r.status == 200 and r.headers["x-gateway-replica"] == target.name
+            oversized = chat_body("hi there", max_tokens=400)
+            async with http.post(gw.url + "/v1/chat/completions", json=oversized, headers=sid(key)) as r:
+                await r.read()
+        assert target.invalid_answers == {"too_large": HEALTH["min_invalid"] + 1}
+        assert not target.quarantined, "a bad answer in every few good ones is not a bad replica"
+
+
+def sid(key: str) -> dict[str, str]:
+    return {"x-session-id": key}
+
+
+SERVED_MODEL = "qwen-served"
+
+
+@asynccontextmanager
+async def model_checking_replica() -> AsyncIterator[tuple[str, dict[str, bool]]]:
+    """A server that checks model names, as trtllm-serve and vLLM do (404 for a model it does not
+    serve); while ``state["oversized"]`` it answers every request with more than ``LIMITS`` allow."""
+    state = {"oversized": True}
+
+    async def chat(request: web.Request) -> web.Response:
+        body = await request.json()
+        if body.get("model") != SERVED_MODEL:
+            error = {"message": f"model {body.get('model')!r} not found", "type": "NotFoundError"}
+            return web.json_response({"error": error}, status=404)
+        text = "x" * (2 * LIMITS["max_answer_bytes"]) if state["oversized"] else "ok"
+        answer = {"model": SERVED_MODEL, "choices": [{"message": {"content": text}, "finish_reason": "stop"}]}
+        return web.json_response(answer)
+
+    app = web.Application()
+    app.router.add_post("/v1/chat/completions", chat)
+
+    async def health(request: web.Request) -> web.Response:
+        return web.Response(text="ok")
+
+    app.router.add_get("/health", health)
+    async with serving(app) as url:
+        yield url, state
+
+
+async def test_a_quarantined_replica_is_probed_with_the_callers_model_name(
+    http: aiohttp.ClientSession,
+) -> None:
+    """The gateway's probe sent ``"model": "default"`` (its client's default): a server that checks model
+    names refused that probe forever. It now sends a request a replica answered well: the caller's own
+    model name."""
+    async with (
+        model_checking_replica() as (strict, state),
+        running_simulator(time_scale=0.0) as healthy,
+        running_gateway(
+            [strict, healthy.url],
+            "session_affinity",
+            client={"answer_limits": LIMITS, "answer_health": HEALTH},
+        ) as gw,
+    ):
+        key = key_for(strict, [strict, healthy.url])
+        replica = gw.client.endpoints[0]
+        body = {**chat_body("hi there", max_tokens=5), "model": SERVED_MODEL}
+        while not replica.quarantined:
+            async with http.post(gw.url + "/v1/chat/completions", json=body, headers=sid(key)) as r:
+                await r.read()
+        state["oversized"] = False  # fixed, but out of rotation until a probe passes
+        async with http.post(gw.url + "/v1/chat/completions", json=body, headers=sid(key)) as r:
+            assert r.status == 200 and r.headers["x-gateway-replica"] != replica.name
+        async with asyncio.timeout(10):  # cool-downs of 0.2 s; before the fix it never came back
+            while replica.quarantined:
+                await asyncio.sleep(HEALTH["cooldown_s"])
+        assert replica.routable and gw.client.answer_health.readmissions == 1
