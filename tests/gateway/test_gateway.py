@@ -26,6 +26,7 @@ from devstack.processes import free_port
 from gateway.app import CLIENT_KEY, create_app
 from gateway.config import GatewaySettings
 from gateway.route import route_for
+from llm_client.answer_health import AnswerHealthSettings
 from llm_client.client import LLMClient
 from llm_client.config import ClientConfig
 from llm_client.endpoints import Endpoint, endpoint_name
@@ -544,7 +545,9 @@ async def test_group_weights_change_live_through_the_admin_route_and_show_on_met
     }
     settings = {"policy": "predicted_ttft", **groups}
     keys = {"api_key": "caller-key", "admin_api_key": "admin-key"}
-    async with running_gateway(fleet.urls, "predicted_ttft", settings, **keys) as gw:
+    async with running_gateway(
+        fleet.urls, "predicted_ttft", settings, api_key=keys["api_key"], admin_api_key=keys["admin_api_key"]
+    ) as gw:
         auth = {"Authorization": "Bearer admin-key"}
         url = gw.url + "/admin/groups/east/weight"
         for caller in ({}, {"Authorization": "Bearer caller-key"}):
@@ -580,8 +583,8 @@ async def test_the_admin_routes_are_off_without_an_admin_key_of_their_own(
     could take a region out of rotation."""
     groups = {"groups": [{"name": "local", "endpoints": fleet.urls[:2]}, {"name": "east", "endpoints": []}]}
     settings = {"policy": "predicted_ttft", **groups}
-    for keys in ({}, {"api_key": "caller-key"}):
-        async with running_gateway(fleet.urls, "predicted_ttft", settings, **keys) as gw:
+    for api_key in (None, "caller-key"):
+        async with running_gateway(fleet.urls, "predicted_ttft", settings, api_key=api_key) as gw:
             caller = {"Authorization": "Bearer caller-key"}
             async with http.put(
                 gw.url + "/admin/groups/east/weight", json={"weight": 0}, headers=caller
@@ -644,7 +647,7 @@ def key_for(replica: str, urls: list[str]) -> str:
 LIMITS = {"max_answer_bytes": 1024}
 """The smallest answer limit: a simulator's answer of a few hundred tokens is over it, one of a few
 tokens far under it."""
-HEALTH = {"window": 10, "min_invalid": 3, "invalid_share": 0.5, "cooldown_s": 0.2}
+HEALTH = AnswerHealthSettings(window=10, min_invalid=3, invalid_share=0.5, cooldown_s=0.2)
 
 
 async def test_good_answers_count_so_a_few_bad_ones_among_them_quarantine_no_one(
@@ -658,14 +661,13 @@ async def test_good_answers_count_so_a_few_bad_ones_among_them_quarantine_no_one
         running_gateway(
             [a.url, b.url],
             "session_affinity",
-            client={"answer_limits": LIMITS, "answer_health": HEALTH},
+            client={"answer_limits": LIMITS, "answer_health": HEALTH.model_dump()},
         ) as gw,
     ):
         key = key_for(a.url, [a.url, b.url])
         target = gw.client.endpoints[0]
-        window = HEALTH["window"]
-        good_per_bad = window // HEALTH["min_invalid"]
-        for _ in range(HEALTH["min_invalid"] + 1):
+        good_per_bad = HEALTH.window // HEALTH.min_invalid
+        for _ in range(HEALTH.min_invalid + 1):
             for _ in range(good_per_bad):
                 body = chat_body("hi there", max_tokens=5)
                 async with http.post(gw.url + "/v1/chat/completions", json=body, headers=sid(key)) as r:
@@ -673,7 +675,7 @@ async def test_good_answers_count_so_a_few_bad_ones_among_them_quarantine_no_one
             oversized = chat_body("hi there", max_tokens=400)
             async with http.post(gw.url + "/v1/chat/completions", json=oversized, headers=sid(key)) as r:
                 await r.read()
-        assert target.invalid_answers == {"too_large": HEALTH["min_invalid"] + 1}
+        assert target.invalid_answers == {"too_large": HEALTH.min_invalid + 1}
         assert not target.quarantined, "a bad answer in every few good ones is not a bad replica"
 
 
@@ -722,7 +724,7 @@ async def test_a_quarantined_replica_is_probed_with_the_callers_model_name(
         running_gateway(
             [strict, healthy.url],
             "session_affinity",
-            client={"answer_limits": LIMITS, "answer_health": HEALTH},
+            client={"answer_limits": LIMITS, "answer_health": HEALTH.model_dump()},
         ) as gw,
     ):
         key = key_for(strict, [strict, healthy.url])
@@ -736,5 +738,5 @@ async def test_a_quarantined_replica_is_probed_with_the_callers_model_name(
             assert r.status == 200 and r.headers["x-gateway-replica"] != replica.name
         async with asyncio.timeout(10):  # cool-downs of 0.2 s; before the fix it never came back
             while replica.quarantined:
-                await asyncio.sleep(HEALTH["cooldown_s"])
+                await asyncio.sleep(HEALTH.cooldown_s)
         assert replica.routable and gw.client.answer_health.readmissions == 1
