@@ -73,7 +73,7 @@ class EngineLimits:
     pin_blocks: bool = True
     """Running requests hold their blocks (prompt and generated tokens) and admission waits for room (KV
     memory, as in TensorRT-LLM); off: the cache is only an LRU of reusable blocks and a running request's
-    blocks may be evicted under it (the simulator's behaviour before issue 28)."""
+    blocks may be evicted under it (the simulator's earlier behaviour)."""
     mixed_batch_cost: MixedBatchCost = "additive"
     """How the eager table charges an iteration with both prefill and decode work
     (``cost_model.mixed_iteration_ms``); the roofline cost is always one fused pass."""

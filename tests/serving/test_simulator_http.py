@@ -313,7 +313,7 @@ async def test_a_prompt_extending_one_admitted_in_the_same_iteration_waits_one_a
     """TensorRT-LLM's ``beneficialToSkip`` (on by default here as there): of two prompts arriving
     together, the second extends the first, so its first uncached block is one the first computes in this
     iteration; the scheduler holds it back one iteration, and it then reuses the first's blocks. With
-    ``defer_shared_prefixes`` off (the simulator before issue 28), both are admitted together and both
+    ``defer_shared_prefixes`` off (the simulator's earlier default), both are admitted together and both
     compute the shared prefix, which is what the router's co-batching rule
     (``PrefixAwareSettings.cobatch_window_s``) worked around."""
     first_user = "Viewed trail shoes. " * 120

@@ -1,4 +1,4 @@
-"""KV memory and scheduling as TensorRT-LLM has them, over HTTP (issue 28).
+"""KV memory and scheduling as TensorRT-LLM has them, over HTTP.
 
 Each test drives a real replica (``running_simulator``) with prompts of an exact token count and reads
 what the replica reports (``/admin/stats``, ``/admin/ttft``, ``usage``). Sizes come from the replica's
