@@ -135,6 +135,40 @@ EVENT_TIME_REASON = "ts: event time"
 DEFAULT_EVENT_TIME_WINDOW = EventTimeWindow()
 
 
+JSON_SCHEMA_PATH = "docs/event.schema.json"
+"""Where the schema below is committed for producers (``tests/prompt_assembly/test_event_schema_file.py``
+checks that it is the generated one)."""
+
+
+def event_json_schema() -> dict[str, Any]:
+    """The event schema as a JSON Schema (draft 2020-12), generated from ``ShopperEvent`` so that it
+    cannot drift, plus what pydantic cannot write into it: the product-or-query rule (as ``if/then``)
+    and, in the description, the byte limit and the event-time window."""
+    schema: dict[str, Any] = {
+        "$schema": "https://json-schema.org/draft/2020-12/schema",
+        "$id": f"shopper-event/v{SCHEMA_VERSION}",
+        **_EVENT.json_schema(),
+    }
+    schema["description"] = (
+        f"{schema['description']} The Kafka value of one event: UTF-8 JSON of at most {MAX_EVENT_BYTES} "
+        "bytes, keyed by shopper_id. Fields not named here are ignored and never stored. 'ts' must also "
+        "lie in the event-time window around the record's Kafka timestamp (docs/contracts.md)."
+    )
+    schema["allOf"] = [
+        {
+            "if": {"properties": {"type": {"const": "search"}}, "required": ["type"]},
+            "then": {"required": ["query"], "properties": {"query": {"minLength": 1}}},
+            "else": {"required": ["product"], "properties": {"product": {"$ref": "#/$defs/ProductSnapshot"}}},
+        }
+    ]
+    return schema
+
+
+def event_json_schema_text() -> str:
+    """``event_json_schema`` as the committed file holds it."""
+    return orjson.dumps(event_json_schema(), option=orjson.OPT_INDENT_2).decode() + "\n"
+
+
 class MalformedEvent(ShopperError, ValueError):
     """Raised for input that cannot become a ``ShopperEvent``; ``reason`` is short and specific."""
 

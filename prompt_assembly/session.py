@@ -65,7 +65,7 @@ def stored_event(event: ShopperEvent) -> bytes:
     """The JSON a session keeps of an event: the fields prompts and deduplication use, with defaults
     left out, never a field the schema ignores (``session_id``, ``device``, ``utm_source``: whatever a
     producer adds is not kept for the state's lifetime). Each field is bounded by the schema, so an
-    entry stays under about 1.5 KB, whatever the size of the record it came from."""
+    entry stays under about 1,800 characters, whatever the size of the record it came from."""
     data: dict[str, Any] = {
         "event_id": event.event_id,
         "shopper_id": event.shopper_id,

@@ -8,7 +8,7 @@ a partition's order); ``flush`` waits for every delivery report and raises ``Sin
 record is undelivered, sending the refused ones again first, so a durable point never passes a result
 the topic does not hold. At-least-once: a retried flush can deliver a result twice, or after a later
 result of the same shopper; consumers dedupe on ``request_id`` and order a shopper's results by
-``seq``, as the Redis sink does.
+their version ``(session_epoch, seq)``, as the Redis sink does (docs/contracts.md).
 
 librdkafka blocks nothing here: produce never waits (a full queue is polled from a thread until it has
 room), and ``flush`` runs off the event loop. Delivery reports arrive on the thread that polls; they only

@@ -5,7 +5,8 @@ old (``flush`` forces it). Object keys are derived from the content (a hash of t
 of the batch), so a retried flush overwrites the same object instead of writing a duplicate.
 Partitions use the event time of the newest event in the prompt, not the wall clock, so replays land
 in the same partition. Across a crash between an S3 flush and the offset commit a record can appear in
-two objects; ``request_id`` is the table's key, and readers dedupe on it (see docs/architecture.md).
+two objects; ``request_id`` is the table's key, and readers dedupe on it (the layout and what a reader
+may rely on: docs/contracts.md).
 """
 
 from __future__ import annotations
