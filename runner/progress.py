@@ -9,6 +9,8 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
+from confluent_kafka import Consumer, TopicPartition
+
 from pipeline.accounting import Accounting
 from runner.dead_letters import DeadLetterCounts
 
@@ -72,3 +74,16 @@ class ProgressLine:
         if undelivered_dead_letters:
             line += f" dead-letters-undelivered {undelivered_dead_letters}"
         return line
+
+
+def cached_lag_by_partition(consumer: Consumer, assignment: list[TopicPartition]) -> dict[int, int]:
+    """Records behind the high watermark per assigned partition, from the watermarks the consumer
+    last saw (no broker round trip, so ``/metrics`` and the progress line never wait on a broker)."""
+    if not assignment:
+        return {}
+    lag = {}
+    for tp in consumer.position(assignment):
+        _, high = consumer.get_watermark_offsets(tp, cached=True)
+        if high >= 0:
+            lag[tp.partition] = max(0, high - max(tp.offset, 0))
+    return lag

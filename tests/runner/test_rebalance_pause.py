@@ -29,12 +29,12 @@ def test_a_partition_paused_when_revoked_is_fetched_again_once_reassigned(
         producer.produce(isolated.topic, key=f"s{i}".encode(), value=b"{}")
     assert producer.flush(10) == 0
     runner = EmbeddedRunner(isolated.runner(), log=lambda line: None)
-    runner._loop = asyncio.new_event_loop()  # the callback schedules its re-arm there; never run here
+    runner.loop = loop = asyncio.new_event_loop()  # the callback schedules its re-arm there; never run here
     assignments: list[list[TopicPartition]] = []
 
     def on_assign(consumer: Consumer, partitions: list[TopicPartition]) -> None:
         assignments.append(list(partitions))
-        runner._on_assign(consumer, partitions)
+        runner.handover.on_assign(consumer, partitions)
 
     def member() -> Consumer:
         return Consumer(
@@ -71,4 +71,4 @@ def test_a_partition_paused_when_revoked_is_fetched_again_once_reassigned(
         assert got > 0 and at_the_end(first), f"{got} records fetched after the re-assignment"
     finally:
         first.close()
-        runner._loop.close()
+        loop.close()

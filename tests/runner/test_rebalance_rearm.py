@@ -160,10 +160,12 @@ def test_a_rearm_overtaken_by_a_revoke_arms_nothing_for_the_revoked_partitions(
                 frozen = False
                 owned = set(runner.assigned_partitions())
                 mine = {sid for sid, p in partition_of.items() if p in owned}
-                await wait_for(lambda: mine <= set(runner._partition_of), "the re-arm of owned partitions")
+                await wait_for(
+                    lambda: mine <= set(runner.sessions.partition_map), "the re-arm of owned partitions"
+                )
                 await asyncio.sleep(1.0)  # time for a stale re-arm (all four partitions) to land
                 assert not task.done()
-                return owned, dict(runner._partition_of), set(runner._sessions)
+                return owned, dict(runner.sessions.partition_map), set(runner.sessions)
             finally:
                 if frozen:
                     os.kill(redis_pid, signal.SIGCONT)

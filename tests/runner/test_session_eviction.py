@@ -31,41 +31,40 @@ def runner_holding(shoppers: int) -> EmbeddedRunner:
     runner = EmbeddedRunner(RunnerSettings(session_cache_size=CACHE), log=lambda _: None)
     for i in range(shoppers):
         sid = f"shopper-{i:04d}"
-        runner._sessions[sid] = runner.processor.new_session(sid)
-        runner._partition_of[sid] = i % 4
+        runner.sessions.use(sid, i % 4, runner.processor.new_session)
     return runner
 
 
 def test_eviction_skips_busy_sessions_and_brings_the_cache_to_its_bound() -> None:
     runner = runner_holding(250)
-    sids = list(runner._sessions)
+    sids = list(runner.sessions)
     in_flight = sids[:60]  # the oldest: their deltas are in an epoch whose prompts are still running
     epoch = Epoch(pending=1)
-    epoch.deltas = [SessionDelta(sid, 0, runner._sessions[sid].take_changes()) for sid in in_flight]
+    epoch.deltas = [SessionDelta(sid, 0, runner.sessions[sid].take_changes()) for sid in in_flight]
     runner.epochs.append(epoch)
     waiting = sids[60:80]  # a pending trigger: their timers need them in memory
     for sid in waiting:
-        runner._sessions[sid].pending = PendingTrigger("browse_pause", 1.0)
+        runner.sessions[sid].pending = PendingTrigger("browse_pause", 1.0)
 
-    runner._evict()
+    runner.sessions.evict(runner.epochs.shoppers_in_flight())
 
-    assert len(runner._sessions) == CACHE
-    assert set(in_flight) | set(waiting) <= set(runner._sessions), "a busy session was evicted"
-    kept_idle = [sid for sid in runner._sessions if sid not in set(in_flight) | set(waiting)]
+    assert len(runner.sessions) == CACHE
+    assert set(in_flight) | set(waiting) <= set(runner.sessions), "a busy session was evicted"
+    kept_idle = [sid for sid in runner.sessions if sid not in set(in_flight) | set(waiting)]
     assert kept_idle == sids[-len(kept_idle) :], "the earliest loaded idle sessions go first"
-    assert runner._partition_of.keys() == runner._sessions.keys()
+    assert runner.sessions.partition_map.keys() == set(runner.sessions)
 
 
 def test_busy_sessions_keep_the_cache_above_its_bound_only_when_all_are_busy() -> None:
     runner = runner_holding(130)
-    sids = list(runner._sessions)
+    sids = list(runner.sessions)
     for sid in sids[:110]:
-        runner._sessions[sid].pending = PendingTrigger("browse_pause", 1.0)
+        runner.sessions[sid].pending = PendingTrigger("browse_pause", 1.0)
 
-    runner._evict()
+    runner.sessions.evict(runner.epochs.shoppers_in_flight())
 
-    assert list(runner._sessions) == sids[:110], "every idle one went; only busy ones stay above the bound"
-    assert runner._partition_of.keys() == runner._sessions.keys()
+    assert list(runner.sessions) == sids[:110], "every idle one went; only busy ones stay above the bound"
+    assert runner.sessions.partition_map.keys() == set(runner.sessions)
 
 
 @pytest.mark.slow
@@ -98,12 +97,16 @@ def test_a_long_run_holds_at_most_the_cache_bound_of_sessions_and_partitions(iso
                 and runner.in_flight == 0
                 and len(runner.timers) == 0
                 and len(runner.epochs) == 0
-                and not runner._commit_lock.locked()
+                and not runner.commits.busy
             ):
                 assert not task.done(), "the runner ended early"
                 assert time.monotonic() < deadline, f"not settled: {acct}, {runner.in_flight} in flight"
                 await asyncio.sleep(0.05)
-            return len(runner._sessions), len(runner._partition_of), set(runner._partition_of)
+            return (
+                len(runner.sessions),
+                len(runner.sessions.partition_map),
+                set(runner.sessions.partition_map),
+            )
         finally:
             runner.request_stop()
             await task

@@ -1,0 +1,153 @@
+"""Rebalance hand-over: what the runner does when the group gives it partitions or takes them away.
+
+- **Assign** (``on_assign``): a new assignment starts unpaused, and the pending triggers the store
+  holds for the assigned partitions are re-armed (``rearm``), never for a partition revoked meanwhile.
+- **Revoke** (``on_revoke``): the partitions are handed over durable and committed, waiting at most
+  ``revoke_timeout_s`` (past it they go over uncommitted and the next owner replays them); then every
+  session, timer and epoch of the old assignment is forgotten.
+
+``on_assign`` and ``on_revoke`` run on the consumer thread, inside ``consume``; everything they change
+that the loop also uses is changed on the loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import contextlib
+import functools
+from typing import TYPE_CHECKING
+
+from confluent_kafka import Consumer, KafkaException, TopicPartition
+
+if TYPE_CHECKING:
+    from runner.embedded import EmbeddedRunner
+
+
+class RebalanceHandover:
+    def __init__(self, runner: EmbeddedRunner) -> None:
+        self.runner = runner
+        self._rearms: set[asyncio.Task[None]] = set()
+
+    # ---- on the consumer thread ------------------------------------------------------------------
+    def on_assign(self, consumer: Consumer, partitions: list[TopicPartition]) -> None:
+        """A new assignment starts unpaused. librdkafka keeps a partition's pause across a rebalance:
+        one paused by backpressure when it was revoked came back paused while the runner's flag said
+        no, so nothing resumed it and the runner fetched nothing from it again (the broker-restart
+        fault case hung that way now and then)."""
+        runner = self.runner
+        runner.log(f"rebalance: assigned partitions {sorted(tp.partition for tp in partitions)}")
+        consumer.resume(partitions)
+        runner.assignment.partitions = list(partitions)
+        runner.assignment.generation += 1
+        assert runner.loop is not None
+        runner.loop.call_soon_threadsafe(
+            self._start_rearm, runner.assignment.generation, [tp.partition for tp in partitions]
+        )
+
+    def on_revoke(self, consumer: Consumer, partitions: list[TopicPartition]) -> None:
+        """Hand the partitions over durable and committed, waiting at most ``revoke_timeout_s``: the
+        consumer thread is blocked here, and a member that stalls its group's rebalance stalls the
+        group. Past the bound the partitions go over uncommitted; the next owner replays them."""
+        runner = self.runner
+        loop = runner.loop
+        assert loop is not None
+        runner.log(f"rebalance: revoking partitions {sorted(tp.partition for tp in partitions)}")
+        runner.assignment.generation += 1  # a re-arm still running for these partitions arms nothing more
+        loop.call_soon_threadsafe(self._cancel_rearms)
+        timeout = runner.settings.revoke_timeout_s
+        if runner.assignment and runner.failure is None:
+            future = asyncio.run_coroutine_threadsafe(self._handover(), loop)
+            try:
+                offsets = future.result(timeout=timeout)
+            except concurrent.futures.TimeoutError:
+                future.cancel()
+                runner.log(
+                    f"rebalance: results not durable within {timeout} s; "
+                    "partitions handed over uncommitted (the next owner replays them)"
+                )
+                offsets = []
+            except Exception as exc:
+                runner.log(f"rebalance: hand-over failed ({exc!r}); partitions handed over uncommitted")
+                offsets = []
+            if offsets:
+                try:
+                    runner.commits.commit_offsets(offsets)
+                except KafkaException as exc:  # fenced or broker away: the next owner replays them
+                    runner.log(f"rebalance: hand-over commit failed ({exc}); the next owner replays")
+        with contextlib.suppress(Exception):
+            asyncio.run_coroutine_threadsafe(self._forget_assignment(), loop).result(timeout=5)
+        runner.assignment.partitions = []
+        runner.ingest.paused = False
+
+    # ---- on the loop -----------------------------------------------------------------------------
+    async def _handover(self) -> list[TopicPartition]:
+        runner = self.runner
+        while not runner.epochs.all_complete():
+            await asyncio.sleep(0.05)
+        return await runner.commits.durable_point()
+
+    async def _forget_assignment(self) -> None:
+        """After a hand-over (on the loop, like every other user of this state): the next owner holds
+        these shoppers now. Epochs not yet durable are dropped, never committed for partitions this
+        member no longer owns; their prompts still finish and write (idempotently)."""
+        runner = self.runner
+        runner.epochs.clear()
+        runner.sessions.clear()
+        runner.timers.clear()
+
+    def _start_rearm(self, generation: int, partitions: list[int]) -> None:
+        """On the loop, for ``on_assign``: re-arming runs in a task kept here, so that its failure
+        fails the runner like any other worker's, and a revoke can cancel it."""
+        task = asyncio.create_task(self._rearm(generation, partitions), name=f"rearm {partitions}")
+        self._rearms.add(task)
+        task.add_done_callback(functools.partial(self._rearm_done, partitions))
+
+    def _rearm_done(self, partitions: list[int], task: asyncio.Task[None]) -> None:
+        self._rearms.discard(task)
+        if task.cancelled():
+            return
+        exc = task.exception()
+        if exc is not None:
+            self.runner.log(f"re-arming the timers of partitions {partitions} failed: {exc!r}")
+            self.runner.fail(exc)
+
+    def _cancel_rearms(self) -> None:
+        for task in self._rearms:
+            task.cancel()
+
+    async def stop(self) -> None:
+        """Cancel the re-arms still running (the runner is ending) and wait for them."""
+        rearms = list(self._rearms)
+        for task in rearms:
+            task.cancel()
+        for task in rearms:
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+
+    async def _rearm(self, generation: int, partitions: list[int]) -> None:
+        """Arm the pending triggers the store holds for newly assigned ``partitions``. Each await can
+        span a rebalance; once the assignment this was started for has changed (``generation``),
+        nothing more is armed or cached: the partitions' next owner re-arms them, and timers or sessions
+        held here would fire prompts and save sessions for partitions this member no longer owns."""
+        runner = self.runner
+
+        def revoked() -> bool:
+            return runner.assignment.generation != generation
+
+        for partition in partitions:
+            if revoked():
+                return
+            timers = await runner.retrying(functools.partial(runner.store.timers, partition), "timer load")
+            if revoked():
+                return
+            sids = runner.sessions.missing(sid for sid, _ in timers)
+            loaded = await runner.retrying(functools.partial(runner.store.load_many, sids), "session load")
+            if revoked():
+                return
+            runner.sessions.adopt(loaded)
+            for sid, wall in timers:
+                session = runner.sessions.get(sid)
+                if session is not None and session.pending is not None:
+                    runner.sessions.place(sid, partition)
+                    runner.timers.arm(sid, session.pending.due_ts, wall)

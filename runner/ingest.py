@@ -1,0 +1,194 @@
+"""Records in: the poll loop, what the consumer reports, backpressure, and each poll turned into an
+epoch of session changes and launched prompts.
+
+Owns the consumer's settings and error intake (``error_cb``), the unknown-topic watch, the
+backpressure pause and the drain check (``until_drained``). A shopper's events are applied in the
+order of their partition (one consumer per group member, a shopper's events share a partition).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections import deque
+from typing import TYPE_CHECKING
+
+from confluent_kafka import KafkaError, KafkaException, Message
+
+from pipeline.kafka_security import librdkafka_properties
+from pipeline.topic_ends import topic_lag
+from prompt_assembly.events import MalformedEvent, parse_event, record_time_s
+from runner.consumer_errors import UNKNOWN_TOPIC, UnknownTopicWatch, classify, consumer_failed, topic_missing
+from runner.epochs import Epoch
+from runner.errors import ConsumerFailed
+
+if TYPE_CHECKING:
+    from runner.embedded import EmbeddedRunner
+
+
+class Ingest:
+    def __init__(self, runner: EmbeddedRunner) -> None:
+        self.runner = runner
+        self.settings = runner.settings
+        self.kafka_errors: deque[KafkaError] = deque()
+        """Errors librdkafka reported through ``error_cb`` (on the consumer thread), not yet looked at."""
+        self._unknown_topic = UnknownTopicWatch(self.settings.unknown_topic_grace_s)
+        self.paused = False
+        """The assigned partitions are paused by backpressure."""
+        self._last_message_at = time.monotonic()
+
+    def consumer_config(self) -> dict[str, object]:
+        s = self.settings
+        return {
+            "bootstrap.servers": s.bootstrap_servers,
+            "group.id": s.group_id,
+            "enable.auto.commit": False,
+            "auto.offset.reset": "earliest",
+            "session.timeout.ms": s.kafka_session_timeout_ms,
+            "heartbeat.interval.ms": max(250, s.kafka_session_timeout_ms // 6),
+            "max.poll.interval.ms": max(60_000, s.kafka_session_timeout_ms),
+            "enable.partition.eof": False,
+            "log.connection.close": False,
+            "allow.auto.create.topics": False,  # a wrong topic name fails (ConsumerFailed), never creates one
+            "error_cb": self.kafka_errors.append,  # without it librdkafka's own errors reach no one
+            **librdkafka_properties(s.kafka_security),
+        }
+
+    async def run(self) -> None:
+        """Poll until stopping (or, with ``until_drained``, caught up)."""
+        runner, s = self.runner, self.settings
+        while not runner.stopping:
+            self._apply_backpressure()
+            try:
+                messages = await asyncio.to_thread(
+                    runner.consumer.consume, s.batch_max_events, s.poll_timeout_s
+                )
+            except KafkaException as exc:  # consume raises only what it cannot go on from
+                error = exc.args[0] if exc.args else None
+                runner.fail(self._consumer_failed(error) if isinstance(error, KafkaError) else exc)
+                return
+            records = self._records(messages)
+            if self._unknown_topic.due(time.monotonic()):
+                await self._recheck_topic()
+            if runner.failure is not None:
+                return
+            if records:
+                self._unknown_topic.clear()
+                if runner.stats.first_event_at is None:
+                    runner.stats.first_event_at = time.monotonic()
+                await self._process(records)
+                self._last_message_at = runner.stats.last_event_at = time.monotonic()
+            elif s.until_drained and await self._caught_up():
+                return
+
+    def _records(self, messages: list[Message]) -> list[Message]:
+        """The records among ``messages``; every error among them, and every error librdkafka
+        reported through ``error_cb`` since the last poll, is classified (``runner.consumer_errors``):
+        one no retry can fix fails the runner, an unknown topic starts the grace period, the rest are
+        logged and waited out (librdkafka reconnects)."""
+        records = []
+        for message in messages:
+            error = message.error()
+            if error is None:
+                records.append(message)
+            else:
+                self._on_kafka_error(error)
+        while self.kafka_errors:
+            self._on_kafka_error(self.kafka_errors.popleft())
+        return records
+
+    def _on_kafka_error(self, error: KafkaError) -> None:
+        kind = classify(error)
+        if kind == "ignored":
+            return
+        if kind in ("fatal", "denied"):
+            self.runner.fail(self._consumer_failed(error))
+            return
+        if kind == "unknown_topic":
+            self._unknown_topic.reported(time.monotonic())
+        self.runner.log(f"kafka error: {error}")
+
+    def _consumer_failed(self, error: KafkaError) -> ConsumerFailed:
+        s = self.settings
+        return consumer_failed(error, topic=s.topic, group_id=s.group_id, bootstrap=s.bootstrap_servers)
+
+    async def _recheck_topic(self) -> None:
+        """The topic was reported unknown ``unknown_topic_grace_s`` ago: ask the broker again. Still
+        unknown: the runner fails; known now (its metadata was late): the watch ends. A broker that
+        does not answer is away, which is waited for: it is asked again after the next poll."""
+        topic = self.settings.topic
+        try:
+            metadata = await asyncio.to_thread(self.runner.consumer.list_topics, topic, 5.0)
+        except KafkaException:
+            return
+        found = metadata.topics.get(topic)
+        error = None if found is None else found.error
+        if found is None or (error is not None and error.code() in UNKNOWN_TOPIC):
+            waited = self._unknown_topic.waited(time.monotonic())
+            self.runner.fail(topic_missing(topic, self.settings.bootstrap_servers, waited))
+        elif error is not None and classify(error) in ("fatal", "denied"):
+            self.runner.fail(self._consumer_failed(error))
+        else:
+            self._unknown_topic.clear()
+
+    async def _process(self, messages: list[Message]) -> None:
+        runner = self.runner
+        acct = runner.stats.accounting
+        sessions = runner.sessions
+        epoch = Epoch()
+        parsed = []
+        for message in messages:
+            acct.consumed += 1
+            topic, partition, offset = message.topic(), message.partition(), message.offset()
+            assert topic is not None and partition is not None and offset is not None  # a real record
+            epoch.offsets[(topic, partition)] = offset + 1
+            try:
+                event = parse_event(message.value(), record_time_s(message.timestamp()), runner.event_window)
+                parsed.append((message, event))
+            except MalformedEvent as exc:
+                acct.dead_lettered += 1
+                await runner.dead_letters.publish(message, exc.reason)
+        runner.dead_letters.producer.poll(0)
+        missing = sessions.missing(ev.shopper_id for _, ev in parsed)
+        if missing:
+            loaded = await runner.retrying(lambda: runner.store.load_many(missing), "session load")
+            sessions.adopt(loaded)
+        touched: set[str] = set()
+        for message, event in parsed:
+            sid = event.shopper_id
+            session = sessions.use(sid, message.partition() or 0, runner.processor.new_session)
+            applied = runner.processor.apply(session, event, message.value())
+            if applied.outcome == "accepted":
+                acct.accepted += 1
+            else:
+                acct.duplicates += 1
+            ts = message.timestamp()[1] / 1000.0
+            for prompt in applied.prompts:
+                runner.prompts.launch(prompt, epoch, ts)
+            touched.add(sid)
+        runner.close_epoch(epoch, touched)
+
+    def _apply_backpressure(self) -> None:
+        runner = self.runner
+        limit = self.settings.max_in_flight_prompts
+        partitions = runner.assignment.partitions
+        if not self.paused and runner.prompts.in_flight >= limit and partitions:
+            runner.consumer.pause(partitions)
+            self.paused = True
+            runner.stats.paused_times += 1
+        elif self.paused and runner.prompts.in_flight <= limit // 2:
+            runner.consumer.resume(partitions)
+            self.paused = False
+
+    async def _caught_up(self) -> bool:
+        runner = self.runner
+        partitions = runner.assignment.partitions
+        if not partitions or runner.prompts.in_flight or self.paused:
+            return False
+        if time.monotonic() - self._last_message_at < self.settings.drain_idle_s:
+            return False
+        try:
+            lag = await asyncio.to_thread(topic_lag, runner.consumer, self.settings.topic, partitions)
+        except KafkaException:  # the broker is away: not caught up, keep consuming (it waits)
+            return False
+        return lag == 0
