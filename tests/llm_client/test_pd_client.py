@@ -5,14 +5,19 @@ mean a local prefill, never a failed request."""
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator
 from typing import Any
 
 import aiohttp
 import orjson
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from llm_client import ClientConfig, LLMClient
 from llm_client.config import HealthSettings, Timeouts
+from llm_client.errors import LLMError
 from llm_client.routing.base import RouteRequest
 from llm_client.routing.pd_aware import PdAwarePolicy
 from prompt_assembly.tokens import count_tokens
@@ -35,6 +40,17 @@ async def perf(url: str) -> list[dict[str, Any]]:
     async with aiohttp.ClientSession() as http, http.get(f"{url}/perf_metrics") as response:
         records: list[dict[str, Any]] = await response.json()
     return records
+
+
+async def sim_metric(url: str, name: str, **labels: str) -> float:
+    """One sample of a replica's Prometheus ``/metrics`` (0 when absent)."""
+    async with aiohttp.ClientSession() as http, http.get(f"{url}/metrics") as response:
+        text = await response.text()
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name == name and sample.labels == labels:
+                return float(sample.value)
+    return 0.0
 
 
 def messages(text: str) -> list[dict[str, str]]:
@@ -113,8 +129,14 @@ async def test_forward_prefills_locally_when_the_blocks_are_gone_and_blames_no_o
         assert policy.stats.remote == 1 and policy.stats.redone_locally == 1
         (decode,) = client.endpoints
         assert decode.routable and decode.consecutive_failures == 0, "the decode server did nothing wrong"
-        records = await perf(gen.url)
-        assert [r["request_type"] for r in records].count("generation_only") == 0, "prefilled there"
+        # The decode server was asked to take the hand-over and answered kv_cache_gone (the simulator
+        # keeps no perf record of a request that errored: counting generation_only records proved
+        # nothing, it held whether or not the hand-over was tried), then served the caller's own request.
+        assert await sim_metric(gen.url, "sim_request_errors_total", reason="kv_cache_gone") == 1
+        assert await sim_metric(gen.url, "sim_requests_total", endpoint="chat") == 2
+        (served,) = await perf(gen.url)
+        assert served["request_type"] != "generation_only", "the caller's request was prefilled there"
+        assert served["simulator"].get("transferred_blocks") in (None, 0)
 
 
 async def test_a_context_server_that_is_down_means_a_local_prefill() -> None:
@@ -138,3 +160,58 @@ async def test_streamed_answers_report_their_largest_inter_token_gap() -> None:
         completion = await client.chat(messages(words(500)), routing_key="s1", max_tokens=30)
     assert completion.max_itl_ms is not None and completion.max_itl_ms > 0
     assert completion.max_itl_ms < completion.latency_ms - completion.ttft_ms + 1
+
+
+@contextlib.asynccontextmanager
+async def decode_server_breaking_off_its_refusal() -> AsyncIterator[str]:
+    """A generation server that answers ``/health`` and refuses every completion with a 404 whose body
+    breaks off (the connection closes before a byte of the declared length came)."""
+
+    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        head = await reader.readuntil(b"\r\n\r\n")
+        length = next(
+            (
+                int(line.split(b":")[1])
+                for line in head.split(b"\r\n")
+                if line.lower().startswith(b"content-length")
+            ),
+            0,
+        )
+        await reader.readexactly(length)
+        if head.startswith(b"GET /health"):
+            writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\nConnection: close\r\n\r\nok")
+        else:
+            writer.write(b"HTTP/1.1 404 Not Found\r\nContent-Length: %d\r\n\r\n" % len(KV_GONE_BODY))
+        await writer.drain()
+        writer.close()
+
+    server = await asyncio.start_server(handle, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.close()
+        await server.wait_closed()
+
+
+KV_GONE_BODY = b'{"error": {"type": "kv_cache_gone", "message": "blocks released"}}'
+"""What the refusal declares (its length) and never sends."""
+
+
+async def test_a_refused_handover_whose_body_breaks_off_gives_the_replicas_load_back() -> None:
+    """An error while reading a 404/409 hand-over refusal skipped the release: the decode replica's
+    outstanding count and token counts leaked for good (and an aiohttp error left the client)."""
+    async with (
+        running_simulator(role="context", time_scale=0.0) as ctx,
+        decode_server_breaking_off_its_refusal() as gen,
+        LLMClient(pd_config(gen, ctx.url, max_local_prefill_tokens=0)) as client,
+    ):
+        with pytest.raises(LLMError):
+            await forwarded(client, words(3000))
+        (decode,) = client.endpoints
+        assert decode.ejections >= 1, "a decode server that breaks off its answers is blamed"
+        assert (decode.outstanding, decode.outstanding_prefill_tokens, decode.outstanding_decode_tokens) == (
+            0,
+            0,
+            0,
+        )

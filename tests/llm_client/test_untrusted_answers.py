@@ -22,6 +22,7 @@ from llm_client.config import HealthSettings, RetrySettings, Timeouts
 from llm_client.errors import AnswerTooLarge, DeadlineExceeded, InvalidAnswer, LLMError
 from llm_client.passthrough import UsageTap
 from llm_client.routing.prefix_aware import PrefixAwarePolicy
+from llm_client.routing.session_affinity import rendezvous_order
 from pipeline.enrichment import Enricher, parse_understanding
 from prompt_assembly.errors import ConfigurationError
 from prompt_assembly.processor import SessionProcessor
@@ -259,3 +260,86 @@ def test_the_usage_tap_holds_at_most_one_line_limit_of_an_unfinished_line() -> N
     tap.feed(b"\n\ndata: " + orjson.dumps({"choices": [], "usage": usage}) + b"\n\ndata: [DONE]\n\n")
     tap.finish()
     assert tap.usage == usage and tap.buffered == 0
+
+
+async def test_a_quarantine_caused_by_one_poison_prompt_lifts_once_the_replica_answers_other_prompts() -> (
+    None
+):
+    """The probe replayed the exact request the replica had failed: a quarantine caused by one prompt no
+    replica answers within the caller's schema (a poison prompt) never lifted. The probe is now a request
+    some replica answered well."""
+    poison = prompt_of("poison").messages
+    async with (
+        running_simulator(time_scale=0.01) as a,
+        running_simulator(time_scale=0.01) as b,
+        running_simulator(time_scale=0.01) as c,
+        LLMClient(config(a.url, b.url, c.url, policy="session_affinity")) as client,
+    ):
+        poison_text = (await client.chat(poison, routing_key="poisoner", max_tokens=20)).text
+
+        def schema(text: str) -> str:
+            if text == poison_text:
+                raise InvalidAnswer("not the caller's schema", kind="schema")
+            return text
+
+        first = rendezvous_order("poisoner", client.endpoints)[0]  # where affinity sends the poisoner
+        while not first.quarantined:
+            with pytest.raises(InvalidAnswer):
+                await client.chat(poison, routing_key="poisoner", max_tokens=20, validate=schema)
+        for i in range(3):  # other shoppers' prompts: answered well by the replicas still routable
+            await client.chat(
+                prompt_of(f"s{i}").messages, routing_key=f"s{i}", max_tokens=20, validate=schema
+            )
+        async with asyncio.timeout(10):  # cool-downs of 0.2 s; before the fix it never came back
+            while any(e.quarantined for e in client.endpoints):
+                await asyncio.sleep(0.05)
+        assert client.answer_health.readmissions >= 1 and first.routable
+
+
+@contextlib.asynccontextmanager
+async def replica_that_hangs_once_quarantined() -> AsyncIterator[tuple[str, dict[str, int], asyncio.Event]]:
+    """Answers every request with HTML until ``state["hang"]`` is set, then holds every request until
+    the returned event is set (``state["waiting"]`` counts those held)."""
+    state = {"hang": 0, "waiting": 0}
+    release = asyncio.Event()
+
+    async def chat(request: web.Request) -> web.Response:
+        if not state["hang"]:
+            return web.Response(text="<html>502 Bad Gateway</html>", content_type="text/html")
+        state["waiting"] += 1
+        await release.wait()
+        return web.json_response({"choices": [{"message": {"content": "late"}}]})
+
+    app = web.Application()
+    app.router.add_post("/v1/chat/completions", chat)
+    async with serving(app) as url:
+        try:
+            yield url, state, release
+        finally:
+            release.set()
+
+
+async def test_a_hanging_answer_probe_does_not_hold_the_health_cycle() -> None:
+    """Answer probes ran inside the health cycle's gather: one replica hanging on its probe held every
+    other replica's re-admission for up to ``attempt_s``."""
+    hold = Timeouts(connect_s=1, attempt_s=60, deadline_s=120)  # a probe held far past the wait below
+    async with (
+        replica_that_hangs_once_quarantined() as (hanging, state, release),
+        running_simulator(time_scale=0.01) as b,
+        running_simulator(time_scale=0.01) as c,
+        LLMClient(config(hanging, b.url, c.url, policy="round_robin", stream=False, timeouts=hold)) as client,
+    ):
+        bad, _, ejected = client.endpoints
+        i = 0
+        while not bad.quarantined:
+            await client.chat(MESSAGES, routing_key=f"s{i}", max_tokens=5)
+            i += 1
+        state["hang"] = 1
+        async with asyncio.timeout(10):
+            while not state["waiting"]:  # its probe is in flight, and will hang
+                await asyncio.sleep(0.05)
+        client.eject(ejected, "ejected by the test")
+        async with asyncio.timeout(10):
+            while not ejected.healthy:
+                await asyncio.sleep(0.05)
+        assert state["waiting"] == 1 and not release.is_set(), "re-admitted while the probe still hangs"
