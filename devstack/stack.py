@@ -4,6 +4,12 @@
 as is; Redis on 127.0.0.1:6379 is reused when it answers), writes every address to one JSON state file,
 and records the processes it started so that ``stack_down`` stops exactly those.
 
+Each stack has state of its own: a Redis key prefix chosen at ``stack_up`` (``stack-<8 hex>:``, in the
+state file, the default of every command that reads the stack through ``sink_settings``). A Redis the
+stack did not start may be shared and outlives the stack, and the runner keeps sessions and seen event
+ids there: with one fixed prefix, a new stack's fresh topic would be read as duplicates of an old
+stack's events. ``stack_down`` deletes the stack's keys from a shared Redis (``clear_stack_keys``).
+
 The state file holds what the other commands need to connect, credentials included (a password in
 ``STACK_REDIS_URL``, the S3 keys), so it is written readable by its owner only (``write_private``:
 created 0600, never wider for a moment); what is printed of it (``StackState.shown``, ``stack_status``)
@@ -18,9 +24,10 @@ import os
 import shutil
 import sys
 import time
+import uuid
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, cast
 
 from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
@@ -36,7 +43,7 @@ from devstack.processes import (
     wait_for_http,
     wait_for_port,
 )
-from pipeline.redaction import redact
+from pipeline.redaction import mask_url, redact
 from pipeline.topics import DLQ_TOPIC, EVENTS_TOPIC, INSIGHTS_TOPIC
 from serving.simulator.launch import simulator_argv
 from sinks.config import SinkSettings
@@ -71,6 +78,11 @@ class StackState:
     model: str
     s3_access_key_id: str | None = None
     s3_secret_access_key: str | None = None
+    redis_key_prefix: str = "su:"
+    """This stack's namespace in Redis (``stack-<8 hex>:``); ``su:`` in state files from before it."""
+    redis_shared: bool = False
+    """The Redis was there before the stack (reused on 6379, or given): it keeps the stack's keys
+    after ``stack_down`` unless they are deleted."""
     processes: list[ManagedProcess] = field(default_factory=list)
 
     def to_json(self) -> str:
@@ -137,7 +149,7 @@ def stack_up(settings: StackSettings) -> StackState:
     try:
         kafka = settings.kafka_bootstrap or _start_tansu(logs, started)
         _create_topics(kafka, settings.partitions)
-        redis_url = settings.redis_url or _redis(logs, started)
+        redis_url, redis_shared = (settings.redis_url, True) if settings.redis_url else _redis(logs, started)
         s3 = settings.s3_endpoint_url if settings.s3_endpoint_url else _start_moto(logs, started)
         _create_bucket(s3, settings.s3_bucket, None if settings.s3_endpoint_url else MOTO_CREDENTIALS)
         if settings.llm_endpoints:
@@ -161,18 +173,52 @@ def stack_up(settings: StackSettings) -> StackState:
         model=model,
         s3_access_key_id=key_id,
         s3_secret_access_key=secret,
+        redis_key_prefix=f"stack-{uuid.uuid4().hex[:8]}:",
+        redis_shared=redis_shared,
         processes=started,
     )
     write_private(state_file(settings.state_dir), state.to_json())
     return state
 
 
-def stack_down(state_dir: Path) -> list[str]:
-    """Stop the processes the state file lists; returns their names."""
+def describe_redis(state: StackState) -> str:
+    """One line for a person: which Redis the stack uses, whose it is, and where its keys go."""
+    where = f"{mask_url(state.redis_url)}, keys under {state.redis_key_prefix!r}"
+    if not state.redis_shared:
+        return f"Redis {where} (started by this stack; gone at 'stack down')"
+    return f"Redis {where} (already running, maybe shared; 'stack down' deletes this stack's keys)"
+
+
+def clear_stack_keys(state: StackState) -> int:
+    """Delete every key under the stack's prefix from a Redis the stack did not start (one it started
+    goes away with its process); returns how many were deleted."""
+    if not state.redis_shared or not state.redis_key_prefix.startswith("stack-"):
+        return 0  # never the shared "su:" namespace of a state file from before per-stack prefixes
+    client = sink_settings(state, redis_key_prefix=state.redis_key_prefix).sync_redis_client()
+    deleted = 0
+    try:
+        batch: list[bytes] = []
+        for key in client.scan_iter(match=f"{state.redis_key_prefix}*", count=1000):
+            batch.append(key)
+            if len(batch) >= 1000:
+                deleted += cast(int, client.unlink(*batch))
+                batch.clear()
+        if batch:
+            deleted += cast(int, client.unlink(*batch))
+    finally:
+        client.close()
+    return deleted
+
+
+def stack_down(state_dir: Path, *, clear_keys: bool = True) -> list[str]:
+    """Stop the processes the state file lists and, with ``clear_keys``, delete the stack's keys from
+    a shared Redis (``clear_stack_keys``); returns the names of the processes stopped."""
     path = state_file(state_dir)
     if not path.exists():
         return []
     state = load_state(state_dir)
+    if clear_keys:
+        clear_stack_keys(state)
     for process in reversed(state.processes):
         stop(process)
     path.unlink()
@@ -222,9 +268,10 @@ def _create_topics(bootstrap: str, partitions: int) -> None:
                 future.result(timeout=10)
 
 
-def _redis(logs: Path, started: list[ManagedProcess]) -> str:
+def _redis(logs: Path, started: list[ManagedProcess]) -> tuple[str, bool]:
+    """(URL, shared): the Redis on 6379 when one answers, else a redis-server of the stack's own."""
     if port_open(6379):
-        return "redis://127.0.0.1:6379/0"
+        return "redis://127.0.0.1:6379/0", True
     binary = shutil.which("redis-server")
     if binary is None:
         raise StackError("Redis is not reachable on 127.0.0.1:6379 and redis-server is not installed")
@@ -237,7 +284,7 @@ def _redis(logs: Path, started: list[ManagedProcess]) -> str:
     )
     started.append(process)
     wait_for_port(process)
-    return f"redis://127.0.0.1:{port}/0"
+    return f"redis://127.0.0.1:{port}/0", False
 
 
 def _start_moto(logs: Path, started: list[ManagedProcess]) -> str:
@@ -302,13 +349,30 @@ def wait_ready(state: StackState, timeout_s: float = 30.0) -> None:
         wait_for_port(process, timeout_s=max(1.0, deadline - time.monotonic()))
 
 
-def sink_settings(state: StackState, **overrides: Any) -> SinkSettings:
-    """Sink settings pointing at the stack's Redis and S3."""
-    return SinkSettings(
+def sink_settings(state: StackState, *, base: SinkSettings | None = None, **overrides: Any) -> SinkSettings:
+    """Sink settings pointing at the stack's Redis and S3.
+
+    Precedence, as the README states it: defaults < environment < the stack < ``overrides``. ``base``
+    holds what the environment set (``SinkSettings()``, reading ``SINK_*``, when not given; the
+    runner passes its nested ``RUNNER_SINKS__*`` settings). The stack replaces only its addresses
+    (the Redis URL with its credentials, the S3 endpoint, bucket and keys); its key prefix is a
+    default that a prefix set in the environment wins over, so ``SINK_REDIS_KEY_PREFIX`` or
+    ``RUNNER_SINKS__REDIS_KEY_PREFIX`` holds.
+    """
+    base = SinkSettings() if base is None else base
+    values: dict[str, Any] = {name: getattr(base, name) for name in base.model_fields_set}
+    if "redis_key_prefix" not in values:
+        values["redis_key_prefix"] = state.redis_key_prefix
+    # The stack's Redis comes with its own credentials (in STACK_REDIS_URL, or none for one it
+    # started): the environment's user and password were for the Redis the environment named.
+    values.pop("redis_username", None)
+    values.pop("redis_password", None)
+    values.update(
         redis_url=state.redis_url,
         s3_endpoint_url=state.s3_endpoint_url,
         s3_bucket=state.s3_bucket,
         s3_access_key_id=state.s3_access_key_id,
         s3_secret_access_key=state.s3_secret_access_key,
-        **overrides,
     )
+    values.update(overrides)
+    return SinkSettings(**values)

@@ -18,10 +18,13 @@ from rich.text import Text
 
 from devstack.stack import (
     StackSettings,
+    clear_stack_keys,
+    describe_redis,
     load_state,
     stack_down,
     stack_status,
     stack_up,
+    state_file,
 )
 from pipeline.kafka_security import KafkaSecurity, configuration_error
 from pipeline.redaction import RedactingStream, secrets_in_environment
@@ -90,12 +93,28 @@ def stack_up_cmd(
     )
     state = stack_up(settings)
     console.print_json(json.dumps(state.shown()))  # the state file keeps the secrets; this masks them
+    console.print(describe_redis(state), markup=False)
 
 
 @stack_app.command("down")
-def stack_down_cmd(state_dir: StateDir = Path(".state")) -> None:
-    """Stop exactly the processes 'stack up' started."""
-    stopped = stack_down(state_dir)
+def stack_down_cmd(
+    state_dir: StateDir = Path(".state"),
+    keep_redis_keys: Annotated[
+        bool, typer.Option(help="leave this stack's keys in a shared Redis (they expire with their TTL)")
+    ] = False,
+) -> None:
+    """Stop exactly the processes 'stack up' started; delete the stack's keys from a shared Redis."""
+    if state_file(state_dir).exists():
+        state = load_state(state_dir)
+        if state.redis_shared:
+            if keep_redis_keys:
+                console.print(f"kept this stack's keys ({state.redis_key_prefix}*) in the shared Redis")
+            else:
+                deleted = clear_stack_keys(state)
+                console.print(
+                    f"deleted {deleted} keys under {state.redis_key_prefix!r} from the shared Redis"
+                )
+    stopped = stack_down(state_dir, clear_keys=False)
     console.print(f"stopped: {', '.join(stopped) or 'nothing'}")
 
 
@@ -156,7 +175,11 @@ def read_runner_settings() -> RunnerSettings:
 
 
 def runner_settings_from_stack(state_dir: Path, **overrides: Any) -> RunnerSettings:
-    """The environment's settings (``RUNNER_*``) with the embedded stack's addresses on top."""
+    """The environment's settings (``RUNNER_*``) with the embedded stack's addresses on top.
+
+    The stack replaces addresses only: every other sink setting the environment gives, under either
+    name (``RUNNER_SINKS__REDIS_KEY_PREFIX`` or ``SINK_REDIS_KEY_PREFIX``), is kept, and the stack's
+    own key prefix applies only where the environment sets none (``devstack.stack.sink_settings``)."""
     from devstack.stack import sink_settings
 
     state = load_state(state_dir)
@@ -166,7 +189,7 @@ def runner_settings_from_stack(state_dir: Path, **overrides: Any) -> RunnerSetti
         update={
             "bootstrap_servers": state.kafka_bootstrap,
             "llm": llm,
-            "sinks": sink_settings(state),
+            "sinks": sink_settings(state, base=from_env.sinks),
             **overrides,
         }
     )
@@ -264,10 +287,13 @@ def signals(
     state_dir: StateDir = Path(".state"),
     limit: int = 10,
 ) -> None:
-    """Read shopper understanding back from Redis, as an ad server would."""
+    """Read shopper understanding back from Redis, as an ad server would (the stack's key prefix, or
+    the one the environment sets: the prefix ``shopper run`` writes under)."""
+    from devstack.stack import sink_settings
     from shopper.readback import read_signals
 
-    rows = asyncio.run(read_signals(load_state(state_dir).redis_url, shopper_id or [], limit))
+    sinks = sink_settings(load_state(state_dir), base=read_runner_settings().sinks)
+    rows = asyncio.run(read_signals(sinks.redis_url, shopper_id or [], limit, prefix=sinks.redis_key_prefix))
     table = Table("shopper", "seq", "summary", "interests", "occasion", "price", "cached/prompt")
     for row in rows:
         table.add_row(

@@ -11,7 +11,16 @@ from pydantic import ValidationError
 from rich.console import Console
 from rich.table import Table
 
-from devstack.stack import StackSettings, sink_settings, stack_down, stack_up
+from devstack.stack import (
+    StackSettings,
+    clear_stack_keys,
+    describe_redis,
+    load_state,
+    sink_settings,
+    stack_down,
+    stack_up,
+    state_file,
+)
 from llm_client.config import ClientConfig
 from pipeline.kafka_security import configuration_error
 from pipeline.redaction import mask_url
@@ -36,14 +45,13 @@ def run_demo(
     security = kafka_security()  # the runner's TLS/SASL, for every Kafka client of the demo
     console.rule("1. embedded stack")
     state = stack_up(StackSettings(state_dir=state_dir, replicas=3, time_scale=0.05))
-    console.print(
-        f"kafka {state.kafka_bootstrap}  redis {mask_url(state.redis_url)}  "
-        f"s3 {mask_url(state.s3_endpoint_url or '-')}"
-    )
+    console.print(f"kafka {state.kafka_bootstrap}  s3 {mask_url(state.s3_endpoint_url or '-')}")
+    console.print(describe_redis(state), markup=False)
     console.print(f"LLM replicas ({state.model}): {', '.join(map(mask_url, state.llm_endpoints))}")
     try:
-        prefix = f"su-demo-{int(time.time())}:"
-        s3_prefix = prefix.rstrip(":")
+        # Under the stack's own prefix, so 'stack down' deletes the demo's keys from a shared Redis.
+        prefix = f"{state.redis_key_prefix}demo-{int(time.time())}:"
+        s3_prefix = prefix.rstrip(":").replace(":", "-")
         console.rule("2. produce")
         report = produce(
             state.kafka_bootstrap,
@@ -162,4 +170,12 @@ def run_demo(
     finally:
         if not keep_stack:
             console.rule("5. stack down")
-            console.print(f"stopped: {', '.join(stack_down(state_dir))}")
+            if state_file(state_dir).exists() and (shown := load_state(state_dir)).redis_shared:
+                deleted = clear_stack_keys(shown)
+                console.print(f"deleted {deleted} keys ({shown.redis_key_prefix}*) from the shared Redis")
+            console.print(f"stopped: {', '.join(stack_down(state_dir, clear_keys=False))}")
+        elif state.redis_shared:
+            console.print(
+                f"the demo's keys stay in the shared Redis under {state.redis_key_prefix!r} until "
+                "'shopper stack down' (or their TTL)"
+            )

@@ -9,6 +9,7 @@ import pytest
 
 from devstack.stack import StackState
 from shopper.cli import runner_settings
+from sinks.config import SinkSettings
 
 
 def test_environment_policy_and_group_hold_when_no_option_is_given(
@@ -42,3 +43,39 @@ def test_stack_addresses_keep_the_environment_llm_settings(
     assert settings.llm.policy == "prefix_aware" and settings.llm.max_in_flight == 7
     assert settings.llm.endpoints == stack.llm_endpoints
     assert settings.bootstrap_servers == stack.kafka_bootstrap
+
+
+@pytest.mark.parametrize("name", ["RUNNER_SINKS__REDIS_KEY_PREFIX", "SINK_REDIS_KEY_PREFIX"])
+def test_a_key_prefix_from_the_environment_holds_while_the_runner_reads_the_stack(
+    monkeypatch: pytest.MonkeyPatch, stack: StackState, stack_dir: Path, name: str
+) -> None:
+    """The README: the environment wins over the stack for anything but addresses, under either name."""
+    monkeypatch.setenv(name, "probe:")
+    settings = runner_settings(
+        from_stack=True, state_dir=stack_dir, until_drained=False, group_id=None, policy=None
+    )
+    assert settings.sinks.redis_key_prefix == "probe:"
+    assert settings.sinks.redis_url == stack.redis_url
+    assert settings.sinks.s3_endpoint_url == stack.s3_endpoint_url
+
+
+def test_stack_addresses_keep_the_environment_sink_settings(
+    monkeypatch: pytest.MonkeyPatch, stack: StackState, stack_dir: Path
+) -> None:
+    monkeypatch.setenv("RUNNER_SINKS__ENABLED", '["redis"]')
+    monkeypatch.setenv("RUNNER_SINKS__S3_PREFIX", "from-env")
+    settings = runner_settings(
+        from_stack=True, state_dir=stack_dir, until_drained=False, group_id=None, policy=None
+    )
+    assert settings.sinks.enabled == ("redis",) and settings.sinks.s3_prefix == "from-env"
+    assert settings.sinks.s3_bucket == stack.s3_bucket
+
+
+def test_without_a_prefix_in_the_environment_the_runner_writes_under_the_stacks_own(
+    stack: StackState, stack_dir: Path
+) -> None:
+    settings = runner_settings(
+        from_stack=True, state_dir=stack_dir, until_drained=False, group_id=None, policy=None
+    )
+    assert settings.sinks.redis_key_prefix == stack.redis_key_prefix
+    assert stack.redis_key_prefix != SinkSettings().redis_key_prefix, "not the shared default"
