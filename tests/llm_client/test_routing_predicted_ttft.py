@@ -371,3 +371,73 @@ async def test_against_simulators_a_slow_local_region_spills_keeps_affinity_and_
 
 def prompt(shopper: str, events: int) -> list[dict[str, str]]:
     return viewed_prompt(shopper, events, item="costume", category="Costumes > Kids")
+
+
+# ---- what the learned state must not learn (issue 27 item 5) ---------------------------------------------
+def test_a_non_streamed_answer_teaches_no_slowness() -> None:
+    """A non-streamed answer's time is its whole decode: learnt as a first token, sixty 6.3 s answers
+    made a replica 11x slow and the policy stayed spilled with local replicas idle."""
+    p = policy(Clock())
+    local, _ = fleet()
+    for i in range(20):
+        request = route(words(2000, f"b{i}"), key=f"b{i}")
+        assert p.choose(request, [local[0]]) is local[0]
+        whole = RouteOutcome(ok=True, prompt_tokens=request.prompt_tokens, ttft_ms=50 * request.prompt_tokens)
+        p.observe(request, local[0], whole)
+        local[0].outstanding_prefill_tokens = 0
+    assert p.slowness(local[0]) == 1.0 and p.stats.speed_samples == 0
+
+
+def test_a_retry_with_no_local_candidate_left_does_not_spill_every_request() -> None:
+    """A retry's candidates leave out what it tried: after a 503 from the only local replica, the retry
+    saw no local replica at all and spilled every request for min_spill_s."""
+    p = policy(Clock())
+    local, remote = fleet()
+    request = route(words(2000))
+    assert p.group(p.choose(request, [local[0], *remote])) == "local"
+    p.observe(request, local[0], RouteOutcome(ok=False))
+    assert p.group(p.choose(request, remote)) == "east"  # the retry goes where it can
+    assert not p.spilling and p.stats.spills == 0
+    assert p.group(p.choose(route(words(2000), key="next"), [local[0], *remote])) == "local"
+
+
+def test_a_group_url_with_a_trailing_slash_is_the_replica_the_client_names_without_it() -> None:
+    """The client drops a URL's trailing slash: a group URL written with one matched no replica, which
+    then counted as local at a round trip of 0."""
+    settings = PredictedTtftSettings(
+        groups=[EndpointGroup(name="east", endpoints=["http://east0:8000/"], rtt_ms=60)]
+    )
+    p = PredictedTtftPolicy(settings)
+    (replica,) = LLMClient(ClientConfig(endpoints=["http://east0:8000/"])).endpoints
+    assert p.group(replica) == "east" and p.rtt_ms(replica) == 60
+
+
+def test_a_forgotten_replica_loses_its_learned_slowness() -> None:
+    """``forget`` (a restart found, an ejection, leaving the fleet) kept the learned slowness: a
+    restarted replica was still avoided as the slow process it replaced."""
+    p = policy(Clock())
+    local, _ = fleet()
+    request = route(words(2000))
+    assert p.choose(request, [local[0]]) is local[0]
+    n = request.prompt_tokens
+    p.observe(request, local[0], RouteOutcome(ok=True, prompt_tokens=n, ttft_ms=0.5 * n, first_token=True))
+    assert p.slowness(local[0]) > 1.0
+    p.forget(local[0])
+    assert p.slowness(local[0]) == 1.0
+
+
+async def test_the_client_learns_no_slowness_from_answers_it_did_not_stream() -> None:
+    """Against a simulator replica: non-streamed answers teach nothing, streamed ones do."""
+    text = words(2000)
+    settings = {"policy": "predicted_ttft", "first_token_floor_ms": 0}
+    async with SimulatorFleet(1, "--time-scale", "0.01") as replicas:
+        for stream in (False, True):
+            config = ClientConfig(endpoints=replicas.urls, policy_settings=settings, stream=stream)
+            async with LLMClient(config) as client:
+                for i in range(3):
+                    await client.chat(
+                        [{"role": "user", "content": f"{i}{text}"}], routing_key=f"s{i}", max_tokens=40
+                    )
+                policy = client.policy
+                assert isinstance(policy, PredictedTtftPolicy)
+                assert (policy.stats.speed_samples > 0) == stream, stream
