@@ -117,6 +117,12 @@ class AsyncSettings(BaseModel):
     sink_idle_flush_ms: int = Field(
         20, ge=1, description="the sink commits to S3 once no result arrived for this long (a bundle end)"
     )
+    close_timeout_ms: int = Field(
+        5_000,
+        gt=0,
+        description="how long an async stage may take to close its clients (LLM, Redis, S3) when its "
+        "task ends or restarts; a store that is down does not hold a restart longer than this",
+    )
 
 
 class NearRealtimeSettings(BaseSettings):

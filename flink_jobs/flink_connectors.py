@@ -213,10 +213,20 @@ def kafka_source_ddl(settings: NearRealtimeSettings, *, stop_at_latest: bool = F
     )
 
 
+UNKEYED_PREFIX = "(no shopper id) "
+"""The partitioning key of a record without a shopper id is this and the record's position
+(``partition:offset`` off Kafka), so such records spread over the subtasks like any others instead of
+all landing on the one subtask that owns the key "" (a producer bug that sends mostly bad records would
+make that one hot key and back-pressure the whole job). The gate dead-letters those records before any
+state is read, so a real shopper whose id looks like this shares nothing with them but a subtask."""
+
 SOURCE_QUERY = (
-    # The partitioning key, read on the JVM: no Python stage for keying. "" where there is none (the
-    # gate dead-letters those records); the gate re-checks that a valid event's id equals its key.
-    "SELECT COALESCE(JSON_VALUE(CAST(`value` AS STRING), '$.shopper_id'), '') AS shopper_key, "
+    # The partitioning key, read on the JVM: no Python stage for keying. UNKEYED_PREFIX and the record's
+    # position where there is none (the gate dead-letters those records); the gate re-checks that a
+    # valid event's id equals its key.
+    "SELECT COALESCE(NULLIF(JSON_VALUE(CAST(`value` AS STRING), '$.shopper_id'), ''), "
+    f"CONCAT({_sql_string(UNKEYED_PREFIX)}, CAST(`partition` AS STRING), ':', CAST(`offset` AS STRING))) "
+    "AS shopper_key, "
     "ROW(`value`, `topic`, `partition`, `offset`, "
     # epoch milliseconds of the Kafka timestamp (the session time zone is UTC: see kafka_source_rows)
     "1000 * UNIX_TIMESTAMP(DATE_FORMAT(`ts`, 'yyyy-MM-dd HH:mm:ss')) + EXTRACT(MILLISECOND FROM `ts`)) "
@@ -224,7 +234,18 @@ SOURCE_QUERY = (
 )
 
 
-def kafka_source_rows(env: Any, settings: NearRealtimeSettings, *, stop_at_latest: bool = False) -> Any:
+def table_environment(env: Any) -> Any:
+    """The Table API environment over ``env`` that the source and the insights sink share (UTC)."""
+    from pyflink.table import StreamTableEnvironment
+
+    t_env = StreamTableEnvironment.create(env)
+    t_env.get_config().set("table.local-time-zone", "UTC")
+    return t_env
+
+
+def kafka_source_rows(
+    env: Any, settings: NearRealtimeSettings, *, stop_at_latest: bool = False, t_env: Any = None
+) -> Any:
     """The events topic as a KeyedStream of ``Row(value, topic, partition, offset, timestamp_ms)``
     keyed by shopper id, from the official connector's Table API source (``kafka_source_ddl``) turned
     into a DataStream. The key is computed in SQL and the stream is keyed with PyFlink's own Java
@@ -236,10 +257,7 @@ def kafka_source_rows(env: Any, settings: NearRealtimeSettings, *, stop_at_lates
     metadata-aware ``KafkaRecordDeserializationSchema`` would have to be written in Java. The Table
     source is the same connector (``KafkaSource`` inside), with metadata columns and null values built in.
     """
-    from pyflink.table import StreamTableEnvironment
-
-    t_env = StreamTableEnvironment.create(env)
-    t_env.get_config().set("table.local-time-zone", "UTC")
+    t_env = t_env or table_environment(env)
     t_env.execute_sql(kafka_source_ddl(settings, stop_at_latest=stop_at_latest))
     from pyflink.common import Types
 
@@ -326,3 +344,56 @@ def kafka_sink(settings: NearRealtimeSettings, topic: str, *, exactly_once: bool
     else:
         builder = builder.set_delivery_guarantee(DeliveryGuarantee.AT_LEAST_ONCE)
     return builder.build()
+
+
+INSIGHTS_TABLE = "shopper_insights_sink"
+RESULTS_VIEW = "shopper_results"
+
+
+def insights_sink_ddl(settings: NearRealtimeSettings, topic: str, *, exactly_once: bool) -> str:
+    """``CREATE TEMPORARY TABLE`` of the insights topic: each result's JSON as the value and its
+    ``shopper_id`` as the key (both ``raw``: UTF-8 bytes, what the runner's Kafka sink writes), placed by
+    Kafka's default partitioner (murmur2 of the key). Exactly-once uses Kafka transactions committed on
+    checkpoints, as ``kafka_sink`` does."""
+    kafka = settings.kafka
+    options: dict[str, str] = {
+        "connector": "kafka",
+        "topic": topic,
+        "properties.bootstrap.servers": kafka.bootstrap_servers,
+        "key.format": "raw",
+        "key.fields": "shopper_id",
+        "value.format": "raw",
+        "value.fields-include": "EXCEPT_KEY",
+        "properties.transaction.timeout.ms": str(kafka.transaction_timeout_ms),
+        "sink.delivery-guarantee": "exactly-once" if exactly_once else "at-least-once",
+    }
+    if exactly_once:
+        options["sink.transactional-id-prefix"] = f"{kafka.transactional_id_prefix}-{topic}"
+    for key, value in connector_kafka_properties(kafka.security).items():
+        options[f"properties.{key}"] = value
+    with_clause = ",\n  ".join(f"{_sql_string(k)} = {_sql_string(v)}" for k, v in options.items())
+    return (
+        f"CREATE TEMPORARY TABLE {INSIGHTS_TABLE} (\n"
+        "  `shopper_id` STRING,\n"
+        "  `value` STRING\n"
+        f") WITH (\n  {with_clause}\n)"
+    )
+
+
+def sink_insights_keyed(
+    t_env: Any, results: Any, settings: NearRealtimeSettings, topic: str, *, exactly_once: bool
+) -> None:
+    """Results (a DataStream of result JSON strings) onto ``topic`` keyed by shopper id, as the runner
+    keys them: per-shopper partitioning for readers, and a key a compacted topic accepts.
+
+    Why the Table API: PyFlink's DataStream ``KafkaRecordSerializationSchema`` serializes the whole
+    element as the key, with no projection to a field. The key is read on the JVM (``JSON_VALUE``), as
+    the source's is, and the insert is attached to the DataStream job (``attach_as_datastream``), so it
+    runs in the same job and checkpoints."""
+    t_env.execute_sql(insights_sink_ddl(settings, topic, exactly_once=exactly_once))
+    t_env.create_temporary_view(RESULTS_VIEW, t_env.from_data_stream(results))
+    statements = t_env.create_statement_set()
+    statements.add_insert_sql(
+        f"INSERT INTO {INSIGHTS_TABLE} SELECT JSON_VALUE(f0, '$.shopper_id'), f0 FROM {RESULTS_VIEW}"
+    )
+    statements.attach_as_datastream()

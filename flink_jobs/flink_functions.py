@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import time
+import zlib
 from collections.abc import Iterable
 from typing import Any
 
@@ -27,7 +28,10 @@ from pyflink.datastream.state import StateTtlConfig, ValueStateDescriptor
 from pyflink.datastream.time_domain import TimeDomain
 
 from flink_jobs.flink_config import NearRealtimeSettings
+from flink_jobs.flink_connectors import UNKEYED_PREFIX
 from flink_jobs.flink_metrics import OperatorStats
+from flink_jobs.loop_resources import LoopResources
+from flink_jobs.pause_timers import ArmedTimer, due_to_fire, rearm, wall_deadline_ms
 from pipeline.dead_letter import DEFAULT_MAX_ORIGINAL_BYTES, dead_letter
 from prompt_assembly.events import (
     DEFAULT_EVENT_TIME_WINDOW,
@@ -95,13 +99,14 @@ def dead_letter_json(record: SourceRecord, reason: str, max_original_bytes: int)
 
 def shopper_key(value: str) -> str:
     """The partitioning key of a bounded run's base64 value: its ``shopper_id`` when it has one, else
-    "" (the gate rejects those records under that key). Kafka runs take it on the JVM side instead."""
+    ``UNKEYED_PREFIX`` and a checksum of the value, so records without one spread over the subtasks (the
+    gate rejects them). Kafka runs take it on the JVM side instead (``flink_connectors.SOURCE_QUERY``)."""
     try:
         data = orjson.loads(base64.b64decode(value))
     except (orjson.JSONDecodeError, ValueError):
-        return ""
+        data = None
     key = data.get("shopper_id") if isinstance(data, dict) else None
-    return key if isinstance(key, str) else ""
+    return key if isinstance(key, str) and key else f"{UNKEYED_PREFIX}{zlib.crc32(value.encode()):08x}"
 
 
 class ShopperSessionFunction(KeyedProcessFunction):
@@ -111,10 +116,12 @@ class ShopperSessionFunction(KeyedProcessFunction):
     output, and so does a valid event whose id differs from its key (only possible for JSON with a
     duplicated ``shopper_id`` field, which the JVM and pydantic read differently).
 
-    Timers: a processing-time timer at each pending trigger's due time (event-time seconds read as
-    wall-clock, so a live shopper's browse pause fires once the quiet period has passed), and one
-    event-time timer at ``FLUSH_TIMER_TS`` while a trigger is pending: only the final watermark of a
-    bounded input (or ``stop --drain``) reaches it, and it fires every pending trigger (``flush``).
+    Timers: one processing-time timer per shopper with a pending trigger, at a deadline relative to
+    when its newest event was processed (``flink_jobs.pause_timers``: the runner's deadline, so a live
+    browse pause fires once the quiet period has passed and a replayed backlog fires once per pause,
+    not once per event), and one event-time timer at ``FLUSH_TIMER_TS`` while a trigger is pending:
+    only the final watermark of a bounded input (or ``stop --drain``) reaches it, and it fires every
+    pending trigger (``flush``).
     """
 
     def __init__(
@@ -136,20 +143,13 @@ class ShopperSessionFunction(KeyedProcessFunction):
         self.processor = SessionProcessor(settings.session)
         self.dlq_max_original_bytes = settings.dlq_max_original_bytes
         self.lateness_ms = int(settings.max_lateness_for_timer_s * 1000)
-        descriptor = ValueStateDescriptor("session", Types.STRING())
-        descriptor.enable_time_to_live(
-            StateTtlConfig.new_builder(_seconds(settings.state_ttl_s))
-            .set_update_type(StateTtlConfig.UpdateType.OnCreateAndWrite)
-            .set_state_visibility(StateTtlConfig.StateVisibility.NeverReturnExpired)
-            # Flink's background cleanup, stated explicitly: PyFlink builds its default RocksDB
-            # strategy (even when one is given) with a Duration made through the py4j gateway, which
-            # an embedded (thread mode) interpreter on a TaskManager does not have. Same effect.
-            .disable_cleanup_in_background()
-            .cleanup_incrementally(5, False)
-            .cleanup_in_rocksdb_compact_filter(1000, _PeriodicUnused())
-            .build()
+        self.state = runtime_context.get_state(
+            _with_ttl(ValueStateDescriptor("session", Types.STRING()), settings)
         )
-        self.state = runtime_context.get_state(descriptor)
+        # The pending trigger's timer (``pause_timers.ArmedTimer``); the same TTL as the session.
+        self.armed = runtime_context.get_state(
+            _with_ttl(ValueStateDescriptor("pause_timer", Types.STRING()), settings)
+        )
         group = runtime_context.get_metrics_group().add_group(METRIC_GROUP)
         self.records_in = group.counter("events_in")
         self.records_valid = group.counter("events_valid")
@@ -169,13 +169,37 @@ class ShopperSessionFunction(KeyedProcessFunction):
         self.state.update(session.to_json().decode())
         timers = ctx.timer_service()
         if session.pending is None:
+            if self.processing_time_timers:
+                self._disarm(timers)
             if self.flush_at_end:
                 timers.delete_event_time_timer(FLUSH_TIMER_TS)
             return
         if self.processing_time_timers:
-            timers.register_processing_time_timer(int(session.pending.due_ts * 1000) + self.lateness_ms)
+            self._arm(session, timers)
         if self.flush_at_end:
             timers.register_event_time_timer(FLUSH_TIMER_TS)
+
+    def _armed(self) -> ArmedTimer | None:
+        raw = self.armed.value()
+        return None if raw is None else ArmedTimer.from_state(raw)
+
+    def _arm(self, session: ShopperSession, timers: Any) -> None:
+        assert session.pending is not None
+        deadline = wall_deadline_ms(
+            timers.current_processing_time(), session.pending.due_ts, session.last_event_ts, self.lateness_ms
+        )
+        change = rearm(self._armed(), session.pending.due_ts, deadline)
+        if change.delete_ms is not None:
+            timers.delete_processing_time_timer(change.delete_ms)
+        if change.register_ms is not None:
+            timers.register_processing_time_timer(change.register_ms)
+            self.armed.update(change.armed.to_state())
+
+    def _disarm(self, timers: Any) -> None:
+        armed = self._armed()
+        if armed is not None:
+            timers.delete_processing_time_timer(armed.fires_at_ms)
+            self.armed.clear()
 
     def process_element(self, value: Any, ctx: KeyedProcessFunction.Context) -> Iterable[Any]:
         self.records_in.inc()
@@ -213,7 +237,8 @@ class ShopperSessionFunction(KeyedProcessFunction):
             prompts = self.processor.flush(session)
             self.flushed_prompts.inc(len(prompts))
         else:
-            prompts = self.processor.fire_pending(session, (timestamp - self.lateness_ms) / 1000)
+            due_ts = due_to_fire(self._armed(), timestamp, self.lateness_ms)
+            prompts = [] if due_ts is None else self.processor.fire_pending(session, due_ts)
             self.timer_prompts.inc(len(prompts))
         if not prompts:
             return
@@ -243,6 +268,7 @@ class EnrichPrompts(AsyncFunction):
     def open(self, runtime_context: RuntimeContext) -> None:
         self.settings = NearRealtimeSettings.from_json(self.settings_json)
         self.enricher: Any = None
+        self.resources = LoopResources(self.settings.async_io.close_timeout_ms / 1000)
         self._starting: asyncio.Lock | None = None
         self.stats = OperatorStats()
         group = runtime_context.get_metrics_group().add_group(METRIC_GROUP)
@@ -284,6 +310,7 @@ class EnrichPrompts(AsyncFunction):
                     from pipeline.enrichment import Enricher
 
                     client = LLMClient(self.settings.llm)
+                    self.resources.add(client.close)
                     await client.start()
                     self.enricher = Enricher(client, self.settings.enrichment)
         return self.enricher
@@ -318,18 +345,22 @@ class EnrichPrompts(AsyncFunction):
         error = EnrichmentError(
             request_id=prompt.request_id,
             shopper_id=prompt.shopper_id,
+            session_epoch=prompt.session_epoch,
             seq=prompt.seq,
             reason=prompt.reason,
             error_type="FlinkAsyncTimeout",
             message=f"no result within the async operator's {self.settings.async_io.timeout_ms} ms",
             attempts=0,
+            new_event_ids=prompt.new_event_ids,
             last_event_ts=prompt.last_event_ts,
             produced_at=time.time(),
         )
         return [error.model_dump_json()]
 
     def close(self) -> None:
-        # The operator's event loop is already stopped here; connections die with the worker.
+        """The LLM client (its connections and health task) is closed on the operator's event loop as
+        that loop closes (``LoopResources``); this waits for it."""
+        self.resources.close()
         self.enricher = None
 
 
@@ -357,6 +388,7 @@ class WriteResults(AsyncFunction):
     def open(self, runtime_context: RuntimeContext) -> None:
         self.settings = NearRealtimeSettings.from_json(self.settings_json)
         self.committer: Any = None
+        self.resources = LoopResources(self.settings.async_io.close_timeout_ms / 1000)
         self.retries = 0
         self.stats = OperatorStats()
         group = runtime_context.get_metrics_group().add_group(METRIC_GROUP)
@@ -373,6 +405,8 @@ class WriteResults(AsyncFunction):
         )
 
     def _ensure_committer(self) -> Any:
+        """On the operator's event loop (``async_invoke``): the committer, its task and its sinks' clients
+        live there, and are closed there (``LoopResources``)."""
         if self.committer is None:
             from pipeline.checkpoint import Checkpoint
             from pipeline.sink_commit import SinkCommitter
@@ -385,6 +419,7 @@ class WriteResults(AsyncFunction):
                 idle_flush_s=self.settings.async_io.sink_idle_flush_ms / 1000,
                 on_written=self._on_written,
             )
+            self.resources.add(self.committer.close)
         return self.committer
 
     def _retried(self, what: str, exc: BaseException) -> None:
@@ -408,6 +443,10 @@ class WriteResults(AsyncFunction):
         return [value]
 
     def close(self) -> None:
+        """The committer's task, the Redis pool and the S3 client are closed on the operator's event loop
+        as that loop closes (``LoopResources``); this waits for it. Results written but not yet durable
+        were never acknowledged: the job replays them from its last checkpoint."""
+        self.resources.close()
         self.committer = None
 
 
@@ -441,6 +480,23 @@ def parse_result(raw: str) -> EnrichmentResult:
     if data.get("kind") == "error":
         return EnrichmentError.model_validate(data)
     return ShopperInsight.model_validate(data)
+
+
+def _with_ttl(descriptor: ValueStateDescriptor, settings: NearRealtimeSettings) -> ValueStateDescriptor:
+    """``descriptor`` expiring ``state_ttl_s`` after its last write (a quiet shopper is dropped)."""
+    descriptor.enable_time_to_live(
+        StateTtlConfig.new_builder(_seconds(settings.state_ttl_s))
+        .set_update_type(StateTtlConfig.UpdateType.OnCreateAndWrite)
+        .set_state_visibility(StateTtlConfig.StateVisibility.NeverReturnExpired)
+        # Flink's background cleanup, stated explicitly: PyFlink builds its default RocksDB
+        # strategy (even when one is given) with a Duration made through the py4j gateway, which
+        # an embedded (thread mode) interpreter on a TaskManager does not have. Same effect.
+        .disable_cleanup_in_background()
+        .cleanup_incrementally(5, False)
+        .cleanup_in_rocksdb_compact_filter(1000, _PeriodicUnused())
+        .build()
+    )
+    return descriptor
 
 
 class _PeriodicUnused:

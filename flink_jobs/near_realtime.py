@@ -8,7 +8,8 @@ Topology (one chain per stage; JSON strings between operators)::
          TaskManager's JVM, no bundle)
       -> EnrichAndWrite (async, unordered)  LLM client (session affinity) -> EnrichmentResult, then
          (always a process-mode worker)     Redis signals + S3 objects, durable before each checkpoint
-      -> KafkaSink(shopper-insights)        exactly-once, explicit transaction timeout (optional)
+      -> Kafka table sink(shopper-insights) keyed by shopper id (JSON_VALUE on the JVM), exactly-once,
+                                            explicit transaction timeout (optional)
 
 Run it on a cluster with ``flink run -py flink_jobs/near_realtime.py --config job.yaml``, or locally in
 the MiniCluster on a bounded sample with ``python -m devstack.flink_local``. Tests call
@@ -239,12 +240,19 @@ def run_kafka(
 ) -> None:
     """The production job: Kafka in, DLQ and (optionally) insights out, Redis and S3 through the sinks.
     ``stop_at_latest`` reads only what the topic holds now and then ends, flushing every pending trigger."""
-    from flink_jobs.flink_connectors import kafka_connector_jars, kafka_sink, kafka_source_rows
+    from flink_jobs.flink_connectors import (
+        kafka_connector_jars,
+        kafka_sink,
+        kafka_source_rows,
+        sink_insights_keyed,
+        table_environment,
+    )
 
     jars = kafka_connector_jars()  # fails fast, naming scripts/fetch-flink-connectors
     env = create_environment(settings, local=local, jars=jars)
     exactly_once = settings.checkpoint.mode == "exactly_once"
-    keyed = kafka_source_rows(env, settings, stop_at_latest=stop_at_latest)
+    t_env = table_environment(env)
+    keyed = kafka_source_rows(env, settings, stop_at_latest=stop_at_latest, t_env=t_env)
     pipeline = build_pipeline(
         keyed,
         settings,
@@ -256,9 +264,9 @@ def run_kafka(
         "kafka dlq"
     ).uid("kafka-dlq")
     if settings.insights_topic:
-        pipeline.results.sink_to(
-            kafka_sink(settings, settings.insights_topic, exactly_once=exactly_once)
-        ).name("kafka insights").uid("kafka-insights")
+        sink_insights_keyed(
+            t_env, pipeline.results, settings, settings.insights_topic, exactly_once=exactly_once
+        )
     if detached:
         env.execute_async(settings.job_name)
     else:

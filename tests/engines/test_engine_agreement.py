@@ -1,21 +1,34 @@
 """The two engines agree: the same Kafka records through the job submitted with ``flink run`` to the
 standalone Flink cluster (at parallelism 2, a subtask on each of two TaskManagers) and through the
-embedded runner give identical Redis signals, S3 records, insights-topic records and dead letters (dead
-letters byte for byte, partition, offset and the size limit's cut included; results in every field the
-events determine, which leaves out timings and the replica that answered). Stored session entries are
-the same bytes too: Flink's keyed state cannot be read from Python, so that is checked on the state
-value the job builds (``tests/runner/test_session_store.py``). The records include malformed JSON, an
-oversized event, non-UTF-8 bytes and a tombstone; the Flink job keeps running past all of them.
+embedded runner, both running at once with their production timer settings (Flink's
+``wall_clock_timers`` on, the runner's ``timer_wall_per_event_s`` 1.0), give identical Redis signals, S3
+records, insights-topic records and dead letters (dead letters byte for byte, partition, offset and the
+size limit's cut included; results in every field the events determine, which leaves out timings and
+the replica that answered). Stored session entries are the same bytes too: Flink's keyed state cannot be
+read from Python, so that is checked on the state value the job builds
+(``tests/runner/test_session_store.py``).
+
+The records: a replayed backlog (the synthetic stream, a year old, and one shopper's 100 views 3 s
+apart an hour ago, with the fractions of a millisecond of real clock values), malformed JSON, an
+oversized event, non-UTF-8 bytes, a tombstone, records without a shopper id, and, once both engines
+have read the backlog, a live shopper's views stamped ``time.time()``. Nothing drains or flushes before
+the results are compared: every browse pause, the backlog's and the live one, must fire on each
+engine's wall-clock timers, once per pause (a backlog that fired a prompt per event, or a pause that
+never fired, shows as a missing or an extra result). The Flink job keeps running past every bad record
+and spreads the records without a shopper id over both subtasks; its insights topic is keyed by
+shopper, as the runner's.
 
 Both engines call the same session processor, client, sinks and dead-letter module; this test guards the
-shells and the connector path (Table API Kafka source with metadata columns, KafkaSink). While the job
-runs, the compose stack's Flink dashboard is checked against what the cluster's Prometheus reporter
-serves."""
+shells and the connector path (Table API Kafka source with metadata columns, the keyed Table API insights
+sink). While the job runs, the compose stack's Flink dashboard is checked against what the cluster's
+Prometheus reporter serves."""
 
 from __future__ import annotations
 
 import asyncio
 import re
+import threading
+import time
 from pathlib import Path
 from typing import Any, cast
 
@@ -27,17 +40,22 @@ from devstack.flink_cluster import FlinkClusterState, FlinkRest
 from devstack.stack import StackState
 from devstack.synthetic import SyntheticStream
 from pipeline.dead_letter import DeadLetter
+from prompt_assembly.events import MalformedEvent, parse_event
+from runner.config import RunnerSettings
 from runner.embedded import EmbeddedRunner
-from shopper.readback import list_s3_records
+from runner.progress import RunnerStats
+from shopper.readback import list_s3_records, read_topic_records
 from tests.conftest import Isolated
 from tests.flink_kit import (
     cluster_job_settings,
+    committed,
     drain,
     flink_topics,
     produce,
     read_all,
     request_ids,
     run_job,
+    subtask_counters,
     wait_committed,
 )
 from tests.helpers import dashboard_metric_names, expected_prompts, prometheus_names
@@ -119,6 +137,100 @@ def bad_records() -> list[tuple[bytes | None, bytes | None]]:
     ]
 
 
+RUNNER_WALL_PER_EVENT_S = 1.0
+"""The runner's production ``timer_wall_per_event_s``: a pause waits its quiet period on the wall clock."""
+STORED_WITHIN_S = 240.0
+"""How long each engine may take to store every expected result (the last pauses fire a quiet period
+after the last events are read); a wait, not a measure: past it the test fails naming what is missing."""
+BACKLOG_VIEWS, BACKLOG_GAP_S, BACKLOG_AGE_S = 100, 3.0, 3600.0
+"""A replayed backlog: 100 views 3 s apart an hour ago are one browse pause (one prompt, after the last)."""
+LIVE_VIEWS = 3
+UNKEYED = 24
+"""Records without a shopper id: on one subtask each with probability 1/2, so all on one by chance
+with 2 x 2^-24."""
+
+
+def view(shopper: str, n: int, ts: float) -> bytes:
+    product = {"product_id": f"p{n % 7}", "title": "Trail shoe", "brand": "Acme", "price": 90.0}
+    return orjson.dumps(
+        {"event_id": f"{shopper}-{n}", "shopper_id": shopper, "type": "view", "ts": ts, "product": product}
+    )
+
+
+def backlog_views(shopper: str) -> list[tuple[bytes | None, bytes | None]]:
+    start = time.time() - BACKLOG_AGE_S
+    return [(shopper.encode(), view(shopper, n, start + n * BACKLOG_GAP_S)) for n in range(BACKLOG_VIEWS)]
+
+
+def unkeyed_records() -> list[tuple[bytes | None, bytes | None]]:
+    """Events that lack a shopper id, produced without a key."""
+    return [
+        (None, orjson.dumps({"event_id": f"u{n}", "type": "search", "ts": time.time(), "query": "hat"}))
+        for n in range(UNKEYED)
+    ]
+
+
+class RunnerAlongside:
+    """The embedded runner on its own thread and event loop while the Flink job runs; ``stop`` asks it
+    to stop (it then waits for its prompts and commits) and returns its stats."""
+
+    def __init__(self, settings: RunnerSettings) -> None:
+        self.runner = EmbeddedRunner(settings, log=lambda _: None)
+        self.loop = asyncio.new_event_loop()
+        self.stats: RunnerStats | None = None
+        self.error: BaseException | None = None
+        self.thread = threading.Thread(target=self._run, name="embedded-runner", daemon=True)
+
+    def _run(self) -> None:
+        try:
+            self.stats = self.loop.run_until_complete(self.runner.run())
+        except BaseException as exc:
+            self.error = exc
+        finally:
+            self.loop.close()
+
+    def start(self) -> RunnerAlongside:
+        self.thread.start()
+        return self
+
+    def stop(self) -> RunnerStats:
+        if not self.loop.is_closed():
+            self.loop.call_soon_threadsafe(self.runner.request_stop)
+        self.thread.join(STORED_WITHIN_S)
+        if self.error is not None:
+            raise self.error
+        assert self.stats is not None, "the runner did not stop"
+        return self.stats
+
+
+def wait_stored(isolated: Isolated, s3_prefix: str, expected: set[str], runner: RunnerAlongside) -> None:
+    """Until S3 under ``s3_prefix`` holds a result for every expected prompt (and no other)."""
+    deadline = time.monotonic() + STORED_WITHIN_S
+    found: set[str] = set()
+    while time.monotonic() < deadline:
+        assert runner.error is None, runner.error
+        found = set(records(isolated, s3_prefix))
+        assert found <= expected, (
+            f"{s3_prefix}: results no prompt should have: {sorted(found - expected)[:5]}"
+        )
+        if found == expected:
+            return
+        time.sleep(1.0)
+    raise TimeoutError(f"{s3_prefix}: results never stored for {sorted(expected - found)[:10]}")
+
+
+def wait_dead_lettered_on_every_subtask(rest: FlinkRest, job_id: str, dead: int) -> list[int]:
+    """The session stage's per-subtask dead-letter counts, once they add up to ``dead``."""
+    deadline = time.monotonic() + STORED_WITHIN_S
+    counts: list[int] = []
+    while time.monotonic() < deadline:
+        counts = subtask_counters(rest, job_id, "shopper sessions", "shopper.events_dlq")
+        if sum(counts) >= dead:
+            return counts
+        time.sleep(1.0)
+    raise TimeoutError(f"the session stage reported {counts} dead letters, {dead} expected")
+
+
 def test_flink_cluster_and_embedded_runner_write_the_same_results(
     isolated: Isolated, stack: StackState, stack_dir: Path, flink_cluster: FlinkClusterState
 ) -> None:
@@ -127,28 +239,58 @@ def test_flink_cluster_and_embedded_runner_write_the_same_results(
     bad = bad_records()
     records_in[100:100] = bad[:2]
     records_in[200:200] = bad[2:]
-    expected = expected_prompts([(k or b"", v, True) for k, v in records_in if v is not None])
-    ends = produce(stack.kafka_bootstrap, isolated.topic, records_in)
+    backlog = backlog_views("s-backlog")
+    records_in += backlog + unkeyed_records()
 
     topics = flink_topics(isolated)
     flink_prefix, flink_s3 = f"{isolated.prefix}flink:", f"{isolated.s3_prefix}-flink"
     settings = cluster_job_settings(
         stack, stack_dir, isolated, topics, prefix=flink_prefix, s3_prefix=flink_s3
     ).model_copy(update={"dlq_max_original_bytes": DLQ_MAX_ORIGINAL_BYTES, "parallelism": 2})
-    job = run_job(flink_cluster, settings, stack_dir)
-    rest = FlinkRest(flink_cluster.web_url)
-    wait_committed(stack.kafka_bootstrap, topics.group, topics.events, ends, rest, job.job_id)
-    assert rest.job_state(job.job_id) == "RUNNING", "the job stopped on a bad record"
-    exported = prometheus_names(flink_cluster.metrics_urls)
-    asked = dashboard_metric_names(FLINK_DASHBOARD, FLINK_METRIC)
-    assert asked <= exported, (
-        f"the Flink dashboard asks for metrics the cluster does not export: {sorted(asked - exported)}; "
-        f"exported: {sorted(n for n in exported if 'shopper' in n or 'Checkpoint' in n or 'Restarts' in n)}"
+    assert settings.wall_clock_timers, "the job must run with its production timers"
+    runner_settings = isolated.runner(
+        dlq_max_original_bytes=DLQ_MAX_ORIGINAL_BYTES,
+        until_drained=False,
+        timer_wall_per_event_s=RUNNER_WALL_PER_EVENT_S,
     )
-    drain(flink_cluster, job.job_id, stack_dir)
+    runner = RunnerAlongside(runner_settings).start()
+    try:
+        ends = produce(stack.kafka_bootstrap, isolated.topic, records_in)
+        job = run_job(flink_cluster, settings, stack_dir)
+        rest = FlinkRest(flink_cluster.web_url)
+        wait_committed(stack.kafka_bootstrap, topics.group, topics.events, ends, rest, job.job_id)
+        wait_runner_committed(stack.kafka_bootstrap, isolated.group, isolated.topic, ends, runner)
+        # The backlog is read; a live shopper browses now and pauses.
+        live_at = time.time()
+        live: list[tuple[bytes | None, bytes | None]] = [
+            (b"s-live", view("s-live", n, live_at + n / 1000)) for n in range(LIVE_VIEWS)
+        ]
+        produce(stack.kafka_bootstrap, isolated.topic, live)
+        records_in += live
+        expected = expected_prompts([(k or b"", v, True) for k, v in records_in if v is not None])
+        backlog_prompts = [p for p in expected.values() if p.shopper_id == "s-backlog"]
+        assert [(p.reason, p.last_event_ts) for p in backlog_prompts] == [
+            ("browse_pause", orjson.loads(backlog[-1][1] or b"{}")["ts"])
+        ], "the backlog is one browse pause, after its last view"
+        assert [p.reason for p in expected.values() if p.shopper_id == "s-live"] == ["browse_pause"]
+        # Neither engine is drained or flushed before this: only their timers can fire the pauses.
+        wait_stored(isolated, flink_s3, set(expected), runner)
+        wait_stored(isolated, isolated.s3_prefix, set(expected), runner)
 
-    runner = isolated.runner(dlq_max_original_bytes=DLQ_MAX_ORIGINAL_BYTES)
-    stats = asyncio.run(EmbeddedRunner(runner, log=lambda _: None).run())
+        assert rest.job_state(job.job_id) == "RUNNING", "the job stopped on a bad record"
+        n_bad = sum(1 for _, v in records_in if v is None or not valid(v))
+        per_subtask = wait_dead_lettered_on_every_subtask(rest, job.job_id, n_bad)
+        assert all(per_subtask), f"records without a shopper id all went to one subtask: {per_subtask}"
+        exported = prometheus_names(flink_cluster.metrics_urls)
+        asked = dashboard_metric_names(FLINK_DASHBOARD, FLINK_METRIC)
+        shown = sorted(n for n in exported if any(w in n for w in ("shopper", "Checkpoint", "Restart")))
+        assert asked <= exported, (
+            f"the Flink dashboard asks for metrics the cluster does not export: {sorted(asked - exported)}; "
+            f"exported: {shown}"
+        )
+        drain(flink_cluster, job.job_id, stack_dir)
+    finally:
+        stats = runner.stop()
     assert stats.accounting.balanced and stats.accounting.insights == len(expected)
 
     embedded_signals = signals(stack.redis_url, isolated.prefix)
@@ -160,6 +302,7 @@ def test_flink_cluster_and_embedded_runner_write_the_same_results(
     assert records(isolated, flink_s3) == embedded_records
 
     n_dead = stats.accounting.dead_lettered
+    assert n_dead == n_bad
     embedded_dlq = sorted(read_all(stack.kafka_bootstrap, isolated.dlq_topic, expect=n_dead))
     flink_dlq = sorted(read_all(stack.kafka_bootstrap, topics.dlq, expect=n_dead))
     assert flink_dlq == embedded_dlq, "dead letters differ between the engines"
@@ -176,5 +319,33 @@ def test_flink_cluster_and_embedded_runner_write_the_same_results(
     assert "invalid JSON" in reasons and "byte limit" in reasons and "null value" in reasons
     assert any(d.original_encoding == "base64" for d in letters)
 
-    insights = read_all(stack.kafka_bootstrap, topics.insights, expect=len(expected))
-    assert sorted(request_ids(insights)) == sorted(expected), "insights topic: not one record per prompt"
+    keyed = read_topic_records(stack.kafka_bootstrap, topics.insights, expect=len(expected))
+    assert sorted(request_ids([v for _, v in keyed])) == sorted(expected), (
+        "insights topic: not one per prompt"
+    )
+    assert all(key == orjson.loads(value)["shopper_id"].encode() for key, value in keyed), (
+        "insights topic: a record not keyed by its shopper"
+    )
+
+
+def wait_runner_committed(
+    bootstrap: str, group: str, topic: str, ends: dict[int, int], runner: RunnerAlongside
+) -> None:
+    """Until the runner's group has committed every produced record."""
+    deadline = time.monotonic() + STORED_WITHIN_S
+    seen: dict[int, int] = {}
+    while time.monotonic() < deadline:
+        assert runner.error is None, runner.error
+        seen = committed(bootstrap, group, topic, sorted(ends))
+        if all(seen.get(p, -1) >= end for p, end in ends.items()):
+            return
+        time.sleep(0.5)
+    raise TimeoutError(f"runner group {group} committed {seen}, produced up to {ends}")
+
+
+def valid(value: bytes) -> bool:
+    try:
+        parse_event(value)
+    except MalformedEvent:
+        return False
+    return True

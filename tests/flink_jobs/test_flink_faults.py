@@ -126,8 +126,8 @@ def test_flink_job_redis_stopped_for_10_s_mid_stream(
         redis.start()
         topics = flink_topics(isolated)
         prefix, s3_prefix = f"{isolated.prefix}flink:", f"{isolated.s3_prefix}-flink"
-        settings = cluster_job_settings(
-            stack, stack_dir, isolated, topics, prefix=prefix, s3_prefix=s3_prefix
+        settings = cluster_job_settings(  # parts arrive apart: prompts by event order (tests.flink_kit)
+            stack, stack_dir, isolated, topics, prefix=prefix, s3_prefix=s3_prefix, wall_clock_timers=False
         )
         sinks = settings.sinks.model_copy(update={"redis_url": redis.url})
         settings = settings.model_copy(update={"sinks": sinks})
@@ -231,8 +231,8 @@ def test_flink_job_one_replica_of_three_sends_bad_answers(
         replicas.start()
         topics = flink_topics(isolated)
         prefix, s3_prefix = f"{isolated.prefix}flink:", f"{isolated.s3_prefix}-flink"
-        settings = cluster_job_settings(
-            stack, stack_dir, isolated, topics, prefix=prefix, s3_prefix=s3_prefix
+        settings = cluster_job_settings(  # parts arrive apart: prompts by event order (tests.flink_kit)
+            stack, stack_dir, isolated, topics, prefix=prefix, s3_prefix=s3_prefix, wall_clock_timers=False
         )
         llm = settings.llm.model_copy(update={"endpoints": replicas.endpoints, "policy": "prefix_aware"})
         settings = settings.model_copy(update={"llm": llm})
