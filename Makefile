@@ -12,7 +12,7 @@ PYTEST_ARGS ?=
 PACKAGES := prompt_assembly llm_client serving sinks pipeline runner flink_jobs capacity devstack shopper batch realtime gateway
 CODE     := $(PACKAGES) tests bench scripts
 
-.PHONY: demo test lint typecheck pytest llama flink-jars bench clean stack-down
+.PHONY: demo test lint typecheck pytest llama flink-jars bench bench-smoke clean stack-down
 
 $(STAMP): pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -43,10 +43,17 @@ pytest: $(STAMP) llama flink-jars
 
 test: lint typecheck pytest
 
+# Run as modules (-m), never as bench/x.py: a script's own folder goes first on the import path, and
+# bench/prompt_assembly.py would shadow the prompt_assembly package.
 bench: $(STAMP)
-	$(PY) bench/runner.py
-	$(PY) bench/prompt_assembly.py
-	$(PY) bench/client_overhead.py
+	$(PY) -m bench.runner
+	$(PY) -m bench.prompt_assembly
+	$(PY) -m bench.client_overhead
+
+# Every benchmark command docs/ shows, in a short form, into a temporary results folder (a few minutes;
+# tests/bench/test_bench_smoke.py). `make test` runs it too: pytest collects tests/bench with the rest.
+bench-smoke: $(STAMP)
+	$(PY) -m pytest -q -p no:cacheprovider -m bench_smoke tests/bench
 
 stack-down: $(STAMP)
 	$(VENV)/bin/shopper stack down

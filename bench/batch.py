@@ -48,11 +48,10 @@ from batch.coordination import read_progress
 from batch.launch import BatchRuntime, batch_client_config, open_batch
 from batch.storage import JobStore, S3Uri
 from batch.synthetic import synthetic_product_lines
-from bench.common import machine, print_table, temporary_stack
+from bench.common import REPO, machine, print_table, results_dir, temporary_stack
 from devstack.stack import StackState, sink_settings
 
-REPO = Path(__file__).resolve().parents[1]
-RESULTS = REPO / "bench" / "results"
+RESULTS = results_dir()
 MAX_BATCH = 64  # the simulator's default max_batch (trtllm max_batch_size)
 
 
@@ -274,6 +273,11 @@ async def bench(args: argparse.Namespace) -> dict[str, Any]:
             for i in range(0, len(keys), 1000):
                 client.delete(*keys[i : i + 1000])
     maximum = max(r.steady_calls_per_s for r in runs)
+
+    def ratio(calls_per_s: float) -> float | None:
+        """Against the maximum; none where the fixed runs were too short for a steady state (rate 0)."""
+        return round(calls_per_s / maximum, 3) if maximum > 0 else None
+
     return {
         "machine": machine(),
         "load_average_before": [round(x, 2) for x in load_before],
@@ -285,8 +289,8 @@ async def bench(args: argparse.Namespace) -> dict[str, Any]:
         "fixed_runs": [asdict(r) for r in runs],
         "adaptive": asdict(adaptive),
         "max_calls_per_s": maximum,
-        "ratio_overall": round(adaptive.calls_per_s / maximum, 3),
-        "ratio_steady": round(adaptive.steady_calls_per_s / maximum, 3),
+        "ratio_overall": ratio(adaptive.calls_per_s),
+        "ratio_steady": ratio(adaptive.steady_calls_per_s),
         "aimd_decisions": decisions[-50:],
         "kill": kill,
     }
@@ -315,10 +319,13 @@ def report(result: dict[str, Any]) -> None:
         ],
         rows,
     )
-    print(
-        f"\nadaptive / measured maximum: {result['ratio_overall']:.3f} over the whole job (ramp-up in), "
-        f"{result['ratio_steady']:.3f} in steady state (maximum {result['max_calls_per_s']:.1f} calls/s)"
-    )
+    if result["ratio_overall"] is None:
+        print("\nadaptive / measured maximum: no steady state measured (runs too short)")
+    else:
+        print(
+            f"\nadaptive / measured maximum: {result['ratio_overall']:.3f} over the whole job (ramp-up in), "
+            f"{result['ratio_steady']:.3f} in steady state (maximum {result['max_calls_per_s']:.1f} calls/s)"
+        )
     kill = result["kill"]
     if kill:
         print()
@@ -381,7 +388,7 @@ def main() -> None:
     RESULTS.mkdir(parents=True, exist_ok=True)
     (RESULTS / f"{args.out}.json").write_text(json.dumps(result, indent=1))
     plot(result, RESULTS / f"{args.out}.png")
-    print(f"\nwrote bench/results/{args.out}.json and {args.out}.png")
+    print(f"\nwrote {RESULTS / args.out}.json and {args.out}.png")
 
 
 if __name__ == "__main__":

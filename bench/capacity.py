@@ -44,13 +44,12 @@ import redis.asyncio as aioredis
 from batch.coordination import read_progress
 from batch.storage import JobStore, S3Uri
 from batch.synthetic import synthetic_product_lines
-from bench.common import machine, percentile, print_table, temporary_stack
+from bench.common import REPO, machine, percentile, print_table, results_dir, temporary_stack
 from bench.realtime import Sample, _body, _calibrate, _drain, _write_signals
 from capacity.pool import PoolBoard, SharedPool
 from devstack.stack import sink_settings
 
-REPO = Path(__file__).resolve().parents[1]
-RESULTS = REPO / "bench" / "results"
+RESULTS = results_dir()
 POOL = "bench-pool"
 
 # Real-time requests/s at each hour of the day, as a share of the peak (linear in between).
@@ -77,13 +76,15 @@ async def _start(argv: list[str], env: dict[str, str], ready: str | None) -> tup
     assert process.stdout is not None
     if ready is None:
         return process, ""
+    said: list[str] = []  # what it printed, for the error if it never gets ready
     async with asyncio.timeout(60):
         while True:
             line = (await process.stdout.readline()).decode()
             if not line:
-                raise RuntimeError(f"{argv[3:5]} exited before {ready}")
+                raise RuntimeError(f"{argv[3:5]} exited before {ready}:\n{''.join(said[-20:])}")
             if line.startswith(ready):
                 return process, line.split()[1]
+            said.append(line)
 
 
 async def _day_traffic(
@@ -155,6 +156,9 @@ async def bench(args: argparse.Namespace) -> dict[str, Any]:
             "CAPACITY_TREND_WINDOW_S": str(args.seconds / 24),
             "CAPACITY_SCALE_DOWN_AFTER_S": str(args.seconds / 48),  # half an hour
             "CAPACITY_STEP_INTERVAL_S": str(args.seconds / 96),
+            # The default 1 s tick at the documented 240 s day; a shorter day ticks faster, so the trend
+            # window (one simulated hour) still covers the two ticks the controller needs.
+            "CAPACITY_TICK_S": str(min(1.0, args.seconds / 240)),
             "CAPACITY_LOAD_WINDOW_S": "3",
             "CAPACITY_HANDOFF_S": "1",
         }
@@ -402,7 +406,7 @@ def main() -> None:
     RESULTS.mkdir(parents=True, exist_ok=True)
     (RESULTS / f"{out}.json").write_text(json.dumps(result, indent=1))
     plot(result, RESULTS / f"{out}.png")
-    print(f"\nwrote bench/results/{out}.json and {out}.png")
+    print(f"\nwrote {RESULTS / out}.json and {out}.png")
 
 
 if __name__ == "__main__":

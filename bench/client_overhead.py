@@ -18,11 +18,10 @@ import subprocess
 import sys
 import time
 from collections.abc import Awaitable, Callable
-from pathlib import Path
 
 import aiohttp
 
-from bench.common import machine, percentile, print_table
+from bench.common import machine, percentile, print_table, results_dir
 from devstack.processes import ManagedProcess, free_port, stop, wait_for_port
 from llm_client import ClientConfig, LLMClient
 
@@ -160,8 +159,8 @@ def main() -> None:
     table = print_table(
         ["path", "requests", "errors", "p50 ms", "p99 ms", "p50 overhead ms", "p99 overhead ms"], rows
     )
-    out = Path(__file__).parent / "results"
-    out.mkdir(exist_ok=True)
+    out = results_dir()
+    out.mkdir(parents=True, exist_ok=True)
     (out / "client_overhead.json").write_text(
         json.dumps({"machine": machine(), "rate": args.rate, "interleave": args.interleave, "table": table})
     )

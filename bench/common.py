@@ -13,6 +13,21 @@ from pathlib import Path
 
 from devstack.stack import StackSettings, StackState, stack_down, stack_up
 
+REPO = Path(__file__).resolve().parents[1]
+"""The repository root: the working directory and ``PYTHONPATH`` of every process a benchmark starts, so
+they import this tree's packages, never a bench module that shares a package's name
+(``bench/prompt_assembly.py`` as ``prompt_assembly``)."""
+
+RESULTS_DIR_ENV = "BENCH_RESULTS_DIR"
+
+
+def results_dir() -> Path:
+    """Where a benchmark writes its results JSON and plots: ``bench/results``, the committed results that
+    ``docs/`` cites, unless ``BENCH_RESULTS_DIR`` names another folder. The smoke test
+    (``tests/bench``) points it at a temporary one, so a short run never overwrites a documented result."""
+    override = os.environ.get(RESULTS_DIR_ENV)
+    return Path(override) if override else REPO / "bench" / "results"
+
 
 def machine() -> str:
     cpu = "unknown CPU"

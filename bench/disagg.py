@@ -49,7 +49,7 @@ from typing import Any
 import aiohttp
 from aiohttp import web
 
-from bench.common import machine, percentile, print_table
+from bench.common import machine, percentile, print_table, results_dir
 from bench.trace import TraceConfig, TraceRequest, generate_trace, with_poisson_arrivals
 from llm_client import ClientConfig, LLMClient
 from llm_client.config import HealthSettings, RetrySettings, Timeouts
@@ -61,7 +61,7 @@ from serving.disagg_router.service import DisaggService
 from serving.simulator.launch import REPO_ROOT, SimulatorFleet
 
 GPUS = 8
-RESULTS = Path(__file__).resolve().parent / "results" / "disagg_matrix.json"
+RESULTS = results_dir() / "disagg_matrix.json"
 STANDIN = "trtllm-standin"
 PRODUCTION_YAML = REPO_ROOT / "serving" / "trtllm" / "disagg" / "disagg_config.yaml"
 KV_EVENTS = ("--kv-event-buffer-max-size", "16384")

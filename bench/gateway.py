@@ -33,7 +33,7 @@ from typing import Any
 import aiohttp
 import orjson
 
-from bench.common import machine, percentile, print_table
+from bench.common import machine, percentile, print_table, results_dir
 from llm_client import ClientConfig, LLMClient
 from prompt_assembly.prompt import build_messages
 from serving.simulator.launch import REPO_ROOT, SimulatorFleet
@@ -321,8 +321,8 @@ def main() -> None:
         ["policy", "path", "requests", "errors", "req/s", "p50 ms", "p99 ms", "gateway CPU µs/request"], top
     )
     print(f"load average after: {os.getloadavg()[0]:.1f}")
-    out = Path(__file__).parent / "results"
-    out.mkdir(exist_ok=True)
+    out = results_dir()
+    out.mkdir(parents=True, exist_ok=True)
     (out / "gateway.json").write_text(
         json.dumps({"machine": machine(), "args": vars(args), "latency": table1, "ceiling": table2})
     )

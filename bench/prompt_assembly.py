@@ -10,9 +10,8 @@ from __future__ import annotations
 import argparse
 import json
 import time
-from pathlib import Path
 
-from bench.common import machine, percentile, print_table
+from bench.common import machine, percentile, print_table, results_dir
 from devstack.synthetic import SyntheticStream
 from prompt_assembly.events import parse_event
 from prompt_assembly.processor import SessionProcessor
@@ -104,8 +103,8 @@ def main() -> None:
         ],
         rows,
     )
-    out = Path(__file__).parent / "results"
-    out.mkdir(exist_ok=True)
+    out = results_dir()
+    out.mkdir(parents=True, exist_ok=True)
     (out / "prompt_assembly.json").write_text(
         json.dumps({"machine": machine(), "results": results, "table": table})
     )

@@ -42,15 +42,14 @@ import aiohttp
 import orjson
 
 from batch.signals import ProductSignalWriter
-from bench.common import machine, percentile, print_table, temporary_stack
+from bench.common import REPO, machine, percentile, print_table, results_dir, temporary_stack
 from devstack.stack import StackState, sink_settings
 from devstack.synthetic import build_catalog
 from prompt_assembly.records import ShopperInsight, Usage
 from prompt_assembly.understanding import ShopperUnderstanding
 from sinks.redis import RedisSignalSink
 
-REPO = Path(__file__).resolve().parents[1]
-RESULTS = REPO / "bench" / "results"
+RESULTS = results_dir()
 QUERIES = ["witch costume", "halloween decor", "kids costume", "party", "", "spooky lights", "candy"]
 INTERESTS = [
     ["kids witch costumes", "face paint"],
@@ -389,7 +388,7 @@ def main() -> None:
     report(result)
     RESULTS.mkdir(parents=True, exist_ok=True)
     (RESULTS / f"{args.out}.json").write_text(json.dumps(result, indent=1))
-    print(f"\nwrote bench/results/{args.out}.json")
+    print(f"\nwrote {RESULTS / args.out}.json")
 
 
 if __name__ == "__main__":

@@ -30,7 +30,7 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from bench.common import machine, percentile, print_table
+from bench.common import machine, percentile, print_table, results_dir
 from bench.trace import TraceConfig, TraceRequest, generate_trace, with_poisson_arrivals
 from llm_client import ClientConfig, LLMClient
 from llm_client.degradation import DegradationDetector, DegradationSettings
@@ -39,7 +39,7 @@ from llm_client.routing import make_policy
 from llm_client.routing.predicted_ttft import EndpointGroup, PredictedTtftPolicy, PredictedTtftSettings
 from serving.simulator.launch import SimulatorFleet
 
-RESULTS = Path(__file__).resolve().parent / "results"
+RESULTS = results_dir()
 H100_MS_PER_TOKEN = 0.122
 """Prefill ms per prompt token of the calibration (32B, H100): the policy's prior at time scale 1."""
 
@@ -412,7 +412,7 @@ async def main(argv: Sequence[str] | None = None) -> None:
     else:
         runs = await regions(args, lose=args.scenario == "lost")
     text = report(runs, args)
-    RESULTS.mkdir(exist_ok=True)
+    RESULTS.mkdir(parents=True, exist_ok=True)
     name = f"lost_{args.lose}" if args.scenario == "lost" else args.scenario
     path = RESULTS / f"regions_{name}.json"
     payload = {"machine": machine(), "args": vars(args), "report": text, "runs": [asdict(r) for r in runs]}

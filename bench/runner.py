@@ -34,7 +34,7 @@ import uuid
 from pathlib import Path
 from typing import Any
 
-from bench.common import machine, percentile, print_table, temporary_stack
+from bench.common import REPO, machine, percentile, print_table, results_dir, temporary_stack
 from devstack.stack import StackState, sink_settings
 from llm_client.config import ClientConfig
 from prompt_assembly.processor import SessionConfig
@@ -44,8 +44,8 @@ from runner.embedded import EmbeddedRunner
 from runner.progress import RunnerStats
 from shopper.producer import produce
 
-RESULTS = Path(__file__).parent / "results"
-ROOT = Path(__file__).resolve().parent.parent
+RESULTS = results_dir()
+ROOT = REPO
 
 BARE_CONSUMER = """
 import json, sys, time
@@ -242,9 +242,11 @@ def profile_table(profiles: dict[str, Path], events: int) -> list[list[object]]:
 
 
 def bare_consumer_job(settings: RunnerSettings, events: int) -> dict[str, Any]:
-    """The runner's own consumer settings (``EmbeddedRunner._consumer_config``) and poll size."""
+    """The runner's own consumer settings (``EmbeddedRunner._consumer_config``) and poll size. Callbacks
+    (the runner's ``error_cb``) stay behind: the job crosses to the child process as JSON."""
+    config = EmbeddedRunner(settings)._consumer_config()
     return {
-        "consumer": EmbeddedRunner(settings)._consumer_config(),
+        "consumer": {key: value for key, value in config.items() if not callable(value)},
         "topic": settings.topic,
         "events": events,
         "batch": settings.batch_max_events,
@@ -379,7 +381,7 @@ def main() -> None:
             "cache hit",
         ]
         table = print_table(headers, rows)
-    RESULTS.mkdir(exist_ok=True)
+    RESULTS.mkdir(parents=True, exist_ok=True)
     (RESULTS / "runner.json").write_text(
         json.dumps(
             {

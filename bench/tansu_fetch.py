@@ -82,6 +82,8 @@ def main() -> None:
     parser.add_argument("--seconds", type=float, default=12.0)
     parser.add_argument("--waits", default="500,100,20", help="fetch.max.wait.ms values")
     args = parser.parse_args()
+    if args.seconds <= WARMUP_S:
+        parser.error(f"--seconds must exceed the {WARMUP_S:g} s warm-up, which is not measured")
     started: list[ManagedProcess] = []
     try:
         bootstrap = _start_tansu(Path(tempfile.mkdtemp(prefix="bench-fetch-")), started)

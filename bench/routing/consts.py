@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-from pathlib import Path
+from bench.common import REPO, results_dir
 
-REPO = Path(__file__).resolve().parents[1]
+__all__ = ["BLOCK", "POLICIES", "REPO", "RESULTS"]
 
-
-RESULTS = REPO / "bench" / "results"
+RESULTS = results_dir()
 
 
 POLICIES = ("round_robin", "least_outstanding", "session_affinity", "prefix_aware")

@@ -1,0 +1,164 @@
+"""Every benchmark command ``docs/`` shows starts on a fresh clone: each one runs here in a short form
+against the embedded parts (Tansu, Redis, moto, simulator replicas as subprocesses) and must exit 0 and
+write its results file, or print its table where it writes none.
+
+Nothing ran the benchmarks before, so a documented command could break unnoticed: ``python -m
+bench.routing --quick`` started its simulators with ``bench/`` on their path once ``bench/`` became a
+package (they imported ``bench/prompt_assembly.py`` as ``prompt_assembly`` and exited before READY), and
+``python -m bench.runner`` handed the runner's ``error_cb`` to ``json.dumps``. A short form measures
+nothing; it only proves the command still runs, end to end, through the same code as the long one.
+
+Each run writes under a temporary ``BENCH_RESULTS_DIR`` (``bench.common.results_dir``), so the committed
+results ``docs/`` cites are never overwritten. ``make bench-smoke`` runs this module alone; ``make test``
+collects it with the rest.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from bench.common import REPO, RESULTS_DIR_ENV
+
+RESULTS = REPO / "bench" / "results"
+"""The committed results docs/ cites; only ever read here."""
+
+pytestmark = pytest.mark.bench_smoke
+
+HANG_GUARD_S = 300
+"""A run that has not ended by then is stuck (the longest short form takes about a minute on a busy
+2-core machine)."""
+
+
+@dataclass(frozen=True)
+class SmokeRun:
+    """One documented command in a short form, and what it must leave behind."""
+
+    name: str
+    argv: tuple[str, ...]
+    """After the interpreter: ``-m bench.x ...``, or the script path where docs/ shows a script."""
+    results: tuple[str, ...] = ()
+    """Files the run writes under ``BENCH_RESULTS_DIR``; none: it prints its table instead."""
+    prints: str = "|-"
+    """What its output must hold where it writes no results: a table's rule line, by default."""
+    inputs: tuple[str, ...] = ()
+    """Committed results copied into ``BENCH_RESULTS_DIR`` first, for a command that reads earlier results
+    (so it also proves they still load)."""
+
+    @property
+    def module(self) -> str:
+        if self.argv[0] == "-m":
+            return self.argv[1]
+        return self.argv[0].removesuffix(".py").replace("/", ".")
+
+
+SMOKE_RUNS = (
+    SmokeRun("runner", ("-m", "bench.runner", "--events", "500", "--shoppers", "50", "--repeats", "1",
+                        "--freshness-events", "40"), ("runner.json",)),
+    SmokeRun("prompt_assembly", ("-m", "bench.prompt_assembly", "--events", "2000", "--shoppers", "50"),
+             ("prompt_assembly.json",)),
+    SmokeRun("client_overhead", ("-m", "bench.client_overhead", "--rate", "200", "--seconds", "1",
+                                 "--rounds", "1"), ("client_overhead.json",)),
+    SmokeRun("answer_parsing", ("-m", "bench.answer_parsing", "--tokens", "50", "--repeat", "20")),
+    SmokeRun("security", ("-m", "bench.security", "--events", "500", "--repeat", "1")),
+    SmokeRun("sizing", ("-m", "bench.sizing",)),
+    SmokeRun("batch", ("-m", "bench.batch", "--records", "200", "--baseline-records", "100", "--skip-kill"),
+             ("batch.json", "batch.png")),
+    SmokeRun("realtime", ("-m", "bench.realtime", "--rate", "50", "--seconds", "3", "--overload-seconds",
+                          "2", "--shoppers", "50"), ("realtime.json",)),
+    SmokeRun("capacity", ("-m", "bench.capacity", "--seconds", "12", "--batch-records", "500",
+                          "--shoppers", "50"), ("capacity.json", "capacity.png")),
+    SmokeRun("gateway", ("-m", "bench.gateway", "--policies", "prefix_aware", "--rate", "10",
+                         "--seconds", "2", "--shoppers", "10"),
+             ("gateway.json",)),
+    # --quick's code path with fewer shoppers (--quick sets 40): the setups, not the trace, are under test
+    SmokeRun("routing", ("-m", "bench.routing", "--setups", "sim", "--utilisations", "0.7", "--policies",
+                         "prefix_aware", "--shoppers", "10", "--replicas", "2", "--time-scale", "0.1"),
+             ("routing.json", "routing.png")),
+    SmokeRun("routing_replot", ("-m", "bench.routing", "--replot"), ("routing.png", "routing_kill.png"),
+             inputs=("routing.json", "routing_kill.json")),
+    SmokeRun("routing_combine", ("-m", "bench.routing", "--tag", "_smoke", "--combine",
+                                 ",".join(str(RESULTS / f"routing_scenarios_r3_{s}.json")
+                                          for s in ("base", "skew", "burst", "long", "evict", "restart"))),
+             ("routing_scenarios_smoke.json",)),
+    SmokeRun("regions_mixed", ("-m", "bench.regions", "--scenario", "mixed", "--policies", "predicted_ttft",
+                               "--rates", "6", "--seconds", "3"),
+             ("regions_mixed.json",)),
+    SmokeRun("regions_surge", ("-m", "bench.regions", "--scenario", "surge", "--rates", "6", "--seconds",
+                               "4"), ("regions_surge.json",)),
+    SmokeRun("regions_lost", ("-m", "bench.regions", "--scenario", "lost", "--lose", "west", "--surge", "1",
+                              "--rates", "6", "--seconds", "4"), ("regions_lost_west.json",)),
+    SmokeRun("disagg", ("-m", "bench.disagg", "--workloads", "ours", "--cost", "additive", "--setups",
+                        "agg-chunked", "4P4D-idle", "--requests", "10", "--rates", "4"),
+             ("disagg_matrix.json",)),
+    # not a benchmark, but docs/ shows it: the docs' generated tables checked against their results
+    SmokeRun("report", ("-m", "bench.report"), prints=": ok"),
+    SmokeRun("tansu_fetch", ("-m", "bench.tansu_fetch", "--seconds", "4", "--waits", "100")),
+    # docs/ shows the script form; one row: the job's EnrichPrompts over HTTP at its defaults
+    SmokeRun("flink_async", ("bench/flink_async.py", "--rows", "17", "--seconds", "1",
+                             "--paced-seconds", "1")),
+)  # fmt: skip
+
+
+NOT_SMOKED = {
+    "bench.flink_cluster": "starts a standalone Flink cluster (a JobManager and TaskManager JVMs) and "
+    "waits out bench.flink_kit.WARMUP_S before it measures: over a minute before the first number",
+    "bench.flink_recovery": "the same cluster, and kills a TaskManager mid-stream: the short form is "
+    "still the cluster's start plus a restart from a checkpoint",
+}
+"""Documented benchmarks no short form exists for, and why (also in docs/benchmarks.md)."""
+
+
+DOCUMENTED = re.compile(r"python3? -m (bench\.[a-z_]+)|python3? (bench/[a-z_]+\.py)")
+
+
+def documented_benchmarks() -> set[str]:
+    """Every benchmark module a command in README.md or docs/ runs (``python -m bench.x``, or the
+    script form ``python bench/x.py``)."""
+    found: set[str] = set()
+    for doc in [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]:
+        for module, script in DOCUMENTED.findall(doc.read_text()):
+            found.add(module or script.removesuffix(".py").replace("/", "."))
+    return found
+
+
+def test_every_documented_benchmark_has_a_short_form_or_a_reason() -> None:
+    covered = {run.module for run in SMOKE_RUNS} | set(NOT_SMOKED)
+    missing = sorted(documented_benchmarks() - covered)
+    assert not missing, f"documented benchmarks with no smoke run here: {missing}"
+    assert not set(NOT_SMOKED) & {run.module for run in SMOKE_RUNS}
+
+
+@pytest.mark.parametrize("run", SMOKE_RUNS, ids=lambda run: run.name)
+def test_documented_benchmark_runs_and_writes_its_results(run: SmokeRun, tmp_path: Path) -> None:
+    for name in run.inputs:
+        shutil.copy(RESULTS / name, tmp_path / name)
+    env = {**os.environ, RESULTS_DIR_ENV: str(tmp_path)}
+    done = subprocess.run(
+        [sys.executable, *run.argv],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=HANG_GUARD_S,
+        check=False,
+    )
+    output = done.stdout + done.stderr
+    assert done.returncode == 0, f"{' '.join(run.argv)} exited {done.returncode}:\n{output[-4000:]}"
+    written = sorted(path.name for path in tmp_path.iterdir())
+    for name in run.results:
+        assert name in written, f"{' '.join(run.argv)} wrote {written}, not {name}:\n{output[-2000:]}"
+        path = tmp_path / name
+        assert path.stat().st_size > 0
+        if path.suffix == ".json":
+            assert json.loads(path.read_text()), f"{name} is empty"
+    if not run.results:
+        assert run.prints in output, f"{' '.join(run.argv)} printed no {run.prints!r}:\n{output[-2000:]}"
