@@ -1,0 +1,329 @@
+"""``python -m bench.report``: the tables in ``docs/`` that quote a results JSON, regenerated from it, so
+a documented number lives in one place (its results file) and cannot drift from it.
+
+A generated table sits between two comments in a doc::
+
+    <!-- bench:table routing_sim bench/results/routing.json -->
+    | util | policy | ... |
+    <!-- /bench:table -->
+
+The first word names a renderer below; the paths after it are the results files it reads. Without
+options the command checks every block of ``docs/*.md`` and ``README.md`` and exits 1 if one differs from
+what its files give (``tests/docs/test_bench_tables.py`` runs the same check); ``--write`` rewrites the
+blocks. After a rerun that writes new results, ``--write`` is the whole doc update for those tables; the
+prose around them is still written, and checked, by people.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from bench.common import REPO
+from bench.disagg import GPUS, SLOS, RatePoint, SetupResult, goodput
+from bench.routing.report import load_results, sim_table
+
+BLOCK = re.compile(
+    r"(?P<open><!-- bench:table (?P<name>[a-z_]+)(?P<paths>(?: [^ >]+)+) -->\n)"
+    r"(?P<body>.*?)"
+    r"(?P<close><!-- /bench:table -->)",
+    re.DOTALL,
+)
+
+
+# ---- renderers: results files -> markdown ------------------------------------------------------------
+def printed_table(paths: Sequence[Path]) -> str:
+    """The table a benchmark printed and stored, as it is, in its results (``"table"``)."""
+    (path,) = paths
+    table: str = json.loads(path.read_text())["table"]
+    return table
+
+
+def routing_sim(paths: Sequence[Path]) -> str:
+    """The sweep's full table (``docs/routing.md``), as ``python -m bench.routing`` prints it."""
+    return sim_table(load_results([str(p) for p in paths]))
+
+
+def routing_sim_summary(paths: Sequence[Path]) -> str:
+    """The sweep in the compact form of ``docs/benchmarks.md``, with the oracle's totals under it."""
+    (path,) = paths
+    payload = json.loads(path.read_text())
+    lines = [
+        "| util | policy | TTFT mean / p50 / p99 | server TTFT mean | e2e mean / p99 | req/s "
+        "| prefill tokens (÷ per-shopper oracle) | cache hit | max/mean load | lost |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in load_results([str(path)]):
+        server = f"{r.server_ttft_mean_ms:,.0f}" if r.server_ttft_mean_ms is not None else "-"
+        ratio = r.prefill_tokens / max(1, r.oracle_prefill_tokens_per_shopper)
+        lines.append(
+            f"| {r.utilisation:.0%} | {r.policy} | {r.ttft_mean_ms:,.0f} / {r.ttft_p50_ms:,.0f} / "
+            f"{r.ttft_p99_ms:,.0f} | {server} | {r.e2e_mean_ms:,.0f} / {r.e2e_p99_ms:,.0f} | "
+            f"{r.throughput_rps:.2f} | {r.prefill_tokens:,} ({ratio:.2f}) | {r.cache_hit_ratio:.2f} | "
+            f"{r.load_max_over_mean:.2f} | {r.lost} |"
+        )
+    oracle = payload["oracle"]
+    lines += [
+        "",
+        f"Per-shopper oracle: {oracle['prefill_tokens_per_shopper']:,} prefill tokens; global bound (one "
+        f"shared infinite cache): {oracle['prefill_tokens_global']:,}; prompt tokens "
+        f"{oracle['prompt_tokens']:,}.",
+    ]
+    return "\n".join(lines)
+
+
+@dataclass(frozen=True)
+class MixedRow:
+    """One row of the table ``python -m bench.regions --scenario mixed`` printed into its results."""
+
+    policy: str
+    rate: float
+    p50: float
+    p99: float
+    ci: tuple[float, float]
+    slow_share: str
+    errors: int
+
+
+def _mixed_rows(payload: dict[str, Any]) -> list[MixedRow]:
+    """The rows of the printed report stored in the results (its bootstrap intervals are computed once,
+    at run time, so the report is read back rather than recomputed)."""
+    rows = []
+    for line in payload["report"].split("\n\n")[0].splitlines()[2:]:
+        policy, rate, _requests, p50, p99, share, errors = (c.strip() for c in line.strip("|").split("|"))
+        value, interval = p99.split(" [")
+        lo, hi = interval.rstrip("]").split(", ")
+        ci = (float(lo), float(hi))
+        rows.append(MixedRow(policy, float(rate), float(p50), float(value), ci, share, int(errors)))
+    return rows
+
+
+def regions_mixed(paths: Sequence[Path]) -> str:
+    """The mixed fleet's ladder (``docs/routing.md``): the lowest p99 that meets the SLO at each rate in
+    bold, then each policy's goodput (the highest rate of the ladder whose p99 meets it)."""
+    (path,) = paths
+    payload = json.loads(path.read_text())
+    slo = payload["args"]["slo_ms"] * payload["args"]["time_scale"]
+    rows = _mixed_rows(payload)
+    best = {
+        rate: min((r.p99 for r in rows if r.rate == rate and r.p99 <= slo), default=None)
+        for rate in {r.rate for r in rows}
+    }
+    lines = [
+        "| policy | rate/s | TTFT p50 ms | TTFT p99 ms [95% CI] | share on the slow replicas | errors |",
+        "|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        p99 = f"**{r.p99:,.0f}**" if r.p99 == best[r.rate] else f"{r.p99:,.0f}"
+        lines.append(
+            f"| {r.policy} | {r.rate:g} | {r.p50:,.0f} | {p99} [{r.ci[0]:,.0f}, {r.ci[1]:,.0f}] | "
+            f"{r.slow_share} | {r.errors} |"
+        )
+    goodputs = _mixed_goodput(payload)
+    top = max(goodput for goodput, _ in goodputs.values())
+    parts = [f"**{p} {g:g}**" if g == top and g > 0 else f"{p} {g:g}" for p, (g, _) in goodputs.items()]
+    per_replica = next(share for goodput, share in goodputs.values() if goodput == top)
+    lines += [
+        "",
+        f"Goodput (p99 TTFT ≤ {slo / 1000:g} s): {', '.join(parts)} requests/s ({per_replica} per replica).",
+    ]
+    return "\n".join(lines)
+
+
+def _mixed_goodput(payload: dict[str, Any]) -> dict[str, tuple[float, str]]:
+    """Each policy's goodput and its share per replica, from the second table of the stored report."""
+    table = payload["report"].split("\n\n")[1].splitlines()[2:]
+    cells = [[c.strip() for c in line.strip("|").split("|")] for line in table]
+    return {policy: (float(goodput), per_replica) for policy, goodput, per_replica in cells}
+
+
+SURGE_LINE = re.compile(
+    r"^(?P<scenario>surge|lost) \| (?P<setup>[^:]+): (?P<prompts>\d+) prompts, (?P<answered>\d+) answered, "
+    r"(?P<errors>\d+) errors; surge-window TTFT p99 (?P<p99>\d+) ms \[(?P<lo>\d+), (?P<hi>\d+)\].*"
+    r"prefill tokens/request (?P<prefill>\d+)",
+    re.MULTILINE,
+)
+
+
+def _surge_lines(payload: dict[str, Any]) -> dict[str, re.Match[str]]:
+    """Each run's summary line of a surge or lost-region report, by setup."""
+    return {m["setup"]: m for m in SURGE_LINE.finditer(payload["report"])}
+
+
+def _command(args: dict[str, Any]) -> str:
+    parts = ["python -m bench.regions", f"--scenario {args['scenario']}"]
+    if args["scenario"] == "mixed":
+        parts.append(f"--policies {','.join(args['policies'])}")
+    if args["scenario"] == "lost":
+        parts += [f"--lose {args['lose']}", f"--surge {args['surge']:g}"]
+    parts += [f"--rates {','.join(f'{r:g}' for r in args['rates'])}", f"--seconds {args['seconds']:g}"]
+    return " ".join(parts)
+
+
+def regions_summary(paths: Sequence[Path]) -> str:
+    """The three regions runs in one table (``docs/benchmarks.md``): the mixed fleet's goodput and the
+    p99 of the two best at the runner-up's goodput rate, the surge window with and without spill-over,
+    and the lost region's answers with p99 per 5 s of arrivals."""
+    mixed, surge, lost = (json.loads(p.read_text()) for p in paths)
+    goodputs = sorted(_mixed_goodput(mixed).items(), key=lambda item: -item[1][0])
+    (best, (top, _)), (second, (rate, _)) = goodputs[0], goodputs[1]
+    at = {r.policy: r for r in _mixed_rows(mixed) if r.rate == rate}
+    listed = ", ".join(f"`{p}` {g:g}" for p, (g, _) in goodputs[1:])
+    mixed_cell = (
+        f"goodput `{best}` **{top:g}** req/s, {listed}; p99 at {rate:g} req/s {at[best].p99:,.0f} ms "
+        f"[{at[best].ci[0]:,.0f}, {at[best].ci[1]:,.0f}] against {at[second].p99:,.0f} "
+        f"[{at[second].ci[0]:,.0f}, {at[second].ci[1]:,.0f}]"
+    )
+    runs = _surge_lines(surge)
+    spill, no_spill, calm = runs["spill-over"], runs["no spill-over"], runs["no surge"]
+    extra_prefill = int(spill["prefill"]) / int(calm["prefill"]) - 1
+    surge_cell = (
+        f"surge-window p99 **{int(spill['p99']):,} ms** [{int(spill['lo']):,}, {int(spill['hi']):,}] with "
+        f"spill-over against {int(no_spill['p99']) / 1000:.1f} s without; prefill tokens "
+        f"{extra_prefill:+.1%} over the same prompts without the surge"
+    )
+    (run,) = _surge_lines(lost).values()
+    windows = lost["report"].split("\n\n")[-1].splitlines()[2:]
+    p99s = ", ".join(f"{float(w.strip('|').split('|')[-1]):,.0f}" for w in windows)
+    lost_cell = (
+        f"{run['answered']} of {run['prompts']} answered, {run['errors']} errors; p99 per 5 s of arrivals "
+        f"(the {lost['args']['lose']} lost at {lost['args']['seconds'] / 2:g} s): {p99s} ms"
+    )
+    return "\n".join(
+        [
+            "| scenario (command) | result |",
+            "|---|---|",
+            f"| mixed fleet, 4 H100 + 2 half-speed (`{_command(mixed['args'])}`) | {mixed_cell} |",
+            f"| regional surge, west {surge['args']['surge']:g}x for a third of the run, east "
+            f"{surge['args']['rtt_ms']:g} ms away (`{_command(surge['args'])}`) | {surge_cell} |",
+            f"| a region lost mid-run (`{_command(lost['args'])}`) | {lost_cell} |",
+        ]
+    )
+
+
+DISAGG_LABELS = {
+    "4P4D-remote": "4P4D-remote (pure P/D)",
+    "4P4D-cond": "4P4D-cond (size rule, 512)",
+    "4P4D-idle": "**4P4D-idle (`pd_aware` defaults)**",
+}
+"""How ``docs/disaggregation.md`` names the setups it compares."""
+
+
+def _setups(path: Path) -> list[SetupResult]:
+    return [
+        SetupResult(
+            s["workload"],
+            s["cost"],
+            s["setup"],
+            s["gpus_context"],
+            [
+                RatePoint(**{**p, "ttft_ci": tuple(p["ttft_ci"]), "itl_ci": tuple(p["itl_ci"])})
+                for p in s["points"]
+            ],
+        )
+        for s in json.loads(path.read_text())
+    ]
+
+
+def disagg_goodput(paths: Sequence[Path]) -> str:
+    """Goodput per GPU in each SLO column (``python -m bench.disagg``'s verdict), with the p99 TTFT
+    interval at the rate that set it, for each results file in turn."""
+    header = " | ".join(f"TTFT≤{t / 1000:g} s, ITL≤{i:g} ms" for t, i in SLOS)
+    lines = [f"| workload | cost | setup | {header} |", "|---|---|---|" + "---|" * len(SLOS)]
+    for path in paths:
+        for result in _setups(path):
+            cells = []
+            for ttft_slo, itl_slo in SLOS:
+                best = goodput(result, ttft_slo, itl_slo)
+                cells.append(
+                    "0"
+                    if best is None
+                    else f"{best.rate / GPUS:.2f} ({best.ttft_ci[0]:,.0f}-{best.ttft_ci[1]:,.0f})"
+                )
+            label = DISAGG_LABELS.get(result.setup, result.setup)
+            lines.append(f"| {result.workload} | {result.cost} | {label} | {' | '.join(cells)} |")
+    return "\n".join(lines)
+
+
+RENDERERS: dict[str, Callable[[Sequence[Path]], str]] = {
+    "printed_table": printed_table,
+    "routing_sim": routing_sim,
+    "routing_sim_summary": routing_sim_summary,
+    "regions_mixed": regions_mixed,
+    "regions_summary": regions_summary,
+    "disagg_goodput": disagg_goodput,
+}
+
+
+# ---- the blocks in the docs ------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Block:
+    """One generated table in a doc: where it is, what renders it, and whether it is current."""
+
+    doc: Path
+    name: str
+    paths: tuple[Path, ...]
+    written: str
+    rendered: str
+
+    @property
+    def current(self) -> bool:
+        return self.written == self.rendered
+
+
+def render(name: str, paths: Sequence[Path]) -> str:
+    if name not in RENDERERS:
+        raise ValueError(f"no renderer {name!r}; known: {', '.join(RENDERERS)}")
+    return RENDERERS[name](paths).rstrip("\n") + "\n"
+
+
+def blocks(doc: Path, text: str | None = None, root: Path = REPO) -> list[Block]:
+    """The generated tables of ``doc`` (its text, or ``text`` in its place), each rendered afresh."""
+    text = doc.read_text() if text is None else text
+    found = []
+    for match in BLOCK.finditer(text):
+        paths = tuple(root / p for p in match["paths"].split())
+        found.append(Block(doc, match["name"], paths, match["body"], render(match["name"], paths)))
+    return found
+
+
+def regenerate(text: str, root: Path = REPO) -> str:
+    """``text`` with every generated table replaced by what its results files give now."""
+
+    def one(match: re.Match[str]) -> str:
+        paths = [root / p for p in match["paths"].split()]
+        return match["open"] + render(match["name"], paths) + match["close"]
+
+    return BLOCK.sub(one, text)
+
+
+def documents(root: Path = REPO) -> list[Path]:
+    return [root / "README.md", *sorted((root / "docs").glob("*.md"))]
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m bench.report", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--write", action="store_true", help="rewrite the tables from their results files")
+    args = parser.parse_args(argv)
+    stale = 0
+    for doc in documents():
+        text = doc.read_text()
+        found = blocks(doc, text)
+        for block in found:
+            status = "ok" if block.current else ("rewritten" if args.write else "DIFFERS")
+            stale += not block.current
+            paths = " ".join(str(p.relative_to(REPO)) for p in block.paths)
+            print(f"{doc.relative_to(REPO)}: {block.name} ({paths}): {status}")
+        if args.write and found:
+            doc.write_text(regenerate(text))
+    return 0 if args.write or not stale else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
