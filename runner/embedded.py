@@ -47,6 +47,7 @@ import time
 from collections.abc import Awaitable, Callable
 from typing import TypeVar
 
+import redis.asyncio as aioredis
 from confluent_kafka import Consumer, Producer
 
 from llm_client.client import LLMClient
@@ -86,8 +87,17 @@ class EmbeddedRunner:
     dead_letters: DeadLetterPublisher
     enricher: Enricher
 
-    def __init__(self, settings: RunnerSettings, *, log: Callable[[str], None] | None = None) -> None:
+    def __init__(
+        self,
+        settings: RunnerSettings,
+        *,
+        log: Callable[[str], None] | None = None,
+        session_store: Callable[[aioredis.Redis, str], RedisSessionStore] = RedisSessionStore,
+    ) -> None:
+        """``session_store`` makes the session store on the runner's Redis client and key prefix (a
+        test passes a subclass that holds a load, to make an interleaving certain rather than likely)."""
         self.settings = settings
+        self._session_store = session_store
         self.log = log or line_logger(settings.log_format)
         self.processor = SessionProcessor(settings.session)
         self.event_window = settings.session.event_time
@@ -115,7 +125,7 @@ class EmbeddedRunner:
         s = self.settings
         self.loop = asyncio.get_running_loop()
         redis = s.sinks.redis_client()  # ACL user, password and CA from SinkSettings
-        self.store = RedisSessionStore(redis, s.sinks.redis_key_prefix)
+        self.store = self._session_store(redis, s.sinks.redis_key_prefix)
         kafka = {"bootstrap.servers": s.bootstrap_servers, **librdkafka_properties(s.kafka_security)}
         producer = Producer({**kafka, "linger.ms": 20, "log.connection.close": False})
         self.dead_letters = DeadLetterPublisher(
@@ -205,8 +215,8 @@ class EmbeddedRunner:
         the epoch (in order)."""
         sessions = self.sessions
         for sid in touched:
-            session = sessions.get(sid)
-            assert session is not None
+            session = sessions[sid]
+            sessions.touch(sid)
             epoch.deltas.append(SessionDelta(sid, sessions.partition_of(sid), session.take_changes()))
             if session.pending is not None:
                 self.timers.arm(sid, session.pending.due_ts, self.triggers.wall_deadline(session))

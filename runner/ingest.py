@@ -149,24 +149,26 @@ class Ingest:
                 acct.dead_lettered += 1
                 await runner.dead_letters.publish(message, exc.reason)
         runner.dead_letters.producer.poll(0)
-        missing = sessions.missing(ev.shopper_id for _, ev in parsed)
-        if missing:
-            loaded = await runner.retrying(lambda: runner.store.load_many(missing), "session load")
-            sessions.adopt(loaded)
-        touched: set[str] = set()
-        for message, event in parsed:
-            sid = event.shopper_id
-            session = sessions.use(sid, message.partition() or 0, runner.processor.new_session)
-            applied = runner.processor.apply(session, event, message.value())
-            if applied.outcome == "accepted":
-                acct.accepted += 1
-            else:
-                acct.duplicates += 1
-            ts = message.timestamp()[1] / 1000.0
-            for prompt in applied.prompts:
-                runner.prompts.launch(prompt, epoch, ts)
-            touched.add(sid)
-        runner.close_epoch(epoch, touched)
+        shoppers = {ev.shopper_id for _, ev in parsed}
+        with sessions.pinned(shoppers):  # a durable point during the load must not evict them
+            missing = sessions.missing(shoppers)
+            if missing:
+                loaded = await runner.retrying(lambda: runner.store.load_many(missing), "session load")
+                sessions.adopt(loaded)
+            touched: set[str] = set()
+            for message, event in parsed:
+                sid = event.shopper_id
+                session = sessions.use(sid, message.partition() or 0, runner.processor.new_session)
+                applied = runner.processor.apply(session, event, message.value())
+                if applied.outcome == "accepted":
+                    acct.accepted += 1
+                else:
+                    acct.duplicates += 1
+                ts = message.timestamp()[1] / 1000.0
+                for prompt in applied.prompts:
+                    runner.prompts.launch(prompt, epoch, ts)
+                touched.add(sid)
+            runner.close_epoch(epoch, touched)  # from here on the epoch keeps them (busy)
 
     def _apply_backpressure(self) -> None:
         runner = self.runner

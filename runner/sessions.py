@@ -1,13 +1,22 @@
 """The shopper sessions the embedded runner holds in memory, and the partition each came from.
 
-The cache is bounded by ``session_cache_size``: ``evict`` drops idle sessions until it fits. A session
-the runner still needs is never dropped: one whose delta is in an epoch not yet durable (the caller
-says which), one with unsaved changes, and one with a pending trigger (its timer needs it).
+The cache is bounded by ``session_cache_size``: ``evict`` drops idle sessions, the least recently used
+first, until it fits. A session the runner still needs is never dropped: one whose delta is in an epoch
+not yet durable (the caller says which), one with unsaved changes, one with a pending trigger (its
+timer needs it), and one *pinned* by the poll being processed (``pinned``).
+
+Why pins: a poll's shoppers not in memory are loaded from the store, and that load awaits; a durable
+point running meanwhile evicted a shopper of the same poll that was in memory and idle, and the poll
+then started that shopper blank at seq 0: its header overwrote the stored one and its next prompts
+reused old ``request_id`` s (tests/runner/test_session_load_eviction.py). And why last use: eviction
+by first load sent the longest-active shoppers first, the ones most likely to come back.
 """
 
 from __future__ import annotations
 
+from collections import Counter, OrderedDict
 from collections.abc import Callable, Iterable, Iterator, Mapping
+from contextlib import contextmanager
 
 from prompt_assembly.session import ShopperSession
 
@@ -15,9 +24,11 @@ from prompt_assembly.session import ShopperSession
 class SessionCache:
     def __init__(self, capacity: int) -> None:
         self.capacity = capacity
-        self._sessions: dict[str, ShopperSession] = {}
+        self._sessions: OrderedDict[str, ShopperSession] = OrderedDict()
+        """Least recently used first."""
         self._partition_of: dict[str, int] = {}
         """The partition of each session in ``_sessions`` (and of no other): bounded with it."""
+        self._pins: Counter[str] = Counter()
 
     def __len__(self) -> int:
         return len(self._sessions)
@@ -55,8 +66,29 @@ class SessionCache:
         session = self._sessions.get(shopper_id)
         if session is None:
             session = self._sessions[shopper_id] = new(shopper_id)
+        else:
+            self._sessions.move_to_end(shopper_id)
         self._partition_of[shopper_id] = partition
         return session
+
+    def touch(self, shopper_id: str) -> None:
+        """``shopper_id`` was just used (a trigger fired): it goes last in the eviction order."""
+        if shopper_id in self._sessions:
+            self._sessions.move_to_end(shopper_id)
+
+    @contextmanager
+    def pinned(self, shopper_ids: Iterable[str]) -> Iterator[None]:
+        """While inside, ``evict`` leaves these shoppers' sessions (held now or adopted meanwhile) in
+        memory. Pins nest: a shopper pinned twice stays until both are released."""
+        pins = set(shopper_ids)
+        self._pins.update(pins)
+        try:
+            yield
+        finally:
+            self._pins.subtract(pins)
+            for sid in pins:
+                if self._pins[sid] <= 0:
+                    del self._pins[sid]
 
     def place(self, shopper_id: str, partition: int) -> None:
         """Record the partition of a held session (a re-armed timer's)."""
@@ -72,16 +104,16 @@ class SessionCache:
             self._sessions.setdefault(sid, session)
 
     def evict(self, busy: set[str]) -> int:
-        """Bring the sessions held down to ``capacity``, the earliest loaded first, with their
+        """Bring the sessions held down to ``capacity``, the least recently used first, with their
         partition entries; returns how many went. A session in ``busy`` (its delta is in an epoch not
-        yet durable), with unsaved changes or with a pending trigger stays. Busy sessions are skipped,
+        yet durable), pinned, with unsaved changes or with a pending trigger stays. Busy sessions are skipped,
         not stopped at, so the cache stays above the bound only when every session left is busy."""
         excess = len(self._sessions) - self.capacity
         if excess <= 0:
             return 0
         idle: list[str] = []
         for sid, session in self._sessions.items():
-            if sid not in busy and not session.dirty and session.pending is None:
+            if sid not in busy and sid not in self._pins and not session.dirty and session.pending is None:
                 idle.append(sid)
                 if len(idle) == excess:
                     break
