@@ -8,7 +8,10 @@ streamed, with the caller's own model name and, for ``chat``, checked by the sam
 the request the replica failed: a quarantine caused by one poison prompt (a prompt no replica answers
 within the caller's schema) never lifted when its probe was that prompt again. Not a made-up request
 either, where a real one is known: a server that checks model names refused the made-up one's
-``"model": "default"`` forever. Only before any answer was good does the probe make one up, with the
+``"model": "default"`` forever. Before any answer was good (a burst's first answers), the probe is the
+request the replica last answered badly, with its check (a made-up request with no check would let a
+replica that answers everything outside the caller's schema back at once), and only for a replica
+quarantined by the gateway's pass-through, which checks no schema, a small completion with the
 configured model name (``ClientConfig.model``).
 """
 
@@ -81,6 +84,9 @@ class AnswerProber:
         self._session = session
         self._known_good: dict[bool, ProbeRequest] = {}
         """Per pool (context servers or not), the last request answered well."""
+        self._failed: dict[str, ProbeRequest] = {}
+        """Per replica, the last request it answered badly: its probe while no request is known good."""
+        fleet.on_forget.append(self.forget)
 
     def _pool(self, endpoint: Endpoint) -> bool:
         return self.fleet.peers(endpoint) is self.fleet.context_endpoints
@@ -91,15 +97,22 @@ class AnswerProber:
             return
         self._known_good[self._pool(endpoint)] = request
 
+    def answered_badly(self, endpoint: Endpoint, request: ProbeRequest) -> None:
+        self._failed[endpoint.name] = request
+
+    def forget(self, endpoint: Endpoint) -> None:
+        """The replica left the fleet."""
+        self._failed.pop(endpoint.name, None)
+
     def due(self, endpoint: Endpoint) -> bool:
         return endpoint.healthy and endpoint.quarantined and self.fleet.answer_health.probe_due(endpoint)
 
     def probe_request(self, endpoint: Endpoint) -> ProbeRequest:
-        """What ``endpoint``'s probe sends: the pool's known-good request, else a small completion
-        with the configured model name."""
-        known = self._known_good.get(self._pool(endpoint))
-        if known is not None and known.payload() is not None:
-            return known
+        """What ``endpoint``'s probe sends: the pool's known-good request, else the one it last failed,
+        else a small completion with the configured model name."""
+        for known in (self._known_good.get(self._pool(endpoint)), self._failed.get(endpoint.name)):
+            if known is not None and known.payload() is not None:
+                return known
         body = {
             "model": self.config.model,
             "messages": [{"role": "user", "content": "Reply with the word ok."}],
@@ -131,4 +144,5 @@ class AnswerProber:
         except LLMError as exc:
             self.fleet.answer_health.probe_failed(endpoint, str(exc))
             return
+        self._failed.pop(endpoint.name, None)
         self.fleet.lift_quarantine(endpoint)

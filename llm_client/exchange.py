@@ -88,6 +88,7 @@ class Exchange:
             answered = True
         except InvalidAnswer as exc:
             self.fleet.bad_answer(endpoint, route, exc)
+            self.prober.answered_badly(endpoint, ProbeRequest(path, body, validate))
             raise
         except LLMError as exc:
             # A slow connect or read on a busy replica is not a dead replica: it counts towards the

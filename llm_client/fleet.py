@@ -47,6 +47,9 @@ class Fleet:
         self.context_endpoints = [
             Endpoint(url.rstrip("/"), endpoint_name(url)) for url in config.context_endpoints
         ]
+        self.on_forget: list[Callable[[Endpoint], None]] = []
+        """Told when a replica leaves the fleet (``set_endpoints``): per-replica state kept elsewhere
+        (``AnswerProber``) goes with it."""
 
     @property
     def every(self) -> list[Endpoint]:
@@ -61,6 +64,8 @@ class Fleet:
             if url not in wanted:
                 self.policy.forget(endpoint)
                 self.answer_health.forget(endpoint)
+                for forget in self.on_forget:
+                    forget(endpoint)
         self.endpoints = [current.get(url) or Endpoint(url, endpoint_name(url)) for url in wanted]
 
     # ---- which pool, which policy ----------------------------------------------------------------

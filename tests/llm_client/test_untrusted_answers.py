@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+from collections import Counter
 from collections.abc import AsyncIterator
 
 import orjson
@@ -26,7 +27,7 @@ from llm_client.routing.session_affinity import rendezvous_order
 from pipeline.enrichment import Enricher, parse_understanding
 from prompt_assembly.errors import ConfigurationError
 from prompt_assembly.processor import SessionProcessor
-from prompt_assembly.records import PromptRequest, ShopperInsight
+from prompt_assembly.records import EnrichmentError, PromptRequest, ShopperInsight
 from serving.simulator.bad_answers import BAD_ANSWERS, BadAnswer
 from serving.simulator.testing import running_simulator
 from tests.helpers import serving
@@ -343,3 +344,31 @@ async def test_a_hanging_answer_probe_does_not_hold_the_health_cycle() -> None:
             while not ejected.healthy:
                 await asyncio.sleep(0.05)
         assert state["waiting"] == 1 and not release.is_set(), "re-admitted while the probe still hangs"
+
+
+BURST = 200
+"""Prompts of a backlog all in flight at once (``max_in_flight`` is 256 by default)."""
+BURST_TIMEOUTS = Timeouts(connect_s=1, attempt_s=30, deadline_s=60)
+
+
+@pytest.mark.parametrize("kind", ["not_json", "wrong_types", "not_understanding"])
+async def test_one_bad_replica_of_two_under_a_burst_turns_at_most_one_percent_into_errors(
+    kind: BadAnswer,
+) -> None:
+    """A backlog's burst puts many calls in flight to the bad replica before its quarantine; their
+    failovers to the healthy one drew on the fleet-wide retry budget, and 11-14% of the prompts became
+    ``RetryBudgetExhausted`` error records. A failover away from an invalid answer is bounded by
+    construction (once per call) and no longer spends the budget."""
+    async with (
+        running_simulator(time_scale=0.01, bad_answer=kind) as bad,
+        running_simulator(time_scale=0.01) as good,
+        # the default retry budget; deadlines long enough for a burst on a shared machine
+        LLMClient(config(bad.url, good.url, retry=RetrySettings(), timeouts=BURST_TIMEOUTS)) as client,
+    ):
+        assert client.config.max_in_flight >= BURST
+        enricher = Enricher(client)
+        results = await asyncio.gather(*(enricher.enrich(prompt_of(f"shopper-{i}")) for i in range(BURST)))
+        errors = [r for r in results if isinstance(r, EnrichmentError)]
+        assert client.endpoints[0].quarantined
+    assert sum(client.endpoints[0].invalid_answers.values()) > 0.01 * BURST, "the burst reached it"
+    assert len(errors) <= 0.01 * BURST, Counter(f"{e.error_type}: {e.message[:120]}" for e in errors)
