@@ -117,6 +117,11 @@ class SimulatorConfig(BaseSettings):
         description="guaranteed_no_evict: admit only when prompt + max_tokens fits (trtllm's default); "
         "max_utilization: admit on the prompt, pause the most recently started requests when full",
     )
+    enable_partial_reuse: bool = Field(
+        default=True,
+        description="reuse the matching leading tokens of a stored partly filled block "
+        "(trtllm's kv_cache_config.enable_partial_reuse, on by default there)",
+    )
     defer_shared_prefixes: bool = Field(
         default=True,
         description="hold back a prompt whose first uncached block a prompt admitted in the same "

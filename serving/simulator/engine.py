@@ -82,6 +82,9 @@ class EngineLimits:
     blocks for its prompt plus ``max_new_tokens`` fit, so a running request never waits for memory;
     ``max_utilization`` admits on the prompt's blocks, grows each request a block at a time, and pauses
     the most recently started requests when a block is missing (they recompute when readmitted)."""
+    partial_reuse: bool = True
+    """TensorRT-LLM's ``enable_partial_reuse``: the matching leading tokens of a stored partly filled
+    block count as cached too (needs the requests' ``tokens``)."""
     defer_shared_prefixes: bool = True
     """TensorRT-LLM's ``beneficialToSkip``: a prompt whose first uncached block another prompt admitted
     in the same iteration will compute waits one iteration, then reuses those blocks."""
@@ -104,6 +107,8 @@ class GenerationRequest:
     block_hashes: Sequence[int]
     completion_tokens: int
     streaming: bool = False
+    tokens: Sequence[int] = ()
+    """The prompt's token ids, for partial block reuse (empty: whole blocks only)."""
     max_new_tokens: int = 0
     """The request's ``max_tokens`` (0: ``completion_tokens``): what GUARANTEED_NO_EVICT books room for."""
 
@@ -394,7 +399,7 @@ class ContinuousBatchingEngine:
             if self._defer(request, matched, contributed):
                 deferred.append(self._waiting.popleft())
                 continue
-            cached = cached_tokens_for(matched, self._cache.block_size, request.prompt_tokens)
+            cached = self._cached_tokens(request, matched)
             tokens = request.prompt_tokens + self._resumed_tokens(request)
             if admitted and charged + tokens > budget:
                 break
@@ -428,6 +433,16 @@ class ContinuousBatchingEngine:
             return True
         contributed.add(first_new)
         return False
+
+    def _cached_tokens(self, request: GenerationRequest, matched: int) -> int:
+        """Prompt tokens the cache serves: ``matched`` whole blocks, plus with partial reuse the leading
+        tokens of the next block that a stored partial block holds; never the prompt's last token."""
+        size = self._cache.block_size
+        cached = cached_tokens_for(matched, size, request.prompt_tokens)
+        if self._limits.partial_reuse and request.tokens:
+            partial = self._cache.partial_match(request.block_hashes, matched, request.tokens)
+            cached = max(0, min(matched * size + partial, request.prompt_tokens - 1))
+        return cached
 
     @staticmethod
     def _resumed_tokens(request: GenerationRequest) -> int:
@@ -552,7 +567,7 @@ class ContinuousBatchingEngine:
                 break
             self._waiting.popleft()
             matched = self._cache.match(request.block_hashes)
-            request.cached_tokens = cached_tokens_for(matched, self._cache.block_size, request.prompt_tokens)
+            request.cached_tokens = self._cached_tokens(request, matched)
             if request.admitted_at is None:
                 request.admitted_at = now
             self.stats.cached_tokens_served += request.cached_tokens
@@ -590,8 +605,7 @@ class ContinuousBatchingEngine:
 
     def _peek_remaining(self, request: GenerationRequest) -> int:
         matched = self._cache.longest_prefix(request.block_hashes)
-        cached = cached_tokens_for(matched, self._cache.block_size, request.prompt_tokens)
-        return request.prompt_tokens - cached
+        return request.prompt_tokens - self._cached_tokens(request, matched)
 
     @staticmethod
     def _remaining(request: GenerationRequest) -> int:
@@ -668,6 +682,7 @@ class ContinuousBatchingEngine:
             pinned = self._cache.insert(
                 request.block_hashes, pin=pin, release_reserved=request.reserved_blocks
             )
+            self._cache.store_tail(request.block_hashes, request.tokens)
             if pin:
                 request.pins.append(pinned)
                 request.reserved_blocks = 0

@@ -58,6 +58,9 @@ class BlockPrefixCache:
         self._pinned: dict[int, int] = {}
         """Pinned blocks and their pin counts; they are out of the LRU order while pinned."""
         self._reserved = 0
+        self._tails: dict[int, tuple[int, ...]] = {}
+        """Partial reuse: the tokens of the last, partly filled block of a computed prompt, keyed by the
+        hash of the full block before it (kept while that block is held)."""
         self._reset_counters()
 
     def _reset_counters(self) -> None:
@@ -123,6 +126,9 @@ class BlockPrefixCache:
         overflow = min(max(overflow, 0), len(blocks))
         evicted = [blocks.popitem(last=False)[0] for _ in range(overflow)]
         self._evicted_blocks += overflow
+        if self._tails:
+            for h in evicted:
+                self._tails.pop(h, None)
         if self.events is not None:
             self.events.removed(evicted)
 
@@ -177,6 +183,33 @@ class BlockPrefixCache:
     def unreserve(self, blocks: int) -> None:
         self._reserved = max(self._reserved - blocks, 0)
 
+    def store_tail(self, block_hashes: Sequence[int], tokens: Sequence[int]) -> None:
+        """Remember a computed prompt's partly filled last block (its tokens after the last full block),
+        so a later prompt that continues the same way reuses those tokens (``partial_match``)."""
+        full = len(block_hashes)
+        tail = tokens[full * self.block_size :]
+        if full and tail and self._holds(block_hashes[-1]):
+            self._tails[block_hashes[-1]] = tuple(tail)
+
+    def partial_match(self, block_hashes: Sequence[int], matched: int, tokens: Sequence[int]) -> int:
+        """TensorRT-LLM's partial reuse (``enable_partial_reuse``): how many leading tokens of this
+        prompt's first block not held whole (``matched`` blocks are) equal a stored partial block under the
+        same parent. Only blocks with a parent: the parent's hash carries a tenant's salt, the root does
+        not, so tenants never share a partial block."""
+        if matched == 0 or not tokens or not self._tails:
+            return 0
+        stored = self._tails.get(block_hashes[matched - 1])
+        if stored is None:
+            return 0
+        start = matched * self.block_size
+        mine = tokens[start : start + self.block_size]
+        n = 0
+        for a, b in zip(stored, mine, strict=False):
+            if a != b:
+                break
+            n += 1
+        return n
+
     def _publish_stored(self, block_hashes: Sequence[int]) -> None:
         """One ``stored`` event per run of consecutive blocks not yet held, with the block before it."""
         assert self.events is not None
@@ -199,6 +232,7 @@ class BlockPrefixCache:
         the lost blocks are no-ops; reservations of requests in flight stay)."""
         self._blocks.clear()
         self._pinned.clear()
+        self._tails.clear()
         self._reset_counters()
         if self.events is not None:
             self.events.cleared()

@@ -51,6 +51,7 @@ def engine_limits(config: SimulatorConfig) -> EngineLimits:
         mixed_batch_cost=config.mixed_batch_cost,
         capacity_policy=config.capacity_policy,
         defer_shared_prefixes=config.defer_shared_prefixes,
+        partial_reuse=config.enable_partial_reuse,
     )
 
 
@@ -177,6 +178,7 @@ class Replica:
             completion_tokens=max(answer.completion_tokens, 1),
             streaming=streaming,
             max_new_tokens=limit,
+            tokens=ids,
         )
         return job, answer
 

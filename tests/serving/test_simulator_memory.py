@@ -239,3 +239,23 @@ async def test_a_client_that_leaves_frees_its_slot_at_the_next_poll_and_keeps_it
     assert body["usage"]["prompt_tokens_details"]["cached_tokens"] == len(hashes) * block - (
         1 if len(hashes) * block == len(token_ids(prompt)) else 0
     )
+
+
+async def test_a_continuing_prompt_reuses_the_partly_filled_last_block(http: aiohttp.ClientSession) -> None:
+    """TensorRT-LLM reuses the matching leading tokens of a partly filled block (``enable_partial_reuse``,
+    on by default): a shopper's next prompt, which continues the previous one, reuses all of it, not only
+    its whole blocks. Off, the tokens after the last whole block are computed again."""
+    block = SimulatorConfig().block_size
+    first = _prompt(5 * block + block // 2, "partial-first")
+    second = first + _prompt(2 * block, "partial-more")
+    cached: dict[bool, int] = {}
+    for partial in (True, False):
+        async with running_simulator(time_scale=0.0, enable_partial_reuse=partial) as sim:
+            url = f"{sim.url}/v1/completions"
+            status, _ = await post_json(http, url, _body(first, 1))
+            assert status == 200
+            status, body = await post_json(http, url, _body(second, 1))
+            assert status == 200
+            cached[partial] = body["usage"]["prompt_tokens_details"]["cached_tokens"]
+    assert cached[True] == len(token_ids(first))
+    assert cached[False] == len(token_ids(first)) // block * block
