@@ -4,7 +4,8 @@
 Both send ``POST /v1/match`` and return a ``MatchResponse``; a degraded answer is still an answer
 (check ``response.degraded``). A 4xx raises ``MatchRejected`` with the service's error body (do not
 retry it); no answer within the transport timeout (deadline plus ``slack_ms``) raises
-``MatchUnavailable`` (fall back to the ad server's own ranking).
+``MatchUnavailable`` (fall back to the ad server's own ranking), and so does a refusal by deadline-aware
+admission (429 ``overloaded``: ``MatchOverloaded``, with the ``Retry-After`` to send less for).
 """
 
 from __future__ import annotations
@@ -38,7 +39,16 @@ class MatchRejected(MatchClientError):
 
 
 class MatchUnavailable(MatchClientError):
-    """No usable answer in time (connection failed, timed out, or 5xx)."""
+    """No usable answer in time (connection failed, timed out, 5xx, or refused as overloaded)."""
+
+
+class MatchOverloaded(MatchUnavailable):
+    """The service could not answer within the deadline and refused at once (429 ``overloaded``):
+    use the ad server's own ranking, and send less for ``retry_after_s``."""
+
+    def __init__(self, message: str, retry_after_s: float) -> None:
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
 
 
 def _body(shopper_id: str, query: str, candidates: Sequence[CandidateLike], deadline_ms: int | None) -> bytes:
@@ -49,7 +59,7 @@ def _body(shopper_id: str, query: str, candidates: Sequence[CandidateLike], dead
     return orjson.dumps(payload)
 
 
-def _parse(status: int, raw: bytes) -> MatchResponse:
+def _parse(status: int, raw: bytes, retry_after: str | None = None) -> MatchResponse:
     if status == 200:
         return MatchResponse.model_validate_json(raw)
     if 400 <= status < 500:
@@ -57,8 +67,17 @@ def _parse(status: int, raw: bytes) -> MatchResponse:
             error = ErrorResponse.model_validate_json(raw)
         except ValueError:
             error = None
+        if error is not None and error.error.type == "overloaded":
+            raise MatchOverloaded(f"HTTP {status}: {error.error.message}", _seconds(retry_after))
         raise MatchRejected(status, error, raw)
     raise MatchUnavailable(f"HTTP {status}: {raw[:200].decode(errors='replace')}")
+
+
+def _seconds(retry_after: str | None) -> float:
+    try:
+        return max(float(retry_after or 1), 1.0)
+    except ValueError:
+        return 1.0
 
 
 class MatchClient:
@@ -105,9 +124,10 @@ class MatchClient:
             ) as response:
                 raw = await response.read()
                 status = response.status
+                retry_after = response.headers.get("Retry-After")
         except (aiohttp.ClientError, TimeoutError) as exc:
             raise MatchUnavailable(f"no answer from {self.base_url}: {exc!r}") from None
-        return _parse(status, raw)
+        return _parse(status, raw, retry_after)
 
 
 class SyncMatchClient:
@@ -155,7 +175,7 @@ class SyncMatchClient:
                 )
                 response = self._conn.getresponse()
                 raw = response.read()
-                return _parse(response.status, raw)
+                return _parse(response.status, raw, response.getheader("Retry-After"))
             except (http.client.RemoteDisconnected, ConnectionResetError, BrokenPipeError):
                 self.close()
                 if attempt == 1:

@@ -38,11 +38,14 @@ def security_guard(
     )
     public = frozenset(settings.public_paths)
     limit = settings.max_body_bytes
+    identify = auth.required or limiter.enabled  # else only the body size is checked
 
     @web.middleware
     async def guard(request: web.Request, handler: Handler) -> web.StreamResponse:
         if request.path in public:
             return await handler(request)
+        if not identify:
+            return await _sized(request, handler)
         client = auth.client_id(
             presented_key(request.headers.get("Authorization"), request.headers.get("X-API-Key"))
         )
@@ -64,6 +67,9 @@ def security_guard(
                 "a valid API key is required: send it as 'X-API-Key: <key>' or 'Authorization: Bearer <key>'",
                 headers={"WWW-Authenticate": 'Bearer realm="shopper-realtime"'},
             )
+        return await _sized(request, handler)
+
+    async def _sized(request: web.Request, handler: Handler) -> web.StreamResponse:
         if request.content_length is not None and request.content_length > limit:
             metrics.rejected.labels("payload_too_large").inc()
             return error_response(

@@ -1,7 +1,8 @@
 """The routes: ``POST /v1/match``, ``GET /health``, ``/metrics`` and ``/openapi.json``.
 
-Handlers only translate between HTTP and ``MatchService``: content type and JSON checks (415, 400), field
-validation with every offending field named (422), then the match itself.
+Handlers only translate between HTTP and ``MatchService``: content type and JSON checks (415, 400),
+deadline-aware admission (429 ``overloaded`` with ``Retry-After``, before any other work:
+``realtime.admission``), field validation with every offending field named (422), then the match itself.
 """
 
 from __future__ import annotations
@@ -14,18 +15,21 @@ from prometheus_client import generate_latest
 from pydantic import ValidationError
 from redis.exceptions import RedisError
 
+from realtime.admission import request_age_s
 from realtime.http_errors import error_response, json_response
 from realtime.matching import MatchService
 from realtime.models import ErrorDetail, HealthResponse, MatchRequest
 from realtime.openapi import openapi_spec
+from realtime.rate_limit import retry_after_header
 
 SERVICE_KEY = web.AppKey("match_service", MatchService)
+_JSON_TYPES = frozenset(("application/json", "application/octet-stream"))
 
 
 async def match(request: web.Request) -> web.Response:
     arrived = asyncio.get_running_loop().time()
     service = request.app[SERVICE_KEY]
-    if request.content_type not in ("application/json", "application/octet-stream"):
+    if request.content_type not in _JSON_TYPES:
         service.metrics.rejected.labels("unsupported_media_type").inc()
         return error_response(
             415, "unsupported_media_type", f"send application/json, not {request.content_type}"
@@ -35,6 +39,16 @@ async def match(request: web.Request) -> web.Response:
     except orjson.JSONDecodeError as exc:
         service.metrics.rejected.labels("invalid_json").inc()
         return error_response(400, "invalid_json", f"the body is not valid JSON: {exc}")
+    waited_s = request_age_s(request.headers.get("X-Request-Start"))
+    refused = service.refusal(service.deadline_ms(data), waited_s)
+    if refused is not None:
+        # 429, not 503: a refusal by design, with the same Retry-After contract as the rate limit; a 5xx
+        # stays what it says, a failure of the service.
+        service.metrics.rejected.labels("overloaded").inc()
+        retry_after_s, why = refused
+        return error_response(
+            429, "overloaded", why, headers={"Retry-After": retry_after_header(retry_after_s)}
+        )
     try:
         match_request = MatchRequest.model_validate(data)
     except ValidationError as exc:
@@ -48,8 +62,7 @@ async def match(request: web.Request) -> web.Response:
             f"{len(details)} invalid field(s): {details[0].loc}: {details[0].msg}",
             details,
         )
-    response = await service.match(match_request, arrived)
-    return json_response(response.model_dump(mode="json"))
+    return json_response(await service.match(match_request, arrived, waited_s or 0.0))
 
 
 async def health(request: web.Request) -> web.Response:

@@ -1,6 +1,10 @@
 """One match request, start to answer: signals, the fallback ranking, then the model within what is left
 of the deadline.
 
+A request that cannot be answered in time at all is refused before any work
+(``realtime.admission``, asked by the handler through ``refusal``). The deadline counts from the
+caller's ``X-Request-Start`` when it sends one, else from arrival.
+
 The answer leaves before the deadline: if the model misses it, errs, the pool is down or already holds
 as many calls as it can serve in time (``llm_concurrency_per_replica``), the fallback ranking goes out
 marked ``degraded: true`` with the reason. The time kept back for answering is ``answer_reserve_ms``
@@ -16,7 +20,6 @@ from __future__ import annotations
 import asyncio
 import time
 from dataclasses import dataclass, field
-from typing import Any
 
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError
@@ -31,13 +34,15 @@ from llm_client.errors import (
     NoHealthyEndpoint,
     RetryBudgetExhausted,
 )
+from realtime.admission import DeadlineAdmission
 from realtime.config import RealtimeSettings
 from realtime.load_meter import LoadMeter
 from realtime.loop_lag import LoopLag
 from realtime.metrics import RealtimeMetrics
-from realtime.models import DegradedReason, MatchRequest, MatchResponse, SignalsUsed
+from realtime.models import MAX_DEADLINE_MS, MIN_DEADLINE_MS, DegradedReason, MatchRequest
 from realtime.ranking import (
     ProductProfile,
+    Ranked,
     ShopperProfile,
     fallback_ranking,
     parse_ranking,
@@ -47,6 +52,32 @@ from realtime.ranking import (
 from realtime.signals import SignalReader
 
 _UNAVAILABLE = (EndpointUnavailable, NoHealthyEndpoint, RetryBudgetExhausted, AttemptTimeout)
+
+
+@dataclass(frozen=True, slots=True)
+class SignalsFound:
+    """``models.SignalsUsed``, field for field."""
+
+    shopper: bool
+    products: int
+
+
+@dataclass(frozen=True, slots=True)
+class MatchAnswer:
+    """The answer as the service builds it: ``models.MatchResponse``, field for field and in its order
+    (orjson writes it as that object; a test validates served answers against the model). Slotted
+    dataclasses rather than the pydantic models: the service writes its own values, and building and
+    dumping the models cost more than the ranking."""
+
+    shopper_id: str
+    ranked: list[Ranked]
+    degraded: bool
+    degraded_reason: DegradedReason | None
+    model: str | None
+    llm_ms: float | None
+    elapsed_ms: float
+    deadline_ms: int
+    signals: SignalsFound
 
 
 @dataclass
@@ -63,13 +94,38 @@ class MatchService:
 
     def __post_init__(self) -> None:
         self.signals = SignalReader(self.redis, self.key_prefix, self.settings.signal_reads)
+        self.admission = DeadlineAdmission(self.settings.answer_reserve_ms / 1000)
 
-    async def match(self, request: MatchRequest, arrived: float) -> MatchResponse:
+    def deadline_ms(self, body: object) -> int:
+        """The request's deadline before validation (the admission decision comes first): its
+        ``deadline_ms`` when that is a valid one, else the default."""
+        value = body.get("deadline_ms") if isinstance(body, dict) else None
+        if type(value) is int and MIN_DEADLINE_MS <= value <= MAX_DEADLINE_MS:
+            return value
+        return self.settings.default_deadline_ms
+
+    def refusal(self, deadline_ms: int, waited_s: float | None) -> tuple[float, str] | None:
+        """None to admit; else (``Retry-After`` seconds, why) for a request that cannot be answered
+        within ``deadline_ms`` (``realtime.admission``). ``waited_s``: its age by ``X-Request-Start``."""
+        lag_s = self.lag.current_s
+        waited = lag_s if waited_s is None else waited_s
+        retry_after = self.admission.refusal(waited, deadline_ms / 1000, lag_s)
+        if retry_after is None:
+            return None
+        needed_ms = self.admission.needed_s(lag_s) * 1000
+        why = (
+            f"cannot answer within the {deadline_ms} ms deadline: the request is {waited * 1000:.0f} ms "
+            f"old and an answer takes {needed_ms:.0f} ms now; retry after {retry_after:.0f} s"
+        )
+        return retry_after, why
+
+    async def match(self, request: MatchRequest, arrived: float, waited_s: float = 0.0) -> MatchAnswer:
+        """The answer, before ``deadline_ms`` counted from ``arrived - waited_s`` (loop time)."""
         loop = asyncio.get_running_loop()
         s = self.settings
         deadline_ms = request.deadline_ms or s.default_deadline_ms
         reserve_s = s.answer_reserve_ms / 1000 + min(self.lag.recent_s, s.max_lag_reserve_ms / 1000)
-        answer_by = arrived + deadline_ms / 1000 - reserve_s
+        answer_by = arrived - waited_s + deadline_ms / 1000 - reserve_s
         self.load.hit(time.time())
 
         shopper: ShopperProfile | None = None
@@ -81,7 +137,8 @@ class MatchService:
             self.metrics.signal_errors.inc()
         fallback = fallback_ranking(shopper, request.query, request.candidates, products, s.reason_max_chars)
 
-        ranked, reason, llm_ms, model = fallback, None, None, None
+        ranked, llm_ms, model = fallback, None, None
+        reason: DegradedReason | None = None
         routable = sum(1 for e in self.llm.endpoints if e.routable)
         remaining = answer_by - loop.time()
         if routable == 0:
@@ -97,21 +154,24 @@ class MatchService:
             self.metrics.llm.observe(llm_ms / 1000)
 
         elapsed_ms = (loop.time() - arrived) * 1000
-        self.metrics.elapsed.observe(elapsed_ms / 1000)
-        self.metrics.overhead.observe(max(elapsed_ms - (llm_ms or 0.0), 0.0) / 1000)
-        self.metrics.requests.labels("degraded" if reason else "llm").inc()
+        own_s = max(elapsed_ms - (llm_ms or 0.0), 0.0) / 1000
+        self.admission.own.observe(own_s)
+        m = self.metrics
+        m.elapsed.observe(elapsed_ms / 1000)
+        m.overhead.observe(own_s)
+        (m.degraded_answers if reason else m.llm_answers).inc()
         if reason:
-            self.metrics.degraded.labels(reason).inc()
-        return MatchResponse(
-            shopper_id=request.shopper_id,
-            ranked=ranked,
-            degraded=reason is not None,
-            degraded_reason=reason,
-            model=model,
-            llm_ms=None if llm_ms is None else round(llm_ms, 3),
-            elapsed_ms=round(elapsed_ms, 3),
-            deadline_ms=deadline_ms,
-            signals=SignalsUsed(shopper=shopper is not None, products=len(products)),
+            m.degraded.labels(reason).inc()
+        return MatchAnswer(
+            request.shopper_id,
+            ranked,
+            reason is not None,
+            reason,
+            model,
+            None if llm_ms is None else round(llm_ms, 3),
+            round(elapsed_ms, 3),
+            deadline_ms,
+            SignalsFound(shopper is not None, len(products)),
         )
 
     async def _ask(
@@ -119,9 +179,9 @@ class MatchService:
         request: MatchRequest,
         shopper: ShopperProfile | None,
         products: dict[str, ProductProfile],
-        fallback: list[Any],
+        fallback: list[Ranked],
         remaining_s: float,
-    ) -> tuple[list[Any], DegradedReason | None, str | None]:
+    ) -> tuple[list[Ranked], DegradedReason | None, str | None]:
         s = self.settings
         messages = ranking_messages(shopper, request.query, request.candidates, products, s.llm_top_k)
         self.metrics.llm_in_flight.inc()

@@ -1,22 +1,45 @@
 """The real-time service's Prometheus metrics, in a registry of its own (several services can share a
-process, as the tests and the benchmark do)."""
+process, as the tests and the benchmark do).
+
+``realtime_process_cpu_seconds_total`` is the process's own CPU counter (``time.process_time``: user
+plus system, every thread), read at scrape time: its increase over the increase of the request counters
+is the CPU a request costs, measured where it is spent (``bench/realtime.py`` reports it). With several
+services in one process it counts them all."""
 
 from __future__ import annotations
 
+import time
+from collections.abc import Iterator
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.core import CounterMetricFamily
+from prometheus_client.registry import Collector
 
 LATENCY_BUCKETS = (0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.15, 0.2, 0.25, 0.3, 0.4, 0.5, 1.0, 2.5)
 """Seconds; dense around the default 300 ms deadline."""
 
+PROCESS_CPU = "realtime_process_cpu_seconds"
+
+
+class _ProcessCpu(Collector):
+    def collect(self) -> Iterator[CounterMetricFamily]:
+        yield CounterMetricFamily(
+            PROCESS_CPU, "CPU time of this process (user + system, all threads)", value=time.process_time()
+        )
+
 
 class RealtimeMetrics:
-    """Every series the service exports; ``rejected`` counts 4xx answers by error type (including
-    ``unauthorized``, ``rate_limited`` and ``payload_too_large`` from the guards)."""
+    """Every series the service exports; ``rejected`` counts 4xx answers by error type
+    (including ``unauthorized``, ``rate_limited`` and ``payload_too_large`` from the guards, and
+    ``overloaded`` from deadline-aware admission)."""
 
     def __init__(self) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
         r = self.registry
         self.requests = Counter("realtime_requests", "answered match requests", ["outcome"], registry=r)
+        # Bound once: a label lookup per request is a lock and a dict probe for a constant answer.
+        self.llm_answers = self.requests.labels("llm")
+        self.degraded_answers = self.requests.labels("degraded")
         self.degraded = Counter("realtime_degraded", "fallback answers by reason", ["reason"], registry=r)
         self.rejected = Counter("realtime_rejected", "4xx answers by error type", ["type"], registry=r)
         self.elapsed = Histogram(
@@ -35,3 +58,4 @@ class RealtimeMetrics:
         self.signal_errors = Counter(
             "realtime_signal_errors", "Redis reads that failed or timed out", registry=r
         )
+        r.register(_ProcessCpu())

@@ -11,6 +11,8 @@ from typing import Annotated, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 MAX_CANDIDATES = 50
+MIN_DEADLINE_MS = 20
+MAX_DEADLINE_MS = 5000
 ProductId = Annotated[str, Field(min_length=1, max_length=128, pattern=r"^[^\s]+$")]
 
 DegradedReason = Literal["deadline", "llm_unavailable", "overloaded", "invalid_answer", "llm_error"]
@@ -36,7 +38,7 @@ class MatchRequest(BaseModel):
         "", description="search or page context; may be empty"
     )
     candidates: Annotated[list[Candidate], Field(min_length=1, max_length=MAX_CANDIDATES)]
-    deadline_ms: Annotated[int, Field(ge=20, le=5000)] | None = Field(
+    deadline_ms: Annotated[int, Field(ge=MIN_DEADLINE_MS, le=MAX_DEADLINE_MS)] | None = Field(
         None, description="answer within this many ms of arrival (default: the service's, 300)"
     )
 
@@ -97,6 +99,7 @@ ErrorType = Literal[
     "not_found",
     "method_not_allowed",
     "unsupported_media_type",
+    "overloaded",
     "internal_error",
 ]
 

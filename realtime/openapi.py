@@ -52,6 +52,20 @@ def openapi_spec() -> dict[str, Any]:
                 "post": {
                     "operationId": "match",
                     "summary": "Rank candidates for a shopper, with a reason each",
+                    "parameters": [
+                        {
+                            "name": "X-Request-Start",
+                            "in": "header",
+                            "required": False,
+                            "description": (
+                                "when the caller sent the request, as a Unix time in seconds, ms or µs, "
+                                "optionally 't='-prefixed (nginx: t=${msec}); the deadline then counts "
+                                "from it, not from arrival. Ignored when not a number or more than an "
+                                "hour off the service's clock"
+                            ),
+                            "schema": {"type": "string"},
+                        }
+                    ],
                     "requestBody": {
                         "required": True,
                         "content": {
@@ -71,10 +85,16 @@ def openapi_spec() -> dict[str, Any]:
                         "415": _error("the body is not application/json"),
                         "422": _error("a field is missing or invalid; details name each one"),
                         "429": {
-                            **_error("this client (API key, else address) is over its rate limit"),
+                            **_error(
+                                "rate_limited: this client (API key, else address) is over its rate "
+                                "limit; or overloaded: the request cannot be answered within its "
+                                "deadline (it is too old, or the service too far behind), so it is "
+                                "refused before any work"
+                            ),
                             "headers": {
                                 "Retry-After": {
-                                    "description": "seconds until a request will be accepted",
+                                    "description": "seconds until a request will be accepted, or to send "
+                                    "less for",
                                     "schema": {"type": "integer", "minimum": 1},
                                 }
                             },

@@ -23,14 +23,14 @@ import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from functools import lru_cache
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Literal
 
 import orjson
 from pydantic import BaseModel, ConfigDict, ValidationError
 
 from llm_client.errors import InvalidAnswer, InvalidAnswerKind
 from prompt_assembly.prompt import inline_text
-from realtime.models import Candidate, RankedCandidate
+from realtime.models import Candidate
 
 RANKING_SYSTEM_PROMPT = (
     "You rank products for one shopper of a retail site, for an ad slot. You get the shopper's "
@@ -56,8 +56,28 @@ _STOP = frozenset(
 )  # fmt: skip
 
 
-def _terms(*texts: str) -> set[str]:
-    return {w for t in texts for w in _WORD.findall(t.lower()) if w not in _STOP}
+@lru_cache(maxsize=65_536)
+def _text_terms(text: str) -> frozenset[str]:
+    """One text's terms; cached, since interests, occasions and queries repeat across requests."""
+    return frozenset(w for w in _WORD.findall(text.lower()) if w not in _STOP)
+
+
+def _terms(*texts: str) -> frozenset[str]:
+    return frozenset().union(*map(_text_terms, texts))
+
+
+@dataclass(frozen=True, slots=True)
+class Ranked:
+    """One candidate of an answer, as the service builds it: the wire's ``models.RankedCandidate``, field
+    for field (orjson writes it as that object). A slotted dataclass, not a pydantic model: the service
+    builds one per candidate per request from its own values, and the models' construction and copies
+    were a fifth of the service's CPU."""
+
+    product_id: str
+    rank: int
+    score: float
+    reason: str
+    source: Literal["llm", "fallback"]
 
 
 def _text(fields: Mapping[Any, Any], name: str) -> str:
@@ -99,7 +119,7 @@ class ShopperProfile:
 
     @classmethod
     def from_values(cls, values: Sequence[Any]) -> ShopperProfile | None:
-        return cls.from_hash(_present(cls.FIELDS, values))
+        return _shopper_from_values(tuple(values))
 
     @classmethod
     def from_hash(cls, fields: Mapping[Any, Any]) -> ShopperProfile | None:
@@ -129,7 +149,7 @@ class ProductProfile:
 
     @classmethod
     def from_values(cls, values: Sequence[Any]) -> ProductProfile | None:
-        return cls.from_hash(_present(cls.FIELDS, values))
+        return _product_from_values(tuple(values))
 
     @classmethod
     def from_hash(cls, fields: Mapping[Any, Any]) -> ProductProfile | None:
@@ -143,6 +163,20 @@ class ProductProfile:
             price_tier=_text(fields, "price_tier"),
             summary=_text(fields, "summary"),
         )
+
+
+@lru_cache(maxsize=16_384)
+def _shopper_from_values(values: tuple[Any, ...]) -> ShopperProfile | None:
+    """A shopper's profile from its HMGET reply; cached by the reply (a shopper's requests come in runs,
+    and a changed profile is a different reply)."""
+    return ShopperProfile.from_hash(_present(ShopperProfile.FIELDS, values))
+
+
+@lru_cache(maxsize=65_536)
+def _product_from_values(values: tuple[Any, ...]) -> ProductProfile | None:
+    """A product's profile from its HMGET reply; cached by the reply, as the same products are candidates
+    again and again (and an equal reply is an equal profile)."""
+    return ProductProfile.from_hash(_present(ProductProfile.FIELDS, values))
 
 
 @lru_cache(maxsize=65_536)
@@ -163,28 +197,37 @@ def ranking_messages(
     products: Mapping[str, ProductProfile],
     top_k: int = 3,
 ) -> list[dict[str, str]]:
-    if shopper is None:
-        about = "Shopper: no history yet.\n"
-    else:
-        about = (
-            f"Shopper: {_data(shopper.summary)}\n"
-            f"Interests: {_data(', '.join(shopper.interests))}; "
-            f"occasion: {_data(shopper.occasion or 'none')}; "
-            f"style: {_data(shopper.style)}; "
-            f"price sensitivity: {inline_text(shopper.price_sensitivity) or 'unknown'}\n"
-        )
-    lines = []
-    for c in candidates:
-        p = products.get(c.product_id)
-        title = c.title or (p.title if p else "") or "(no title)"
-        line = f"- {inline_text(c.product_id)}: {_data(title)}"
-        if p is not None:
-            tier = inline_text(p.price_tier)
-            line += f"; for {_data(', '.join(p.segments))}; {tier}; {_data(p.summary)}"
-        lines.append(line + "\n")
+    about = _about(shopper)
+    lines = [_candidate_line(c.product_id, c.title, products.get(c.product_id)) for c in candidates]
     task = TASK_LINE.format(k=min(top_k, len(candidates)))
     user = f"{about}Query: {_data(query) if query else '(none)'}\nCandidates:\n{''.join(lines)}{task}"
     return [{"role": "system", "content": RANKING_SYSTEM_PROMPT}, {"role": "user", "content": user}]
+
+
+@lru_cache(maxsize=16_384)
+def _about(shopper: ShopperProfile | None) -> str:
+    """The shopper's part of the prompt; cached by profile (escaping is most of the prompt's cost)."""
+    if shopper is None:
+        return "Shopper: no history yet.\n"
+    return (
+        f"Shopper: {_data(shopper.summary)}\n"
+        f"Interests: {_data(', '.join(shopper.interests))}; "
+        f"occasion: {_data(shopper.occasion or 'none')}; "
+        f"style: {_data(shopper.style)}; "
+        f"price sensitivity: {inline_text(shopper.price_sensitivity) or 'unknown'}\n"
+    )
+
+
+@lru_cache(maxsize=32_768)
+def _candidate_line(product_id: str, title: str | None, p: ProductProfile | None) -> str:
+    """One candidate's prompt line; cached, as the same products are candidates again and again (the
+    escaping is most of the prompt's cost)."""
+    shown = title or (p.title if p else "") or "(no title)"
+    line = f"- {inline_text(product_id)}: {_data(shown)}"
+    if p is not None:
+        tier = inline_text(p.price_tier)
+        line += f"; for {_data(', '.join(p.segments))}; {tier}; {_data(p.summary)}"
+    return line + "\n"
 
 
 def ranking_response_format(
@@ -246,9 +289,7 @@ class _RankingAnswer(BaseModel):
     ranking: list[_Pick]
 
 
-def parse_ranking(
-    text: object, fallback: Sequence[RankedCandidate], reason_max_chars: int = 80
-) -> list[RankedCandidate]:
+def parse_ranking(text: object, fallback: Sequence[Ranked], reason_max_chars: int = 80) -> list[Ranked]:
     """The model's order for the candidates it named (unknown and repeated ids dropped), then every
     candidate it left out in fallback order.
 
@@ -279,16 +320,11 @@ def parse_ranking(
     if not chosen:
         raise InvalidRanking("the ranking names none of the candidates")
     n = len(fallback)
-    ranked = [
-        RankedCandidate.model_construct(
-            product_id=pid, rank=i + 1, score=_rank_score(i, n), reason=reason, source="llm"
-        )
-        for i, (pid, reason) in enumerate(chosen)
-    ]
+    ranked = [Ranked(pid, i + 1, _rank_score(i, n), reason, "llm") for i, (pid, reason) in enumerate(chosen)]
     for r in fallback:
         if r.product_id not in seen:
             i = len(ranked)
-            ranked.append(r.model_copy(update={"rank": i + 1, "score": _rank_score(i, n)}))
+            ranked.append(Ranked(r.product_id, i + 1, _rank_score(i, n), r.reason, r.source))
     return ranked
 
 
@@ -313,15 +349,10 @@ def fallback_ranking(
     candidates: Sequence[Candidate],
     products: Mapping[str, ProductProfile],
     reason_max_chars: int = 80,
-) -> list[RankedCandidate]:
+) -> list[Ranked]:
     """A deterministic ranking from signals alone (ties keep the request's order)."""
-    interests = shopper.interests if shopper else ()
-    occasion = shopper.occasion if shopper else ""
+    why, wanted = _wanted(shopper, query)
     sensitivity = shopper.price_sensitivity if shopper else ""
-    why = _Why(
-        [(phrase, _terms(phrase)) for phrase in interests], occasion, _terms(occasion), query, _terms(query)
-    )
-    wanted = _terms(query, occasion, shopper.style if shopper else "", *interests)
     scored = []
     for index, c in enumerate(candidates):
         p = products.get(c.product_id)
@@ -335,28 +366,38 @@ def fallback_ranking(
             (-score, index, c.product_id, round(score, 4), why.reason(overlap, c, p)[:reason_max_chars])
         )
     scored.sort()
-    # Our own values, already in range: built without validation (this runs on every request).
     return [
-        RankedCandidate.model_construct(
-            product_id=pid, rank=i + 1, score=score, reason=reason, source="fallback"
-        )
-        for i, (_, _, pid, score, reason) in enumerate(scored)
+        Ranked(pid, i + 1, score, reason, "fallback") for i, (_, _, pid, score, reason) in enumerate(scored)
     ]
+
+
+@lru_cache(maxsize=4096)
+def _wanted(shopper: ShopperProfile | None, query: str) -> tuple[_Why, frozenset[str]]:
+    """What the fallback looks for in a product, and how it says why; cached, as a shopper's requests
+    repeat the same profile and often the same query."""
+    interests = shopper.interests if shopper else ()
+    occasion = shopper.occasion if shopper else ""
+    why = _Why(
+        tuple((phrase, _terms(phrase)) for phrase in interests),
+        occasion,
+        _terms(occasion),
+        query,
+        _terms(query),
+    )
+    return why, _terms(query, occasion, shopper.style if shopper else "", *interests)
 
 
 @dataclass(frozen=True, slots=True)
 class _Why:
     """The fallback's reason for one candidate, from the first kind of overlap found."""
 
-    interests: Sequence[tuple[str, set[str]]]
+    interests: tuple[tuple[str, frozenset[str]], ...]
     occasion: str
-    occasion_terms: set[str]
+    occasion_terms: frozenset[str]
     query: str
-    query_terms: set[str]
+    query_terms: frozenset[str]
 
-    def reason(
-        self, overlap: frozenset[str] | set[str], candidate: Candidate, product: ProductProfile | None
-    ) -> str:
+    def reason(self, overlap: frozenset[str], candidate: Candidate, product: ProductProfile | None) -> str:
         for phrase, terms in self.interests:
             if terms & overlap:
                 return f"matches your interest in {phrase}"

@@ -40,22 +40,28 @@ class SignalReader:
         self.keys = RedisKeys(key_prefix)
         self.mode = mode
         self._script = redis.register_script(_READ_SIGNALS)
+        # The script's arguments are the same for every request: built once.
+        self._args: list[str | int] = [
+            len(ShopperProfile.FIELDS),
+            *ShopperProfile.FIELDS,
+            *ProductProfile.FIELDS,
+        ]
+        self._shopper_fields = list(ShopperProfile.FIELDS)
+        self._product_fields = list(ProductProfile.FIELDS)
 
     async def read(self, request: MatchRequest) -> tuple[ShopperProfile | None, dict[str, ProductProfile]]:
-        keys = [self.keys.signals(request.shopper_id)]
-        keys += [self.keys.product(c.product_id) for c in request.candidates]
+        product_key = self.keys.product
+        keys = [
+            self.keys.signals(request.shopper_id),
+            *(product_key(c.product_id) for c in request.candidates),
+        ]
         if self.mode == "script":
-            args: list[str | int] = [
-                len(ShopperProfile.FIELDS),
-                *ShopperProfile.FIELDS,
-                *ProductProfile.FIELDS,
-            ]
-            replies = orjson.loads(await self._script(keys=keys, args=args))
+            replies = orjson.loads(await self._script(keys=keys, args=self._args))
         else:
             pipe = self.redis.pipeline(transaction=False)
-            pipe.hmget(keys[0], list(ShopperProfile.FIELDS))
+            pipe.hmget(keys[0], self._shopper_fields)
             for key in keys[1:]:
-                pipe.hmget(key, list(ProductProfile.FIELDS))
+                pipe.hmget(key, self._product_fields)
             replies = await pipe.execute()
         products = {}
         for c, values in zip(request.candidates, replies[1:], strict=True):
