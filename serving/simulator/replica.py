@@ -164,7 +164,11 @@ class Replica:
         min_tokens: int,
         streaming: bool,
     ) -> tuple[GenerationRequest, Answer]:
-        """Tokenise, hash and answer a prompt: the CPU work a real server's front end does."""
+        """Tokenise, hash and answer a prompt: the CPU work a real server's front end does.
+
+        A request without ``max_tokens`` is answered within ``default_max_tokens`` (the synthetic answer
+        needs a length) but books ``max_seq_len - prompt`` tokens of KV memory, as TensorRT-LLM deduces
+        its ``max_tokens`` (``_deduce_max_tokens`` in ``tensorrt_llm/executor/base_worker.py``)."""
         ids = token_ids(prompt_text)
         hashes = salted_block_hashes(chained_block_hashes(ids, self.config.block_size), cache_salt)
         limit = max_tokens or self.config.default_max_tokens
@@ -177,7 +181,7 @@ class Replica:
             block_hashes=hashes,
             completion_tokens=max(answer.completion_tokens, 1),
             streaming=streaming,
-            max_new_tokens=limit,
+            max_new_tokens=max_tokens or max(self.config.max_seq_len - len(ids), 1),
             tokens=ids,
         )
         return job, answer

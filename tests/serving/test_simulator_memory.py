@@ -259,3 +259,20 @@ async def test_a_continuing_prompt_reuses_the_partly_filled_last_block(http: aio
             cached[partial] = body["usage"]["prompt_tokens_details"]["cached_tokens"]
     assert cached[True] == len(token_ids(first))
     assert cached[False] == len(token_ids(first)) // block * block
+
+
+async def test_a_request_without_max_tokens_books_the_rest_of_max_seq_len(
+    http: aiohttp.ClientSession,
+) -> None:
+    """TensorRT-LLM deduces a missing ``max_tokens`` as ``max_seq_len - prompt``, and GUARANTEED_NO_EVICT
+    books blocks for all of it: a request that sets none holds that much KV memory while it runs."""
+    block, prompt_tokens, max_seq_len = SimulatorConfig().block_size, 100, 2048
+    async with running_simulator(time_scale=0.002, max_seq_len=max_seq_len) as sim:
+        url = f"{sim.url}/v1/completions"
+        body = {"prompt": _prompt(prompt_tokens, "no-max"), "ignore_eos": True}
+        request = asyncio.create_task(post_json(http, url, body))
+        await _until(lambda: sim.replica.engine.num_running == 1 and sim.replica.cache.pinned_blocks > 0)
+        kv = (await _stats(http, sim))["kv_blocks"]
+        status, reply = await request
+    assert kv["pinned"] + kv["reserved"] == max_seq_len // block  # the whole max_seq_len, in blocks
+    assert status == 200 and reply["usage"]["completion_tokens"] == SimulatorConfig().default_max_tokens
