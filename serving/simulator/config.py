@@ -104,8 +104,8 @@ class SimulatorConfig(BaseSettings):
     )
     mixed_batch_cost: MixedBatchCost = Field(
         default="additive",
-        description="an iteration that prefills and decodes costs prefill + decode step (additive, what "
-        "the calibration supports) or the larger of the two (fused: one pass over the weights)",
+        description="eager_pytorch cost only: an iteration that prefills and decodes costs prefill + "
+        "decode step (additive) or the larger of the two (fused); the roofline is always one fused pass",
     )
     pin_running_blocks: bool = Field(
         default=True,

@@ -1,11 +1,13 @@
 """Iteration-level scheduler with continuous batching: the simulated GPU of one replica.
 
 Each iteration (1) admits waiting requests, first come first served, while the batch has room
-(``max_batch``) and the iteration's token budget (``max_num_tokens``, shared with one decode token per
-running request) is not spent, (2) sleeps for the cost model's time of prefilling the admitted requests
-plus one decode step of the running ones, scaled by ``time_scale * slowdown``, then (3) hands every
-admitted request its first token and every running request one more token. A request is admitted alone
-when its prompt exceeds the budget.
+(``max_batch``), the iteration's token budget (``max_num_tokens``, shared with one decode token per
+running request) holds their **whole** prompts (TensorRT-LLM charges reused tokens too when prefill is not
+chunked), and KV memory has their blocks (below); a prompt whose first uncached block another prompt
+admitted in this iteration computes is skipped for one iteration (``beneficialToSkip``), (2) sleeps for
+the cost model's time of the iteration (one fused pass by default, ``roofline.RooflineCost``) scaled by
+``time_scale * slowdown``, then (3) hands every admitted request its first token and every running request
+one more token. A prompt over the budget never reaches the engine: the HTTP layer refuses it (400).
 
 With chunked prefill (``EngineLimits.chunked_prefill``, TensorRT-LLM's ``enable_chunked_prefill``) the
 running requests' decode tokens are scheduled first and prefill *chunks* fill what is left of
@@ -25,12 +27,16 @@ with its prompt as context and the context replica's first token already counted
 ``keep_pinned`` (``context_only``) leaves its prompt's blocks pinned when it finishes, for the replica to
 release once they have been pulled.
 
-With ``EngineLimits.pin_blocks`` (always on in the disaggregated roles) the prefix cache is also the
-replica's KV memory: a request pins its prompt's blocks from admission until it finishes, so they are
-never evicted under it, and a request is admitted only when its blocks fit beside the pinned and reserved
-ones (first come first served: a request that does not fit holds the ones behind it). Without it, blocks are
-only an LRU of reusable prefixes, as before. How an iteration that both prefills and decodes is charged is
-``EngineLimits.mixed_batch_cost`` (``cost_model.mixed_iteration_ms``).
+With ``EngineLimits.pin_blocks`` (the default; always on in the disaggregated roles) the prefix cache is
+also the replica's KV memory: a request pins its prompt's blocks from admission until it finishes, so they
+are never evicted under it, and books room for its partial last block and generated tokens. Under
+``guaranteed_no_evict`` (TensorRT-LLM's default capacity policy) it books blocks for ``max_new_tokens`` at
+admission and is admitted only when they fit beside the pinned and booked ones (first come first served: a
+request that does not fit holds the ones behind it); under ``max_utilization`` it books a block at a time
+as it generates, and the most recently started requests are paused (released, requeued, recomputed) when
+none is left. Without pins, blocks are only an LRU of reusable prefixes. The eager table charges an
+iteration that both prefills and decodes by ``EngineLimits.mixed_batch_cost``
+(``cost_model.mixed_iteration_ms``).
 
 Wall-clock deadlines are kept on an absolute schedule, so the overshoot of each ``asyncio.sleep`` does not
 accumulate over a long decode; the loop catches up at most one iteration when the process was starved.
