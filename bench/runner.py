@@ -242,9 +242,9 @@ def profile_table(profiles: dict[str, Path], events: int) -> list[list[object]]:
 
 
 def bare_consumer_job(settings: RunnerSettings, events: int) -> dict[str, Any]:
-    """The runner's own consumer settings (``EmbeddedRunner._consumer_config``) and poll size. Callbacks
+    """The runner's own consumer settings (``runner.ingest.Ingest.consumer_config``) and poll size. Callbacks
     (the runner's ``error_cb``) stay behind: the job crosses to the child process as JSON."""
-    config = EmbeddedRunner(settings)._consumer_config()
+    config = EmbeddedRunner(settings).ingest.consumer_config()
     return {
         "consumer": {key: value for key, value in config.items() if not callable(value)},
         "topic": settings.topic,

@@ -87,7 +87,7 @@ SMOKE_RUNS = (
              inputs=("routing.json", "routing_kill.json")),
     SmokeRun("routing_combine", ("-m", "bench.routing", "--tag", "_smoke", "--combine",
                                  ",".join(str(RESULTS / f"routing_scenarios_r3_{s}.json")
-                                          for s in ("base", "skew", "burst", "long", "evict", "restart"))),
+                                          for s in ("base", "restart"))),
              ("routing_scenarios_smoke.json",)),
     SmokeRun("regions_mixed", ("-m", "bench.regions", "--scenario", "mixed", "--policies", "predicted_ttft",
                                "--rates", "6", "--seconds", "3"),
@@ -99,6 +99,7 @@ SMOKE_RUNS = (
     SmokeRun("disagg", ("-m", "bench.disagg", "--workloads", "ours", "--cost", "additive", "--setups",
                         "agg-chunked", "4P4D-idle", "--requests", "10", "--rates", "4"),
              ("disagg_matrix.json",)),
+    SmokeRun("fidelity", ("-m", "bench.fidelity", "--short"), ("fidelity_short.json",)),
     # not a benchmark, but docs/ shows it: the docs' generated tables checked against their results
     SmokeRun("report", ("-m", "bench.report"), prints=": ok"),
     SmokeRun("tansu_fetch", ("-m", "bench.tansu_fetch", "--seconds", "4", "--waits", "100")),
