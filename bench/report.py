@@ -207,6 +207,57 @@ def regions_summary(paths: Sequence[Path]) -> str:
     )
 
 
+def _printed_rows(table: str) -> list[dict[str, str]]:
+    """The rows of a table ``bench.common.print_table`` printed, by header."""
+    lines = table.strip().splitlines()
+    headers = [c.strip() for c in lines[0].strip("|").split("|")]
+    return [
+        dict(zip(headers, (c.strip() for c in line.strip("|").split("|")), strict=True)) for line in lines[2:]
+    ]
+
+
+def _number(cell: str) -> float:
+    return float(cell.replace(",", ""))
+
+
+def gateway_latency(paths: Sequence[Path]) -> str:
+    """``python -m bench.gateway``'s fixed-rate part: what the extra hop adds, per policy."""
+    (path,) = paths
+    lines = [
+        "| policy | path | TTFT p50 ms | TTFT p99 ms | p50 ms | p99 ms | added p50 ms | added p99 ms "
+        "| gateway CPU µs/request |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for row in _printed_rows(json.loads(path.read_text())["latency"]):
+        times = " | ".join(
+            f"{_number(row[k]):.1f}" for k in ("TTFT p50 ms", "TTFT p99 ms", "p50 ms", "p99 ms")
+        )
+        added = "- | - | -"
+        if row["path"] == "gateway":
+            added = (
+                f"**{_number(row['added p50 ms']):+.1f}** | {_number(row['added p99 ms']):.1f} | "
+                f"{_number(row['gateway CPU µs/request']):,.0f}"
+            )
+        lines.append(f"| {row['policy']} | {row['path']} | {times} | {added} |")
+    return "\n".join(lines)
+
+
+def gateway_ceiling(paths: Sequence[Path]) -> str:
+    """``python -m bench.gateway``'s closed-loop part: the rate each path reaches, the gateway's CPU."""
+    (path,) = paths
+    lines = [
+        "| policy | path | req/s | p50 ms | p99 ms | gateway CPU µs/request |",
+        "|---|---|---|---|---|---|",
+    ]
+    for row in _printed_rows(json.loads(path.read_text())["ceiling"]):
+        cpu = "-" if row["path"] != "gateway" else f"**{_number(row['gateway CPU µs/request']):,.0f}**"
+        lines.append(
+            f"| {row['policy']} | {row['path']} | {_number(row['req/s']):.1f} | "
+            f"{_number(row['p50 ms']):,.0f} | {_number(row['p99 ms']):,.0f} | {cpu} |"
+        )
+    return "\n".join(lines)
+
+
 DISAGG_LABELS = {
     "4P4D-remote": "4P4D-remote (pure P/D)",
     "4P4D-cond": "4P4D-cond (size rule, 512)",
@@ -258,6 +309,8 @@ RENDERERS: dict[str, Callable[[Sequence[Path]], str]] = {
     "regions_mixed": regions_mixed,
     "regions_summary": regions_summary,
     "disagg_goodput": disagg_goodput,
+    "gateway_latency": gateway_latency,
+    "gateway_ceiling": gateway_ceiling,
 }
 
 
