@@ -28,40 +28,53 @@ import math
 import time
 from array import array
 
-_QUANTILE = 0.95
 _EVERY = 32
 
 
-class OwnTime:
-    """A high quantile (p95) of the service's own time per answer, over the last ``window`` answers.
+class RecentQuantile:
+    """A quantile of the last ``window`` durations: the service's own time per answer (p95, for
+    admission) or the model's time per answer (p10, ``MODEL_FLOOR_QUANTILE``: a call that cannot
+    finish even that fast is not made).
 
-    A fixed ring of floats, re-sorted every ``_EVERY`` answers: no allocation per request, and a
+    A fixed ring of floats, re-sorted every ``_EVERY`` observations: no allocation per request, and a
     quantile that follows the host's load within a fraction of a second at a few hundred requests a
     second."""
 
-    def __init__(self, window: int = 256, initial_s: float = 0.002) -> None:
+    def __init__(self, quantile: float = 0.95, window: int = 256, initial_s: float = 0.002) -> None:
+        self.quantile = quantile
         self._ring = array("d", [initial_s] * window)
+        self._filled = 0
         self._next = 0
         self._since = 0
         self.quantile_s = initial_s
+        """``initial_s`` until ``_EVERY`` durations were seen, then the quantile of those seen."""
 
     def observe(self, seconds: float) -> None:
         ring = self._ring
         ring[self._next] = seconds
         self._next = (self._next + 1) % len(ring)
+        self._filled = min(self._filled + 1, len(ring))
         self._since += 1
         if self._since >= _EVERY:
             self._since = 0
-            self.quantile_s = sorted(ring)[int(_QUANTILE * (len(ring) - 1))]
+            seen = sorted(ring[: self._filled])
+            self.quantile_s = seen[int(self.quantile * (len(seen) - 1))]
+
+
+MODEL_FLOOR_QUANTILE = 0.1
+"""The model call is skipped when less time is left than its p10 of recent answers: a call that will be
+cancelled at the deadline costs a replica's work and a new connection (the cancelled one is closed),
+and gives nothing. A low quantile, so a model that gets faster is still asked and its new speed
+learned."""
 
 
 class DeadlineAdmission:
     """Whether a request can still be answered within its deadline (pure: the caller passes the
     times)."""
 
-    def __init__(self, answer_reserve_s: float, own: OwnTime | None = None) -> None:
+    def __init__(self, answer_reserve_s: float, own: RecentQuantile | None = None) -> None:
         self.answer_reserve_s = answer_reserve_s
-        self.own = own or OwnTime()
+        self.own = own or RecentQuantile(0.95)
 
     def needed_s(self, lag_s: float) -> float:
         """Time an answer takes from its handler's start to the caller, the model aside."""

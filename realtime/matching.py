@@ -34,7 +34,7 @@ from llm_client.errors import (
     NoHealthyEndpoint,
     RetryBudgetExhausted,
 )
-from realtime.admission import DeadlineAdmission
+from realtime.admission import MODEL_FLOOR_QUANTILE, DeadlineAdmission, RecentQuantile
 from realtime.config import RealtimeSettings
 from realtime.load_meter import LoadMeter
 from realtime.loop_lag import LoopLag
@@ -52,6 +52,8 @@ from realtime.ranking import (
 from realtime.signals import SignalReader
 
 _UNAVAILABLE = (EndpointUnavailable, NoHealthyEndpoint, RetryBudgetExhausted, AttemptTimeout)
+_MIN_MODEL_S = 0.005
+"""Never ask the model with less than this left."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -95,6 +97,8 @@ class MatchService:
     def __post_init__(self) -> None:
         self.signals = SignalReader(self.redis, self.key_prefix, self.settings.signal_reads)
         self.admission = DeadlineAdmission(self.settings.answer_reserve_ms / 1000)
+        self.model_time = RecentQuantile(MODEL_FLOOR_QUANTILE, initial_s=_MIN_MODEL_S)
+        """How fast the model answers when it does: less time left than this, and it is not asked."""
 
     def deadline_ms(self, body: object) -> int:
         """The request's deadline before validation (the admission decision comes first): its
@@ -145,13 +149,16 @@ class MatchService:
             reason = "llm_unavailable"
         elif self.llm.in_flight >= routable * s.llm_concurrency_per_replica:
             reason = "overloaded"
-        elif remaining < 0.005:
-            reason = "deadline"
+        elif remaining < max(self.model_time.quantile_s, _MIN_MODEL_S):
+            reason = "deadline"  # it could not answer in time even at its fastest: not asked
         else:
             started = loop.time()
             ranked, reason, model = await self._ask(request, shopper, products, fallback, remaining)
-            llm_ms = (loop.time() - started) * 1000
-            self.metrics.llm.observe(llm_ms / 1000)
+            llm_s = loop.time() - started
+            llm_ms = llm_s * 1000
+            self.metrics.llm.observe(llm_s)
+            if model is not None:
+                self.model_time.observe(llm_s)
 
         elapsed_ms = (loop.time() - arrived) * 1000
         own_s = max(elapsed_ms - (llm_ms or 0.0), 0.0) / 1000

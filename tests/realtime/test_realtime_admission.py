@@ -14,7 +14,7 @@ import pytest
 from aiohttp.test_utils import TestClient, TestServer
 
 from devstack.stack import StackState
-from realtime.admission import DeadlineAdmission, OwnTime, request_age_s
+from realtime.admission import DeadlineAdmission, RecentQuantile, request_age_s
 from realtime.client import MatchClient, MatchOverloaded
 from realtime.config import RealtimeSettings
 from realtime.models import ErrorResponse, MatchResponse
@@ -27,7 +27,7 @@ CANDIDATES = ["KID-witch", "MAK-paint", "OUT-spider"]
 
 def test_own_time_follows_a_high_quantile_of_recent_answers() -> None:
     window = 128
-    own = OwnTime(window=window)
+    own = RecentQuantile(0.95, window=window)
     times = [(i + 1) / 1000 for i in range(window)]  # 1 .. 128 ms
     for t in times:
         own.observe(t)
@@ -45,7 +45,7 @@ def test_admission_refuses_what_cannot_make_its_deadline(
     waited_s: float, lag_s: float, admitted: bool
 ) -> None:
     reserve_s, own_s, deadline_s = 0.015, 0.005, 0.3
-    admission = DeadlineAdmission(reserve_s, OwnTime(initial_s=own_s))
+    admission = DeadlineAdmission(reserve_s, RecentQuantile(0.95, initial_s=own_s))
     needed = waited_s + lag_s + reserve_s + own_s
     assert admission.needed_s(lag_s) == pytest.approx(lag_s + reserve_s + own_s)
     retry_after = admission.refusal(waited_s, deadline_s, lag_s)
@@ -86,10 +86,12 @@ def test_request_start_header_gives_the_request_age(header: str, age_s: float | 
 
 @asynccontextmanager
 async def _service(
-    isolated: Isolated, endpoints: list[str], model: str = "m"
+    isolated: Isolated, endpoints: list[str], model: str = "m", **settings: Any
 ) -> AsyncIterator[TestClient[Any, Any]]:
     app = create_app(
-        RealtimeSettings(), llm_config=realtime_client_config(endpoints, model), sinks=isolated.sinks()
+        RealtimeSettings(**settings),
+        llm_config=realtime_client_config(endpoints, model),
+        sinks=isolated.sinks(),
     )
     async with TestClient(TestServer(app)) as client:
         yield client
@@ -183,3 +185,31 @@ async def test_a_lagging_loop_refuses_what_it_can_no_longer_answer_in_time(
             "/v1/match", json={"shopper_id": "s1", "candidates": CANDIDATES, "deadline_ms": 5000}
         )
         assert response.status == 200, await response.text()
+
+
+async def test_the_model_is_not_asked_when_less_time_is_left_than_it_takes(isolated: Isolated) -> None:
+    learn = 32  # answers: enough for the service's model-time quantile to be computed
+    async with (
+        running_simulator(time_scale=0.3) as slow,
+        _service(isolated, [slow.url], llm_concurrency_per_replica=2 * learn) as client,
+    ):
+        answers = await asyncio.gather(
+            *(
+                client.post(
+                    "/v1/match", json={"shopper_id": f"s{i}", "candidates": CANDIDATES, "deadline_ms": 5000}
+                )
+                for i in range(learn)
+            )
+        )
+        bodies = [await a.json() for a in answers]
+        assert all(b["degraded"] is False for b in bodies), bodies
+        fastest_ms = min(b["llm_ms"] for b in bodies)
+        deadline_ms = int(fastest_ms * 0.8)  # less than the model ever took here
+        response = await client.post(
+            "/v1/match", json={"shopper_id": "s1", "candidates": CANDIDATES, "deadline_ms": deadline_ms}
+        )
+        body = await response.json()
+        assert response.status == 200 and body["degraded_reason"] == "deadline"
+        assert body["llm_ms"] is None, "a call that would be cancelled at the deadline is not made"
+        metrics = await (await client.get("/metrics")).text()
+        assert _metric(metrics, "realtime_llm_seconds_count") == learn
