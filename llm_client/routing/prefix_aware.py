@@ -74,6 +74,8 @@ prompt may share them)."""
 _HASHES = HASHES_MEMO
 _EXPECTED = "prefix_aware.expected_cached"
 _HIT = "prefix_aware.expected_hit"
+_CONFIRMED = "prefix_aware.confirmed_cached"
+"""Per replica routed to: the prompt tokens it was known (not merely believed) to hold, at routing."""
 _PREFILLING = "prefix_aware.prefilling"
 _IN_FLIGHT = "prefix_aware.key_inflight"
 """Replicas whose ``_key_inflight`` count this request holds, one entry per attempt."""
@@ -91,13 +93,19 @@ class ReplicaBlockIndex:
     Inserting touches a prompt's blocks from leaf to root, so the root ends up most recently used and
     LRU eviction takes leaves first, as the engines' radix/block caches do; a lookup stops at the first
     missing block, so a block whose parent aged out is never matched.
+
+    A block is *confirmed* once the replica is known to have computed it (a first token or an answer for
+    a prompt holding it, or its own KV event), and only *believed* while all that is known is that
+    routing sent it there (the prompt may still be waiting in the replica's queue). Routing follows both;
+    only confirmed blocks are evidence of a restart.
     """
 
     __slots__ = ("_blocks", "capacity")
 
     def __init__(self, capacity: int) -> None:
         self.capacity = capacity
-        self._blocks: OrderedDict[int, None] = OrderedDict()
+        self._blocks: OrderedDict[int, bool] = OrderedDict()
+        """Block hash -> confirmed."""
 
     def __len__(self) -> int:
         return len(self._blocks)
@@ -112,13 +120,27 @@ class ReplicaBlockIndex:
             n += 1
         return n
 
-    def insert(self, hashes: Sequence[int]) -> None:
+    def confirmed_prefix(self, hashes: Sequence[int]) -> int:
+        """Number of leading blocks of ``hashes`` the replica is known to have computed."""
+        blocks = self._blocks
+        n = 0
+        for h in hashes:
+            if not blocks.get(h, False):
+                break
+            n += 1
+        return n
+
+    def insert(self, hashes: Sequence[int], *, confirmed: bool = False) -> None:
+        """Record ``hashes`` as held (``confirmed``: computed there; a confirmed block stays confirmed)."""
         blocks = self._blocks
         for h in reversed(hashes):
-            if h in blocks:
+            known = blocks.get(h)
+            if known is not None:
                 blocks.move_to_end(h)
+                if confirmed and not known:
+                    blocks[h] = True
             else:
-                blocks[h] = None
+                blocks[h] = confirmed
         for _ in range(len(blocks) - self.capacity):
             blocks.popitem(last=False)
 
@@ -464,6 +486,9 @@ class PrefixAwarePolicy:
         recorded[chosen.name] = indexed[chosen.name]
         hits: dict[str, bool] = request.memo.setdefault(_HIT, {})  # type: ignore[assignment]
         hits[chosen.name] = useful[chosen.name] > 0
+        confirmed: dict[str, int] = request.memo.setdefault(_CONFIRMED, {})  # type: ignore[assignment]
+        known = self.index(chosen).confirmed_prefix(self.block_hashes(request)) * self.block_size
+        confirmed[chosen.name] = max(0, min(known, request.prompt_tokens - 1))
         self.index(chosen).insert(self.block_hashes(request))
         slot = (request.key, chosen.name)
         self._key_inflight[slot] = self._key_inflight.get(slot, 0) + 1
@@ -495,6 +520,8 @@ class PrefixAwarePolicy:
             return
         prefilling.discard(endpoint.name)
         self._queued.finished(request.key, endpoint.name, request, computed=computed)
+        if computed:  # the replica has computed this prompt: its blocks there are known, not believed
+            self.index(endpoint).insert(self.block_hashes(request), confirmed=True)
 
     def attempt_over(self, request: RouteRequest, endpoint: Endpoint) -> None:
         """The attempt on ``endpoint`` ended, however (idempotent after ``observe``): it leaves the key's
@@ -545,10 +572,18 @@ class PrefixAwarePolicy:
                 self.stats.pending_hit_rate += alpha * (float(warm) - self.stats.pending_hit_rate)
                 if not warm:
                     self.stats.restart_checks_skipped += 1
+        # And only blocks the replica is known to have computed: what routing alone recorded there may
+        # still be in its queue. In a burst, every prompt admitted in a replica's first iterations
+        # found nothing cached, while the index already believed the head all prompts share (system
+        # prompt and header: 384 tokens) because other shoppers' prompts had been routed there: under
+        # 30% of a short prompt, so it counted as a hit, and a restart was inferred (12 times in
+        # ``make demo``, on replicas that had not restarted).
+        confirmed_map = request.memo.get(_CONFIRMED)
+        known = int(confirmed_map.get(endpoint.name, 0)) if isinstance(confirmed_map, dict) else 0
         restarted = (
             expected_hit
             and not sibling_pending
-            and expected >= self.restart_min_expected_tokens
+            and min(expected, known) >= self.restart_min_expected_tokens
             and observed <= self.restart_max_cached_tokens
         )
         if restarted:
@@ -562,7 +597,7 @@ class PrefixAwarePolicy:
             )
             self.forget(endpoint)
         # Whatever it held before, the replica holds this whole prompt now; refresh its recency.
-        self.index(endpoint).insert(hashes)
+        self.index(endpoint).insert(hashes, confirmed=True)
         return Feedback(restart_detected=True) if restarted else NO_FEEDBACK
 
     def forget(self, endpoint: Endpoint) -> None:
@@ -600,7 +635,7 @@ class PrefixAwarePolicy:
             cursor.last_event_id = event.event_id
             self.stats.kv_events += 1
             if data.type == "stored":
-                index.insert([block.block_hash for block in data.blocks])
+                index.insert([block.block_hash for block in data.blocks], confirmed=True)
             elif data.type == "removed":
                 index.remove(data.block_hashes)
                 self.stats.kv_blocks_removed += len(data.block_hashes)
