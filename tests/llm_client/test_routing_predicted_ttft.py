@@ -373,7 +373,7 @@ def prompt(shopper: str, events: int) -> list[dict[str, str]]:
     return viewed_prompt(shopper, events, item="costume", category="Costumes > Kids")
 
 
-# ---- what the learned state must not learn (issue 27 item 5) ---------------------------------------------
+# ---- what the learned state must not learn ----------------------------------------------------------------
 def test_a_non_streamed_answer_teaches_no_slowness() -> None:
     """A non-streamed answer's time is its whole decode: learnt as a first token, sixty 6.3 s answers
     made a replica 11x slow and the policy stayed spilled with local replicas idle."""
