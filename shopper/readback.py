@@ -173,14 +173,29 @@ def read_topic_records(
     read_committed: bool = True,
     timeout_s: float = READ_TO_END_TIMEOUT_S,
 ) -> list[tuple[bytes | None, bytes]]:
-    """Every record of ``topic`` as (key, value), read to the end of each partition as it stands when
-    the read gets there, and at least ``expect`` records (a writer may still be finishing); raises
+    """Every record of ``topic`` as (key, value), read to its end (``read_topic_placed``)."""
+    placed = read_topic_placed(
+        bootstrap, topic, expect=expect, read_committed=read_committed, timeout_s=timeout_s
+    )
+    return [(key, value) for _, key, value in placed]
+
+
+def read_topic_placed(
+    bootstrap: str,
+    topic: str,
+    *,
+    expect: int = 0,
+    read_committed: bool = True,
+    timeout_s: float = READ_TO_END_TIMEOUT_S,
+) -> list[tuple[int, bytes | None, bytes]]:
+    """Every record of ``topic`` as (partition, key, value), read to the end of each partition as it
+    stands when the read gets there, and at least ``expect`` records (a writer may still be finishing); raises
     ``TimeoutError`` naming the partitions not read to their end within ``timeout_s``.
 
     Why to the end and not "``expect`` records, then a quiet spell": a count can be filled by records
     that are not the ones expected. After a Flink TaskManager was killed, Tansu served the aborted
-    transactions' copies to this ``read_committed`` reader, and a reader that stopped at the count
-    missed prompts whose replayed transactions committed later. Call it once the writer is done (for
+    transactions' copies to this ``read_committed`` reader, so a reader that stopped at the count
+    could stop on those copies before the records it was waiting for. Call it once the writer is done (for
     the Flink job: its group has committed past every input offset and it was drained), and it sees
     every record, duplicates included. With ``read_committed``, a partition's end is reached only
     once its open transactions are over (librdkafka reports the end at the last stable offset): the
@@ -202,7 +217,7 @@ def read_topic_records(
             for p in consumer.list_topics(topic, timeout=10).topics[topic].partitions
         ]
         consumer.assign(partitions)
-        values: list[tuple[bytes | None, bytes]] = []
+        values: list[tuple[int, bytes | None, bytes]] = []
         at_end: set[int] = set()
         deadline = time.monotonic() + timeout_s
         while len(at_end) < len(partitions) or len(values) < expect:
@@ -227,9 +242,10 @@ def read_topic_records(
                 ):
                     at_end.add(partition)
                 continue
-            if partition is not None:
-                at_end.discard(partition)
-            values.append((message.key(), message.value() or b""))
+            if partition is None:
+                continue
+            at_end.discard(partition)
+            values.append((partition, message.key(), message.value() or b""))
         return values
     finally:
         consumer.close()

@@ -1,8 +1,9 @@
 """Results onto a Kafka topic (``insights_topic``), for consumers other than Redis and S3.
 
 Each record is a result's JSON (``model_dump_json``: the bytes the Flink job's insights topic carries),
-keyed by ``shopper_id`` so that one shopper's results land in one partition (the Flink job's
-``KafkaSink`` writes the same values unkeyed: docs/flink.md, "What the engines write"). ``write`` only
+keyed by ``shopper_id`` so that one shopper's results land in one partition, placed by murmur2 of the
+key as Java clients place them, so the Flink job's keyed sink puts a shopper on the same partition
+(docs/flink.md, "What the engines write"). ``write`` only
 queues records in librdkafka (which sends them in the background, idempotently, so its own retries keep
 a partition's order); ``flush`` waits for every delivery report and raises ``SinkWriteFailed`` while any
 record is undelivered, sending the refused ones again first, so a durable point never passes a result
@@ -44,6 +45,7 @@ class KafkaResultSink:
                 "linger.ms": 20,
                 "log.connection.close": False,
                 "enable.idempotence": True,  # librdkafka's own retries keep a partition's order
+                "partitioner": "murmur2_random",  # Java's default partitioner (the Flink job's), not CRC32
                 **dict(producer_config),
             }
         )
