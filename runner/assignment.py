@@ -1,11 +1,23 @@
 """What this member of the consumer group owns, as the rebalance callbacks leave it.
 
 Written on the consumer thread (``on_assign``/``on_revoke`` run inside ``consume``), read on the
-event loop. ``generation`` counts assignments and revocations: work started for one assignment (a
-re-arm of its timers) checks it after every await and does nothing more once it has changed.
+event loop and by offset commits on worker threads. Two counters let work started under one
+assignment notice that it has changed:
+
+- ``generation``: +1 at every assignment and at the start of every revoke. A re-arm of an
+  assignment's timers checks it after every await and does nothing more once it has changed.
+- ``lease``: +1 once a revoke has handed its partitions over (committed, or given up at
+  ``revoke_timeout_s``). An epoch remembers the lease it was opened under; a durable point saves
+  sessions and commits offsets only while that lease is current (``holding``), so a committer that
+  waited through a hand-over (on S3, under ``sink_retry``) never saves over the next owner's sessions
+  or moves the group's offsets of partitions it gave up.
 """
 
 from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 from confluent_kafka import TopicPartition
 
@@ -14,9 +26,24 @@ class Assignment:
     def __init__(self) -> None:
         self.partitions: list[TopicPartition] = []
         self.generation = 0
+        self.lease = 0
+        self._lease_lock = threading.Lock()
 
     def __bool__(self) -> bool:
         return bool(self.partitions)
 
     def numbers(self) -> list[int]:
         return sorted(tp.partition for tp in self.partitions)
+
+    @contextmanager
+    def holding(self, lease: int) -> Iterator[bool]:
+        """True inside while ``lease`` is current; the lease cannot end until the block is left (an
+        offset commit inside it is never overtaken by the end of the hand-over)."""
+        with self._lease_lock:
+            yield lease == self.lease
+
+    def end_lease(self) -> None:
+        """The revoked partitions are handed over: nothing opened under the old lease is saved or
+        committed after this returns."""
+        with self._lease_lock:
+            self.lease += 1

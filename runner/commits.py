@@ -5,6 +5,13 @@ The one commit path (``commit_durable``): take the completed prefix of the epoch
 the epochs' session deltas), then commit its offsets. Epochs become durable in the order they were
 opened, so a crash replays from a point whose effects are all stored. Eviction of idle sessions runs
 here, after a save, since only then is a session's delta no longer needed in memory.
+
+Only for partitions still owned: a durable point can wait on a store (under ``sink_retry``) for longer
+than a revoke waits for it (``revoke_timeout_s``). Its sessions are saved and its offsets committed
+only while the lease its epochs were opened under is current (``runner.assignment``); otherwise both
+are dropped, and the partitions' next owner replays them. The commit runs inside the durable point's
+lock, so a later durable point (the revoke's) can never commit before an earlier one and move the
+group's offsets backwards.
 """
 
 from __future__ import annotations
@@ -45,35 +52,60 @@ class Committer:
 
     async def commit_durable(self) -> None:
         """The one commit path: make the completed prefix durable, then commit its offsets."""
-        offsets = await self.durable_point()
-        if offsets:
-            await self.runner.checkpoint.commit(
-                functools.partial(self.commit_offsets, offsets),
-                on_fenced=lambda exc: self.runner.log(f"commit skipped, the group is rebalancing: {exc}"),
-            )
+        async with self._lock:
+            lease, offsets = await self._durable_point()
+            if offsets:
+                await self.runner.checkpoint.commit(
+                    functools.partial(self.commit_offsets, offsets, lease),
+                    on_fenced=lambda exc: self.runner.log(f"commit skipped, the group is rebalancing: {exc}"),
+                )
 
-    def commit_offsets(self, offsets: list[TopicPartition]) -> None:
-        """Blocking: call off the loop, or on the consumer thread."""
+    def commit_offsets(self, offsets: list[TopicPartition], lease: int) -> None:
+        """Blocking: call off the loop, or on the consumer thread. Commits nothing once ``lease`` has
+        ended (the partitions were handed over meanwhile)."""
         runner = self.runner
-        runner.consumer.commit(offsets=offsets, asynchronous=False)
+        with runner.assignment.holding(lease) as current:
+            if not current:
+                runner.log(
+                    "commit dropped: its partitions were handed over meanwhile (the next owner replays)"
+                )
+                return
+            runner.consumer.commit(offsets=offsets, asynchronous=False)
         runner.stats.commits += 1
         runner.stats.last_commit_at = time.monotonic()
 
-    async def durable_point(self) -> list[TopicPartition]:
-        """Make every completed epoch (in order, up to the first incomplete one) durable and return
-        the offsets that may now be committed: the checkpoint flushes the sinks, delivers the dead
-        letters, then saves the epochs' session deltas."""
-        runner = self.runner
+    async def durable_point(self) -> tuple[int, list[TopicPartition]]:
+        """For the revoke's hand-over: ``_durable_point`` under the lock (the caller commits)."""
         async with self._lock:
-            ready = runner.epochs.take_completed_prefix()
-            if not ready:
-                return []
-            deltas = [d for epoch in ready for d in epoch.deltas]
-            deadlines = {}
-            for delta in deltas:
-                session = runner.sessions.get(delta.shopper_id)
-                if session is not None and session.pending is not None:
-                    deadlines[delta.shopper_id] = runner.triggers.wall_deadline(session)
-            await runner.checkpoint.make_durable(save_state=lambda: runner.store.save(deltas, deadlines))
-            runner.sessions.evict(runner.epochs.shoppers_in_flight())
-            return [TopicPartition(t, p, o) for (t, p), o in merged_offsets(ready).items()]
+            return await self._durable_point()
+
+    async def _durable_point(self) -> tuple[int, list[TopicPartition]]:
+        """Make every completed epoch (in order, up to the first incomplete one) durable and return
+        the lease they belong to and the offsets that may now be committed under it: the checkpoint
+        flushes the sinks, delivers the dead letters, then saves the epochs' session deltas. Epochs of
+        an ended lease are dropped; a save is skipped once the lease ends during the flush."""
+        runner = self.runner
+        lease = runner.assignment.lease
+        ready = [epoch for epoch in runner.epochs.take_completed_prefix() if epoch.lease == lease]
+        if not ready:
+            return lease, []
+        deltas = [d for epoch in ready for d in epoch.deltas]
+        deadlines = {}
+        for delta in deltas:
+            session = runner.sessions.get(delta.shopper_id)
+            if session is not None and session.pending is not None:
+                deadlines[delta.shopper_id] = runner.triggers.wall_deadline(session)
+
+        async def save() -> int:
+            if runner.assignment.lease != lease:  # handed over while the sinks flushed
+                return 0
+            return await runner.store.save(deltas, deadlines)
+
+        await runner.checkpoint.make_durable(save_state=save)
+        runner.sessions.evict(runner.epochs.shoppers_in_flight())
+        if runner.assignment.lease != lease:
+            runner.log(
+                "durable point dropped: its partitions were handed over meanwhile (the next owner replays)"
+            )
+            return lease, []
+        return lease, [TopicPartition(t, p, o) for (t, p), o in merged_offsets(ready).items()]

@@ -98,7 +98,9 @@ class EmbeddedRunner:
         test passes a subclass that holds a load, to make an interleaving certain rather than likely)."""
         self.settings = settings
         self._session_store = session_store
-        self.log = log or line_logger(settings.log_format)
+        self.log = (
+            log if log is not None else line_logger(settings.log_format)
+        )  # an empty list-like log is falsy
         self.processor = SessionProcessor(settings.session)
         self.event_window = settings.session.event_time
         self.stats = RunnerStats()

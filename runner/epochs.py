@@ -24,6 +24,9 @@ class Epoch:
     deltas: list[SessionDelta] = field(default_factory=list)
     pending: int = 0
     """Prompts launched in this epoch whose result is not stored yet."""
+    lease: int = 0
+    """The assignment's lease it was opened under (``runner.assignment``): an epoch of a lease that
+    has ended is never saved or committed; the partitions' next owner replays it."""
 
     @property
     def complete(self) -> bool:

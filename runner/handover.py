@@ -58,8 +58,9 @@ class RebalanceHandover:
         timeout = runner.settings.revoke_timeout_s
         if runner.assignment and runner.failure is None:
             future = asyncio.run_coroutine_threadsafe(self._handover(), loop)
+            lease = runner.assignment.lease
             try:
-                offsets = future.result(timeout=timeout)
+                lease, offsets = future.result(timeout=timeout)
             except concurrent.futures.TimeoutError:
                 future.cancel()
                 runner.log(
@@ -72,16 +73,17 @@ class RebalanceHandover:
                 offsets = []
             if offsets:
                 try:
-                    runner.commits.commit_offsets(offsets)
+                    runner.commits.commit_offsets(offsets, lease)
                 except KafkaException as exc:  # fenced or broker away: the next owner replays them
                     runner.log(f"rebalance: hand-over commit failed ({exc}); the next owner replays")
+        runner.assignment.end_lease()  # from here no save or commit of the old assignment happens
         with contextlib.suppress(Exception):
             asyncio.run_coroutine_threadsafe(self._forget_assignment(), loop).result(timeout=5)
         runner.assignment.partitions = []
         runner.ingest.paused = False
 
     # ---- on the loop -----------------------------------------------------------------------------
-    async def _handover(self) -> list[TopicPartition]:
+    async def _handover(self) -> tuple[int, list[TopicPartition]]:
         runner = self.runner
         while not runner.epochs.all_complete():
             await asyncio.sleep(0.05)

@@ -135,7 +135,7 @@ class Ingest:
         runner = self.runner
         acct = runner.stats.accounting
         sessions = runner.sessions
-        epoch = Epoch()
+        epoch = Epoch(lease=runner.assignment.lease)  # read after the poll: its records' assignment
         parsed = []
         for message in messages:
             acct.consumed += 1
@@ -154,6 +154,11 @@ class Ingest:
             missing = sessions.missing(shoppers)
             if missing:
                 loaded = await runner.retrying(lambda: runner.store.load_many(missing), "session load")
+                if runner.assignment.lease != epoch.lease:
+                    # Handed over during the load: the next owner replays these records, and sessions
+                    # kept here would be stale if the partitions came back. Nothing of them is kept.
+                    acct.consumed -= len(parsed)
+                    return
                 sessions.adopt(loaded)
             touched: set[str] = set()
             for message, event in parsed:

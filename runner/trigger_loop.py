@@ -31,7 +31,7 @@ class TriggerLoop:
         runner = self.runner
         while True:
             fired: set[str] = set()
-            epoch = Epoch()
+            epoch = Epoch(lease=runner.assignment.lease)
             for sid, due_ts in runner.timers.pop_due():
                 session = runner.sessions.get(sid)
                 if session is None:
@@ -48,7 +48,7 @@ class TriggerLoop:
     def fire_all(self) -> None:
         """End of an ``until_drained`` run: every pending trigger fires now, in one epoch."""
         runner = self.runner
-        epoch = Epoch()
+        epoch = Epoch(lease=runner.assignment.lease)
         fired = set()
         for sid, session in runner.sessions.items():
             for prompt in runner.processor.flush(session):

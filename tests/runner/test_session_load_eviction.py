@@ -13,14 +13,13 @@ from __future__ import annotations
 
 import asyncio
 import time
-import uuid
 from collections.abc import Sequence
 
 import orjson
 import redis.asyncio as aioredis
 from confluent_kafka.admin import AdminClient, NewTopic  # type: ignore[attr-defined]
 
-from prompt_assembly.events import ProductSnapshot, ShopperEvent, parse_event
+from prompt_assembly.events import parse_event
 from prompt_assembly.processor import SessionProcessor
 from prompt_assembly.session import ShopperSession
 from runner.embedded import EmbeddedRunner
@@ -28,6 +27,7 @@ from runner.session_store import RedisSessionStore
 from runner.sessions import SessionCache
 from tests.conftest import Isolated
 from tests.helpers import produce_records
+from tests.runner.kit import cart_add
 
 CACHE = 100
 """The smallest ``session_cache_size`` the settings allow."""
@@ -35,17 +35,6 @@ RETURNING = "shopper-returning"
 """The shopper whose session the held load must not lose."""
 NEWCOMER = "shopper-newcomer"
 """A shopper not in memory, so that the second poll has something to load."""
-
-
-def cart_add(shopper_id: str, ts: float) -> tuple[bytes, bytes, bool]:
-    event = ShopperEvent(
-        event_id=uuid.uuid4().hex,
-        shopper_id=shopper_id,
-        type="add_to_cart",
-        ts=ts,
-        product=ProductSnapshot(product_id="p-1", title="Trail shoe", price=89.0),
-    )
-    return shopper_id.encode(), event.to_json(), False
 
 
 class HeldLoads(RedisSessionStore):

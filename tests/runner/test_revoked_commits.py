@@ -1,0 +1,136 @@
+"""After a revoke's hand-over times out, the runner never saves or commits for the partitions it gave
+up (issue 26, item 13).
+
+The committer was inside a durable point, waiting for S3 under ``sink_retry``, when a second member
+joined; the revoke waited ``revoke_timeout_s`` and handed the partitions over uncommitted, as it
+should. But once S3 came back the committer went on: it saved the revoked shoppers' session deltas
+(over what their new owner holds) and committed their offsets (moving the group's position for
+partitions another member owns, possibly backwards). Against the real broker, Redis and an S3 endpoint
+of the test's own (``ProxiedMoto``) that is taken away and brought back.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from pathlib import Path
+
+import pytest
+import redis.asyncio as aioredis
+from confluent_kafka import Consumer, TopicPartition
+
+from runner.embedded import EmbeddedRunner
+from runner.session_store import RedisSessionStore
+from tests.conftest import Isolated
+from tests.fault_kit import ProxiedMoto, RunnerLog, stopping, wait_until
+from tests.helpers import produce_records
+from tests.runner.kit import cart_add
+from tests.runner.test_rebalance_rearm import PARTITIONS, GroupMember
+
+pytestmark = pytest.mark.slow
+
+SHOPPERS = 24
+"""Enough shoppers that every partition holds some."""
+
+
+def committed(bootstrap: str, group: str, topic: str) -> dict[int, int]:
+    """The group's committed offset per partition (an OffsetFetch; this consumer joins nothing)."""
+    reader = Consumer({"bootstrap.servers": bootstrap, "group.id": group})
+    try:
+        tps = reader.committed([TopicPartition(topic, p) for p in range(PARTITIONS)], timeout=10)
+        return {tp.partition: tp.offset for tp in tps}
+    finally:
+        reader.close()
+
+
+def stored_arrivals(redis_url: str, prefix: str, shoppers: list[str]) -> dict[str, int]:
+    async def load() -> dict[str, int]:
+        redis = aioredis.Redis.from_url(redis_url)
+        try:
+            sessions = await RedisSessionStore(redis, prefix).load_many(shoppers)
+            return {sid: session.arrivals for sid, session in sessions.items()}
+        finally:
+            await redis.aclose()
+
+    return asyncio.run(load())
+
+
+def test_a_hand_over_that_timed_out_saves_and_commits_nothing_for_the_revoked_partitions(
+    isolated: Isolated, tmp_path: Path
+) -> None:
+    runner_log = RunnerLog()
+    bootstrap = isolated.stack.kafka_bootstrap
+    s3 = ProxiedMoto(tmp_path, bucket=f"revoke-{isolated.tag}")
+    shoppers = [f"shopper-{i:03d}" for i in range(SHOPPERS)]
+    now = time.time() - 600
+    first = [cart_add(sid, now) for sid in shoppers]
+    second = [cart_add(sid, now + 60) for sid in shoppers]  # past the rate limit: each one prompts
+    member: GroupMember | None = None
+    with stopping(s3):
+        s3.start()
+        sinks = isolated.sinks().model_copy(update={"s3_endpoint_url": s3.url, "s3_bucket": s3.bucket})
+        settings = isolated.runner(until_drained=False, sinks=sinks, revoke_timeout_s=1.0)
+        runner = EmbeddedRunner(settings, log=runner_log)
+        produce_records(bootstrap, isolated.topic, first)
+
+        async def scenario() -> tuple[list[int], dict[int, int], dict[str, int]]:
+            nonlocal member
+            task = asyncio.create_task(runner.run())
+            try:
+                acct = runner.stats.accounting
+                await wait_until(
+                    lambda: acct.consumed == len(first) and acct.insights == len(first) and not runner.epochs,
+                    "the first events stored",
+                )
+                await wait_until(
+                    lambda: sum(committed(bootstrap, isolated.group, isolated.topic).values()) == len(first),
+                    "their commit",
+                )
+                before = committed(bootstrap, isolated.group, isolated.topic)
+                placed = dict(runner.sessions.partition_map)
+                await asyncio.to_thread(s3.stop_proxy)
+                await asyncio.to_thread(produce_records, bootstrap, isolated.topic, second)
+                await wait_until(
+                    lambda: (
+                        acct.insights == len(first) + len(second)
+                        and runner.commits.busy
+                        and runner.stats.sink_retries > 0
+                    ),
+                    "a durable point waiting for S3",
+                )
+                member = await asyncio.to_thread(GroupMember, bootstrap, isolated.group, isolated.topic)
+                await wait_until(
+                    lambda: any("handed over uncommitted" in line for line in runner_log),
+                    "the hand-over to time out",
+                )
+                await wait_until(lambda: bool(member and member.assigned), "the new member's partitions")
+                theirs = list(member.assigned)
+                points = runner.checkpoint.durable_points
+                await asyncio.to_thread(s3.start_proxy)
+                # The durable point that waited through the outage has ended, and one after it too.
+                await wait_until(
+                    lambda: runner.checkpoint.durable_points >= points + 2 and not runner.commits.busy,
+                    "durable points after S3 is back",
+                )
+                assert not task.done(), runner_log.render()
+                return theirs, before, placed
+            finally:
+                runner.request_stop()
+                await task
+
+        try:
+            theirs, before, placed = asyncio.run(scenario())
+        except BaseException:
+            print(f"---- the runner's log ----\n{runner_log.render()}", flush=True)
+            raise
+        after = committed(bootstrap, isolated.group, isolated.topic)
+        if member is not None:
+            member.leave()
+
+    moved = {p: (before[p], after[p]) for p in theirs if after[p] != before[p]}
+    assert not moved, f"offsets committed for partitions another member owns: {moved}"
+    revoked = [sid for sid, p in placed.items() if p in theirs]
+    assert len(placed) == SHOPPERS and revoked
+    arrivals = stored_arrivals(isolated.stack.redis_url, isolated.prefix, revoked)
+    saved = {sid: n for sid, n in arrivals.items() if n != 1}
+    assert not saved, f"sessions saved for shoppers of revoked partitions: {saved}"
