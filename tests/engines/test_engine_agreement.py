@@ -35,6 +35,7 @@ from typing import Any, cast
 import orjson
 import pytest
 import redis as sync_redis
+from confluent_kafka.admin import AdminClient, NewTopic  # type: ignore[attr-defined]
 
 from devstack.flink_cluster import FlinkClusterState, FlinkRest
 from devstack.stack import StackState
@@ -44,7 +45,7 @@ from prompt_assembly.events import MalformedEvent, parse_event
 from runner.config import RunnerSettings
 from runner.embedded import EmbeddedRunner
 from runner.progress import RunnerStats
-from shopper.readback import list_s3_records, read_topic_records
+from shopper.readback import list_s3_records, read_topic_placed
 from tests.conftest import Isolated
 from tests.flink_kit import (
     cluster_job_settings,
@@ -145,9 +146,9 @@ after the last events are read); a wait, not a measure: past it the test fails n
 BACKLOG_VIEWS, BACKLOG_GAP_S, BACKLOG_AGE_S = 100, 3.0, 3600.0
 """A replayed backlog: 100 views 3 s apart an hour ago are one browse pause (one prompt, after the last)."""
 LIVE_VIEWS = 3
-UNKEYED = 24
-"""Records without a shopper id: on one subtask each with probability 1/2, so all on one by chance
-with 2 x 2^-24."""
+UNKEYED = 100
+"""Records without a shopper id. Keyed by "" they all went to one subtask; spread by their position,
+one subtask gets all of them but the few other bad records' worth with a chance below 1e-20."""
 
 
 def view(shopper: str, n: int, ts: float) -> bytes:
@@ -248,7 +249,15 @@ def test_flink_cluster_and_embedded_runner_write_the_same_results(
         stack, stack_dir, isolated, topics, prefix=flink_prefix, s3_prefix=flink_s3
     ).model_copy(update={"dlq_max_original_bytes": DLQ_MAX_ORIGINAL_BYTES, "parallelism": 2})
     assert settings.wall_clock_timers, "the job must run with its production timers"
+    # The runner's insights topic with as many partitions as the job's: both engines place a shopper's
+    # results on the same one.
+    runner_insights = f"runner-{topics.insights}"
+    admin = AdminClient({"bootstrap.servers": stack.kafka_bootstrap})
+    partitions = admin.list_topics(topics.insights, timeout=10).topics[topics.insights].partitions
+    for future in admin.create_topics([NewTopic(runner_insights, len(partitions), 1)]).values():
+        future.result(timeout=10)
     runner_settings = isolated.runner(
+        sinks=isolated.sinks().model_copy(update={"insights_topic": runner_insights}),
         dlq_max_original_bytes=DLQ_MAX_ORIGINAL_BYTES,
         until_drained=False,
         timer_wall_per_event_s=RUNNER_WALL_PER_EVENT_S,
@@ -280,7 +289,10 @@ def test_flink_cluster_and_embedded_runner_write_the_same_results(
         assert rest.job_state(job.job_id) == "RUNNING", "the job stopped on a bad record"
         n_bad = sum(1 for _, v in records_in if v is None or not valid(v))
         per_subtask = wait_dead_lettered_on_every_subtask(rest, job.job_id, n_bad)
-        assert all(per_subtask), f"records without a shopper id all went to one subtask: {per_subtask}"
+        n_unkeyed = sum(1 for _, v in records_in if shopper_id_of(v) is None)
+        assert max(per_subtask) < n_unkeyed, (
+            f"{n_unkeyed} records without a shopper id all went to one subtask: {per_subtask}"
+        )
         exported = prometheus_names(flink_cluster.metrics_urls)
         asked = dashboard_metric_names(FLINK_DASHBOARD, FLINK_METRIC)
         shown = sorted(n for n in exported if any(w in n for w in ("shopper", "Checkpoint", "Restart")))
@@ -310,7 +322,7 @@ def test_flink_cluster_and_embedded_runner_write_the_same_results(
     assert len(letters) == n_dead >= len(bad)
     assert any(letter.truncated for letter in letters), "the size limit cut the oversized record"
 
-    embedded_topic = topic_results(stack.kafka_bootstrap, isolated.insights_topic, len(expected))
+    embedded_topic = topic_results(stack.kafka_bootstrap, runner_insights, len(expected))
     assert set(embedded_topic) == set(expected)
     assert topic_results(stack.kafka_bootstrap, topics.insights, len(expected)) == embedded_topic
     assert all(d.reason and d.topic == isolated.topic for d in letters)
@@ -319,13 +331,17 @@ def test_flink_cluster_and_embedded_runner_write_the_same_results(
     assert "invalid JSON" in reasons and "byte limit" in reasons and "null value" in reasons
     assert any(d.original_encoding == "base64" for d in letters)
 
-    keyed = read_topic_records(stack.kafka_bootstrap, topics.insights, expect=len(expected))
-    assert sorted(request_ids([v for _, v in keyed])) == sorted(expected), (
-        "insights topic: not one per prompt"
-    )
-    assert all(key == orjson.loads(value)["shopper_id"].encode() for key, value in keyed), (
+    keyed = read_topic_placed(stack.kafka_bootstrap, topics.insights, expect=len(expected))
+    assert sorted(request_ids([v for _, _, v in keyed])) == sorted(expected), "insights: not one per prompt"
+    assert all(key == orjson.loads(value)["shopper_id"].encode() for _, key, value in keyed), (
         "insights topic: a record not keyed by its shopper"
     )
+    runner_placed = read_topic_placed(stack.kafka_bootstrap, runner_insights, expect=len(expected))
+    placement = {str(orjson.loads(value)["request_id"]): partition for partition, _, value in runner_placed}
+    assert {str(orjson.loads(v)["request_id"]): p for p, _, v in keyed} == placement, (
+        "the engines put a shopper's results on different partitions"
+    )
+    assert len(set(placement.values())) > 1, "every result on one partition: placement not shown"
 
 
 def wait_runner_committed(
@@ -349,3 +365,13 @@ def valid(value: bytes) -> bool:
     except MalformedEvent:
         return False
     return True
+
+
+def shopper_id_of(value: bytes | None) -> str | None:
+    """The ``shopper_id`` the job's source query reads from a record, None where it has none."""
+    try:
+        data = orjson.loads(value or b"")
+    except orjson.JSONDecodeError:
+        return None
+    found = data.get("shopper_id") if isinstance(data, dict) else None
+    return found if isinstance(found, str) and found else None
