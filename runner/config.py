@@ -55,6 +55,13 @@ class RunnerSettings(BaseSettings):
         description="Tansu holds a group join for about half of this; librdkafka's 45 s default "
         "means a 23 s wait before the first message",
     )
+    kafka_max_poll_interval_ms: int = Field(
+        60_000,
+        ge=1000,
+        description="a member that does not poll for this long leaves the group (librdkafka's "
+        "max.poll.interval.ms; at least kafka_session_timeout_ms). The runner keeps polling, its "
+        "partitions paused, while it waits for a store, so an outage does not reach it",
+    )
     progress_interval_s: float = Field(2.0, gt=0)
     until_drained: bool = Field(False, description="exit when the topic is consumed and all results stored")
     drain_idle_s: float = Field(

@@ -49,6 +49,7 @@ from typing import TypeVar
 
 import redis.asyncio as aioredis
 from confluent_kafka import Consumer, Producer
+from redis.exceptions import RedisError
 
 from llm_client.client import LLMClient
 from pipeline.checkpoint import Checkpoint
@@ -61,6 +62,7 @@ from runner.commits import Committer
 from runner.config import RunnerSettings
 from runner.dead_letters import DeadLetterPublisher
 from runner.epochs import Epoch, EpochLog
+from runner.errors import SessionStoreUnavailable
 from runner.gc_tuning import streaming_gc
 from runner.handover import RebalanceHandover
 from runner.ingest import Ingest
@@ -224,8 +226,16 @@ class EmbeddedRunner:
                 self.timers.arm(sid, session.pending.due_ts, self.triggers.wall_deadline(session))
         self.epochs.append(epoch)
 
-    async def retrying(self, write: Callable[[], Awaitable[T]], what: str) -> T:
-        return await with_sink_retry(write, self.settings.sink_retry, what=what, on_retry=self._on_sink_retry)
+    async def retrying(self, load: Callable[[], Awaitable[T]], what: str) -> T:
+        """A session-store load, waited for under ``sink_retry``; past it, ``SessionStoreUnavailable``
+        (one line that says what to check, not the Redis client's traceback)."""
+        started = time.monotonic()
+        try:
+            return await with_sink_retry(
+                load, self.settings.sink_retry, what=what, on_retry=self._on_sink_retry
+            )
+        except (RedisError, OSError) as exc:
+            raise SessionStoreUnavailable(what, time.monotonic() - started, exc) from exc
 
     def _on_sink_retry(self, what: str, exc: BaseException) -> None:
         self.stats.sink_retries += 1

@@ -6,10 +6,13 @@
     └── RunnerError                    the embedded runner cannot go on
         ├── ConsumerFailed             a Kafka consumer error no retry can fix: a fatal error, a
         │                              refused login or TLS handshake, a missing topic
-        └── DeadLettersUndelivered     the DLQ took no delivery for ``sink_retry.max_wait_s``
+        ├── DeadLettersUndelivered     the DLQ took no delivery for ``sink_retry.max_wait_s``
+        └── SessionStoreUnavailable    the session store (Redis) answered no load for
+                                       ``sink_retry.max_wait_s``
 
-A store that stays down past ``sink_retry`` stops the runner with the store's own error (a restart
-replays from the last commit); those are not translated here.
+A sink that stays down past ``sink_retry`` stops the runner with the store's own error (a restart
+replays from the last commit); the session store's loads, which the poll loop waits on, are translated
+into ``SessionStoreUnavailable``, whose message is the one line an operator needs.
 """
 
 from __future__ import annotations
@@ -39,3 +42,21 @@ class ConsumerFailed(RunnerError):
 class DeadLettersUndelivered(RunnerError):
     """Dead letters stayed in the producer's queue past ``sink_retry.max_wait_s``: the runner stops
     without committing past them, and a restart replays them."""
+
+
+class SessionStoreUnavailable(RunnerError):
+    """A session or timer load from Redis failed for longer than ``sink_retry.max_wait_s``: the
+    runner stops without committing past the records that needed it, and a restart replays them.
+
+    ``what`` is the load (``session load``, ``timer load``), ``waited_s`` how long it was retried,
+    ``cause`` the last error's type and message."""
+
+    def __init__(self, what: str, waited_s: float, cause: BaseException) -> None:
+        reason = " ".join(str(cause).split()) or type(cause).__name__
+        super().__init__(
+            f"{what} from Redis failed for {waited_s:.0f} s (sink_retry.max_wait_s), last error "
+            f"{type(cause).__name__}: {reason[:200]}; check that Redis (RUNNER_SINKS__REDIS_URL or "
+            "SINK_REDIS_URL) is up; nothing past the last commit was committed, a restart replays it"
+        )
+        self.what = what
+        self.waited_s = waited_s

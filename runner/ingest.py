@@ -11,7 +11,8 @@ from __future__ import annotations
 import asyncio
 import time
 from collections import deque
-from typing import TYPE_CHECKING
+from collections.abc import Awaitable
+from typing import TYPE_CHECKING, TypeVar
 
 from confluent_kafka import KafkaError, KafkaException, Message
 
@@ -20,10 +21,16 @@ from pipeline.topic_ends import topic_lag
 from prompt_assembly.events import MalformedEvent, parse_event, record_time_s
 from runner.consumer_errors import UNKNOWN_TOPIC, UnknownTopicWatch, classify, consumer_failed, topic_missing
 from runner.epochs import Epoch
-from runner.errors import ConsumerFailed
+from runner.errors import ConsumerFailed, SessionStoreUnavailable
 
 if TYPE_CHECKING:
     from runner.embedded import EmbeddedRunner
+
+T = TypeVar("T")
+
+STORE_WAIT_POLL_S = 0.5
+"""How often the poll loop polls (its partitions paused) while it waits for the session store: well
+inside any ``max.poll.interval.ms``, and rare enough to cost nothing."""
 
 
 class Ingest:
@@ -36,6 +43,8 @@ class Ingest:
         self.paused = False
         """The assigned partitions are paused by backpressure."""
         self._last_message_at = time.monotonic()
+        self._held: list[Message] = []
+        """Records a poll returned while the loop waited for the store: processed with the next poll."""
 
     def consumer_config(self) -> dict[str, object]:
         s = self.settings
@@ -46,7 +55,7 @@ class Ingest:
             "auto.offset.reset": "earliest",
             "session.timeout.ms": s.kafka_session_timeout_ms,
             "heartbeat.interval.ms": max(250, s.kafka_session_timeout_ms // 6),
-            "max.poll.interval.ms": max(60_000, s.kafka_session_timeout_ms),
+            "max.poll.interval.ms": max(s.kafka_max_poll_interval_ms, s.kafka_session_timeout_ms),
             "enable.partition.eof": False,
             "log.connection.close": False,
             "allow.auto.create.topics": False,  # a wrong topic name fails (ConsumerFailed), never creates one
@@ -68,6 +77,8 @@ class Ingest:
                 runner.fail(self._consumer_failed(error) if isinstance(error, KafkaError) else exc)
                 return
             records = self._records(messages)
+            if self._held:
+                records, self._held = self._held + records, []
             if self._unknown_topic.due(time.monotonic()):
                 await self._recheck_topic()
             if runner.failure is not None:
@@ -76,7 +87,15 @@ class Ingest:
                 self._unknown_topic.clear()
                 if runner.stats.first_event_at is None:
                     runner.stats.first_event_at = time.monotonic()
-                await self._process(records)
+                try:
+                    await self._process(records)
+                except SessionStoreUnavailable as exc:
+                    runner.fail(exc)
+                    return
+                except KafkaException as exc:  # a poll while waiting for the store (as above)
+                    error = exc.args[0] if exc.args else None
+                    runner.fail(self._consumer_failed(error) if isinstance(error, KafkaError) else exc)
+                    return
                 self._last_message_at = runner.stats.last_event_at = time.monotonic()
             elif s.until_drained and await self._caught_up():
                 return
@@ -153,7 +172,9 @@ class Ingest:
         with sessions.pinned(shoppers):  # a durable point during the load must not evict them
             missing = sessions.missing(shoppers)
             if missing:
-                loaded = await runner.retrying(lambda: runner.store.load_many(missing), "session load")
+                loaded = await self._polling_while(
+                    runner.retrying(lambda: runner.store.load_many(missing), "session load")
+                )
                 if runner.assignment.lease != epoch.lease:
                     # Handed over during the load: the next owner replays these records, and sessions
                     # kept here would be stale if the partitions came back. Nothing of them is kept.
@@ -174,6 +195,35 @@ class Ingest:
                     runner.prompts.launch(prompt, epoch, ts)
                 touched.add(sid)
             runner.close_epoch(epoch, touched)  # from here on the epoch keeps them (busy)
+
+    async def _polling_while(self, wait: Awaitable[T]) -> T:
+        """``wait`` (a load that may wait out a Redis outage under ``sink_retry``), polling on all the
+        while with the assigned partitions paused: a poll then returns no record, but it keeps this
+        member in the group (``max.poll.interval.ms``; a member that stopped polling for the minute a
+        Redis restart can take left the group, and its partitions moved) and serves rebalances. A
+        rebalance meanwhile is seen by the caller (``Assignment.lease``)."""
+        runner = self.runner
+        task = asyncio.ensure_future(wait)
+        await asyncio.wait({task}, timeout=self.settings.poll_timeout_s)
+        if task.done():
+            return task.result()
+        paused = list(runner.assignment.partitions)
+        runner.consumer.pause(paused)
+        try:
+            while not task.done():
+                # A paused partition's fetched records are dropped and fetched again on resume, so a
+                # poll here returns none of them; errors and rebalance callbacks still come.
+                messages = await asyncio.to_thread(runner.consumer.consume, 1, self.settings.poll_timeout_s)
+                self._held.extend(self._records(messages))  # none expected; kept for the next poll if any
+                if not task.done():
+                    await asyncio.wait({task}, timeout=STORE_WAIT_POLL_S)
+        finally:
+            if not task.done():
+                task.cancel()
+            current = runner.assignment.partitions  # a rebalance meanwhile resumed its own
+            if not self.paused and current:
+                runner.consumer.resume(current)
+        return task.result()
 
     def _apply_backpressure(self) -> None:
         runner = self.runner

@@ -269,7 +269,13 @@ def run(
     from pipeline.redaction import redacted_config_dump  # secrets and URL passwords masked
 
     console.print(f"runner config: {redacted_config_dump(settings, exclude={'session'})}", markup=False)
-    stats = asyncio.run(EmbeddedRunner(settings).run())
+    from runner.errors import RunnerError
+
+    try:
+        stats = asyncio.run(EmbeddedRunner(settings).run())
+    except RunnerError as exc:  # one line that says what to check, not a traceback
+        console.print(f"runner stopped: {exc}", markup=False, style="red")
+        raise typer.Exit(1) from None
     acct = stats.accounting
     console.print_json(json.dumps(acct.as_dict()))
     if report is not None:
