@@ -30,6 +30,7 @@ from typing import Any
 
 from bench.aiperf.cells import Cell, Workload, run_cell, shown_command
 from bench.aiperf.install import AIPERF_VERSION, TOKENIZER_NAME, ensure_aiperf
+from bench.aiperf.intervals import bootstrap_interval
 from bench.common import machine, print_table, results_dir
 
 RESULTS_FILE = "aiperf_gateway.json"
@@ -39,9 +40,17 @@ HEADERS = (
 )  # fmt: skip
 
 
+def with_interval(value: float, samples: list[float], q: float, digits: int) -> str:
+    """aiperf's percentile, then its bootstrap interval over the run's requests."""
+    low, high = bootstrap_interval([v for v in samples if v == v], q)  # v == v: not NaN
+    return f"{value:,.{digits}f} [{low:,.{digits}f}, {high:,.{digits}f}]"
+
+
 def row(cell: Cell, summary: dict[str, Any]) -> list[object]:
-    """One table row from aiperf's summary: its own percentiles, nothing recomputed."""
+    """One table row from aiperf's summary: its own percentiles (nothing recomputed), each with the
+    interval of its run's requests (``bench.aiperf.intervals``)."""
     ttft, itl = summary["time_to_first_token"], summary["inter_token_latency"]
+    samples = summary["per_request"]
     errors = sum(int(e.get("count", 0)) for e in summary.get("error_summary") or [])
     cache = summary.get("overall_usage_prompt_cache_read_pct", {}).get("avg", float("nan"))
     return [
@@ -49,12 +58,12 @@ def row(cell: Cell, summary: dict[str, Any]) -> list[object]:
         cell.policy,
         int(summary["request_count"]["avg"]),
         errors,
-        float(ttft["p50"]),
-        float(ttft["p99"]),
-        float(itl["p50"]),
-        float(itl["p99"]),
-        float(cache),
-        float(summary["request_throughput"]["avg"]),
+        with_interval(ttft["p50"], samples["ttft_ms"], 50, 0),
+        with_interval(ttft["p99"], samples["ttft_ms"], 99, 0),
+        with_interval(itl["p50"], samples["itl_ms"], 50, 1),
+        with_interval(itl["p99"], samples["itl_ms"], 99, 1),
+        f"{cache:.1f}",
+        f"{summary['request_throughput']['avg']:.2f}",
     ]
 
 
@@ -65,12 +74,12 @@ def main() -> None:
     parser.add_argument(
         "--policies", default="round_robin,prefix_aware,session_affinity", help="comma-separated"
     )
-    parser.add_argument("--rates", default="4,8", help="comma-separated requests/s (aiperf's --request-rate)")
+    parser.add_argument("--rates", default="6,12", help="requests/s, comma-separated (--request-rate)")
     parser.add_argument("--replicas", type=int, default=3)
     parser.add_argument(
         "--time-scale", type=float, default=0.5, help="simulator wall seconds per simulated second"
     )
-    parser.add_argument("--conversations", type=int, default=40)
+    parser.add_argument("--conversations", type=int, default=60)
     parser.add_argument("--turns", type=int, default=4)
     parser.add_argument("--input-tokens", type=int, default=1000, help="new user tokens a turn")
     parser.add_argument("--output-tokens", type=int, default=64)

@@ -150,7 +150,23 @@ async def run_cell(
             if code != 0 or not export.is_file():
                 raise RuntimeError(f"aiperf exited {code}:\n{_tail(log)}")
             summary: dict[str, Any] = json.loads(export.read_text())
+            summary["per_request"] = per_request(Path(artifacts) / "profile_export.jsonl")
     return summary
+
+
+def per_request(export: Path) -> dict[str, list[float]]:
+    """Each answered request's TTFT and ITL (ms) and turn, from aiperf's per-request export
+    (``profile_export.jsonl``), in its order; errored requests carry no latencies and are left out."""
+    columns: dict[str, list[float]] = {"ttft_ms": [], "itl_ms": [], "turn": []}
+    for line in export.read_text().splitlines():
+        record = json.loads(line)
+        metrics = record.get("metrics") or {}
+        if record.get("error") or "time_to_first_token" not in metrics:
+            continue
+        columns["ttft_ms"].append(float(metrics["time_to_first_token"]["value"]))
+        columns["itl_ms"].append(float(metrics.get("inter_token_latency", {}).get("value", float("nan"))))
+        columns["turn"].append(float(record["metadata"]["turn_index"]))
+    return columns
 
 
 def _tail(log: Path, chars: int = 4000) -> str:
