@@ -501,7 +501,8 @@ async def test_body_size_is_limited_and_configurable(
         settings: dict[str, Any] = {} if limit is None else {"max_body_bytes": limit}
         async with running_gateway(fleet.urls, "least_outstanding", **settings) as gw:
             url = gw.url + "/v1/chat/completions"
-            ok = orjson.dumps(chat_body("x" * (fits - 200), max_tokens=2))
+            # the bulk in a field the replica ignores: a prompt that long is over its max_num_tokens
+            ok = orjson.dumps(chat_body("hi", max_tokens=2, metadata={"note": "x" * (fits - 200)}))
             async with http.post(url, data=ok, headers={"Content-Type": "application/json"}) as r:
                 assert r.status == 200, (limit, len(ok))
             big = orjson.dumps(chat_body("x" * too_big, max_tokens=2))
@@ -518,9 +519,11 @@ async def test_large_bodies_are_routed_off_the_event_loop_the_same_way(
 ) -> None:
     """A body over ``offload_body_bytes`` is parsed and hashed in a worker thread: it is routed exactly
     as the same body parsed on the loop (same replica, the policy sees the cached prefix)."""
-    prompt = "".join(f"- viewed: <data>lantern {i} with a long description</data>\n" for i in range(900))
+    # under the replicas' max_num_tokens (8192), which they refuse a longer prompt over with a 400
+    prompt = "".join(f"- viewed: <data>lantern {i} with a long description</data>\n" for i in range(300))
+    offload_at = 1024
     replicas = []
-    for offload in (10**9, 1024):  # on the loop, then in a thread
+    for offload in (10**9, offload_at):  # on the loop, then in a thread
         async with running_gateway(fleet.urls, "prefix_aware", offload_body_bytes=offload) as gw:
             for step in range(2):
                 body = chat_body(prompt + f"step {step}", max_tokens=2)
@@ -530,7 +533,7 @@ async def test_large_bodies_are_routed_off_the_event_loop_the_same_way(
             async with http.get(gw.url + "/metrics") as r:
                 text = await r.text()
             assert metric(text, "gateway_policy_cache_hits_total", policy="prefix_aware") >= 1
-    assert len(orjson.dumps(chat_body(prompt))) > 32 * 1024
+    assert len(orjson.dumps(chat_body(prompt))) > offload_at
     assert replicas[0] == replicas[1] and replicas[2] == replicas[3]
 
 
