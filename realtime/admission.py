@@ -14,8 +14,12 @@ The estimate, all in seconds:
   over the last ~100 ms), about how long a request sat in the socket before the loop got to it;
 - ``lag``: that lag again, for the answer's own wait before it is written;
 - ``reserve``: ``answer_reserve_ms``, kept back to build and write the answer;
-- ``own``: how long the service's own work takes now, a high quantile of recent answers' time not spent
-  waiting for the model (``observe``).
+- ``own``: how long the service's own work takes now, the median of recent answers' time not spent
+  waiting for the model (the median: lag is counted on its own, and a few slow answers must not
+  refuse everyone).
+
+A latch-up is ruled out: refused requests teach nothing, so after ``FORGET_S`` without an answer the
+recent times are forgotten and the next requests are admitted and measured again.
 
 A request is refused when ``waited + lag + reserve + own`` exceeds its deadline. A request admitted
 gets its model call only within what is left (``realtime.matching``), so it is answered in time either
@@ -29,27 +33,41 @@ import time
 from array import array
 
 _EVERY = 32
+FORGET_S = 1.0
+"""A quantile with no new duration for this long starts over from its initial value."""
 
 
 class RecentQuantile:
-    """A quantile of the last ``window`` durations: the service's own time per answer (p95, for
-    admission) or the model's time per answer (p10, ``MODEL_FLOOR_QUANTILE``: a call that cannot
-    finish even that fast is not made).
+    """A quantile of the last ``window`` durations: the service's own time per answer (the median,
+    for admission) or the model's time per answer (p10, ``MODEL_FLOOR_QUANTILE``: a call that cannot
+    finish even that fast is not made). Forgotten after ``FORGET_S`` without a new duration
+    (``current``), so a value that stopped its own measurements (every request refused, every call
+    skipped) cannot stay.
 
     A fixed ring of floats, re-sorted every ``_EVERY`` observations: no allocation per request, and a
     quantile that follows the host's load within a fraction of a second at a few hundred requests a
     second."""
 
-    def __init__(self, quantile: float = 0.95, window: int = 256, initial_s: float = 0.002) -> None:
+    def __init__(self, quantile: float = 0.5, window: int = 256, initial_s: float = 0.002) -> None:
         self.quantile = quantile
+        self.initial_s = initial_s
         self._ring = array("d", [initial_s] * window)
         self._filled = 0
         self._next = 0
         self._since = 0
+        self._last_at = 0.0
         self.quantile_s = initial_s
         """``initial_s`` until ``_EVERY`` durations were seen, then the quantile of those seen."""
 
-    def observe(self, seconds: float) -> None:
+    def current(self, now: float) -> float:
+        """The quantile, or ``initial_s`` again when nothing was observed for ``FORGET_S``."""
+        if self._filled and now - self._last_at > FORGET_S:
+            self._filled = self._next = self._since = 0
+            self.quantile_s = self.initial_s
+        return self.quantile_s
+
+    def observe(self, seconds: float, now: float) -> None:
+        self._last_at = now
         ring = self._ring
         ring[self._next] = seconds
         self._next = (self._next + 1) % len(ring)
@@ -74,16 +92,16 @@ class DeadlineAdmission:
 
     def __init__(self, answer_reserve_s: float, own: RecentQuantile | None = None) -> None:
         self.answer_reserve_s = answer_reserve_s
-        self.own = own or RecentQuantile(0.95)
+        self.own = own or RecentQuantile(0.5)
 
-    def needed_s(self, lag_s: float) -> float:
+    def needed_s(self, lag_s: float, now: float) -> float:
         """Time an answer takes from its handler's start to the caller, the model aside."""
-        return lag_s + self.answer_reserve_s + self.own.quantile_s
+        return lag_s + self.answer_reserve_s + self.own.current(now)
 
-    def refusal(self, waited_s: float, deadline_s: float, lag_s: float) -> float | None:
+    def refusal(self, waited_s: float, deadline_s: float, lag_s: float, now: float) -> float | None:
         """None to admit; else the ``Retry-After`` to send (seconds): about the time the loop needs to
-        catch up, at least one second."""
-        if waited_s + self.needed_s(lag_s) <= deadline_s:
+        catch up, at least one second. ``now``: a monotonic clock, the one ``observe`` is given."""
+        if waited_s + self.needed_s(lag_s, now) <= deadline_s:
             return None
         return max(1.0, math.ceil(lag_s))
 

@@ -113,10 +113,11 @@ class MatchService:
         within ``deadline_ms`` (``realtime.admission``). ``waited_s``: its age by ``X-Request-Start``."""
         lag_s = self.lag.current_s
         waited = lag_s if waited_s is None else waited_s
-        retry_after = self.admission.refusal(waited, deadline_ms / 1000, lag_s)
+        now = time.monotonic()
+        retry_after = self.admission.refusal(waited, deadline_ms / 1000, lag_s, now)
         if retry_after is None:
             return None
-        needed_ms = self.admission.needed_s(lag_s) * 1000
+        needed_ms = self.admission.needed_s(lag_s, now) * 1000
         why = (
             f"cannot answer within the {deadline_ms} ms deadline: the request is {waited * 1000:.0f} ms "
             f"old and an answer takes {needed_ms:.0f} ms now; retry after {retry_after:.0f} s"
@@ -149,7 +150,7 @@ class MatchService:
             reason = "llm_unavailable"
         elif self.llm.in_flight >= routable * s.llm_concurrency_per_replica:
             reason = "overloaded"
-        elif remaining < max(self.model_time.quantile_s, _MIN_MODEL_S):
+        elif remaining < max(self.model_time.current(time.monotonic()), _MIN_MODEL_S):
             reason = "deadline"  # it could not answer in time even at its fastest: not asked
         else:
             started = loop.time()
@@ -158,11 +159,11 @@ class MatchService:
             llm_ms = llm_s * 1000
             self.metrics.llm.observe(llm_s)
             if model is not None:
-                self.model_time.observe(llm_s)
+                self.model_time.observe(llm_s, time.monotonic())
 
         elapsed_ms = (loop.time() - arrived) * 1000
         own_s = max(elapsed_ms - (llm_ms or 0.0), 0.0) / 1000
-        self.admission.own.observe(own_s)
+        self.admission.own.observe(own_s, time.monotonic())
         m = self.metrics
         m.elapsed.observe(elapsed_ms / 1000)
         m.overhead.observe(own_s)

@@ -14,7 +14,7 @@ import pytest
 from aiohttp.test_utils import TestClient, TestServer
 
 from devstack.stack import StackState
-from realtime.admission import DeadlineAdmission, RecentQuantile, request_age_s
+from realtime.admission import FORGET_S, DeadlineAdmission, RecentQuantile, request_age_s
 from realtime.client import MatchClient, MatchOverloaded
 from realtime.config import RealtimeSettings
 from realtime.models import ErrorResponse, MatchResponse
@@ -25,16 +25,23 @@ from tests.conftest import Isolated
 CANDIDATES = ["KID-witch", "MAK-paint", "OUT-spider"]
 
 
-def test_own_time_follows_a_high_quantile_of_recent_answers() -> None:
+def test_recent_quantile_follows_recent_answers_and_forgets_when_none_come() -> None:
     window = 128
-    own = RecentQuantile(0.95, window=window)
+    high = RecentQuantile(0.95, window=window)
     times = [(i + 1) / 1000 for i in range(window)]  # 1 .. 128 ms
+    now = 100.0
     for t in times:
-        own.observe(t)
-    assert 0.9 * max(times) <= own.quantile_s < max(times)  # a high quantile, not the mean or the max
+        high.observe(t, now)
+    assert 0.9 * max(times) <= high.current(now) < max(times)  # a high quantile, not the mean or the max
     for _ in range(window):
-        own.observe(min(times))  # the host calmed down: the old answers leave the window
-    assert own.quantile_s == min(times)
+        high.observe(min(times), now)  # the host calmed down: the old answers leave the window
+    assert high.current(now) == min(times)
+    for t in times:
+        high.observe(t, now)
+    # Nothing observed for longer than FORGET_S (every request refused): back to the initial value, so
+    # requests are admitted and measured again instead of refused for good.
+    assert high.current(now + FORGET_S / 2) > high.initial_s
+    assert high.current(now + 2 * FORGET_S) == high.initial_s
 
 
 @pytest.mark.parametrize(
@@ -45,10 +52,11 @@ def test_admission_refuses_what_cannot_make_its_deadline(
     waited_s: float, lag_s: float, admitted: bool
 ) -> None:
     reserve_s, own_s, deadline_s = 0.015, 0.005, 0.3
-    admission = DeadlineAdmission(reserve_s, RecentQuantile(0.95, initial_s=own_s))
+    admission = DeadlineAdmission(reserve_s, RecentQuantile(initial_s=own_s))
     needed = waited_s + lag_s + reserve_s + own_s
-    assert admission.needed_s(lag_s) == pytest.approx(lag_s + reserve_s + own_s)
-    retry_after = admission.refusal(waited_s, deadline_s, lag_s)
+    now = 100.0
+    assert admission.needed_s(lag_s, now) == pytest.approx(lag_s + reserve_s + own_s)
+    retry_after = admission.refusal(waited_s, deadline_s, lag_s, now)
     assert (retry_after is None) == admitted == (needed <= deadline_s)
     if retry_after is not None:
         assert retry_after >= 1 and retry_after >= lag_s
