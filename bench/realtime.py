@@ -12,13 +12,21 @@ Phases:
   nominal   ``--rate`` req/s (200) for ``--seconds``: overhead = client-observed latency minus the
             service's time waiting for the model (``llm_ms`` in the answer); p99 and errors
   overload  2 x ``--rate`` for ``--overload-seconds``: every answer within its deadline (300 ms),
-            degraded where the pool could not answer in time
+            degraded where the pool could not answer in time, or refused at once (429 ``overloaded``,
+            deadline-aware admission) where the service could not answer in time at all
+
+Each request carries ``X-Request-Start`` with its scheduled send time, so the service counts the
+deadline from there (``--no-request-start``: from arrival, as a caller without it). CPU per request
+is read two ways: the service's own counter on ``/metrics`` (``realtime_process_cpu_seconds_total``
+over the requests it counted) and ``/proc`` for every process of the run.
 
 Prints tables and the machine; writes bench/results/realtime.json.
 
 Usage:
   .venv/bin/python -m bench.realtime            # the documented run (about 2 minutes)
   .venv/bin/python -m bench.realtime --quick    # 10 s phases
+  .venv/bin/python -m bench.realtime --service-root /tmp/old --out realtime_before  # another commit's
+                                                # service (git worktree add /tmp/old <commit>)
 """
 
 from __future__ import annotations
@@ -77,6 +85,27 @@ def _cpu_per_request(pids: dict[str, list[int]], before: dict[str, float], reque
     }
 
 
+async def _service_counters(url: str) -> tuple[float, float] | None:
+    """(CPU seconds, requests handled) from the service's own ``/metrics``: its process CPU counter
+    and its answered plus refused requests; None from a service without the counter."""
+    async with aiohttp.ClientSession() as session, session.get(url + "/metrics") as r:
+        text = await r.text()
+    cpu, handled = None, 0.0
+    for line in text.splitlines():
+        name, _, value = line.rpartition(" ")
+        if name == "realtime_process_cpu_seconds_total":
+            cpu = float(value)
+        elif name.startswith(("realtime_requests_total{", "realtime_rejected_total{")):
+            handled += float(value)
+    return None if cpu is None else (cpu, handled)
+
+
+def _service_cpu_ms(before: tuple[float, float] | None, after: tuple[float, float] | None) -> float | None:
+    if before is None or after is None or after[1] <= before[1]:
+        return None
+    return round(1000 * (after[0] - before[0]) / (after[1] - before[1]), 3)
+
+
 @dataclass
 class Sample:
     scheduled: float
@@ -88,6 +117,8 @@ class Sample:
     deadline_ms: int
     elapsed_ms: float | None = None
     """The service's own arrival-to-answer time (from the answer)."""
+    refused: bool = False
+    """Refused at once by deadline-aware admission (429 ``overloaded``)."""
 
 
 async def _write_signals(stack: StackState, prefix: str, shoppers: int) -> list[str]:
@@ -143,11 +174,20 @@ def _body(rng: random.Random, products: list[str], shoppers: int, deadline_ms: i
 
 
 async def open_loop(
-    url: str, rate: float, seconds: float, deadline_ms: int, products: list[str], shoppers: int, seed: int
+    url: str,
+    rate: float,
+    seconds: float,
+    deadline_ms: int,
+    products: list[str],
+    shoppers: int,
+    seed: int,
+    request_start: bool = True,
 ) -> list[Sample]:
-    """Poisson arrivals at ``rate`` for ``seconds``; at most ``rate * seconds * 1.5`` requests."""
+    """Poisson arrivals at ``rate`` for ``seconds``; at most ``rate * seconds * 1.5`` requests. With
+    ``request_start`` each request says its scheduled send time (``X-Request-Start``)."""
     rng = random.Random(seed)
     loop = asyncio.get_running_loop()
+    epoch = time.time() - loop.time()
     samples: list[Sample] = []
     connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=60)
     timeout = aiohttp.ClientTimeout(total=deadline_ms / 1000 + 2.0)
@@ -155,11 +195,12 @@ async def open_loop(
 
         async def one(scheduled: float, body: bytes) -> None:
             lag = (loop.time() - scheduled) * 1000
-            status, reason, llm_ms, elapsed = 0, None, None, None
+            status, reason, llm_ms, elapsed, refused = 0, None, None, None, False
+            headers = {"Content-Type": "application/json"}
+            if request_start:
+                headers["X-Request-Start"] = f"t={epoch + scheduled:.6f}"
             try:
-                async with session.post(
-                    url + "/v1/match", data=body, headers={"Content-Type": "application/json"}
-                ) as r:
+                async with session.post(url + "/v1/match", data=body, headers=headers) as r:
                     raw = await r.read()
                     status = r.status
                 if status == 200:
@@ -169,10 +210,14 @@ async def open_loop(
                         answer["llm_ms"],
                         answer["elapsed_ms"],
                     )
+                elif status == 429:
+                    refused = orjson.loads(raw)["error"]["type"] == "overloaded"
             except (aiohttp.ClientError, TimeoutError):
                 status = -1
             latency = (loop.time() - scheduled) * 1000
-            samples.append(Sample(scheduled, lag, latency, status, reason, llm_ms, deadline_ms, elapsed))
+            samples.append(
+                Sample(scheduled, lag, latency, status, reason, llm_ms, deadline_ms, elapsed, refused)
+            )
 
         tasks: list[asyncio.Task[None]] = []
         start = loop.time() + 0.2
@@ -191,6 +236,7 @@ async def open_loop(
 
 def summarise(name: str, rate: float, samples: list[Sample]) -> dict[str, Any]:
     ok = [s for s in samples if s.status == 200]
+    refused = [s for s in samples if s.refused]
     answered_by_llm = [s for s in ok if s.degraded_reason is None and s.llm_ms is not None]
     overhead = [s.latency_ms - (s.llm_ms or 0.0) for s in ok]
     llm_ms = [s.llm_ms or 0.0 for s in answered_by_llm]
@@ -201,10 +247,14 @@ def summarise(name: str, rate: float, samples: list[Sample]) -> dict[str, Any]:
         "target_rps": rate,
         "offered_rps": round(len(samples) / max(span, 1e-9), 1),
         "requests": len(samples),
-        "errors": len(samples) - len(ok),
+        "errors": len(samples) - len(ok) - len(refused),
+        "refused": len(refused),
+        "refused_late": sum(1 for s in refused if s.latency_ms > s.deadline_ms),
+        "refusal_p99_ms": round(percentile([s.latency_ms for s in refused], 0.99), 2) if refused else None,
         "degraded": dict(Counter(s.degraded_reason for s in ok if s.degraded_reason)),
         "degraded_pct": round(100 * (len(ok) - len(answered_by_llm)) / max(len(ok), 1), 2),
-        "late": sum(1 for s in samples if s.latency_ms > s.deadline_ms),
+        "late": sum(1 for s in ok if s.latency_ms > s.deadline_ms),
+        "late_other": sum(1 for s in samples if s.status not in (200, 429) and s.latency_ms > s.deadline_ms),
         "late_in_service": sum(1 for s in samples if (s.elapsed_ms or 0.0) > s.deadline_ms),
         "service_p99_ms": round(percentile([s.elapsed_ms or 0.0 for s in ok], 0.99), 2),
         "latency_p50_ms": round(percentile([s.latency_ms for s in samples], 0.5), 2),
@@ -219,9 +269,13 @@ def summarise(name: str, rate: float, samples: list[Sample]) -> dict[str, Any]:
     }  # fmt: skip
 
 
-async def _start_service(stack_dir: Path, prefix: str, replicas: int, per_replica: int) -> tuple[Any, str]:
+async def _start_service(
+    stack_dir: Path, prefix: str, replicas: int, per_replica: int, root: Path = REPO
+) -> tuple[Any, str]:
+    """``shopper realtime serve`` from the checkout at ``root`` (another commit's, to compare)."""
     env = {
         **os.environ,
+        "PYTHONPATH": str(root),
         "SINK_REDIS_KEY_PREFIX": prefix,
         "REALTIME_LLM_CONCURRENCY_PER_REPLICA": str(per_replica),
     }
@@ -230,7 +284,7 @@ async def _start_service(stack_dir: Path, prefix: str, replicas: int, per_replic
         "--state-dir", str(stack_dir),
     ]  # fmt: skip
     process = await asyncio.create_subprocess_exec(
-        *argv, cwd=REPO, env=env, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT
+        *argv, cwd=root, env=env, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT
     )
     assert process.stdout is not None
     async with asyncio.timeout(60):
@@ -284,7 +338,9 @@ async def bench(args: argparse.Namespace) -> dict[str, Any]:
     with temporary_stack(replicas=args.replicas, time_scale=args.time_scale) as stack:
         stack_dir = Path(stack.processes[0].log).parent.parent
         products = await _write_signals(stack, prefix, args.shoppers)
-        service, url = await _start_service(stack_dir, prefix, args.replicas, args.per_replica)
+        service, url = await _start_service(
+            stack_dir, prefix, args.replicas, args.per_replica, args.service_root
+        )
         drain = asyncio.create_task(_drain(service.stdout))
         try:
             slowdown = await _calibrate(url, stack, args.llm_ms, products, args.shoppers)
@@ -304,11 +360,14 @@ async def bench(args: argparse.Namespace) -> dict[str, Any]:
             for i, (name, rate, seconds) in enumerate(phases):
                 print(f"{name}: {rate:.0f} req/s for {seconds:.0f} s", flush=True)
                 before = {k: sum(_cpu_s(p) for p in group) for k, group in pids.items()}
+                counted = await _service_counters(url)
                 samples = await open_loop(
-                    url, rate, seconds, args.deadline_ms, products, args.shoppers, seed=i + 1
-                )
+                    url, rate, seconds, args.deadline_ms, products, args.shoppers, seed=i + 1,
+                    request_start=args.request_start,
+                )  # fmt: skip
                 summary = summarise(name, rate, samples)
                 summary["cpu_ms_per_request"] = _cpu_per_request(pids, before, len(samples))
+                summary["service_cpu_ms_per_request"] = _service_cpu_ms(counted, await _service_counters(url))
                 results.append(summary)
                 await asyncio.sleep(2)
         finally:
@@ -332,6 +391,8 @@ async def bench(args: argparse.Namespace) -> dict[str, Any]:
         "slowdown": round(slowdown, 3),
         "llm_concurrency_per_replica": args.per_replica,
         "deadline_ms": args.deadline_ms,
+        "request_start": args.request_start,
+        "service_root": str(args.service_root),
         "phases": results,
     }
 
@@ -348,14 +409,14 @@ def report(result: dict[str, Any]) -> None:
     admitted = f"{result['llm_concurrency_per_replica']} calls per replica admitted"
     print(f"{result['replicas']} replicas ({speed}), {admitted}, deadline {result['deadline_ms']} ms\n")
     rows = [
-        [p["phase"], p["offered_rps"], p["requests"], p["errors"], p["late"], p["degraded_pct"],
-         p["llm_p50_ms"], p["latency_p99_ms"], p["latency_max_ms"], p["overhead_p50_ms"],
-         p["overhead_p99_ms"]]
+        [p["phase"], p["offered_rps"], p["requests"], p["errors"], p.get("refused", 0), p["late"],
+         p["degraded_pct"], p["llm_p50_ms"], p["latency_p99_ms"], p["latency_max_ms"], p["overhead_p50_ms"],
+         p["overhead_p99_ms"], p.get("service_cpu_ms_per_request")]
         for p in result["phases"]
     ]  # fmt: skip
     print_table(
-        ["phase", "req/s", "requests", "errors", "late", "degraded %", "LLM p50 ms", "p99 ms", "max ms",
-         "overhead p50 ms", "overhead p99 ms"],
+        ["phase", "req/s", "requests", "errors", "refused", "late answers", "degraded %", "LLM p50 ms",
+         "p99 ms", "max ms", "overhead p50 ms", "overhead p99 ms", "service CPU ms/req"],
         rows,
     )  # fmt: skip
     for p in result["phases"]:
@@ -363,7 +424,12 @@ def report(result: dict[str, Any]) -> None:
             f"  {p['phase']}: degraded {p['degraded']}; generator lag p99 {p['generator_lag_p99_ms']} ms; "
             f"service-side p99 {p['service_p99_ms']} ms, late inside the service {p['late_in_service']}"
         )
-        print(f"    CPU ms per request: {p['cpu_ms_per_request']}")
+        print(
+            f"    refused {p.get('refused', 0)} (after their deadline: {p.get('refused_late', 0)}, "
+            f"p99 {p.get('refusal_p99_ms')} ms); errors or timeouts after the deadline "
+            f"{p.get('late_other', 0)}"
+        )
+        print(f"    CPU ms per request (/proc): {p['cpu_ms_per_request']}")
 
 
 def main() -> None:
@@ -379,6 +445,18 @@ def main() -> None:
     parser.add_argument("--llm-ms", type=float, default=150.0)
     parser.add_argument("--deadline-ms", type=int, default=300)
     parser.add_argument("--shoppers", type=int, default=500)
+    parser.add_argument(
+        "--no-request-start",
+        dest="request_start",
+        action="store_false",
+        help="send no X-Request-Start: the service counts deadlines from arrival",
+    )
+    parser.add_argument(
+        "--service-root",
+        type=Path,
+        default=REPO,
+        help="run the service from this checkout (e.g. a git worktree of an older commit, to compare)",
+    )
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--out", default="realtime")
     args = parser.parse_args()
