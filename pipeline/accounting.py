@@ -9,19 +9,24 @@ from dataclasses import asdict, dataclass
 class Accounting:
     consumed: int = 0
     dead_lettered: int = 0
+    rekeyed: int = 0
+    """Records whose Kafka key was not their shopper id, produced again keyed by it (the embedded
+    runner's repartition: ``runner.repartition``); the copy is consumed and counted again."""
     accepted: int = 0
     duplicates: int = 0
     prompts: int = 0
     insights: int = 0
     errors: int = 0
+    superseded: int = 0
+    """Prompts not answered on purpose (``prompt_assembly.records.Superseded``): latest wins, or stale."""
 
     @property
     def events_unaccounted(self) -> int:
-        return self.consumed - self.dead_lettered - self.accepted - self.duplicates
+        return self.consumed - self.dead_lettered - self.rekeyed - self.accepted - self.duplicates
 
     @property
     def prompts_unaccounted(self) -> int:
-        return self.prompts - self.insights - self.errors
+        return self.prompts - self.insights - self.errors - self.superseded
 
     @property
     def balanced(self) -> bool:

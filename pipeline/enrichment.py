@@ -5,18 +5,38 @@ answer (the stream must not stop); it returns an ``EnrichmentError`` that sinks 
 answer is checked inside the client (``validate=parse_understanding``), so an answer that is not a
 ``ShopperUnderstanding`` is tried once more on another replica and counts against the replica that
 sent it, instead of becoming an error record while a healthy replica stands by.
+
+Under overload (``pipeline.overload``, ``docs/overload.md``) it is also where a prompt may not be sent:
+a recorded answer is returned from the answer ledger (``pipeline.answer_ledger``: never pay twice), a
+shopper's newer prompt supersedes its older one (``pipeline.latest_wins``), and an admission gate
+(``pipeline.admission``) keeps in flight only what the fleet serves, purchase and cart first. Each of
+those prompts still gets its one result: the recorded insight, or a ``Superseded`` record.
 """
 
 from __future__ import annotations
 
+import asyncio
 import time
+from collections.abc import Awaitable
 
 import orjson
 from pydantic import BaseModel, Field, ValidationError
 
 from llm_client.client import LLMClient
 from llm_client.errors import InvalidAnswer, LLMError
-from prompt_assembly.records import EnrichmentError, EnrichmentResult, PromptRequest, ShopperInsight, Usage
+from pipeline.admission import AdmissionGate
+from pipeline.answer_ledger import AnswerLedger
+from pipeline.latest_wins import Arrival, Claim, ShopperClaims
+from pipeline.overload import OverloadCounts, OverloadSettings
+from prompt_assembly.records import (
+    EnrichmentError,
+    EnrichmentResult,
+    PromptRequest,
+    ShopperInsight,
+    Superseded,
+    SupersededCause,
+    Usage,
+)
 from prompt_assembly.understanding import ShopperUnderstanding, response_format
 
 
@@ -24,14 +44,112 @@ class EnrichmentSettings(BaseModel):
     max_tokens: int = Field(200, ge=16, description="output budget; answers are ~200 tokens")
     deadline_s: float = Field(30.0, gt=0, description="per prompt, retries included")
     guided_json: bool = Field(True, description="send the JSON schema as response_format")
+    overload: OverloadSettings = Field(default_factory=OverloadSettings)
 
 
 class Enricher:
-    def __init__(self, client: LLMClient, settings: EnrichmentSettings | None = None) -> None:
+    """One per process (engine worker): its claims and its gate see every prompt the process sends.
+
+    ``ledger``: the answer ledger (``AnswerLedger.from_settings(sink_settings)``); None records nothing
+    and reads nothing, so every replayed prompt is sent again."""
+
+    def __init__(
+        self,
+        client: LLMClient,
+        settings: EnrichmentSettings | None = None,
+        *,
+        ledger: AnswerLedger | None = None,
+    ) -> None:
         self.client = client
         self.settings = settings or EnrichmentSettings()
+        self.ledger = ledger
+        overload = self.settings.overload
+        self.gate = AdmissionGate(
+            overload.admission_limit(len(client.config.endpoints)), by_priority=overload.by_priority
+        )
+        self.claims = ShopperClaims()
+        self.counts = OverloadCounts()
 
     async def enrich(self, prompt: PromptRequest) -> EnrichmentResult:
+        """Exactly one result for ``prompt``; raises only when the caller's own task is cancelled."""
+        if self.ledger is not None:
+            recorded = await self.ledger.recorded(prompt.request_id)
+            if recorded is not None:
+                self.counts.skipped_answered += 1
+                return recorded.model_copy(update={"replayed": True})
+        if not self.settings.overload.latest_wins:
+            return await self._answer(prompt)
+        arrival, displaced, claim = self.claims.arrive(prompt)
+        if arrival is Arrival.OLDER:
+            self.counts.superseded_queued += 1
+            return _superseded(prompt, "newer_prompt", claim.prompt.request_id)
+        if arrival is Arrival.SAME:
+            self.counts.joined += 1
+            assert claim.task is not None  # set in the same step that made the claim
+            return await self._outcome(prompt, claim, asyncio.shield(claim.task))
+        if displaced is not None:
+            self._displace(displaced, prompt)
+        task = asyncio.create_task(self._admitted(prompt, claim))
+        claim.task = task
+        try:
+            return await self._outcome(prompt, claim, task)
+        finally:
+            self.claims.leave(claim)
+
+    def _displace(self, older: Claim, newer: PromptRequest) -> None:
+        was_in_flight = older.in_flight
+        if older.displace(newer, cancel_in_flight=self.settings.overload.cancel_in_flight):
+            if was_in_flight:
+                self.counts.cancelled_in_flight += 1
+            else:
+                self.counts.superseded_queued += 1
+
+    async def _outcome(
+        self, prompt: PromptRequest, claim: Claim, work: Awaitable[EnrichmentResult]
+    ) -> EnrichmentResult:
+        """The result of ``claim``'s work, or ``Superseded`` when that work was cancelled because a
+        newer prompt displaced it (a cancellation of the caller itself propagates)."""
+        try:
+            result = await work
+        except asyncio.CancelledError:
+            current = asyncio.current_task()
+            if current is not None and current.cancelling():
+                raise
+            return _superseded(
+                prompt, "newer_prompt", claim.superseded_by, cancelled_in_flight=claim.cancelled_in_flight
+            )
+        return result
+
+    async def _admitted(self, prompt: PromptRequest, claim: Claim) -> EnrichmentResult:
+        """Wait for admission (a browse pause at most ``freshness_target_s`` when by priority), then
+        ask the model while holding a slot."""
+        overload = self.settings.overload
+        stale_after = (
+            overload.freshness_target_s if overload.by_priority and prompt.reason == "browse_pause" else None
+        )
+        try:
+            async with asyncio.timeout(stale_after):
+                await self.gate.acquire(self.gate.rank_of(prompt))
+        except TimeoutError:
+            self.counts.dropped_stale += 1
+            return _superseded(prompt, "stale", None)
+        try:
+            claim.in_flight = True
+            return await self._answer(prompt, claim)
+        finally:
+            self.gate.release()
+
+    async def _answer(self, prompt: PromptRequest, claim: Claim | None = None) -> EnrichmentResult:
+        """Ask the model; an insight is recorded in the ledger before it is returned (not cancellable
+        from then on: it is paid for)."""
+        result = await self._call(prompt)
+        if claim is not None:
+            claim.answered = True
+        if self.ledger is not None and isinstance(result, ShopperInsight):
+            await asyncio.shield(self.ledger.record(result))
+        return result
+
+    async def _call(self, prompt: PromptRequest) -> EnrichmentResult:
         try:
             completion = await self.client.chat(
                 prompt.messages,
@@ -90,6 +208,28 @@ class Enricher:
             produced_at=time.time(),
             raw_answer=None if raw is None else raw[:2000],
         )
+
+
+def _superseded(
+    prompt: PromptRequest,
+    cause: SupersededCause,
+    superseded_by: str | None,
+    *,
+    cancelled_in_flight: bool = False,
+) -> Superseded:
+    return Superseded(
+        request_id=prompt.request_id,
+        shopper_id=prompt.shopper_id,
+        session_epoch=prompt.session_epoch,
+        seq=prompt.seq,
+        reason=prompt.reason,
+        cause=cause,
+        superseded_by=superseded_by,
+        cancelled_in_flight=cancelled_in_flight,
+        new_event_ids=prompt.new_event_ids,
+        last_event_ts=prompt.last_event_ts,
+        produced_at=time.time(),
+    )
 
 
 def parse_understanding(text: str) -> ShopperUnderstanding:

@@ -10,9 +10,9 @@ the lost session's."""
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, TypeAdapter
 
 from prompt_assembly.understanding import ShopperUnderstanding
 
@@ -75,6 +75,9 @@ class ShopperInsight(BaseModel):
     latency_ms: float
     attempts: int
     produced_at: float
+    replayed: bool = False
+    """True when this answer was read back from the answer ledger (``pipeline.answer_ledger``) instead
+    of asking the model again: the prompt was replayed after its answer had been recorded."""
 
 
 class EnrichmentError(BaseModel):
@@ -95,4 +98,39 @@ class EnrichmentError(BaseModel):
     raw_answer: str | None = None
 
 
-EnrichmentResult = ShopperInsight | EnrichmentError
+SupersededCause = Literal["newer_prompt", "stale"]
+"""``newer_prompt``: the same shopper's newer prompt arrived first (latest wins); ``stale``: a browse
+pause waited for admission past the freshness target and was dropped rather than computed."""
+
+
+class Superseded(BaseModel):
+    """The one result of a prompt that was not answered on purpose (``pipeline.overload``): a newer
+    prompt of the same shopper replaced it, or it waited past the freshness target. It is counted, so
+    that prompts = insights + errors + superseded, and never written over a shopper's signal."""
+
+    kind: Literal["superseded"] = "superseded"
+    request_id: str
+    shopper_id: str
+    session_epoch: int = 0
+    seq: int
+    reason: TriggerReason
+    cause: SupersededCause
+    superseded_by: str | None = None
+    """The ``request_id`` of the newer prompt that replaced it (None when dropped as stale)."""
+    cancelled_in_flight: bool = False
+    """True when its request had already been sent and was cancelled (the HTTP request closed)."""
+    new_event_ids: list[str] = Field(default_factory=list)
+    last_event_ts: float
+    produced_at: float
+
+
+EnrichmentResult = ShopperInsight | EnrichmentError | Superseded
+
+_RESULT: TypeAdapter[EnrichmentResult] = TypeAdapter(
+    Annotated[ShopperInsight | EnrichmentError | Superseded, Field(discriminator="kind")]
+)
+
+
+def parse_result(raw: str | bytes) -> EnrichmentResult:
+    """A result record from its JSON, whichever kind it is (``kind`` says which)."""
+    return _RESULT.validate_json(raw)

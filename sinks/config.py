@@ -43,6 +43,13 @@ class SinkSettings(BaseSettings):
     )
     redis_key_prefix: str = Field("su:", description="namespace for every key this project writes")
     signal_ttl_s: int = Field(7 * 24 * 3600, gt=0, description="signals expire if a shopper goes quiet")
+    answer_ttl_s: int = Field(
+        24 * 3600,
+        gt=0,
+        description="how long the answer ledger (pipeline.answer_ledger) keeps a prompt's answer: longer "
+        "than any replay (the commit interval plus the longest restart or outage), at most the session "
+        "state's TTL, after which a replayed session gets new request ids anyway",
+    )
     s3_endpoint_url: str | None = Field(None, description="None = AWS; set for MinIO or moto")
     s3_bucket: str = "shopper-understanding"
     s3_prefix: str = "insights"

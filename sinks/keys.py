@@ -33,6 +33,12 @@ class RedisKeys:
         """Hash: batch product understanding (segments, occasions, style)."""
         return f"{self.prefix}product:{product_id}"
 
+    # ---- the answer ledger (pipeline.answer_ledger): never pay twice for one prompt ----
+    def answer(self, request_id: str) -> str:
+        """String: the JSON of the answer a prompt got, by ``request_id`` (``shopper:epoch:seq``),
+        written as it arrives; expires after ``SinkSettings.answer_ttl_s``."""
+        return f"{self.prefix}answer:{request_id}"
+
     # ---- the embedded runner's session state ----
     def session_header(self, shopper_id: str) -> str:
         return f"{self.prefix}session:{shopper_id}:h"

@@ -7,6 +7,8 @@ is docs/contracts.md). A Lua script writes it only when the incoming version ``(
 greater than the stored one, atomically, so replays, duplicates and out-of-order completions never
 regress a value, while the answers of a session started after its state was lost (a newer epoch)
 replace the lost session's at once; ``resets`` counts how often that happened to the shopper.
+Superseded prompts (``Superseded``: latest wins, or stale) write nothing here: they are counted in
+``superseded_skipped`` only, so the shopper's signal stays the newest answer that was computed.
 Errors are not written here (a stale good answer beats no answer); they are counted
 in ``{prefix}signal_errors:{shopper_id}`` (request_id -> error type) and go to S3 with every other result.
 Both hashes expire after ``signal_ttl_s`` without a write; each script sets its key's expiry in the same
@@ -22,7 +24,7 @@ from typing import Any
 import orjson
 import redis.asyncio as aioredis
 
-from prompt_assembly.records import EnrichmentResult, ShopperInsight
+from prompt_assembly.records import EnrichmentResult, ShopperInsight, Superseded
 from sinks.config import SinkSettings
 from sinks.keys import RedisKeys
 
@@ -96,15 +98,18 @@ class RedisSignalSink:
         """Answers of a new session that replaced an older session's (its state was lost or expired
         while the shopper's signal lived): the counter an engine exposes as ``session_resets``."""
         self.errors_counted = 0
+        self.superseded_skipped = 0
 
     def key(self, shopper_id: str) -> str:
         return self.keys.signals(shopper_id)
 
     async def write(self, results: Sequence[EnrichmentResult]) -> None:
-        if not results:
+        stored = [r for r in results if not isinstance(r, Superseded)]
+        self.superseded_skipped += len(results) - len(stored)
+        if not stored:
             return
         pipe = self.redis.pipeline(transaction=False)
-        for result in results:
+        for result in stored:
             if isinstance(result, ShopperInsight):
                 args: list[Any] = [result.session_epoch, result.seq, self.settings.signal_ttl_s]
                 for field, value in signal_fields(result).items():
@@ -118,7 +123,7 @@ class RedisSignalSink:
                 )
         replies = await pipe.execute()
         applied = 0
-        for result, reply in zip(results, replies, strict=True):
+        for result, reply in zip(stored, replies, strict=True):
             if isinstance(result, ShopperInsight):
                 if reply >= 1:
                     applied += 1

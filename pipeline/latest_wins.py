@@ -1,0 +1,80 @@
+"""Latest wins, per shopper: in one process, only a shopper's newest prompt is worth the fleet's time.
+
+A shopper's prompts extend one another (the next one repeats the whole history and adds to it), so an
+older prompt still waiting when a newer one arrives would only produce a signal that is stale on
+arrival. ``ShopperClaims`` keeps each shopper's newest claim; a newer version ``(session_epoch, seq)``
+takes the claim over and the older one is told to stop (``Claim.displace``). A prompt that arrives
+older than the claim is superseded at once; the same ``request_id`` twice (a replay while the first
+is still in flight) joins the first call instead of paying for a second.
+
+This is per process: both engines key prompts by shopper, so all of a shopper's prompts meet here.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass, field
+from enum import Enum
+
+from prompt_assembly.records import EnrichmentResult, PromptRequest
+
+
+class Arrival(Enum):
+    NEWEST = "newest"
+    """The shopper's newest prompt: it holds the claim now."""
+    SAME = "same"
+    """The prompt already holding the claim (same ``request_id``): join its call."""
+    OLDER = "older"
+    """Older than the claim: superseded at once."""
+
+
+@dataclass(eq=False, slots=True)
+class Claim:
+    prompt: PromptRequest
+    task: asyncio.Task[EnrichmentResult] | None = None
+    """The work of this prompt (admission, the call, the record), cancelled when it is displaced."""
+    in_flight: bool = False
+    """Its request has been sent to the fleet."""
+    answered: bool = False
+    """Its answer arrived: paid for, so it is kept even if a newer prompt comes."""
+    superseded_by: str | None = None
+    cancelled_in_flight: bool = False
+
+    @property
+    def version(self) -> tuple[int, int]:
+        return (self.prompt.session_epoch, self.prompt.seq)
+
+    def displace(self, newer: PromptRequest, *, cancel_in_flight: bool) -> bool:
+        """``newer`` replaces this claim: stop its work unless its answer is in, or it is in flight
+        and in-flight calls are let finish. True when its work was cancelled."""
+        self.superseded_by = newer.request_id
+        if self.answered or self.task is None or (self.in_flight and not cancel_in_flight):
+            return False
+        self.cancelled_in_flight = self.in_flight
+        self.task.cancel()
+        return True
+
+
+@dataclass(slots=True)
+class ShopperClaims:
+    _newest: dict[str, Claim] = field(default_factory=dict)
+
+    def arrive(self, prompt: PromptRequest) -> tuple[Arrival, Claim | None, Claim]:
+        """Where ``prompt`` stands: (arrival, the claim it displaced if any, the claim that holds now)."""
+        current = self._newest.get(prompt.shopper_id)
+        if current is not None:
+            if current.prompt.request_id == prompt.request_id:
+                return Arrival.SAME, None, current
+            if current.version > (prompt.session_epoch, prompt.seq):
+                return Arrival.OLDER, None, current
+        claim = Claim(prompt)
+        self._newest[prompt.shopper_id] = claim
+        return Arrival.NEWEST, current, claim
+
+    def leave(self, claim: Claim) -> None:
+        """``claim``'s work ended; forget it unless a newer one holds the shopper already."""
+        if self._newest.get(claim.prompt.shopper_id) is claim:
+            del self._newest[claim.prompt.shopper_id]
+
+    def __len__(self) -> int:
+        return len(self._newest)

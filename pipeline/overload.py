@@ -1,0 +1,82 @@
+"""What the enrichment step does when prompts arrive faster than the fleet answers them (issue 30):
+the settings, and the counts an engine shows. The behaviour is ``docs/overload.md``.
+
+- ``fifo``: today's behaviour before this module: every prompt is sent at once and answered in order.
+- ``latest_wins``: a shopper's newer prompt replaces its older one that still waits for admission, and
+  cancels it in flight (``cancel_in_flight``); at most ``max_in_flight`` prompts are at the fleet at
+  once, the rest wait where they can still be replaced (``pipeline.admission``).
+- ``latest_wins_priority``: as ``latest_wins``, and purchase and cart prompts are admitted
+  before browse pauses; a browse pause that waited ``freshness_target_s`` is dropped as stale.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Literal
+
+from pydantic import BaseModel, Field
+
+OverloadPolicy = Literal["fifo", "latest_wins", "latest_wins_priority"]
+
+DEFAULT_PER_REPLICA_IN_FLIGHT = 64
+"""The running batch of one replica: ``max_batch_size`` of the simulator's default configuration
+(``serving.simulator.config``) and of our TensorRT-LLM configs; more in flight only queues at the
+replica, where a newer prompt can no longer replace it."""
+
+
+class OverloadSettings(BaseModel):
+    policy: OverloadPolicy = Field(
+        "fifo",
+        description="fifo (every prompt, in order), latest_wins, or latest_wins_priority; fifo until both "
+        "engines count Superseded results (docs/overload.md, 'Engines')",
+    )
+    cancel_in_flight: bool = Field(
+        True,
+        description="cancel a shopper's older prompt already sent when a newer one arrives (its request "
+        "is closed; the replica frees the slot and keeps the computed prefix for the newer prompt)",
+    )
+    max_in_flight: int | None = Field(
+        None,
+        ge=1,
+        description="prompts at the fleet at once; None = replicas x per_replica_in_flight",
+    )
+    per_replica_in_flight: int = Field(
+        DEFAULT_PER_REPLICA_IN_FLIGHT, ge=1, description="what one replica runs at once (max_batch_size)"
+    )
+    freshness_target_s: float = Field(
+        5.0,
+        gt=0,
+        description="latest_wins_priority: a browse-pause prompt waiting for admission longer than this "
+        "is dropped as stale (purchase and cart prompts are never dropped, they go first)",
+    )
+
+    @property
+    def latest_wins(self) -> bool:
+        return self.policy != "fifo"
+
+    @property
+    def by_priority(self) -> bool:
+        return self.policy == "latest_wins_priority"
+
+    def admission_limit(self, replicas: int) -> int:
+        """Prompts admitted to the fleet at once."""
+        return self.max_in_flight if self.max_in_flight is not None else replicas * self.per_replica_in_flight
+
+
+@dataclass(slots=True)
+class OverloadCounts:
+    """Why prompts were not answered by the model, per cause (the engines' metrics and progress line)."""
+
+    superseded_queued: int = 0
+    """Replaced by the shopper's newer prompt before they were sent."""
+    cancelled_in_flight: int = 0
+    """Replaced by the shopper's newer prompt after they were sent: the request was closed."""
+    dropped_stale: int = 0
+    """Browse pauses that waited past ``freshness_target_s`` for admission."""
+    skipped_answered: int = 0
+    """Replays answered from the answer ledger, without a call."""
+    joined: int = 0
+    """A second call of a prompt already in flight in this process, which waited for the first one."""
+
+    def as_dict(self) -> dict[str, int]:
+        return asdict(self)

@@ -1,0 +1,80 @@
+"""Never pay twice: a prompt replayed after its answer was recorded (a restarted process, a new
+``Enricher``) is answered from the ledger in the real Redis, and the replica over HTTP sees no second
+request. Also: superseded results never touch a shopper's signal, and accounting balances with them."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import AsyncIterator
+
+import pytest
+import redis.asyncio as aioredis
+
+from llm_client import LLMClient
+from pipeline.accounting import Accounting
+from pipeline.answer_ledger import AnswerLedger
+from pipeline.enrichment import Enricher
+from prompt_assembly.records import ShopperInsight, Superseded, parse_result
+from serving.simulator.testing import running_simulator
+from sinks.config import SinkSettings
+from sinks.redis import RedisSignalSink
+from tests.pipeline.test_overload import Shopper, client_config, requests_received, sim_metrics
+
+
+@pytest.fixture
+async def sinks() -> AsyncIterator[SinkSettings]:
+    """Sink settings of this test alone: the local Redis under a prefix of its own, removed after."""
+    settings = SinkSettings(redis_key_prefix=f"test-ledger-{uuid.uuid4().hex[:10]}:")
+    yield settings
+    client: aioredis.Redis = settings.redis_client()
+    keys = [key async for key in client.scan_iter(match=f"{settings.redis_key_prefix}*")]
+    if keys:
+        await client.delete(*keys)
+    await client.aclose()
+
+
+async def test_a_replayed_prompt_is_answered_from_the_ledger_without_a_call(sinks: SinkSettings) -> None:
+    prompt = Shopper("s-replayed").cart()
+    async with running_simulator(time_scale=0.01) as sim:
+        async with LLMClient(client_config(sim.url)) as client:
+            ledger = AnswerLedger.from_settings(sinks)
+            first = await Enricher(client, ledger=ledger).enrich(prompt)
+            await ledger.redis.aclose()
+        paid = requests_received(await sim_metrics(sim))
+        # a restarted process: a new client, a new enricher, a new connection to the same ledger
+        async with LLMClient(client_config(sim.url)) as client:
+            ledger = AnswerLedger.from_settings(sinks)
+            enricher = Enricher(client, ledger=ledger)
+            replayed = await enricher.enrich(prompt)
+            ttl = await ledger.redis.ttl(ledger.keys.answer(prompt.request_id))
+            await ledger.redis.aclose()
+        metrics = await sim_metrics(sim)
+    assert isinstance(first, ShopperInsight) and not first.replayed
+    assert isinstance(replayed, ShopperInsight) and replayed.replayed
+    assert replayed.model_dump(exclude={"replayed"}) == first.model_dump(exclude={"replayed"})
+    assert paid == 1 and requests_received(metrics) == paid  # no second call at the replica
+    assert enricher.counts.skipped_answered == 1
+    assert 0 < ttl <= sinks.answer_ttl_s
+
+
+async def test_superseded_results_leave_the_signal_alone_and_are_accounted(sinks: SinkSettings) -> None:
+    prompt = Shopper("s-superseded").cart()
+    superseded = Superseded(
+        request_id=prompt.request_id,
+        shopper_id=prompt.shopper_id,
+        seq=prompt.seq,
+        reason=prompt.reason,
+        cause="newer_prompt",
+        superseded_by="s-superseded:0:99",
+        last_event_ts=prompt.last_event_ts,
+        produced_at=time.time(),
+    )
+    sink = RedisSignalSink(sinks)
+    await sink.write([superseded])
+    stored = await sink.redis.exists(sink.key(prompt.shopper_id), sink.keys.signal_errors(prompt.shopper_id))
+    await sink.close()
+    assert stored == 0 and sink.superseded_skipped == 1 and sink.errors_counted == 0
+    assert parse_result(superseded.model_dump_json()) == superseded
+    accounting = Accounting(prompts=3, insights=1, errors=1, superseded=1)
+    assert accounting.prompts_unaccounted == 0

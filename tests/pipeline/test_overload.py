@@ -1,0 +1,241 @@
+"""Overload behaviour of the enrichment step (``pipeline.overload``) against a simulated replica over
+HTTP: latest wins while waiting and in flight (the replica sees the abort and frees the slot, and the
+newer prompt reuses the prefix the cancelled one computed), purchase and cart before browse pauses at
+a saturated gate, stale browse pauses dropped, and one call for a prompt sent twice at once.
+
+The gate's only slot is held by the test itself where an order must be shown: nothing is admitted
+until the test lets go, so the order does not depend on timing."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Callable
+
+import aiohttp
+from prometheus_client.parser import text_string_to_metric_families
+
+from llm_client import ClientConfig, LLMClient
+from llm_client.config import HealthSettings, RetrySettings, Timeouts
+from pipeline.admission import Rank
+from pipeline.enrichment import Enricher, EnrichmentSettings
+from pipeline.overload import OverloadPolicy, OverloadSettings
+from prompt_assembly.processor import SessionProcessor
+from prompt_assembly.records import EnrichmentResult, PromptRequest, ShopperInsight, Superseded
+from serving.simulator.testing import RunningSimulator, running_simulator
+from tests.prompt_assembly.test_sessions import event
+
+HELD: Rank = (-1, -1)
+"""The rank of the slot the test holds by hand: before every prompt."""
+
+WAIT_S = 30.0
+"""Upper bound on waiting for a condition the test needs (never asserted: a hang guard)."""
+
+
+def client_config(url: str) -> ClientConfig:
+    return ClientConfig(
+        endpoints=[url],
+        timeouts=Timeouts(connect_s=2, attempt_s=20, deadline_s=30),
+        health=HealthSettings(interval_s=0.05),
+        retry=RetrySettings(backoff_base_s=0.01),
+    )
+
+
+def enricher(
+    client: LLMClient, policy: OverloadPolicy = "latest_wins_priority", **overload: object
+) -> Enricher:
+    settings = OverloadSettings(policy=policy, **overload)
+    return Enricher(client, EnrichmentSettings(overload=settings))
+
+
+class Shopper:
+    """A shopper's real prompts, each extending the previous one (``SessionProcessor``)."""
+
+    def __init__(self, shopper_id: str) -> None:
+        self.processor = SessionProcessor()
+        self.session = self.processor.new_session(shopper_id)
+        self.shopper_id = shopper_id
+        self.ts = 1000.0
+
+    def _apply(self, kind: str, after_s: float) -> PromptRequest:
+        self.ts += after_s
+        prompts = self.processor.apply(self.session, event(kind, self.ts, shopper=self.shopper_id)).prompts
+        assert len(prompts) == 1, prompts
+        return prompts[0]
+
+    def cart(self) -> PromptRequest:
+        """An add-to-cart prompt (past the per-shopper rate limit)."""
+        self.processor.apply(self.session, event("view", self.ts + 11, shopper=self.shopper_id))
+        prompt = self._apply("add_to_cart", 12)
+        assert prompt.reason == "add_to_cart"
+        return prompt
+
+    def browse_pause(self) -> PromptRequest:
+        """A browse-pause prompt: a view, then the next view after the quiet period."""
+        self.processor.apply(self.session, event("view", self.ts + 61, shopper=self.shopper_id))
+        prompt = self._apply("view", 120)
+        assert prompt.reason == "browse_pause"
+        return prompt
+
+
+async def sim_metrics(sim: RunningSimulator) -> dict[str, float]:
+    """The replica's /metrics over HTTP: sample name (with labels) -> value."""
+    async with aiohttp.ClientSession() as http, http.get(f"{sim.url}/metrics") as response:
+        text = await response.text()
+    values: dict[str, float] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            labels = ",".join(f"{k}={v}" for k, v in sorted(sample.labels.items()))
+            values[f"{sample.name}{{{labels}}}" if labels else sample.name] = sample.value
+    return values
+
+
+def requests_received(metrics: dict[str, float]) -> float:
+    return sum(v for k, v in metrics.items() if k.startswith("sim_requests_total"))
+
+
+async def until(condition: Callable[[], Awaitable[bool]] | Callable[[], bool]) -> None:
+    async with asyncio.timeout(WAIT_S):
+        while True:
+            outcome = condition()
+            if outcome if isinstance(outcome, bool) else await outcome:
+                return
+            await asyncio.sleep(0.01)
+
+
+async def test_newer_prompt_supersedes_one_waiting_for_admission() -> None:
+    shopper = Shopper("s-queued")
+    older, newer = shopper.cart(), shopper.cart()
+    async with running_simulator(time_scale=0.01) as sim, LLMClient(client_config(sim.url)) as client:
+        enrich = enricher(client, max_in_flight=1)
+        await enrich.gate.acquire(HELD)
+        waiting = asyncio.create_task(enrich.enrich(older))
+        await until(lambda: enrich.gate.waiting == 1)
+        answered = asyncio.create_task(enrich.enrich(newer))
+        superseded = await waiting  # returned while the gate's only slot is still held
+        enrich.gate.release()
+        result = await answered
+        metrics = await sim_metrics(sim)
+    assert isinstance(superseded, Superseded)
+    assert superseded.cause == "newer_prompt" and superseded.superseded_by == newer.request_id
+    assert not superseded.cancelled_in_flight
+    assert isinstance(result, ShopperInsight) and result.request_id == newer.request_id
+    assert requests_received(metrics) == 1  # the older prompt never reached the replica
+    assert enrich.counts.superseded_queued == 1
+
+
+async def test_in_flight_prompt_is_cancelled_and_the_newer_reuses_its_prefix() -> None:
+    shopper = Shopper("s-in-flight")
+    older, newer = shopper.cart(), shopper.cart()
+    async with running_simulator(time_scale=1.0) as sim, LLMClient(client_config(sim.url)) as client:
+        enrich = enricher(client)
+        first = asyncio.create_task(enrich.enrich(older))
+
+        await until(lambda: sim.replica.engine.stats.decode_tokens > 0)  # prefilled: its blocks exist
+        second = asyncio.create_task(enrich.enrich(newer))
+        cancelled = await first
+
+        async def aborted() -> bool:
+            return (await sim_metrics(sim)).get("sim_request_errors_total{reason=aborted}", 0) == 1
+
+        await until(aborted)  # at the replica's next disconnect poll
+        result = await second
+        metrics = await sim_metrics(sim)
+    assert isinstance(cancelled, Superseded) and cancelled.cancelled_in_flight
+    assert cancelled.superseded_by == newer.request_id
+    assert isinstance(result, ShopperInsight)
+    assert result.usage.cached_tokens > 0  # the cancelled prompt's blocks stayed in the cache
+    assert metrics["sim_num_requests_running"] == 0  # the aborted request's slot was freed
+    assert requests_received(metrics) == 2
+    assert enrich.counts.cancelled_in_flight == 1
+
+
+async def test_in_flight_prompt_finishes_when_cancelling_is_off() -> None:
+    shopper = Shopper("s-let-finish")
+    older, newer = shopper.cart(), shopper.cart()
+    async with running_simulator(time_scale=0.2) as sim, LLMClient(client_config(sim.url)) as client:
+        enrich = enricher(client, cancel_in_flight=False)
+        first = asyncio.create_task(enrich.enrich(older))
+        await until(lambda: enrich.gate.active == 1)
+        results = [await first, await enrich.enrich(newer)]
+        metrics = await sim_metrics(sim)
+    assert [type(r) for r in results] == [ShopperInsight, ShopperInsight]
+    assert metrics.get("sim_request_errors_total{reason=aborted}", 0) == 0
+
+
+async def admission_order(policy: OverloadPolicy) -> list[str]:
+    """Two browse pauses, then two cart adds, of four shoppers, queued at a gate of one slot that the
+    test holds; the order in which they are answered once it lets go."""
+    browse = [Shopper(f"s-browse-{i}").browse_pause() for i in range(2)]
+    cart = [Shopper(f"s-cart-{i}").cart() for i in range(2)]
+    answered: list[str] = []
+    async with running_simulator(time_scale=0.01) as sim, LLMClient(client_config(sim.url)) as client:
+        enrich = enricher(client, policy, max_in_flight=1, freshness_target_s=WAIT_S)
+
+        async def one(prompt: PromptRequest) -> EnrichmentResult:
+            result = await enrich.enrich(prompt)
+            answered.append(prompt.shopper_id)
+            return result
+
+        await enrich.gate.acquire(HELD)
+        tasks = []
+        for prompt in browse + cart:
+            tasks.append(asyncio.create_task(one(prompt)))
+            queued = len(tasks)
+            await until(lambda: enrich.gate.waiting == queued)  # noqa: B023 - awaited in this iteration
+        enrich.gate.release()
+        results = await asyncio.gather(*tasks)
+    assert all(isinstance(r, ShopperInsight) for r in results)
+    return answered
+
+
+async def test_purchase_and_cart_go_before_browse_pauses_at_a_saturated_gate() -> None:
+    assert await admission_order("latest_wins_priority") == [
+        "s-cart-0",
+        "s-cart-1",
+        "s-browse-0",
+        "s-browse-1",
+    ]
+    assert await admission_order("latest_wins") == ["s-browse-0", "s-browse-1", "s-cart-0", "s-cart-1"]
+
+
+async def test_a_browse_pause_waiting_past_the_freshness_target_is_dropped() -> None:
+    browse, cart = Shopper("s-stale").browse_pause(), Shopper("s-buyer").cart()
+    async with running_simulator(time_scale=0.01) as sim, LLMClient(client_config(sim.url)) as client:
+        enrich = enricher(client, max_in_flight=1, freshness_target_s=0.05)
+        await enrich.gate.acquire(HELD)
+        waiting_cart = asyncio.create_task(enrich.enrich(cart))
+        dropped = await enrich.enrich(browse)  # returns while the slot is still held
+        assert enrich.gate.waiting == 1  # the cart add still waits: never dropped
+        enrich.gate.release()
+        answered = await waiting_cart
+        metrics = await sim_metrics(sim)
+    assert isinstance(dropped, Superseded) and dropped.cause == "stale" and dropped.superseded_by is None
+    assert isinstance(answered, ShopperInsight)
+    assert requests_received(metrics) == 1
+    assert enrich.counts.dropped_stale == 1
+
+
+async def test_the_same_prompt_twice_at_once_is_sent_once() -> None:
+    prompt = Shopper("s-twice").cart()
+    async with running_simulator(time_scale=0.01) as sim, LLMClient(client_config(sim.url)) as client:
+        enrich = enricher(client)
+        results = await asyncio.gather(enrich.enrich(prompt), enrich.enrich(prompt))
+        metrics = await sim_metrics(sim)
+    assert [type(r) for r in results] == [ShopperInsight, ShopperInsight]
+    assert results[0] == results[1]
+    assert requests_received(metrics) == 1
+    assert enrich.counts.joined == 1
+
+
+async def test_an_older_prompt_arriving_after_a_newer_one_is_superseded_at_once() -> None:
+    shopper = Shopper("s-late")
+    older, newer = shopper.cart(), shopper.cart()
+    async with running_simulator(time_scale=0.2) as sim, LLMClient(client_config(sim.url)) as client:
+        enrich = enricher(client)
+        answering = asyncio.create_task(enrich.enrich(newer))
+        await until(lambda: enrich.gate.active == 1)
+        late = await enrich.enrich(older)
+        await answering
+        metrics = await sim_metrics(sim)
+    assert isinstance(late, Superseded) and late.superseded_by == newer.request_id
+    assert requests_received(metrics) == 1
