@@ -25,8 +25,8 @@ Prints tables and the machine; writes bench/results/realtime.json.
 Usage:
   .venv/bin/python -m bench.realtime            # the documented run (about 2 minutes)
   .venv/bin/python -m bench.realtime --quick    # 10 s phases
-  .venv/bin/python -m bench.realtime --service-root /tmp/old --out realtime_before  # another commit's
-                                                # service (git worktree add /tmp/old <commit>)
+  .venv/bin/python -m bench.realtime --service-root /tmp/old --out realtime_before  # an older service:
+      # /tmp/old = this checkout with another commit's realtime/ (docs/realtime.md shows the commands)
 """
 
 from __future__ import annotations
