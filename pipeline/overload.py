@@ -1,4 +1,4 @@
-"""What the enrichment step does when prompts arrive faster than the fleet answers them (issue 30):
+"""What the enrichment step does when prompts arrive faster than the fleet answers them:
 the settings, and the counts an engine shows. The behaviour is ``docs/overload.md``.
 
 - ``fifo``: today's behaviour before this module: every prompt is sent at once and answered in order.
