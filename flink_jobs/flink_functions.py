@@ -41,7 +41,14 @@ from prompt_assembly.events import (
     parse_event,
 )
 from prompt_assembly.processor import SessionProcessor
-from prompt_assembly.records import EnrichmentError, EnrichmentResult, PromptRequest, ShopperInsight
+from prompt_assembly.records import (
+    EnrichmentError,
+    EnrichmentResult,
+    PromptRequest,
+    ShopperInsight,
+    Superseded,
+)
+from prompt_assembly.records import parse_result as parse_any_result
 from prompt_assembly.session import ShopperSession
 
 DLQ_TAG = OutputTag("dlq", Types.STRING())
@@ -278,6 +285,7 @@ class EnrichPrompts(AsyncFunction):
                 "llm_requests",
                 "llm_insights",
                 "llm_errors",
+                "llm_superseded",
                 "llm_timeouts",
                 "llm_prompt_tokens",
                 "llm_cached_tokens",
@@ -334,6 +342,8 @@ class EnrichPrompts(AsyncFunction):
             self.stats.inc("llm_cached_tokens", result.usage.cached_tokens)
             self.stats.observe("llm_latency", result.latency_ms)
             self.stats.observe("llm_ttft", result.ttft_ms)
+        elif isinstance(result, Superseded):  # not answered on purpose (pipeline.overload): no error
+            self.stats.inc("llm_superseded")
         else:
             self.stats.inc("llm_errors")
 
@@ -377,6 +387,14 @@ def is_retryable_result(results: list[str]) -> bool:
     return False
 
 
+WRITTEN_COUNTERS = {
+    "insight": "insights_written",
+    "error": "errors_written",
+    "superseded": "superseded_written",
+}
+"""The sink step's counter of each result kind."""
+
+
 class WriteResults(AsyncFunction):
     """Results to the enabled sinks through the shared ``Checkpoint``; a call completes once its result
     is durable in every one, so the drain before each checkpoint makes the sinks at-least-once (see
@@ -394,7 +412,7 @@ class WriteResults(AsyncFunction):
         group = runtime_context.get_metrics_group().add_group(METRIC_GROUP)
         self.stats.register(
             group,
-            counters=["results_written", "insights_written", "errors_written"],
+            counters=["results_written", "insights_written", "errors_written", "superseded_written"],
             windows=["freshness", "sink_commit"],
             extra={
                 "sink_flushes": lambda: self.committer.flushes if self.committer else 0,
@@ -439,7 +457,7 @@ class WriteResults(AsyncFunction):
             await committer.submit(result)
         self.stats.observe("sink_commit", (time.perf_counter() - started) * 1000)
         self.stats.inc("results_written")
-        self.stats.inc("insights_written" if result.kind == "insight" else "errors_written")
+        self.stats.inc(WRITTEN_COUNTERS[result.kind])
         return [value]
 
     def close(self) -> None:
@@ -476,10 +494,9 @@ class EnrichAndWrite(AsyncFunction):
 
 
 def parse_result(raw: str) -> EnrichmentResult:
-    data = orjson.loads(raw)
-    if data.get("kind") == "error":
-        return EnrichmentError.model_validate(data)
-    return ShopperInsight.model_validate(data)
+    """A result from its JSON, whichever kind (``prompt_assembly.records.parse_result``): an insight,
+    an error or a superseded prompt, never one kind read as another."""
+    return parse_any_result(raw)
 
 
 def _with_ttl(descriptor: ValueStateDescriptor, settings: NearRealtimeSettings) -> ValueStateDescriptor:

@@ -24,7 +24,7 @@ from flink_jobs.flink_metrics import OperatorStats
 from pipeline.checkpoint import Checkpoint
 from pipeline.sink_commit import SinkCommitter
 from pipeline.sink_retry import SinkRetry
-from prompt_assembly.records import EnrichmentError, EnrichmentResult
+from prompt_assembly.records import EnrichmentError, EnrichmentResult, Superseded
 from sinks.config import SinkSettings
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -64,6 +64,23 @@ def test_only_no_healthy_endpoint_errors_are_retried_by_flink() -> None:
     assert is_retryable_result([_error(1, "NoHealthyEndpoint").model_dump_json()])
     assert not is_retryable_result([_error(1, "RetryBudgetExhausted").model_dump_json()])
     assert isinstance(parse_result(_error(1).model_dump_json()), EnrichmentError)
+
+
+def test_a_superseded_result_is_read_as_one_never_as_an_insight() -> None:
+    """The overload step's third kind: the sink step read every non-error result as an insight, and a
+    superseded prompt's result failed the job with a ShopperInsight validation error."""
+    superseded = Superseded(
+        request_id="s:1",
+        shopper_id="s",
+        seq=1,
+        reason="browse_pause",
+        cause="newer_prompt",
+        superseded_by="s:2",
+        last_event_ts=1.0,
+        produced_at=2.0,
+    )
+    assert parse_result(superseded.model_dump_json()) == superseded
+    assert not is_retryable_result([superseded.model_dump_json()])
 
 
 def test_settings_round_trip_through_json_keeps_secrets_usable() -> None:
