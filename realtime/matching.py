@@ -110,7 +110,10 @@ class MatchService:
 
     def refusal(self, deadline_ms: int, waited_s: float | None) -> tuple[float, str] | None:
         """None to admit; else (``Retry-After`` seconds, why) for a request that cannot be answered
-        within ``deadline_ms`` (``realtime.admission``). ``waited_s``: its age by ``X-Request-Start``."""
+        within ``deadline_ms`` (``realtime.admission``). ``waited_s``: its age by ``X-Request-Start``.
+        Every request asked about counts in the load meter, refused or not: the demand the capacity
+        controller sees (``realtime.shifting``) includes what could not be served."""
+        self.load.hit(time.time())
         lag_s = self.lag.current_s
         waited = lag_s if waited_s is None else waited_s
         now = time.monotonic()
@@ -131,7 +134,6 @@ class MatchService:
         deadline_ms = request.deadline_ms or s.default_deadline_ms
         reserve_s = s.answer_reserve_ms / 1000 + min(self.lag.recent_s, s.max_lag_reserve_ms / 1000)
         answer_by = arrived - waited_s + deadline_ms / 1000 - reserve_s
-        self.load.hit(time.time())
 
         shopper: ShopperProfile | None = None
         products: dict[str, ProductProfile] = {}

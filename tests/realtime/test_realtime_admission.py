@@ -18,7 +18,7 @@ from realtime.admission import FORGET_S, DeadlineAdmission, RecentQuantile, requ
 from realtime.client import MatchClient, MatchOverloaded
 from realtime.config import RealtimeSettings
 from realtime.models import ErrorResponse, MatchResponse
-from realtime.service import create_app, realtime_client_config
+from realtime.service import SERVICE_KEY, create_app, realtime_client_config
 from serving.simulator.testing import running_simulator
 from tests.conftest import Isolated
 
@@ -130,6 +130,8 @@ async def test_a_request_older_than_its_deadline_is_refused_before_any_work(
             headers={"X-Request-Start": f"t={sent:.3f}"},
         )
         await _refused(response)
+        # Refused, but demand all the same: the capacity controller's load meter counts it.
+        assert client.app[SERVICE_KEY].load.rate(time.time() + 1) > 0
         metrics = await (await client.get("/metrics")).text()
         assert _metric(metrics, 'realtime_rejected_total{type="overloaded"}') == 1
         assert _metric(metrics, "realtime_requests_total") == 0, "refused before the match"
