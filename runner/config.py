@@ -7,7 +7,7 @@ A component's field has two environment names, ``RUNNER_LLM__MODEL`` and the com
 from __future__ import annotations
 
 import os
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import Field, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
@@ -54,6 +54,14 @@ class RunnerSettings(BaseSettings):
         ge=1000,
         description="Tansu holds a group join for about half of this; librdkafka's 45 s default "
         "means a 23 s wait before the first message",
+    )
+    rekey_partitioner: Literal[
+        "consistent_random", "consistent", "murmur2_random", "murmur2", "fnv1a_random", "fnv1a"
+    ] = Field(
+        "consistent_random",
+        description="where an event whose Kafka key is not its shopper id is produced again, keyed by "
+        "it (runner.repartition): the partitioner of the producers that key correctly; librdkafka's "
+        "default (confluent-kafka, kcat, shopper produce), murmur2_random for Java clients",
     )
     kafka_max_poll_interval_ms: int = Field(
         60_000,

@@ -8,6 +8,7 @@ This module wires the parts and runs them; each concern is a module of its own, 
 - ``sessions``: the sessions held in memory and their eviction; ``session_store``: sessions in Redis;
 - ``prompt_flight``: prompts in flight, their results stored;
 - ``trigger_loop`` and ``timers``: pending triggers fired on the wall clock;
+- ``repartition``: events whose Kafka key is not their shopper id, produced again keyed by it;
 - ``commits`` and ``epochs``: the durable point and offset commits, and what may be committed;
 - ``handover`` and ``assignment``: the rebalance hand-over, and what this member owns;
 - ``progress``, ``metrics``/``health``/``ops_server``, ``logs``: counters, the progress line,
@@ -71,6 +72,7 @@ from runner.metrics import RunnerMetrics
 from runner.ops_server import OpsServer
 from runner.progress import ProgressLine, RunnerStats, cached_lag_by_partition
 from runner.prompt_flight import PromptFlight
+from runner.repartition import Deliveries, Repartitioner
 from runner.session_store import RedisSessionStore, SessionDelta
 from runner.sessions import SessionCache
 from runner.timers import TimerQueue
@@ -87,6 +89,7 @@ class EmbeddedRunner:
     consumer: Consumer
     checkpoint: Checkpoint
     dead_letters: DeadLetterPublisher
+    rekeyer: Repartitioner
     enricher: Enricher
 
     def __init__(
@@ -140,10 +143,22 @@ class EmbeddedRunner:
             counts=self.stats.dead_letters,
             deliver_max_wait_s=s.sink_retry.max_wait_s,
         )
+        rekey_producer = Producer(
+            {
+                **kafka,
+                "linger.ms": 5,
+                "enable.idempotence": True,  # the copies keep their order across librdkafka's retries
+                "partitioner": s.rekey_partitioner,
+                "log.connection.close": False,
+            }
+        )
+        self.rekeyer = Repartitioner(
+            rekey_producer, s.topic, self.log, deliver_max_wait_s=s.sink_retry.max_wait_s
+        )
         self.checkpoint = Checkpoint(
             build_sinks(s.sinks, SinkResources(redis=redis, kafka=kafka)),
             s.sink_retry,
-            dead_letters=self.dead_letters,
+            dead_letters=Deliveries(self.dead_letters, self.rekeyer),
             on_retry=self._on_sink_retry,
         )
         try:  # a store still down past the retry policy: nothing was consumed, close what was opened
@@ -184,8 +199,9 @@ class EmbeddedRunner:
                 await self.handover.stop()
                 await asyncio.to_thread(self.consumer.close)
                 await asyncio.to_thread(self.dead_letters.flush, 10)
+                await asyncio.to_thread(self.rekeyer.producer.flush, 10)
                 await self.checkpoint.close()
-                del self.dead_letters, self.checkpoint  # librdkafka handles go with the last reference
+                del self.dead_letters, self.rekeyer, self.checkpoint  # librdkafka handles go with them
                 await redis.aclose()
                 if self.ops is not None:
                     await self.ops.stop()

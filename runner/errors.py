@@ -7,6 +7,8 @@
         ├── ConsumerFailed             a Kafka consumer error no retry can fix: a fatal error, a
         │                              refused login or TLS handshake, a missing topic
         ├── DeadLettersUndelivered     the DLQ took no delivery for ``sink_retry.max_wait_s``
+        ├── RekeyUndelivered           an event re-keyed by shopper id was not delivered back to
+        │                              the event topic (``runner.repartition``)
         └── SessionStoreUnavailable    the session store (Redis) answered no load for
                                        ``sink_retry.max_wait_s``
 
@@ -42,6 +44,12 @@ class ConsumerFailed(RunnerError):
 class DeadLettersUndelivered(RunnerError):
     """Dead letters stayed in the producer's queue past ``sink_retry.max_wait_s``: the runner stops
     without committing past them, and a restart replays them."""
+
+
+class RekeyUndelivered(RunnerError):
+    """A copy of a mis-keyed event, keyed by its shopper id, was refused by the event topic or not
+    acknowledged within ``sink_retry.max_wait_s``: the runner stops without committing past its
+    original, and a restart replays the original and produces the copy again."""
 
 
 class SessionStoreUnavailable(RunnerError):

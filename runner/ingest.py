@@ -22,6 +22,7 @@ from prompt_assembly.events import MalformedEvent, parse_event, record_time_s
 from runner.consumer_errors import UNKNOWN_TOPIC, UnknownTopicWatch, classify, consumer_failed, topic_missing
 from runner.epochs import Epoch
 from runner.errors import ConsumerFailed, SessionStoreUnavailable
+from runner.repartition import misplaced
 
 if TYPE_CHECKING:
     from runner.embedded import EmbeddedRunner
@@ -163,11 +164,17 @@ class Ingest:
             epoch.offsets[(topic, partition)] = offset + 1
             try:
                 event = parse_event(message.value(), record_time_s(message.timestamp()), runner.event_window)
-                parsed.append((message, event))
             except MalformedEvent as exc:
                 acct.dead_lettered += 1
                 await runner.dead_letters.publish(message, exc.reason)
+                continue
+            if misplaced(message, event):  # its copy, keyed by shopper id, is the one applied
+                acct.rekeyed += 1
+                await runner.rekeyer.send(message, event)
+                continue
+            parsed.append((message, event))
         runner.dead_letters.producer.poll(0)
+        runner.rekeyer.producer.poll(0)
         shoppers = {ev.shopper_id for _, ev in parsed}
         with sessions.pinned(shoppers):  # a durable point during the load must not evict them
             missing = sessions.missing(shoppers)

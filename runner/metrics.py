@@ -94,6 +94,11 @@ class _StateCollector(Collector):
         for reason in REASON_CATEGORIES:
             dlq.add_metric([reason], dead.by_reason.get(reason, 0))
         yield dlq
+        yield counter(
+            "events_rekeyed",
+            "Records whose Kafka key was not their shopper id, produced again keyed by it",
+            acct.rekeyed,
+        )
         yield counter("events_accepted", "Events applied to a session", acct.accepted)
         yield counter("events_duplicate", "Events dropped as duplicates", acct.duplicates)
         yield counter("prompts_emitted", "Prompt requests launched", acct.prompts)

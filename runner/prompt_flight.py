@@ -11,7 +11,7 @@ import asyncio
 import time
 from typing import TYPE_CHECKING
 
-from prompt_assembly.records import EnrichmentResult, PromptRequest, ShopperInsight
+from prompt_assembly.records import EnrichmentError, EnrichmentResult, PromptRequest, ShopperInsight
 from runner.epochs import Epoch
 
 if TYPE_CHECKING:
@@ -63,9 +63,11 @@ class PromptFlight:
             acct.insights += 1
             stats.prompt_tokens += result.usage.prompt_tokens
             stats.cached_tokens += result.usage.cached_tokens
-        else:
+        elif isinstance(result, EnrichmentError):
             acct.errors += 1
             runner.log(f"error record {result.request_id}: {result.error_type}: {result.message[:160]}")
+        else:  # not answered on purpose (pipeline.overload: a newer prompt won, or it went stale)
+            acct.superseded += 1
         produced = self._kafka_ts.pop(result.request_id, None)
         freshness_ms = None if produced is None else (time.time() - produced) * 1000
         if freshness_ms is not None:

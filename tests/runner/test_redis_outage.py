@@ -1,4 +1,4 @@
-"""A long Redis outage while the runner needs a session load (issue 26, item 15).
+"""A long Redis outage while the runner needs a session load.
 
 The poll loop awaited the load under ``sink_retry`` (120 s by default) without polling, so after
 ``max.poll.interval.ms`` librdkafka took the member out of the group and its partitions moved; and

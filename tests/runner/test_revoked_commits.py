@@ -1,5 +1,5 @@
 """After a revoke's hand-over times out, the runner never saves or commits for the partitions it gave
-up (issue 26, item 13).
+up.
 
 The committer was inside a durable point, waiting for S3 under ``sink_retry``, when a second member
 joined; the revoke waited ``revoke_timeout_s`` and handed the partitions over uncommitted, as it

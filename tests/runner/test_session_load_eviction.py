@@ -1,4 +1,4 @@
-"""A shopper's session is never replaced by a blank one while its batch loads (issue 26, item 9).
+"""A shopper's session is never replaced by a blank one while its batch loads.
 
 ``Ingest`` finds which of a poll's shoppers are not in memory and awaits ``store.load_many``. During
 that await the committer's durable point evicts idle sessions; it used to evict a shopper of the

@@ -1,0 +1,134 @@
+"""Events a producer sent unkeyed or keyed by something else are re-keyed by shopper id before any
+session sees them.
+
+The runner owns sessions by partition. Tried as a new user would, with a plain producer: an unkeyed
+event lands on a random partition, a mis-keyed one on its key's, so with two runners in the group a
+shopper had a session on each, each saving its own header over the other's. Now a record whose key
+is not its shopper id is produced again to the event topic keyed by it (its original committed only
+once the copy is acknowledged), and counted as ``rekeyed``. Two runners, four partitions, the real
+broker and Redis.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+
+import orjson
+import pytest
+import redis.asyncio as aioredis
+from confluent_kafka import Consumer, Producer, TopicPartition
+
+from runner.embedded import EmbeddedRunner
+from runner.session_store import RedisSessionStore
+from tests.conftest import Isolated
+from tests.fault_kit import RunnerLog, wait_until
+from tests.runner.kit import view
+
+pytestmark = pytest.mark.slow
+
+PARTITIONS = 4
+SHOPPERS = 8
+KEYED_PER_SHOPPER = 4
+"""Each shopper's correctly keyed events; it also sends one unkeyed and one mis-keyed."""
+VIEW_GAP_S = 5
+"""Event time between a shopper's views: inside the quiet period, so no prompt (the test is about
+where events go, not what the LLM answers)."""
+
+
+def shopper_records(sid: str, start: float) -> list[tuple[bytes | None, bytes]]:
+    """(key, value) in the order sent: keyed, unkeyed, keyed, mis-keyed (a session id), keyed..."""
+    keys: list[bytes | None] = [sid.encode(), None, sid.encode(), f"session-{uuid.uuid4().hex}".encode()]
+    keys += [sid.encode()] * (KEYED_PER_SHOPPER - 2)
+    return [(key, view(sid, start + i * VIEW_GAP_S)) for i, key in enumerate(keys)]
+
+
+def partitions_by_key(bootstrap: str, topic: str) -> dict[bytes | None, set[int]]:
+    """Every key on the topic, and the partitions holding records with it."""
+    reader = Consumer({"bootstrap.servers": bootstrap, "group.id": f"reader-{uuid.uuid4().hex}"})
+    found: dict[bytes | None, set[int]] = {}
+    try:
+        ends = {
+            p: reader.get_watermark_offsets(TopicPartition(topic, p), timeout=10)[1]
+            for p in range(PARTITIONS)
+        }
+        reader.assign([TopicPartition(topic, p, 0) for p in range(PARTITIONS)])
+        seen = dict.fromkeys(range(PARTITIONS), 0)
+        deadline = time.monotonic() + 60
+        while any(seen[p] < end for p, end in ends.items()):
+            assert time.monotonic() < deadline, f"read {seen} of {ends}"
+            message = reader.poll(0.5)
+            if message is None or message.error():
+                continue
+            partition = message.partition()
+            assert partition is not None
+            seen[partition] = (message.offset() or 0) + 1
+            found.setdefault(message.key(), set()).add(partition)
+    finally:
+        reader.close()
+    return found
+
+
+def test_unkeyed_and_mis_keyed_events_reach_their_shoppers_one_session(isolated: Isolated) -> None:
+    bootstrap = isolated.stack.kafka_bootstrap
+    logs = [RunnerLog(), RunnerLog()]
+    runners = [EmbeddedRunner(isolated.runner(until_drained=False), log=log) for log in logs]
+    start = time.time() - 600
+    sent = {f"shopper-{i:02d}": shopper_records(f"shopper-{i:02d}", start) for i in range(SHOPPERS)}
+    events = sum(len(records) for records in sent.values())
+    misplaced = sum(key != sid.encode() for sid, records in sent.items() for key, _ in records)
+
+    async def scenario() -> None:
+        tasks = [asyncio.create_task(runner.run()) for runner in runners]
+        try:
+            await wait_until(
+                lambda: all(len(r.assigned_partitions()) == PARTITIONS // 2 for r in runners), "two members"
+            )
+            producer = Producer({"bootstrap.servers": bootstrap})  # a plain producer, its defaults
+            for step in range(KEYED_PER_SHOPPER + 2):  # the shoppers' events interleaved, in order each
+                for records in sent.values():
+                    key, value = records[step]
+                    producer.produce(isolated.topic, key=key, value=value)
+            assert await asyncio.to_thread(producer.flush, 30) == 0
+            accts = [r.stats.accounting for r in runners]
+            await wait_until(
+                lambda: sum(a.accepted for a in accts) == events and not any(r.epochs for r in runners),
+                "every event applied and made durable",
+            )
+        finally:
+            for runner in runners:
+                runner.request_stop()
+            await asyncio.gather(*tasks)
+
+    try:
+        asyncio.run(scenario())
+    except BaseException:
+        for i, log in enumerate(logs):
+            print(f"---- runner {i} ----\n{log.render()}", flush=True)
+        raise
+
+    async def stored() -> dict[str, tuple[int, list[str]]]:
+        redis = aioredis.Redis.from_url(isolated.stack.redis_url)
+        try:
+            sessions = await RedisSessionStore(redis, isolated.prefix).load_many(list(sent))
+            return {
+                sid: (s.arrivals, sorted(e.event.event_id for e in s.entries)) for sid, s in sessions.items()
+            }
+        finally:
+            await redis.aclose()
+
+    sessions = asyncio.run(stored())
+    for sid, records in sent.items():
+        want = (len(records), sorted(orjson.loads(value)["event_id"] for _, value in records))
+        assert sessions.get(sid) == want, f"{sid}: not one session holding all its events"
+    accts = [r.stats.accounting for r in runners]
+    assert sum(a.rekeyed for a in accts) == misplaced
+    assert sum(a.duplicates for a in accts) == 0
+    assert sum(a.prompts for a in accts) == 0
+    assert all(a.balanced for a in accts), accts
+    exposition = b"".join(r.metrics.exposition() for r in runners).decode()
+    assert f"shopper_events_rekeyed_total {float(accts[0].rekeyed)}" in exposition
+
+    placed = partitions_by_key(bootstrap, isolated.topic)
+    assert all(len(placed[sid.encode()]) == 1 for sid in sent), "a shopper's keyed records on two partitions"
