@@ -79,6 +79,9 @@ SMOKE_RUNS = (
     SmokeRun("gateway", ("-m", "bench.gateway", "--policies", "prefix_aware", "--rate", "10",
                          "--seconds", "2", "--shoppers", "10"),
              ("gateway.json",)),
+    # bench/aiperf/__init__.py's short form (tests/bench/test_aiperf_smoke.py checks what aiperf measured)
+    SmokeRun("aiperf", ("-m", "bench.aiperf", "--policies", "prefix_aware", "--rates", "8", "--conversations",
+                        "4", "--turns", "2", "--replicas", "2"), ("aiperf_gateway.json",)),
     # --quick's code path with fewer shoppers (--quick sets 40): the setups, not the trace, are under test
     SmokeRun("routing", ("-m", "bench.routing", "--setups", "sim", "--utilisations", "0.7", "--policies",
                          "prefix_aware", "--shoppers", "10", "--replicas", "2", "--time-scale", "0.1"),
