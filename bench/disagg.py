@@ -2,12 +2,21 @@
 
 Goodput is the highest offered rate (requests per simulated second) at which p99 time to first token
 is at most X and p99 inter-token latency (each request's largest gap between two tokens) at most Y;
-reported per GPU. Every setup is offered the same ladder of Poisson rates; each rate's p99s come with
-a bootstrap interval over its requests (95%, 400 resamples).
+reported per GPU. It is found by search (``bench.goodput_search``): per SLO column and repeat (each
+repeat its own Poisson arrival times), a bracket of offered rates is halved until its ends are within
+``--tolerance`` (5%) of each other; the column shows the median over ``--repeats`` (3) and the interval
+from the lowest passing to the highest failing rate. Each probe's p99s also come with a bootstrap interval
+over its requests (95%, 400 resamples).
 
-    python -m bench.disagg [--quick] [--cost additive fused] [--workloads seed ours]
+    python -m bench.disagg [--quick] [--cost roofline additive fused] [--workloads seed ours]
 
-Setups (8 GPUs, one simulated replica each, the qwen2.5-32b H100 calibration):
+``--cost``: ``roofline`` (default) runs the simulator's defaults, TensorRT-LLM's (one fused pass per
+iteration on the H100 roofline, KV blocks sized from the card's memory, GUARANTEED_NO_EVICT);
+``additive`` and ``fused`` run the eager-PyTorch calibration table (``--cost-model eager_pytorch``)
+with a mixed iteration priced as prefill + decode or as the larger of the two, as before the simulator
+became faithful; the KV size and the scheduler are the faithful ones in all three.
+
+Setups (8 GPUs, one simulated replica each, qwen2.5-32b on H100):
 - ``agg``: 8 aggregated replicas, ``prefix_aware`` routing; ``agg-chunked``: the same with chunked
   prefill (1,024-token iterations, which is what bounds a decode step behind a prefill);
 - ``xPyD-remote`` (2P6D, 4P4D, 6P2D): x context and y generation replicas, ``pd_aware`` with every
@@ -40,7 +49,7 @@ import asyncio
 import json
 import random
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -50,6 +59,7 @@ import aiohttp
 from aiohttp import web
 
 from bench.common import machine, percentile, print_table, results_dir
+from bench.goodput_search import Goodput, GoodputSearch, SearchPlan, brackets_from_json, goodput_cell
 from bench.trace import TraceConfig, TraceRequest, generate_trace, with_poisson_arrivals
 from llm_client import ClientConfig, LLMClient
 from llm_client.config import HealthSettings, RetrySettings, Timeouts
@@ -132,6 +142,7 @@ class RatePoint:
     itl_ci: tuple[float, float]
     ttft_p50: float
     itl_p50: float
+    repeat: int = 0
 
 
 @dataclass
@@ -141,6 +152,8 @@ class SetupResult:
     setup: str
     gpus_context: int
     points: list[RatePoint] = field(default_factory=list)
+    searched: dict[str, list[dict[str, Any]]] = field(default_factory=dict)
+    """Per SLO column (``slo_name``): every repeat's bracket (``bench.goodput_search.Bracket``)."""
 
 
 def bootstrap_p99(values: Sequence[float], rng: random.Random, rounds: int = 400) -> tuple[float, float]:
@@ -186,8 +199,9 @@ async def run_rate(
     session: aiohttp.ClientSession,
     rng: random.Random,
     standin: DisaggService | None = None,
+    repeat: int = 0,
 ) -> RatePoint:
-    timed = with_poisson_arrivals(trace, rate, seed=int(rate * 1000))
+    timed = with_poisson_arrivals(trace, rate, seed=int(rate * 1000) + 7919 * repeat)
     policy = client.policy
     before = asdict(policy.stats) if isinstance(policy, PdAwarePolicy) else None
     errors = 0
@@ -229,6 +243,7 @@ async def run_rate(
         itl_ci=bootstrap_p99(itl, rng),
         ttft_p50=percentile(ttft, 0.5),
         itl_p50=percentile(itl, 0.5),
+        repeat=repeat,
     )
 
 
@@ -253,10 +268,29 @@ async def serving_standin(
         await runner.cleanup()
 
 
+COSTS = {
+    "roofline": (),
+    "additive": ("--cost-model", "eager_pytorch", "--mixed-batch-cost", "additive"),
+    "fused": ("--cost-model", "eager_pytorch", "--mixed-batch-cost", "fused"),
+}
+"""``--cost``: the simulator flags of each iteration cost (``roofline``: the simulator's default)."""
+
+
+def slo_name(ttft_slo: float, itl_slo: float) -> str:
+    return f"ttft{ttft_slo:g}_itl{itl_slo:g}"
+
+
+def meets_slo(ttft_slo: float, itl_slo: float) -> Callable[[RatePoint], bool]:
+    """Whether a probe meets a column: both p99s (point estimates) within it and no request lost."""
+    return lambda p: p.ttft_p99 <= ttft_slo and p.itl_p99 <= itl_slo and not p.errors
+
+
 async def run_setup(
-    setup: Setup, kind: str, cost: str, rates: Sequence[float], args: argparse.Namespace
+    setup: Setup, kind: str, cost: str, plan: SearchPlan | Sequence[float], args: argparse.Namespace
 ) -> SetupResult:
-    common: tuple[str, ...] = ("--time-scale", str(args.time_scale), "--mixed-batch-cost", cost)
+    """One setup on one fleet: every probe starts cold (caches reset, a client of its own). ``plan``: a
+    goodput search over the SLO columns, or a plain ladder of rates (``--rates``)."""
+    common: tuple[str, ...] = ("--time-scale", str(args.time_scale), *COSTS[cost])
     common += ("--stream-coalesce-s", "0.05", *(KV_EVENTS if setup.policy == STANDIN else ()))
     result = SetupResult(kind, cost, setup.name, setup.contexts)
     trace = workload(kind, args.requests, seed=11)
@@ -269,108 +303,98 @@ async def run_setup(
             *(("--role", "generation") if setup.contexts else ()),
         ) as decoders,
         SimulatorFleet(setup.contexts, *common, "--role", "context") as contexts,
+        aiohttp.ClientSession() as session,
     ):
-        if setup.policy == STANDIN:
-            await run_standin_rates(setup, result, trace, rates, args, decoders.urls, contexts.urls, rng)
-            return result
-        settings: dict[str, Any] = {"policy": setup.policy}
-        if setup.policy == "pd_aware":
-            settings["max_local_prefill_tokens"] = setup.max_local
-            if setup.max_local == 0:  # pure P/D: every prefill remote, however busy the context pool
-                settings["context_busy_tokens"] = 1e12
-            settings.update(dict(setup.knobs))
-        config = ClientConfig(
-            endpoints=decoders.urls,
-            context_endpoints=contexts.urls,
-            model="qwen2.5-32b-sim",
-            policy=setup.policy,
-            policy_settings=settings,
-            stream=False,
-            max_in_flight=4096,
-            timeouts=Timeouts(connect_s=5, attempt_s=600, deadline_s=1200),
-            health=HealthSettings(interval_s=1.0),
-            retry=RetrySettings(max_attempts=1),
-        )
         urls = [*decoders.urls, *contexts.urls]
-        async with aiohttp.ClientSession() as session:
-            for rate in rates:
-                # every rate starts cold: empty caches, a client (and routing beliefs) of its own
-                for url in urls:
-                    async with session.post(f"{url}/admin/reset_cache") as response:
-                        response.raise_for_status()
-                async with LLMClient(config) as client:
-                    point = await run_rate(client, trace, rate, args.time_scale, urls, session, rng)
-                result.points.append(point)
-                print(
-                    f"  {kind:5} {cost:8} {setup.name:14} {rate:5.1f}/s  TTFT p99 {point.ttft_p99:7.0f} ms  "
-                    f"ITL p99 {point.itl_p99:6.0f} ms  remote {point.remote_share:4.0%}  "
-                    f"errors {point.errors}",
-                    flush=True,
-                )
-    return result
 
-
-async def run_standin_rates(
-    setup: Setup,
-    result: SetupResult,
-    trace: Sequence[TraceRequest],
-    rates: Sequence[float],
-    args: argparse.Namespace,
-    generations: Sequence[str],
-    contexts: Sequence[str],
-    rng: random.Random,
-) -> None:
-    """The stand-in's rates: as ``run_setup``'s, the client sending everything to the stand-in."""
-    urls = [*generations, *contexts]
-    async with aiohttp.ClientSession() as session:
-        for rate in rates:
-            for url in urls:
+        async def measure(rate: float, repeat: int) -> RatePoint:
+            for url in urls:  # every probe starts cold: empty caches, no events left from the last
                 async with session.post(f"{url}/admin/reset_cache") as response:
                     response.raise_for_status()
-                async with session.post(f"{url}/kv_cache_events") as response:  # what a rate left
-                    response.raise_for_status()
-            async with serving_standin(setup, contexts, generations) as (front, standin):
-                config = ClientConfig(
-                    endpoints=[front],
-                    model="qwen2.5-32b-sim",
-                    policy="round_robin",
-                    stream=False,
-                    max_in_flight=4096,
-                    timeouts=Timeouts(connect_s=5, attempt_s=600, deadline_s=1200),
-                    health=HealthSettings(interval_s=1.0),
-                    retry=RetrySettings(max_attempts=1),
-                )
-                async with LLMClient(config) as client:
-                    point = await run_rate(client, trace, rate, args.time_scale, urls, session, rng, standin)
+                if setup.policy == STANDIN:
+                    async with session.post(f"{url}/kv_cache_events") as response:
+                        response.raise_for_status()
+            if setup.policy == STANDIN:  # a stand-in of this probe's own, the client sending it all
+                async with serving_standin(setup, contexts.urls, decoders.urls) as (front, standin):
+                    config = client_config(setup, [front], [], standin=True)
+                    async with LLMClient(config) as client:
+                        point = await run_rate(
+                            client, trace, rate, args.time_scale, urls, session, rng, standin, repeat
+                        )
+            else:
+                async with LLMClient(client_config(setup, decoders.urls, contexts.urls)) as client:
+                    point = await run_rate(
+                        client, trace, rate, args.time_scale, urls, session, rng, repeat=repeat
+                    )
             result.points.append(point)
             print(
-                f"  {result.workload:5} {result.cost:8} {setup.name:18} {rate:5.1f}/s  "
+                f"  {kind:5} {cost:8} {setup.name:18} {rate:6.2f}/s r{repeat}  "
                 f"TTFT p99 {point.ttft_p99:7.0f} ms  ITL p99 {point.itl_p99:6.0f} ms  "
                 f"remote {point.remote_share:4.0%}  errors {point.errors}",
                 flush=True,
             )
+            return point
+
+        if isinstance(plan, SearchPlan):
+            meets = {slo_name(t, i): meets_slo(t, i) for t, i in SLOS}
+            found = await GoodputSearch(measure, meets, plan).run()
+            result.searched = {name: [asdict(b) for b in g.brackets] for name, g in found.items()}
+        else:
+            for rate in plan:
+                await measure(rate, 0)
+    return result
+
+
+def client_config(
+    setup: Setup, endpoints: Sequence[str], context_endpoints: Sequence[str], standin: bool = False
+) -> ClientConfig:
+    """Our client's routing for ``setup``, or (``standin``) plain forwarding to the stand-in."""
+    settings: dict[str, Any] = {"policy": setup.policy}
+    if setup.policy == "pd_aware":
+        settings["max_local_prefill_tokens"] = setup.max_local
+        if setup.max_local == 0:  # pure P/D: every prefill remote, however busy the context pool
+            settings["context_busy_tokens"] = 1e12
+        settings.update(dict(setup.knobs))
+    return ClientConfig(
+        endpoints=list(endpoints),
+        context_endpoints=list(context_endpoints),
+        model="qwen2.5-32b-sim",
+        policy="round_robin" if standin else setup.policy,
+        policy_settings=None if standin else settings,
+        stream=False,
+        max_in_flight=4096,
+        timeouts=Timeouts(connect_s=5, attempt_s=600, deadline_s=1200),
+        health=HealthSettings(interval_s=1.0),
+        retry=RetrySettings(max_attempts=1),
+    )
 
 
 def goodput(result: SetupResult, ttft_slo: float, itl_slo: float) -> RatePoint | None:
-    """The highest rate of the ladder meeting both SLOs (point estimates of p99), if any."""
-    passing = [p for p in result.points if p.ttft_p99 <= ttft_slo and p.itl_p99 <= itl_slo and not p.errors]
+    """A ladder's goodput (``--rates``, and results from before the search): the highest rate of the
+    ladder meeting both SLOs (point estimates of p99), if any."""
+    passing = [p for p in result.points if meets_slo(ttft_slo, itl_slo)(p)]
     return max(passing, key=lambda p: p.rate) if passing else None
+
+
+def searched_goodput(result: SetupResult, ttft_slo: float, itl_slo: float) -> Goodput | None:
+    """The searched goodput of one SLO column (None for a ladder's results)."""
+    rows = result.searched.get(slo_name(ttft_slo, itl_slo))
+    return None if rows is None else brackets_from_json(rows)
+
+
+def goodput_text(result: SetupResult, ttft_slo: float, itl_slo: float) -> str:
+    """One column's cell: searched goodput per GPU ``median [interval]``, or the ladder's rung with the
+    p99 TTFT interval at that rung."""
+    found = searched_goodput(result, ttft_slo, itl_slo)
+    if found is not None:
+        return goodput_cell(found, GPUS)
+    best = goodput(result, ttft_slo, itl_slo)
+    return "0" if best is None else f"{best.rate / GPUS:.2f} ({best.ttft_ci[0]:,.0f}-{best.ttft_ci[1]:,.0f})"
 
 
 def report(results: Sequence[SetupResult], slos: Sequence[tuple[float, float]]) -> None:
     print(machine())
-    rows = []
-    for r in results:
-        row: list[object] = [r.workload, r.cost, r.setup]
-        for ttft_slo, itl_slo in slos:
-            best = goodput(r, ttft_slo, itl_slo)
-            row.append(
-                "0"
-                if best is None
-                else f"{best.rate / GPUS:.2f} (TTFT {best.ttft_ci[0]:.0f}-{best.ttft_ci[1]:.0f}, "
-                f"ITL {best.itl_ci[0]:.0f}-{best.itl_ci[1]:.0f})"
-            )
-        rows.append(row)
+    rows = [[r.workload, r.cost, r.setup, *(goodput_text(r, t, i) for t, i in slos)] for r in results]
     headers = ["workload", "cost", "setup"] + [f"TTFT≤{t / 1000:g}s ITL≤{i:g}ms" for t, i in slos]
     print_table(headers, rows)
 
@@ -379,8 +403,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--quick", action="store_true", help="2P6D only, three rates")
-    parser.add_argument("--cost", nargs="+", default=["additive", "fused"])
+    parser.add_argument("--quick", action="store_true", help="2P6D only, one repeat to 25%%")
+    parser.add_argument("--cost", nargs="+", default=["roofline"], choices=sorted(COSTS))
     parser.add_argument("--workloads", nargs="+", default=["seed", "ours"])
     parser.add_argument("--setups", nargs="*", help="only these setup names")
     parser.add_argument(
@@ -391,14 +415,36 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         help="max_local_prefill_tokens of the -cond setups",
     )
     parser.add_argument("--out", type=Path, default=RESULTS, help="where the results JSON goes")
-    parser.add_argument("--requests", type=int, default=160, help="requests per rate")
+    parser.add_argument("--requests", type=int, default=160, help="requests per probe")
     parser.add_argument("--time-scale", type=float, default=0.1)
-    parser.add_argument("--rates", type=float, nargs="+", help="simulated requests/s offered (whole fleet)")
+    parser.add_argument(
+        "--search",
+        type=float,
+        nargs=2,
+        metavar=("LOW", "HIGH"),
+        help="first bracket of the search, simulated requests/s for the whole fleet (default per workload)",
+    )
+    parser.add_argument("--repeats", type=int, default=3, help="searches per column, each its own arrivals")
+    parser.add_argument(
+        "--tolerance", type=float, default=0.05, help="stop when the bracket's ends are this close"
+    )
+    parser.add_argument(
+        "--rates", type=float, nargs="+", help="a plain ladder of these rates instead of the search"
+    )
     return parser.parse_args(argv)
 
 
-DEFAULT_RATES = {"seed": [2.0, 4.0, 6.0, 8.0, 12.0], "ours": [4.0, 8.0, 16.0, 24.0, 32.0]}
+SEARCH = {"seed": (4.0, 8.0), "ours": (8.0, 24.0)}
+"""First bracket per workload (whole fleet, requests/s); widened by halving or doubling as needed."""
 SLOS = [(1000.0, 150.0), (1000.0, 300.0), (2000.0, 150.0), (2000.0, 300.0)]
+
+
+def plan(kind: str, args: argparse.Namespace) -> SearchPlan | list[float]:
+    if args.rates:
+        return list(args.rates)
+    low, high = args.search or SEARCH[kind]
+    repeats, tolerance = (1, 0.25) if args.quick else (args.repeats, args.tolerance)
+    return SearchPlan(low, high, floor=low / 8, ceiling=high * 4, tolerance=tolerance, repeats=repeats)
 
 
 async def main(argv: Sequence[str] | None = None) -> None:
@@ -406,12 +452,12 @@ async def main(argv: Sequence[str] | None = None) -> None:
     chosen = [s for s in setups(args.quick, args.cond_tokens) if not args.setups or s.name in args.setups]
     results = []
     for kind in args.workloads:
-        rates = args.rates or (DEFAULT_RATES[kind][1:4] if args.quick else DEFAULT_RATES[kind])
         for cost in args.cost:
             for setup in chosen:
-                results.append(await run_setup(setup, kind, cost, rates, args))
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps([asdict(r) for r in results], indent=1))
+                results.append(await run_setup(setup, kind, cost, plan(kind, args), args))
+                args.out.parent.mkdir(parents=True, exist_ok=True)  # what is done so far survives a stop
+                payload = {"machine": machine(), "args": vars(args), "results": [asdict(r) for r in results]}
+                args.out.write_text(json.dumps(payload, indent=1, default=str))
     report(results, SLOS)
 
 

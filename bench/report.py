@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.common import REPO
-from bench.disagg import GPUS, SLOS, RatePoint, SetupResult, goodput
+from bench.disagg import SLOS, RatePoint, SetupResult, goodput_text
 from bench.routing.report import load_results, sim_table
 
 BLOCK = re.compile(
@@ -267,6 +267,9 @@ DISAGG_LABELS = {
 
 
 def _setups(path: Path) -> list[SetupResult]:
+    """A ``bench.disagg`` results file: a list of setups (before the search) or ``{"results": [...]}``."""
+    payload = json.loads(path.read_text())
+    rows = payload["results"] if isinstance(payload, dict) else payload
     return [
         SetupResult(
             s["workload"],
@@ -277,26 +280,21 @@ def _setups(path: Path) -> list[SetupResult]:
                 RatePoint(**{**p, "ttft_ci": tuple(p["ttft_ci"]), "itl_ci": tuple(p["itl_ci"])})
                 for p in s["points"]
             ],
+            s.get("searched", {}),
         )
-        for s in json.loads(path.read_text())
+        for s in rows
     ]
 
 
 def disagg_goodput(paths: Sequence[Path]) -> str:
-    """Goodput per GPU in each SLO column (``python -m bench.disagg``'s verdict), with the p99 TTFT
-    interval at the rate that set it, for each results file in turn."""
+    """Goodput per GPU in each SLO column (``python -m bench.disagg``'s verdict) for each results file in
+    turn: searched, the median of the repeats with the interval from the lowest passing to the highest
+    failing rate; or, for a ladder's results, its best rung with the p99 TTFT interval there."""
     header = " | ".join(f"TTFT≤{t / 1000:g} s, ITL≤{i:g} ms" for t, i in SLOS)
     lines = [f"| workload | cost | setup | {header} |", "|---|---|---|" + "---|" * len(SLOS)]
     for path in paths:
         for result in _setups(path):
-            cells = []
-            for ttft_slo, itl_slo in SLOS:
-                best = goodput(result, ttft_slo, itl_slo)
-                cells.append(
-                    "0"
-                    if best is None
-                    else f"{best.rate / GPUS:.2f} ({best.ttft_ci[0]:,.0f}-{best.ttft_ci[1]:,.0f})"
-                )
+            cells = [goodput_text(result, ttft_slo, itl_slo) for ttft_slo, itl_slo in SLOS]
             label = DISAGG_LABELS.get(result.setup, result.setup)
             lines.append(f"| {result.workload} | {result.cost} | {label} | {' | '.join(cells)} |")
     return "\n".join(lines)

@@ -164,13 +164,12 @@ async def measure_capacity(
     is relative to the engine the replicas run.
     """
     from serving.simulator.config import SimulatorConfig
-    from serving.simulator.cost_model import CostModel
     from serving.simulator.engine import ContinuousBatchingEngine, EngineKnobs, GenerationRequest
     from serving.simulator.prefix_cache import BlockPrefixCache
-    from serving.simulator.replica import engine_limits
+    from serving.simulator.replica import engine_limits, iteration_cost
 
     config = SimulatorConfig(**(engine_options or {}))
-    cost = CostModel.from_calibration(config.resolved_calibration_path(), config.calibration_model)
+    cost = iteration_cost(config)
     cache = BlockPrefixCache(config.cache_capacity_blocks, config.block_size)
     engine = ContinuousBatchingEngine(cost, cache, engine_limits(config), EngineKnobs(time_scale=0.0))
     hashes = [chained_block_hashes(token_ids(messages_text(r.messages)), BLOCK) for r in trace[:n]]
@@ -195,16 +194,21 @@ async def measure_capacity(
     return (3 * len(jobs) // 4 - len(jobs) // 4) / ((hi - lo) / 1000.0)
 
 
-def ttft_floor_ms(trace: Sequence[TraceRequest], batch: int) -> tuple[float, float]:
+def ttft_floor_ms(
+    trace: Sequence[TraceRequest], batch: int, engine_options: dict[str, Any] | None = None
+) -> tuple[float, float]:
     """Mean TTFT with no queueing at all: each request's first token comes after one iteration holding
-    only its own prefill plus one decode step of ``batch`` running requests. Returned for (a) the oracle's
+    only its own prefill beside a decode batch of ``batch`` running requests, priced by the replicas' own
+    cost model (``iteration_cost``: one fused pass on the default roofline). Returned for (a) the oracle's
     caching (a prompt reuses its shopper's previous prompt, or at least the shared system-prompt head) and
     (b) head-only caching (what a cache-oblivious router gets). No router can beat (a) on average."""
     from serving.simulator.config import SimulatorConfig
-    from serving.simulator.cost_model import CostModel
+    from serving.simulator.cost_model import IterationWork
+    from serving.simulator.replica import iteration_cost
 
-    config = SimulatorConfig()
-    cost = CostModel.from_calibration(config.resolved_calibration_path(), config.calibration_model)
+    config = SimulatorConfig(**(engine_options or {}))
+    cost = iteration_cost(config)
+    mixed = config.mixed_batch_cost
     previous: dict[str, set[int]] = {}
     first: list[int] | None = None
     oracle_ms: list[float] = []
@@ -217,9 +221,8 @@ def ttft_floor_ms(trace: Sequence[TraceRequest], batch: int) -> tuple[float, flo
         n = len(ids)
         head = min(_common_prefix_blocks(first, hashes) * BLOCK, n - 1)
         own = max(head, _held_prefix(hashes, previous.get(request.shopper_id, set()), n))
-        step = cost.decode_step_ms(batch, batch * n)
-        oracle_ms.append(cost.prefill_ms(n - own, own) + step)
-        head_ms.append(cost.prefill_ms(n - head, head) + step)
+        oracle_ms.append(cost.iteration_ms(IterationWork(((n - own, own),), batch, batch * n), mixed))
+        head_ms.append(cost.iteration_ms(IterationWork(((n - head, head),), batch, batch * n), mixed))
         previous[request.shopper_id] = set(hashes)
     return statistics.fmean(oracle_ms), statistics.fmean(head_ms)
 
@@ -249,6 +252,14 @@ def engine_options(args: argparse.Namespace) -> dict[str, Any]:
     options: dict[str, Any] = json.loads(args.engine_options)
     SimulatorConfig(**options)
     return options
+
+
+def replica_kv_blocks(args: argparse.Namespace) -> int:
+    """KV blocks of one replica as the fleet runs it: ``--engine-options``' ``cache_capacity_blocks``, or
+    the simulator's own sizing from the GPU's memory (``SimulatorConfig``: 0 = from the hardware)."""
+    from serving.simulator.config import SimulatorConfig
+
+    return SimulatorConfig(**engine_options(args)).cache_capacity_blocks
 
 
 def engine_flags(args: argparse.Namespace) -> list[str]:

@@ -10,7 +10,7 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass, replace
 
 from bench.routing.consts import BLOCK, RESULTS
-from bench.routing.fleet import engine_options, measure_capacity, ttft_floor_ms
+from bench.routing.fleet import engine_options, measure_capacity, replica_kv_blocks, ttft_floor_ms
 from bench.routing.plots import plot
 from bench.routing.replay import run_llama, run_sim
 from bench.routing.report import _write, aggregate_table, llama_table, machine, scenario_table, sim_table
@@ -38,13 +38,14 @@ RESTART_POLICIES = ("prefix_aware", "prefix_aware_precise")
 
 @dataclass(frozen=True)
 class Scenario:
-    """One load shape: the trace, the arrival process, the replicas' cache size, an optional reset."""
+    """One load shape: the trace, the arrival process, the replicas' cache size (0: the simulator's own,
+    sized from the GPU's memory), an optional reset."""
 
     name: str
     description: str
     trace: TraceConfig
     bursty: bool = False
-    cache_blocks: int = 8192
+    cache_blocks: int = 0
     reset_at_fraction: float | None = None
 
 
@@ -114,16 +115,18 @@ async def run_scenarios(args: argparse.Namespace) -> list[RunResult]:
             )
         trace, oracle, capacity = traces[sc.trace]
         rate = args.scenario_utilisation * capacity
+        blocks = sc.cache_blocks or replica_kv_blocks(args)
         top = Counter(r.shopper_id for r in trace).most_common(args.skew_hot_shoppers)
         print(
             f"\n## {sc.name}: {sc.description}\n{len(trace)} prompts from {sc.trace.shoppers} shoppers "
             f"(busiest {len(top)}: {sum(n for _, n in top) / len(trace):.0%} of the prompts), "
             f"{oracle.prompt_tokens:,} prompt tokens, oracle prefill {oracle.prefill_tokens_per_shopper:,}; "
-            f"{args.scenario_utilisation:.0%} of {capacity:.2f} req/s; {sc.cache_blocks} KV blocks/replica",
+            f"{args.scenario_utilisation:.0%} of {capacity:.2f} req/s; {blocks} KV blocks/replica",
             flush=True,
         )
-        fleet_args = ["--cache-capacity-blocks", str(sc.cache_blocks), "--kv-event-buffer-max-size", "65536"]
-        options = {**json.loads(args.prefix_aware_options), "max_blocks_per_replica": sc.cache_blocks}
+        fleet_args = ["--cache-capacity-blocks", str(blocks), "--kv-event-buffer-max-size", "65536"]
+        # The router's index is bounded by what a replica holds, as an operator would set it.
+        options = {"max_blocks_per_replica": blocks, **json.loads(args.prefix_aware_options)}
         for repeat in range(args.repeats):
             # Each repeat draws new arrival times for the same prompts; every policy gets the same ones.
             arrival_seed = args.seed + repeat
@@ -210,10 +213,13 @@ async def _other_setups(args: argparse.Namespace, setups: set[str], policies: li
             f"(global bound {oracle.prefill_tokens_global:,}); cache-oblivious capacity {capacity:.2f} "
             f"req/s for {args.replicas} replicas; time scale {args.time_scale}"
         )
+        options = {"max_blocks_per_replica": replica_kv_blocks(args), **json.loads(args.prefix_aware_options)}
         if "sim" in setups:
             for utilisation in (float(u) for u in args.utilisations.split(",")):
                 for policy in policies:
-                    result, _ = await run_sim(policy, utilisation, trace, capacity, oracle, args)
+                    result, _ = await run_sim(
+                        policy, utilisation, trace, capacity, oracle, args, options=options
+                    )
                     sim_results.append(result)
                     print(sim_table([result]).splitlines()[-1], f"({result.wall_s:.0f} s wall)", flush=True)
             print("\n" + sim_table(sim_results))
@@ -226,7 +232,7 @@ async def _other_setups(args: argparse.Namespace, setups: set[str], policies: li
                         statistics.fmean(r.throughput_rps * r.e2e_mean_ms / 1000 for r in rs) / args.replicas
                     ),
                 )
-                floor_oracle, floor_head = ttft_floor_ms(trace, batch)
+                floor_oracle, floor_head = ttft_floor_ms(trace, batch, engine_options(args))
                 for r in rs:
                     r.extra["ttft_floor_oracle_ms"], r.extra["ttft_floor_head_only_ms"] = (
                         floor_oracle,
@@ -260,10 +266,17 @@ async def _other_setups(args: argparse.Namespace, setups: set[str], policies: li
             )
             if reference is None:  # the same run without a kill, to compare with window by window
                 reference, _ = await run_sim(
-                    "prefix_aware", args.kill_utilisation, trace, capacity, oracle, args
+                    "prefix_aware", args.kill_utilisation, trace, capacity, oracle, args, options=options
                 )
             kill_result, _ = await run_sim(
-                "prefix_aware", args.kill_utilisation, trace, capacity, oracle, args, kill_at_fraction=0.5
+                "prefix_aware",
+                args.kill_utilisation,
+                trace,
+                capacity,
+                oracle,
+                args,
+                kill_at_fraction=0.5,
+                options=options,
             )
             kill_result.extra.update(recovery(kill_result, reference))
             print("\nno kill (reference):\n" + sim_table([reference]))
