@@ -3,7 +3,10 @@
 ``python -m bench.regions --scenario mixed``: six simulated H100 replicas, two of them 2x slower (a second
 accelerator kind); Poisson arrivals of the shopper trace (growing per-shopper prompts) at several rates;
 per policy the p99 time to first token (client side, bootstrap interval) and goodput: the highest rate
-whose p99 TTFT meets the SLO.
+whose p99 TTFT meets the SLO. With ``--search LOW HIGH`` goodput is searched instead of read off the
+``--rates`` ladder (``bench.goodput_search``: per repeat a bisection to ``--tolerance`` 5%, ``--repeats``
+3, each repeat its own arrival times; the interval runs from the lowest passing to the highest failing
+rate, and one policy beats another only where the intervals separate).
 
 ``--scenario surge``: two regions of three replicas, 40 ms apart, the client in the west; the west's
 rate triples for the middle third of the run. ``predicted_ttft`` with spill-over against the same policy
@@ -31,17 +34,26 @@ from pathlib import Path
 from typing import Any
 
 from bench.common import machine, percentile, print_table, results_dir
+from bench.goodput_search import Goodput, GoodputSearch, SearchPlan, goodput_cell, separates
 from bench.trace import TraceConfig, TraceRequest, generate_trace, with_poisson_arrivals
 from llm_client import ClientConfig, LLMClient
 from llm_client.degradation import DegradationDetector, DegradationSettings
 from llm_client.errors import LLMError
 from llm_client.routing import make_policy
 from llm_client.routing.predicted_ttft import EndpointGroup, PredictedTtftPolicy, PredictedTtftSettings
+from serving.simulator.config import SimulatorConfig
 from serving.simulator.launch import SimulatorFleet
+from serving.simulator.replica import iteration_cost
 
 RESULTS = results_dir()
-H100_MS_PER_TOKEN = 0.122
-"""Prefill ms per prompt token of the calibration (32B, H100): the policy's prior at time scale 1."""
+PRIOR_PROMPT_TOKENS = 2048
+"""A typical shopper prompt, for the policy's priors below."""
+
+
+def h100_ms_per_token() -> float:
+    """Prefill ms per prompt token of the replicas' own cost model (the simulator's defaults: 32B on one
+    H100): the policy's prior at time scale 1, which it then learns per replica."""
+    return iteration_cost(SimulatorConfig()).prefill_ms(PRIOR_PROMPT_TOKENS) / PRIOR_PROMPT_TOKENS
 
 
 @dataclass
@@ -60,6 +72,7 @@ class Run:
     rate: float
     samples: list[Sample] = field(default_factory=list)
     stats: dict[str, Any] = field(default_factory=dict)
+    repeat: int = 0
 
     def ttfts(self, start: float = 0.0, end: float = float("inf")) -> list[float]:
         return [s.ttft_ms for s in self.samples if s.ok and start <= s.t < end]
@@ -150,8 +163,11 @@ def policy_stats(client: LLMClient) -> dict[str, Any]:
     return found
 
 
-FIRST_TOKEN_FLOOR_MS = 100.0
-"""The policy's default floor: the calibration's engine iteration (simulated ms at time scale 1)."""
+def first_token_floor_ms() -> float:
+    """The policy's floor: one engine iteration of the replicas' own cost model, a full decode batch of
+    typical prompts (simulated ms at time scale 1)."""
+    config = SimulatorConfig()
+    return iteration_cost(config).decode_step_ms(config.max_batch, config.max_batch * PRIOR_PROMPT_TOKENS)
 
 
 def predicted_ttft(
@@ -161,51 +177,77 @@ def predicted_ttft(
     settings = PredictedTtftSettings(
         groups=groups,
         slo_ms=slo_ms * time_scale,
-        first_token_floor_ms=FIRST_TOKEN_FLOOR_MS * time_scale,
+        first_token_floor_ms=first_token_floor_ms() * time_scale,
         **knobs,
     )
     return PredictedTtftPolicy(settings)
 
 
 # ---- scenarios -------------------------------------------------------------------------------------
-async def mixed(args: argparse.Namespace) -> list[Run]:
+async def mixed(args: argparse.Namespace) -> tuple[list[Run], dict[str, Goodput]]:
+    """Every policy at every ``--rates`` rate, or (``--search``) each policy's goodput searched; the
+    runs, and the searched goodput per policy (empty for a ladder)."""
     scale = args.time_scale
-    runs = []
+    runs: list[Run] = []
+    searched: dict[str, Goodput] = {}
     async with (
         SimulatorFleet(4, "--time-scale", str(scale)) as fast,
         SimulatorFleet(2, "--time-scale", str(scale), "--slowdown", "2") as slow,
     ):
         urls = [*fast.urls, *slow.urls]
-        prior = H100_MS_PER_TOKEN * scale
-        for rate in args.rates:
+        prior = h100_ms_per_token() * scale
+
+        async def measure(setup: str, rate: float, repeat: int) -> Run:
+            if setup == "predicted_ttft":
+                group = EndpointGroup(name="local", endpoints=urls, ms_per_token=prior)
+                policy: Any = predicted_ttft([group], args.slo_ms, scale, **json.loads(args.knobs))
+            else:
+                policy = make_policy(setup)
+            run = Run("mixed", setup, rate, repeat=repeat)
+            timed = with_poisson_arrivals(
+                trace(int(rate * args.seconds), args.seed, args.max_tokens), rate, seed=repeat
+            )
+            timed = [replace(r, t=r.t) for r in timed if r.t < args.seconds]
+            # The degradation detector compares a replica with all its peers, so under load it
+            # drains the slow kind (3x the median latency per unit of work, queueing included) and
+            # takes a third of this fleet's capacity from whichever policy loads them: off here, so
+            # the policies are compared on the same six replicas (docs/routing.md).
+            detector = DegradationDetector(DegradationSettings(enabled=False))
+            async with LLMClient(client_config(urls), policy, degradation=detector) as client:
+                await client.wait_until_healthy()
+                names = {e.url: e.name for e in client.endpoints}
+                group_of = {names[u]: ("slow" if u in slow.urls else "fast") for u in urls}
+                await replay(run, client, timed, group_of)
+            runs.append(run)
+            print(
+                f"  mixed {setup} @ {rate:.2f}/s r{repeat}: {len(run.samples)} requests; {diagnosis(run)}",
+                flush=True,
+            )
+            for fleet in (fast, slow):  # a fresh cache for the next run
+                await _reset(fleet.urls)
+            return run
+
+        slo = args.slo_ms * scale
+        if args.search:
+            low, high = args.search
+            plan = SearchPlan(low, high, low / 4, high * 2, args.tolerance, args.repeats)
             for setup in args.policies:
-                if setup == "predicted_ttft":
-                    group = EndpointGroup(name="local", endpoints=urls, ms_per_token=prior)
-                    policy: Any = predicted_ttft([group], args.slo_ms, scale, **json.loads(args.knobs))
-                else:
-                    policy = make_policy(setup)
-                run = Run("mixed", setup, rate)
-                timed = with_poisson_arrivals(
-                    trace(int(rate * args.seconds), args.seed, args.max_tokens), rate
-                )
-                timed = [replace(r, t=r.t) for r in timed if r.t < args.seconds]
-                # The degradation detector compares a replica with all its peers, so under load it
-                # drains the slow kind (3x the median latency per unit of work, queueing included) and
-                # takes a third of this fleet's capacity from whichever policy loads them: off here, so
-                # the policies are compared on the same six replicas (docs/routing.md).
-                detector = DegradationDetector(DegradationSettings(enabled=False))
-                async with LLMClient(client_config(urls), policy, degradation=detector) as client:
-                    await client.wait_until_healthy()
-                    names = {e.url: e.name for e in client.endpoints}
-                    group_of = {names[u]: ("slow" if u in slow.urls else "fast") for u in urls}
-                    await replay(run, client, timed, group_of)
-                runs.append(run)
-                print(
-                    f"  mixed {setup} @ {rate}/s: {len(run.samples)} requests; {diagnosis(run)}", flush=True
-                )
-                for fleet in (fast, slow):  # a fresh cache for the next setup
-                    await _reset(fleet.urls)
-    return runs
+
+                async def probe(rate: float, repeat: int, setup: str = setup) -> Run:
+                    return await measure(setup, rate, repeat)
+
+                meets = {"slo": lambda run: meets_slo(run, slo)}
+                searched[setup] = (await GoodputSearch(probe, meets, plan).run())["slo"]
+        else:
+            for rate in args.rates:
+                for setup in args.policies:
+                    await measure(setup, rate, 0)
+    return runs, searched
+
+
+def meets_slo(run: Run, slo_ms: float) -> bool:
+    """p99 TTFT within the SLO and every request answered."""
+    return all(s.ok for s in run.samples) and percentile(run.ttfts(), 0.99) <= slo_ms
 
 
 async def regions(args: argparse.Namespace, *, lose: bool) -> list[Run]:
@@ -215,7 +257,7 @@ async def regions(args: argparse.Namespace, *, lose: bool) -> list[Run]:
         SimulatorFleet(3, "--time-scale", str(scale)) as west,
         SimulatorFleet(3, "--time-scale", str(scale), "--network-rtt-ms", str(args.rtt_ms)) as east,
     ):
-        prior = H100_MS_PER_TOKEN * scale
+        prior = h100_ms_per_token() * scale
         groups = [
             EndpointGroup(name="west", endpoints=west.urls, ms_per_token=prior),
             EndpointGroup(name="east", endpoints=east.urls, rtt_ms=args.rtt_ms, ms_per_token=prior),
@@ -282,7 +324,7 @@ async def _reset(urls: Sequence[str]) -> None:
 
 
 # ---- report ----------------------------------------------------------------------------------------
-def report(runs: Sequence[Run], args: argparse.Namespace) -> str:
+def report(runs: Sequence[Run], args: argparse.Namespace, searched: dict[str, Goodput] | None = None) -> str:
     rng = random.Random(1)
     slo = args.slo_ms * args.time_scale
     out = []
@@ -299,13 +341,18 @@ def report(runs: Sequence[Run], args: argparse.Namespace) -> str:
             )  # fmt: skip
         out.append(print_table(["policy", "rate/s", "requests", "TTFT p50 ms", "TTFT p99 ms [95% CI]",
                                 "share on slow", "errors"], rows))  # fmt: skip
-        goodput = []
-        for setup in args.policies:
-            meeting = [r.rate for r in runs if r.setup == setup and percentile(r.ttfts(), 0.99) <= slo]
-            goodput.append([setup, max(meeting, default=0.0), f"{max(meeting, default=0.0) / 6:.2f}"])
-        out.append(
-            print_table([f"policy (SLO p99 TTFT <= {slo:.0f} ms)", "goodput req/s", "per replica"], goodput)
-        )
+        if searched:
+            out.append(searched_table(searched, slo))
+        else:
+            goodput = []
+            for setup in args.policies:
+                meeting = [r.rate for r in runs if r.setup == setup and percentile(r.ttfts(), 0.99) <= slo]
+                goodput.append([setup, max(meeting, default=0.0), f"{max(meeting, default=0.0) / 6:.2f}"])
+            out.append(
+                print_table(
+                    [f"policy (SLO p99 TTFT <= {slo:.0f} ms)", "goodput req/s", "per replica"], goodput
+                )
+            )
     for run in (r for r in runs if r.scenario in ("surge", "lost")):
         third = args.seconds / 3
         surge = run.ttfts(third, 2 * third)
@@ -334,6 +381,26 @@ def report(runs: Sequence[Run], args: argparse.Namespace) -> str:
                 out.append(line)
             out.append(print_table(*windows(run, args.seconds, args.lose)))
     return "\n\n".join(out)
+
+
+def searched_table(searched: dict[str, Goodput], slo: float) -> str:
+    """Searched goodput per policy (median [interval]), and each pair's verdict: a win only where the
+    intervals separate."""
+    rows: list[list[object]] = [
+        [setup, goodput_cell(g), goodput_cell(g, scale=6)] for setup, g in searched.items()
+    ]
+    text = print_table(
+        [f"policy (SLO p99 TTFT <= {slo:.0f} ms)", "goodput req/s [interval]", "per replica"], rows
+    )
+    names = list(searched)
+    verdicts = {1: "{a} beats {b} (intervals separate)", -1: "{b} beats {a} (intervals separate)"}
+    for i, a in enumerate(names):
+        for b in names[i + 1 :]:
+            side = separates(searched[a], searched[b])
+            line = verdicts.get(side, "{a} and {b}: a tie (intervals overlap)").format(a=a, b=b)
+            print(line)
+            text += "\n" + line
+    return text
 
 
 def windows(
@@ -383,6 +450,15 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     )
     parser.add_argument("--max-tokens", type=int, default=32)
     parser.add_argument("--seed", type=int, default=7)
+    parser.add_argument(
+        "--search",
+        type=float,
+        nargs=2,
+        metavar=("LOW", "HIGH"),
+        help="mixed: search each policy's goodput from this first bracket (requests/s) instead of --rates",
+    )
+    parser.add_argument("--repeats", type=int, default=3, help="--search: searches per policy")
+    parser.add_argument("--tolerance", type=float, default=0.05, help="--search: stop within this")
     parser.add_argument("--knobs", default="{}", help="predicted_ttft settings (JSON) for the mixed fleet")
     parser.add_argument(
         "--report-from", type=Path, help="print the report of this results JSON again (same options)"
@@ -397,7 +473,14 @@ def load_runs(path: Path) -> list[Run]:
     """The runs of an earlier results JSON, to print its report again (``--report-from``)."""
     payload = json.loads(path.read_text())
     return [
-        Run(r["scenario"], r["setup"], r["rate"], [Sample(**s) for s in r["samples"]], r["stats"])
+        Run(
+            r["scenario"],
+            r["setup"],
+            r["rate"],
+            [Sample(**s) for s in r["samples"]],
+            r["stats"],
+            r.get("repeat", 0),
+        )
         for r in payload["runs"]
     ]
 
@@ -407,15 +490,22 @@ async def main(argv: Sequence[str] | None = None) -> None:
     if args.report_from is not None:
         report(load_runs(args.report_from), args)
         return
+    searched: dict[str, Goodput] = {}
     if args.scenario == "mixed":
-        runs = await mixed(args)
+        runs, searched = await mixed(args)
     else:
         runs = await regions(args, lose=args.scenario == "lost")
-    text = report(runs, args)
+    text = report(runs, args, searched)
     RESULTS.mkdir(parents=True, exist_ok=True)
     name = f"lost_{args.lose}" if args.scenario == "lost" else args.scenario
     path = RESULTS / f"regions_{name}.json"
-    payload = {"machine": machine(), "args": vars(args), "report": text, "runs": [asdict(r) for r in runs]}
+    payload = {
+        "machine": machine(),
+        "args": vars(args),
+        "report": text,
+        "runs": [asdict(r) for r in runs],
+        "searched": {setup: [asdict(b) for b in g.brackets] for setup, g in searched.items()},
+    }
     path.write_text(json.dumps(payload, indent=1))
     print(f"wrote {path}")
 

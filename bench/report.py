@@ -138,9 +138,10 @@ def regions_mixed(paths: Sequence[Path]) -> str:
 
 def _mixed_goodput(payload: dict[str, Any]) -> dict[str, tuple[float, str]]:
     """Each policy's goodput and its share per replica, from the second table of the stored report."""
-    table = payload["report"].split("\n\n")[1].splitlines()[2:]
+    table = [line for line in payload["report"].split("\n\n")[1].splitlines()[2:] if line.startswith("|")]
     cells = [[c.strip() for c in line.strip("|").split("|")] for line in table]
-    return {policy: (float(goodput), per_replica) for policy, goodput, per_replica in cells}
+    # a ladder's cell is the rate; a search's is "median [low, high]"
+    return {policy: (float(goodput.split(" [")[0]), per_replica) for policy, goodput, per_replica in cells}
 
 
 SURGE_LINE = re.compile(
