@@ -64,8 +64,8 @@ def test_the_kafka_timestamp_tuple_becomes_seconds_or_none() -> None:
 
 
 def test_one_event_from_a_clock_a_day_ahead_no_longer_silences_its_shopper() -> None:
-    """A future-stamped cart add, reproduced: browsing, one cart add stamped a day ahead, then purchases and cart
-    adds over the next hour. Through the gate (with the record times) and the processor, every later
+    """A future-stamped cart add, reproduced: browsing, one cart add stamped a day ahead, then purchases
+    and cart adds over the next hour. Through the gate (with the record times) and the processor, every later
     immediate event still prompts; before the window, none did."""
     processor = SessionProcessor(SessionConfig())
     session = processor.new_session("s-1")
