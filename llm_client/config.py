@@ -52,7 +52,7 @@ class ClientConfig(BaseSettings):
     model: str = "default"
     policy: PolicyName = Field(
         "prefix_aware",
-        description="routing policy name, see llm_client.routing (docs/routing.md: prefix_aware is best)",
+        description="routing policy name, see llm_client.routing (docs/routing.md compares them)",
     )
     policy_settings: PolicySettings | None = Field(
         None, description="the policy's typed knobs, tagged with its name (None: its defaults)"

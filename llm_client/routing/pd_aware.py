@@ -72,10 +72,10 @@ class PdAwareSettings(BaseModel):
     )  # fmt: skip
     local_only_when_idle: bool = Field(
         True, description="a small uncached part is prefilled locally only on a decode server with "
-        "nothing in flight: a local prefill lengthens the decode step of everything running there (on "
-        "the H100 calibration any prefill costs a ~58 ms step). Measured (docs/disaggregation.md): on "
-        "our workload at p99 TTFT <= 1 s and ITL <= 150 ms, 2.0 goodput per GPU at 4P4D against 0.5 "
-        "for the 512-token rule without it, the same as pure P/D"
+        "nothing in flight: a local prefill lengthens the decode step of everything running there (a "
+        "fused iteration grows with the prefill tokens it carries); off, a small "
+        "uncached part is prefilled locally whenever it is small enough. Goodput with and without it: "
+        "docs/disaggregation.md"
     )  # fmt: skip
     local_when_busy: bool = Field(
         False, description="prefill locally when every context server is busy (TTFT first); off, the "

@@ -173,8 +173,8 @@ class PrefixAwareSettings(BaseModel):
     )  # fmt: skip
     load_factor: float = Field(
         1.5, ge=1, description="bounded load: a replica with max(min_load_bound, ceil(load_factor x "
-        "(in flight + 1) / replicas)) requests in flight is not a candidate. 1.25 moved 5-10% of the "
-        "shoppers off their cache for no balance gain on the benchmark"
+        "(in flight + 1) / replicas)) requests in flight is not a candidate; lower moves more shoppers "
+        "off their cache for balance (docs/routing.md has the measurements)"
     )  # fmt: skip
     min_load_bound: int = Field(
         2, ge=1, description="the bound never drops below this (a nearly idle cluster does not scatter a "
@@ -201,9 +201,8 @@ class PrefixAwareSettings(BaseModel):
     )
     hot_key_spread: bool = Field(
         False, description="tail guard, off by default: once prompts no longer join a queued sibling's "
-        "iteration (cobatch_window_s), spreading a hot shopper bought no tail on the stress scenarios and "
-        "cost prefill (1.30-1.35x the oracle against 1.13-1.22x over two replays of skew, burst and "
-        "evict; docs/routing.md)"
+        "iteration (cobatch_window_s), spreading a hot shopper trades prefill (its prompts go cold "
+        "elsewhere) for its tail; docs/routing.md has the measurements"
     )  # fmt: skip
     hot_key_share: float = Field(
         0.5, gt=0, le=1, description="with hot_key_spread: a replica already running this share of the "
@@ -235,9 +234,8 @@ class PrefixAwareSettings(BaseModel):
         "counts as queued until that replica sends a first token. A new prompt of the same key sent "
         "there would join its iteration and reuse only what it found cached (an engine reuses computed "
         "blocks only; both compute the rest, and every first token of that iteration waits for both), "
-        "so that is all it is believed to find. About one decode iteration (48-62 ms at batch 8-16 on "
-        "the H100 calibration); twice that cost 0.07-0.09x the oracle in prefill on the stress "
-        "scenarios for no tail gain; 0 = off"
+        "so that is all it is believed to find. About one decode iteration; longer keeps prompts from "
+        "their siblings' cache for longer (docs/routing.md has the measurements); 0 = off"
     )  # fmt: skip
     interference_weight: float = Field(
         0.0, ge=0, description="a prefill delays every request that reaches its replica while it runs, "
