@@ -25,7 +25,7 @@ from llm_client.errors import ConnectionFailed, InvalidAnswer, LLMError
 from llm_client.fleet import Fleet
 from llm_client.models import Completion
 from llm_client.routing import RouteOutcome, RouteRequest
-from llm_client.routing.base import PrefillObserver
+from llm_client.routing.base import prefill_observer
 from llm_client.status import raise_for_status
 from llm_client.transport import SessionSource, header_value, mapped_transport_errors
 
@@ -103,8 +103,8 @@ class Exchange:
             endpoint.outstanding -= 1
             prefill_done(computed=answered)  # a no-op for the policy if the first token was reported
             endpoint.outstanding_decode_tokens -= route.max_tokens
-            if isinstance(policy, PrefillObserver):
-                policy.attempt_over(route, endpoint)
+            if (observer := prefill_observer(policy)) is not None:
+                observer.attempt_over(route, endpoint)
         self.fleet.succeeded(
             endpoint,
             route,

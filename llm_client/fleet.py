@@ -22,7 +22,7 @@ from llm_client.degradation import DegradationDetector, apply_health_changes
 from llm_client.endpoints import Endpoint, endpoint_name
 from llm_client.errors import InvalidAnswer, NoHealthyEndpoint
 from llm_client.routing import RouteOutcome, RouteRequest, RoutingPolicy
-from llm_client.routing.base import PrefillObserver
+from llm_client.routing.base import prefill_observer
 from llm_client.routing.pd_aware import PdAwarePolicy
 
 log = logging.getLogger("llm_client.client")
@@ -100,7 +100,7 @@ class Fleet:
         """How an attempt tells a ``PrefillObserver`` policy its prefill is over: computed (a first token
         came) or abandoned (it ended without one); None for a policy that does not listen."""
         policy = self.policy_of(endpoint)
-        observer = policy if isinstance(policy, PrefillObserver) else None
+        observer = prefill_observer(policy)
         if observer is None:
             return None
 

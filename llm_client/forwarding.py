@@ -19,7 +19,7 @@ from llm_client.errors import ConnectionFailed, InvalidAnswer, LLMError
 from llm_client.fleet import Fleet
 from llm_client.passthrough import Forwarded
 from llm_client.routing import RouteOutcome, RouteRequest
-from llm_client.routing.base import PrefillObserver
+from llm_client.routing.base import prefill_observer
 from llm_client.status import raise_for_status
 from llm_client.transport import SessionSource, header_value, mapped_transport_errors
 
@@ -49,8 +49,8 @@ class Forwarder:
             max_line_bytes=self.config.answer_limits.max_line_bytes,
         )
         forwarded.on_prefill_done = self.fleet.prefill_reporter(route, endpoint)
-        if isinstance(policy, PrefillObserver):
-            observer = policy
+        observer = prefill_observer(policy)
+        if observer is not None:
             forwarded.on_release = lambda: observer.attempt_over(route, endpoint)
         forwarded.hold()
         timeout = aiohttp.ClientTimeout(

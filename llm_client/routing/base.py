@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, ClassVar, Protocol, runtime_checkable
+from typing import Any, ClassVar, Protocol, cast, runtime_checkable
 
 from pydantic import BaseModel
 
@@ -113,6 +113,21 @@ class PrefillObserver(Protocol):
         caller's deadline): what the policy counted for it while in flight is released. Called once
         per attempt, after any ``observe``."""
         ...
+
+
+def prefill_observer(policy: object) -> PrefillObserver | None:
+    """``policy`` as a ``PrefillObserver``, or None. Asked per attempt on the hot path: an
+    ``isinstance`` against a runtime-checkable protocol walks its members each time (~11 µs), so the
+    answer is kept per policy class (the protocol has only methods, which live on the class)."""
+    policy_class = type(policy)
+    observes = _OBSERVES_PREFILL.get(policy_class)
+    if observes is None:
+        observes = _OBSERVES_PREFILL[policy_class] = issubclass(policy_class, PrefillObserver)
+    return cast(PrefillObserver, policy) if observes else None
+
+
+_OBSERVES_PREFILL: dict[type, bool] = {}
+"""Per policy class: a pure function of the class, so keeping it process-wide shares nothing else."""
 
 
 class StatelessPolicy:
