@@ -50,7 +50,8 @@ from typing import TypeVar
 
 import redis.asyncio as aioredis
 from confluent_kafka import Consumer, Producer
-from redis.exceptions import RedisError
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from llm_client.client import LLMClient
 from pipeline.checkpoint import Checkpoint
@@ -250,7 +251,7 @@ class EmbeddedRunner:
             return await with_sink_retry(
                 load, self.settings.sink_retry, what=what, on_retry=self._on_sink_retry
             )
-        except (RedisError, OSError) as exc:
+        except (RedisConnectionError, RedisTimeoutError, OSError) as exc:  # unreachable, not a bad key
             raise SessionStoreUnavailable(what, time.monotonic() - started, exc) from exc
 
     def _on_sink_retry(self, what: str, exc: BaseException) -> None:
