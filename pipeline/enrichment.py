@@ -65,7 +65,7 @@ class Enricher:
         self.ledger = ledger
         overload = self.settings.overload
         self.gate = AdmissionGate(
-            overload.admission_limit(len(client.config.endpoints)), by_priority=overload.by_priority
+            lambda: overload.admission_limit(len(client.endpoints)), by_priority=overload.by_priority
         )
         self.claims = ShopperClaims()
         self.counts = OverloadCounts()

@@ -1,0 +1,66 @@
+"""The admission gate on its own (no I/O): the limit follows the fleet as it is read, a waiter
+cancelled at any point holds no slot, and ranks are served smallest first."""
+
+from __future__ import annotations
+
+import asyncio
+
+from pipeline.admission import AdmissionGate
+
+
+async def settle() -> None:
+    """Let every task that can run, run (a few loop turns; no wall-clock waiting)."""
+    for _ in range(5):
+        await asyncio.sleep(0)
+
+
+async def test_the_limit_is_read_at_every_admission() -> None:
+    replicas = [1]
+    gate = AdmissionGate(lambda: replicas[0], by_priority=True)
+    await gate.acquire((0, 0))
+    second = asyncio.create_task(gate.acquire((0, 1)))
+    third = asyncio.create_task(gate.acquire((0, 2)))
+    await settle()
+    assert (gate.active, gate.waiting) == (1, 2)
+    replicas[0] = 3  # capacity shifting moved two replicas into the pool
+    fourth = asyncio.create_task(gate.acquire((0, 3)))  # the next arrival fills the new slots in order
+    await asyncio.gather(second, third)
+    assert (gate.active, gate.waiting, fourth.done()) == (3, 1, False)
+    replicas[0] = 2  # and moved two out again: a release admits no one until below the limit
+    gate.release()
+    await settle()
+    assert (gate.active, gate.waiting, fourth.done()) == (2, 1, False)
+    gate.release()
+    await settle()
+    assert (gate.active, gate.waiting, fourth.done()) == (2, 0, True)
+
+
+async def test_a_cancelled_waiter_holds_no_slot() -> None:
+    gate = AdmissionGate(lambda: 1, by_priority=False)
+    await gate.acquire((0, 0))
+    waiter = asyncio.create_task(gate.acquire((0, 1)))
+    granted_then_cancelled = asyncio.create_task(gate.acquire((0, 2)))
+    await settle()
+    waiter.cancel()
+    await settle()
+    gate.release()  # the slot goes to the one still waiting...
+    granted_then_cancelled.cancel()  # ...which is cancelled before it resumes: the slot is handed on
+    await settle()
+    assert (gate.active, gate.waiting) == (0, 0)
+
+
+async def test_the_smallest_rank_goes_first() -> None:
+    gate = AdmissionGate(lambda: 1, by_priority=True)
+    await gate.acquire((-1, 0))
+    order: list[int] = []
+
+    async def one(rank: tuple[int, int]) -> None:
+        await gate.acquire(rank)
+        order.append(rank[1])
+        gate.release()
+
+    tasks = [asyncio.create_task(one(rank)) for rank in [(1, 1), (1, 2), (0, 3), (0, 4)]]
+    await settle()
+    gate.release()
+    await asyncio.gather(*tasks)
+    assert order == [3, 4, 1, 2]
