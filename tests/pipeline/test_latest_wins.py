@@ -1,0 +1,56 @@
+"""Latest wins as a pure rule (``pipeline.latest_wins.ShopperClaims``): whatever order a shopper's
+prompts arrive in, the newest version seen holds the claim, and every arrival is told whether it is
+the newest, the one already held, or older."""
+
+from __future__ import annotations
+
+from hypothesis import given
+from hypothesis import strategies as st
+
+from pipeline.latest_wins import Arrival, ShopperClaims
+from prompt_assembly.records import PromptRequest, request_id
+
+versions = st.tuples(st.sampled_from(["a", "b", "c"]), st.integers(0, 2), st.integers(1, 5))
+
+
+def prompt(shopper: str, epoch: int, seq: int) -> PromptRequest:
+    return PromptRequest(
+        request_id=request_id(shopper, epoch, seq),
+        shopper_id=shopper,
+        session_epoch=epoch,
+        seq=seq,
+        reason="browse_pause",
+        messages=[],
+        event_count=1,
+        last_event_ts=0.0,
+        prompt_tokens=1,
+        shared_prefix_tokens=0,
+    )
+
+
+@given(st.lists(versions, max_size=40))
+def test_the_newest_version_holds_each_shopper(arrivals: list[tuple[str, int, int]]) -> None:
+    claims = ShopperClaims()
+    newest: dict[str, tuple[int, int]] = {}
+    for shopper, epoch, seq in arrivals:
+        arrival, displaced, held = claims.arrive(prompt(shopper, epoch, seq))
+        before = newest.get(shopper)
+        if before is None or (epoch, seq) > before:
+            assert arrival is Arrival.NEWEST and held.version == (epoch, seq)
+            assert (displaced is None) == (before is None)
+            newest[shopper] = (epoch, seq)
+        elif (epoch, seq) == before:
+            assert arrival is Arrival.SAME and displaced is None
+        else:
+            assert arrival is Arrival.OLDER and held.version == before
+    assert len(claims) == len(newest)
+
+
+def test_a_claim_left_is_forgotten_unless_a_newer_one_holds() -> None:
+    claims = ShopperClaims()
+    _, _, first = claims.arrive(prompt("a", 0, 1))
+    _, _, second = claims.arrive(prompt("a", 0, 2))
+    claims.leave(first)  # displaced: the newer claim stays
+    assert claims.arrive(prompt("a", 0, 2))[0] is Arrival.SAME
+    claims.leave(second)
+    assert len(claims) == 0
