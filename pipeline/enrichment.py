@@ -44,6 +44,11 @@ class EnrichmentSettings(BaseModel):
     max_tokens: int = Field(200, ge=16, description="output budget; answers are ~200 tokens")
     deadline_s: float = Field(30.0, gt=0, description="per prompt, retries included")
     guided_json: bool = Field(True, description="send the JSON schema as response_format")
+    answer_ledger: bool = Field(
+        True,
+        description="answer a replayed prompt from the answer ledger (pipeline.answer_ledger) when the "
+        "engine provides one, and record each answer there as it arrives",
+    )
     overload: OverloadSettings = Field(default_factory=OverloadSettings)
 
 
@@ -62,7 +67,7 @@ class Enricher:
     ) -> None:
         self.client = client
         self.settings = settings or EnrichmentSettings()
-        self.ledger = ledger
+        self.ledger = ledger if self.settings.answer_ledger else None
         overload = self.settings.overload
         self.gate = AdmissionGate(
             lambda: overload.admission_limit(len(client.endpoints)), by_priority=overload.by_priority

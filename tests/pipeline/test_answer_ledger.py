@@ -14,7 +14,7 @@ import redis.asyncio as aioredis
 from llm_client import LLMClient
 from pipeline.accounting import Accounting
 from pipeline.answer_ledger import AnswerLedger
-from pipeline.enrichment import Enricher
+from pipeline.enrichment import Enricher, EnrichmentSettings
 from prompt_assembly.records import ShopperInsight, Superseded, parse_result
 from serving.simulator.testing import running_simulator
 from sinks.config import SinkSettings
@@ -78,3 +78,18 @@ async def test_superseded_results_leave_the_signal_alone_and_are_accounted(sinks
     assert parse_result(superseded.model_dump_json()) == superseded
     accounting = Accounting(prompts=3, insights=1, errors=1, superseded=1)
     assert accounting.prompts_unaccounted == 0
+
+
+async def test_with_the_ledger_off_a_replayed_prompt_is_paid_again(sinks: SinkSettings) -> None:
+    """What happened before the ledger, still available as a setting: every replay is a new call."""
+    prompt = Shopper("s-paid-twice").cart()
+    off = EnrichmentSettings(answer_ledger=False)
+    async with running_simulator(time_scale=0.01) as sim:
+        for _ in range(2):  # the first process, then the restarted one
+            async with LLMClient(client_config(sim.url)) as client:
+                ledger = AnswerLedger.from_settings(sinks)
+                result = await Enricher(client, off, ledger=ledger).enrich(prompt)
+                await ledger.redis.aclose()
+            assert isinstance(result, ShopperInsight) and not result.replayed
+        metrics = await sim_metrics(sim)
+    assert requests_received(metrics) == 2
