@@ -132,6 +132,7 @@ class Enricher:
         stale_after = (
             overload.freshness_target_s if overload.by_priority and prompt.reason == "browse_pause" else None
         )
+        arrived = time.perf_counter()
         try:
             async with asyncio.timeout(stale_after):
                 await self.gate.acquire(self.gate.rank_of(prompt))
@@ -140,21 +141,23 @@ class Enricher:
             return _superseded(prompt, "stale", None)
         try:
             claim.in_flight = True
-            return await self._answer(prompt, claim)
+            return await self._answer(prompt, claim, (time.perf_counter() - arrived) * 1000)
         finally:
             self.gate.release()
 
-    async def _answer(self, prompt: PromptRequest, claim: Claim | None = None) -> EnrichmentResult:
+    async def _answer(
+        self, prompt: PromptRequest, claim: Claim | None = None, admission_wait_ms: float = 0.0
+    ) -> EnrichmentResult:
         """Ask the model; an insight is recorded in the ledger before it is returned (not cancellable
         from then on: it is paid for)."""
-        result = await self._call(prompt)
+        result = await self._call(prompt, admission_wait_ms)
         if claim is not None:
             claim.answered = True
         if self.ledger is not None and isinstance(result, ShopperInsight):
             await asyncio.shield(self.ledger.record(result))
         return result
 
-    async def _call(self, prompt: PromptRequest) -> EnrichmentResult:
+    async def _call(self, prompt: PromptRequest, admission_wait_ms: float) -> EnrichmentResult:
         try:
             completion = await self.client.chat(
                 prompt.messages,
@@ -192,6 +195,7 @@ class Enricher:
             ttft_ms=completion.ttft_ms,
             latency_ms=completion.latency_ms,
             attempts=completion.attempts,
+            admission_wait_ms=admission_wait_ms,
             produced_at=time.time(),
         )
 

@@ -75,6 +75,9 @@ class ShopperInsight(BaseModel):
     latency_ms: float
     attempts: int
     produced_at: float
+    admission_wait_ms: float = 0.0
+    """How long it waited at the admission gate (``pipeline.admission``) before it was sent: with
+    ``latency_ms``, the time from the prompt becoming due to its answer, apart from the trigger's wait."""
     replayed: bool = False
     """True when this answer was read back from the answer ledger (``pipeline.answer_ledger``) instead
     of asking the model again: the prompt was replayed after its answer had been recorded."""

@@ -119,6 +119,7 @@ async def test_newer_prompt_supersedes_one_waiting_for_admission() -> None:
     assert superseded.cause == "newer_prompt" and superseded.superseded_by == newer.request_id
     assert not superseded.cancelled_in_flight
     assert isinstance(result, ShopperInsight) and result.request_id == newer.request_id
+    assert result.admission_wait_ms > 0  # it waited for the slot the test held
     assert requests_received(metrics) == 1  # the older prompt never reached the replica
     assert enrich.counts.superseded_queued == 1
 
