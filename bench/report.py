@@ -27,7 +27,8 @@ from typing import Any
 
 from bench.common import REPO
 from bench.disagg import SLOS, RatePoint, SetupResult, goodput_text
-from bench.routing.report import load_results, sim_table
+from bench.routing.report import aggregate_table, load_results, sim_table
+from bench.routing.stats import aggregate
 
 BLOCK = re.compile(
     r"(?P<open><!-- bench:table (?P<name>[a-z_]+)(?P<paths>(?: [^ >]+)+) -->\n)"
@@ -48,6 +49,12 @@ def printed_table(paths: Sequence[Path]) -> str:
 def routing_sim(paths: Sequence[Path]) -> str:
     """The sweep's full table (``docs/routing.md``), as ``python -m bench.routing`` prints it."""
     return sim_table(load_results([str(p) for p in paths]))
+
+
+def routing_scenarios(paths: Sequence[Path]) -> str:
+    """The stress scenarios pooled per scenario and policy (server-side TTFT, p99 with its bootstrap
+    interval), as ``python -m bench.routing --setups scenarios`` prints them."""
+    return aggregate_table(aggregate(load_results([str(p) for p in paths])))
 
 
 def routing_sim_summary(paths: Sequence[Path]) -> str:
@@ -305,6 +312,7 @@ RENDERERS: dict[str, Callable[[Sequence[Path]], str]] = {
     "printed_table": printed_table,
     "routing_sim": routing_sim,
     "routing_sim_summary": routing_sim_summary,
+    "routing_scenarios": routing_scenarios,
     "regions_mixed": regions_mixed,
     "regions_summary": regions_summary,
     "disagg_goodput": disagg_goodput,
