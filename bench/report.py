@@ -27,6 +27,7 @@ from typing import Any
 
 from bench.common import REPO
 from bench.disagg import SLOS, RatePoint, SetupResult, goodput_text
+from bench.goodput_search import brackets_from_json, goodput_cell
 from bench.routing.report import aggregate_table, load_results, sim_table
 from bench.routing.stats import aggregate
 
@@ -132,6 +133,13 @@ def regions_mixed(paths: Sequence[Path]) -> str:
             f"| {r.policy} | {r.rate:g} | {r.p50:,.0f} | {p99} [{r.ci[0]:,.0f}, {r.ci[1]:,.0f}] | "
             f"{r.slow_share} | {r.errors} |"
         )
+    if payload.get("searched"):
+        lines += [
+            "",
+            f"Searched goodput (p99 TTFT ≤ {slo / 1000:g} s, every request answered): "
+            f"{_mixed_cell(payload)}.",
+        ]
+        return "\n".join(lines)
     goodputs = _mixed_goodput(payload)
     top = max(goodput for goodput, _ in goodputs.values())
     parts = [f"**{p} {g:g}**" if g == top and g > 0 else f"{p} {g:g}" for p, (g, _) in goodputs.items()]
@@ -170,8 +178,32 @@ def _command(args: dict[str, Any]) -> str:
         parts.append(f"--policies {','.join(args['policies'])}")
     if args["scenario"] == "lost":
         parts += [f"--lose {args['lose']}", f"--surge {args['surge']:g}"]
-    parts += [f"--rates {','.join(f'{r:g}' for r in args['rates'])}", f"--seconds {args['seconds']:g}"]
+    if args.get("search"):
+        low, high = args["search"]
+        parts.append(f"--search {low:g} {high:g}")
+    else:
+        parts.append(f"--rates {','.join(f'{r:g}' for r in args['rates'])}")
+    parts.append(f"--seconds {args['seconds']:g}")
     return " ".join(parts)
+
+
+def _mixed_cell(mixed: dict[str, Any]) -> str:
+    """The mixed fleet's result: searched goodput per policy with its interval and the verdict, or (a
+    ladder) the best goodput and the p99 of the two best at the runner-up's goodput rate."""
+    if mixed.get("searched"):
+        found = {setup: brackets_from_json(rows) for setup, rows in mixed["searched"].items()}
+        cells = ", ".join(f"`{setup}` {goodput_cell(g, digits=1)}" for setup, g in found.items())
+        verdicts = [line for line in mixed["report"].splitlines() if "(intervals" in line]
+        return f"goodput req/s, median of repeats [interval]: {cells}; {'; '.join(verdicts)}"
+    goodputs = sorted(_mixed_goodput(mixed).items(), key=lambda item: -item[1][0])
+    (best, (top, _)), (second, (rate, _)) = goodputs[0], goodputs[1]
+    at = {r.policy: r for r in _mixed_rows(mixed) if r.rate == rate}
+    listed = ", ".join(f"`{p}` {g:g}" for p, (g, _) in goodputs[1:])
+    return (
+        f"goodput `{best}` **{top:g}** req/s, {listed}; p99 at {rate:g} req/s {at[best].p99:,.0f} ms "
+        f"[{at[best].ci[0]:,.0f}, {at[best].ci[1]:,.0f}] against {at[second].p99:,.0f} "
+        f"[{at[second].ci[0]:,.0f}, {at[second].ci[1]:,.0f}]"
+    )
 
 
 def regions_summary(paths: Sequence[Path]) -> str:
@@ -179,15 +211,7 @@ def regions_summary(paths: Sequence[Path]) -> str:
     p99 of the two best at the runner-up's goodput rate, the surge window with and without spill-over,
     and the lost region's answers with p99 per 5 s of arrivals."""
     mixed, surge, lost = (json.loads(p.read_text()) for p in paths)
-    goodputs = sorted(_mixed_goodput(mixed).items(), key=lambda item: -item[1][0])
-    (best, (top, _)), (second, (rate, _)) = goodputs[0], goodputs[1]
-    at = {r.policy: r for r in _mixed_rows(mixed) if r.rate == rate}
-    listed = ", ".join(f"`{p}` {g:g}" for p, (g, _) in goodputs[1:])
-    mixed_cell = (
-        f"goodput `{best}` **{top:g}** req/s, {listed}; p99 at {rate:g} req/s {at[best].p99:,.0f} ms "
-        f"[{at[best].ci[0]:,.0f}, {at[best].ci[1]:,.0f}] against {at[second].p99:,.0f} "
-        f"[{at[second].ci[0]:,.0f}, {at[second].ci[1]:,.0f}]"
-    )
+    mixed_cell = _mixed_cell(mixed)
     runs = _surge_lines(surge)
     spill, no_spill, calm = runs["spill-over"], runs["no spill-over"], runs["no surge"]
     extra_prefill = int(spill["prefill"]) / int(calm["prefill"]) - 1
