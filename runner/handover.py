@@ -29,6 +29,11 @@ class RebalanceHandover:
         self.runner = runner
         self._rearms: set[asyncio.Task[None]] = set()
 
+    @property
+    def rearming(self) -> bool:
+        """A re-arm of an assignment's timers is still loading them."""
+        return bool(self._rearms)
+
     # ---- on the consumer thread ------------------------------------------------------------------
     def on_assign(self, consumer: Consumer, partitions: list[TopicPartition]) -> None:
         """A new assignment starts unpaused. librdkafka keeps a partition's pause across a rebalance:

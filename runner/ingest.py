@@ -249,6 +249,8 @@ class Ingest:
         partitions = runner.assignment.partitions
         if not partitions or runner.prompts.in_flight or self.paused:
             return False
+        if runner.handover.rearming:  # its timers are not armed yet: draining now would never fire them
+            return False
         if time.monotonic() - self._last_message_at < self.settings.drain_idle_s:
             return False
         try:
