@@ -315,12 +315,17 @@ class EnrichPrompts(AsyncFunction):
             async with self._starting:
                 if self.enricher is None:
                     from llm_client.client import LLMClient
+                    from pipeline.answer_ledger import AnswerLedger
                     from pipeline.enrichment import Enricher
 
                     client = LLMClient(self.settings.llm)
                     self.resources.add(client.close)
                     await client.start()
-                    self.enricher = Enricher(client, self.settings.enrichment)
+                    ledger = None  # answers recorded as they arrive: a replay does not pay again
+                    if "redis" in self.settings.sinks.enabled:  # it lives where the signals do
+                        ledger = AnswerLedger.from_settings(self.settings.sinks)
+                        self.resources.add(ledger.redis.aclose)
+                    self.enricher = Enricher(client, self.settings.enrichment, ledger=ledger)
         return self.enricher
 
     async def async_invoke(self, value: str) -> list[str]:

@@ -54,6 +54,7 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from llm_client.client import LLMClient
+from pipeline.answer_ledger import AnswerLedger
 from pipeline.checkpoint import Checkpoint
 from pipeline.enrichment import Enricher
 from pipeline.kafka_security import librdkafka_properties
@@ -176,7 +177,8 @@ class EmbeddedRunner:
             with contextlib.suppress(NotImplementedError, RuntimeError):
                 self.loop.add_signal_handler(sig, self.request_stop)
         async with LLMClient(s.llm) as client:
-            self.enricher = Enricher(client, s.enrichment)
+            # answers recorded as they arrive, so a replay after a kill does not pay again
+            self.enricher = Enricher(client, s.enrichment, ledger=AnswerLedger.from_settings(s.sinks, redis))
             self.client = client
             if s.metrics_port is not None:
                 self.ops = OpsServer(self, self.metrics, host=s.metrics_host, port=s.metrics_port)
