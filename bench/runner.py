@@ -169,11 +169,11 @@ PROFILE_PARTS: list[tuple[str, tuple[str, ...]]] = [
     ("prompt rendering (SessionProcessor._emit)", ("SessionProcessor._emit",)),
     ("Redis: session load (load_many)", ("RedisSessionStore.load_many",)),
     ("Redis: session save (deltas, one pipeline)", ("RedisSessionStore.save",)),
-    ("epoch close (take_changes, timers)", ("EmbeddedRunner._close_epoch",)),
+    ("epoch close (take_changes, timers)", ("EmbeddedRunner.close_epoch",)),
     ("dead letters (publish)", ("DeadLetterPublisher.",)),
-    ("commit path, rest (S3/DLQ flush, offsets)", ("EmbeddedRunner._durable_point", "EmbeddedRunner._com")),
-    ("per-record bookkeeping (EmbeddedRunner._process)", ("EmbeddedRunner._process",)),
-    ("Kafka poll hand-off (to_thread) + ingest loop", ("EmbeddedRunner._ingest",)),
+    ("commit path, rest (S3/DLQ flush, offsets)", ("Committer.",)),
+    ("per-record bookkeeping (Ingest._process)", ("Ingest._process",)),
+    ("Kafka poll hand-off (to_thread) + ingest loop", ("Ingest.run",)),
     ("idle: loop waiting (select)", ("EpollSelector.select",)),
 ]
 """Where a sample of the event-loop thread is attributed: the innermost frame that names one of these
@@ -181,13 +181,13 @@ functions wins (so Redis client code under ``save`` counts as the save); anythin
 scheduling and the rest."""
 
 
-PROCESS = "EmbeddedRunner._process"
+PROCESS = "Ingest._process"
 OTHER = "event loop scheduling, other"
 
 
 def summarise_profile(path: Path, events: int) -> list[tuple[str, float, float]]:
     """(part, share of the loop thread's time, microseconds per event) over the ingest window: the
-    samples from the first to the last in which ``EmbeddedRunner._process`` runs. py-spy records with
+    samples from the first to the last in which ``Ingest._process`` runs. py-spy records with
     ``--idle``, so every sample is one tick of wall time on the loop thread."""
     data = json.loads(path.read_text())
     frames = [f"{f['name']}" for f in data["shared"]["frames"]]
