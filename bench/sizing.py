@@ -34,9 +34,10 @@ class Inputs:
     """Run stream processors at most this busy (replays and rebalances need the rest)."""
     events_per_s_per_partition: float = 4_000
     """A partition per consumer's share, four per process: rebalances move small pieces."""
-    gpu_requests_per_s: float = 2.0
+    gpu_requests_per_s: float = 2.9
     """Requests/s per H100 (32B) at p99 TTFT <= 1 s and ITL <= 150 ms on the shopper workload with
-    ~200-token answers: 4P4D with pd_aware, per GPU (docs/disaggregation.md, "Goodput at p99")."""
+    ~200-token answers: the best setup's searched goodput per GPU on the simulator's faithful defaults
+    (docs/disaggregation.md, "Goodput on the faithful defaults, searched")."""
     redis_signal_bytes: int = 2_200
     """MEMORY USAGE of one shopper's signal hash."""
     redis_bytes_per_session_entry: int = 450
