@@ -1,7 +1,8 @@
 """What the enrichment step does when prompts arrive faster than the fleet answers them:
 the settings, and the counts an engine shows. The behaviour is ``docs/overload.md``.
 
-- ``fifo``: today's behaviour before this module: every prompt is sent at once and answered in order.
+- ``fifo`` (the default for now): the behaviour before this module, every prompt sent at once and
+  answered in order.
 - ``latest_wins``: a shopper's newer prompt replaces its older one that still waits for admission, and
   cancels it in flight (``cancel_in_flight``); at most ``max_in_flight`` prompts are at the fleet at
   once, the rest wait where they can still be replaced (``pipeline.admission``).
@@ -27,8 +28,8 @@ replica, where a newer prompt can no longer replace it."""
 class OverloadSettings(BaseModel):
     policy: OverloadPolicy = Field(
         "fifo",
-        description="fifo (every prompt, in order), latest_wins, or latest_wins_priority; fifo until both "
-        "engines count Superseded results (docs/overload.md, 'Engines')",
+        description="fifo (every prompt, in order), latest_wins, or latest_wins_priority; fifo until the "
+        "engine tests that expect one insight per prompt move to latest wins (docs/overload.md, 'Engines')",
     )
     cancel_in_flight: bool = Field(
         True,
