@@ -424,6 +424,8 @@ class WriteResults(AsyncFunction):
                 "sink_batches": lambda: self.committer.batches if self.committer else 0,
                 # The runner's name: a job waiting out a store outage is told from an idle one.
                 "sink_retries": lambda: self.retries,
+                # A shopper's session state was lost while their signal lived (a new session epoch).
+                "session_resets": lambda: self.committer.checkpoint.session_resets if self.committer else 0,
             },
         )
 

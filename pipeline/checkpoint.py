@@ -27,6 +27,7 @@ from pipeline.offset_commits import commit_waiting_for_broker
 from pipeline.sink_retry import SinkRetry, with_sink_retry
 from prompt_assembly.records import EnrichmentResult
 from sinks.base import ResultSink
+from sinks.redis import RedisSignalSink
 
 RetryHook = Callable[[str, BaseException], None]
 
@@ -65,6 +66,12 @@ class Checkpoint:
         """``results`` to every sink in order, each write retried (sinks are idempotent)."""
         for sink in self.sinks:
             await self._retrying(functools.partial(sink.write, results), f"{sink.name} write")
+
+    @property
+    def session_resets(self) -> int:
+        """Answers that replaced another session's signal (the shopper's session state was lost while
+        their signal lived), as the Redis sink counted them: both engines export it."""
+        return sum(sink.session_resets for sink in self.sinks if isinstance(sink, RedisSignalSink))
 
     def due(self) -> bool:
         """A sink asks to be flushed before the next durable point (size or age)."""

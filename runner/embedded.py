@@ -289,6 +289,10 @@ class EmbeddedRunner:
     def assigned_partitions(self) -> list[int]:
         return self.assignment.numbers()
 
+    def session_resets(self) -> int:
+        checkpoint: Checkpoint | None = getattr(self, "checkpoint", None)  # made in run(), dropped after
+        return 0 if checkpoint is None else checkpoint.session_resets
+
     def lag_by_partition(self) -> dict[int, int]:
         """Per assigned partition, from the watermarks the consumer last saw (no broker round trip)."""
         assignment = list(self.assignment.partitions)

@@ -100,6 +100,11 @@ class _StateCollector(Collector):
             acct.rekeyed,
         )
         yield counter("events_accepted", "Events applied to a session", acct.accepted)
+        yield counter(
+            "session_resets",
+            "Answers that replaced another session's signal: the shopper's session state was lost",
+            view.session_resets(),
+        )
         yield counter("events_duplicate", "Events dropped as duplicates", acct.duplicates)
         yield counter("prompts_emitted", "Prompt requests launched", acct.prompts)
         yield counter("results_written", "Results stored (insights and errors)", acct.insights + acct.errors)

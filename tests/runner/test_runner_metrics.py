@@ -21,9 +21,12 @@ import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
 from devstack.synthetic import SyntheticStream
+from prompt_assembly.records import ShopperInsight, Usage
+from prompt_assembly.understanding import ShopperUnderstanding
 from runner.dead_letters import REASON_CATEGORIES, reason_category
 from runner.embedded import EmbeddedRunner
 from runner.logs import LogFormat, line_logger
+from sinks.redis import RedisSignalSink
 from tests.conftest import Isolated
 from tests.helpers import dashboard_metric_names, expected_prompts, produce_records
 
@@ -301,3 +304,71 @@ def test_a_member_without_partitions_is_live_but_not_ready(isolated: Isolated) -
     samples, _ = parse(answers["idle_metrics"][1])
     assert value(samples, "shopper_runner_ready") == 0 and value(samples, "shopper_partitions_assigned") == 0
     assert answers["busy_ready"][0] == 200
+
+
+def older_session_insight(shopper_id: str) -> ShopperInsight:
+    """An answer a previous session of ``shopper_id`` left in Redis (epoch 1: long before any event of
+    the stream), as if that session's state had since been lost or expired."""
+    summary = "an answer of a session whose state is gone"
+    return ShopperInsight(
+        request_id=f"{shopper_id}:1:7",
+        shopper_id=shopper_id,
+        session_epoch=1,
+        seq=7,
+        reason="add_to_cart",
+        understanding=ShopperUnderstanding(
+            interests=["hats"], occasion=None, style="fun", price_sensitivity="low", summary=summary
+        ),
+        text=summary,
+        model="m",
+        replica="r0",
+        usage=Usage(),
+        event_count=7,
+        last_event_ts=1.0,
+        ttft_ms=1,
+        latency_ms=1,
+        attempts=1,
+        produced_at=time.time(),
+    )
+
+
+@pytest.mark.slow
+def test_a_session_that_replaces_a_lost_ones_signal_is_counted_as_a_reset(isolated: Isolated) -> None:
+    """Shoppers whose signal outlived their session state: the runner's first answer for each replaces
+    the old session's signal (a newer session epoch), and ``shopper_session_resets_total`` says how
+    many times, as the shoppers' hashes count it."""
+    records = SyntheticStream(shoppers=6, seed=93).take(240)
+    lost = sorted({key.decode() for key, _, _ in records})[:3]
+    sink = RedisSignalSink(isolated.sinks())
+
+    async def seed() -> None:
+        await sink.open()
+        await sink.write([older_session_insight(shopper) for shopper in lost])
+        await sink.close()
+
+    asyncio.run(seed())
+    produce_records(isolated.stack.kafka_bootstrap, isolated.topic, records)
+    runner = EmbeddedRunner(isolated.runner(until_drained=False, metrics_port=0), log=lambda _: None)
+    acct = runner.stats.accounting
+    scraped: dict[str, str] = {}
+
+    async def check(address: str) -> None:
+        async with aiohttp.ClientSession() as session:
+            status, scraped["metrics"] = await get(session, f"{address}/metrics")
+            assert status == 200
+
+    def stored() -> bool:
+        return acct.consumed == len(records) and acct.insights > 0 and runner.in_flight == 0
+
+    asyncio.run(while_running(runner, stored, check))
+
+    async def resets_in_hashes() -> int:
+        reader = RedisSignalSink(isolated.sinks())
+        hashes = [await reader.read(shopper) for shopper in lost]
+        await reader.close()
+        return sum(int(stored_hash.get("resets", 0)) for stored_hash in hashes)
+
+    counted = asyncio.run(resets_in_hashes())
+    samples, _ = parse(scraped["metrics"])
+    assert counted > 0, "a shopper of the stream got an answer over its lost session's signal"
+    assert value(samples, "shopper_session_resets_total") == counted
