@@ -279,6 +279,10 @@ class EmbeddedRunner:
         return getattr(self, "client", None)
 
     @property
+    def enrichment(self) -> Enricher | None:
+        return getattr(self, "enricher", None)
+
+    @property
     def failure(self) -> BaseException | None:
         return self._failed
 

@@ -18,6 +18,7 @@ from typing import Protocol
 from pydantic import BaseModel
 
 from llm_client.client import LLMClient
+from pipeline.enrichment import Enricher
 from runner.progress import RunnerStats
 
 
@@ -37,6 +38,11 @@ class RunnerView(Protocol):
 
     @property
     def llm_client(self) -> LLMClient | None: ...
+    @property
+    def enrichment(self) -> Enricher | None:
+        """The enrichment step (its overload counts and admission gate); None before ``run``."""
+        ...
+
     @property
     def failure(self) -> BaseException | None: ...
     @property

@@ -154,6 +154,20 @@ class _StateCollector(Collector):
         yield counter(
             "llm_client_retries", "LLM attempts retried on a replica", 0 if client is None else client.retries
         )
+        enrichment = view.enrichment
+        if enrichment is not None:
+            not_sent = CounterMetricFamily(
+                f"{PREFIX}_prompts_not_sent",
+                "Prompts answered without a model call of their own, by cause (docs/overload.md): "
+                "superseded_queued, cancelled_in_flight, dropped_stale, skipped_answered, joined",
+                labels=["cause"],
+            )
+            for cause, count in enrichment.counts.as_dict().items():
+                not_sent.add_metric([cause], count)
+            yield not_sent
+            yield gauge("admission_active", "Prompts admitted to the fleet now", enrichment.gate.active)
+            yield gauge("admission_waiting", "Prompts waiting for admission now", enrichment.gate.waiting)
+            yield gauge("admission_limit", "Prompts the gate admits at once now", enrichment.gate.limit)
         healthy = GaugeMetricFamily(
             f"{PREFIX}_llm_endpoint_healthy", "1 while a replica is routable", labels=["endpoint"]
         )

@@ -124,6 +124,12 @@ def test_a_running_runner_serves_metrics_and_health_that_match_what_it_did(
     assert value(samples, "shopper_dead_letters_undelivered_total") == 0
     assert value(samples, "shopper_dead_letters_delivered_total") == malformed
     assert value(samples, "shopper_partitions_assigned") == 4
+    enrichment = runner.enrichment
+    assert enrichment is not None
+    for cause, count in enrichment.counts.as_dict().items():
+        assert value(samples, "shopper_prompts_not_sent_total", cause=cause) == count, cause
+    assert value(samples, "shopper_admission_waiting") == value(samples, "shopper_admission_active") == 0
+    assert value(samples, "shopper_admission_limit") == enrichment.gate.limit > 0
     lags = {
         dict(labels)["partition"]: v
         for (name, labels), v in samples.items()
