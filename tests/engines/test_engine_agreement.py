@@ -10,8 +10,11 @@ read from Python, so that is checked on the state value the job builds
 
 The records: a replayed backlog (the synthetic stream, a year old, and one shopper's 100 views 3 s
 apart an hour ago, with the fractions of a millisecond of real clock values), malformed JSON, an
-oversized event, non-UTF-8 bytes, a tombstone, records without a shopper id, and, once both engines
-have read the backlog, a live shopper's views stamped ``time.time()``. Nothing drains or flushes before
+oversized event, non-UTF-8 bytes, a tombstone, records without a shopper id, a cart add stamped a day
+ahead of its Kafka record (dead-lettered by the event-time window on both: the shopper's later cart add
+is still answered), a shopper's events keyed by something else (the runner re-keys them through the
+event topic, the job in its source query), and, once both engines have read the backlog, a live
+shopper's views stamped ``time.time()``. Nothing drains or flushes before
 the results are compared: every browse pause, the backlog's and the live one, must fire on each
 engine's wall-clock timers, once per pause (a backlog that fired a prompt per event, or a pause that
 never fired, shows as a missing or an extra result). The Flink job keeps running past every bad record
@@ -151,16 +154,46 @@ UNKEYED = 100
 one subtask gets all of them but the few other bad records' worth with a chance below 1e-20."""
 
 
-def view(shopper: str, n: int, ts: float) -> bytes:
+def product_event(kind: str, shopper: str, n: int, ts: float) -> bytes:
     product = {"product_id": f"p{n % 7}", "title": "Trail shoe", "brand": "Acme", "price": 90.0}
     return orjson.dumps(
-        {"event_id": f"{shopper}-{n}", "shopper_id": shopper, "type": "view", "ts": ts, "product": product}
+        {"event_id": f"{shopper}-{n}", "shopper_id": shopper, "type": kind, "ts": ts, "product": product}
     )
+
+
+def view(shopper: str, n: int, ts: float) -> bytes:
+    return product_event("view", shopper, n, ts)
+
+
+def cart_add(shopper: str, n: int, ts: float) -> bytes:
+    return product_event("add_to_cart", shopper, n, ts)
 
 
 def backlog_views(shopper: str) -> list[tuple[bytes | None, bytes | None]]:
     start = time.time() - BACKLOG_AGE_S
     return [(shopper.encode(), view(shopper, n, start + n * BACKLOG_GAP_S)) for n in range(BACKLOG_VIEWS)]
+
+
+FUTURE_AHEAD_S = 86_400.0
+"""A device clock a day ahead: far past the event-time window's ``max_ahead_s``."""
+
+
+def future_stamped_records() -> list[tuple[bytes | None, bytes | None]]:
+    """A cart add stamped a day ahead, then the same shopper's cart add stamped now: the first is
+    dead-lettered, and the second is answered (a future time no longer silences the shopper)."""
+    now = time.time()
+    return [
+        (b"s-future", cart_add("s-future", 0, now + FUTURE_AHEAD_S)),
+        (b"s-future", cart_add("s-future", 1, now)),
+    ]
+
+
+def miskeyed_records() -> list[tuple[bytes | None, bytes | None]]:
+    """A shopper's views and cart add, each keyed by another shopper's id (a producer keying by session)."""
+    start = time.time() - BACKLOG_AGE_S / 2
+    shopper = "s-miskeyed"
+    events = [view(shopper, 0, start), view(shopper, 1, start + 1), cart_add(shopper, 2, start + 2)]
+    return [(b"s-other", event) for event in events]
 
 
 def unkeyed_records() -> list[tuple[bytes | None, bytes | None]]:
@@ -241,7 +274,7 @@ def test_flink_cluster_and_embedded_runner_write_the_same_results(
     records_in[100:100] = bad[:2]
     records_in[200:200] = bad[2:]
     backlog = backlog_views("s-backlog")
-    records_in += backlog + unkeyed_records()
+    records_in += backlog + unkeyed_records() + future_stamped_records() + miskeyed_records()
 
     topics = flink_topics(isolated)
     flink_prefix, flink_s3 = f"{isolated.prefix}flink:", f"{isolated.s3_prefix}-flink"
@@ -276,12 +309,15 @@ def test_flink_cluster_and_embedded_runner_write_the_same_results(
         ]
         produce(stack.kafka_bootstrap, isolated.topic, live)
         records_in += live
-        expected = expected_prompts([(k or b"", v, True) for k, v in records_in if v is not None])
+        taken = [(k or b"", v, True) for k, v in records_in if v is not None and valid(v)]
+        expected = expected_prompts(taken)
         backlog_prompts = [p for p in expected.values() if p.shopper_id == "s-backlog"]
         assert [(p.reason, p.last_event_ts) for p in backlog_prompts] == [
             ("browse_pause", orjson.loads(backlog[-1][1] or b"{}")["ts"])
         ], "the backlog is one browse pause, after its last view"
         assert [p.reason for p in expected.values() if p.shopper_id == "s-live"] == ["browse_pause"]
+        assert [p.reason for p in expected.values() if p.shopper_id == "s-future"] == ["add_to_cart"]
+        assert "add_to_cart" in [p.reason for p in expected.values() if p.shopper_id == "s-miskeyed"]
         # Neither engine is drained or flushed before this: only their timers can fire the pauses.
         wait_stored(isolated, flink_s3, set(expected), runner)
         wait_stored(isolated, isolated.s3_prefix, set(expected), runner)
@@ -329,6 +365,7 @@ def test_flink_cluster_and_embedded_runner_write_the_same_results(
     assert all(d.partition is not None and d.offset is not None and d.timestamp_ms for d in letters)
     reasons = " | ".join(d.reason for d in letters)
     assert "invalid JSON" in reasons and "byte limit" in reasons and "null value" in reasons
+    assert "event time" in reasons, "the future-stamped cart add was not dead-lettered for its time"
     assert any(d.original_encoding == "base64" for d in letters)
 
     keyed = read_topic_placed(stack.kafka_bootstrap, topics.insights, expect=len(expected))
@@ -360,8 +397,9 @@ def wait_runner_committed(
 
 
 def valid(value: bytes) -> bool:
+    """Whether the gate takes ``value`` from a record stamped now (each record here is produced now)."""
     try:
-        parse_event(value)
+        parse_event(value, record_time=time.time())
     except MalformedEvent:
         return False
     return True
