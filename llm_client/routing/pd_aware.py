@@ -79,8 +79,8 @@ class PdAwareSettings(BaseModel):
     )  # fmt: skip
     local_when_busy: bool = Field(
         False, description="prefill locally when every context server is busy (TTFT first); off, the "
-        "default: queue at the context servers (inter-token latency first; spilling cold prefills onto "
-        "decode servers pushed p99 ITL to 600-1,000 ms at 2P6D)"
+        "default: queue at the context servers (inter-token latency first: a cold prefill on a decode "
+        "server lengthens the step of every request running there; docs/disaggregation.md)"
     )  # fmt: skip
 
 

@@ -119,15 +119,15 @@ class PredictedTtftSettings(BaseModel):
         0.122,
         gt=0,
         description=(
-            "default prior: H100, 32B model, 4,096-token prefill in ~500 ms"
-            " (serving/simulator/calibration_h100.json)"
+            "default prior, learned over: a 32B model's prefill on an H100 (the eager table's"
+            " serving/simulator/calibration_h100.json; benchmarks pass their replicas' own cost model)"
         ),
     )
     first_token_floor_ms: float = Field(
         100.0,
         ge=0,
         description="what a first token costs with no work ahead: the engine iteration it waits for "
-        "(H100, 32B: a ~55 ms decode step plus a ~58 ms minimum prefill iteration; less with CUDA graphs)",
+        "(a decode step plus a short prefill iteration; the default is a prior for a 32B model on an H100)",
     )
     speed_alpha: float = Field(
         0.05,

@@ -168,7 +168,7 @@ class PrefixAwareSettings(BaseModel):
     decode_weight: float = Field(
         0.1, ge=0, description="cost of one in-flight decode token relative to a queued prefill token. "
         "With continuous batching a running request delays a newcomer's first token only by its share of "
-        "one decode step (~1.8 ms per request in a ~55 ms step on the H100 calibration, ~0.01 ms per "
+        "one decode step (~1.8 ms per request in a ~55 ms step on the eager H100 table, ~0.01 ms per "
         "token of a 200-token answer) while a queued prefill token costs ~0.12 ms: hence about 0.1"
     )  # fmt: skip
     load_factor: float = Field(
