@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Awaitable
+from typing import Any
 
 import orjson
 from pydantic import BaseModel, Field, ValidationError
@@ -175,11 +176,7 @@ class Enricher:
         understanding = completion.parsed
         assert isinstance(understanding, ShopperUnderstanding)  # what parse_understanding returns
         return ShopperInsight(
-            request_id=prompt.request_id,
-            shopper_id=prompt.shopper_id,
-            session_epoch=prompt.session_epoch,
-            seq=prompt.seq,
-            reason=prompt.reason,
+            **_about(prompt),
             understanding=understanding,
             text=understanding.summary,
             model=completion.model,
@@ -190,8 +187,6 @@ class Enricher:
                 completion_tokens=completion.completion_tokens,
             ),
             event_count=prompt.event_count,
-            new_event_ids=prompt.new_event_ids,
-            last_event_ts=prompt.last_event_ts,
             ttft_ms=completion.ttft_ms,
             latency_ms=completion.latency_ms,
             attempts=completion.attempts,
@@ -204,19 +199,26 @@ class Enricher:
         prompt: PromptRequest, error_type: str, message: str, attempts: int, raw: str | None = None
     ) -> EnrichmentError:
         return EnrichmentError(
-            request_id=prompt.request_id,
-            shopper_id=prompt.shopper_id,
-            session_epoch=prompt.session_epoch,
-            seq=prompt.seq,
-            reason=prompt.reason,
+            **_about(prompt),
             error_type=error_type,
             message=message[:500],
             attempts=attempts,
-            new_event_ids=prompt.new_event_ids,
-            last_event_ts=prompt.last_event_ts,
             produced_at=time.time(),
             raw_answer=None if raw is None else raw[:2000],
         )
+
+
+def _about(prompt: PromptRequest) -> dict[str, Any]:
+    """What every result kind says of the prompt it answers: its identity, version, trigger and events."""
+    return {
+        "request_id": prompt.request_id,
+        "shopper_id": prompt.shopper_id,
+        "session_epoch": prompt.session_epoch,
+        "seq": prompt.seq,
+        "reason": prompt.reason,
+        "new_event_ids": prompt.new_event_ids,
+        "last_event_ts": prompt.last_event_ts,
+    }
 
 
 def _superseded(
@@ -227,16 +229,10 @@ def _superseded(
     cancelled_in_flight: bool = False,
 ) -> Superseded:
     return Superseded(
-        request_id=prompt.request_id,
-        shopper_id=prompt.shopper_id,
-        session_epoch=prompt.session_epoch,
-        seq=prompt.seq,
-        reason=prompt.reason,
+        **_about(prompt),
         cause=cause,
         superseded_by=superseded_by,
         cancelled_in_flight=cancelled_in_flight,
-        new_event_ids=prompt.new_event_ids,
-        last_event_ts=prompt.last_event_ts,
         produced_at=time.time(),
     )
 
