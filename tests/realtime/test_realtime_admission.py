@@ -6,21 +6,18 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
 from typing import Any
 
 import pytest
-from aiohttp.test_utils import TestClient, TestServer
 
 from devstack.stack import StackState
 from realtime.admission import FORGET_S, DeadlineAdmission, RecentQuantile, request_age_s
 from realtime.client import MatchClient, MatchOverloaded
-from realtime.config import RealtimeSettings
 from realtime.models import ErrorResponse, MatchResponse
-from realtime.service import SERVICE_KEY, create_app, realtime_client_config
+from realtime.service import SERVICE_KEY
 from serving.simulator.testing import running_simulator
 from tests.conftest import Isolated
+from tests.realtime.service_kit import realtime_service
 
 CANDIDATES = ["KID-witch", "MAK-paint", "OUT-spider"]
 
@@ -92,19 +89,6 @@ def test_request_start_header_gives_the_request_age(header: str, age_s: float | 
     assert age == (None if age_s is None else pytest.approx(age_s, abs=1e-3))
 
 
-@asynccontextmanager
-async def _service(
-    isolated: Isolated, endpoints: list[str], model: str = "m", **settings: Any
-) -> AsyncIterator[TestClient[Any, Any]]:
-    app = create_app(
-        RealtimeSettings(**settings),
-        llm_config=realtime_client_config(endpoints, model),
-        sinks=isolated.sinks(),
-    )
-    async with TestClient(TestServer(app)) as client:
-        yield client
-
-
 def _metric(text: str, line_start: str) -> float:
     return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(line_start))
 
@@ -122,7 +106,7 @@ async def test_a_request_older_than_its_deadline_is_refused_before_any_work(
     stack: StackState, isolated: Isolated
 ) -> None:
     deadline_ms = 300
-    async with _service(isolated, stack.llm_endpoints, stack.model) as client:
+    async with realtime_service(isolated, stack.llm_endpoints, stack.model) as client:
         sent = time.time() - deadline_ms / 1000  # its whole deadline was spent before it arrived
         response = await client.post(
             "/v1/match",
@@ -154,7 +138,7 @@ async def test_a_request_older_than_its_deadline_is_refused_before_any_work(
 
 async def test_the_deadline_counts_from_the_callers_start(isolated: Isolated) -> None:
     deadline_ms, age_ms = 1000, 700
-    async with running_simulator(time_scale=0.3) as slow, _service(isolated, [slow.url]) as client:
+    async with running_simulator(time_scale=0.3) as slow, realtime_service(isolated, [slow.url]) as client:
         sent = time.time() - age_ms / 1000
         response = await client.post(
             "/v1/match",
@@ -172,7 +156,7 @@ async def test_a_lagging_loop_refuses_what_it_can_no_longer_answer_in_time(
     stack: StackState, isolated: Isolated
 ) -> None:
     blocked_s = 0.25
-    async with _service(isolated, stack.llm_endpoints, stack.model) as client:
+    async with realtime_service(isolated, stack.llm_endpoints, stack.model) as client:
         assert (await client.get("/health")).status == 200  # started: the lag sampler runs
         time.sleep(blocked_s)  # noqa: ASYNC251 - the loop is blocked on purpose, as on a CPU-starved host
         await asyncio.sleep(0.05)  # the sampler records the lag
@@ -201,7 +185,7 @@ async def test_the_model_is_not_asked_when_less_time_is_left_than_it_takes(isola
     learn = 32  # answers: enough for the service's model-time quantile to be computed
     async with (
         running_simulator(time_scale=0.3) as slow,
-        _service(isolated, [slow.url], llm_concurrency_per_replica=2 * learn) as client,
+        realtime_service(isolated, [slow.url], llm_concurrency_per_replica=2 * learn) as client,
     ):
         answers = await asyncio.gather(
             *(

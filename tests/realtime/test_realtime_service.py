@@ -27,6 +27,7 @@ from serving.simulator.testing import running_simulator
 from sinks.redis import RedisSignalSink
 from tests.conftest import Isolated
 from tests.helpers import serving
+from tests.realtime.service_kit import realtime_service
 
 CANDIDATES: list[dict[str, Any]] = [
     {"product_id": "KID-witch", "title": "Witch Costume Set"},
@@ -77,19 +78,6 @@ async def _write_signals(isolated: Isolated, redis_client: Any) -> None:
     await ProductSignalWriter(redis_client, isolated.prefix, 60).write("job-test", rows)
 
 
-@asynccontextmanager
-async def _service(
-    isolated: Isolated, endpoints: list[str], model: str = "m", **settings: Any
-) -> AsyncIterator[TestClient[Any, Any]]:
-    app = create_app(
-        RealtimeSettings(**settings),
-        llm_config=realtime_client_config(endpoints, model),
-        sinks=isolated.sinks(),
-    )
-    async with TestClient(TestServer(app)) as client:
-        yield client
-
-
 async def _direct_call_ms(url: str) -> float:
     """One chat call straight to a replica, as the service would make it (no deadline)."""
     started = time.perf_counter()
@@ -113,7 +101,8 @@ async def test_ranks_with_the_model_using_both_signals(
     stack: StackState, isolated: Isolated, redis_client: Any, signal_reads: str
 ) -> None:
     await _write_signals(isolated, redis_client)
-    async with _service(isolated, stack.llm_endpoints, stack.model, signal_reads=signal_reads) as client:
+    service = realtime_service(isolated, stack.llm_endpoints, stack.model, signal_reads=signal_reads)
+    async with service as client:
         status, body, _ = await _post(
             client, {"shopper_id": "s1", "query": "witch", "candidates": CANDIDATES, "deadline_ms": 3000}
         )
@@ -136,7 +125,7 @@ async def test_model_missing_the_deadline_gets_the_fallback_in_time(
     isolated: Isolated, redis_client: Any
 ) -> None:
     await _write_signals(isolated, redis_client)
-    async with running_simulator(time_scale=0.3) as slow, _service(isolated, [slow.url]) as client:
+    async with running_simulator(time_scale=0.3) as slow, realtime_service(isolated, [slow.url]) as client:
         model_ms = await _direct_call_ms(slow.url)  # what waiting for the model would have cost
         for deadline_ms in (150, 300):
             status, body, took_ms = await _post(
@@ -156,7 +145,7 @@ async def test_model_missing_the_deadline_gets_the_fallback_in_time(
 
 async def test_pool_down_answers_at_once_and_sheds_beyond_capacity(isolated: Isolated) -> None:
     dead = f"http://127.0.0.1:{free_port()}"
-    async with _service(isolated, [dead]) as client:
+    async with realtime_service(isolated, [dead]) as client:
         # The first call finds the replica refusing connections (it is ejected, and the client waits
         # for re-admission up to the deadline); later calls see an empty pool and answer at once.
         took: list[float] = []
@@ -172,7 +161,7 @@ async def test_pool_down_answers_at_once_and_sheds_beyond_capacity(isolated: Iso
 
     async with (
         running_simulator(time_scale=0.3) as slow,
-        _service(isolated, [slow.url], llm_concurrency_per_replica=2) as client,
+        realtime_service(isolated, [slow.url], llm_concurrency_per_replica=2) as client,
     ):
         answers = await asyncio.gather(
             *(
@@ -197,7 +186,7 @@ async def test_pool_down_answers_at_once_and_sheds_beyond_capacity(isolated: Iso
 async def test_bad_requests_get_clear_4xx(
     stack: StackState, isolated: Isolated, send: dict[str, Any], status: int, error_type: str
 ) -> None:
-    async with _service(isolated, stack.llm_endpoints) as client:
+    async with realtime_service(isolated, stack.llm_endpoints) as client:
         response = await client.post("/v1/match", **send)
         body = await response.json()
         assert response.status == status
@@ -210,7 +199,7 @@ async def test_bad_requests_get_clear_4xx(
 
 async def test_openapi_is_served_and_checked_in(stack: StackState, isolated: Isolated) -> None:
     assert json.loads(SPEC_PATH.read_text()) == openapi_spec(), "run: shopper realtime openapi --write"
-    async with _service(isolated, stack.llm_endpoints) as client:
+    async with realtime_service(isolated, stack.llm_endpoints) as client:
         served = await (await client.get("/openapi.json")).json()
     assert served == openapi_spec()
     assert set(served["paths"]) == {"/v1/match", "/health", "/metrics"}
@@ -326,7 +315,7 @@ async def test_wrong_typed_answers_get_the_fallback_not_a_500(
     isolated: Isolated, redis_client: Any, answer: Any, usable: bool
 ) -> None:
     await _write_signals(isolated, redis_client)
-    async with _misbehaving_replica(answer) as url, _service(isolated, [url]) as client:
+    async with _misbehaving_replica(answer) as url, realtime_service(isolated, [url]) as client:
         for _ in range(2):  # the second call also finds the service (and the replica) usable
             response = await client.post(
                 "/v1/match", json={"shopper_id": "s1", "candidates": CANDIDATES, "deadline_ms": 2000}
