@@ -59,7 +59,14 @@ import aiohttp
 from aiohttp import web
 
 from bench.common import machine, percentile, print_table, results_dir
-from bench.goodput_search import Goodput, GoodputSearch, SearchPlan, brackets_from_json, goodput_cell
+from bench.goodput_search import (
+    Goodput,
+    GoodputSearch,
+    SearchPlan,
+    add_search_arguments,
+    brackets_from_json,
+    goodput_cell,
+)
 from bench.trace import TraceConfig, TraceRequest, generate_trace, with_poisson_arrivals
 from llm_client import ClientConfig, LLMClient
 from llm_client.config import HealthSettings, RetrySettings, Timeouts
@@ -417,16 +424,11 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--out", type=Path, default=RESULTS, help="where the results JSON goes")
     parser.add_argument("--requests", type=int, default=160, help="requests per probe")
     parser.add_argument("--time-scale", type=float, default=0.1)
-    parser.add_argument(
-        "--search",
-        type=float,
-        nargs=2,
-        metavar=("LOW", "HIGH"),
-        help="first bracket of the search, simulated requests/s for the whole fleet (default per workload)",
-    )
-    parser.add_argument("--repeats", type=int, default=3, help="searches per column, each its own arrivals")
-    parser.add_argument(
-        "--tolerance", type=float, default=0.05, help="stop when the bracket's ends are this close"
+    add_search_arguments(
+        parser,
+        bracket_help="first bracket of the search, simulated requests/s for the whole fleet (default per "
+        "workload)",
+        repeats_help="searches per column, each its own arrivals",
     )
     parser.add_argument(
         "--rates", type=float, nargs="+", help="a plain ladder of these rates instead of the search"

@@ -18,6 +18,7 @@ reported, and the spread between repeats shows the noise.
 
 from __future__ import annotations
 
+import argparse
 import math
 import statistics
 from collections.abc import Awaitable, Callable, Mapping, Sequence
@@ -158,3 +159,13 @@ def brackets_from_json(rows: Sequence[Mapping[str, object]]) -> Goodput:
         upper = None if failed is None else float(str(failed))
         found.append(Bracket(int(str(row["repeat"])), float(str(row["passed"])), upper))
     return Goodput(tuple(found))
+
+
+def add_search_arguments(parser: argparse.ArgumentParser, *, bracket_help: str, repeats_help: str) -> None:
+    """``--search LOW HIGH``, ``--repeats`` and ``--tolerance``: the search's options as every benchmark
+    that reports goodput takes them (3 repeats, 5%)."""
+    parser.add_argument("--search", type=float, nargs=2, metavar=("LOW", "HIGH"), help=bracket_help)
+    parser.add_argument("--repeats", type=int, default=3, help=repeats_help)
+    parser.add_argument(
+        "--tolerance", type=float, default=0.05, help="stop when the bracket's ends are this close"
+    )

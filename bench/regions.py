@@ -34,7 +34,14 @@ from pathlib import Path
 from typing import Any
 
 from bench.common import machine, percentile, print_table, results_dir
-from bench.goodput_search import Goodput, GoodputSearch, SearchPlan, goodput_cell, separates
+from bench.goodput_search import (
+    Goodput,
+    GoodputSearch,
+    SearchPlan,
+    add_search_arguments,
+    goodput_cell,
+    separates,
+)
 from bench.trace import TraceConfig, TraceRequest, generate_trace, with_poisson_arrivals
 from llm_client import ClientConfig, LLMClient
 from llm_client.degradation import DegradationDetector, DegradationSettings
@@ -450,15 +457,12 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     )
     parser.add_argument("--max-tokens", type=int, default=32)
     parser.add_argument("--seed", type=int, default=7)
-    parser.add_argument(
-        "--search",
-        type=float,
-        nargs=2,
-        metavar=("LOW", "HIGH"),
-        help="mixed: search each policy's goodput from this first bracket (requests/s) instead of --rates",
+    add_search_arguments(
+        parser,
+        bracket_help="mixed: search each policy's goodput from this first bracket (requests/s) instead of "
+        "--rates",
+        repeats_help="--search: searches per policy",
     )
-    parser.add_argument("--repeats", type=int, default=3, help="--search: searches per policy")
-    parser.add_argument("--tolerance", type=float, default=0.05, help="--search: stop within this")
     parser.add_argument("--knobs", default="{}", help="predicted_ttft settings (JSON) for the mixed fleet")
     parser.add_argument(
         "--report-from", type=Path, help="print the report of this results JSON again (same options)"
