@@ -1,13 +1,13 @@
 """What the enrichment step does when prompts arrive faster than the fleet answers them:
 the settings, and the counts an engine shows. The behaviour is ``docs/overload.md``.
 
-- ``fifo`` (the default for now): the behaviour before this module, every prompt sent at once and
-  answered in order.
+- ``fifo``: the behaviour before this module, every prompt sent at once and answered in order (kept
+  as a setting: the benchmark's baseline arm).
 - ``latest_wins``: a shopper's newer prompt replaces its older one that still waits for admission, and
   cancels it in flight (``cancel_in_flight``); at most ``max_in_flight`` prompts are at the fleet at
   once, the rest wait where they can still be replaced (``pipeline.admission``).
-- ``latest_wins_priority``: as ``latest_wins``, and purchase and cart prompts are admitted
-  before browse pauses; a browse pause that waited ``freshness_target_s`` is dropped as stale.
+- ``latest_wins_priority`` (the default): as ``latest_wins``, and purchase and cart prompts are
+  admitted before browse pauses; a browse pause that waited ``freshness_target_s`` is dropped as stale.
 """
 
 from __future__ import annotations
@@ -27,9 +27,10 @@ replica, where a newer prompt can no longer replace it."""
 
 class OverloadSettings(BaseModel):
     policy: OverloadPolicy = Field(
-        "fifo",
-        description="fifo (every prompt, in order), latest_wins, or latest_wins_priority; fifo until the "
-        "engine tests that expect one insight per prompt move to latest wins (docs/overload.md, 'Engines')",
+        "latest_wins_priority",
+        description="latest_wins_priority (a shopper's newest prompt only, purchase and cart first, a "
+        "browse pause past freshness_target_s dropped), latest_wins, or fifo (every prompt sent at once "
+        "and answered in order: the behaviour before overload handling, a benchmark arm)",
     )
     cancel_in_flight: bool = Field(
         True,
