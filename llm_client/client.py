@@ -57,12 +57,15 @@ from llm_client.pd_handover import PdHandover
 from llm_client.routing import RouteRequest, RoutingPolicy, make_policy
 from llm_client.routing.base import KvEventConsumer
 from llm_client.routing.pd_aware import PdAwarePolicy
-from llm_client.transport import auth_headers, tls_context
+from llm_client.transport import auth_headers, header_value, tls_context
 from prompt_assembly.tokens import messages_text
 
 log = logging.getLogger(__name__)
 
-__all__ = ["AnswerValidator", "LLMClient"]
+__all__ = ["IDEMPOTENCY_HEADER", "AnswerValidator", "LLMClient"]
+
+IDEMPOTENCY_HEADER = "Idempotency-Key"
+"""The header ``chat`` sends its ``idempotency_key`` in (IETF draft ``httpapi-idempotency-key-header``)."""
 
 
 class LLMClient:
@@ -202,11 +205,15 @@ class LLMClient:
         extra_body: dict[str, Any] | None = None,
         prompt_tokens: int | None = None,
         validate: AnswerValidator | None = None,
+        idempotency_key: str | None = None,
     ) -> Completion:
         """One chat completion, routed by ``routing_key`` (the shopper id). ``prompt_tokens``: the
         caller's estimate, used for load accounting (default: about 4 characters a token).
         ``validate``: the caller's check of the answer's text (its result is ``Completion.parsed``); an
-        answer it rejects is tried once more on another replica and counts against the replica."""
+        answer it rejects is tried once more on another replica and counts against the replica.
+        ``idempotency_key`` (a prompt's ``request_id``) is sent as ``Idempotency-Key``: behind
+        ``shopper router serve`` a call with a key already in flight joins it, and one answered within
+        the gateway's TTL is answered again without a call (docs/gateway.md); replicas ignore it."""
         body: dict[str, Any] = {
             "model": self.config.model,
             "messages": list(messages),
@@ -225,8 +232,9 @@ class LLMClient:
         text = messages_text(messages)
         estimate = prompt_tokens if prompt_tokens is not None else len(text) // 4
         route = RouteRequest(routing_key, text, estimate, max_tokens)
+        headers = None if idempotency_key is None else {IDEMPOTENCY_HEADER: header_value(idempotency_key)}
         return await self.request(
-            "/v1/chat/completions", body, route, deadline_s=deadline_s, validate=validate
+            "/v1/chat/completions", body, route, deadline_s=deadline_s, validate=validate, headers=headers
         )
 
     async def request(
@@ -237,7 +245,9 @@ class LLMClient:
         *,
         deadline_s: float | None = None,
         validate: AnswerValidator | None = None,
+        headers: Mapping[str, str] | None = None,
     ) -> Completion:
+        """``headers``: extra request headers for the replica (or the gateway in front of it)."""
         tried: list[str] = []
         async with self._calls.call(deadline_s, tried):
 
@@ -245,7 +255,9 @@ class LLMClient:
                 info = Attempt(endpoint.name, route.key, number)
                 self.hooks.started(info)
                 try:
-                    completion = await self._handover.completion(endpoint, path, body, route, validate)
+                    completion = await self._handover.completion(
+                        endpoint, path, body, route, validate, headers
+                    )
                 except LLMError as exc:
                     self.hooks.failed(info, exc)
                     raise

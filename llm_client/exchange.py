@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Mapping
 from dataclasses import replace
 from typing import Any
 
@@ -46,7 +47,9 @@ class Exchange:
         body: dict[str, Any],
         route: RouteRequest,
         validate: AnswerValidator | None = None,
+        headers: Mapping[str, str] | None = None,
     ) -> Completion:
+        """``headers``: extra request headers (``Idempotency-Key`` from ``LLMClient.chat``)."""
         session = self._session()
         policy = self.fleet.policy_of(endpoint)
         uncached = policy.estimate_uncached_tokens(route, endpoint)
@@ -67,13 +70,14 @@ class Exchange:
         timeout = aiohttp.ClientTimeout(
             total=self.config.timeouts.attempt_s, sock_connect=self.config.timeouts.connect_s
         )
-        headers = {"x-session-id": header_value(route.key), "Content-Type": "application/json"}
+        sent = {**(headers or {}), "x-session-id": header_value(route.key)}
+        sent["Content-Type"] = "application/json"
         limits = self.config.answer_limits
         try:
             with mapped_transport_errors(endpoint.name, self.config.timeouts.attempt_s):
                 # bytes straight from orjson: ``json=`` would decode them to str and aiohttp encode them
                 async with session.post(
-                    endpoint.url + path, data=orjson.dumps(body), headers=headers, timeout=timeout
+                    endpoint.url + path, data=orjson.dumps(body), headers=sent, timeout=timeout
                 ) as response:
                     if response.status >= 400:
                         await raise_for_status(response, endpoint)

@@ -56,11 +56,14 @@ class PdHandover:
         body: dict[str, Any],
         route: RouteRequest,
         validate: AnswerValidator | None,
+        headers: Mapping[str, str] | None = None,
     ) -> Completion:
-        """One attempt on ``decode``, in two steps when the policy sends the prefill elsewhere."""
+        """One attempt on ``decode``, in two steps when the policy sends the prefill elsewhere.
+        ``headers`` go with the decode request only: an ``Idempotency-Key`` on the context step would
+        let a gateway answer the whole call with the one-token prefill."""
         plan = self._plan(decode, route)
         if plan is None:  # no P/D, or the policy prefills this one where it is decoded
-            return await self.exchange.completion(decode, path, body, route, validate)
+            return await self.exchange.completion(decode, path, body, route, validate, headers)
         policy, context, step = plan
         prefill_body = {
             **body,
@@ -77,11 +80,11 @@ class PdHandover:
         if params is not None:
             generate_body = {**body, "disaggregated_params": {**params, "request_type": "generation_only"}}
             try:
-                return await self.exchange.completion(decode, path, generate_body, route, validate)
+                return await self.exchange.completion(decode, path, generate_body, route, validate, headers)
             except KvCacheGone:
                 pass
         policy.redone_locally()
-        return await self.exchange.completion(decode, path, body, route, validate)
+        return await self.exchange.completion(decode, path, body, route, validate, headers)
 
     # ---- pass-through (``LLMClient.forward``) --------------------------------------------------------
     async def forwarded(
