@@ -190,8 +190,11 @@ class PrefixAwareSettings(BaseModel):
         "by imbalance_abs_tokens and is this many times it, the less loaded of two random replicas wins"
     )  # fmt: skip
     max_blocks_per_replica: int = Field(
-        8192, ge=1, description="LRU bound of each replica's index: about its KV capacity in blocks"
-    )
+        1848, ge=1, description="LRU bound of each replica's index: about its KV capacity in blocks, "
+        "which trtllm-serve prints at start. The default is one H100 80GB serving Qwen2.5-32B in bf16 "
+        "(the simulator's default replica, sized as TensorRT-LLM sizes it: serving.simulator.hardware"
+        ".kv_memory); an index larger than the cache believes in blocks the replica has evicted"
+    )  # fmt: skip
     restart_min_expected_tokens: int = Field(
         256, ge=0, description="a restart is only inferred where a real hit of at least this many "
         "tokens was expected ..."
