@@ -1,15 +1,19 @@
-"""Test helpers: producing records, the offline oracle of what the pipeline must emit, and checking a
-Grafana dashboard against the metrics a real process serves."""
+"""Test helpers: producing records, the offline oracle of what the pipeline must emit (and what must hold
+of it under latest wins, the default overload policy), and checking a Grafana dashboard against the
+metrics a real process serves."""
 
 from __future__ import annotations
 
 import json
 import re
 import urllib.request
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterable, Mapping
 from contextlib import asynccontextmanager
 from pathlib import Path
+from typing import Any, cast
 
+import orjson
+import redis as sync_redis
 from aiohttp import web
 from confluent_kafka import Producer
 from prometheus_client.parser import text_string_to_metric_families
@@ -56,6 +60,80 @@ def final_seq_by_shopper(prompts: dict[str, PromptRequest]) -> dict[str, int]:
     for prompt in prompts.values():
         seqs[prompt.shopper_id] = max(seqs.get(prompt.shopper_id, 0), prompt.seq)
     return seqs
+
+
+Version = tuple[int, int]
+"""A prompt's or a signal's version: ``(session_epoch, seq)``, the order the Redis sink keeps."""
+
+
+def version_of(result: Mapping[str, Any]) -> Version:
+    return (int(result.get("session_epoch", 0)), int(result["seq"]))
+
+
+def signal_versions(redis_url: str, prefix: str) -> dict[str, Version]:
+    """Each shopper's Redis signal version, read from the sink's hash (``{prefix}signals:{shopper}``)."""
+    client = sync_redis.Redis.from_url(redis_url)
+    head = f"{prefix}signals:"
+    try:
+        versions: dict[str, Version] = {}
+        for key in client.scan_iter(match=f"{head}*", count=1000):
+            epoch, seq = cast(list[bytes | None], client.hmget(key, ["session_epoch", "seq"]))
+            if isinstance(seq, bytes):
+                versions[key.decode()[len(head) :]] = (int(epoch or 0), int(seq))
+        return versions
+    finally:
+        client.close()
+
+
+def newest_answered(results: Iterable[Mapping[str, Any]]) -> dict[str, Version]:
+    """Each shopper's newest version that was answered (an insight): where its signal must stand."""
+    versions: dict[str, Version] = {}
+    for result in results:
+        if result["kind"] == "insight":
+            shopper, version = str(result["shopper_id"]), version_of(result)
+            versions[shopper] = max(versions.get(shopper, version), version)
+    return versions
+
+
+def assert_latest_wins(
+    expected: Mapping[str, PromptRequest],
+    results: Iterable[Mapping[str, Any]],
+    signals: Mapping[str, Version] | None = None,
+) -> dict[str, list[Mapping[str, Any]]]:
+    """The oracle of a run under latest wins (the default overload policy, docs/overload.md), where how
+    many of a shopper's prompts a newer one supersedes depends on timing, so only this is fixed:
+
+    - every expected prompt has a result (insight, error or superseded) and no other prompt does;
+    - a prompt has at most one answer, however often a replay stores it;
+    - a prompt superseded by a newer prompt names a newer expected prompt of the same shopper, so a
+      shopper's newest prompt is never superseded that way; one dropped as stale is a browse pause;
+    - with ``signals`` (shopper -> version in Redis): each shopper's signal carries the newest version
+      that was answered, and a shopper with no answer has none.
+
+    ``results`` may hold copies of a result (a replay); returns them grouped by ``request_id``."""
+    by_id: dict[str, list[Mapping[str, Any]]] = {}
+    for result in results:
+        by_id.setdefault(str(result["request_id"]), []).append(result)
+    missing, extra = set(expected) - set(by_id), set(by_id) - set(expected)
+    assert not missing, f"{len(missing)} prompts have no result: {sorted(missing)[:5]}"
+    assert not extra, f"{len(extra)} results the oracle does not expect: {sorted(extra)[:5]}"
+    for request_id, copies in by_id.items():
+        answers = {orjson.dumps(c["understanding"]) for c in copies if c["kind"] == "insight"}
+        assert len(answers) <= 1, f"{request_id} was answered twice, differently"
+        prompt = expected[request_id]
+        for copy in copies:
+            if copy["kind"] != "superseded":
+                continue
+            if copy["cause"] == "stale":
+                assert prompt.reason == "browse_pause", f"{request_id}: only a browse pause goes stale"
+                continue
+            newer = expected.get(str(copy["superseded_by"]))
+            assert newer is not None and newer.shopper_id == prompt.shopper_id, copy
+            assert (newer.session_epoch, newer.seq) > (prompt.session_epoch, prompt.seq), copy
+    if signals is not None:
+        answered = newest_answered(c for copies in by_id.values() for c in copies)
+        assert dict(signals) == answered, "each shopper's signal is its newest answered version"
+    return by_id
 
 
 def dashboard_metric_names(dashboard: Path, name: re.Pattern[str]) -> set[str]:
