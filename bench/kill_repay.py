@@ -1,0 +1,673 @@
+"""Never pay twice: the runner SIGKILLed mid-stream and restarted, its LLM calls counted at the replicas
+against a clean run of the same stream.
+
+    .venv/bin/python -m bench.kill_repay [--events 4000] [--shoppers 150] [--repeats 3]
+        [--scenarios backlog,paced] [--policies default,fifo] [--kill-at 0.4]
+
+The embedded stack as a new user starts it (``shopper stack up``: Tansu, Redis, moto, three simulated
+H100 replicas at the stack's default time scale) and the runner at its defaults (``shopper run``, the
+overload policy and the answer ledger as shipped; ``--policies fifo`` adds the arm without latest wins).
+Each repeat runs the same stream twice, in processes of their own (``python -m bench.kill_repay
+--child``, which is ``EmbeddedRunner(settings).run()`` as ``shopper run --until-drained`` calls it):
+
+- clean: once, until drained;
+- killed: the same, SIGKILLed once the replicas have received ``--kill-at`` of the clean run's calls,
+  then a new process started at once with the same settings, until drained.
+
+Scenarios: ``backlog``, every event already in the topic; ``paced``, events produced at 1x of the
+capacity the clean backlog runs measured (events per second from the first event to the drain), stamped
+with the wall clock, so the kill lands while the stream is still arriving.
+
+Counted: calls at the replicas (``sim_requests_total`` of every replica's ``/metrics``; aborted ones
+too: ``sim_request_errors_total{reason="aborted"}``), the runner's prompts, insights, superseded and
+errors, ``skipped_answered`` (answered from the ledger) of the restarted process; just before the kill,
+the dying runner's own ``/metrics`` (LLM calls in flight, admitted, waiting) and the replicas' running and
+waiting requests. Re-paid = the killed run's calls - the clean run's calls, as a share of the clean run's
+prompts. Every event and prompt is accounted for from what a reader sees: every valid event is in the
+``new_event_ids`` of a result stored in S3 (deduplicated on ``request_id``), every malformed record has a
+dead letter, and every answer in the ledger belongs to a stored result (an answer paid for whose prompt
+never came back after the restart is an ``orphan``: a prompt re-triggered under another ``request_id``).
+Results: ``bench/results/kill_repay.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import urllib.request
+import uuid
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from confluent_kafka.admin import AdminClient, NewTopic  # type: ignore[attr-defined]
+from prometheus_client.parser import text_string_to_metric_families
+
+from bench.common import REPO, machine, print_table, results_dir
+from devstack.processes import free_port
+from devstack.stack import StackSettings, StackState, load_state, sink_settings, stack_down, stack_up
+from devstack.synthetic import SyntheticStream
+from llm_client.config import ClientConfig
+from pipeline.enrichment import EnrichmentSettings
+from pipeline.overload import OverloadSettings
+from runner.config import RunnerSettings
+from shopper.producer import produce
+from shopper.readback import list_s3_records, read_dlq
+
+MALFORMED_RATE = 0.005
+"""``shopper produce``'s default share of broken records."""
+SEED = 11
+KILL_WAIT_S = 0.5
+"""After the SIGKILL, before the replicas' counters are read as the first process's calls: a request
+already written to its socket is still read and counted by the replica."""
+RUN_TIMEOUT_S = 900.0
+
+
+# ---- the child: one runner process -------------------------------------------------------------------
+@dataclass
+class Job:
+    """What one runner process runs: the stack (by its state dir) and this run's names."""
+
+    state_dir: str
+    topic: str
+    dlq: str
+    insights: str
+    group: str
+    prefix: str
+    policy: str | None
+    metrics_port: int | None
+    endpoints: list[str] | None = None
+    """LLM endpoints instead of the stack's replicas (a gateway in front of them)."""
+
+
+def runner_settings(state: StackState, job: Job) -> RunnerSettings:
+    """``shopper run --until-drained`` on the stack: the runner's defaults with this run's names."""
+    enrichment = (
+        EnrichmentSettings()
+        if job.policy is None
+        else EnrichmentSettings(overload=OverloadSettings(policy=job.policy))
+    )
+    return RunnerSettings(
+        bootstrap_servers=state.kafka_bootstrap,
+        group_id=job.group,
+        topic=job.topic,
+        dlq_topic=job.dlq,
+        until_drained=True,
+        metrics_port=job.metrics_port,
+        llm=ClientConfig(endpoints=job.endpoints or state.llm_endpoints, model=state.model),
+        enrichment=enrichment,
+        sinks=sink_settings(
+            state, redis_key_prefix=job.prefix, s3_prefix=job.prefix.rstrip(":"), insights_topic=job.insights
+        ),
+    )
+
+
+def child() -> None:
+    """Run one runner process until drained; print its totals as one JSON line."""
+    import asyncio
+
+    from runner.embedded import EmbeddedRunner
+
+    job = Job(**json.loads(sys.stdin.read()))
+    settings = runner_settings(load_state(Path(job.state_dir)), job)
+    runner = EmbeddedRunner(settings, log=lambda line: print(line, file=sys.stderr, flush=True))
+    stats = asyncio.run(runner.run())
+    ended = time.monotonic()
+    enricher = runner.enricher
+    ledger = enricher.ledger
+    totals = {
+        "accounting": stats.accounting.as_dict(),
+        "balanced": stats.accounting.balanced,
+        "overload": enricher.counts.as_dict(),
+        "ledger": {} if ledger is None else asdict(ledger.counts),
+        "retries": runner.client.retries,
+        "seconds": ended - (stats.first_event_at or ended) - settings.drain_idle_s,
+        "policy": settings.enrichment.overload.policy,
+        "admission_limit": settings.enrichment.overload.admission_limit(len(settings.llm.endpoints)),
+    }
+    print(json.dumps(totals), flush=True)
+
+
+# ---- the parent --------------------------------------------------------------------------------------
+def scrape(url: str) -> dict[str, float]:
+    """A Prometheus endpoint: sample name (with labels) -> value; empty when it does not answer."""
+    try:
+        with urllib.request.urlopen(url, timeout=2) as response:
+            text = response.read().decode()
+    except OSError:
+        return {}
+    values: dict[str, float] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            labels = ",".join(f"{k}={v}" for k, v in sorted(sample.labels.items()))
+            values[f"{sample.name}{{{labels}}}" if labels else sample.name] = sample.value
+    return values
+
+
+@dataclass
+class Replicas:
+    """The calls every replica received, and what it runs now, from its ``/metrics``."""
+
+    requests: float = 0.0
+    aborted: float = 0.0
+    running: float = 0.0
+    waiting: float = 0.0
+
+    @classmethod
+    def read(cls, endpoints: list[str]) -> Replicas:
+        total = cls()
+        for endpoint in endpoints:
+            m = scrape(f"{endpoint}/metrics")
+            total.requests += sum(v for k, v in m.items() if k.startswith("sim_requests_total"))
+            total.aborted += m.get("sim_request_errors_total{reason=aborted}", 0.0)
+            total.running += m.get("sim_num_requests_running", 0.0)
+            total.waiting += m.get("sim_num_requests_waiting", 0.0)
+        return total
+
+    def minus(self, before: Replicas) -> Replicas:
+        return Replicas(self.requests - before.requests, self.aborted - before.aborted)
+
+
+def reset_caches(endpoints: list[str]) -> None:
+    """Every replica starts each run with an empty prefix cache, so no run is faster for an earlier one."""
+    for endpoint in endpoints:
+        request = urllib.request.Request(f"{endpoint}/admin/reset_cache", data=b"", method="POST")
+        with urllib.request.urlopen(request, timeout=5):
+            pass
+
+
+def create_topics(bootstrap: str, names: list[str], partitions: int) -> None:
+    admin = AdminClient({"bootstrap.servers": bootstrap})
+    for future in admin.create_topics([NewTopic(n, partitions, 1) for n in names]).values():
+        future.result(10)
+
+
+def spawn_child(job: Job, log: Path) -> subprocess.Popen[str]:
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    process = subprocess.Popen(
+        [sys.executable, "-m", "bench.kill_repay", "--child"],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=log.open("a"),
+        text=True,
+        cwd=REPO,
+        env=env,
+        start_new_session=True,  # its own process group: the SIGKILL reaches it and nothing else
+    )
+    assert process.stdin is not None
+    process.stdin.write(json.dumps(asdict(job)))
+    process.stdin.close()
+    return process
+
+
+def finish_child(process: subprocess.Popen[str], log: Path) -> dict[str, Any]:
+    assert process.stdout is not None
+    out = process.stdout.read()
+    if process.wait(RUN_TIMEOUT_S) != 0:
+        tail = log.read_text(errors="replace")[-3000:]
+        raise RuntimeError(f"runner exited {process.returncode}; {log}:\n{tail}")
+    return dict(json.loads(out.strip().splitlines()[-1]))
+
+
+@dataclass
+class Stream:
+    """One stream in one topic: what was produced (the same records for every run of a repeat)."""
+
+    topic: str
+    events: int
+    valid_ids: set[str]
+    malformed: int
+
+
+def stream_records(events: int, shoppers: int, seed: int) -> tuple[set[str], int]:
+    """The valid event ids and the malformed count of ``shopper produce``'s stream (ids do not depend
+    on the start time, so a paced stream stamped with the wall clock holds the same ones)."""
+    ids: set[str] = set()
+    malformed = 0
+    for _, value, bad in SyntheticStream(shoppers=shoppers, seed=seed, malformed_rate=MALFORMED_RATE).take(
+        events
+    ):
+        if bad:
+            malformed += 1
+        else:
+            ids.add(json.loads(value)["event_id"])
+    return ids, malformed
+
+
+@dataclass
+class Reader:
+    """What a reader finds after a run: S3 results, dead letters, ledger entries."""
+
+    results: int = 0
+    insights: int = 0
+    superseded: int = 0
+    errors: int = 0
+    replayed: int = 0
+    s3_duplicates: int = 0
+    uncovered_events: int = 0
+    dead_letters: int = 0
+    malformed: int = 0
+    ledger_answers: int = 0
+    ledger_orphans: int = 0
+    """Answers recorded in the ledger whose ``request_id`` has no stored result."""
+    result_ids: list[str] = field(default_factory=list, repr=False)
+
+    @property
+    def accounted(self) -> bool:
+        return self.uncovered_events == 0 and self.dead_letters == self.malformed
+
+
+def read_back(state: StackState, job: Job, stream: Stream) -> Reader:
+    import redis as sync_redis
+
+    sinks = sink_settings(state, redis_key_prefix=job.prefix, s3_prefix=job.prefix.rstrip(":"))
+    _, records = list_s3_records(sinks, sinks.s3_prefix)
+    by_id: dict[str, dict[str, Any]] = {}
+    for record in records:
+        by_id.setdefault(str(record["request_id"]), record)
+    covered = {str(e) for r in by_id.values() for e in r.get("new_event_ids") or []}
+    kinds = [str(r.get("kind")) for r in by_id.values()]
+    client = sync_redis.Redis.from_url(state.redis_url, decode_responses=True)
+    answer = f"{job.prefix}answer:"
+    ledger = {k.removeprefix(answer) for k in client.scan_iter(match=f"{answer}*", count=1000)}
+    client.close()
+    dead = {(d.get("partition"), d.get("offset")) for d in read_dlq(state.kafka_bootstrap, job.dlq)}
+    return Reader(
+        results=len(by_id),
+        insights=kinds.count("insight"),
+        superseded=kinds.count("superseded"),
+        errors=kinds.count("error"),
+        replayed=sum(1 for r in by_id.values() if r.get("replayed")),
+        s3_duplicates=len(records) - len(by_id),
+        uncovered_events=len(stream.valid_ids - covered),
+        dead_letters=len(dead),
+        malformed=stream.malformed,
+        ledger_answers=len(ledger),
+        ledger_orphans=len(ledger - set(by_id)),
+        result_ids=sorted(by_id),
+    )
+
+
+@dataclass
+class Run:
+    scenario: str
+    policy: str
+    repeat: int
+    killed: bool
+    calls: float
+    aborted: float
+    prompts: int
+    """Of the last process (the restarted one for a killed run: its replayed prompts included)."""
+    totals: list[dict[str, Any]]
+    """Each process's own totals (none for the process that was killed)."""
+    reader: Reader
+    seconds: float
+    calls_before_kill: float = 0.0
+    at_kill: dict[str, float] = field(default_factory=dict)
+
+
+def one_run(
+    state: StackState,
+    state_dir: Path,
+    logs: Path,
+    stream: Stream,
+    *,
+    scenario: str,
+    policy: str | None,
+    repeat: int,
+    kill_at_calls: float | None,
+    endpoints: list[str] | None = None,
+    producer: threading.Thread | None = None,
+) -> Run:
+    """Clean (``kill_at_calls`` None) or killed once the replicas have received that many calls."""
+    tag = uuid.uuid4().hex[:8]
+    job = Job(
+        state_dir=str(state_dir),
+        topic=stream.topic,
+        dlq=f"kr-dlq-{tag}",
+        insights=f"kr-ins-{tag}",
+        group=f"kr-{tag}",
+        prefix=f"kr-{tag}:",
+        policy=policy,
+        metrics_port=free_port(),
+        endpoints=endpoints,
+    )
+    create_topics(state.kafka_bootstrap, [job.dlq, job.insights], 4)
+    reset_caches(state.llm_endpoints)
+    log = logs / f"{scenario}-{policy or 'default'}-{repeat}-{'killed' if kill_at_calls else 'clean'}.log"
+    before = Replicas.read(state.llm_endpoints)
+    started = time.monotonic()
+    if producer is not None:
+        producer.start()
+    first = spawn_child(job, log)
+    totals: list[dict[str, Any]] = []
+    at_kill: dict[str, float] = {}
+    calls_before_kill = 0.0
+    if kill_at_calls is not None:
+        while Replicas.read(state.llm_endpoints).minus(before).requests < kill_at_calls:
+            if first.poll() is not None:
+                raise RuntimeError(f"the runner ended before the kill point; see {log}")
+            time.sleep(0.05)
+        runner = scrape(f"http://127.0.0.1:{job.metrics_port}/metrics")
+        replicas = Replicas.read(state.llm_endpoints)
+        os.killpg(first.pid, signal.SIGKILL)
+        first.wait()
+        at_kill = {
+            "seconds": time.monotonic() - started,
+            "llm_in_flight": runner.get("shopper_llm_in_flight", float("nan")),
+            "admission_active": runner.get("shopper_admission_active", float("nan")),
+            "admission_waiting": runner.get("shopper_admission_waiting", float("nan")),
+            "prompts_in_flight": runner.get("shopper_prompts_in_flight", float("nan")),
+            "prompts_emitted": runner.get("shopper_prompts_emitted_total", float("nan")),
+            "insights_written": runner.get("shopper_insights_written_total", float("nan")),
+            "replicas_running": replicas.running,
+            "replicas_waiting": replicas.waiting,
+        }
+        time.sleep(KILL_WAIT_S)
+        calls_before_kill = Replicas.read(state.llm_endpoints).minus(before).requests
+        job.metrics_port = free_port()
+        first = spawn_child(job, log)
+    totals.append(finish_child(first, log))
+    if producer is not None:
+        producer.join()
+    seconds = time.monotonic() - started
+    spent = Replicas.read(state.llm_endpoints).minus(before)
+    return Run(
+        scenario=scenario,
+        policy=str(totals[-1]["policy"]),
+        repeat=repeat,
+        killed=kill_at_calls is not None,
+        calls=spent.requests,
+        aborted=spent.aborted,
+        prompts=int(totals[-1]["accounting"]["prompts"]),
+        totals=totals,
+        reader=read_back(state, job, stream),
+        seconds=seconds,
+        calls_before_kill=calls_before_kill,
+        at_kill=at_kill,
+    )
+
+
+def describe_run(run: Run) -> str:
+    r = run.reader
+    kill = (
+        f" killed after {run.calls_before_kill:.0f} calls "
+        f"({run.at_kill.get('llm_in_flight', 0):.0f} in flight)"
+        if run.killed
+        else ""
+    )
+    return (
+        f"  {run.scenario} {run.policy} #{run.repeat} {'killed' if run.killed else 'clean'}:{kill} "
+        f"calls {run.calls:.0f} (aborted {run.aborted:.0f}), results {r.results} = insights {r.insights} "
+        f"+ superseded {r.superseded} + errors {r.errors}, replayed {r.replayed}, "
+        f"uncovered events {r.uncovered_events}, dead letters {r.dead_letters}/{r.malformed}, "
+        f"ledger orphans {r.ledger_orphans}, {run.seconds:.1f} s"
+    )
+
+
+# ---- the arms ----------------------------------------------------------------------------------------
+@dataclass
+class Pair:
+    clean: Run
+    killed: Run
+
+    @property
+    def repaid(self) -> float:
+        return self.killed.calls - self.clean.calls
+
+    @property
+    def share(self) -> float:
+        return self.repaid / max(1, self.clean.reader.results)
+
+
+def backlog_stream(state: StackState, events: int, shoppers: int, seed: int) -> Stream:
+    topic = f"kr-ev-{uuid.uuid4().hex[:8]}"
+    create_topics(state.kafka_bootstrap, [topic], 4)
+    produce(
+        state.kafka_bootstrap,
+        topic,
+        events=events,
+        shoppers=shoppers,
+        rate=None,
+        malformed_rate=MALFORMED_RATE,
+        seed=seed,
+    )
+    ids, malformed = stream_records(events, shoppers, seed)
+    return Stream(topic, events, ids, malformed)
+
+
+def paced_stream(
+    state: StackState, events: int, shoppers: int, seed: int, rate: float
+) -> tuple[Stream, threading.Thread]:
+    """A topic of its own, and the producer thread that fills it at ``rate`` (started by the run)."""
+    topic = f"kr-ev-{uuid.uuid4().hex[:8]}"
+    create_topics(state.kafka_bootstrap, [topic], 4)
+    producer = threading.Thread(
+        target=produce,
+        args=(state.kafka_bootstrap, topic),
+        kwargs={
+            "events": events,
+            "shoppers": shoppers,
+            "rate": rate,
+            "malformed_rate": MALFORMED_RATE,
+            "seed": seed,
+            "realtime_ts": True,
+        },
+        daemon=True,
+    )
+    ids, malformed = stream_records(events, shoppers, seed)
+    return Stream(topic, events, ids, malformed), producer
+
+
+def pair(
+    state: StackState,
+    state_dir: Path,
+    logs: Path,
+    *,
+    scenario: str,
+    policy: str | None,
+    repeat: int,
+    events: int,
+    shoppers: int,
+    kill_at: float,
+    rate: float | None,
+    endpoints: list[str] | None = None,
+) -> Pair:
+    """The same stream run clean, then killed at ``kill_at`` of the clean run's calls."""
+    seed = SEED + repeat
+    runs: list[Run] = []
+    stream = backlog_stream(state, events, shoppers, seed) if rate is None else None
+    for killed in (False, True):
+        producer = None
+        if rate is not None:
+            stream, producer = paced_stream(state, events, shoppers, seed, rate)
+        assert stream is not None
+        run = one_run(
+            state,
+            state_dir,
+            logs,
+            stream,
+            scenario=scenario,
+            policy=policy,
+            repeat=repeat,
+            kill_at_calls=max(1.0, kill_at * runs[0].calls) if killed else None,
+            endpoints=endpoints,
+            producer=producer,
+        )
+        print(describe_run(run), flush=True)
+        runs.append(run)
+    return Pair(runs[0], runs[1])
+
+
+def interval(values: list[float]) -> str:
+    """Mean [min, max] of the repeats."""
+    if not values:
+        return "-"
+    return f"{statistics.mean(values):,.1f} [{min(values):,.1f}, {max(values):,.1f}]"
+
+
+def pct_interval(values: list[float]) -> str:
+    if not values:
+        return "-"
+    return f"{statistics.mean(values):.1%} [{min(values):.1%}, {max(values):.1%}]"
+
+
+def summarise(arm: str, pairs: list[Pair]) -> dict[str, Any]:
+    killed = [p.killed for p in pairs]
+    clean = [p.clean for p in pairs]
+    return {
+        "arm": arm,
+        "repeats": len(pairs),
+        "prompts_clean": interval([float(c.reader.results) for c in clean]),
+        "calls_clean": interval([c.calls for c in clean]),
+        "calls_killed": interval([k.calls for k in killed]),
+        "repaid": interval([p.repaid for p in pairs]),
+        "repaid_share": pct_interval([p.share for p in pairs]),
+        "in_flight_at_kill": interval([k.at_kill.get("llm_in_flight", float("nan")) for k in killed]),
+        "skipped_answered": interval([float(k.totals[-1]["overload"]["skipped_answered"]) for k in killed]),
+        "ledger_orphans": interval([float(k.reader.ledger_orphans) for k in killed]),
+        "accounted": all(r.reader.accounted for p in pairs for r in (p.clean, p.killed))
+        and all(r.totals[-1]["balanced"] for p in pairs for r in (p.clean, p.killed)),
+    }
+
+
+ROW_KEYS = (
+    "arm",
+    "repeats",
+    "prompts_clean",
+    "calls_clean",
+    "calls_killed",
+    "repaid",
+    "repaid_share",
+    "in_flight_at_kill",
+    "skipped_answered",
+    "ledger_orphans",
+    "accounted",
+)
+HEADERS = (
+    "arm",
+    "repeats",
+    "prompts (clean)",
+    "calls clean",
+    "calls killed + restarted",
+    "re-paid calls",
+    "re-paid / prompts",
+    "LLM calls in flight at the kill",
+    "answered from the ledger",
+    "ledger orphans",
+    "every event and prompt accounted",
+)
+
+
+def capacity(pairs: list[Pair], events: int) -> float:
+    """Events per second the clean backlog runs drained at (first event to drained), the median."""
+    return float(statistics.median(events / p.clean.totals[-1]["seconds"] for p in pairs))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n")[0])
+    parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--events", type=int, default=4000)
+    parser.add_argument("--shoppers", type=int, default=150, help="shopper produce's stream, as the demo")
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--scenarios", default="backlog,paced", help="comma-separated: backlog, paced")
+    parser.add_argument(
+        "--policies", default="default", help="comma-separated overload policies; default = as shipped"
+    )
+    parser.add_argument("--kill-at", type=float, default=0.4, help="share of the clean run's calls")
+    parser.add_argument("--rate", type=float, default=0.0, help="paced events/s; 0 = 1x measured capacity")
+    parser.add_argument("--name", default="kill_repay", help="results file: bench/results/<name>.json")
+    args = parser.parse_args()
+    if args.child:
+        child()
+        return
+    scenarios = [s for s in args.scenarios.split(",") if s]
+    policies = [None if p == "default" else p for p in args.policies.split(",") if p]
+    state_dir = Path(tempfile.mkdtemp(prefix="bench-kill-repay-"))
+    logs = state_dir / "runs"
+    logs.mkdir()
+    stack = StackSettings(state_dir=state_dir)
+    state = stack_up(stack)
+    print(
+        f"machine: {machine()}; load average {os.getloadavg()[0]:.2f}; {stack.replicas} simulator replicas "
+        f"(time scale {stack.time_scale}); logs in {logs}",
+        flush=True,
+    )
+    out: dict[str, Any] = {
+        "machine": machine(),
+        "replicas": stack.replicas,
+        "time_scale": stack.time_scale,
+        "events": args.events,
+        "shoppers": args.shoppers,
+        "kill_at": args.kill_at,
+        "arms": [],
+        "runs": [],
+    }
+    rows: list[list[object]] = []
+    try:
+        for policy in policies:
+            backlog: list[Pair] = []
+            arms: list[tuple[str, list[Pair]]] = []
+            if "backlog" in scenarios or ("paced" in scenarios and not args.rate):
+                for repeat in range(args.repeats):
+                    backlog.append(
+                        pair(
+                            state,
+                            state_dir,
+                            logs,
+                            scenario="backlog",
+                            policy=policy,
+                            repeat=repeat,
+                            events=args.events,
+                            shoppers=args.shoppers,
+                            kill_at=args.kill_at,
+                            rate=None,
+                        )
+                    )
+                arms.append((f"backlog {args.events}, {backlog[0].clean.policy}", backlog))
+            if "paced" in scenarios:
+                rate = args.rate or capacity(backlog, args.events)
+                paced = [
+                    pair(
+                        state,
+                        state_dir,
+                        logs,
+                        scenario="paced",
+                        policy=policy,
+                        repeat=repeat,
+                        events=args.events,
+                        shoppers=args.shoppers,
+                        kill_at=args.kill_at,
+                        rate=rate,
+                    )
+                    for repeat in range(args.repeats)
+                ]
+                arms.append((f"paced 1x ({rate:.0f} events/s), {paced[0].clean.policy}", paced))
+            for name, pairs in arms:
+                summary = summarise(name, pairs)
+                out["arms"].append(summary)
+                rows.append([summary[k] for k in ROW_KEYS])
+                for p in pairs:
+                    for run in (p.clean, p.killed):
+                        record = asdict(run)
+                        record["reader"].pop("result_ids")
+                        record["arm"] = name
+                        out["runs"].append(record)
+    finally:
+        stack_down(state_dir)
+    out["table"] = print_table(HEADERS, rows)
+    target = results_dir()
+    target.mkdir(parents=True, exist_ok=True)
+    (target / f"{args.name}.json").write_text(json.dumps(out, indent=1, default=str))
+
+
+if __name__ == "__main__":
+    main()
