@@ -47,6 +47,11 @@ def create_app(settings: GatewaySettings, client_config: ClientConfig) -> web.Ap
     app.router.add_get("/metrics", _metrics)
     add_admin_routes(app, client)
     app.cleanup_ctx.append(_client_lifetime)
+
+    async def stop_calls(_: web.Application) -> None:
+        await proxy.close()  # calls kept running for a repeat end with the gateway
+
+    app.on_shutdown.append(stop_calls)
     return app
 
 

@@ -7,10 +7,19 @@ HTTP face in front of them.
 
 from __future__ import annotations
 
+from typing import Literal
+
 from pydantic import Field, SecretStr, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from pipeline.overload import DEFAULT_PER_REPLICA_IN_FLIGHT
 from prompt_assembly.errors import ConfigurationError
+
+Priority = Literal["high", "normal", "low"]
+"""A request's priority class (``x-priority``): under overload ``low`` is refused first, ``high`` last."""
+
+DEFAULT_MAX_WAIT_S: dict[Priority, float] = {"high": 10.0, "normal": 5.0, "low": 2.0}
+"""The longest each class waits for a slot by default: ``low`` gives up first."""
 
 
 class GatewaySettings(BaseSettings):
@@ -57,6 +66,51 @@ class GatewaySettings(BaseSettings):
     deadline_s: float | None = Field(
         None, gt=0, description="whole request, retries and streaming included; default: LLM timeouts"
     )
+
+    # ---- overload (docs/gateway.md, "Overload, supersede, idempotency") ----------------------------
+    per_replica_in_flight: int = Field(
+        DEFAULT_PER_REPLICA_IN_FLIGHT,
+        ge=1,
+        description="requests sent to each routable replica at once (its running batch, max_batch_size); "
+        "more wait in the gateway's queue, in priority order, where they can still be superseded",
+    )
+    max_in_flight: int | None = Field(
+        None, ge=1, description="requests sent to the replicas at once; None = routable replicas x "
+        "per_replica_in_flight"
+    )  # fmt: skip
+    max_waiting: int | None = Field(
+        None, ge=0, description="requests waiting for a slot at most; None = the in-flight limit. A "
+        "request arriving to a full queue pushes out the newest waiter of a lower priority, else is refused"
+    )  # fmt: skip
+    max_wait_s: dict[Priority, float] = Field(
+        default_factory=lambda: dict(DEFAULT_MAX_WAIT_S),
+        description="the longest a request of each priority waits for a slot: refused with 429 at once "
+        "when its predicted wait is longer, and when it has waited this long",
+    )
+    priority_header: str = Field("x-priority", description="high, normal (the default) or low")
+    default_priority: Priority = "normal"
+    session_version_header: str = Field(
+        "x-session-version",
+        description="with the routing-key header: this request supersedes the session's older versions",
+    )
+    cancel_superseded_in_flight: bool = Field(
+        True, description="close the upstream request of a superseded request already sent (else it "
+        "finishes and its caller gets its answer); one still waiting is always dropped"
+    )  # fmt: skip
+    session_versions_kept: int = Field(
+        100_000, ge=1, description="sessions whose newest version is remembered (LRU), so an older "
+        "version arriving late is refused"
+    )  # fmt: skip
+    idempotency_ttl_s: float = Field(
+        600.0, gt=0, description="how long a finished answer is kept for a repeat of its Idempotency-Key"
+    )
+    idempotency_max_bytes: int = Field(
+        256 * 1024 * 1024, ge=0, description="answers kept for repeats, in bytes at most (the oldest "
+        "go first); 0 = keep none (calls in flight are still joined)"
+    )  # fmt: skip
+
+    def wait_bound_s(self, priority: Priority) -> float:
+        return self.max_wait_s.get(priority, self.max_wait_s.get("normal", 5.0))
 
     @model_validator(mode="after")
     def _admin_key_is_its_own(self) -> GatewaySettings:

@@ -15,6 +15,8 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from gateway.idempotency import IdempotencyStore
+from gateway.overload import PRIORITY_CLASS, Admission
 from llm_client.client import LLMClient
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
@@ -50,10 +52,74 @@ class GatewayMetrics:
             ["replica"],
             registry=self.registry,
         )
+        self.superseded = Counter(
+            "gateway_superseded",
+            "Requests superseded by a newer version of their session before they were sent: on "
+            "arrival (older than the session's newest) or while waiting for a slot (dropped from the queue)",
+            ["stage"],
+            registry=self.registry,
+        )
+        self.cancelled = Counter(
+            "gateway_cancelled",
+            "Requests superseded while in flight: their upstream request was closed",
+            registry=self.registry,
+        )
+        self.refused = Counter(
+            "gateway_refused",
+            "Requests answered 429 by the gateway's admission, by priority and reason "
+            "(predicted_wait, queue_full, pushed_out, waited)",
+            ["priority", "reason"],
+            registry=self.registry,
+        )
+        self.idempotent = Counter(
+            "gateway_idempotent",
+            "Requests with an Idempotency-Key answered without an upstream call of their own: joined "
+            "(the call was in flight) or reused (its answer was kept)",
+            ["outcome"],
+            registry=self.registry,
+        )
         self.registry.register(ClientCollector(client))
+
+    def watch(self, admission: Admission, store: IdempotencyStore) -> None:
+        """Read the admission queue and the idempotency store at scrape time."""
+        self.registry.register(OverloadCollector(admission, store))
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+class OverloadCollector(Collector):
+    """The admission queue and the idempotency store, read at scrape time."""
+
+    def __init__(self, admission: Admission, store: IdempotencyStore) -> None:
+        self._admission = admission
+        self._store = store
+
+    def collect(self) -> Iterator[Metric]:
+        admission, store = self._admission, self._store
+        limit = GaugeMetricFamily("gateway_admission_limit", "Requests sent to the replicas at once, at most")
+        limit.add_metric([], admission.limit)
+        active = GaugeMetricFamily("gateway_admission_active", "Requests holding an admission slot")
+        active.add_metric([], admission.gate.active)
+        waiting = GaugeMetricFamily(
+            "gateway_admission_waiting", "Requests waiting for a slot, by priority", labels=["priority"]
+        )
+        for priority in PRIORITY_CLASS:
+            waiting.add_metric([priority], admission.waiting(priority))
+        hold = GaugeMetricFamily(
+            "gateway_admission_mean_hold_seconds",
+            "Moving average of a slot's hold (the predicted wait's unit)",
+        )
+        hold.add_metric([], admission.mean_hold_s or 0.0)
+        kept = GaugeMetricFamily(
+            "gateway_idempotent_kept", "Answers kept for repeats of their Idempotency-Key"
+        )
+        kept.add_metric([], store.kept)
+        kept_bytes = GaugeMetricFamily("gateway_idempotent_kept_bytes", "Bytes of the answers kept")
+        kept_bytes.add_metric([], store.bytes_kept)
+        flying = GaugeMetricFamily("gateway_idempotent_in_flight", "Calls in flight with an Idempotency-Key")
+        flying.add_metric([], store.in_flight)
+        yield from (limit, active, waiting, hold, kept, kept_bytes, flying)
 
 
 class ClientCollector(Collector):

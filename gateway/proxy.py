@@ -27,9 +27,13 @@ from collections.abc import Mapping
 import orjson
 from aiohttp import web
 
-from gateway.config import GatewaySettings
+from gateway.config import GatewaySettings, Priority
+from gateway.flights import Flight, GatewayAnswer, Head
+from gateway.idempotency import IDEMPOTENCY_HEADER, IdempotencyStore, KeyReused, request_digest
 from gateway.metrics import GatewayMetrics
+from gateway.overload import PRIORITY_CLASS, Admission, Refused
 from gateway.route import InvalidRequest, models_route, route_for
+from gateway.supersede import SessionClaims, Version, parse_version, version_text
 from llm_client.client import LLMClient
 from llm_client.errors import (
     AttemptTimeout,
@@ -58,6 +62,15 @@ class OpenAIProxy:
         self.client = client
         self.settings = settings
         self.metrics = metrics
+        self.admission = Admission(
+            settings,
+            lambda: sum(e.routable for e in client.endpoints),
+            lambda refusal: metrics.refused.labels(refusal.priority, refusal.reason).inc(),
+        )
+        self.idempotency = IdempotencyStore(settings.idempotency_ttl_s, settings.idempotency_max_bytes)
+        self.claims = SessionClaims(settings.session_versions_kept)
+        self._flights: set[asyncio.Task[None]] = set()
+        metrics.watch(self.admission, self.idempotency)
 
     async def generate(self, request: web.Request) -> web.StreamResponse:
         started = time.perf_counter()
@@ -67,9 +80,176 @@ class OpenAIProxy:
                 route = await asyncio.to_thread(self._route, body, request.headers)
             else:
                 route = self._route(body, request.headers)
+            priority = self._priority(request.headers)
+            session = self._session(request.headers)
         except InvalidRequest as exc:
             return self._error(request, 400, str(exc), "invalid_request_error", exc.param)
-        return await self._forward(request, "POST", body, route, started)
+        key = request.headers.get(IDEMPOTENCY_HEADER)
+        digest = request_digest("POST", request.path, body)
+        if key is not None:
+            try:
+                found = self.idempotency.find(key, digest)
+            except KeyReused as exc:
+                return self._error(request, 422, str(exc), "invalid_request_error", IDEMPOTENCY_HEADER)
+            if found is not None:
+                outcome, flight = found
+                self.metrics.idempotent.labels(outcome).inc()
+                return await self._answer(request, flight, started, outcome)
+        flight = Flight(keep_running=key is not None)
+        if session is not None:
+            newer, displaced = self.claims.arrive(*session, flight)
+            if newer is not None:
+                self.metrics.superseded.labels("arrival").inc()
+                return self._gateway_answer(request, _superseded(session[0], newer, "(it arrived after it)"))
+            if displaced is not None:
+                self._supersede(displaced, session[0], session[1])
+        if key is not None:
+            self.idempotency.track(key, digest, flight)
+        task = asyncio.create_task(self._fly(flight, request.path, body, route, priority, request.headers))
+        flight.start(task)
+        self._flights.add(task)
+        task.add_done_callback(self._flights.discard)
+        task.add_done_callback(lambda _: self._ended(flight, key, session))
+        return await self._answer(request, flight, started, None)
+
+    def _priority(self, headers: Mapping[str, str]) -> Priority:
+        text = headers.get(self.settings.priority_header)
+        if text is None:
+            return self.settings.default_priority
+        value = text.strip().lower()
+        if value not in PRIORITY_CLASS:
+            raise InvalidRequest(
+                f"{self.settings.priority_header} must be one of {sorted(PRIORITY_CLASS)}, not {text!r}",
+                self.settings.priority_header,
+            )
+        return value
+
+    def _session(self, headers: Mapping[str, str]) -> tuple[str, Version] | None:
+        """(session, version) when the caller says which version of its session this is."""
+        header = self.settings.session_version_header
+        text = headers.get(header)
+        if text is None:
+            return None
+        session = headers.get(self.settings.shopper_key_header)
+        if not session:
+            raise InvalidRequest(f"{header} needs the session in {self.settings.shopper_key_header}", header)
+        return session, parse_version(text, header)
+
+    def _supersede(self, flight: Flight, session: str, version: Version) -> None:
+        stage = flight.supersede(
+            _superseded(session, version, ""),
+            cancel_in_flight=self.settings.cancel_superseded_in_flight,
+        )
+        if stage == "waiting":
+            self.metrics.superseded.labels("queued").inc()
+        elif stage == "sent":
+            self.metrics.cancelled.inc()
+
+    def _ended(self, flight: Flight, key: str | None, session: tuple[str, Version] | None) -> None:
+        if key is not None:
+            self.idempotency.ended(key, flight)
+        if session is not None:
+            self.claims.leave(session[0], flight)
+
+    async def _fly(
+        self,
+        flight: Flight,
+        path: str,
+        body: bytes,
+        route: RouteRequest,
+        priority: Priority,
+        caller_headers: Mapping[str, str],
+    ) -> None:
+        """The flight's own task: a slot, the upstream call, the answer into the flight's buffer."""
+        headers = {name: caller_headers[name] for name in FORWARDED_REQUEST_HEADERS if name in caller_headers}
+        try:
+            async with self.admission.slot(priority):
+                flight.sent()
+                async with self.client.forward(
+                    path, body, route, headers=headers, deadline_s=self.settings.deadline_s
+                ) as answer:
+                    streaming = answer.headers.get("content-type", "").startswith("text/event-stream")
+                    flight.answer_head(Head(answer.status, _answer_headers(answer), streaming))
+                    async for chunk in answer.chunks():
+                        flight.append(chunk)
+        except Refused as exc:
+            flight.end(
+                answer=GatewayAnswer(429, "overloaded", str(exc), headers={"Retry-After": exc.retry_after})
+            )
+            return
+        except LLMError as exc:
+            if flight.head is None:
+                status, kind = _error_status(exc)
+                flight.end(answer=GatewayAnswer(status, kind, str(exc), attempts=exc.attempts))
+            else:
+                flight.end(error=exc)
+            return
+        flight.end(complete=True)
+
+    async def _answer(
+        self, request: web.Request, flight: Flight, started: float, note: str | None
+    ) -> web.StreamResponse:
+        """Write ``flight``'s answer to this caller (one of possibly several)."""
+        flight.attach()
+        response: web.StreamResponse | None = None
+        try:
+            head = await flight.wait_head()
+            if isinstance(head, GatewayAnswer):
+                return self._gateway_answer(request, head)
+            headers = dict(head.headers)
+            if note is not None:
+                headers["x-gateway-idempotent"] = note
+            if head.streaming:
+                response = web.StreamResponse(status=head.status, headers=headers)
+                await response.prepare(request)
+                first = True
+                async for chunk in flight.body():
+                    await response.write(chunk)
+                    if first:
+                        self.metrics.first_byte.labels(request.path).observe(time.perf_counter() - started)
+                        first = False
+                if not flight.complete:
+                    return self._cut_off(request, response, flight)
+                await response.write_eof()
+            else:
+                await flight.wait_end()
+                if not flight.complete:
+                    if flight.superseded is not None:
+                        return self._gateway_answer(request, flight.superseded)
+                    error = flight.error
+                    assert error is not None
+                    status, kind = _error_status(error)
+                    return self._error(request, status, str(error), kind, attempts=error.attempts)
+                response = web.Response(body=flight.body_bytes(), status=head.status, headers=headers)
+        except ConnectionResetError:  # the caller went away (its call is stopped unless kept running)
+            self.metrics.requests.labels(request.path, "caller_gone").inc()
+            return response if response is not None else web.Response(status=499)
+        finally:
+            flight.detach()
+        self.metrics.requests.labels(request.path, str(response.status)).inc()
+        self.metrics.latency.labels(request.path).observe(time.perf_counter() - started)
+        return response
+
+    def _cut_off(
+        self, request: web.Request, response: web.StreamResponse, flight: Flight
+    ) -> web.StreamResponse:
+        """Bytes are already with the caller: end its connection without the stream's end."""
+        if flight.error is not None:
+            self.metrics.broken_streams.labels(flight.error.endpoint or "unknown").inc()
+            log.warning("answer broke off mid-stream: %s", flight.error)
+            status = "broken"
+        else:
+            status = "superseded" if flight.superseded is not None else "cancelled"
+        if request.transport is not None:
+            request.transport.close()
+        self.metrics.requests.labels(request.path, status).inc()
+        return response
+
+    async def close(self) -> None:
+        """Stop the calls still running (kept-running ones too): the gateway is stopping."""
+        for task in list(self._flights):
+            task.cancel()
+        await asyncio.gather(*self._flights, return_exceptions=True)
 
     def _route(self, body: bytes, headers: Mapping[str, str]) -> RouteRequest:
         """The policy's view of the body, with the prompt's block hashes already computed when the
@@ -138,6 +318,13 @@ class OpenAIProxy:
                 first = False
         await response.write_eof()
 
+    def _gateway_answer(self, request: web.Request, answer: GatewayAnswer) -> web.Response:
+        response = self._error(
+            request, answer.status, answer.message, answer.kind, answer.param, answer.attempts
+        )
+        response.headers.update(answer.headers)
+        return response
+
     def _error(
         self,
         request: web.Request,
@@ -162,6 +349,15 @@ def _answer_headers(answer: Forwarded) -> dict[str, str]:
     headers["x-gateway-replica"] = answer.endpoint.name
     headers["x-gateway-attempts"] = str(answer.attempts)
     return headers
+
+
+def _superseded(session: str, version: Version, when: str) -> GatewayAnswer:
+    return GatewayAnswer(
+        409,
+        "superseded",
+        f"superseded by version {version_text(version)} of session {session!r} {when}".strip(),
+        headers={"x-gateway-superseded-by": version_text(version)},
+    )
 
 
 def _error_status(exc: LLMError) -> tuple[int, str]:

@@ -1,0 +1,112 @@
+"""Never pay twice: calls with the same ``Idempotency-Key`` share one upstream request.
+
+- While a call with a key is in flight, a second call with that key **joins** it: it gets the same
+  answer (a stream from its first chunk), and the replicas see one request.
+- A call's answer, once read to its end with a 2xx status, is **kept** for ``ttl_s`` and a repeat of
+  the key is answered from it without any upstream call. Kept answers are held in memory, at most
+  ``max_bytes`` of them (the oldest go first), so the store is bounded in time and size; a gateway
+  restart forgets them (the runner's own answer ledger in Redis is the durable record).
+- A key sent again with another body (or path) is refused (422), as the IETF draft
+  ``httpapi-idempotency-key-header`` asks: it is a caller's bug, and answering it with the other
+  body's answer would be wrong.
+
+The store is per gateway process: behind several processes on one port (``reuse_port``) a repeat
+joins only when it lands on the same process.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import time
+from collections import OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Literal
+
+from gateway.flights import Flight, Head
+from prompt_assembly.errors import ShopperError
+
+IDEMPOTENCY_HEADER = "idempotency-key"
+
+Found = Literal["joined", "reused"]
+
+
+class KeyReused(ShopperError):
+    """The key was sent before with another request: answered 422."""
+
+
+def request_digest(method: str, path: str, body: bytes | None) -> bytes:
+    """What a key stands for: the same key must come with the same request."""
+    digest = hashlib.sha256(f"{method} {path}\n".encode())
+    digest.update(body or b"")
+    return digest.digest()
+
+
+@dataclass(slots=True)
+class _Kept:
+    digest: bytes
+    flight: Flight
+    expires: float
+
+
+class IdempotencyStore:
+    def __init__(self, ttl_s: float, max_bytes: int, clock: Callable[[], float] = time.monotonic) -> None:
+        self.ttl_s = ttl_s
+        self.max_bytes = max_bytes
+        self._clock = clock
+        self._flights: dict[str, tuple[bytes, Flight]] = {}
+        self._kept: OrderedDict[str, _Kept] = OrderedDict()
+        self.bytes_kept = 0
+
+    @property
+    def in_flight(self) -> int:
+        return len(self._flights)
+
+    @property
+    def kept(self) -> int:
+        return len(self._kept)
+
+    def find(self, key: str, digest: bytes) -> tuple[Found, Flight] | None:
+        """The call ``key`` stands for: in flight (join it) or answered and kept (reuse it); None when
+        there is none. Raises ``KeyReused`` when ``key`` came with another request."""
+        self._expire()
+        flying = self._flights.get(key)
+        if flying is not None:
+            if flying[0] != digest:
+                raise KeyReused(f"Idempotency-Key {key!r} was sent before with another request")
+            return "joined", flying[1]
+        kept = self._kept.get(key)
+        if kept is not None:
+            if kept.digest != digest:
+                raise KeyReused(f"Idempotency-Key {key!r} was sent before with another request")
+            return "reused", kept.flight
+        return None
+
+    def track(self, key: str, digest: bytes, flight: Flight) -> None:
+        """``flight`` is the call for ``key`` from now until it ends (``ended``)."""
+        self._flights[key] = (digest, flight)
+
+    def ended(self, key: str, flight: Flight) -> None:
+        """``flight`` ended: keep its answer when it is a whole 2xx answer that fits."""
+        flying = self._flights.get(key)
+        if flying is None or flying[1] is not flight:
+            return
+        del self._flights[key]
+        head = flight.head
+        if not (flight.complete and isinstance(head, Head) and 200 <= head.status < 300):
+            return  # an error or a broken answer: a repeat calls again
+        if flight.size > self.max_bytes:
+            return
+        self._kept[key] = _Kept(flying[0], flight, self._clock() + self.ttl_s)
+        self.bytes_kept += flight.size
+        while self.bytes_kept > self.max_bytes:
+            self._drop_oldest()
+
+    def _expire(self) -> None:
+        now = self._clock()
+        while self._kept and next(iter(self._kept.values())).expires <= now:
+            self._drop_oldest()
+
+    def _drop_oldest(self) -> None:
+        _, kept = self._kept.popitem(last=False)
+        self.bytes_kept -= kept.flight.size

@@ -1,0 +1,73 @@
+"""Latest wins, per session, at the gateway: a request may supersede the same session's older one.
+
+A caller sends the session in the routing-key header (``x-session-id``) and its version in
+``x-session-version`` (``N``, or ``EPOCH.N`` as the pipeline's ``(session_epoch, seq)``; compared as
+numbers, part by part). A newer version takes the session over: the older call is dropped from the
+admission queue if it still waits there, or its upstream request is closed if it was sent
+(``Flight.supersede``); a request older than the session's newest version is superseded on arrival.
+The same version again (without a shared ``Idempotency-Key``, which joins instead) counts as newer:
+the latest arrival wins.
+
+This is ``pipeline.latest_wins`` for HTTP callers. It is kept apart because ``ShopperClaims`` is typed on
+the pipeline's ``PromptRequest`` and its enrichment task; the rule is the same. The newest version of
+each session is remembered after its call ended (an LRU of ``kept`` sessions), so a version that
+arrives late, after a newer one was answered, is refused too.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass
+
+from gateway.flights import Flight
+from gateway.route import InvalidRequest
+
+Version = tuple[int, int]
+
+
+def parse_version(text: str, header: str) -> Version:
+    """``N`` or ``EPOCH.N``, non-negative integers; anything else is a 400."""
+    parts = text.strip().split(".")
+    if len(parts) > 2 or not all(p.isdigit() for p in parts):
+        raise InvalidRequest(f"{header} must be N or EPOCH.N (non-negative integers), not {text!r}", header)
+    numbers = [int(p) for p in parts]
+    return (0, numbers[0]) if len(numbers) == 1 else (numbers[0], numbers[1])
+
+
+def version_text(version: Version) -> str:
+    return f"{version[0]}.{version[1]}" if version[0] else str(version[1])
+
+
+@dataclass(slots=True)
+class _Newest:
+    version: Version
+    flight: Flight | None
+
+
+class SessionClaims:
+    def __init__(self, kept: int) -> None:
+        self.kept = kept
+        self._newest: OrderedDict[str, _Newest] = OrderedDict()
+
+    def arrive(self, session: str, version: Version, flight: Flight) -> tuple[Version | None, Flight | None]:
+        """(the newer version that supersedes this arrival, or None; the call this arrival displaces,
+        or None)."""
+        current = self._newest.get(session)
+        if current is not None and current.version > version:
+            self._newest.move_to_end(session)
+            return current.version, None
+        self._newest[session] = _Newest(version, flight)
+        self._newest.move_to_end(session)
+        while len(self._newest) > self.kept:
+            self._newest.popitem(last=False)
+        displaced = None if current is None or current.flight is flight else current.flight
+        return None, displaced
+
+    def leave(self, session: str, flight: Flight) -> None:
+        """``flight`` ended: forget the call, keep the version."""
+        current = self._newest.get(session)
+        if current is not None and current.flight is flight:
+            current.flight = None
+
+    def __len__(self) -> int:
+        return len(self._newest)
