@@ -59,9 +59,16 @@ class RunnerSettings(BaseSettings):
         "consistent_random", "consistent", "murmur2_random", "murmur2", "fnv1a_random", "fnv1a"
     ] = Field(
         "consistent_random",
-        description="where an event whose Kafka key is not its shopper id is produced again, keyed by "
-        "it (runner.repartition): the partitioner of the producers that key correctly; librdkafka's "
-        "default (confluent-kafka, kcat, shopper produce), murmur2_random for Java clients",
+        description="which partition of the repartition topic gets the copy of an event whose Kafka "
+        "key is not its shopper id, keyed by it (runner.repartition): the partitioner of the producers "
+        "that key correctly; librdkafka's default (confluent-kafka, kcat, shopper produce), "
+        "murmur2_random for Java clients",
+    )
+    repartition_topic: str | None = Field(
+        None,
+        description="the topic the re-keyed copies go to and are read back from (runner.repartition): "
+        "None = '{topic}.{group_id}.repartition'. Created at start with the event topic's partition "
+        "count and replication where it does not exist; one with another partition count is refused",
     )
     kafka_max_poll_interval_ms: int = Field(
         60_000,
@@ -104,6 +111,12 @@ class RunnerSettings(BaseSettings):
     llm: ClientConfig = Field(default_factory=ClientConfig)
     enrichment: EnrichmentSettings = Field(default_factory=EnrichmentSettings)
     sinks: SinkSettings = Field(default_factory=SinkSettings)
+
+    @property
+    def repartition_topic_name(self) -> str:
+        """The repartition topic: ``repartition_topic``, or one named after the event topic and the
+        group (each group re-keys into its own, so one group's copies are never read by another)."""
+        return self.repartition_topic or f"{self.topic}.{self.group_id}.repartition"
 
     @model_validator(mode="before")
     @classmethod

@@ -8,7 +8,8 @@ This module wires the parts and runs them; each concern is a module of its own, 
 - ``sessions``: the sessions held in memory and their eviction; ``session_store``: sessions in Redis;
 - ``prompt_flight``: prompts in flight, their results stored;
 - ``trigger_loop`` and ``timers``: pending triggers fired on the wall clock;
-- ``repartition``: events whose Kafka key is not their shopper id, produced again keyed by it;
+- ``repartition``: events whose Kafka key is not their shopper id, produced keyed by it to the
+  runner's repartition topic (subscribed with the event topic) and applied from there;
 - ``commits`` and ``epochs``: the durable point and offset commits, and what may be committed;
 - ``handover`` and ``assignment``: the rebalance hand-over, and what this member owns;
 - ``progress``, ``metrics``/``health``/``ops_server``, ``logs``: counters, the progress line,
@@ -50,6 +51,7 @@ from typing import TypeVar
 
 import redis.asyncio as aioredis
 from confluent_kafka import Consumer, Producer
+from confluent_kafka.admin import AdminClient
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
@@ -74,7 +76,7 @@ from runner.metrics import RunnerMetrics
 from runner.ops_server import OpsServer
 from runner.progress import ProgressLine, RunnerStats, cached_lag_by_partition
 from runner.prompt_flight import PromptFlight
-from runner.repartition import Deliveries, Repartitioner
+from runner.repartition import Deliveries, Repartitioner, ensure_topic
 from runner.session_store import RedisSessionStore, SessionDelta
 from runner.sessions import SessionCache
 from runner.timers import TimerQueue
@@ -133,9 +135,19 @@ class EmbeddedRunner:
     async def run(self) -> RunnerStats:
         s = self.settings
         self.loop = asyncio.get_running_loop()
+        kafka = {"bootstrap.servers": s.bootstrap_servers, **librdkafka_properties(s.kafka_security)}
+        repartition_topic = s.repartition_topic_name
+        await asyncio.to_thread(  # before anything is opened: a topic that cannot be made stops it here
+            ensure_topic,
+            AdminClient(dict[str, str | int | float | bool](kafka)),
+            s.topic,
+            repartition_topic,
+            grace_s=s.unknown_topic_grace_s,
+            bootstrap=s.bootstrap_servers,
+            log=self.log,
+        )
         redis = s.sinks.redis_client()  # ACL user, password and CA from SinkSettings
         self.store = self._session_store(redis, s.sinks.redis_key_prefix)
-        kafka = {"bootstrap.servers": s.bootstrap_servers, **librdkafka_properties(s.kafka_security)}
         producer = Producer({**kafka, "linger.ms": 20, "log.connection.close": False})
         self.dead_letters = DeadLetterPublisher(
             producer,
@@ -155,7 +167,7 @@ class EmbeddedRunner:
             }
         )
         self.rekeyer = Repartitioner(
-            rekey_producer, s.topic, self.log, deliver_max_wait_s=s.sink_retry.max_wait_s
+            rekey_producer, repartition_topic, self.log, deliver_max_wait_s=s.sink_retry.max_wait_s
         )
         self.checkpoint = Checkpoint(
             build_sinks(s.sinks, SinkResources(redis=redis, kafka=kafka)),
@@ -169,9 +181,12 @@ class EmbeddedRunner:
             await self.checkpoint.close()
             await redis.aclose()
             raise
-        self.consumer = Consumer(self.ingest.consumer_config())
+        # The range assignor gives partition p of both topics to one member (runner.repartition).
+        self.consumer = Consumer({**self.ingest.consumer_config(), "partition.assignment.strategy": "range"})
         self.consumer.subscribe(
-            [s.topic], on_assign=self.handover.on_assign, on_revoke=self.handover.on_revoke
+            [s.topic, repartition_topic],
+            on_assign=self.handover.on_assign,
+            on_revoke=self.handover.on_revoke,
         )
         for sig in (signal.SIGTERM, signal.SIGINT):
             with contextlib.suppress(NotImplementedError, RuntimeError):
@@ -291,16 +306,23 @@ class EmbeddedRunner:
         return self._stopping.is_set()
 
     def assigned_partitions(self) -> list[int]:
-        return self.assignment.numbers()
+        """Partition numbers: ``p`` of the event topic and of the repartition topic come together."""
+        return sorted(set(self.assignment.numbers()))
 
     def session_resets(self) -> int:
         checkpoint: Checkpoint | None = getattr(self, "checkpoint", None)  # made in run(), dropped after
         return 0 if checkpoint is None else checkpoint.session_resets
 
     def lag_by_partition(self) -> dict[int, int]:
-        """Per assigned partition, from the watermarks the consumer last saw (no broker round trip)."""
+        """Per assigned partition number, from the watermarks the consumer last saw (no broker round
+        trip): the event topic's and the repartition topic's partition of that number together."""
+        lag: dict[int, int] = {}
         assignment = list(self.assignment.partitions)
-        return cached_lag_by_partition(self.consumer, assignment) if assignment else {}
+        for topic in {tp.topic for tp in assignment}:
+            owned = [tp for tp in assignment if tp.topic == topic]
+            for partition, behind in cached_lag_by_partition(self.consumer, owned).items():
+                lag[partition] = lag.get(partition, 0) + behind
+        return lag
 
     def cached_lag(self) -> int | None:
         """Lag from the watermarks the consumer last saw (no broker round trip)."""

@@ -5,10 +5,11 @@
     ShopperError                       prompt_assembly.errors
     └── RunnerError                    the embedded runner cannot go on
         ├── ConsumerFailed             a Kafka consumer error no retry can fix: a fatal error, a
-        │                              refused login or TLS handshake, a missing topic
+        │                              refused login or TLS handshake, a missing topic, a
+        │                              repartition topic that cannot be made (``runner.repartition``)
         ├── DeadLettersUndelivered     the DLQ took no delivery for ``sink_retry.max_wait_s``
-        ├── RekeyUndelivered           an event re-keyed by shopper id was not delivered back to
-        │                              the event topic (``runner.repartition``)
+        ├── RekeyUndelivered           an event re-keyed by shopper id was not delivered to the
+        │                              repartition topic (``runner.repartition``)
         └── SessionStoreUnavailable    the session store (Redis) answered no load for
                                        ``sink_retry.max_wait_s``
 
@@ -47,7 +48,7 @@ class DeadLettersUndelivered(RunnerError):
 
 
 class RekeyUndelivered(RunnerError):
-    """A copy of a mis-keyed event, keyed by its shopper id, was refused by the event topic or not
+    """A copy of a mis-keyed event, keyed by its shopper id, was refused by the repartition topic or not
     acknowledged within ``sink_retry.max_wait_s``: the runner stops without committing past its
     original, and a restart replays the original and produces the copy again."""
 

@@ -46,9 +46,8 @@ class RebalanceHandover:
         runner.assignment.partitions = list(partitions)
         runner.assignment.generation += 1
         assert runner.loop is not None
-        runner.loop.call_soon_threadsafe(
-            self._start_rearm, runner.assignment.generation, [tp.partition for tp in partitions]
-        )
+        numbers = sorted({tp.partition for tp in partitions})  # p of both topics (runner.repartition)
+        runner.loop.call_soon_threadsafe(self._start_rearm, runner.assignment.generation, numbers)
 
     def on_revoke(self, consumer: Consumer, partitions: list[TopicPartition]) -> None:
         """Hand the partitions over durable and committed, waiting at most ``revoke_timeout_s``: the

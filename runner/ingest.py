@@ -17,7 +17,6 @@ from typing import TYPE_CHECKING, TypeVar
 from confluent_kafka import KafkaError, KafkaException, Message
 
 from pipeline.kafka_security import librdkafka_properties
-from pipeline.topic_ends import topic_lag
 from prompt_assembly.events import MalformedEvent, parse_event, record_time_s
 from runner.consumer_errors import UNKNOWN_TOPIC, UnknownTopicWatch, classify, consumer_failed, topic_missing
 from runner.epochs import Epoch
@@ -254,7 +253,10 @@ class Ingest:
         if time.monotonic() - self._last_message_at < self.settings.drain_idle_s:
             return False
         try:
-            lag = await asyncio.to_thread(topic_lag, runner.consumer, self.settings.topic, partitions)
+            # the event topic, the repartition topic and copies not yet delivered (runner.repartition)
+            lag = await asyncio.to_thread(
+                runner.rekeyer.behind, runner.consumer, self.settings.topic, partitions
+            )
         except KafkaException:  # the broker is away: not caught up, keep consuming (it waits)
             return False
         return lag == 0

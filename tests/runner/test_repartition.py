@@ -1,12 +1,14 @@
 """Events a producer sent unkeyed or keyed by something else are re-keyed by shopper id before any
-session sees them.
+session sees them, through the runner's own repartition topic.
 
 The runner owns sessions by partition. Tried as a new user would, with a plain producer: an unkeyed
 event lands on a random partition, a mis-keyed one on its key's, so with two runners in the group a
 shopper had a session on each, each saving its own header over the other's. Now a record whose key
-is not its shopper id is produced again to the event topic keyed by it (its original committed only
-once the copy is acknowledged), and counted as ``rekeyed``. Two runners, four partitions, the real
-broker and Redis.
+is not its shopper id is produced to the repartition topic keyed by it (its original committed only
+once the copy is acknowledged), counted as ``rekeyed``, and the copy is applied by the member that owns
+the shopper's partition. The copies go to a topic of their own: the event topic holds only what the
+producers sent, so its other consumers never read an event twice. Two runners, four partitions, the
+real broker and Redis.
 """
 
 from __future__ import annotations
@@ -18,9 +20,10 @@ import uuid
 import orjson
 import pytest
 import redis.asyncio as aioredis
-from confluent_kafka import Consumer, Producer, TopicPartition
+from confluent_kafka import Consumer, KafkaError, Producer, TopicPartition
 
 from runner.embedded import EmbeddedRunner
+from runner.repartition import REKEYED_FROM, header_names
 from runner.session_store import RedisSessionStore
 from tests.conftest import Isolated
 from tests.fault_kit import RunnerLog, wait_until
@@ -44,36 +47,57 @@ def shopper_records(sid: str, start: float) -> list[tuple[bytes | None, bytes]]:
     return [(key, view(sid, start + i * VIEW_GAP_S)) for i, key in enumerate(keys)]
 
 
-def partitions_by_key(bootstrap: str, topic: str) -> dict[bytes | None, set[int]]:
-    """Every key on the topic, and the partitions holding records with it."""
-    reader = Consumer({"bootstrap.servers": bootstrap, "group.id": f"reader-{uuid.uuid4().hex}"})
-    found: dict[bytes | None, set[int]] = {}
-    try:
-        ends = {
-            p: reader.get_watermark_offsets(TopicPartition(topic, p), timeout=10)[1]
-            for p in range(PARTITIONS)
+Placed = list[tuple[bytes | None, int, list[str]]]
+"""(key, partition, header names) of each record of a topic."""
+
+
+def placed_records(bootstrap: str, topic: str, expect: int) -> Placed:
+    """Every record on the topic (at least ``expect``, read to each partition's end, which a watermark
+    cannot tell on Tansu: its ListOffsets counts batches): key, partition and headers' names."""
+    reader = Consumer(
+        {
+            "bootstrap.servers": bootstrap,
+            "group.id": f"reader-{uuid.uuid4().hex}",
+            "enable.partition.eof": True,
+            "enable.auto.commit": False,
         }
+    )
+    found: Placed = []
+    at_end: set[int] = set()
+    try:
         reader.assign([TopicPartition(topic, p, 0) for p in range(PARTITIONS)])
-        seen = dict.fromkeys(range(PARTITIONS), 0)
         deadline = time.monotonic() + 60
-        while any(seen[p] < end for p, end in ends.items()):
-            assert time.monotonic() < deadline, f"read {seen} of {ends}"
+        while len(at_end) < PARTITIONS or len(found) < expect:
+            assert time.monotonic() < deadline, f"{topic}: read {len(found)}, partitions at end {at_end}"
             message = reader.poll(0.5)
-            if message is None or message.error():
+            if message is None:
                 continue
-            partition = message.partition()
+            partition, error = message.partition(), message.error()
             assert partition is not None
-            seen[partition] = (message.offset() or 0) + 1
-            found.setdefault(message.key(), set()).add(partition)
+            if error is not None:
+                if error.code() == KafkaError._PARTITION_EOF:
+                    at_end.add(partition)
+                continue
+            at_end.discard(partition)
+            found.append((message.key(), partition, header_names(message)))
     finally:
         reader.close()
+    return found
+
+
+def partitions_by_key(placed: Placed) -> dict[bytes | None, set[int]]:
+    """Every key, and the partitions holding records with it."""
+    found: dict[bytes | None, set[int]] = {}
+    for key, partition, _ in placed:
+        found.setdefault(key, set()).add(partition)
     return found
 
 
 def test_unkeyed_and_mis_keyed_events_reach_their_shoppers_one_session(isolated: Isolated) -> None:
     bootstrap = isolated.stack.kafka_bootstrap
     logs = [RunnerLog(), RunnerLog()]
-    runners = [EmbeddedRunner(isolated.runner(until_drained=False), log=log) for log in logs]
+    settings = isolated.runner(until_drained=False)
+    runners = [EmbeddedRunner(settings, log=log) for log in logs]
     start = time.time() - 600
     sent = {f"shopper-{i:02d}": shopper_records(f"shopper-{i:02d}", start) for i in range(SHOPPERS)}
     events = sum(len(records) for records in sent.values())
@@ -124,11 +148,20 @@ def test_unkeyed_and_mis_keyed_events_reach_their_shoppers_one_session(isolated:
         assert sessions.get(sid) == want, f"{sid}: not one session holding all its events"
     accts = [r.stats.accounting for r in runners]
     assert sum(a.rekeyed for a in accts) == misplaced
+    assert sum(a.consumed for a in accts) == events + misplaced, "each copy consumed once"
     assert sum(a.duplicates for a in accts) == 0
     assert sum(a.prompts for a in accts) == 0
     assert all(a.balanced for a in accts), accts
     exposition = b"".join(r.metrics.exposition() for r in runners).decode()
     assert f"shopper_events_rekeyed_total {float(accts[0].rekeyed)}" in exposition
 
-    placed = partitions_by_key(bootstrap, isolated.topic)
+    on_events = placed_records(bootstrap, isolated.topic, events)
+    assert len(on_events) == events, "the event topic holds copies: its other consumers read them twice"
+    placed = partitions_by_key(on_events)
     assert all(len(placed[sid.encode()]) == 1 for sid in sent), "a shopper's keyed records on two partitions"
+    copies = placed_records(bootstrap, settings.repartition_topic_name, misplaced)
+    assert len(copies) == misplaced
+    assert all(REKEYED_FROM in names for _, _, names in copies), "a copy that does not name its original"
+    assert partitions_by_key(copies) == {key: placed[key] for key in {key for key, _, _ in copies}}, (
+        "a copy on another partition number than its shopper's keyed records"
+    )
