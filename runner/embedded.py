@@ -51,7 +51,6 @@ from typing import TypeVar
 
 import redis.asyncio as aioredis
 from confluent_kafka import Consumer, Producer
-from confluent_kafka.admin import AdminClient
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
@@ -139,11 +138,11 @@ class EmbeddedRunner:
         repartition_topic = s.repartition_topic_name
         await asyncio.to_thread(  # before anything is opened: a topic that cannot be made stops it here
             ensure_topic,
-            AdminClient(dict[str, str | int | float | bool](kafka)),
+            {**kafka, "log.connection.close": False},
             s.topic,
             repartition_topic,
+            group_id=s.group_id,
             grace_s=s.unknown_topic_grace_s,
-            bootstrap=s.bootstrap_servers,
             log=self.log,
         )
         redis = s.sinks.redis_client()  # ACL user, password and CA from SinkSettings

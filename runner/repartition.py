@@ -34,6 +34,7 @@ from __future__ import annotations
 import asyncio
 import re
 import time
+from collections import deque
 from collections.abc import Callable, Iterable
 from typing import Any, Protocol
 
@@ -42,7 +43,7 @@ from confluent_kafka.admin import AdminClient, NewTopic  # type: ignore[attr-def
 
 from pipeline.topic_ends import topic_lag
 from prompt_assembly.events import ShopperEvent
-from runner.consumer_errors import topic_missing
+from runner.consumer_errors import classify, consumer_failed, topic_missing
 from runner.errors import ConsumerFailed, RekeyUndelivered
 
 QUEUE_FULL_WAIT_S = 0.1
@@ -74,33 +75,46 @@ def _repartition_failed(message: str, code: str, topic: str) -> ConsumerFailed:
 
 
 def ensure_topic(
-    admin: AdminClient,
+    kafka: dict[str, Any],
     source: str,
     topic: str,
     *,
+    group_id: str,
     grace_s: float,
-    bootstrap: str,
     log: Callable[[str], None],
 ) -> int:
     """Make sure ``topic`` exists with ``source``'s partition count (created with its replication when
-    it does not); returns that count. Blocking: run it on a thread.
+    it does not); returns that count. Blocking: run it on a thread. ``kafka``: the client properties.
 
     ``source`` may be unknown for a while (created moments before, its metadata not yet everywhere):
     it is waited for ``grace_s`` and then the runner stops, as it would on the consumer's report
-    (``runner.consumer_errors.topic_missing``); a broker that does not answer is waited for. A
-    repartition topic with another partition count is refused: partition ``p`` of both topics must
-    hold the same shoppers (``TOPIC_NAME`` and the count are checked before anything is consumed)."""
+    (``runner.consumer_errors.topic_missing``). A broker that does not answer is waited for; an error
+    no retry can fix (a refused login or TLS handshake) stops the runner as the consumer's would
+    (``runner.consumer_errors.classify``). A repartition topic with another partition count is
+    refused: partition ``p`` of both topics must hold the same shoppers."""
+    bootstrap = str(kafka.get("bootstrap.servers", ""))
     if TOPIC_NAME.fullmatch(topic) is None or topic == source:
         raise _repartition_failed(
             f"not a topic name of its own (letters, digits, '.', '_', '-'; not the event topic {source!r})",
             "INVALID_TOPIC",
             topic,
         )
+    errors: deque[KafkaError] = deque()
+    admin = AdminClient({**kafka, "error_cb": errors.append})  # type: ignore[dict-item]
     first_unknown: float | None = None
     while True:
         try:
             topics = admin.list_topics(timeout=5).topics
         except KafkaException as exc:
+            if exc.args and isinstance(exc.args[0], KafkaError):
+                errors.append(exc.args[0])
+            admin.poll(0)  # serves error_cb: a TLS or login refusal is reported only there
+            while errors:
+                error = errors.popleft()
+                if classify(error) in ("fatal", "denied"):
+                    raise consumer_failed(
+                        error, topic=source, group_id=group_id, bootstrap=bootstrap
+                    ) from None
             log(f"repartition topic: the broker did not answer ({exc}); waiting")
             time.sleep(METADATA_WAIT_S)
             continue
@@ -121,12 +135,12 @@ def ensure_topic(
             future.result(timeout=30)
             log(f"repartition topic {topic} created: {partitions} partitions, replication {replicas}")
         except KafkaException as exc:
-            error = exc.args[0] if exc.args else None
-            if not isinstance(error, KafkaError) or error.code() != KafkaError.TOPIC_ALREADY_EXISTS:
+            refusal = exc.args[0] if exc.args else None
+            if not isinstance(refusal, KafkaError) or refusal.code() != KafkaError.TOPIC_ALREADY_EXISTS:
                 raise _repartition_failed(
                     f"could not be created ({exc}); create it with {partitions} partitions "
                     f"(as {source}), or allow this user to create it",
-                    error.name() if isinstance(error, KafkaError) else "CREATE_FAILED",
+                    refusal.name() if isinstance(refusal, KafkaError) else "CREATE_FAILED",
                     topic,
                 ) from None
         return partitions
