@@ -56,8 +56,10 @@ from devstack.processes import free_port
 from devstack.stack import StackSettings, StackState, load_state, sink_settings, stack_down, stack_up
 from devstack.synthetic import SyntheticStream
 from llm_client.config import ClientConfig
-from pipeline.enrichment import EnrichmentSettings
+from pipeline.enrichment import Enricher, EnrichmentSettings
+from pipeline.latest_wins import Claim
 from pipeline.overload import OverloadSettings
+from prompt_assembly.records import EnrichmentResult, PromptRequest, ShopperInsight
 from runner.config import RunnerSettings
 from shopper.producer import produce
 from shopper.readback import list_s3_records, read_dlq
@@ -84,6 +86,8 @@ class Job:
     prefix: str
     policy: str | None
     metrics_port: int | None
+    calls_log: str = ""
+    """Where the process appends one line per model call it starts and ends (``CallLog``)."""
     endpoints: list[str] | None = None
     """LLM endpoints instead of the stack's replicas (a gateway in front of them)."""
 
@@ -110,15 +114,53 @@ def runner_settings(state: StackState, job: Job) -> RunnerSettings:
     )
 
 
+class CallLog(Enricher):
+    """The runner's enrichment step, unchanged, writing one line per model call to ``path``: ``sent``
+    when it starts (past the ledger, latest wins and the gate), then ``insight``, ``error`` or
+    ``cancelled`` when it ends, and ``recorded`` once the answer is in the ledger. Each line is one
+    ``write`` to a file opened for append, so a SIGKILL leaves every line written before it: which
+    ``request_id`` a killed process had sent, had answered, had recorded."""
+
+    path = ""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+        self._pid = os.getpid()
+
+    def _note(self, what: str, request_id: str) -> None:
+        os.write(self._fd, f"{self._pid} {what} {request_id} {time.time():.4f}\n".encode())
+
+    async def _call(self, prompt: PromptRequest, admission_wait_ms: float) -> EnrichmentResult:
+        self._note("sent", prompt.request_id)
+        try:
+            result = await super()._call(prompt, admission_wait_ms)
+        except BaseException:
+            self._note("cancelled", prompt.request_id)
+            raise
+        self._note(result.kind, prompt.request_id)
+        return result
+
+    async def _answer(
+        self, prompt: PromptRequest, claim: Claim | None = None, admission_wait_ms: float = 0.0
+    ) -> EnrichmentResult:
+        result = await super()._answer(prompt, claim, admission_wait_ms)
+        if self.ledger is not None and isinstance(result, ShopperInsight):
+            self._note("recorded", prompt.request_id)
+        return result
+
+
 def child() -> None:
     """Run one runner process until drained; print its totals as one JSON line."""
     import asyncio
 
-    from runner.embedded import EmbeddedRunner
+    import runner.embedded as embedded
 
     job = Job(**json.loads(sys.stdin.read()))
     settings = runner_settings(load_state(Path(job.state_dir)), job)
-    runner = EmbeddedRunner(settings, log=lambda line: print(line, file=sys.stderr, flush=True))
+    CallLog.path = job.calls_log
+    embedded.Enricher = CallLog  # type: ignore[attr-defined]  # every Enricher the runner makes logs its calls
+    runner = embedded.EmbeddedRunner(settings, log=lambda line: print(line, file=sys.stderr, flush=True))
     stats = asyncio.run(runner.run())
     ended = time.monotonic()
     enricher = runner.enricher
@@ -258,6 +300,7 @@ class Reader:
     ledger_answers: int = 0
     ledger_orphans: int = 0
     """Answers recorded in the ledger whose ``request_id`` has no stored result."""
+    uncovered_sample: list[str] = field(default_factory=list)
     result_ids: list[str] = field(default_factory=list, repr=False)
 
     @property
@@ -292,7 +335,61 @@ def read_back(state: StackState, job: Job, stream: Stream) -> Reader:
         malformed=stream.malformed,
         ledger_answers=len(ledger),
         ledger_orphans=len(ledger - set(by_id)),
+        uncovered_sample=sorted(stream.valid_ids - covered)[:5],
         result_ids=sorted(by_id),
+    )
+
+
+@dataclass
+class Calls:
+    """The model calls of a run by ``request_id``, from the processes' ``CallLog`` lines."""
+
+    sent: int = 0
+    """Calls started, all processes."""
+    sent_again: int = 0
+    """``request_id``s the restarted process sent that the killed one had sent too."""
+    again_by_fate: dict[str, int] = field(default_factory=dict)
+    """Of those, what had become of the killed process's call: ``in_flight`` (no answer yet),
+    ``answered_unrecorded`` (an insight not yet in the ledger), ``recorded`` (in the ledger: it should
+    not have been sent again), ``cancelled`` (a newer prompt of the shopper won), ``error``."""
+    in_flight_at_kill: int = 0
+    """Calls the killed process had started and not ended."""
+    only_killed_run: int = 0
+    """Distinct ``request_id``s sent in this run and never in the clean run of the same stream."""
+    ids: set[str] = field(default_factory=set, repr=False)
+
+
+def read_calls(path: Path, killed_pid: int | None, clean: set[str] | None) -> Calls:
+    fate: dict[str, str] = {}
+    first: set[str] = set()
+    second: set[str] = set()
+    sent = 0
+    if path.exists():
+        for line in path.read_text().splitlines():
+            pid, what, request_id, _ = line.split(" ", 3)
+            mine = int(pid) == killed_pid
+            if what == "sent":
+                sent += 1
+                (first if mine else second).add(request_id)
+                if mine:
+                    fate[request_id] = "in_flight"
+            elif mine:
+                if what == "insight":
+                    fate[request_id] = "answered_unrecorded"
+                elif what in {"recorded", "cancelled", "error"}:
+                    fate[request_id] = what
+    again = first & second
+    by_fate: dict[str, int] = {}
+    for request_id in again:
+        by_fate[fate[request_id]] = by_fate.get(fate[request_id], 0) + 1
+    ids = first | second
+    return Calls(
+        sent=sent,
+        sent_again=len(again),
+        again_by_fate=by_fate,
+        in_flight_at_kill=sum(1 for f in fate.values() if f == "in_flight"),
+        only_killed_run=0 if clean is None else len(ids - clean),
+        ids=ids,
     )
 
 
@@ -312,6 +409,7 @@ class Run:
     seconds: float
     calls_before_kill: float = 0.0
     at_kill: dict[str, float] = field(default_factory=dict)
+    by_id: Calls = field(default_factory=Calls)
 
 
 def one_run(
@@ -324,11 +422,13 @@ def one_run(
     policy: str | None,
     repeat: int,
     kill_at_calls: float | None,
+    clean_ids: set[str] | None = None,
     endpoints: list[str] | None = None,
     producer: threading.Thread | None = None,
 ) -> Run:
     """Clean (``kill_at_calls`` None) or killed once the replicas have received that many calls."""
     tag = uuid.uuid4().hex[:8]
+    name = f"{scenario}-{policy or 'default'}-{repeat}-{'killed' if kill_at_calls else 'clean'}-{tag}"
     job = Job(
         state_dir=str(state_dir),
         topic=stream.topic,
@@ -338,44 +438,51 @@ def one_run(
         prefix=f"kr-{tag}:",
         policy=policy,
         metrics_port=free_port(),
+        calls_log=str(logs / f"{name}.calls"),
         endpoints=endpoints,
     )
     create_topics(state.kafka_bootstrap, [job.dlq, job.insights], 4)
     reset_caches(state.llm_endpoints)
-    log = logs / f"{scenario}-{policy or 'default'}-{repeat}-{'killed' if kill_at_calls else 'clean'}.log"
+    log = logs / f"{name}.log"
     before = Replicas.read(state.llm_endpoints)
     started = time.monotonic()
     if producer is not None:
         producer.start()
-    first = spawn_child(job, log)
-    totals: list[dict[str, Any]] = []
+    process = spawn_child(job, log)
     at_kill: dict[str, float] = {}
     calls_before_kill = 0.0
-    if kill_at_calls is not None:
-        while Replicas.read(state.llm_endpoints).minus(before).requests < kill_at_calls:
-            if first.poll() is not None:
-                raise RuntimeError(f"the runner ended before the kill point; see {log}")
-            time.sleep(0.05)
-        runner = scrape(f"http://127.0.0.1:{job.metrics_port}/metrics")
-        replicas = Replicas.read(state.llm_endpoints)
-        os.killpg(first.pid, signal.SIGKILL)
-        first.wait()
-        at_kill = {
-            "seconds": time.monotonic() - started,
-            "llm_in_flight": runner.get("shopper_llm_in_flight", float("nan")),
-            "admission_active": runner.get("shopper_admission_active", float("nan")),
-            "admission_waiting": runner.get("shopper_admission_waiting", float("nan")),
-            "prompts_in_flight": runner.get("shopper_prompts_in_flight", float("nan")),
-            "prompts_emitted": runner.get("shopper_prompts_emitted_total", float("nan")),
-            "insights_written": runner.get("shopper_insights_written_total", float("nan")),
-            "replicas_running": replicas.running,
-            "replicas_waiting": replicas.waiting,
-        }
-        time.sleep(KILL_WAIT_S)
-        calls_before_kill = Replicas.read(state.llm_endpoints).minus(before).requests
-        job.metrics_port = free_port()
-        first = spawn_child(job, log)
-    totals.append(finish_child(first, log))
+    killed_pid: int | None = None
+    try:
+        if kill_at_calls is not None:
+            while Replicas.read(state.llm_endpoints).minus(before).requests < kill_at_calls:
+                if process.poll() is not None:
+                    raise RuntimeError(f"the runner ended before the kill point; see {log}")
+                time.sleep(0.05)
+            runner = scrape(f"http://127.0.0.1:{job.metrics_port}/metrics")
+            replicas = Replicas.read(state.llm_endpoints)
+            os.killpg(process.pid, signal.SIGKILL)
+            process.wait()
+            killed_pid = process.pid
+            at_kill = {
+                "seconds": time.monotonic() - started,
+                "llm_in_flight": runner.get("shopper_llm_in_flight", float("nan")),
+                "admission_active": runner.get("shopper_admission_active", float("nan")),
+                "admission_waiting": runner.get("shopper_admission_waiting", float("nan")),
+                "prompts_in_flight": runner.get("shopper_prompts_in_flight", float("nan")),
+                "prompts_emitted": runner.get("shopper_prompts_emitted_total", float("nan")),
+                "insights_written": runner.get("shopper_insights_written_total", float("nan")),
+                "replicas_running": replicas.running,
+                "replicas_waiting": replicas.waiting,
+            }
+            time.sleep(KILL_WAIT_S)
+            calls_before_kill = Replicas.read(state.llm_endpoints).minus(before).requests
+            job.metrics_port = free_port()
+            process = spawn_child(job, log)
+        totals = [finish_child(process, log)]
+    finally:
+        if process.poll() is None:  # this run failed or was interrupted: its runner goes with it
+            os.killpg(process.pid, signal.SIGKILL)
+            process.wait()
     if producer is not None:
         producer.join()
     seconds = time.monotonic() - started
@@ -393,6 +500,7 @@ def one_run(
         seconds=seconds,
         calls_before_kill=calls_before_kill,
         at_kill=at_kill,
+        by_id=read_calls(Path(job.calls_log), killed_pid, clean_ids),
     )
 
 
@@ -409,7 +517,10 @@ def describe_run(run: Run) -> str:
         f"calls {run.calls:.0f} (aborted {run.aborted:.0f}), results {r.results} = insights {r.insights} "
         f"+ superseded {r.superseded} + errors {r.errors}, replayed {r.replayed}, "
         f"uncovered events {r.uncovered_events}, dead letters {r.dead_letters}/{r.malformed}, "
-        f"ledger orphans {r.ledger_orphans}, {run.seconds:.1f} s"
+        f"ledger orphans {r.ledger_orphans}, {run.seconds:.1f} s; by request_id: sent {run.by_id.sent}, "
+        f"sent again {run.by_id.sent_again} {run.by_id.again_by_fate}, "
+        f"in flight at the kill {run.by_id.in_flight_at_kill}, ids not in the clean run "
+        f"{run.by_id.only_killed_run}"
     )
 
 
@@ -499,6 +610,7 @@ def pair(
             policy=policy,
             repeat=repeat,
             kill_at_calls=max(1.0, kill_at * runs[0].calls) if killed else None,
+            clean_ids=runs[0].by_id.ids if killed else None,
             endpoints=endpoints,
             producer=producer,
         )
@@ -589,6 +701,7 @@ def main() -> None:
     if args.child:
         child()
         return
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # the finally below stops the stack
     scenarios = [s for s in args.scenarios.split(",") if s]
     policies = [None if p == "default" else p for p in args.policies.split(",") if p]
     state_dir = Path(tempfile.mkdtemp(prefix="bench-kill-repay-"))
@@ -659,6 +772,7 @@ def main() -> None:
                     for run in (p.clean, p.killed):
                         record = asdict(run)
                         record["reader"].pop("result_ids")
+                        record["by_id"].pop("ids")
                         record["arm"] = name
                         out["runs"].append(record)
     finally:
