@@ -23,6 +23,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Literal
 
+import orjson
+
 from gateway.flights import Flight, Head
 from prompt_assembly.errors import ShopperError
 
@@ -36,9 +38,15 @@ class KeyReused(ShopperError):
 
 
 def request_digest(method: str, path: str, body: bytes | None) -> bytes:
-    """What a key stands for: the same key must come with the same request."""
+    """What a key stands for: the same key must come with the same request. A JSON body is compared
+    as its document (keys sorted, no spacing), so a restarted caller that serializes the same request
+    differently still repeats it."""
     digest = hashlib.sha256(f"{method} {path}\n".encode())
-    digest.update(body or b"")
+    try:
+        canonical = orjson.dumps(orjson.loads(body or b"null"), option=orjson.OPT_SORT_KEYS)
+    except orjson.JSONDecodeError:
+        canonical = body or b""
+    digest.update(canonical)
     return digest.digest()
 
 

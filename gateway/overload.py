@@ -58,7 +58,20 @@ class _Waiter:
     klass: int
     arrival: int
     task: asyncio.Task[None]
+    """Its ``AdmissionGate.acquire``."""
+    owner: asyncio.Task[object] | None
+    """The task waiting (the flight's): cancelled when the request is superseded."""
     refusal: Refused | None = None
+
+    @property
+    def live(self) -> bool:
+        """Still waiting: not granted, not refused, not being stopped (a cancellation is handled
+        on the owner's next step, so the gate's own count still includes it for a moment)."""
+        return (
+            self.refusal is None
+            and not self.task.done()
+            and (self.owner is None or not self.owner.cancelling())
+        )
 
 
 class Admission:
@@ -91,7 +104,7 @@ class Admission:
         return self.settings.max_waiting if self.settings.max_waiting is not None else self.limit
 
     def waiting(self, priority: Priority) -> int:
-        return sum(1 for w in self._waiters if w.priority == priority and not w.task.done())
+        return sum(1 for w in self._waiters if w.priority == priority and w.live)
 
     def predicted_wait_s(self, priority: Priority) -> float | None:
         """How long a request of ``priority`` arriving now would wait: the waiters it queues behind
@@ -99,7 +112,7 @@ class Admission:
         if self.mean_hold_s is None:
             return None
         klass = PRIORITY_CLASS[priority]
-        ahead = sum(1 for w in self._waiters if w.klass <= klass and not w.task.done())
+        ahead = sum(1 for w in self._waiters if w.klass <= klass and w.live)
         return (ahead + 1) / self.limit * self.mean_hold_s
 
     @contextlib.asynccontextmanager
@@ -134,9 +147,10 @@ class Admission:
                     f"for a replica slot, over its {bound:g} s bound",
                 )
             )
-        if gate.waiting >= self.max_waiting:
+        if sum(w.live for w in self._waiters) >= self.max_waiting:
             self._push_out_below(klass, predicted)
-        waiter = _Waiter(priority, klass, rank[1], asyncio.create_task(gate.acquire(rank)))
+        owner = asyncio.current_task()
+        waiter = _Waiter(priority, klass, rank[1], asyncio.create_task(gate.acquire(rank)), owner)
         self._waiters.add(waiter)
         try:
             done, _ = await asyncio.wait({waiter.task}, timeout=bound)
@@ -172,7 +186,7 @@ class Admission:
                     priority,
                     "queue_full",
                     retry,
-                    f"overloaded: {self.gate.waiting} requests of {priority} priority or higher wait for "
+                    f"overloaded: {self.max_waiting} requests of {priority} priority or higher wait for "
                     f"a replica slot (at most {self.max_waiting})",
                 )
             )

@@ -1,0 +1,336 @@
+"""The gateway under overload, against a real simulator replica process over HTTP: a session's newer
+version supersedes its older call (dropped from the queue, or its upstream request closed: the replica
+counts the abort), admission refuses lower priorities first with 429 and ``Retry-After``, and an
+``Idempotency-Key`` makes a repeat join or reuse the call it repeats, so the replica sees one request
+even when the first caller is SIGKILLed mid-call.
+
+Saturation is made, not timed: the test holds the only slot with a stream it does not read to its end,
+so what waits and what is refused depends on the order of arrivals alone.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import sys
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
+
+import aiohttp
+import orjson
+import pytest
+
+from gateway.config import Priority
+from llm_client.client import LLMClient
+from llm_client.config import ClientConfig
+from serving.simulator.launch import REPO_ROOT, SimulatorFleet
+from tests.gateway.test_gateway import TIME_SCALE, chat_body, metric, running_gateway
+
+CHAT = "/v1/chat/completions"
+LONG = {"max_tokens": 600, "ignore_eos": True}
+"""A 600-token answer: over a second at the test's time scale, long enough to act while it runs."""
+SHORT = {"max_tokens": 8}
+PATIENT = {"high": 60.0, "normal": 60.0, "low": 60.0}
+"""Wait bounds no request reaches in these tests, unless a test sets its own."""
+
+
+@pytest.fixture(scope="module")
+async def replica() -> AsyncIterator[str]:
+    async with SimulatorFleet(1, "--time-scale", TIME_SCALE) as fleet:
+        yield fleet.urls[0]
+
+
+@pytest.fixture
+async def http() -> AsyncIterator[aiohttp.ClientSession]:
+    async with aiohttp.ClientSession() as session:
+        yield session
+
+
+async def scrape(http: aiohttp.ClientSession, url: str) -> str:
+    async with http.get(url + "/metrics") as r:
+        return await r.text()
+
+
+async def until(check: Callable[[], Awaitable[bool]], what: str) -> None:
+    """Poll ``check`` until it holds (a bound on a wait, not a timing assertion)."""
+    async with asyncio.timeout(20):
+        while not await check():
+            await asyncio.sleep(0.02)
+
+
+def session_headers(session: str, version: int | str, **more: str) -> dict[str, str]:
+    return {"x-session-id": session, "x-session-version": str(version), **more}
+
+
+async def post(
+    http: aiohttp.ClientSession, url: str, body: dict[str, Any], **headers: str
+) -> tuple[int, Any, Any]:
+    async with http.post(url + CHAT, json=body, headers=headers) as r:
+        return r.status, r.headers, orjson.loads(await r.read())
+
+
+class SlotHolder:
+    """Holds an admission slot with a stream it reads only its first chunk of."""
+
+    def __init__(self, http: aiohttp.ClientSession, gateway: str) -> None:
+        self.http, self.gateway = http, gateway
+        self.response: aiohttp.ClientResponse | None = None
+
+    async def __aenter__(self) -> SlotHolder:
+        self.response = await self.http.post(
+            self.gateway + CHAT, json=chat_body("hold the slot", stream=True, **LONG)
+        )
+        assert self.response.status == 200
+        await self.response.content.readuntil(b"\n\n")
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        assert self.response is not None
+        self.response.close()
+
+
+async def waiting(http: aiohttp.ClientSession, gateway: str, priority: Priority) -> float:
+    return metric(await scrape(http, gateway), "gateway_admission_waiting", priority=priority)
+
+
+# ---- supersede ---------------------------------------------------------------------------------------
+async def test_a_newer_version_drops_the_older_one_from_the_queue(
+    replica: str, http: aiohttp.ClientSession
+) -> None:
+    received = metric(await scrape(http, replica), "sim_requests_total", endpoint="chat")
+    async with running_gateway([replica], "round_robin", per_replica_in_flight=1, max_wait_s=PATIENT) as gw:
+        async with SlotHolder(http, gw.url):
+            older = asyncio.create_task(
+                post(http, gw.url, chat_body("shopper 7, version 1", **SHORT), **session_headers("s7", 1))
+            )
+            await until(lambda: _equals(waiting(http, gw.url, "normal"), 1), "v1 waits")
+            newer = asyncio.create_task(
+                post(http, gw.url, chat_body("shopper 7, version 2", **SHORT), **session_headers("s7", 2))
+            )
+            status, headers, body = await older
+            assert status == 409
+            assert body["error"]["type"] == "superseded"
+            assert headers["x-gateway-superseded-by"] == "2"
+        status, _, _ = await newer  # the slot is free again
+        assert status == 200
+        # A late version 1 (a retry, a reordered sender) is superseded on arrival.
+        status, headers, body = await post(
+            http, gw.url, chat_body("shopper 7, version 1", **SHORT), **session_headers("s7", 1)
+        )
+        assert (status, body["error"]["type"], headers["x-gateway-superseded-by"]) == (409, "superseded", "2")
+        text = await scrape(http, gw.url)
+        assert metric(text, "gateway_superseded_total", stage="queued") == 1
+        assert metric(text, "gateway_superseded_total", stage="arrival") == 1
+        assert metric(text, "gateway_cancelled_total") == 0
+    # The replica saw the slot holder and version 2: version 1 never left the gateway.
+    after = metric(await scrape(http, replica), "sim_requests_total", endpoint="chat")
+    assert after - received == 2
+
+
+@pytest.mark.parametrize("stream", [True, False], ids=["streamed", "not_streamed"])
+async def test_a_newer_version_cancels_the_older_one_in_flight(
+    replica: str, http: aiohttp.ClientSession, stream: bool
+) -> None:
+    before = await scrape(http, replica)
+    received = metric(before, "sim_requests_total", endpoint="chat")
+    finished_tokens = metric(before, "sim_completion_tokens_total")
+    async with running_gateway([replica], "round_robin") as gw:
+        older = asyncio.create_task(
+            http.post(
+                gw.url + CHAT,
+                json=chat_body("shopper 8, version 1", stream=stream, **LONG),
+                headers=session_headers("s8", "3.1"),
+            )
+        )
+        if stream:
+            first = await older
+            assert first.status == 200
+            await first.content.readuntil(b"\n\n")
+        else:
+            await until(lambda: _at_least(_running(http, replica), 1), "version 1 runs at the replica")
+        status, _, newer = await post(
+            http, gw.url, chat_body("shopper 8, version 2", **SHORT), **session_headers("s8", "3.2")
+        )
+        assert status == 200
+        answer = await older
+        if stream:  # bytes were already with the caller: its stream ends without its end
+            with pytest.raises(aiohttp.ClientPayloadError):
+                await answer.read()
+        else:
+            assert answer.status == 409
+            assert orjson.loads(await answer.read())["error"]["type"] == "superseded"
+            assert answer.headers["x-gateway-superseded-by"] == "3.2"
+        answer.close()
+        assert metric(await scrape(http, gw.url), "gateway_cancelled_total") == 1
+        # The replica dropped version 1 unfinished (its connection was closed) and freed its slot: of
+        # the two requests it received, only version 2's tokens were finished.
+        await until(lambda: _equals(_running(http, replica), 0), "the replica's slot is free")
+    after = await scrape(http, replica)
+    assert metric(after, "sim_requests_total", endpoint="chat") - received == 2
+    assert (
+        metric(after, "sim_completion_tokens_total") - finished_tokens == newer["usage"]["completion_tokens"]
+    )
+
+
+# ---- overload, by priority ----------------------------------------------------------------------------
+async def test_a_full_queue_refuses_lower_priorities_first(replica: str, http: aiohttp.ClientSession) -> None:
+    async with running_gateway(
+        [replica], "round_robin", per_replica_in_flight=1, max_waiting=2, max_wait_s=PATIENT
+    ) as gw:
+        async with SlotHolder(http, gw.url):
+
+            def send(priority: str, text: str) -> asyncio.Task[tuple[int, Any, Any]]:
+                return asyncio.create_task(
+                    post(http, gw.url, chat_body(text, **SHORT), **{"x-priority": priority})
+                )
+
+            low = send("low", "low, first")
+            await until(lambda: _equals(waiting(http, gw.url, "low"), 1), "low waits")
+            normal = send("normal", "normal")
+            await until(lambda: _equals(waiting(http, gw.url, "normal"), 1), "normal waits")
+            # The queue is full (2): a high request pushes the low one out ...
+            high = send("high", "high")
+            status, headers, body = await low
+            assert status == 429
+            assert body["error"]["type"] == "overloaded"
+            assert int(headers["Retry-After"]) >= 1
+            # ... and a low request arriving to a queue of better ones is refused at once.
+            status, headers, body = await post(
+                http, gw.url, chat_body("low, second", **SHORT), **{"x-priority": "low"}
+            )
+            assert status == 429 and int(headers["Retry-After"]) >= 1
+            assert not normal.done() and not high.done()
+        assert (await high)[0] == 200 and (await normal)[0] == 200
+        text = await scrape(http, gw.url)
+        assert metric(text, "gateway_refused_total", priority="low", reason="pushed_out") == 1
+        assert metric(text, "gateway_refused_total", priority="low", reason="queue_full") == 1
+        assert metric(text, "gateway_refused_total", priority="normal", reason="queue_full") == 0
+        assert metric(text, "gateway_requests_total", path=CHAT, status="429") == 2
+
+
+async def test_a_wait_past_its_bound_is_refused_with_retry_after(
+    replica: str, http: aiohttp.ClientSession
+) -> None:
+    bounds = {"high": 60.0, "normal": 60.0, "low": 0.1}
+    async with running_gateway([replica], "round_robin", per_replica_in_flight=1, max_wait_s=bounds) as gw:
+        async with SlotHolder(http, gw.url):
+            status, headers, body = await post(
+                http, gw.url, chat_body("browse pause", **SHORT), **{"x-priority": "low"}
+            )
+        assert status == 429 and int(headers["Retry-After"]) >= 1
+        assert "waited" in body["error"]["message"]
+        assert (
+            metric(await scrape(http, gw.url), "gateway_refused_total", priority="low", reason="waited") == 1
+        )
+        status, _, body = await post(http, gw.url, chat_body("x", **SHORT), **{"x-priority": "urgent"})
+        assert status == 400 and body["error"]["param"] == "x-priority"
+
+
+# ---- never pay twice --------------------------------------------------------------------------------
+CALLER = """
+import asyncio, sys, aiohttp
+async def main():
+    async with aiohttp.ClientSession() as http:
+        async with http.post(sys.argv[1], data=sys.argv[2], headers={
+            "content-type": "application/json", "idempotency-key": sys.argv[3]}) as r:
+            await r.read()
+asyncio.run(main())
+"""
+
+
+async def test_a_killed_callers_call_finishes_and_its_repeat_joins_or_reuses_it(
+    replica: str, http: aiohttp.ClientSession
+) -> None:
+    before = await scrape(http, replica)
+    received = metric(before, "sim_requests_total", endpoint="chat")
+    aborted = metric(before, "sim_request_errors_total", reason="aborted")
+    body = chat_body("shopper 9: viewed boots; added boots to cart", **LONG)
+    async with running_gateway([replica], "round_robin") as gw:
+        caller = await asyncio.create_subprocess_exec(
+            sys.executable, "-c", CALLER, gw.url + CHAT, orjson.dumps(body).decode(), "s9:0:4", cwd=REPO_ROOT
+        )
+        await until(lambda: _at_least(_running(http, replica), 1), "the call runs at the replica")
+        os.kill(caller.pid, signal.SIGKILL)  # as the runner dies: its connection closes mid-call
+        await caller.wait()
+        # The restarted caller sends the same call again: it joins the one in flight (or reuses its
+        # answer, had it ended meanwhile).
+        async with http.post(gw.url + CHAT, json=body, headers={"Idempotency-Key": "s9:0:4"}) as r:
+            assert r.status == 200
+            assert r.headers["x-gateway-idempotent"] in ("joined", "reused")
+            first = await r.read()
+        async with http.post(gw.url + CHAT, json=body, headers={"Idempotency-Key": "s9:0:4"}) as r:
+            assert (r.status, r.headers["x-gateway-idempotent"]) == (200, "reused")
+            assert await r.read() == first
+        # The same key with another request is the caller's bug, not a repeat.
+        other = chat_body("another prompt", **SHORT)
+        async with http.post(gw.url + CHAT, json=other, headers={"Idempotency-Key": "s9:0:4"}) as r:
+            assert r.status == 422
+        text = await scrape(http, gw.url)
+        assert (
+            metric(text, "gateway_idempotent_total", outcome="joined")
+            + metric(text, "gateway_idempotent_total", outcome="reused")
+            == 2
+        )
+    after = await scrape(http, replica)
+    assert metric(after, "sim_requests_total", endpoint="chat") - received == 1  # paid once
+    assert metric(after, "sim_request_errors_total", reason="aborted") == aborted  # never aborted
+
+
+async def test_concurrent_streams_with_one_key_share_one_call(
+    replica: str, http: aiohttp.ClientSession
+) -> None:
+    received = metric(await scrape(http, replica), "sim_requests_total", endpoint="chat")
+    body = chat_body("shopper 10: viewed a tent", stream=True, max_tokens=40, ignore_eos=True)
+
+    async def call() -> tuple[str | None, bytes]:
+        async with http.post(gw.url + CHAT, json=body, headers={"Idempotency-Key": "s10:0:1"}) as r:
+            assert r.status == 200 and r.content_type == "text/event-stream"
+            return r.headers.get("x-gateway-idempotent"), await r.read()
+
+    async with running_gateway([replica], "round_robin") as gw:
+        answers = await asyncio.gather(*(call() for _ in range(3)))
+    notes = [note for note, _ in answers]
+    assert notes.count(None) == 1  # one call; the others joined it (or reused it, had it ended)
+    assert all(note in (None, "joined", "reused") for note in notes)
+    assert len({stream for _, stream in answers}) == 1  # every caller got the whole stream, byte for byte
+    assert answers[0][1].rstrip().endswith(b"data: [DONE]")
+    assert metric(await scrape(http, replica), "sim_requests_total", endpoint="chat") - received == 1
+
+
+async def test_llm_client_chat_sends_its_idempotency_key(replica: str, http: aiohttp.ClientSession) -> None:
+    """``LLMClient.chat(idempotency_key=...)`` through the gateway: two calls of one prompt, one request."""
+    received = metric(await scrape(http, replica), "sim_requests_total", endpoint="chat")
+    messages = [{"role": "user", "content": "shopper 11: bought a lamp"}]
+    async with running_gateway([replica], "round_robin") as gw:
+        config = ClientConfig.model_validate({"endpoints": [gw.url], "stream": False})
+        async with LLMClient(config) as client:
+            answers = await asyncio.gather(
+                *(
+                    client.chat(messages, routing_key="s11", max_tokens=30, idempotency_key="s11:0:2")
+                    for _ in range(2)
+                )
+            )
+    assert answers[0].text == answers[1].text
+    assert metric(await scrape(http, replica), "sim_requests_total", endpoint="chat") - received == 1
+
+
+# ---- helpers ----------------------------------------------------------------------------------------
+async def _metric_of(http: aiohttp.ClientSession, url: str, name: str, **labels: str) -> float:
+    return metric(await scrape(http, url), name, **labels)
+
+
+async def _aborted(http: aiohttp.ClientSession, replica: str) -> float:
+    return await _metric_of(http, replica, "sim_request_errors_total", reason="aborted")
+
+
+async def _running(http: aiohttp.ClientSession, replica: str) -> float:
+    return await _metric_of(http, replica, "sim_num_requests_running")
+
+
+async def _equals(value: Awaitable[float], wanted: float) -> bool:
+    return await value == wanted
+
+
+async def _at_least(value: Awaitable[float], wanted: float) -> bool:
+    return await value >= wanted
