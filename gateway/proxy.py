@@ -22,7 +22,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Mapping
+from collections.abc import Coroutine, Mapping
+from typing import Any, TypeVar
 
 import orjson
 from aiohttp import web
@@ -51,6 +52,10 @@ log = logging.getLogger(__name__)
 FORWARDED_REQUEST_HEADERS = ("content-type", "accept")
 """Caller headers the replica sees (besides ``x-session-id``). Never the caller's ``Authorization``:
 the replicas get the gateway's own key (``LLM_SECURITY__API_KEY``), and a caller's key is not theirs."""
+CALLER_CHECK_S = 0.25
+"""How often a waiting request looks whether its caller is still connected."""
+T = TypeVar("T")
+
 PASSED_RESPONSE_HEADERS = ("content-type", "cache-control", "x-replica-id", "x-request-id")
 """Replica headers the caller sees, plus the gateway's ``x-gateway-replica`` and ``x-gateway-attempts``."""
 
@@ -193,7 +198,7 @@ class OpenAIProxy:
         flight.attach()
         response: web.StreamResponse | None = None
         try:
-            head = await flight.wait_head()
+            head = await _unless_caller_leaves(request, flight.wait_head())
             if isinstance(head, GatewayAnswer):
                 return self._gateway_answer(request, head)
             headers = dict(head.headers)
@@ -212,7 +217,7 @@ class OpenAIProxy:
                     return self._cut_off(request, response, flight)
                 await response.write_eof()
             else:
-                await flight.wait_end()
+                await _unless_caller_leaves(request, flight.wait_end())
                 if not flight.complete:
                     if flight.superseded is not None:
                         return self._gateway_answer(request, flight.superseded)
@@ -342,6 +347,25 @@ class OpenAIProxy:
             content_type="application/json",
             headers={"x-gateway-attempts": str(attempts)},
         )
+
+
+async def _unless_caller_leaves(request: web.Request, waiting: Coroutine[Any, Any, T]) -> T:
+    """``waiting``, unless the caller's connection closes first (``ConnectionResetError``). aiohttp does
+    not cancel the handler of a caller that left, and nothing is written to it while its request
+    waits for a slot or for a whole (not streamed) answer: without this check a request queued for
+    nobody would still be sent, under overload when the queue matters most."""
+    task = asyncio.ensure_future(waiting)
+    try:
+        while True:
+            done, _ = await asyncio.wait({task}, timeout=CALLER_CHECK_S)
+            if done:
+                return task.result()
+            transport = request.transport
+            if transport is None or transport.is_closing():
+                raise ConnectionResetError("the caller went away")
+    finally:
+        if not task.done():
+            task.cancel()
 
 
 def _answer_headers(answer: Forwarded) -> dict[str, str]:

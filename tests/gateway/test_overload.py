@@ -227,6 +227,47 @@ async def test_a_wait_past_its_bound_is_refused_with_retry_after(
         assert status == 400 and body["error"]["param"] == "x-priority"
 
 
+async def test_a_predicted_wait_over_the_bound_is_refused_at_once(
+    replica: str, http: aiohttp.ClientSession
+) -> None:
+    """The gateway learns how long a slot is held; a low request that would wait longer than its bound
+    is refused on arrival, while a high one with a longer bound queues and is served."""
+    held_s = 1.0
+    bounds = {"high": 60.0, "normal": 60.0, "low": held_s / 2}
+    async with running_gateway([replica], "round_robin", per_replica_in_flight=1, max_wait_s=bounds) as gw:
+        async with SlotHolder(http, gw.url):
+            await asyncio.sleep(held_s)  # one slot held at least this long: the mean hold is learned
+        async with SlotHolder(http, gw.url):
+            status, headers, body = await post(
+                http, gw.url, chat_body("browse pause", **SHORT), **{"x-priority": "low"}
+            )
+            assert status == 429 and int(headers["Retry-After"]) >= held_s
+            assert "would wait" in body["error"]["message"]
+            high = asyncio.create_task(
+                post(http, gw.url, chat_body("purchase", **SHORT), **{"x-priority": "high"})
+            )
+            await until(lambda: _equals(waiting(http, gw.url, "high"), 1), "high waits")
+        assert (await high)[0] == 200
+        text = await scrape(http, gw.url)
+        assert metric(text, "gateway_refused_total", priority="low", reason="predicted_wait") == 1
+        assert metric(text, "gateway_refused_total", priority="high", reason="predicted_wait") == 0
+
+
+async def test_a_queued_caller_that_leaves_is_never_sent(replica: str, http: aiohttp.ClientSession) -> None:
+    received = metric(await scrape(http, replica), "sim_requests_total", endpoint="chat")
+    async with running_gateway([replica], "round_robin", per_replica_in_flight=1, max_wait_s=PATIENT) as gw:
+        async with SlotHolder(http, gw.url):
+            async with aiohttp.ClientSession() as leaving:
+                queued = asyncio.create_task(post(leaving, gw.url, chat_body("nobody waits", **SHORT)))
+                await until(lambda: _equals(waiting(http, gw.url, "normal"), 1), "it waits")
+                queued.cancel()  # the caller gives up: its connection closes
+            await until(lambda: _equals(waiting(http, gw.url, "normal"), 0), "it leaves the queue")
+        text = await scrape(http, gw.url)
+        assert metric(text, "gateway_requests_total", path=CHAT, status="caller_gone") == 1
+    # Only the slot holder reached the replica.
+    assert metric(await scrape(http, replica), "sim_requests_total", endpoint="chat") - received == 1
+
+
 # ---- never pay twice --------------------------------------------------------------------------------
 CALLER = """
 import asyncio, sys, aiohttp
