@@ -1,6 +1,7 @@
 """The runner judges event time against each record's Kafka timestamp, through the real broker: one cart
 add stamped a day ahead (a device clock) is dead-lettered with an event-time reason and counted, and the
-shopper's later cart adds and purchases are still answered."""
+shopper's later cart adds and purchase still prompt, the newest answered (latest wins, the default
+overload policy, may supersede the older ones)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import time
 
 import orjson
 import pytest
+import redis as sync_redis
 
 from prompt_assembly.events import EVENT_TIME_REASON
 from runner.embedded import EmbeddedRunner
@@ -47,4 +49,10 @@ def test_a_future_stamped_event_is_dead_lettered_and_the_shopper_still_answered(
     assert str(letter["reason"]).startswith(EVENT_TIME_REASON) and "future" in str(letter["original"])
     # One prompt per cart add and purchase, each at once, plus the view's browse pause (which the first
     # cart add, a quiet period later, fires). With the future event accepted, they waited a day.
-    assert acct.prompts == acct.insights == len(later) + 1
+    # Latest wins answers the newest, the purchase; the older ones it may have superseded.
+    assert acct.prompts == acct.insights + acct.superseded == len(later) + 1 and acct.errors == 0
+    client = sync_redis.Redis.from_url(isolated.stack.redis_url)
+    try:
+        assert client.hget(f"{isolated.prefix}signals:s-1", "reason") == b"purchase"
+    finally:
+        client.close()
