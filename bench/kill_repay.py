@@ -33,6 +33,8 @@ Results: ``bench/results/kill_repay.json``.
 from __future__ import annotations
 
 import argparse
+import contextvars
+import inspect
 import json
 import os
 import signal
@@ -87,6 +89,9 @@ class Job:
     policy: str | None
     metrics_port: int | None
     calls_log: str = ""
+    idempotency_key: bool = False
+    """Send each prompt's ``request_id`` as ``Idempotency-Key`` (``LLMClient.chat``), where the
+    enrichment step does not already (``CallLog``)."""
     """Where the process appends one line per model call it starts and ends (``CallLog``)."""
     endpoints: list[str] | None = None
     """LLM endpoints instead of the stack's replicas (a gateway in front of them)."""
@@ -122,17 +127,27 @@ class CallLog(Enricher):
     ``request_id`` a killed process had sent, had answered, had recorded."""
 
     path = ""
+    idempotency_key = False
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self._fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
         self._pid = os.getpid()
+        if self.idempotency_key and "idempotency_key" not in inspect.getsource(Enricher._call):
+            chat = self.client.chat
+
+            async def keyed(*args: Any, **kwargs: Any) -> Any:
+                return await chat(*args, **kwargs, idempotency_key=self._calling.get())
+
+            self.client.chat = keyed  # type: ignore[method-assign]
+        self._calling: contextvars.ContextVar[str | None] = contextvars.ContextVar("calling", default=None)
 
     def _note(self, what: str, request_id: str) -> None:
         os.write(self._fd, f"{self._pid} {what} {request_id} {time.time():.4f}\n".encode())
 
     async def _call(self, prompt: PromptRequest, admission_wait_ms: float) -> EnrichmentResult:
         self._note("sent", prompt.request_id)
+        self._calling.set(prompt.request_id)  # this task's call: the key of a keyed chat
         try:
             result = await super()._call(prompt, admission_wait_ms)
         except BaseException:
@@ -159,6 +174,7 @@ def child() -> None:
     job = Job(**json.loads(sys.stdin.read()))
     settings = runner_settings(load_state(Path(job.state_dir)), job)
     CallLog.path = job.calls_log
+    CallLog.idempotency_key = job.idempotency_key
     embedded.Enricher = CallLog  # type: ignore[attr-defined]  # every Enricher the runner makes logs its calls
     runner = embedded.EmbeddedRunner(settings, log=lambda line: print(line, file=sys.stderr, flush=True))
     stats = asyncio.run(runner.run())
@@ -232,6 +248,28 @@ def create_topics(bootstrap: str, names: list[str], partitions: int) -> None:
         future.result(10)
 
 
+def start_gateway(endpoints: list[str], log: Path) -> tuple[subprocess.Popen[str], str]:
+    """``shopper router serve`` in front of ``endpoints``, at its defaults; returns it and its URL."""
+    argv = [sys.executable, "-m", "shopper", "router", "serve", "--port", "0"]
+    for endpoint in endpoints:
+        argv += ["--endpoint", endpoint]
+    process = subprocess.Popen(
+        argv,
+        stdout=subprocess.PIPE,
+        stderr=log.open("a"),
+        text=True,
+        cwd=REPO,
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+        start_new_session=True,
+    )
+    assert process.stdout is not None
+    for line in process.stdout:
+        if line.startswith("READY "):
+            threading.Thread(target=process.stdout.read, daemon=True).start()  # keep the pipe drained
+            return process, line.split()[1]
+    raise RuntimeError(f"the gateway exited with {process.wait()} before READY; see {log}")
+
+
 def spawn_child(job: Job, log: Path) -> subprocess.Popen[str]:
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     process = subprocess.Popen(
@@ -300,12 +338,14 @@ class Reader:
     ledger_answers: int = 0
     ledger_orphans: int = 0
     """Answers recorded in the ledger whose ``request_id`` has no stored result."""
-    uncovered_sample: list[str] = field(default_factory=list)
+    uncovered: list[str] = field(default_factory=list)
+    """Valid events in no stored result. A clean run has some too: the session's token budget trims a
+    hot shopper's log head before a prompt took those events (``SessionConfig.max_log_tokens``)."""
     result_ids: list[str] = field(default_factory=list, repr=False)
 
     @property
-    def accounted(self) -> bool:
-        return self.uncovered_events == 0 and self.dead_letters == self.malformed
+    def dead_lettered(self) -> bool:
+        return self.dead_letters == self.malformed
 
 
 def read_back(state: StackState, job: Job, stream: Stream) -> Reader:
@@ -335,7 +375,7 @@ def read_back(state: StackState, job: Job, stream: Stream) -> Reader:
         malformed=stream.malformed,
         ledger_answers=len(ledger),
         ledger_orphans=len(ledger - set(by_id)),
-        uncovered_sample=sorted(stream.valid_ids - covered)[:5],
+        uncovered=sorted(stream.valid_ids - covered),
         result_ids=sorted(by_id),
     )
 
@@ -410,6 +450,8 @@ class Run:
     calls_before_kill: float = 0.0
     at_kill: dict[str, float] = field(default_factory=dict)
     by_id: Calls = field(default_factory=Calls)
+    gateway: dict[str, float] = field(default_factory=dict)
+    """The gateway's calls with an ``Idempotency-Key`` by outcome (``gateway_idempotent_total``)."""
 
 
 def one_run(
@@ -423,12 +465,20 @@ def one_run(
     repeat: int,
     kill_at_calls: float | None,
     clean_ids: set[str] | None = None,
-    endpoints: list[str] | None = None,
+    gateway: bool = False,
     producer: threading.Thread | None = None,
 ) -> Run:
-    """Clean (``kill_at_calls`` None) or killed once the replicas have received that many calls."""
+    """Clean (``kill_at_calls`` None) or killed once the replicas have received that many calls.
+    ``gateway``: the runner calls a gateway of this run's own (``shopper router serve``, so no answer
+    kept from another run) and sends ``Idempotency-Key``."""
     tag = uuid.uuid4().hex[:8]
     name = f"{scenario}-{policy or 'default'}-{repeat}-{'killed' if kill_at_calls else 'clean'}-{tag}"
+    router: subprocess.Popen[str] | None = None
+    endpoints = None
+    gateway_counts: dict[str, float] = {}
+    if gateway:
+        router, url = start_gateway(state.llm_endpoints, logs / f"{name}.gateway.log")
+        endpoints = [url]
     job = Job(
         state_dir=str(state_dir),
         topic=stream.topic,
@@ -439,6 +489,7 @@ def one_run(
         policy=policy,
         metrics_port=free_port(),
         calls_log=str(logs / f"{name}.calls"),
+        idempotency_key=gateway,
         endpoints=endpoints,
     )
     create_topics(state.kafka_bootstrap, [job.dlq, job.insights], 4)
@@ -483,6 +534,15 @@ def one_run(
         if process.poll() is None:  # this run failed or was interrupted: its runner goes with it
             os.killpg(process.pid, signal.SIGKILL)
             process.wait()
+        if router is not None:
+            assert endpoints is not None
+            gateway_counts = {
+                k.removeprefix("gateway_idempotent_total{outcome=").rstrip("}"): v
+                for k, v in scrape(f"{endpoints[0]}/metrics").items()
+                if k.startswith("gateway_idempotent_total{")
+            }
+            os.killpg(router.pid, signal.SIGTERM)
+            router.wait(30)
     if producer is not None:
         producer.join()
     seconds = time.monotonic() - started
@@ -501,6 +561,7 @@ def one_run(
         calls_before_kill=calls_before_kill,
         at_kill=at_kill,
         by_id=read_calls(Path(job.calls_log), killed_pid, clean_ids),
+        gateway=gateway_counts,
     )
 
 
@@ -520,7 +581,7 @@ def describe_run(run: Run) -> str:
         f"ledger orphans {r.ledger_orphans}, {run.seconds:.1f} s; by request_id: sent {run.by_id.sent}, "
         f"sent again {run.by_id.sent_again} {run.by_id.again_by_fate}, "
         f"in flight at the kill {run.by_id.in_flight_at_kill}, ids not in the clean run "
-        f"{run.by_id.only_killed_run}"
+        f"{run.by_id.only_killed_run}{f'; gateway {run.gateway}' if run.gateway else ''}"
     )
 
 
@@ -537,6 +598,29 @@ class Pair:
     @property
     def share(self) -> float:
         return self.repaid / max(1, self.clean.reader.results)
+
+    @property
+    def new_ids(self) -> int:
+        """Results of the killed run under a ``request_id`` the clean run has no result for (a prompt
+        re-triggered under another id after the restart)."""
+        return len(set(self.killed.reader.result_ids) - set(self.clean.reader.result_ids))
+
+    @property
+    def lost_events(self) -> int:
+        """Events the clean run has a result for and the killed run has none."""
+        return len(set(self.killed.reader.uncovered) - set(self.clean.reader.uncovered))
+
+    @property
+    def accounted(self) -> bool:
+        """Every event and prompt of the killed run is where the clean run has it: no event lost, every
+        malformed record dead-lettered, every prompt of each finished process with one result, every
+        answer in the ledger belonging to a stored result."""
+        runs = (self.clean, self.killed)
+        return (
+            self.lost_events == 0
+            and all(r.reader.dead_lettered and r.reader.ledger_orphans == 0 for r in runs)
+            and all(bool(t["balanced"]) for r in runs for t in r.totals)
+        )
 
 
 def backlog_stream(state: StackState, events: int, shoppers: int, seed: int) -> Stream:
@@ -590,7 +674,7 @@ def pair(
     shoppers: int,
     kill_at: float,
     rate: float | None,
-    endpoints: list[str] | None = None,
+    gateway: bool = False,
 ) -> Pair:
     """The same stream run clean, then killed at ``kill_at`` of the clean run's calls."""
     seed = SEED + repeat
@@ -611,12 +695,164 @@ def pair(
             repeat=repeat,
             kill_at_calls=max(1.0, kill_at * runs[0].calls) if killed else None,
             clean_ids=runs[0].by_id.ids if killed else None,
-            endpoints=endpoints,
+            gateway=gateway,
             producer=producer,
         )
         print(describe_run(run), flush=True)
         runs.append(run)
     return Pair(runs[0], runs[1])
+
+
+# ---- the Flink job: a TaskManager killed ---------------------------------------------------------------
+def wait_replicas_idle(endpoints: list[str], quiet_s: float = 3.0, timeout_s: float = 300.0) -> None:
+    """Until no replica runs or queues a request and none arrived for ``quiet_s``."""
+    deadline = time.monotonic() + timeout_s
+    last, since = -1.0, time.monotonic()
+    while time.monotonic() < deadline:
+        now = Replicas.read(endpoints)
+        if now.requests != last or now.running or now.waiting:
+            last, since = now.requests, time.monotonic()
+        elif time.monotonic() - since >= quiet_s:
+            return
+        time.sleep(0.2)
+    raise TimeoutError(f"replicas still busy {timeout_s} s after the job committed its input")
+
+
+def flink_run(
+    state: StackState,
+    state_dir: Path,
+    cluster: Any,
+    logs: Path,
+    *,
+    events: int,
+    shoppers: int,
+    repeat: int,
+    kill_at_calls: float | None,
+) -> Run:
+    """The backlog through the Flink job at its defaults (``bench.flink_kit.bench_job``: prompts from
+    event order alone), until the group has committed every record and the replicas are idle; killed:
+    the TaskManager's process group SIGKILLed once the replicas have received ``kill_at_calls`` calls
+    and a new one started at once (``bench.flink_recovery.kill_taskmanager``)."""
+    from confluent_kafka import Producer
+
+    from bench.flink_kit import bench_job, wait_committed
+    from bench.flink_recovery import kill_taskmanager, watch_restart
+    from devstack.flink_cluster import FlinkRest, submit
+
+    tag = uuid.uuid4().hex[:8]
+    settings = bench_job(state, state_dir, tag, {}, live=False)
+    topic = settings.kafka.events_topic
+    seed = SEED + repeat
+    ends: dict[int, int] = {}
+
+    def delivered(error: object, message: Any) -> None:
+        ends[message.partition()] = max(ends.get(message.partition(), 0), message.offset() + 1)
+
+    producer = Producer({"bootstrap.servers": state.kafka_bootstrap, "linger.ms": 5})
+    for key, value, _ in SyntheticStream(shoppers=shoppers, seed=seed, malformed_rate=MALFORMED_RATE).take(
+        events
+    ):
+        producer.produce(topic, key=key, value=value, on_delivery=delivered)
+    producer.flush(30)
+    ids, malformed = stream_records(events, shoppers, seed)
+    stream = Stream(topic, events, ids, malformed)
+    rest = FlinkRest(cluster.web_url)
+    reset_caches(state.llm_endpoints)
+    before = Replicas.read(state.llm_endpoints)
+    started = time.monotonic()
+    job = submit(cluster, settings, config_path=state_dir / "flink" / f"kill-repay-{tag}.json")
+    at_kill: dict[str, float] = {}
+    calls_before_kill = 0.0
+    try:
+        rest.wait_running(job.job_id)
+        if kill_at_calls is not None:
+            while Replicas.read(state.llm_endpoints).minus(before).requests < kill_at_calls:
+                time.sleep(0.05)
+            replicas = Replicas.read(state.llm_endpoints)
+            killed = kill_taskmanager(cluster, state_dir)
+            at_kill = {
+                "seconds": time.monotonic() - started,
+                "replicas_running": replicas.running,
+                "replicas_waiting": replicas.waiting,
+                "llm_in_flight": replicas.running + replicas.waiting,
+            }
+            time.sleep(KILL_WAIT_S)
+            calls_before_kill = Replicas.read(state.llm_endpoints).minus(before).requests
+            at_kill["restart_s"] = watch_restart(rest, job.job_id, killed) - killed
+        wait_committed(state.kafka_bootstrap, settings.kafka.group_id, topic, ends, 900)
+        wait_replicas_idle(state.llm_endpoints)
+    finally:
+        rest.cancel(job.job_id)
+    spent = Replicas.read(state.llm_endpoints).minus(before)
+    reader_job = Job(
+        state_dir=str(state_dir),
+        topic=topic,
+        dlq=settings.kafka.dlq_topic,
+        insights=settings.insights_topic or "",
+        group=settings.kafka.group_id,
+        prefix=settings.sinks.redis_key_prefix,
+        policy=None,
+        metrics_port=None,
+    )
+    reader = read_back(state, reader_job, stream)
+    return Run(
+        scenario="flink",
+        policy=settings.enrichment.overload.policy,
+        repeat=repeat,
+        killed=kill_at_calls is not None,
+        calls=spent.requests,
+        aborted=spent.aborted,
+        prompts=reader.results,
+        totals=[],
+        reader=reader,
+        seconds=time.monotonic() - started,
+        calls_before_kill=calls_before_kill,
+        at_kill=at_kill,
+    )
+
+
+def flink_pairs(
+    state: StackState,
+    state_dir: Path,
+    logs: Path,
+    *,
+    events: int,
+    shoppers: int,
+    repeats: int,
+    kill_at: float,
+) -> list[Pair]:
+    from devstack.flink_cluster import cluster_down, cluster_up
+
+    cluster = cluster_up(state_dir)
+    pairs: list[Pair] = []
+    try:
+        for repeat in range(repeats):
+            clean = flink_run(
+                state,
+                state_dir,
+                cluster,
+                logs,
+                events=events,
+                shoppers=shoppers,
+                repeat=repeat,
+                kill_at_calls=None,
+            )
+            print(describe_run(clean), flush=True)
+            killed = flink_run(
+                state,
+                state_dir,
+                cluster,
+                logs,
+                events=events,
+                shoppers=shoppers,
+                repeat=repeat,
+                kill_at_calls=max(1.0, kill_at * clean.calls),
+            )
+            print(describe_run(killed), flush=True)
+            pairs.append(Pair(clean, killed))
+    finally:
+        cluster_down(state_dir)
+    return pairs
 
 
 def interval(values: list[float]) -> str:
@@ -635,6 +871,10 @@ def pct_interval(values: list[float]) -> str:
 def summarise(arm: str, pairs: list[Pair]) -> dict[str, Any]:
     killed = [p.killed for p in pairs]
     clean = [p.clean for p in pairs]
+
+    def again(fate: str) -> str:
+        return interval([float(k.by_id.again_by_fate.get(fate, 0)) for k in killed])
+
     return {
         "arm": arm,
         "repeats": len(pairs),
@@ -644,39 +884,43 @@ def summarise(arm: str, pairs: list[Pair]) -> dict[str, Any]:
         "repaid": interval([p.repaid for p in pairs]),
         "repaid_share": pct_interval([p.share for p in pairs]),
         "in_flight_at_kill": interval([k.at_kill.get("llm_in_flight", float("nan")) for k in killed]),
-        "skipped_answered": interval([float(k.totals[-1]["overload"]["skipped_answered"]) for k in killed]),
-        "ledger_orphans": interval([float(k.reader.ledger_orphans) for k in killed]),
-        "accounted": all(r.reader.accounted for p in pairs for r in (p.clean, p.killed))
-        and all(r.totals[-1]["balanced"] for p in pairs for r in (p.clean, p.killed)),
+        "answered_from_ledger": interval([float(k.reader.replayed) for k in killed]),
+        "accounted": all(p.accounted for p in pairs),
+        "sent_again": interval([float(k.by_id.sent_again) for k in killed]),
+        "again_in_flight": again("in_flight"),
+        "again_answered_unrecorded": again("answered_unrecorded"),
+        "again_recorded": again("recorded"),
+        "again_cancelled": again("cancelled"),
+        "ledger_orphans": sum(k.reader.ledger_orphans for k in killed),
+        "new_ids": sum(p.new_ids for p in pairs),
+        "lost_events": sum(p.lost_events for p in pairs),
     }
 
 
-ROW_KEYS = (
-    "arm",
-    "repeats",
-    "prompts_clean",
-    "calls_clean",
-    "calls_killed",
-    "repaid",
-    "repaid_share",
-    "in_flight_at_kill",
-    "skipped_answered",
-    "ledger_orphans",
-    "accounted",
+TABLE = (
+    ("arm", "arm"),
+    ("repeats", "repeats"),
+    ("prompts_clean", "prompts (clean run)"),
+    ("calls_clean", "calls, clean"),
+    ("calls_killed", "calls, killed + restarted"),
+    ("repaid", "re-paid calls"),
+    ("repaid_share", "re-paid / prompts"),
+    ("in_flight_at_kill", "LLM calls in flight at the kill"),
+    ("answered_from_ledger", "answered from the ledger"),
+    ("accounted", "every event and prompt accounted"),
 )
-HEADERS = (
-    "arm",
-    "repeats",
-    "prompts (clean)",
-    "calls clean",
-    "calls killed + restarted",
-    "re-paid calls",
-    "re-paid / prompts",
-    "LLM calls in flight at the kill",
-    "answered from the ledger",
-    "ledger orphans",
-    "every event and prompt accounted",
+CAUSES = (
+    ("arm", "arm"),
+    ("sent_again", "request_ids sent by both processes"),
+    ("again_in_flight", "of them in flight at the kill"),
+    ("again_answered_unrecorded", "answered, not yet in the ledger"),
+    ("again_recorded", "in the ledger"),
+    ("again_cancelled", "cancelled by a newer prompt before the kill"),
+    ("ledger_orphans", "ledger orphans"),
+    ("new_ids", "results under ids the clean run lacks"),
+    ("lost_events", "events lost"),
 )
+"""Where the re-sent calls came from (the embedded runner's call log; the Flink job keeps none)."""
 
 
 def capacity(pairs: list[Pair], events: int) -> float:
@@ -690,7 +934,12 @@ def main() -> None:
     parser.add_argument("--events", type=int, default=4000)
     parser.add_argument("--shoppers", type=int, default=150, help="shopper produce's stream, as the demo")
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--scenarios", default="backlog,paced", help="comma-separated: backlog, paced")
+    parser.add_argument(
+        "--scenarios",
+        default="backlog,paced",
+        help="comma-separated: backlog, paced, gateway (the backlog through shopper router serve), "
+        "flink (the backlog through the Flink job on a local cluster, a TaskManager killed)",
+    )
     parser.add_argument(
         "--policies", default="default", help="comma-separated overload policies; default = as shipped"
     )
@@ -725,6 +974,7 @@ def main() -> None:
         "runs": [],
     }
     rows: list[list[object]] = []
+    causes: list[list[object]] = []
     try:
         for policy in policies:
             backlog: list[Pair] = []
@@ -764,20 +1014,59 @@ def main() -> None:
                     for repeat in range(args.repeats)
                 ]
                 arms.append((f"paced 1x ({rate:.0f} events/s), {paced[0].clean.policy}", paced))
+            if "gateway" in scenarios:
+                routed = [
+                    pair(
+                        state,
+                        state_dir,
+                        logs,
+                        scenario="gateway",
+                        policy=policy,
+                        repeat=repeat,
+                        events=args.events,
+                        shoppers=args.shoppers,
+                        kill_at=args.kill_at,
+                        rate=None,
+                        gateway=True,
+                    )
+                    for repeat in range(args.repeats)
+                ]
+                arms.append(
+                    (
+                        f"backlog {args.events} via the gateway, {routed[0].clean.policy}",
+                        routed,
+                    )
+                )
+            if "flink" in scenarios:
+                flink = flink_pairs(
+                    state,
+                    state_dir,
+                    logs,
+                    events=args.events,
+                    shoppers=args.shoppers,
+                    repeats=args.repeats,
+                    kill_at=args.kill_at,
+                )
+                arms.append(
+                    (f"Flink, backlog {args.events}, TaskManager killed, {flink[0].clean.policy}", flink)
+                )
             for name, pairs in arms:
                 summary = summarise(name, pairs)
                 out["arms"].append(summary)
-                rows.append([summary[k] for k in ROW_KEYS])
+                rows.append([summary[k] for k, _ in TABLE])
+                causes.append([summary[k] for k, _ in CAUSES])
                 for p in pairs:
                     for run in (p.clean, p.killed):
                         record = asdict(run)
                         record["reader"].pop("result_ids")
+                        record["reader"]["uncovered"] = len(run.reader.uncovered)
                         record["by_id"].pop("ids")
                         record["arm"] = name
                         out["runs"].append(record)
     finally:
         stack_down(state_dir)
-    out["table"] = print_table(HEADERS, rows)
+    out["table"] = print_table([h for _, h in TABLE], rows)
+    out["causes"] = print_table([h for _, h in CAUSES], causes)
     target = results_dir()
     target.mkdir(parents=True, exist_ok=True)
     (target / f"{args.name}.json").write_text(json.dumps(out, indent=1, default=str))
