@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field, SecretStr, model_validator
+from pydantic import Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from pipeline.overload import DEFAULT_PER_REPLICA_IN_FLIGHT
@@ -109,8 +109,16 @@ class GatewaySettings(BaseSettings):
         "go first); 0 = keep none (calls in flight are still joined)"
     )  # fmt: skip
 
+    @field_validator("max_wait_s", mode="after")
+    @classmethod
+    def _every_priority_bounded(cls, value: dict[Priority, float]) -> dict[Priority, float]:
+        """A setting that names some classes keeps the defaults of the others."""
+        if any(bound <= 0 for bound in value.values()):
+            raise ConfigurationError(f"GATEWAY_MAX_WAIT_S: every bound must be above 0, not {value}")
+        return {**DEFAULT_MAX_WAIT_S, **value}
+
     def wait_bound_s(self, priority: Priority) -> float:
-        return self.max_wait_s.get(priority, self.max_wait_s.get("normal", 5.0))
+        return self.max_wait_s[priority]
 
     @model_validator(mode="after")
     def _admin_key_is_its_own(self) -> GatewaySettings:
