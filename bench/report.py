@@ -28,8 +28,9 @@ from typing import Any
 from bench.common import REPO
 from bench.disagg import SLOS, RatePoint, SetupResult, goodput_text
 from bench.goodput_search import brackets_from_json, goodput_cell
-from bench.routing.report import aggregate_table, load_results, sim_table
-from bench.routing.stats import aggregate
+from bench.routing.report import aggregate_table, llama_table, load_results, sim_table
+from bench.routing.stats import Aggregate, aggregate, ratio_ci
+from serving.simulator.hardware import GPUS
 
 BLOCK = re.compile(
     r"(?P<open><!-- bench:table (?P<name>[a-z_]+)(?P<paths>(?: [^ >]+)+) -->\n)"
@@ -332,6 +333,262 @@ def disagg_goodput(paths: Sequence[Path]) -> str:
     return "\n".join(lines)
 
 
+# ---- routing: kill, llama-server, stress targets, load factor ------------------------------------------
+def _prefill_vs_oracle(r: dict[str, Any]) -> str:
+    return f"{r['prefill_tokens'] / max(1, r['oracle_prefill_tokens_per_shopper']):.2f}x"
+
+
+def routing_kill(paths: Sequence[Path]) -> str:
+    """``python -m bench.routing --setups kill``: the run with a replica SIGKILLed halfway beside the
+    same run without the kill, then what the kill report measured."""
+    (path,) = paths
+    payload = json.loads(path.read_text())
+    lines = [
+        "| run | TTFT mean | TTFT p50 | TTFT p99 | server TTFT | e2e mean | e2e p99 | prefill vs oracle "
+        "| cache hit | max/mean load | lost |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for label, r in (("no kill", payload["reference"]), ("kill", payload["result"])):
+        lost = f"**{r['lost']}**" if label == "kill" else str(r["lost"])
+        lines.append(
+            f"| {label} | {r['ttft_mean_ms']:,.0f} | {r['ttft_p50_ms']:,.0f} | {r['ttft_p99_ms']:,.0f} | "
+            f"{r['server_ttft_mean_ms']:,.0f} | {r['e2e_mean_ms']:,.0f} | {r['e2e_p99_ms']:,.0f} | "
+            f"{_prefill_vs_oracle(r)} | {r['cache_hit_ratio']:.0%} | {r['load_max_over_mean']:.2f} | {lost} |"
+        )
+    kill, extra = payload["result"], payload["result"]["extra"]
+    lines += [
+        "",
+        f"{kill['completed']:,} of {kill['requests']:,} answered, {kill['lost']} lost; the victim ejected "
+        f"{extra['ejected_after_s']:.3f} s (simulated) after the kill at {extra['kill_at_s']:.1f} s; "
+        f"{extra['requests_retried']} requests retried on other replicas (the slowest answer "
+        f"{extra['max_ttft_retried_ms'] / 1000:.1f} s); prefill tokens "
+        f"{extra['prefill_tokens_excess_vs_no_kill']:+,} against the run without the kill.",
+    ]
+    return "\n".join(lines)
+
+
+def routing_llama(paths: Sequence[Path]) -> str:
+    """The llama-server runs of ``python -m bench.routing --setups llama``, as it prints them."""
+    return llama_table([r for r in load_results([str(p) for p in paths]) if r.setup == "llama"])
+
+
+def routing_llama_summary(paths: Sequence[Path]) -> str:
+    """The llama-server runs in the compact form of ``docs/benchmarks.md``."""
+    lines = [
+        "| policy | TTFT mean ms | cached/prompt tokens | ÷ oracle's cached share |",
+        "|---|---|---|---|",
+    ]
+    for r in load_results([str(p) for p in paths]):
+        if r.setup == "llama":
+            lines.append(
+                f"| {r.policy} | {r.ttft_mean_ms:,.0f} | {r.cache_hit_ratio:.2f} | "
+                f"{r.extra.get('cached_share_vs_oracle', 0):.2f} |"
+            )
+    return "\n".join(lines)
+
+
+BASELINE_SHORT = {"round_robin": "rr", "least_outstanding": "lo"}
+
+
+def routing_scenario_targets(paths: Sequence[Path]) -> str:
+    """Per scenario with both baselines, each prefix_aware mode's pooled server-side p99 over the better
+    baseline's with the 95% bootstrap interval of that ratio, prefill over the oracle (over 1.15: a
+    miss) and the worst replay's max/mean load."""
+    by_scenario: dict[str, list[Aggregate]] = {}
+    for a in aggregate(load_results([str(p) for p in paths])):
+        by_scenario.setdefault(a.setup, []).append(a)
+    lines = [
+        "| scenario | mode | server p99 ÷ better baseline (95% CI) | prefill ÷ oracle | max/mean load |",
+        "|---|---|---|---|---|",
+    ]
+    for scenario, found in by_scenario.items():
+        by = {a.policy: a for a in found}
+        if not {"round_robin", "least_outstanding"} <= by.keys():
+            continue
+        best = min(by["round_robin"], by["least_outstanding"], key=lambda a: a.p99)
+        for mode in (p for p in by if p.startswith("prefix_aware")):
+            a = by[mode]
+            ci = ratio_ci(a, best)
+            interval = f" ({ci[0]:.2f}-{ci[1]:.2f})" if ci else ""
+            prefill = f"{a.prefill_vs_oracle:.2f}" + (" **miss**" if a.prefill_vs_oracle > 1.15 else "")
+            lines.append(
+                f"| {scenario} | {mode} | {a.p99 / best.p99:.2f}{interval} ÷ {BASELINE_SHORT[best.policy]} | "
+                f"{prefill} | {a.load_max_over_mean:.2f} |"
+            )
+    return "\n".join(lines)
+
+
+def routing_load_factor(paths: Sequence[Path]) -> str:
+    """The ``load_factor`` ablation: prefix_aware's runs of each file (the first run with the factor
+    changed, the second the sweep at the default), utilisation by utilisation, the default in bold."""
+    ablation, default = paths
+    factor = json.loads(json.loads(ablation.read_text())["args"]["prefix_aware_options"])["load_factor"]
+    runs = [(f"{factor:g}", r) for r in load_results([str(ablation)]) if r.policy == "prefix_aware"] + [
+        ("**1.5**", r) for r in load_results([str(default)]) if r.policy == "prefix_aware"
+    ]
+    lines = [
+        "| util | load_factor | TTFT mean | TTFT p99 | server TTFT | prefill vs oracle | max/mean load |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for label, r in sorted(runs, key=lambda run: (run[1].utilisation, run[0].strip("*") != f"{factor:g}")):
+        server = f"{r.server_ttft_mean_ms:,.0f}" if r.server_ttft_mean_ms is not None else "-"
+        lines.append(
+            f"| {r.utilisation:.0%} | {label} | {r.ttft_mean_ms:,.0f} | {r.ttft_p99_ms:,.0f} | {server} | "
+            f"{r.prefill_tokens / max(1, r.oracle_prefill_tokens_per_shopper):.2f}x | "
+            f"{r.load_max_over_mean:.2f} |"
+        )
+    return "\n".join(lines)
+
+
+# ---- regions: the surge and the lost region, in full -----------------------------------------------------
+SURGE_FULL = re.compile(
+    r"^(?:surge|lost) \| (?P<setup>[^:]+): (?P<prompts>\d+) prompts, (?P<answered>\d+) answered, "
+    r"(?P<errors>\d+) errors; surge-window TTFT p99 (?P<p99>\d+) ms \[(?P<lo>\d+), (?P<hi>\d+)\], whole run "
+    r"p99 (?P<whole>\d+) ms; share east (?P<east>[\d.]+); prefill tokens/request (?P<prefill>\d+); spills "
+    r"(?P<spills>\d+) returns (?P<returns>\d+)",
+    re.MULTILINE,
+)
+
+
+def regions_surge(paths: Sequence[Path]) -> str:
+    """``python -m bench.regions --scenario surge``: each run's surge window, with prefill per request
+    against the same prompts without the surge."""
+    (path,) = paths
+    runs = {m["setup"]: m for m in SURGE_FULL.finditer(json.loads(path.read_text())["report"])}
+    calm = int(runs["no surge"]["prefill"])
+    lines = [
+        "| run | prompts | errors | surge-window TTFT p99 ms [95% CI] | whole run p99 | share east "
+        "| prefill tokens / request | spills / returns |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for setup, m in runs.items():
+        p99 = f"{int(m['p99']):,}"
+        prefill = f"{int(m['prefill']):,}"
+        if setup == "spill-over":
+            p99 = f"**{p99}**"
+        if setup != "no surge":
+            extra = f"{int(m['prefill']) / calm - 1:+.1%}"
+            prefill += f" ({extra} over no surge)" if setup == "spill-over" else f" ({extra})"
+        lines.append(
+            f"| {setup} | {m['prompts']} | {m['errors']} | {p99} [{int(m['lo']):,}, {int(m['hi']):,}] | "
+            f"{int(m['whole']):,} | {float(m['east']):g} | {prefill} | {m['spills']} / {m['returns']} |"
+        )
+    return "\n".join(lines)
+
+
+def regions_lost(paths: Sequence[Path]) -> str:
+    """``python -m bench.regions --scenario lost``: answers and TTFT per 5 s of arrivals, as it printed
+    them (its last table)."""
+    (path,) = paths
+    rows = _printed_rows(json.loads(path.read_text())["report"].split("\n\n")[-1])
+    lines = [
+        "| arrivals | answered | errors | share answered in east | TTFT p50 ms | TTFT p99 ms |",
+        "|---|---|---|---|---|---|",
+    ]
+    for row in rows:
+        lines.append(
+            f"| {row['arrivals']} | {row['answered']} | {row['errors']} | {row['share answered in east']} | "
+            f"{_number(row['TTFT p50 ms']):,.0f} | {_number(row['TTFT p99 ms']):,.0f} |"
+        )
+    return "\n".join(lines)
+
+
+# ---- batch, real time, capacity ---------------------------------------------------------------------------
+def batch_runs(paths: Sequence[Path]) -> str:
+    """``python -m bench.batch``: the fixed-concurrency runs and the adaptive one, then the ratio and
+    the kill-and-resume cost."""
+    (path,) = paths
+    payload = json.loads(path.read_text())
+    top = max(run["concurrency"] for run in payload["fixed_runs"])
+    lines = ["| run | calls/s | steady calls/s | simulated GPU busy |", "|---|---|---|---|"]
+    for run in payload["fixed_runs"]:
+        note = " (the pool's measured maximum)" if run["concurrency"] == top else ""
+        lines.append(
+            f"| fixed concurrency {run['concurrency']}{note} | {run['calls_per_s']:.1f} | "
+            f"{run['steady_calls_per_s']:.1f} | {run['gpu_busy_pct']:.0f}% |"
+        )
+    adaptive, kill = payload["adaptive"], payload["kill"]
+    lines += [
+        f"| adaptive (AIMD), {adaptive['records']:,} records | {adaptive['calls_per_s']:.1f} | "
+        f"{adaptive['steady_calls_per_s']:.1f} | {adaptive['gpu_busy_pct']:.0f}% |",
+        "",
+        f"Adaptive ÷ measured maximum = **{payload['ratio_overall']:.3f}** over the whole job, ramp-up "
+        f"included ({payload['ratio_steady']:.3f} steady). SIGKILL at half, then `resume`: "
+        f"**{kill['records_redone']} records redone ({kill['records_redone_pct']:.2f}%)**.",
+    ]
+    return "\n".join(lines)
+
+
+def _ms(value: float) -> str:
+    """A latency in the precision it is read at: tenths under 100 ms, whole ms above."""
+    return f"{value:.1f}" if value < 100 else f"{value:,.0f}"
+
+
+def realtime_pairs(paths: Sequence[Path]) -> str:
+    """``python -m bench.realtime`` before and after, phase by phase: refusals, late answers, overhead
+    and the service's CPU per request."""
+    before_path, after_path = paths
+    before, after = (json.loads(p.read_text()) for p in (before_path, after_path))
+    lines = [
+        "| phase | service | refused (429) | late answers | overhead p50 / p99 ms | service CPU ms/req |",
+        "|---|---|---|---|---|---|",
+    ]
+    for old, new in zip(before["phases"], after["phases"], strict=True):
+        label = f"{old['offered_rps']:.0f} req/s" + (" (2×)" if "2x" in old["phase"] else "")
+        for name, phase in (("before", old), ("after", new)):
+            refused = str(phase["refused"]) if phase["refused"] else "-"
+            late = f"{phase['late']:,} of {phase['requests']:,} ({phase['late'] / phase['requests']:.1%})"
+            lines.append(
+                f"| {label} | {name} | {refused} | {late} | {_ms(phase['overhead_p50_ms'])} / "
+                f"{_ms(phase['overhead_p99_ms'])} | {phase['cpu_ms_per_request']['service']:.2f} |"
+            )
+    return "\n".join(lines)
+
+
+def capacity_splits(paths: Sequence[Path]) -> str:
+    """``python -m bench.capacity`` and its ``--static`` runs: the same compressed day per split."""
+    lines = [
+        "| split | real-time p99 | degraded | late | batch records in the day |",
+        "|---|---|---|---|---|",
+    ]
+    for path in paths:
+        run = json.loads(path.read_text())
+        mode = run["mode"]
+        split = "shifting controller" if mode == "shifting" else mode.replace("/", " real-time / ") + " batch"
+        lines.append(
+            f"| {split} | {run['rt_p99_ms']:.0f} ms | {run['degraded_pct']:.2f}% | {run['late']:,} | "
+            f"{run['batch_records']:,} |"
+        )
+    return "\n".join(lines)
+
+
+# ---- the simulator's fidelity ------------------------------------------------------------------------------
+def fidelity(paths: Sequence[Path]) -> str:
+    """``python -m bench.fidelity``: simulated output throughput against TensorRT-LLM's published
+    figure, per GPU and ISL/OSL, then the largest error."""
+    (path,) = paths
+    rows = json.loads(path.read_text())["rows"]
+    lines = [
+        "| GPU | ISL/OSL | requests | max batch / tokens (trtllm-bench) | KV blocks | peak running "
+        "| published tok/s | simulated tok/s | error | sim. mean TTFT ms | sim. mean TPOT ms |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        lines.append(
+            f"| {GPUS[r['gpu']].name} | {r['isl']}/{r['osl']} | {r['requests']:,} | "
+            f"{r['max_batch']:,} / {r['max_num_tokens']:,} | {r['kv_blocks']:,} | {r['peak_running']:,} | "
+            f"{r['published_tokens_per_s']:,} | {r['simulated_tokens_per_s']:,.0f} | {r['error']:+.1%} | "
+            f"{r['mean_ttft_ms']:,.0f} | {r['mean_tpot_ms']:.1f} |"
+        )
+    worst = max(rows, key=lambda r: abs(r["error"]))
+    lines += [
+        "",
+        f"Largest error {abs(worst['error']):.1%} ({GPUS[worst['gpu']].name.split()[0]} "
+        f"{worst['isl']}/{worst['osl']}), over {len(rows)} figures.",
+    ]
+    return "\n".join(lines)
+
+
 RENDERERS: dict[str, Callable[[Sequence[Path]], str]] = {
     "printed_table": printed_table,
     "routing_sim": routing_sim,
@@ -342,6 +599,17 @@ RENDERERS: dict[str, Callable[[Sequence[Path]], str]] = {
     "disagg_goodput": disagg_goodput,
     "gateway_latency": gateway_latency,
     "gateway_ceiling": gateway_ceiling,
+    "routing_kill": routing_kill,
+    "routing_llama": routing_llama,
+    "routing_llama_summary": routing_llama_summary,
+    "routing_scenario_targets": routing_scenario_targets,
+    "routing_load_factor": routing_load_factor,
+    "regions_surge": regions_surge,
+    "regions_lost": regions_lost,
+    "batch_runs": batch_runs,
+    "realtime_pairs": realtime_pairs,
+    "capacity_splits": capacity_splits,
+    "fidelity": fidelity,
 }
 
 
@@ -361,28 +629,42 @@ class Block:
         return self.written == self.rendered
 
 
-def render(name: str, paths: Sequence[Path]) -> str:
+Rendered = dict[tuple[str, tuple[Path, ...]], str]
+"""Tables already rendered in one check, by renderer and files: the stress scenarios' bootstrap takes
+seconds, and the same results feed tables in several docs."""
+
+
+def render(name: str, paths: Sequence[Path], cache: Rendered | None = None) -> str:
     if name not in RENDERERS:
         raise ValueError(f"no renderer {name!r}; known: {', '.join(RENDERERS)}")
-    return RENDERERS[name](paths).rstrip("\n") + "\n"
+    key = (name, tuple(paths))
+    if cache is not None and key in cache:
+        return cache[key]
+    table = RENDERERS[name](paths).rstrip("\n") + "\n"
+    if cache is not None:
+        cache[key] = table
+    return table
 
 
-def blocks(doc: Path, text: str | None = None, root: Path = REPO) -> list[Block]:
-    """The generated tables of ``doc`` (its text, or ``text`` in its place), each rendered afresh."""
+def blocks(
+    doc: Path, text: str | None = None, root: Path = REPO, cache: Rendered | None = None
+) -> list[Block]:
+    """The generated tables of ``doc`` (its text, or ``text`` in its place), each rendered afresh (or
+    taken from ``cache``, filled by earlier calls of the same check)."""
     text = doc.read_text() if text is None else text
     found = []
     for match in BLOCK.finditer(text):
         paths = tuple(root / p for p in match["paths"].split())
-        found.append(Block(doc, match["name"], paths, match["body"], render(match["name"], paths)))
+        found.append(Block(doc, match["name"], paths, match["body"], render(match["name"], paths, cache)))
     return found
 
 
-def regenerate(text: str, root: Path = REPO) -> str:
+def regenerate(text: str, root: Path = REPO, cache: Rendered | None = None) -> str:
     """``text`` with every generated table replaced by what its results files give now."""
 
     def one(match: re.Match[str]) -> str:
         paths = [root / p for p in match["paths"].split()]
-        return match["open"] + render(match["name"], paths) + match["close"]
+        return match["open"] + render(match["name"], paths, cache) + match["close"]
 
     return BLOCK.sub(one, text)
 
@@ -396,16 +678,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--write", action="store_true", help="rewrite the tables from their results files")
     args = parser.parse_args(argv)
     stale = 0
+    cache: Rendered = {}
     for doc in documents():
         text = doc.read_text()
-        found = blocks(doc, text)
+        found = blocks(doc, text, cache=cache)
         for block in found:
             status = "ok" if block.current else ("rewritten" if args.write else "DIFFERS")
             stale += not block.current
             paths = " ".join(str(p.relative_to(REPO)) for p in block.paths)
             print(f"{doc.relative_to(REPO)}: {block.name} ({paths}): {status}")
         if args.write and found:
-            doc.write_text(regenerate(text))
+            doc.write_text(regenerate(text, cache=cache))
     return 0 if args.write or not stale else 1
 
 

@@ -2,21 +2,31 @@
 ``<!-- bench:table NAME results... -->`` markers is what ``python -m bench.report`` renders from the
 results JSON it names. ``test_doc_references`` only proves a cited results file exists; this proves the
 numbers copied from it are still its numbers. After a rerun, ``python -m bench.report --write`` updates
-the tables; a hand edit to one of them fails here."""
+the tables; a hand edit to one of them fails here.
+
+Tables are rendered once per test module (``rendered``): the stress scenarios' bootstrap intervals take
+seconds each, and several docs quote the same results."""
 
 from __future__ import annotations
 
 import difflib
 import re
 
+import pytest
+
 from bench.common import REPO
-from bench.report import BLOCK, RENDERERS, blocks, documents, regenerate
+from bench.report import BLOCK, RENDERERS, Rendered, blocks, documents, regenerate
 
 
-def test_every_generated_table_equals_what_its_results_files_give() -> None:
+@pytest.fixture(scope="module")
+def rendered() -> Rendered:
+    return {}
+
+
+def test_every_generated_table_equals_what_its_results_files_give(rendered: Rendered) -> None:
     stale = []
     for doc in documents():
-        for block in blocks(doc):
+        for block in blocks(doc, cache=rendered):
             if not block.current:
                 diff = difflib.unified_diff(
                     block.written.splitlines(), block.rendered.splitlines(), "docs", "results", lineterm=""
@@ -26,11 +36,11 @@ def test_every_generated_table_equals_what_its_results_files_give() -> None:
 
 
 def test_every_renderer_has_a_table_in_the_docs() -> None:
-    used = {block.name for doc in documents() for block in blocks(doc)}
+    used = {match["name"] for doc in documents() for match in BLOCK.finditer(doc.read_text())}
     assert used == set(RENDERERS), f"renderers without a table: {sorted(set(RENDERERS) - used)}"
 
 
-def test_a_hand_edited_number_is_caught_and_regenerated() -> None:
+def test_a_hand_edited_number_is_caught_and_regenerated(rendered: Rendered) -> None:
     doc = REPO / "docs" / "routing.md"
     text = doc.read_text()
     match = next(BLOCK.finditer(text))
@@ -41,6 +51,6 @@ def test_a_hand_edited_number_is_caught_and_regenerated() -> None:
     edited_row = row.replace(number.group(0), f"| {int(number.group(1)) + 1} |", 1)
     edited = text.replace(row, edited_row, 1)
     assert edited != text
-    assert not all(block.current for block in blocks(doc, edited))
-    assert regenerate(edited) == regenerate(text)
-    assert all(block.current for block in blocks(doc, regenerate(edited)))
+    assert not all(block.current for block in blocks(doc, edited, cache=rendered))
+    assert regenerate(edited, cache=rendered) == regenerate(text, cache=rendered)
+    assert all(block.current for block in blocks(doc, regenerate(edited, cache=rendered), cache=rendered))
