@@ -90,7 +90,7 @@ class OpenAIProxy:
         except InvalidRequest as exc:
             return self._error(request, 400, str(exc), "invalid_request_error", exc.param)
         key = request.headers.get(IDEMPOTENCY_HEADER)
-        digest = request_digest("POST", request.path, body)
+        digest = b"" if key is None else request_digest("POST", request.path, body)
         if key is not None:
             try:
                 found = self.idempotency.find(key, digest)
@@ -110,7 +110,9 @@ class OpenAIProxy:
                 self._supersede(displaced, session[0], session[1])
         if key is not None:
             self.idempotency.track(key, digest, flight)
-        task = asyncio.create_task(self._fly(flight, request.path, body, route, priority, request.headers))
+        # The call may outlive this handler (a keyed one whose caller left): it keeps its own copies.
+        headers = {n: request.headers[n] for n in FORWARDED_REQUEST_HEADERS if n in request.headers}
+        task = asyncio.create_task(self._fly(flight, request.path, body, route, priority, headers))
         flight.start(task)
         self._flights.add(task)
         task.add_done_callback(self._flights.discard)
@@ -163,10 +165,9 @@ class OpenAIProxy:
         body: bytes,
         route: RouteRequest,
         priority: Priority,
-        caller_headers: Mapping[str, str],
+        headers: Mapping[str, str],
     ) -> None:
         """The flight's own task: a slot, the upstream call, the answer into the flight's buffer."""
-        headers = {name: caller_headers[name] for name in FORWARDED_REQUEST_HEADERS if name in caller_headers}
         try:
             async with self.admission.slot(priority):
                 flight.sent()
