@@ -138,6 +138,7 @@ def run_demo(
             "prompts",
             "insights",
             "errors",
+            "superseded",
             "unaccounted",
             title="Accounting",
         )
@@ -153,6 +154,7 @@ def run_demo(
                     acct.prompts,
                     acct.insights,
                     acct.errors,
+                    acct.superseded,
                     acct.prompts_unaccounted,
                 )
             )

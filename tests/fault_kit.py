@@ -4,9 +4,10 @@ goes back in time, the reader's accounting of what landed, and the figures each 
 
 The accounting is the reader's, not the runner's: a runner that crashed and replayed counts some events
 twice, a killed one reports nothing. What a reader sees must match the offline oracle
-(``tests.helpers.expected_prompts``): every prompt has a result (insight or error) in S3 once deduplicated
-on ``request_id``, every malformed record has a dead letter, and each shopper's Redis signal is at the
-newest insight S3 holds for it.
+(``tests.helpers.expected_prompts``): every prompt has a result (insight, error, or superseded under
+latest wins, the default overload policy) in S3 once deduplicated on ``request_id``, a superseded prompt
+names a newer prompt of its shopper (``tests.helpers.assert_latest_wins``), every malformed record has
+a dead letter, and each shopper's Redis signal is at the newest insight S3 holds for it.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from collections import Counter
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 import boto3
 import orjson
@@ -46,6 +47,7 @@ from runner.embedded import EmbeddedRunner
 from serving.simulator.launch import simulator_argv
 from shopper.readback import list_s3_records, read_dlq
 from sinks.config import SinkSettings
+from tests.helpers import assert_latest_wins
 
 Record = tuple[bytes, bytes, bool]
 
@@ -101,7 +103,11 @@ class ReaderView:
     dlq_positions: Counter[tuple[int, int]]
     missing_prompts: set[str] = field(default_factory=set)
     conflicting: set[str] = field(default_factory=set)
-    """Request ids stored more than once with different contents (a replay must repeat itself)."""
+    """Request ids stored more than once with different answers (a replay must repeat itself). A
+    superseded copy is no answer: whether a replayed prompt meets its shopper's newer one again
+    depends on timing."""
+    results: list[dict[str, Any]] = field(default_factory=list)
+    """Every result record S3 holds, copies included."""
 
     @property
     def lost(self) -> int:
@@ -144,6 +150,8 @@ def read_back(
     s3_ids = Counter(str(r["request_id"]) for r in records)
     contents: dict[str, set[bytes]] = {}
     for record in records:
+        if record.get("kind") == "superseded":
+            continue
         same = {k: v for k, v in record.items() if k in ("kind", "seq", "understanding", "error_type")}
         contents.setdefault(str(record["request_id"]), set()).add(
             orjson.dumps(same, option=orjson.OPT_SORT_KEYS)
@@ -164,6 +172,7 @@ def read_back(
         dlq_positions=positions,
         missing_prompts=set(expected) - set(s3_ids),
         conflicting={rid for rid, seen in contents.items() if len(seen) > 1},
+        results=records,
     )
 
 
@@ -181,6 +190,7 @@ def assert_fully_accounted(view: ReaderView) -> None:
     assert set(view.s3_ids) == set(view.expected), "S3 holds exactly the expected prompts"
     assert len(view.dlq_positions) == view.malformed_offsets, "every malformed record is dead-lettered"
     assert view.redis_seq == view.insight_seq, "each Redis signal is the newest stored insight"
+    assert_latest_wins(view.expected, view.results)
     assert view.lost == 0
 
 

@@ -82,7 +82,7 @@ def test_runner_over_mutual_tls_kafka_and_tls_redis(isolated: Isolated, tmp_path
         stats = asyncio.run(run())
         acct = stats.accounting  # type: ignore[attr-defined]
         assert acct.balanced and acct.consumed == len(records)
-        assert acct.prompts == len(expected) == acct.insights
+        assert acct.prompts == len(expected) == acct.insights + acct.superseded
 
         client = sync_redis.Redis.from_url(sinks.redis_url, **sinks.redis_connection_kwargs())
         try:
