@@ -305,8 +305,10 @@ class EmbeddedRunner:
         return self._stopping.is_set()
 
     def assigned_partitions(self) -> list[int]:
-        """Partition numbers: ``p`` of the event topic and of the repartition topic come together."""
-        return sorted(set(self.assignment.numbers()))
+        """The event topic's partitions this member owns (``p`` of the repartition topic comes with
+        them: ``runner.repartition``)."""
+        topic = self.settings.topic
+        return sorted(tp.partition for tp in self.assignment.partitions if tp.topic == topic)
 
     def session_resets(self) -> int:
         checkpoint: Checkpoint | None = getattr(self, "checkpoint", None)  # made in run(), dropped after

@@ -41,12 +41,13 @@ class RebalanceHandover:
         no, so nothing resumed it and the runner fetched nothing from it again (the broker-restart
         fault case hung that way now and then)."""
         runner = self.runner
-        runner.log(f"rebalance: assigned partitions {sorted(tp.partition for tp in partitions)}")
+        # The event topic's partitions: p of the repartition topic comes with them (runner.repartition)
+        numbers = sorted(tp.partition for tp in partitions if tp.topic == runner.settings.topic)
+        runner.log(f"rebalance: assigned partitions {numbers}")
         consumer.resume(partitions)
         runner.assignment.partitions = list(partitions)
         runner.assignment.generation += 1
         assert runner.loop is not None
-        numbers = sorted({tp.partition for tp in partitions})  # p of both topics (runner.repartition)
         runner.loop.call_soon_threadsafe(self._start_rearm, runner.assignment.generation, numbers)
 
     def on_revoke(self, consumer: Consumer, partitions: list[TopicPartition]) -> None:
@@ -56,7 +57,10 @@ class RebalanceHandover:
         runner = self.runner
         loop = runner.loop
         assert loop is not None
-        runner.log(f"rebalance: revoking partitions {sorted(tp.partition for tp in partitions)}")
+        topic = runner.settings.topic
+        runner.log(
+            f"rebalance: revoking partitions {sorted(tp.partition for tp in partitions if tp.topic == topic)}"
+        )
         runner.assignment.generation += 1  # a re-arm still running for these partitions arms nothing more
         loop.call_soon_threadsafe(self._cancel_rearms)
         timeout = runner.settings.revoke_timeout_s
