@@ -1,0 +1,718 @@
+"""Overload benchmark (issue 30): the embedded runner at 1x, 2x and 3x of the fleet's measured capacity,
+once per overload policy (``pipeline.overload``: ``fifo``, ``latest_wins``, ``latest_wins_priority``).
+
+The stack: Tansu, Redis, moto and simulated H100 replicas (32B, time scale 1, the simulator's defaults:
+real-sized KV cache, ``guaranteed_no_evict``). Events come from the synthetic stream
+(``devstack.synthetic``: browse, cart, purchase, Zipf-hot shoppers), produced at a fixed rate with
+wall-clock Kafka timestamps.
+
+Capacity is measured first, in the same run: the stream is offered at ``--probe-rate`` (well above
+what the fleet answers) for ``--probe-seconds`` under ``latest_wins`` with in-flight cancelling off (so
+the fleet stays busy and nothing it computes is thrown away); the requests the replicas finish per
+second over the probe's second half is the fleet's capacity in prompts/s, and prompts launched per
+event consumed turns it into events/s. 1x is that event rate; every run also reports the load it
+actually offered (prompts/s due ÷ capacity).
+
+What each run (one policy, one rate, ``--seconds`` of production, the same stream for every policy)
+measures, from the runner's own prompt flight (``runner.prompt_flight``, recorded as it goes):
+
+- a prompt's *trigger instant*: the Kafka timestamp of the event whose arrival made it due (what the
+  runner's freshness uses), or, for a trigger fired by the wall clock (a browse pause, a rate-limited
+  cart add), the instant its timer fired;
+- freshness of a landed signal: trigger instant -> its write to Redis; p50/p99, and p99 of the first
+  and last third of the window (by trigger instant), to show whether it grows;
+- by trigger kind, from the Kafka timestamp of the newest event in the prompt (the policy's own wait
+  included: a browse pause's quiet period, a cart add's rate limit) and from the trigger instant;
+- the age of the shoppers' signals at random instants: 0 when a shopper's signal reflects its newest
+  trigger, else the time since the first trigger it does not reflect yet;
+- tokens at the replicas (``/admin/stats``: prefill computed, decode), per landed insight, and the share
+  spent on prompts whose answer never landed (superseded in flight, errors): all computed tokens less
+  those of the landed insights (their uncached prompt tokens and their completion tokens after the first,
+  which the prefill pass produces);
+- prompts = insights + errors + superseded (queued, cancelled in flight, dropped stale).
+
+    python -m bench.overload [--seconds 120] [--rates 1,2,3] [--arms fifo,latest_wins,latest_wins_priority]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import bisect
+import heapq
+import json
+import os
+import pickle
+import random
+import statistics
+import time
+import urllib.request
+from collections import defaultdict
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import orjson
+from confluent_kafka import Producer
+
+from bench.common import (
+    machine,
+    machine_busy_seconds,
+    paced,
+    percentile,
+    print_table,
+    results_dir,
+    temporary_stack,
+)
+from bench.runner import create_topic, settings_for
+from devstack.stack import StackState
+from devstack.synthetic import SyntheticStream
+from pipeline.enrichment import EnrichmentSettings
+from pipeline.overload import OverloadPolicy, OverloadSettings
+from prompt_assembly.events import parse_event
+from prompt_assembly.processor import SessionConfig, SessionProcessor
+from prompt_assembly.records import EnrichmentResult, PromptRequest, ShopperInsight, Superseded
+from prompt_assembly.session import ShopperSession
+from runner.embedded import EmbeddedRunner
+from runner.prompt_flight import PromptFlight
+
+if TYPE_CHECKING:
+    from runner.epochs import Epoch
+
+ARMS: tuple[OverloadPolicy, ...] = ("fifo", "latest_wins", "latest_wins_priority")
+REPLICAS = 3
+KINDS = ("purchase", "add_to_cart", "browse_pause")
+GROWTH_LIMIT = 1.25
+"""The last third's p99 over the first third's above which freshness counts as growing."""
+
+
+# ---- what the runner did, recorded as it goes ---------------------------------------------------------
+@dataclass(slots=True)
+class Launched:
+    shopper_id: str
+    version: tuple[int, int]
+    reason: str
+    launched_at: float
+    trigger_at: float
+    """Kafka timestamp of the event that made it due, or the launch instant when a timer fired it."""
+    newest_event_id: str | None
+
+
+@dataclass(slots=True)
+class Stored:
+    kind: str
+    stored_at: float
+    cause: str | None = None
+    cancelled_in_flight: bool = False
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    completion_tokens: int = 0
+    enricher_ms: float = 0.0
+    """Admission wait + the model's latency (``ShopperInsight``): from the enricher's start."""
+
+
+class RecordingFlight(PromptFlight):
+    """The runner's prompt flight, noting when each prompt became due and when its result was stored
+    (after ``checkpoint.write``: the Redis signal is written by then)."""
+
+    def __init__(self, runner: EmbeddedRunner) -> None:
+        super().__init__(runner)
+        self.launched: dict[str, Launched] = {}
+        self.stored: dict[str, Stored] = {}
+
+    def launch(self, prompt: PromptRequest, epoch: Epoch, kafka_ts: float | None) -> None:
+        now = time.time()
+        self.launched[prompt.request_id] = Launched(
+            prompt.shopper_id,
+            (prompt.session_epoch, prompt.seq),
+            prompt.reason,
+            now,
+            kafka_ts if kafka_ts else now,
+            prompt.new_event_ids[-1] if prompt.new_event_ids else None,
+        )
+        super().launch(prompt, epoch, kafka_ts)
+
+    async def _store_result(self, result: EnrichmentResult) -> None:
+        await super()._store_result(result)
+        stored = Stored(result.kind, time.time())
+        if isinstance(result, ShopperInsight):
+            stored.prompt_tokens = result.usage.prompt_tokens
+            stored.cached_tokens = result.usage.cached_tokens
+            stored.completion_tokens = result.usage.completion_tokens
+            stored.enricher_ms = result.admission_wait_ms + result.latency_ms
+        elif isinstance(result, Superseded):
+            stored.cause = result.cause
+            stored.cancelled_in_flight = result.cancelled_in_flight
+        self.stored[result.request_id] = stored
+
+
+# ---- the stream ----------------------------------------------------------------------------------------
+def stamped(stream: SyntheticStream, at: float) -> tuple[bytes, bytes, str]:
+    """The stream's next event (its order and mix: Zipf-hot shoppers, bursts, a cart before a
+    purchase), stamped ``at``: event time is the wall clock at send, as on a live site."""
+    key, value, _bad = stream.next_record()
+    event = orjson.loads(value)
+    event["ts"] = at
+    return key, orjson.dumps(event), str(event["event_id"])
+
+
+def produce_paced(
+    bootstrap: str, topic: str, rate: float, seconds: float, shoppers: int, seed: int, sent: dict[str, float]
+) -> None:
+    """The synthetic stream at ``rate`` events/s for ``seconds``, each event's time and Kafka timestamp
+    the wall clock at its send (kept in ``sent`` by event id)."""
+    stream = SyntheticStream(shoppers=shoppers, seed=seed)
+    producer = Producer({"bootstrap.servers": bootstrap, "linger.ms": 5, "log.connection.close": False})
+    for _ in paced(rate, seconds):
+        at = round(time.time(), 3)
+        key, value, event_id = stamped(stream, at)
+        producer.produce(topic, key=key, value=value, timestamp=int(at * 1000))
+        sent[event_id] = at
+        producer.poll(0)
+    if producer.flush(30):
+        raise RuntimeError("events not delivered to the broker within 30 s")
+
+
+def offline_prompts_per_s(shoppers: int, rate: float, seconds: float, seed: int) -> float:
+    """Prompts per second the runner's triggers make of this stream at ``rate`` events/s, computed
+    without a broker: the session logic (``SessionProcessor``) on the same stamped events, each pending
+    trigger fired at its due time as the runner's timers do (``timer_wall_per_event_s`` 1)."""
+    stream = SyntheticStream(shoppers=shoppers, seed=seed)
+    processor = SessionProcessor(SessionConfig())
+    sessions: dict[str, ShopperSession] = {}
+    timers: list[tuple[float, str]] = []
+    prompts = 0
+    start = 1_800_000_000.0
+    for n in range(int(rate * seconds)):
+        at = start + n / rate
+        while timers and timers[0][0] <= at:
+            due, sid = heapq.heappop(timers)
+            prompts += len(processor.fire_pending(sessions[sid], due))
+        _key, value, _id = stamped(stream, at)
+        event = parse_event(value, at)
+        session = sessions.get(event.shopper_id)
+        if session is None:
+            session = sessions[event.shopper_id] = processor.new_session(event.shopper_id)
+        prompts += len(processor.apply(session, event).prompts)
+        if session.pending is not None:
+            heapq.heappush(timers, (session.pending.due_ts, event.shopper_id))
+    end = start + seconds
+    prompts += sum(len(processor.fire_pending(sessions[sid], due)) for due, sid in timers if due <= end)
+    return prompts / seconds
+
+
+def rate_for(prompts_s: float, shoppers: int, seconds: float, seed: int, tolerance: float = 0.03) -> float:
+    """The event rate at which this stream's triggers make ``prompts_s`` prompts per second (bisection on
+    ``offline_prompts_per_s``, which grows with the rate)."""
+    low, high = 1.0, 4.0
+    while offline_prompts_per_s(shoppers, high, seconds, seed) < prompts_s:
+        low, high = high, high * 2
+        if high > 5000:
+            raise RuntimeError(f"{shoppers} shoppers never make {prompts_s:.1f} prompts/s")
+    while high / low > 1 + tolerance:
+        mid = (low * high) ** 0.5
+        if offline_prompts_per_s(shoppers, mid, seconds, seed) < prompts_s:
+            low = mid
+        else:
+            high = mid
+    return float((low * high) ** 0.5)
+
+
+# ---- the replicas ----------------------------------------------------------------------------------------
+def _http(url: str, method: str = "GET") -> dict[str, Any]:
+    request = urllib.request.Request(url, method=method, data=b"{}" if method == "POST" else None)
+    with urllib.request.urlopen(request, timeout=10) as response:
+        return dict(json.loads(response.read()))
+
+
+def engine_totals(state: StackState) -> dict[str, float]:
+    """The replicas' engine counters summed (``/admin/stats``)."""
+    totals: dict[str, float] = defaultdict(float)
+    for url in state.llm_endpoints:
+        for name, value in _http(f"{url.rstrip('/')}/admin/stats")["engine"].items():
+            totals[name] += value
+    return dict(totals)
+
+
+def reset_caches(state: StackState) -> None:
+    """Every run starts from empty prefix caches (the runs share shoppers and events)."""
+    for url in state.llm_endpoints:
+        _http(f"{url.rstrip('/')}/admin/reset_cache", "POST")
+
+
+# ---- one run ----------------------------------------------------------------------------------------
+@dataclass
+class Run:
+    arm: str
+    rate: float
+    seconds: float
+    started: float = 0.0
+    """Wall time the producer started: the window is [started, started + seconds]."""
+    launched: dict[str, Launched] = field(default_factory=dict)
+    stored: dict[str, Stored] = field(default_factory=dict)
+    sent: dict[str, float] = field(default_factory=dict)
+    accounting: dict[str, int] = field(default_factory=dict)
+    overload_counts: dict[str, int] = field(default_factory=dict)
+    engine: dict[str, float] = field(default_factory=dict)
+    served_trace: list[tuple[float, float]] = field(default_factory=list)
+    """(wall time, requests the replicas finished so far in this run), every 2 s."""
+    drain_s: float = 0.0
+    load_average: tuple[float, float] = (0.0, 0.0)
+    cores_busy: float = 0.0
+    """Cores this whole machine kept busy over the run (``machine_busy_seconds``): other work included."""
+
+
+async def run_once(
+    state: StackState,
+    policy: OverloadSettings,
+    rate: float,
+    seconds: float,
+    *,
+    shoppers: int,
+    seed: int,
+    grace_s: float,
+    label: str,
+) -> Run:
+    """One policy at one rate: the runner on a fresh topic and Redis prefix, the replicas' caches
+    emptied, the stream produced for ``seconds``, then ``grace_s`` more and a draining stop."""
+    reset_caches(state)
+    before = engine_totals(state)
+    topic = create_topic(state.kafka_bootstrap)
+    settings = settings_for(state, topic, SessionConfig(), until_drained=False)
+    settings.enrichment = EnrichmentSettings(overload=policy)
+    runner = EmbeddedRunner(settings, log=lambda line: print(f"    {label}: {line}", flush=True))
+    flight = RecordingFlight(runner)
+    runner.prompts = flight
+    run = Run(label, rate, seconds, launched=flight.launched, stored=flight.stored)
+    load_before, busy_before, wall_before = os.getloadavg()[0], machine_busy_seconds(), time.monotonic()
+
+    def produce() -> None:
+        produce_paced(state.kafka_bootstrap, topic, rate, seconds, shoppers, seed, run.sent)
+
+    async def trace() -> None:
+        while True:
+            served = (await asyncio.to_thread(engine_totals, state))["served"] - before["served"]
+            run.served_trace.append((time.time(), served))
+            await asyncio.sleep(2)
+
+    task = asyncio.create_task(runner.run())
+    await asyncio.sleep(2)
+    tracer = asyncio.create_task(trace())
+    run.started = time.time()
+    await asyncio.to_thread(produce)
+    await asyncio.sleep(grace_s)
+    stop_at = time.monotonic()
+    runner.request_stop()
+    stats = await task
+    run.drain_s = time.monotonic() - stop_at
+    await asyncio.sleep(2)  # a request cancelled at the stop leaves the engine at its next disconnect poll
+    tracer.cancel()
+    after = engine_totals(state)
+    run.engine = {name: after[name] - before.get(name, 0) for name in after}
+    run.accounting = stats.accounting.as_dict()
+    run.overload_counts = runner.enricher.counts.as_dict()
+    run.load_average = (load_before, os.getloadavg()[0])
+    run.cores_busy = (machine_busy_seconds() - busy_before) / (time.monotonic() - wall_before)
+    return run
+
+
+# ---- what a run shows ----------------------------------------------------------------------------------
+def _p(values: list[float], q: float) -> float | None:
+    return None if not values else round(percentile(values, q), 2)
+
+
+def sampled_ages(run: Run, samples: int, rng: random.Random) -> list[float]:
+    """At ``samples`` random instants of the window, for every shopper with a trigger by then: 0 when its
+    signal reflects its newest trigger, else the seconds since its first trigger the signal lacks."""
+    triggers: dict[str, list[tuple[float, tuple[int, int]]]] = defaultdict(list)
+    for launched in run.launched.values():
+        triggers[launched.shopper_id].append((launched.trigger_at, launched.version))
+    landed: dict[str, list[tuple[float, tuple[int, int]]]] = defaultdict(list)
+    for rid, stored in run.stored.items():
+        if stored.kind == "insight":
+            launched = run.launched[rid]
+            landed[launched.shopper_id].append((stored.stored_at, launched.version))
+    signal_at: dict[str, tuple[list[float], list[tuple[int, int]]]] = {}
+    for shopper, writes in landed.items():
+        writes.sort()
+        times, newest, best = [], [], (-1, -1)
+        for at, version in writes:
+            best = max(best, version)  # the Redis sink keeps the newest version
+            times.append(at)
+            newest.append(best)
+        signal_at[shopper] = (times, newest)
+    for trigger_list in triggers.values():
+        trigger_list.sort()
+    ages = []
+    for _ in range(samples):
+        t = run.started + rng.uniform(0, run.seconds)
+        for shopper, trigger_list in triggers.items():
+            if trigger_list[0][0] > t:
+                continue
+            times, newest = signal_at.get(shopper, ([], []))
+            i = bisect.bisect_right(times, t)
+            signal = newest[i - 1] if i else (-1, -1)
+            behind = [at for at, version in trigger_list if at <= t and version > signal]
+            ages.append(t - min(behind) if behind else 0.0)
+    return ages
+
+
+def summarise(run: Run, age_samples: int, capacity_prompts_s: float | None) -> dict[str, Any]:
+    end = run.started + run.seconds
+    third = run.seconds / 3
+    fresh: list[float] = []
+    first, last = [], []
+    by_kind: dict[str, dict[str, list[float]]] = {k: {"kafka": [], "due": [], "enricher": []} for k in KINDS}
+    prefill = decode = 0
+    for rid, stored in run.stored.items():
+        if stored.kind != "insight":
+            continue
+        launched = run.launched[rid]
+        age = stored.stored_at - launched.trigger_at
+        fresh.append(age)
+        if launched.trigger_at < run.started + third:
+            first.append(age)
+        elif launched.trigger_at >= end - third:
+            last.append(age)
+        kind = by_kind[launched.reason]
+        newest = run.sent.get(launched.newest_event_id or "")
+        if newest is not None:
+            kind["kafka"].append(stored.stored_at - newest)
+        kind["due"].append(age)
+        kind["enricher"].append(stored.enricher_ms / 1000)
+        prefill += stored.prompt_tokens - stored.cached_tokens
+        decode += max(0, stored.completion_tokens - 1)  # the first token comes out of the prefill pass
+    acct = run.accounting
+    insights = max(1, acct["insights"])
+    computed = run.engine.get("prefill_tokens_computed", 0) + run.engine.get("decode_tokens", 0)
+    wasted = max(0.0, computed - prefill - decode)
+    superseded = [s for s in run.stored.values() if s.kind == "superseded"]
+    ages = sampled_ages(run, age_samples, random.Random(7))
+    due_in_window = [launched for launched in run.launched.values() if launched.launched_at <= end]
+    offered = len(due_in_window) / run.seconds
+    return {
+        "arm": run.arm,
+        "rate": run.rate,
+        "seconds": run.seconds,
+        "events_sent": len(run.sent),
+        "events_consumed": acct["consumed"],
+        "prompts_per_event": acct["prompts"] / max(1, acct["consumed"]),
+        "prompts_due_per_s": offered,
+        "load_vs_capacity": None if not capacity_prompts_s else offered / capacity_prompts_s,
+        "accounting": acct,
+        "overload_counts": run.overload_counts,
+        "superseded": {
+            "queued": sum(1 for s in superseded if s.cause == "newer_prompt" and not s.cancelled_in_flight),
+            "cancelled_in_flight": sum(1 for s in superseded if s.cancelled_in_flight),
+            "stale": sum(1 for s in superseded if s.cause == "stale"),
+        },
+        "freshness_s": {
+            "landed": len(fresh),
+            "p50": _p(fresh, 0.5),
+            "p99": _p(fresh, 0.99),
+            "first_third_p99": _p(first, 0.99),
+            "last_third_p99": _p(last, 0.99),
+        },
+        "signal_age_s": {
+            "samples": len(ages),
+            "p50": _p(ages, 0.5),
+            "p90": _p(ages, 0.9),
+            "p99": _p(ages, 0.99),
+            "mean": round(statistics.fmean(ages), 2) if ages else None,
+            "share_behind": round(sum(1 for a in ages if a > 0) / len(ages), 3) if ages else None,
+        },
+        "by_kind": {
+            kind: {
+                "landed": len(values["due"]),
+                "from_kafka_p50": _p(values["kafka"], 0.5),
+                "from_kafka_p99": _p(values["kafka"], 0.99),
+                "from_due_p50": _p(values["due"], 0.5),
+                "from_due_p99": _p(values["due"], 0.99),
+                "at_enricher_p99": _p(values["enricher"], 0.99),
+            }
+            for kind, values in by_kind.items()
+        },
+        "tokens": {
+            "engine": run.engine,
+            "landed_prefill": prefill,
+            "landed_decode": decode,
+            "prefill_per_insight": run.engine.get("prefill_tokens_computed", 0) / insights,
+            "decode_per_insight": run.engine.get("decode_tokens", 0) / insights,
+            "wasted_share": wasted / computed if computed else 0.0,
+            "wasted_decode_share": max(0.0, run.engine.get("decode_tokens", 0) - decode) / computed
+            if computed
+            else 0.0,
+            "aborted_requests": run.engine.get("aborted", 0),
+        },
+        "drain_s": round(run.drain_s, 1),
+        "load_average": run.load_average,
+        "cores_busy": round(run.cores_busy, 2),
+    }
+
+
+# ---- capacity ----------------------------------------------------------------------------------------
+def capacity_from(run: Run) -> dict[str, float]:
+    """Requests the replicas finished per second over the second half of the probe's window, and the
+    prompts the stream makes per event."""
+    mid, end = run.started + run.seconds / 2, run.started + run.seconds
+    window = [(t, served) for t, served in run.served_trace if mid <= t <= end]
+    if len(window) < 2:
+        raise RuntimeError("the probe is too short to measure capacity: raise --probe-seconds")
+    (t0, s0), (t1, s1) = window[0], window[-1]
+    prompts_s = (s1 - s0) / (t1 - t0)
+    due_s = sum(1 for x in run.launched.values() if x.launched_at <= end) / run.seconds
+    if due_s < prompts_s * 1.2:
+        raise RuntimeError(
+            f"the probe offered {due_s:.1f} prompts/s for {prompts_s:.1f} answered: not saturated, raise "
+            "--probe-rate"
+        )
+    return {
+        "prompts_per_s": prompts_s,
+        "probe_events_per_s": run.rate,
+        "probe_seconds": run.seconds,
+        "probe_prompts_due_per_s": due_s,
+    }
+
+
+# ---- the report ----------------------------------------------------------------------------------------
+def _s(value: float | None) -> str:
+    return "-" if value is None else f"{value:.1f}"
+
+
+def _rate_cell(row: dict[str, Any]) -> str:
+    load = row["load_vs_capacity"]
+    return f"{row['multiple']:g}x ({row['rate']:.0f}/s; {'-' if load is None else f'{load:.1f}'})"
+
+
+def tables(rows: list[dict[str, Any]]) -> str:
+    main = []
+    for r in rows:
+        f, a, t, s, k = r["freshness_s"], r["signal_age_s"], r["tokens"], r["superseded"], r["by_kind"]
+        urgent = max((k[x]["from_due_p99"] or 0.0) for x in ("purchase", "add_to_cart"))
+        main.append(
+            [
+                r["arm"],
+                _rate_cell(r),
+                r["accounting"]["prompts"],
+                r["accounting"]["insights"],
+                f"{s['queued']} / {s['cancelled_in_flight']} / {s['stale']}",
+                r["accounting"]["errors"],
+                r["accounting"]["prompts_unaccounted"],
+                f"{_s(f['p50'])} / {_s(f['p99'])}",
+                f"{_s(f['first_third_p99'])} → {_s(f['last_third_p99'])}",
+                f"{_s(a['p50'])} / {_s(a['p99'])}",
+                _s(urgent),
+                _s(k["browse_pause"]["from_due_p99"]),
+                f"{t['prefill_per_insight']:,.0f} + {t['decode_per_insight']:,.0f}",
+                f"{t['wasted_share']:.1%}",
+            ]
+        )
+    first = print_table(
+        [
+            "arm",
+            "rate (events/s; load)",
+            "prompts",
+            "insights",
+            "superseded queued / cancelled / stale",
+            "errors",
+            "unaccounted",
+            "freshness p50 / p99 s",
+            "p99 first → last third s",
+            "signal age p50 / p99 s",
+            "purchase+cart p99 from due s",
+            "browse p99 from due s",
+            "tokens per insight prefill + decode",
+            "wasted tokens",
+        ],
+        main,
+    )
+    kinds = []
+    for r in rows:
+        for kind, v in r["by_kind"].items():
+            kinds.append(
+                [
+                    r["arm"],
+                    f"{r['multiple']:g}x",
+                    kind,
+                    v["landed"],
+                    f"{_s(v['from_kafka_p50'])} / {_s(v['from_kafka_p99'])}",
+                    f"{_s(v['from_due_p50'])} / {_s(v['from_due_p99'])}",
+                ]
+            )
+    second = print_table(
+        [
+            "arm",
+            "rate",
+            "trigger",
+            "landed",
+            "from newest event's Kafka ts p50 / p99 s",
+            "from due p50 / p99 s",
+        ],
+        kinds,
+    )
+    return f"{first}\n\n{second}"
+
+
+def targets(rows: list[dict[str, Any]], target_s: float) -> list[str]:
+    """The issue's targets, each arm against them (met / not met, with the numbers)."""
+    at = {(r["arm"], r["multiple"]): r for r in rows}
+    lines = []
+    fifo_1x = at.get(("fifo", 1.0))
+    for arm in dict.fromkeys(r["arm"] for r in rows):
+        one, two = at.get((arm, 1.0)), at.get((arm, 2.0))
+        parts = []
+        if one and two and one["freshness_s"]["p99"] and two["freshness_s"]["p99"]:
+            ratio = two["freshness_s"]["p99"] / one["freshness_s"]["p99"]
+            f2 = two["freshness_s"]
+            growth = (f2["last_third_p99"] or 0) / max(1e-9, f2["first_third_p99"] or 0)
+            parts.append(
+                f"2x p99 ÷ 1x p99 = {ratio:.2f} ({'met' if ratio <= 1.5 else 'NOT met'}, ≤ 1.5); "
+                f"2x p99 last ÷ first third = {growth:.2f} "
+                f"({'not growing' if growth <= GROWTH_LIMIT else 'GROWING'}, ≤ {GROWTH_LIMIT})"
+            )
+        worst = max(r["tokens"]["wasted_share"] for r in rows if r["arm"] == arm)
+        parts.append(f"wasted tokens at most {worst:.1%} ({'met' if worst <= 0.05 else 'NOT met'}, ≤ 5%)")
+        if one and fifo_1x:
+            mine = one["tokens"]["prefill_per_insight"] + one["tokens"]["decode_per_insight"]
+            base = fifo_1x["tokens"]["prefill_per_insight"] + fifo_1x["tokens"]["decode_per_insight"]
+            parts.append(
+                f"tokens per insight at 1x {mine:,.0f} vs fifo {base:,.0f} "
+                f"({'met' if mine <= base * 1.02 else 'NOT met'}, ≤ fifo within 2%)"
+            )
+        urgent = [
+            (m, r["by_kind"][k]["from_due_p99"])
+            for (a, m), r in at.items()
+            if a == arm and m in (1.0, 2.0)
+            for k in ("purchase", "add_to_cart")
+        ]
+        if urgent:
+            worst_s = max(v or 0.0 for _, v in urgent)
+            parts.append(
+                f"purchase/cart p99 from due at 1x and 2x at most {worst_s:.1f} s "
+                f"({'met' if worst_s <= target_s else 'NOT met'}, ≤ {target_s:g} s)"
+            )
+        lines.append(f"- `{arm}`: " + "; ".join(parts))
+    return lines
+
+
+async def bench(args: argparse.Namespace) -> dict[str, Any]:
+    arms = [OverloadSettings(policy=a).policy for a in args.arms.split(",")]
+    multiples = [float(m) for m in args.rates.split(",")]
+    print(f"machine: {machine()}; load average {os.getloadavg()[0]:.2f}", flush=True)
+    with temporary_stack(replicas=args.replicas, time_scale=1.0) as state:
+        if args.capacity:
+            capacity: dict[str, float] = {"prompts_per_s": args.capacity, "given": True}
+        else:
+            probe_shoppers = int(args.shoppers * max(multiples))
+            print(
+                f"capacity probe: {args.probe_rate:g} events/s of {probe_shoppers} shoppers for "
+                f"{args.probe_seconds:g} s",
+                flush=True,
+            )
+            probe_policy = OverloadSettings(policy="latest_wins", cancel_in_flight=False)
+            probe = await run_once(
+                state,
+                probe_policy,
+                args.probe_rate,
+                args.probe_seconds,
+                shoppers=probe_shoppers,
+                seed=args.seed + 100,
+                grace_s=0,
+                label="probe",
+            )
+            capacity = capacity_from(probe)
+        print(f"capacity: {json.dumps(capacity)}", flush=True)
+        rows = []
+        for multiple in multiples:
+            shoppers = int(args.shoppers * multiple)
+            target = capacity["prompts_per_s"] * multiple
+            rate = await asyncio.to_thread(rate_for, target, shoppers, args.seconds, args.seed)
+            for arm in arms:
+                label = f"{arm}@{multiple:g}x"
+                print(
+                    f"run {label}: {rate:.1f} events/s of {shoppers} shoppers for {args.seconds:g} s",
+                    flush=True,
+                )
+                policy = OverloadSettings(policy=arm)
+                if args.per_replica_in_flight is not None:
+                    policy.per_replica_in_flight = args.per_replica_in_flight
+                run = await run_once(
+                    state,
+                    policy,
+                    rate,
+                    args.seconds,
+                    shoppers=shoppers,
+                    seed=args.seed,
+                    grace_s=args.grace,
+                    label=label,
+                )
+                if args.raw_dir is not None:
+                    args.raw_dir.mkdir(parents=True, exist_ok=True)
+                    (args.raw_dir / f"{label}.pickle").write_bytes(pickle.dumps(run))
+                row = summarise(run, args.age_samples, capacity["prompts_per_s"])
+                row.update(arm=arm, multiple=multiple, shoppers=shoppers, target_prompts_per_s=target)
+                rows.append(row)
+                brief = {k: row[k] for k in ("accounting", "freshness_s", "prompts_due_per_s")}
+                print(f"  {label}: {json.dumps(brief)}", flush=True)
+    target_s = OverloadSettings().freshness_target_s
+    table = tables(rows)
+    verdicts = targets(rows, target_s)
+    print("\n".join(verdicts))
+    return {
+        "machine": machine(),
+        "command": "python -m bench.overload " + " ".join(args.argv),
+        "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items() if k != "argv"},
+        "capacity": capacity,
+        "freshness_target_s": target_s,
+        "rows": rows,
+        "targets": verdicts,
+        "table": table + "\n\nTargets (issue 30):\n\n" + "\n".join(verdicts),
+    }
+
+
+def main(argv: list[str] | None = None) -> None:
+    import sys
+
+    parser = argparse.ArgumentParser(prog="python -m bench.overload", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--seconds", type=float, default=120.0, help="production window of each run")
+    parser.add_argument("--rates", default="1,2,3", help="multiples of the measured capacity")
+    parser.add_argument("--arms", default=",".join(ARMS), help="overload policies, comma-separated")
+    parser.add_argument("--shoppers", type=int, default=500, help="at 1x; times the multiple at each rate")
+    parser.add_argument("--replicas", type=int, default=REPLICAS)
+    parser.add_argument("--seed", type=int, default=2)
+    parser.add_argument("--grace", type=float, default=5.0, help="seconds after production before the stop")
+    parser.add_argument("--age-samples", type=int, default=200, help="random instants for the signal age")
+    parser.add_argument("--probe-rate", type=float, default=200.0, help="events/s of the capacity probe")
+    parser.add_argument("--probe-seconds", type=float, default=60.0)
+    parser.add_argument(
+        "--capacity", type=float, default=None, help="the fleet's prompts/s (1x); skips the probe"
+    )
+    parser.add_argument(
+        "--per-replica-in-flight",
+        type=int,
+        default=None,
+        help="the latest-wins arms' admission limit per replica (pipeline.overload's default otherwise)",
+    )
+    parser.add_argument(
+        "--raw-dir", type=Path, default=None, help="also keep each run's records here (pickles)"
+    )
+    parser.add_argument("--out", default="overload.json", help="results file under bench/results")
+    raw = sys.argv[1:] if argv is None else argv
+    args = parser.parse_args(raw)
+    args.argv = raw
+    result = asyncio.run(bench(args))
+    out = results_dir()
+    out.mkdir(parents=True, exist_ok=True)
+    (out / args.out).write_text(json.dumps(result, indent=1, default=_jsonable))
+
+
+def _jsonable(value: object) -> object:
+    if isinstance(value, tuple):
+        return list(value)
+    if hasattr(value, "__dataclass_fields__"):
+        return asdict(value)  # type: ignore[call-overload]
+    raise TypeError(f"not JSON: {type(value)}")
+
+
+if __name__ == "__main__":
+    main()
