@@ -10,7 +10,10 @@ Under overload (``pipeline.overload``, ``docs/overload.md``) it is also where a 
 a recorded answer is returned from the answer ledger (``pipeline.answer_ledger``: never pay twice), a
 shopper's newer prompt supersedes its older one (``pipeline.latest_wins``), and an admission gate
 (``pipeline.admission``) keeps in flight only what the fleet serves, purchase and cart first. Each of
-those prompts still gets its one result: the recorded insight, or a ``Superseded`` record.
+those prompts still gets its one result: the recorded insight, or a ``Superseded`` record. A prompt that
+is sent goes with its ``request_id`` as the idempotency key (``Idempotency-Key``), so a gateway in front
+of the replicas can join or reuse a replayed call that the ledger did not catch (one in flight at a
+crash).
 """
 
 from __future__ import annotations
@@ -168,6 +171,7 @@ class Enricher:
                 deadline_s=self.settings.deadline_s,
                 prompt_tokens=prompt.prompt_tokens,
                 validate=parse_understanding,
+                idempotency_key=prompt.request_id,
             )
         except InvalidAnswer as exc:
             return self._error(prompt, "InvalidAnswer", str(exc), exc.attempts, exc.raw)
