@@ -1,0 +1,216 @@
+"""Tables in ``docs/`` that are still written by hand, checked number by number against the results file
+they come from.
+
+A table between ``bench:table`` markers is generated (``test_bench_tables``). Some topic docs quote the
+same runs in tables of their own shape, written by hand; until they are generated too, this test reads
+each such table, takes every number of each checked cell, and compares it with the results file at the
+precision the doc shows (``9.1`` passes for 9.13, ``41`` for 41.11; ``41`` does not pass for 42.0). A
+cell that is prose (a run's label, "1-6, following the load") is not checked. A rerun that overwrites a
+results file without updating the doc fails here, as does a hand edit."""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from bench.common import REPO
+
+NUMBER = re.compile(r"\d[\d,]*(?:\.\d+)?")
+Cell = float | tuple[float, ...] | None
+"""What a checked cell holds: one number, several in their order ("138 / 1,156"), or None: not checked."""
+
+
+@dataclass(frozen=True)
+class HandTable:
+    doc: str
+    header: str
+    """The table's first line starts with this."""
+    results: tuple[str, ...]
+    rows: Callable[[Sequence[dict[str, Any]]], list[list[Cell]]]
+    """The expected cells of each row, from the results files' payloads."""
+
+
+def doc_rows(doc: Path, header: str) -> list[list[str]]:
+    lines = doc.read_text().splitlines()
+    (start,) = [i for i, line in enumerate(lines) if line.startswith(header)]
+    rows = []
+    for line in lines[start + 2 :]:
+        if not line.startswith("|"):
+            break
+        rows.append([c.strip() for c in line.strip().strip("|").split("|")])
+    return rows
+
+
+def mismatches(written: str, expected: Cell) -> str | None:
+    """Why ``written`` does not show ``expected`` at its own precision, or None when it does."""
+    if expected is None:
+        return None
+    wanted = expected if isinstance(expected, tuple) else (expected,)
+    shown = NUMBER.findall(written)
+    if len(shown) != len(wanted):
+        return f"{written!r}: {len(shown)} numbers, the results give {len(wanted)} ({wanted})"
+    for text, value in zip(shown, wanted, strict=True):
+        decimals = len(text.split(".")[1]) if "." in text else 0
+        if f"{float(text.replace(',', '')):.{decimals}f}" != f"{value:.{decimals}f}":
+            return f"{written!r}: {text} against {value:.{decimals}f} in the results"
+    return None
+
+
+# ---- the expected cells, one function per table ---------------------------------------------------------
+def batch_runs(payloads: Sequence[dict[str, Any]]) -> list[list[Cell]]:
+    (batch,) = payloads
+    return [
+        [
+            None,
+            None,
+            run["records"],
+            run["calls"],
+            run["wall_s"],
+            run["calls_per_s"],
+            run["steady_calls_per_s"],
+            run["records_per_s"],
+            run["gpu_busy_pct"],
+        ]
+        for run in [*batch["fixed_runs"], batch["adaptive"]]
+    ]
+
+
+def batch_kill(payloads: Sequence[dict[str, Any]]) -> list[list[Cell]]:
+    (batch,) = payloads
+    kill = batch["kill"]
+    keys = (
+        "records", "done_at_kill", "kept_at_kill", "records_redone", "records_redone_pct", "calls_needed",
+        "calls_spent", "calls_redone", "calls_redone_pct",
+    )  # fmt: skip
+    return [[kill[key] for key in keys]]
+
+
+def capacity_splits(payloads: Sequence[dict[str, Any]]) -> list[list[Cell]]:
+    rows: list[list[Cell]] = []
+    for run in payloads:
+        replicas: Cell = None if run["mode"] == "shifting" else run["rt_replicas_min"]
+        late: Cell = (run["late"], run["requests"]) if run["mode"] == "shifting" else run["late"]
+        rows.append([None, replicas, run["rt_p99_ms"], run["degraded_pct"], late, run["batch_records"]])
+    return rows
+
+
+def capacity_parts(payloads: Sequence[dict[str, Any]]) -> list[list[Cell]]:
+    (shifting,) = payloads
+    return [
+        [
+            None,
+            part["rt_rps"],
+            (part["rt_replicas_min"], part["rt_replicas_max"]),
+            part["rt_p99_ms"],
+            part["degraded_pct"],
+            part["batch_records_per_s"],
+        ]
+        for part in shifting["parts"]
+    ]
+
+
+def realtime_pair(payloads: Sequence[dict[str, Any]]) -> list[list[Cell]]:
+    before, after = payloads
+    rows: list[list[Cell]] = []
+    for old, new in zip(before["phases"], after["phases"], strict=True):
+        for phase in (old, new):
+            refused: Cell = (phase["refused"], phase["refused_late"]) if phase["refused"] else None
+            rows.append(
+                [
+                    None,
+                    None,
+                    phase["requests"],
+                    phase["errors"],
+                    refused,
+                    (phase["late"], 100 * phase["late"] / phase["requests"]),
+                    phase["degraded_pct"],
+                    (phase["overhead_p50_ms"], phase["overhead_p99_ms"]),
+                    phase["cpu_ms_per_request"]["service"],
+                ]
+            )
+    return rows
+
+
+def _skew_runs(payload: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    return {r["policy"]: r for r in payload["results"] if r["setup"] == "skew"}
+
+
+def chunked_prefill(payloads: Sequence[dict[str, Any]]) -> list[list[Cell]]:
+    """The chunked-prefill table of ``docs/routing.md``: the rows whose runs have a results file, in the
+    doc's order; the two equal-progress rows of runs stopped after ``skew`` have none (the doc says so)."""
+    unchunked, fcfs, pending, reuse = (_skew_runs(p) for p in payloads)
+    no_file: list[Cell] = [None] * 6
+
+    def row(runs: dict[str, dict[str, Any]], baselines: bool = True) -> list[Cell]:
+        aware = runs["prefix_aware"]
+        return [
+            None,
+            runs["round_robin"]["server_ttft_p99_ms"] if baselines else None,
+            runs["least_outstanding"]["server_ttft_p99_ms"] if baselines else None,
+            aware["server_ttft_p99_ms"],
+            aware["prefill_tokens"] / aware["oracle_prefill_tokens_per_shopper"],
+            aware["restarts_detected"],
+        ]
+
+    return [row(unchunked), row(fcfs), no_file, no_file, row(pending, baselines=False), row(reuse)]
+
+
+HAND_TABLES = [
+    HandTable("docs/batch.md", "| run | concurrency | records |", ("batch.json",), batch_runs),
+    HandTable("docs/batch.md", "| records | done at kill |", ("batch.json",), batch_kill),
+    HandTable(
+        "docs/capacity.md",
+        "| split | real-time replicas |",
+        ("capacity.json", "capacity_static_5.json", "capacity_static_3.json"),
+        capacity_splits,
+    ),
+    HandTable("docs/capacity.md", "| part of day |", ("capacity.json",), capacity_parts),
+    HandTable(
+        "docs/realtime.md",
+        "| phase | service | requests | errors | refused (late) |",
+        ("realtime_before.json", "realtime.json"),
+        realtime_pair,
+    ),
+    HandTable(
+        "docs/routing.md",
+        "| engine (`--engine-options`) |",
+        (
+            "routing_scenarios_p3_unchunked.json",
+            "routing_scenarios_p3_fcfs2048.json",
+            "routing_scenarios_p3_ep1024.json",
+            "routing_scenarios_p6_ep1024_reuse.json",
+        ),
+        chunked_prefill,
+    ),
+]
+
+
+@pytest.mark.parametrize("table", HAND_TABLES, ids=lambda t: f"{t.doc}:{t.header.split('|')[1].strip()}")
+def test_a_hand_written_table_shows_its_results_files_numbers(table: HandTable) -> None:
+    payloads = [json.loads((REPO / "bench" / "results" / name).read_text()) for name in table.results]
+    expected = table.rows(payloads)
+    written = doc_rows(REPO / table.doc, table.header)
+    assert len(written) == len(expected), (table.doc, len(written), len(expected))
+
+    wrong = [
+        f"row {i + 1}: {why}"
+        for i, (cells, wanted) in enumerate(zip(written, expected, strict=True))
+        for cell, value in zip(cells, wanted, strict=True)
+        if (why := mismatches(cell, value)) is not None
+    ]
+    assert not wrong, f"{table.doc} differs from its results:\n" + "\n".join(wrong)
+
+
+def test_the_check_catches_a_changed_number() -> None:
+    assert mismatches("9.1 / 190", (9.13, 190.26)) is None
+    assert mismatches("41 / 187", (41.11, 187.12)) is None
+    assert mismatches("2,781 (47.5%)", (2781, 47.55)) is None
+    assert mismatches("42 / 187", (41.11, 187.12)) is not None
+    assert mismatches("10 of 12,449", (10, 12450)) is not None
+    assert mismatches("1-6, following the load", None) is None
