@@ -1,5 +1,5 @@
 """Tables in ``docs/`` that are still written by hand, checked number by number against the results file
-they come from.
+they come from (or, for the simulator's KV memory and roofline tables, the code that computes them).
 
 A table between ``bench:table`` markers is generated (``test_bench_tables``). Some topic docs quote the
 same runs in tables of their own shape, written by hand; until they are generated too, this test reads
@@ -10,6 +10,7 @@ results file without updating the doc fails here, as does a hand edit."""
 
 from __future__ import annotations
 
+import itertools
 import json
 import re
 from collections.abc import Callable, Sequence
@@ -20,6 +21,9 @@ from typing import Any
 import pytest
 
 from bench.common import REPO
+from serving.simulator.cost_model import IterationWork
+from serving.simulator.hardware import GPUS, WeightDtype, kv_memory
+from serving.simulator.roofline import RooflineCost
 
 NUMBER = re.compile(r"\d[\d,]*(?:\.\d+)?")
 Cell = float | tuple[float, ...] | None
@@ -161,6 +165,35 @@ def chunked_prefill(payloads: Sequence[dict[str, Any]]) -> list[list[Cell]]:
     return [row(unchunked), row(fcfs), no_file, no_file, row(pending, baselines=False), row(reuse)]
 
 
+def kv_memory_table(payloads: Sequence[dict[str, Any]]) -> list[list[Cell]]:
+    """``docs/simulator.md``'s KV memory per model, GPU and weight type: computed by
+    ``hardware.kv_memory``, not read from a results file (``max_num_tokens`` 8192, as the doc says)."""
+    del payloads
+    rows: list[list[Cell]] = []
+    dtypes: tuple[WeightDtype, ...] = ("bf16", "fp8")
+    for model, gpu, dtype in itertools.product(("qwen2.5-32b", "llama3-8b"), GPUS, dtypes):
+        m = kv_memory(model, gpu, dtype, "auto", free_gpu_memory_fraction=0.9, tokens_per_block=32,
+                      max_num_tokens=8192)  # fmt: skip
+        rows.append(
+            [None, None, None, m.weight_bytes / 1e9, m.activation_bytes / 1e9, m.kv_bytes_per_token, m.blocks,
+             m.tokens]
+        )  # fmt: skip
+    return rows
+
+
+def roofline_steps(payloads: Sequence[dict[str, Any]]) -> list[list[Cell]]:
+    """``docs/simulator.md``'s roofline column for the default replica (Qwen2.5-32B, bf16, H100), from
+    ``roofline.RooflineCost``; the eager table's column is checked by the cost model's own tests."""
+    del payloads
+    cost = RooflineCost.for_hardware("qwen2.5-32b", "h100-80gb", "bf16", "bf16")
+    return [
+        [None, tuple(cost.prefill_ms(n) for n in (256, 1024, 2048, 4096, 8192)), None],
+        [None, cost.prefill_ms(256, 4096), None],
+        [None, tuple(cost.decode_step_ms(b, b * 2048) for b in (1, 8, 16, 32, 64)), None],
+        [None, cost.iteration_ms(IterationWork(((2000, 0),), 32, 32 * 2500)), None],
+    ]
+
+
 HAND_TABLES = [
     HandTable("docs/batch.md", "| run | concurrency | records |", ("batch.json",), batch_runs),
     HandTable("docs/batch.md", "| records | done at kill |", ("batch.json",), batch_kill),
@@ -188,6 +221,8 @@ HAND_TABLES = [
         ),
         chunked_prefill,
     ),
+    HandTable("docs/simulator.md", "| model | GPU | weights |", (), kv_memory_table),
+    HandTable("docs/simulator.md", "| step | roofline ms |", (), roofline_steps),
 ]
 
 
