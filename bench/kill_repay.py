@@ -53,7 +53,7 @@ from typing import Any
 from confluent_kafka.admin import AdminClient, NewTopic  # type: ignore[attr-defined]
 from prometheus_client.parser import text_string_to_metric_families
 
-from bench.common import REPO, machine, print_table, results_dir
+from bench.common import REPO, machine, paced, print_table, results_dir
 from devstack.processes import free_port
 from devstack.stack import StackSettings, StackState, load_state, sink_settings, stack_down, stack_up
 from devstack.synthetic import SyntheticStream
@@ -89,6 +89,8 @@ class Job:
     policy: str | None
     metrics_port: int | None
     calls_log: str = ""
+    answer_ledger: bool = True
+    """``EnrichmentSettings.answer_ledger`` (off: every replay pays again, as before the ledger)."""
     idempotency_key: bool = False
     """Send each prompt's ``request_id`` as ``Idempotency-Key`` (``LLMClient.chat``), where the
     enrichment step does not already (``CallLog``)."""
@@ -100,9 +102,12 @@ class Job:
 def runner_settings(state: StackState, job: Job) -> RunnerSettings:
     """``shopper run --until-drained`` on the stack: the runner's defaults with this run's names."""
     enrichment = (
-        EnrichmentSettings()
+        EnrichmentSettings(answer_ledger=job.answer_ledger)
         if job.policy is None
-        else EnrichmentSettings(overload=OverloadSettings(policy=job.policy))
+        else EnrichmentSettings(
+            answer_ledger=job.answer_ledger,
+            overload=OverloadSettings(policy=job.policy),
+        )
     )
     return RunnerSettings(
         bootstrap_servers=state.kafka_bootstrap,
@@ -639,6 +644,27 @@ def backlog_stream(state: StackState, events: int, shoppers: int, seed: int) -> 
     return Stream(topic, events, ids, malformed)
 
 
+def produce_live(bootstrap: str, topic: str, events: int, shoppers: int, seed: int, rate: float) -> None:
+    """The same records as ``shopper produce``, ``rate`` a second, each event stamped with the wall clock
+    as it is sent (``--realtime-ts`` only starts the stream's simulated clock now, and the simulated
+    clock runs ahead of the wall at a rate above the stream's own: its events would be dead-lettered as
+    from the future)."""
+    from confluent_kafka import Producer
+
+    producer = Producer({"bootstrap.servers": bootstrap, "linger.ms": 5})
+    stream = SyntheticStream(shoppers=shoppers, seed=seed, malformed_rate=MALFORMED_RATE)
+    for n, (key, value, bad) in zip(paced(rate, float("inf")), stream.take(events), strict=False):
+        now = time.time()
+        if not bad:
+            event = json.loads(value)
+            event["ts"] = round(now, 3)
+            value = json.dumps(event).encode()
+        producer.produce(topic, key=key, value=value, timestamp=int(now * 1000))
+        if n % 100 == 0:
+            producer.poll(0)
+    producer.flush(30)
+
+
 def paced_stream(
     state: StackState, events: int, shoppers: int, seed: int, rate: float
 ) -> tuple[Stream, threading.Thread]:
@@ -646,16 +672,8 @@ def paced_stream(
     topic = f"kr-ev-{uuid.uuid4().hex[:8]}"
     create_topics(state.kafka_bootstrap, [topic], 4)
     producer = threading.Thread(
-        target=produce,
-        args=(state.kafka_bootstrap, topic),
-        kwargs={
-            "events": events,
-            "shoppers": shoppers,
-            "rate": rate,
-            "malformed_rate": MALFORMED_RATE,
-            "seed": seed,
-            "realtime_ts": True,
-        },
+        target=produce_live,
+        args=(state.kafka_bootstrap, topic, events, shoppers, seed, rate),
         daemon=True,
     )
     ids, malformed = stream_records(events, shoppers, seed)
