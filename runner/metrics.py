@@ -86,7 +86,9 @@ class _StateCollector(Collector):
         def gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
             return GaugeMetricFamily(f"{PREFIX}_{name}", doc, value=value)
 
-        yield counter("events_in", "Records consumed from the event topic", acct.consumed)
+        yield counter(
+            "events_in", "Records consumed (the event topic and the repartition topic)", acct.consumed
+        )
         yield counter("events_valid", "Records that passed the gate", acct.consumed - acct.dead_lettered)
         dlq = CounterMetricFamily(
             f"{PREFIX}_events_dlq", "Records dead-lettered, by reason category", labels=["reason"]
@@ -96,7 +98,7 @@ class _StateCollector(Collector):
         yield dlq
         yield counter(
             "events_rekeyed",
-            "Records whose Kafka key was not their shopper id, produced again keyed by it",
+            "Records whose Kafka key was not their shopper id, produced to the repartition topic keyed by it",
             acct.rekeyed,
         )
         yield counter("events_accepted", "Events applied to a session", acct.accepted)
