@@ -2,7 +2,7 @@
 
 A ``Flight`` runs in a task of its own, apart from the caller's handler: it waits for an admission
 slot (``gateway.overload``), forwards the request and reads the replica's answer into a buffer, which
-each caller (``attach``) reads from the start, chunk by chunk as it arrives (``body``). That is what
+each caller (``attach``) reads from the start, chunk by chunk as it arrives (``changed``). That is what
 lets the gateway
 
 - let a call with an ``Idempotency-Key`` finish when its caller goes away (the restarted caller's
@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -113,8 +113,10 @@ class Flight:
             self.end()
 
     def _notify(self) -> None:
+        # A pulse: wakes every caller waiting now (their futures are resolved by ``set``), and the
+        # next wait waits again. No new event per chunk: this runs once for every chunk of every answer.
         self._changed.set()
-        self._changed = asyncio.Event()
+        self._changed.clear()
 
     # ---- from outside ------------------------------------------------------------------------------
     def supersede(self, answer: GatewayAnswer, *, cancel_in_flight: bool) -> Stage | None:
@@ -138,27 +140,9 @@ class Flight:
         if self._callers <= 0 and not self.keep_running and not self.ended and self.task is not None:
             self.task.cancel()
 
-    async def wait_head(self) -> Head | GatewayAnswer:
-        while self.head is None:
-            if self.ended:  # ended without a head: stopped from outside before anything came
-                return GatewayAnswer(499, "cancelled", "the call was stopped")
-            await self._changed.wait()
-        return self.head
-
-    async def wait_end(self) -> None:
-        while not self.ended:
-            await self._changed.wait()
-
-    async def body(self) -> AsyncIterator[bytes]:
-        """The answer's chunks from the first, as they arrive, until the call ends."""
-        index = 0
-        while True:
-            while index < len(self.chunks):
-                yield self.chunks[index]
-                index += 1
-            if self.ended:
-                return
-            await self._changed.wait()
+    async def changed(self) -> None:
+        """Until the call's state changes: its head, a chunk, or its end."""
+        await self._changed.wait()
 
     def body_bytes(self) -> bytes:
         return b"".join(self.chunks)

@@ -22,8 +22,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Coroutine, Mapping
-from typing import Any, TypeVar
+from collections.abc import Callable, Mapping
 
 import orjson
 from aiohttp import web
@@ -54,7 +53,6 @@ FORWARDED_REQUEST_HEADERS = ("content-type", "accept")
 the replicas get the gateway's own key (``LLM_SECURITY__API_KEY``), and a caller's key is not theirs."""
 CALLER_CHECK_S = 0.25
 """How often a waiting request looks whether its caller is still connected."""
-T = TypeVar("T")
 
 PASSED_RESPONSE_HEADERS = ("content-type", "cache-control", "x-replica-id", "x-request-id")
 """Replica headers the caller sees, plus the gateway's ``x-gateway-replica`` and ``x-gateway-attempts``."""
@@ -199,7 +197,8 @@ class OpenAIProxy:
         flight.attach()
         response: web.StreamResponse | None = None
         try:
-            head = await _unless_caller_leaves(request, flight.wait_head())
+            await _until(request, flight, lambda: flight.head is not None or flight.ended)
+            head = flight.head or GatewayAnswer(499, "cancelled", "the call was stopped")
             if isinstance(head, GatewayAnswer):
                 return self._gateway_answer(request, head)
             headers = dict(head.headers)
@@ -208,17 +207,12 @@ class OpenAIProxy:
             if head.streaming:
                 response = web.StreamResponse(status=head.status, headers=headers)
                 await response.prepare(request)
-                first = True
-                async for chunk in flight.body():
-                    await response.write(chunk)
-                    if first:
-                        self.metrics.first_byte.labels(request.path).observe(time.perf_counter() - started)
-                        first = False
+                await self._write_flight(request, response, flight, started)
                 if not flight.complete:
                     return self._cut_off(request, response, flight)
                 await response.write_eof()
             else:
-                await _unless_caller_leaves(request, flight.wait_end())
+                await _until(request, flight, lambda: flight.ended)
                 if not flight.complete:
                     if flight.superseded is not None:
                         return self._gateway_answer(request, flight.superseded)
@@ -235,6 +229,22 @@ class OpenAIProxy:
         self.metrics.requests.labels(request.path, str(response.status)).inc()
         self.metrics.latency.labels(request.path).observe(time.perf_counter() - started)
         return response
+
+    async def _write_flight(
+        self, request: web.Request, response: web.StreamResponse, flight: Flight, started: float
+    ) -> None:
+        """The flight's chunks from the first, written on as they arrive, until the call ends."""
+        written = 0
+        while True:
+            chunks = flight.chunks
+            while written < len(chunks):
+                await response.write(chunks[written])
+                if written == 0:
+                    self.metrics.first_byte.labels(request.path).observe(time.perf_counter() - started)
+                written += 1
+            if flight.ended:
+                return
+            await flight.changed()
 
     def _cut_off(
         self, request: web.Request, response: web.StreamResponse, flight: Flight
@@ -350,23 +360,20 @@ class OpenAIProxy:
         )
 
 
-async def _unless_caller_leaves(request: web.Request, waiting: Coroutine[Any, Any, T]) -> T:
-    """``waiting``, unless the caller's connection closes first (``ConnectionResetError``). aiohttp does
-    not cancel the handler of a caller that left, and nothing is written to it while its request
-    waits for a slot or for a whole (not streamed) answer: without this check a request queued for
-    nobody would still be sent, under overload when the queue matters most."""
-    task = asyncio.ensure_future(waiting)
-    try:
-        while True:
-            done, _ = await asyncio.wait({task}, timeout=CALLER_CHECK_S)
-            if done:
-                return task.result()
+async def _until(request: web.Request, flight: Flight, ready: Callable[[], bool]) -> None:
+    """Until ``ready()``, unless the caller's connection closes first (``ConnectionResetError``).
+    aiohttp does not cancel the handler of a caller that left, and nothing is written to it while its
+    request waits for a slot or for a whole (not streamed) answer: without this check a request queued
+    for nobody would still be sent, under overload when the queue matters most."""
+    while not ready():
+        try:
+            async with asyncio.timeout(CALLER_CHECK_S):
+                while not ready():
+                    await flight.changed()
+        except TimeoutError:
             transport = request.transport
             if transport is None or transport.is_closing():
-                raise ConnectionResetError("the caller went away")
-    finally:
-        if not task.done():
-            task.cancel()
+                raise ConnectionResetError("the caller went away") from None
 
 
 def _answer_headers(answer: Forwarded) -> dict[str, str]:
