@@ -18,7 +18,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import random
 import re
+import statistics
 import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -29,7 +31,7 @@ from bench.common import REPO
 from bench.disagg import SLOS, RatePoint, SetupResult, goodput_text
 from bench.goodput_search import brackets_from_json, goodput_cell
 from bench.routing.report import aggregate_table, llama_table, load_results, sim_table
-from bench.routing.stats import Aggregate, aggregate, ratio_ci
+from bench.routing.stats import Aggregate, RunResult, aggregate, ratio_ci
 from serving.simulator.hardware import GPUS
 
 BLOCK = re.compile(
@@ -387,6 +389,89 @@ def routing_llama_summary(paths: Sequence[Path]) -> str:
     return "\n".join(lines)
 
 
+def _at_70(path: Path) -> dict[str, RunResult]:
+    return {r.policy: r for r in load_results([str(path)]) if abs(r.utilisation - 0.7) < 1e-9}
+
+
+def _targets_cells(path: Path) -> tuple[list[str], list[bool]]:
+    """The four routing targets at 70% for one sweep (``stats.targets``'s rules, client-side), with the
+    server-side figures beside them where the run kept per-request server TTFTs."""
+    by = _at_70(path)
+    pa, rr, lo = by["prefix_aware"], by["round_robin"], by["least_outstanding"]
+    kept = bool(pa.extra.get("server_ttfts_ms"))
+    pooled = {a.policy: a for a in aggregate(list(by.values()))} if kept else {}
+    server_mean = (pa.server_ttft_mean_ms or 0) / (rr.server_ttft_mean_ms or 1)
+    p99 = f"{pa.ttft_p99_ms:,.0f} vs {lo.ttft_p99_ms:,.0f} ms ({pa.ttft_p99_ms / lo.ttft_p99_ms:.2f}x)"
+    if pooled:
+        a, b = pooled["prefix_aware"], pooled["least_outstanding"]
+        p99 += (
+            f"; server-side {a.p99:,.0f} [{a.p99_ci[0]:,.0f}, {a.p99_ci[1]:,.0f}] vs {b.p99:,.0f} "
+            f"[{b.p99_ci[0]:,.0f}, {b.p99_ci[1]:,.0f}] ({a.p99 / b.p99:.2f}x)"
+        )
+    cells = [
+        f"{pa.ttft_mean_ms / rr.ttft_mean_ms:.2f}x (server-side {server_mean:.2f}x)",
+        f"{pa.prefill_tokens / pa.oracle_prefill_tokens_per_shopper:.2f}x "
+        f"({pa.prefill_tokens / pa.oracle_prefill_tokens:.2f}x the global bound)",
+        p99,
+        f"{pa.load_max_over_mean:.2f}",
+    ]
+    met = [
+        pa.ttft_mean_ms <= 0.4 * rr.ttft_mean_ms,
+        pa.prefill_tokens <= 1.15 * pa.oracle_prefill_tokens_per_shopper,
+        pa.ttft_p99_ms <= lo.ttft_p99_ms,
+        pa.load_max_over_mean <= 1.25,
+    ]
+    return cells, met
+
+
+def routing_targets(paths: Sequence[Path]) -> str:
+    """The sweep's targets at 70% (prefix_aware) before and after: the first file, then the second;
+    the verdict is the second's. Server-side p99 is pooled with its 95% bootstrap interval
+    (``stats.aggregate``) where the run kept per-request server TTFTs."""
+    before_path, after_path = paths
+    (before, _), (after, met) = _targets_cells(before_path), _targets_cells(after_path)
+    names = (
+        "mean TTFT <= 0.4x round_robin",
+        "prefill tokens <= 1.15x oracle",
+        "p99 TTFT no worse than least_outstanding",
+        "max/mean load <= 1.25",
+    )
+    lines = [
+        f"| target | before (`{before_path.name}`) | after (`{after_path.name}`) | verdict, after |",
+        "|---|---|---|---|",
+    ]
+    for name, old, new, ok in zip(names, before, after, met, strict=True):
+        lines.append(f"| {name} | {old} | {new} | {'met' if ok else '**missed**'} |")
+    return "\n".join(lines)
+
+
+def _mean_interval(values: Sequence[float], seed: int = 7, samples: int = 1000) -> tuple[float, float]:
+    """95% bootstrap interval of a mean (the values resampled with replacement, seeded)."""
+    rng = random.Random(seed)
+    means = sorted(statistics.fmean(rng.choices(values, k=len(values))) for _ in range(samples))
+    return means[round(0.025 * (samples - 1))], means[round(0.975 * (samples - 1))]
+
+
+def routing_server_side(paths: Sequence[Path]) -> str:
+    """The sweep's server-side TTFT per run (the replicas' own first-token times, ``server_ttfts_ms``):
+    p99 with its 95% bootstrap interval (``stats.aggregate``) and the mean with its own."""
+    lines = [
+        "| util | policy | requests | server TTFT p99 ms [95% CI] | server TTFT mean ms [95% CI] |",
+        "|---|---|---|---|---|",
+    ]
+    for r in load_results([str(p) for p in paths]):
+        ttfts = list(r.extra.get("server_ttfts_ms") or [])
+        if not ttfts:
+            continue
+        (a,) = aggregate([r])
+        lo, hi = _mean_interval(ttfts)
+        lines.append(
+            f"| {r.utilisation:.0%} | {r.policy} | {len(ttfts):,} | {a.p99:,.0f} [{a.p99_ci[0]:,.0f}, "
+            f"{a.p99_ci[1]:,.0f}] | {a.mean:,.0f} [{lo:,.0f}, {hi:,.0f}] |"
+        )
+    return "\n".join(lines)
+
+
 BASELINE_SHORT = {"round_robin": "rr", "least_outstanding": "lo"}
 
 
@@ -603,6 +688,8 @@ RENDERERS: dict[str, Callable[[Sequence[Path]], str]] = {
     "routing_llama": routing_llama,
     "routing_llama_summary": routing_llama_summary,
     "routing_scenario_targets": routing_scenario_targets,
+    "routing_targets": routing_targets,
+    "routing_server_side": routing_server_side,
     "routing_load_factor": routing_load_factor,
     "regions_surge": regions_surge,
     "regions_lost": regions_lost,
