@@ -7,6 +7,14 @@ again. With it, ``pipeline.enrichment.Enricher`` reads the record first and retu
 (``ShopperInsight.replayed``) without a call. The record is written before the engine's sinks see the
 answer, so it never trails the engine's checkpoint.
 
+Reads are batched: every ``recorded`` asked for in one turn of the event loop goes to Redis as one
+``MGET``, and every caller resumes in the same later turn, in the order it asked. An engine hands a
+whole poll's (or bundle's) prompts to the enrichment step at once, several of them one shopper's;
+with a read each, the replies came back in any order, so an older prompt could pass latest wins and be
+sent before its newer sibling's read returned, only to be cancelled in flight a moment later (on a
+backlog more than a third of the calls, and each a call a replay after a kill makes again). Read
+together, the older prompt meets the newer one while it is still waiting, and is superseded unsent.
+
 Only insights are recorded: an error or a superseded prompt cost little or nothing, and asking again
 on replay is what a person would want. Each key expires after ``SinkSettings.answer_ttl_s``, so the
 ledger is bounded by the prompt rate times that TTL. Redis being away never stops the stream: a failed
@@ -15,6 +23,7 @@ read asks the model (the pre-ledger behaviour), a failed write loses only the sa
 
 from __future__ import annotations
 
+import asyncio
 from dataclasses import dataclass
 
 import redis.asyncio as aioredis
@@ -25,6 +34,10 @@ from prompt_assembly.records import ShopperInsight
 from sinks.config import SinkSettings
 from sinks.keys import RedisKeys
 
+MAX_KEYS_PER_MGET = 512
+"""One batch's keys go to Redis as ``MGET`` commands of at most this many keys, in one pipeline (one
+round trip), so a large poll never makes one huge command."""
+
 
 @dataclass(slots=True)
 class LedgerCounts:
@@ -32,6 +45,11 @@ class LedgerCounts:
     found: int = 0
     read_failures: int = 0
     write_failures: int = 0
+    read_batches: int = 0
+    """Round trips that read the ledger (each for every ``recorded`` asked in one loop turn)."""
+
+
+_Waiting = list[tuple[str, "asyncio.Future[bytes | None]"]]
 
 
 class AnswerLedger:
@@ -42,6 +60,8 @@ class AnswerLedger:
         self.keys = keys
         self.ttl_s = ttl_s
         self.counts = LedgerCounts()
+        self._waiting: _Waiting = []
+        self._reads: set[asyncio.Task[None]] = set()
 
     @classmethod
     def from_settings(cls, settings: SinkSettings, redis: aioredis.Redis | None = None) -> AnswerLedger:
@@ -50,9 +70,14 @@ class AnswerLedger:
         return cls(client, RedisKeys(settings.redis_key_prefix), settings.answer_ttl_s)
 
     async def recorded(self, request_id: str) -> ShopperInsight | None:
-        """The answer recorded for ``request_id``, or None (also when Redis cannot be read)."""
+        """The answer recorded for ``request_id``, or None (also when Redis cannot be read). Read in
+        one batch with every other ``recorded`` of this loop turn (see the module's docstring)."""
+        future: asyncio.Future[bytes | None] = asyncio.get_running_loop().create_future()
+        if not self._waiting:
+            asyncio.get_running_loop().call_soon(self._read_waiting)
+        self._waiting.append((request_id, future))
         try:
-            raw: bytes | None = await self.redis.get(self.keys.answer(request_id))
+            raw = await future
         except RedisError:
             self.counts.read_failures += 1
             return None
@@ -65,6 +90,37 @@ class AnswerLedger:
             return None
         self.counts.found += 1
         return insight
+
+    def _read_waiting(self) -> None:
+        batch, self._waiting = self._waiting, []
+        task = asyncio.get_running_loop().create_task(self._read(batch))
+        self._reads.add(task)  # held until done: the loop keeps only a weak reference
+        task.add_done_callback(self._reads.discard)
+
+    async def _read(self, batch: _Waiting) -> None:
+        """One round trip for ``batch``; each waiter gets its value, or the error, in the order asked
+        (a waiter cancelled meanwhile is skipped)."""
+        outcome: list[bytes | None] | BaseException
+        try:
+            pipe = self.redis.pipeline(transaction=False)
+            for start in range(0, len(batch), MAX_KEYS_PER_MGET):
+                pipe.mget([self.keys.answer(rid) for rid, _ in batch[start : start + MAX_KEYS_PER_MGET]])
+            outcome = [value for values in await pipe.execute() for value in values]
+            self.counts.read_batches += 1
+        except RedisError as exc:
+            outcome = exc
+        except BaseException as exc:  # cancelled (the loop is closing): no waiter is left hanging
+            for _, future in batch:
+                if not future.done():
+                    future.cancel()
+            raise exc
+        for i, (_, future) in enumerate(batch):
+            if future.done():
+                continue
+            if isinstance(outcome, BaseException):
+                future.set_exception(outcome)
+            else:
+                future.set_result(outcome[i])
 
     async def record(self, insight: ShopperInsight) -> None:
         """Record ``insight`` under its ``request_id`` with the ledger's TTL (a replayed write of the

@@ -1,0 +1,85 @@
+"""The answer ledger reads in batches (``pipeline.answer_ledger``): prompts handed to the enrichment step
+together, as an engine hands over a poll or a replay after a kill, pass latest wins in the order they
+were handed over. A shopper's older prompt is then superseded before it is sent, instead of sent and
+cancelled in flight a moment later: the replica sees one request per shopper. With a read per prompt
+the replies came back in any order, and an older prompt could pass first (on a backlog more than a
+third of the calls were such, each one made again by a replay after a kill).
+
+Against the local Redis and a simulated replica over HTTP."""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from collections.abc import AsyncIterator
+
+import pytest
+import redis.asyncio as aioredis
+
+from llm_client import LLMClient
+from pipeline.answer_ledger import AnswerLedger
+from pipeline.enrichment import Enricher
+from prompt_assembly.records import ShopperInsight, Superseded
+from serving.simulator.testing import running_simulator
+from sinks.config import SinkSettings
+from tests.pipeline.test_overload import Shopper, client_config, requests_received, sim_metrics
+
+SHOPPERS = 12
+VERSIONS = 4
+
+
+@pytest.fixture
+async def sinks() -> AsyncIterator[SinkSettings]:
+    """Sink settings of this test alone: the local Redis under a prefix of its own, removed after."""
+    settings = SinkSettings(redis_key_prefix=f"test-ledger-batch-{uuid.uuid4().hex[:10]}:")
+    yield settings
+    client: aioredis.Redis = settings.redis_client()
+    keys = [key async for key in client.scan_iter(match=f"{settings.redis_key_prefix}*")]
+    if keys:
+        await client.delete(*keys)
+    await client.aclose()
+
+
+async def test_prompts_handed_over_together_reach_the_replica_once_per_shopper(sinks: SinkSettings) -> None:
+    shoppers = [Shopper(f"s-batch-{i}") for i in range(SHOPPERS)]
+    versions = [[shopper.cart() for _ in range(VERSIONS)] for shopper in shoppers]
+    handed = [versions[s][v] for v in range(VERSIONS) for s in range(SHOPPERS)]  # shoppers interleaved
+    async with running_simulator(time_scale=0.01) as sim, LLMClient(client_config(sim.url)) as client:
+        ledger = AnswerLedger.from_settings(sinks)
+        enricher = Enricher(client, ledger=ledger)
+        results = await asyncio.gather(*(enricher.enrich(prompt) for prompt in handed))
+        await ledger.redis.aclose()
+        metrics = await sim_metrics(sim)
+    by_id = {result.request_id: result for result in results}
+    for shopper_versions in versions:
+        *older, newest = shopper_versions
+        assert isinstance(by_id[newest.request_id], ShopperInsight)
+        for prompt in older:
+            superseded = by_id[prompt.request_id]
+            assert isinstance(superseded, Superseded) and not superseded.cancelled_in_flight
+            assert superseded.superseded_by is not None
+    assert requests_received(metrics) == SHOPPERS, "one call per shopper: none sent and then cancelled"
+    assert enricher.counts.cancelled_in_flight == 0
+    assert enricher.counts.superseded_queued == SHOPPERS * (VERSIONS - 1)
+    assert ledger.counts.read_batches == 1
+
+
+async def test_a_batch_read_gives_each_prompt_its_own_recorded_answer(sinks: SinkSettings) -> None:
+    answered, fresh = Shopper("s-batch-answered").cart(), Shopper("s-batch-fresh").cart()
+    async with running_simulator(time_scale=0.01) as sim:
+        async with LLMClient(client_config(sim.url)) as client:
+            ledger = AnswerLedger.from_settings(sinks)
+            first = await Enricher(client, ledger=ledger).enrich(answered)
+            await ledger.redis.aclose()
+        async with LLMClient(client_config(sim.url)) as client:  # a restarted process
+            ledger = AnswerLedger.from_settings(sinks)
+            enricher = Enricher(client, ledger=ledger)
+            replayed, new = await asyncio.gather(*(enricher.enrich(p) for p in (answered, fresh)))
+            await ledger.redis.aclose()
+        metrics = await sim_metrics(sim)
+    assert isinstance(first, ShopperInsight)
+    assert isinstance(replayed, ShopperInsight) and replayed.replayed
+    assert replayed.model_dump(exclude={"replayed"}) == first.model_dump(exclude={"replayed"})
+    assert isinstance(new, ShopperInsight) and not new.replayed and new.request_id == fresh.request_id
+    assert requests_received(metrics) == 2
+    assert ledger.counts.found == 1 and ledger.counts.read_batches == 1
