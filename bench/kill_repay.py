@@ -275,15 +275,16 @@ def start_gateway(endpoints: list[str], log: Path) -> tuple[subprocess.Popen[str
     raise RuntimeError(f"the gateway exited with {process.wait()} before READY; see {log}")
 
 
-def spawn_child(job: Job, log: Path) -> subprocess.Popen[str]:
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
+def spawn_child(job: Job, log: Path, tree: Path) -> subprocess.Popen[str]:
+    """The runner of the source tree ``tree`` (this one, or another for a before/after)."""
+    env = {**os.environ, "PYTHONPATH": str(tree)}
     process = subprocess.Popen(
         [sys.executable, "-m", "bench.kill_repay", "--child"],
         stdin=subprocess.PIPE,
         stdout=subprocess.PIPE,
         stderr=log.open("a"),
         text=True,
-        cwd=REPO,
+        cwd=tree,
         env=env,
         start_new_session=True,  # its own process group: the SIGKILL reaches it and nothing else
     )
@@ -472,6 +473,7 @@ def one_run(
     clean_ids: set[str] | None = None,
     gateway: bool = False,
     producer: threading.Thread | None = None,
+    tree: Path = REPO,
 ) -> Run:
     """Clean (``kill_at_calls`` None) or killed once the replicas have received that many calls.
     ``gateway``: the runner calls a gateway of this run's own (``shopper router serve``, so no answer
@@ -504,7 +506,7 @@ def one_run(
     started = time.monotonic()
     if producer is not None:
         producer.start()
-    process = spawn_child(job, log)
+    process = spawn_child(job, log, tree)
     at_kill: dict[str, float] = {}
     calls_before_kill = 0.0
     killed_pid: int | None = None
@@ -533,7 +535,7 @@ def one_run(
             time.sleep(KILL_WAIT_S)
             calls_before_kill = Replicas.read(state.llm_endpoints).minus(before).requests
             job.metrics_port = free_port()
-            process = spawn_child(job, log)
+            process = spawn_child(job, log, tree)
         totals = [finish_child(process, log)]
     finally:
         if process.poll() is None:  # this run failed or was interrupted: its runner goes with it
@@ -693,6 +695,7 @@ def pair(
     kill_at: float,
     rate: float | None,
     gateway: bool = False,
+    tree: Path = REPO,
 ) -> Pair:
     """The same stream run clean, then killed at ``kill_at`` of the clean run's calls."""
     seed = SEED + repeat
@@ -715,6 +718,7 @@ def pair(
             clean_ids=runs[0].by_id.ids if killed else None,
             gateway=gateway,
             producer=producer,
+            tree=tree,
         )
         print(describe_run(run), flush=True)
         runs.append(run)
@@ -964,6 +968,12 @@ def main() -> None:
     parser.add_argument("--kill-at", type=float, default=0.4, help="share of the clean run's calls")
     parser.add_argument("--rate", type=float, default=0.0, help="paced events/s; 0 = 1x measured capacity")
     parser.add_argument("--name", default="kill_repay", help="results file: bench/results/<name>.json")
+    parser.add_argument(
+        "--tree",
+        type=Path,
+        default=REPO,
+        help="run the runner of another source tree (a git worktree of an older commit): a before/after",
+    )
     args = parser.parse_args()
     if args.child:
         child()
@@ -1011,6 +1021,7 @@ def main() -> None:
                             shoppers=args.shoppers,
                             kill_at=args.kill_at,
                             rate=None,
+                            tree=args.tree,
                         )
                     )
                 arms.append((f"backlog {args.events}, {backlog[0].clean.policy}", backlog))
@@ -1028,6 +1039,7 @@ def main() -> None:
                         shoppers=args.shoppers,
                         kill_at=args.kill_at,
                         rate=rate,
+                        tree=args.tree,
                     )
                     for repeat in range(args.repeats)
                 ]
@@ -1046,6 +1058,7 @@ def main() -> None:
                         kill_at=args.kill_at,
                         rate=None,
                         gateway=True,
+                        tree=args.tree,
                     )
                     for repeat in range(args.repeats)
                 ]
@@ -1069,6 +1082,8 @@ def main() -> None:
                     (f"Flink, backlog {args.events}, TaskManager killed, {flink[0].clean.policy}", flink)
                 )
             for name, pairs in arms:
+                if args.tree.resolve() != REPO:
+                    name = f"{name} (runner of {args.tree})"
                 summary = summarise(name, pairs)
                 out["arms"].append(summary)
                 rows.append([summary[k] for k, _ in TABLE])
