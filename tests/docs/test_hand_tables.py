@@ -21,6 +21,7 @@ from typing import Any
 import pytest
 
 from bench.common import REPO
+from bench.routing.stats import Aggregate, RunResult, aggregate
 from serving.simulator.cost_model import IterationWork
 from serving.simulator.hardware import GPUS, WeightDtype, kv_memory
 from serving.simulator.roofline import RooflineCost
@@ -165,6 +166,33 @@ def chunked_prefill(payloads: Sequence[dict[str, Any]]) -> list[list[Cell]]:
     return [row(unchunked), row(fcfs), no_file, no_file, row(pending, baselines=False), row(reuse)]
 
 
+def _pooled(payload: dict[str, Any], policy: str) -> Aggregate:
+    fields = set(RunResult.__dataclass_fields__)
+    runs = [RunResult(**{k: v for k, v in r.items() if k in fields}) for r in payload["results"]]
+    (found,) = [a for a in aggregate(runs) if a.policy == policy]
+    return found
+
+
+def router_levers(payloads: Sequence[dict[str, Any]]) -> list[list[Cell]]:
+    """The router levers tried on ``skew`` (``docs/routing.md``): each row's pooled p99 with its bootstrap
+    interval and replays, and prefill over the oracle (``stats.aggregate`` of its results file)."""
+    default, queue_cap, if1, if05, hot, *noguard = payloads
+    rows: list[list[Cell]] = []
+    d = _pooled(default, "prefix_aware")
+    rows.append([None, None, (d.p99, d.repeats), d.prefill_vs_oracle, None])
+    q = _pooled(queue_cap, "prefix_aware")
+    rows.append([None, None, (q.p99, q.repeats), q.prefill_vs_oracle, None])
+    for payload in (if1, if05):
+        a = _pooled(payload, "prefix_aware")
+        rows.append([None, None, (a.p99, *a.p99_ci, a.repeats), a.prefill_vs_oracle, None])
+    guards = [_pooled(payload, "prefix_aware_noguard") for payload in noguard]
+    p99s = tuple(v for a in guards for v in (a.p99, *a.p99_ci))
+    rows.append([None, None, (*p99s, guards[0].repeats), tuple(a.prefill_vs_oracle for a in guards), None])
+    h = _pooled(hot, "prefix_aware")
+    rows.append([None, None, (h.p99, *h.p99_ci, h.repeats), h.prefill_vs_oracle, None])
+    return rows
+
+
 def kv_memory_table(payloads: Sequence[dict[str, Any]]) -> list[list[Cell]]:
     """``docs/simulator.md``'s KV memory per model, GPU and weight type: computed by
     ``hardware.kv_memory``, not read from a results file (``max_num_tokens`` 8192, as the doc says)."""
@@ -220,6 +248,21 @@ HAND_TABLES = [
             "routing_scenarios_p6_ep1024_reuse.json",
         ),
         chunked_prefill,
+    ),
+    HandTable(
+        "docs/routing.md",
+        "| change | command option |",
+        (
+            "routing_scenarios_r2_skew.json",
+            "routing_scenarios_p4_q2048.json",
+            "routing_scenarios_p5_if1.json",
+            "routing_scenarios_p5_if05.json",
+            "routing_scenarios_p7_hot025.json",
+            "routing_scenarios_p8_noguard.json",
+            "routing_scenarios_p8_noguard_evict.json",
+            "routing_scenarios_p8_noguard_burst.json",
+        ),
+        router_levers,
     ),
     HandTable("docs/simulator.md", "| model | GPU | weights |", (), kv_memory_table),
     HandTable("docs/simulator.md", "| step | roofline ms |", (), roofline_steps),
