@@ -1,5 +1,6 @@
 """Tables in ``docs/`` that are still written by hand, checked number by number against the results file
-they come from (or, for the simulator's KV memory and roofline tables, the code that computes them).
+they come from (or, for the simulator's KV memory and roofline tables and the sizing model, the code that
+computes them).
 
 A table between ``bench:table`` markers is generated (``test_bench_tables``). Some topic docs quote the
 same runs in tables of their own shape, written by hand; until they are generated too, this test reads
@@ -22,6 +23,7 @@ import pytest
 
 from bench.common import REPO
 from bench.routing.stats import Aggregate, RunResult, aggregate
+from bench.sizing import Inputs, size
 from serving.simulator.cost_model import IterationWork
 from serving.simulator.hardware import GPUS, WeightDtype, kv_memory
 from serving.simulator.roofline import RooflineCost
@@ -193,6 +195,19 @@ def router_levers(payloads: Sequence[dict[str, Any]]) -> list[list[Cell]]:
     return rows
 
 
+def sizing_model(payloads: Sequence[dict[str, Any]]) -> list[list[Cell]]:
+    """``docs/sizing.md``'s model at its three rates, from ``bench.sizing.size`` at the default inputs."""
+    del payloads
+    rows: list[list[Cell]] = []
+    for rate in (100_000, 1_000_000, 10_000_000):
+        s = size(rate, Inputs())
+        rows.append(
+            [rate, s.prompts_per_s, s.gpus, s.partitions, s.runner_processes, s.flink_slots, s.kafka_mb_per_s,
+             s.redis_writes_per_s, s.redis_gib, s.s3_objects_per_hour]
+        )  # fmt: skip
+    return rows
+
+
 def kv_memory_table(payloads: Sequence[dict[str, Any]]) -> list[list[Cell]]:
     """``docs/simulator.md``'s KV memory per model, GPU and weight type: computed by
     ``hardware.kv_memory``, not read from a results file (``max_num_tokens`` 8192, as the doc says)."""
@@ -264,6 +279,7 @@ HAND_TABLES = [
         ),
         router_levers,
     ),
+    HandTable("docs/sizing.md", "| events/s | LLM calls/s |", (), sizing_model),
     HandTable("docs/simulator.md", "| model | GPU | weights |", (), kv_memory_table),
     HandTable("docs/simulator.md", "| step | roofline ms |", (), roofline_steps),
 ]
