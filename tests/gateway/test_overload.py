@@ -14,6 +14,7 @@ import asyncio
 import os
 import signal
 import sys
+import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
@@ -135,11 +136,14 @@ async def test_a_newer_version_cancels_the_older_one_in_flight(
     before = await scrape(http, replica)
     received = metric(before, "sim_requests_total", endpoint="chat")
     finished_tokens = metric(before, "sim_completion_tokens_total")
+    # Version 2 extends version 1's prompt, as a shopper's next prompt does (a history of its own, so
+    # no other test's prompt shares its prefix).
+    history = f"Shopper s8 ({uuid.uuid4().hex}). Activity: " + "viewed a lantern; " * 80
     async with running_gateway([replica], "round_robin") as gw:
         older = asyncio.create_task(
             http.post(
                 gw.url + CHAT,
-                json=chat_body("shopper 8, version 1", stream=stream, **LONG),
+                json=chat_body(history, stream=stream, **LONG),
                 headers=session_headers("s8", "3.1"),
             )
         )
@@ -150,9 +154,15 @@ async def test_a_newer_version_cancels_the_older_one_in_flight(
         else:
             await until(lambda: _at_least(_running(http, replica), 1), "version 1 runs at the replica")
         status, _, newer = await post(
-            http, gw.url, chat_body("shopper 8, version 2", **SHORT), **session_headers("s8", "3.2")
+            http,
+            gw.url,
+            chat_body(history + "added a lantern to cart", **SHORT),
+            **session_headers("s8", "3.2"),
         )
         assert status == 200
+        if stream:  # version 1's first token was out, so its prefill was done: its blocks stay cached
+            usage = newer["usage"]
+            assert usage["prompt_tokens_details"]["cached_tokens"] >= usage["prompt_tokens"] // 2
         answer = await older
         if stream:  # bytes were already with the caller: its stream ends without its end
             with pytest.raises(aiohttp.ClientPayloadError):
