@@ -153,6 +153,17 @@ def wait_counted(rest: FlinkRest, job_id: str, resets: int) -> list[int]:
     return counts
 
 
+def wait_runner_counted(runner: RunnerAlongside, resets: int) -> int:
+    """The runner's ``session_resets`` once it reaches ``resets`` (a result can be in S3, flushed by a
+    durable point, a moment before its Redis write returns); whatever it is at the deadline otherwise."""
+    deadline = time.monotonic() + STORED_WITHIN_S
+    counted = on_loop(runner, runner.runner.session_resets)
+    while counted < resets and time.monotonic() < deadline:
+        time.sleep(0.5)
+        counted = on_loop(runner, runner.runner.session_resets)
+    return counted
+
+
 def on_loop(runner: RunnerAlongside, read: Callable[[], T]) -> T:
     """``read()`` on the running runner's own loop: its ``session_resets`` and ``/metrics`` are read
     while it runs (its checkpoint, which counts the resets, goes when it stops)."""
@@ -236,7 +247,6 @@ def test_a_lost_session_state_resets_the_shopper_alike_on_both_engines(
         # The new sessions start from the first event after the loss: the oracle sees them alone.
         expected_after = expected_prompts(taken(after))
         expected = {**expected_before, **expected_after}
-        assert len(expected) == len(expected_before) + len(expected_after), "a request_id reused"
         assert [p.reason for p in expected_after.values() if p.shopper_id == "s-carts"] == ["browse_pause"]
         # Neither engine is drained before this: the new browse pause fires on the wall clock.
         wait_stored(isolated, flink_s3, set(expected), runner)
@@ -245,20 +255,21 @@ def test_a_lost_session_state_resets_the_shopper_alike_on_both_engines(
         wait_runner_committed(stack.kafka_bootstrap, isolated.group, isolated.topic, ends, runner)
 
         flink_resets = wait_counted(rest, job.job_id, len(LOST))
-        embedded_resets = on_loop(runner, runner.runner.session_resets)
+        embedded_resets = wait_runner_counted(runner, len(LOST))
         exposition = on_loop(runner, runner.runner.metrics.exposition).decode()
         drain(flink_cluster, job.job_id, stack_dir)
     finally:
         stats.append(runner.stop())
 
-    # The reset is counted, once per lost shopper, by each engine's Redis sink.
-    assert sum(flink_resets) == len(LOST), f"Flink's session_resets per subtask: {flink_resets}"
-    assert embedded_resets == len(LOST)
-    assert f"shopper_session_resets_total {float(len(LOST))}" in exposition
-
     # The newer session's answer holds each lost shopper's signal; the others are untouched.
     embedded_signals = signals(stack.redis_url, isolated.prefix)
-    assert signals(stack.redis_url, flink_prefix) == embedded_signals, "the engines' signals differ"
+    flink_signals = signals(stack.redis_url, flink_prefix)
+    assert flink_signals == embedded_signals, f"signals: Flink {flink_signals}, runner {embedded_signals}"
+
+    # The reset is counted, once per lost shopper, by each engine's Redis sink.
+    assert sum(flink_resets) == len(LOST), f"Flink's session_resets per subtask: {flink_resets}"
+    assert embedded_resets == len(LOST), f"the runner's session_resets; signals {embedded_signals}"
+    assert f"shopper_session_resets_total {float(len(LOST))}" in exposition
     want = newest(expected)
     assert {sid: s["request_id"] for sid, s in embedded_signals.items()} == {
         sid: p.request_id for sid, p in want.items()
@@ -270,6 +281,8 @@ def test_a_lost_session_state_resets_the_shopper_alike_on_both_engines(
         assert (held["seq"], held["resets"]) == ("1", "1"), f"{sid}: {held}"
     assert int(newest(expected_before)["s-carts"].seq) > int(embedded_signals["s-carts"]["seq"])
     assert {embedded_signals[sid]["resets"] for sid in ("s-quiet", "s-new")} == {"0"}
+
+    assert len(expected) == len(expected_before) + len(expected_after), "a request_id reused"
 
     # Nothing unaccounted: every event applied, every prompt one stored insight, the same on both.
     assert all(s.accounting.balanced for s in stats), [s.accounting for s in stats]
