@@ -12,12 +12,12 @@ import asyncio
 import time
 from collections import deque
 from collections.abc import Awaitable
-from typing import TYPE_CHECKING, TypeVar
+from typing import TYPE_CHECKING, TypeVar, cast
 
 from confluent_kafka import KafkaError, KafkaException, Message
 
 from pipeline.kafka_security import librdkafka_properties
-from prompt_assembly.events import MalformedEvent, parse_event, record_time_s
+from prompt_assembly.events import MalformedEvent, ShopperEvent, parse_events
 from runner.consumer_errors import UNKNOWN_TOPIC, UnknownTopicWatch, classify, consumer_failed, topic_missing
 from runner.epochs import Epoch
 from runner.errors import ConsumerFailed, SessionStoreUnavailable
@@ -151,33 +151,47 @@ class Ingest:
             self._unknown_topic.clear()
 
     async def _process(self, messages: list[Message]) -> None:
+        """One poll as one epoch, in passes over the whole poll rather than one pass of every step per
+        record: the records' offsets and values, the gate on all of them at once
+        (``prompt_assembly.events.parse_events``), the rejected and misplaced records sent on, the
+        missing sessions loaded in one round trip, then every event applied in partition order. The
+        counts are added once per poll. Per record, only what must be per record stays: the gate, the
+        session step, and the offset."""
         runner = self.runner
         acct = runner.stats.accounting
         sessions = runner.sessions
         epoch = Epoch(lease=runner.assignment.lease)  # read after the poll: its records' assignment
-        parsed = []
+        offsets = epoch.offsets
+        topic = self.settings.topic
+        values: list[bytes | None] = []
+        stamps: list[tuple[int, int]] = []
+        partitions: list[int] = []
         for message in messages:
-            acct.consumed += 1
-            topic, partition, offset = message.topic(), message.partition(), message.offset()
-            assert topic is not None and partition is not None and offset is not None  # a real record
-            epoch.offsets[(topic, partition)] = offset + 1
-            try:
-                event = parse_event(message.value(), record_time_s(message.timestamp()), runner.event_window)
-            except MalformedEvent as exc:
+            partition = message.partition()
+            offsets[(message.topic() or topic, partition or 0)] = (message.offset() or 0) + 1
+            values.append(message.value())
+            stamps.append(message.timestamp())
+            partitions.append(partition or 0)
+        acct.consumed += len(messages)
+        times = [ms / 1000.0 if kind != 0 and ms > 0 else None for kind, ms in stamps]
+        gated = parse_events(values, times, runner.event_window)
+        parsed: list[int] = []
+        for i, event in enumerate(gated):
+            if isinstance(event, MalformedEvent):
                 acct.dead_lettered += 1
-                await runner.dead_letters.publish(message, exc.reason)
-                continue
-            if misplaced(message, event):  # its copy, keyed by shopper id, is the one applied
+                await runner.dead_letters.publish(messages[i], event.reason)
+            elif misplaced(messages[i], event):  # its copy, keyed by shopper id, is the one applied
                 acct.rekeyed += 1
-                await runner.rekeyer.send(message, event)
-                continue
-            parsed.append((message, event))
+                await runner.rekeyer.send(messages[i], event)
+            else:
+                parsed.append(i)
         runner.dead_letters.producer.poll(0)
         runner.rekeyer.producer.poll(0)
-        shoppers = {ev.shopper_id for _, ev in parsed}
-        with sessions.pinned(shoppers):  # a durable point during the load must not evict them
-            missing = sessions.missing(shoppers)
-            if missing:
+        events = cast("list[ShopperEvent]", gated)  # at the indices in ``parsed``
+        shoppers = {events[i].shopper_id for i in parsed}
+        missing = sessions.missing(shoppers)
+        if missing:
+            with sessions.pinned(shoppers):  # a durable point during the load must not evict them
                 loaded = await self._polling_while(
                     runner.retrying(lambda: runner.store.load_many(missing), "session load")
                 )
@@ -187,20 +201,33 @@ class Ingest:
                     acct.consumed -= len(parsed)
                     return
                 sessions.adopt(loaded)
-            touched: set[str] = set()
-            for message, event in parsed:
-                sid = event.shopper_id
-                session = sessions.use(sid, message.partition() or 0, runner.processor.new_session)
-                applied = runner.processor.apply(session, event, message.value())
-                if applied.outcome == "accepted":
-                    acct.accepted += 1
-                else:
-                    acct.duplicates += 1
-                ts = message.timestamp()[1] / 1000.0
+        # From here to close_epoch nothing awaits, so no durable point can evict these sessions.
+        apply, new_session, launch = (
+            runner.processor.apply,
+            runner.processor.new_session,
+            runner.prompts.launch,
+        )
+        held = sessions.get
+        touched: dict[str, int] = {}
+        accepted = 0
+        for i in parsed:
+            event = events[i]
+            sid = event.shopper_id
+            session = held(sid)
+            if session is None:
+                session = sessions.use(sid, partitions[i], new_session)
+            applied = apply(session, event, values[i])
+            if applied.outcome == "accepted":
+                accepted += 1
+            if applied.prompts:
+                ts = stamps[i][1] / 1000.0
                 for prompt in applied.prompts:
-                    runner.prompts.launch(prompt, epoch, ts)
-                touched.add(sid)
-            runner.close_epoch(epoch, touched)  # from here on the epoch keeps them (busy)
+                    launch(prompt, epoch, ts)
+            touched[sid] = partitions[i]
+        acct.accepted += accepted
+        acct.duplicates += len(parsed) - accepted
+        sessions.place_many(touched)
+        runner.close_epoch(epoch, set(touched))  # from here on the epoch keeps them (busy)
 
     async def _polling_while(self, wait: Awaitable[T]) -> T:
         """``wait`` (a load that may wait out a Redis outage under ``sink_retry``), polling on all the

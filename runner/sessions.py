@@ -94,6 +94,11 @@ class SessionCache:
         """Record the partition of a held session (a re-armed timer's)."""
         self._partition_of[shopper_id] = partition
 
+    def place_many(self, partitions: Mapping[str, int]) -> None:
+        """Record the partition of held sessions: once per shopper a poll touched (the partition of its
+        last record), where ``use`` records it per event."""
+        self._partition_of.update(partitions)
+
     def adopt(self, loaded: dict[str, ShopperSession]) -> None:
         """Sessions loaded from the store, for shoppers not in memory *now*: a load awaits, and the
         other loader (ingest or re-arming timers after an assignment) may have loaded the same shopper
