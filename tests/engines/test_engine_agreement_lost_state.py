@@ -181,6 +181,8 @@ def test_a_lost_session_state_resets_the_shopper_alike_on_both_engines(
 ) -> None:
     topics = flink_topics(isolated)
     flink_prefix, flink_s3 = f"{isolated.prefix}flink:", f"{isolated.s3_prefix}-flink"
+    # Each engine's S3 objects, listed under "{prefix}/": "test-x" alone also lists "test-x-flink/".
+    flink_objects, runner_objects = f"{flink_s3}/", f"{isolated.s3_prefix}/"
     settings = cluster_job_settings(
         stack, stack_dir, isolated, topics, prefix=flink_prefix, s3_prefix=flink_s3
     ).model_copy(update={"parallelism": 2})
@@ -217,8 +219,8 @@ def test_a_lost_session_state_resets_the_shopper_alike_on_both_engines(
                 ends[partition] = max(ends.get(partition, 0), end)
             before += step
             expected_before = expected_prompts(taken(before))
-            wait_stored(isolated, flink_s3, set(expected_before), runner)
-            wait_stored(isolated, isolated.s3_prefix, set(expected_before), runner)
+            wait_stored(isolated, flink_objects, set(expected_before), runner)
+            wait_stored(isolated, runner_objects, set(expected_before), runner)
         assert [p.seq for p in expected_before.values() if p.shopper_id == "s-carts"] == [1, 2]
         wait_committed(stack.kafka_bootstrap, topics.group, topics.events, ends, rest, job.job_id)
         wait_runner_committed(stack.kafka_bootstrap, isolated.group, isolated.topic, ends, runner)
@@ -249,8 +251,8 @@ def test_a_lost_session_state_resets_the_shopper_alike_on_both_engines(
         expected = {**expected_before, **expected_after}
         assert [p.reason for p in expected_after.values() if p.shopper_id == "s-carts"] == ["browse_pause"]
         # Neither engine is drained before this: the new browse pause fires on the wall clock.
-        wait_stored(isolated, flink_s3, set(expected), runner)
-        wait_stored(isolated, isolated.s3_prefix, set(expected), runner)
+        wait_stored(isolated, flink_objects, set(expected), runner)
+        wait_stored(isolated, runner_objects, set(expected), runner)
         wait_committed(stack.kafka_bootstrap, topics.group, topics.events, ends, rest, job.job_id)
         wait_runner_committed(stack.kafka_bootstrap, isolated.group, isolated.topic, ends, runner)
 
@@ -289,10 +291,10 @@ def test_a_lost_session_state_resets_the_shopper_alike_on_both_engines(
     assert sum(s.accounting.accepted for s in stats) == len(before) + len(after)
     assert sum(s.accounting.insights for s in stats) == len(expected)
     assert sum(s.accounting.dead_lettered + s.accounting.duplicates for s in stats) == 0
-    embedded_records = records(isolated, isolated.s3_prefix)
+    embedded_records = records(isolated, runner_objects)
     assert set(embedded_records) == set(expected)
     assert {r["kind"] for r in embedded_records.values()} == {"insight"}
-    assert records(isolated, flink_s3) == embedded_records
+    assert records(isolated, flink_objects) == embedded_records
     embedded_topic = topic_results(stack.kafka_bootstrap, runner_insights, len(expected))
     assert set(embedded_topic) == set(expected)
     assert topic_results(stack.kafka_bootstrap, topics.insights, len(expected)) == embedded_topic
