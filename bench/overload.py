@@ -518,7 +518,7 @@ def tables(rows: list[dict[str, Any]]) -> str:
                 _s(urgent),
                 _s(k["browse_pause"]["from_due_p99"]),
                 f"{t['prefill_per_insight']:,.0f} + {t['decode_per_insight']:,.0f}",
-                f"{t['wasted_share']:.1%}",
+                f"{t['wasted_share']:.1%} ({t.get('wasted_decode_share', 0.0):.1%})",
             ]
         )
     first = print_table(
@@ -536,7 +536,7 @@ def tables(rows: list[dict[str, Any]]) -> str:
             "purchase+cart p99 from due s",
             "browse p99 from due s",
             "tokens per insight prefill + decode",
-            "wasted tokens",
+            "wasted tokens (decode)",
         ],
         main,
     )
@@ -669,20 +669,26 @@ async def bench(args: argparse.Namespace) -> dict[str, Any]:
                 rows.append(row)
                 brief = {k: row[k] for k in ("accounting", "freshness_s", "prompts_due_per_s")}
                 print(f"  {label}: {json.dumps(brief)}", flush=True)
-    target_s = OverloadSettings().freshness_target_s
-    table = tables(rows)
-    verdicts = targets(rows, target_s)
-    print("\n".join(verdicts))
-    return {
+    result = {
         "machine": machine(),
         "command": "python -m bench.overload " + " ".join(args.argv),
         "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items() if k != "argv"},
         "capacity": capacity,
-        "freshness_target_s": target_s,
+        "freshness_target_s": OverloadSettings().freshness_target_s,
         "rows": rows,
-        "targets": verdicts,
-        "table": table + "\n\nTargets (issue 30):\n\n" + "\n".join(verdicts),
     }
+    return report(result)
+
+
+def report(result: dict[str, Any]) -> dict[str, Any]:
+    """The tables and the targets' verdicts, from the rows (``--retable`` redoes them from a results file)."""
+    rows = result["rows"]
+    table = tables(rows)
+    verdicts = targets(rows, result["freshness_target_s"])
+    print("\n".join(verdicts))
+    result["targets"] = verdicts
+    result["table"] = table + "\n\nTargets (issue 30):\n\n" + "\n".join(verdicts)
+    return result
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -719,9 +725,18 @@ def main(argv: list[str] | None = None) -> None:
         "--raw-dir", type=Path, default=None, help="also keep each run's records here (pickles)"
     )
     parser.add_argument("--out", default="overload.json", help="results file under bench/results")
+    parser.add_argument(
+        "--retable",
+        type=Path,
+        default=None,
+        help="redo this results file's tables from its rows; no run",
+    )
     raw = sys.argv[1:] if argv is None else argv
     args = parser.parse_args(raw)
     args.argv = raw
+    if args.retable is not None:
+        args.retable.write_text(json.dumps(report(json.loads(args.retable.read_text())), indent=1))
+        return
     result = asyncio.run(bench(args))
     out = results_dir()
     out.mkdir(parents=True, exist_ok=True)
