@@ -1,12 +1,16 @@
 """The two engines agree: the same Kafka records through the job submitted with ``flink run`` to the
 standalone Flink cluster (at parallelism 2, a subtask on each of two TaskManagers) and through the
 embedded runner, both running at once with their production timer settings (Flink's
-``wall_clock_timers`` on, the runner's ``timer_wall_per_event_s`` 1.0), give identical Redis signals, S3
-records, insights-topic records and dead letters (dead letters byte for byte, partition, offset and the
-size limit's cut included; results in every field the events determine, which leaves out timings and
-the replica that answered). Stored session entries are the same bytes too: Flink's keyed state cannot be
-read from Python, so that is checked on the state value the job builds
-(``tests/runner/test_session_store.py``).
+``wall_clock_timers`` on, the runner's ``timer_wall_per_event_s`` 1.0) and the default overload policy
+(latest wins, by priority), agree on what latest wins leaves fixed: identical Redis signals (each
+shopper's newest answered version, in every field the events determine, which leaves out timings and the
+replica that answered), the same prompts with the same triggers in S3 and on the insights topic, the same
+answer wherever both engines answered a prompt, each engine's results passing the latest-wins oracle
+(``tests.helpers.assert_latest_wins``), and identical dead letters (byte for byte, partition, offset and
+the size limit's cut included). Which of a shopper's older prompts a newer one superseded depends on
+timing, so the split between insights and superseded results is not compared. Stored session entries
+are the same bytes too: Flink's keyed state cannot be read from Python, so that is checked on the state
+value the job builds (``tests/runner/test_session_store.py``).
 
 The records: a replayed backlog (the synthetic stream, a year old, and one shopper's 100 views 3 s
 apart an hour ago, with the fractions of a millisecond of real clock values), malformed JSON, an
@@ -62,7 +66,13 @@ from tests.flink_kit import (
     subtask_counters,
     wait_committed,
 )
-from tests.helpers import dashboard_metric_names, expected_prompts, prometheus_names
+from tests.helpers import (
+    assert_latest_wins,
+    dashboard_metric_names,
+    expected_prompts,
+    prometheus_names,
+    signal_versions,
+)
 
 pytestmark = [pytest.mark.flink, pytest.mark.slow]
 
@@ -99,6 +109,12 @@ RECORD_FIELDS = (
     "last_event_ts",
     "model",
 )
+"""A result's event-determined fields, for comparing engines whose results are all insights."""
+TRIGGER_FIELDS = ("request_id", "shopper_id", "session_epoch", "seq", "reason", "last_event_ts")
+"""What every result kind says of its prompt: the prompts and their triggers, which both engines must
+emit whatever the overload policy superseded."""
+ANSWER_FIELDS = (*TRIGGER_FIELDS, "kind", "understanding", "event_count", "model")
+"""An insight's event-determined fields: the same wherever both engines answered the prompt."""
 
 
 def signals(redis_url: str, prefix: str) -> dict[str, dict[str, str]]:
@@ -114,18 +130,48 @@ def signals(redis_url: str, prefix: str) -> dict[str, dict[str, str]]:
         client.close()
 
 
-def records(isolated: Isolated, s3_prefix: str) -> dict[str, dict[str, Any]]:
+def whole_records(isolated: Isolated, s3_prefix: str) -> dict[str, dict[str, Any]]:
+    """S3's results under ``s3_prefix`` by request id, every field."""
     settings = isolated.sinks().model_copy(update={"s3_prefix": s3_prefix})
     _, rows = list_s3_records(settings, s3_prefix)
-    return {str(r["request_id"]): {f: r.get(f) for f in RECORD_FIELDS} for r in rows}
+    return {str(r["request_id"]): r for r in rows}
+
+
+def records(isolated: Isolated, s3_prefix: str) -> dict[str, dict[str, Any]]:
+    """S3's results by request id, their event-determined fields."""
+    return {rid: fields(r, RECORD_FIELDS) for rid, r in whole_records(isolated, s3_prefix).items()}
+
+
+def whole_topic_results(bootstrap: str, topic: str, expect: int) -> dict[str, dict[str, Any]]:
+    """The insights topic's results by request id, every field (one each: no duplicates)."""
+    rows = [orjson.loads(value) for value in read_all(bootstrap, topic, expect=expect)]
+    by_id = {str(r["request_id"]): r for r in rows}
+    assert len(by_id) == len(rows), f"duplicates on {topic}"
+    return by_id
 
 
 def topic_results(bootstrap: str, topic: str, expect: int) -> dict[str, dict[str, Any]]:
     """The insights topic's results by request id, their event-determined fields (as for S3)."""
-    rows = [orjson.loads(value) for value in read_all(bootstrap, topic, expect=expect)]
-    by_id = {str(r["request_id"]): {f: r.get(f) for f in RECORD_FIELDS} for r in rows}
-    assert len(by_id) == len(rows), f"duplicates on {topic}"
-    return by_id
+    return {rid: fields(r, RECORD_FIELDS) for rid, r in whole_topic_results(bootstrap, topic, expect).items()}
+
+
+def fields(row: dict[str, Any], names: tuple[str, ...]) -> dict[str, Any]:
+    return {name: row.get(name) for name in names}
+
+
+def assert_agree(flink: dict[str, dict[str, Any]], embedded: dict[str, dict[str, Any]], where: str) -> None:
+    """Both engines' results by request id agree on what latest wins leaves fixed: the same prompts and
+    triggers, and the same answer wherever both answered (which of a shopper's older prompts a newer one
+    superseded depends on timing)."""
+    assert {rid: fields(r, TRIGGER_FIELDS) for rid, r in flink.items()} == {
+        rid: fields(r, TRIGGER_FIELDS) for rid, r in embedded.items()
+    }, f"{where}: the engines emitted different prompts or triggers"
+    both = [rid for rid, r in flink.items() if r["kind"] == "insight" == embedded[rid]["kind"]]
+    assert both, f"{where}: no prompt answered by both engines"
+    differ = [
+        rid for rid in both if fields(flink[rid], ANSWER_FIELDS) != fields(embedded[rid], ANSWER_FIELDS)
+    ]
+    assert not differ, f"{where}: the engines answered the same prompt differently: {differ[:5]}"
 
 
 def bad_records() -> list[tuple[bytes | None, bytes | None]]:
@@ -339,15 +385,18 @@ def test_flink_cluster_and_embedded_runner_write_the_same_results(
         drain(flink_cluster, job.job_id, stack_dir)
     finally:
         stats = runner.stop()
-    assert stats.accounting.balanced and stats.accounting.insights == len(expected)
+    acct = stats.accounting
+    assert acct.balanced and acct.prompts == len(expected) == acct.insights + acct.errors + acct.superseded
 
     embedded_signals = signals(stack.redis_url, isolated.prefix)
     assert len(embedded_signals) == len({p.shopper_id for p in expected.values()})
     assert signals(stack.redis_url, flink_prefix) == embedded_signals
 
-    embedded_records = records(isolated, isolated.s3_prefix)
-    assert set(embedded_records) == set(expected)
-    assert records(isolated, flink_s3) == embedded_records
+    embedded_records = whole_records(isolated, isolated.s3_prefix)
+    flink_records = whole_records(isolated, flink_s3)
+    for prefix, results in ((isolated.prefix, embedded_records), (flink_prefix, flink_records)):
+        assert_latest_wins(expected, results.values(), signal_versions(stack.redis_url, prefix))
+    assert_agree(flink_records, embedded_records, "S3")
 
     n_dead = stats.accounting.dead_lettered
     assert n_dead == n_bad
@@ -358,9 +407,14 @@ def test_flink_cluster_and_embedded_runner_write_the_same_results(
     assert len(letters) == n_dead >= len(bad)
     assert any(letter.truncated for letter in letters), "the size limit cut the oversized record"
 
-    embedded_topic = topic_results(stack.kafka_bootstrap, runner_insights, len(expected))
+    embedded_topic = whole_topic_results(stack.kafka_bootstrap, runner_insights, len(expected))
     assert set(embedded_topic) == set(expected)
-    assert topic_results(stack.kafka_bootstrap, topics.insights, len(expected)) == embedded_topic
+    flink_topic = whole_topic_results(stack.kafka_bootstrap, topics.insights, len(expected))
+    assert_agree(flink_topic, embedded_topic, "insights topic")
+    for topic, stored in ((embedded_topic, embedded_records), (flink_topic, flink_records)):
+        assert {rid: fields(r, ANSWER_FIELDS) for rid, r in topic.items()} == {
+            rid: fields(r, ANSWER_FIELDS) for rid, r in stored.items()
+        }, "an engine's insights topic and S3 hold different results"
     assert all(d.reason and d.topic == isolated.topic for d in letters)
     assert all(d.partition is not None and d.offset is not None and d.timestamp_ms for d in letters)
     reasons = " | ".join(d.reason for d in letters)
