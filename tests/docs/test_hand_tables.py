@@ -22,6 +22,9 @@ from typing import Any
 import pytest
 
 from bench.common import REPO
+from bench.disagg import GPUS as DISAGG_GPUS
+from bench.disagg import SLOS, SetupResult, goodput
+from bench.report import _setups
 from bench.routing.stats import Aggregate, RunResult, aggregate
 from bench.sizing import Inputs, size
 from serving.simulator.cost_model import IterationWork
@@ -43,9 +46,14 @@ class HandTable:
     """The expected cells of each row, from the results files' payloads."""
 
 
-def doc_rows(doc: Path, header: str) -> list[list[str]]:
+def doc_rows(doc: Path, header: str, after: str = "") -> list[list[str]]:
+    """The body rows of the one table that starts with ``header`` (the first after the line that
+    starts with ``after``, where the header repeats)."""
     lines = doc.read_text().splitlines()
-    (start,) = [i for i, line in enumerate(lines) if line.startswith(header)]
+    first = next(i for i, line in enumerate(lines) if line.startswith(after)) if after else 0
+    starts = [i for i, line in enumerate(lines) if line.startswith(header) and i > first]
+    start = starts[0] if after else starts[0] if len(starts) == 1 else -1
+    assert start >= 0, f"{doc}: {len(starts)} tables start with {header!r}"
     rows = []
     for line in lines[start + 2 :]:
         if not line.startswith("|"):
@@ -283,6 +291,59 @@ HAND_TABLES = [
     HandTable("docs/simulator.md", "| model | GPU | weights |", (), kv_memory_table),
     HandTable("docs/simulator.md", "| step | roofline ms |", (), roofline_steps),
 ]
+
+
+# ---- docs/disaggregation.md: ladder goodput tables, matched by workload, cost and setup --------------
+@dataclass(frozen=True)
+class DisaggTable:
+    header: str
+    results: str
+    cost: str | None
+    """The cost model when the table has no cost column."""
+    after: str = ""
+    """The table is the first with its header after a line that starts with this."""
+
+
+DISAGG_TABLES = [
+    DisaggTable(
+        "| workload | cost | setup | TTFT≤1 s, ITL≤150 ms |",
+        "disagg_matrix.json",
+        None,
+        after="Run on 2026-11-23 on this machine (2 cores), beside a full `make test`.",
+    ),
+    DisaggTable("| workload | setup | TTFT≤1 s, ITL≤150 ms |", "disagg_idle.json", "additive"),
+]
+
+
+def disagg_cell_wrong(written: str, result: SetupResult, ttft_slo: float, itl_slo: float) -> str | None:
+    """A ladder cell shows the goodput per GPU, and where it has brackets, the p99 TTFT interval and the
+    p99 ITL (or its interval) at that rung."""
+    best = goodput(result, ttft_slo, itl_slo)
+    if best is None:
+        return mismatches(written, 0.0)
+    rung = best.rate / DISAGG_GPUS
+    lo, hi = best.ttft_ci
+    choices: list[Cell] = [rung, (rung, lo, hi, best.itl_p99), (rung, lo, hi, *best.itl_ci)]
+    reasons = [mismatches(written, choice) for choice in choices]
+    return None if None in reasons else reasons[1]
+
+
+@pytest.mark.parametrize("table", DISAGG_TABLES, ids=lambda t: t.results)
+def test_a_hand_written_goodput_table_shows_its_ladders_numbers(table: DisaggTable) -> None:
+    results = {(r.workload, r.cost, r.setup): r for r in _setups(REPO / "bench" / "results" / table.results)}
+    wrong = []
+    rows = doc_rows(REPO / "docs" / "disaggregation.md", table.header, table.after)
+    for cells in rows:
+        workload, *rest = cells
+        cost, setup_cell, *columns = rest if table.cost is None else [table.cost, *rest]
+        base, *more = setup_cell.replace("*", "").split(" / ")
+        setups = [base] + [base.rsplit("-", 1)[0] + extra for extra in more]
+        for setup in setups:
+            result = results[(workload, cost, setup)]
+            for cell, (ttft_slo, itl_slo) in zip(columns, SLOS, strict=True):
+                if (why := disagg_cell_wrong(cell, result, ttft_slo, itl_slo)) is not None:
+                    wrong.append(f"{workload} {cost} {setup} TTFT≤{ttft_slo:g} ITL≤{itl_slo:g}: {why}")
+    assert rows and not wrong, "\n".join(wrong)
 
 
 @pytest.mark.parametrize("table", HAND_TABLES, ids=lambda t: f"{t.doc}:{t.header.split('|')[1].strip()}")
