@@ -607,6 +607,13 @@ class Pair:
         return self.repaid / max(1, self.clean.reader.results)
 
     @property
+    def paid_twice(self) -> float:
+        """``request_id``s both processes sent that reached the replicas twice: those a gateway joined to
+        the call in flight or answered from its kept answer reached them once."""
+        spared = self.killed.gateway.get("joined", 0.0) + self.killed.gateway.get("reused", 0.0)
+        return max(0.0, self.killed.by_id.sent_again - spared)
+
+    @property
     def new_ids(self) -> int:
         """Results of the killed run under a ``request_id`` the clean run has no result for (a prompt
         re-triggered under another id after the restart)."""
@@ -909,12 +916,16 @@ def summarise(arm: str, pairs: list[Pair]) -> dict[str, Any]:
         "answered_from_ledger": interval([float(k.reader.replayed) for k in killed]),
         "accounted": all(p.accounted for p in pairs),
         "sent_again": interval([float(k.by_id.sent_again) for k in killed]),
+        "paid_twice": interval([float(p.paid_twice) for p in pairs]),
+        "paid_twice_share": pct_interval([p.paid_twice / max(1, p.clean.reader.results) for p in pairs]),
+        "other_prompts": interval([float(k.by_id.only_killed_run) for k in killed]),
         "again_in_flight": again("in_flight"),
         "again_answered_unrecorded": again("answered_unrecorded"),
         "again_recorded": again("recorded"),
         "again_cancelled": again("cancelled"),
         "ledger_orphans": sum(k.reader.ledger_orphans for k in killed),
-        "new_ids": sum(p.new_ids for p in pairs),
+        # a paced stream is stamped as it is sent, so each run's sessions (their epochs) differ
+        "new_ids": "-" if "paced" in pairs[0].clean.scenario else sum(p.new_ids for p in pairs),
         "lost_events": sum(p.lost_events for p in pairs),
     }
 
@@ -934,10 +945,13 @@ TABLE = (
 CAUSES = (
     ("arm", "arm"),
     ("sent_again", "request_ids sent by both processes"),
+    ("paid_twice", "of them paid twice at the replicas"),
+    ("paid_twice_share", "paid twice / prompts"),
     ("again_in_flight", "of them in flight at the kill"),
     ("again_answered_unrecorded", "answered, not yet in the ledger"),
     ("again_recorded", "in the ledger"),
     ("again_cancelled", "cancelled by a newer prompt before the kill"),
+    ("other_prompts", "request_ids sent that the clean run never sent"),
     ("ledger_orphans", "ledger orphans"),
     ("new_ids", "results under ids the clean run lacks"),
     ("lost_events", "events lost"),
@@ -960,6 +974,7 @@ def main() -> None:
         "--scenarios",
         default="backlog,paced",
         help="comma-separated: backlog, paced, gateway (the backlog through shopper router serve), "
+        "gateway_paced (the paced stream through it; needs --rate), "
         "flink (the backlog through the Flink job on a local cluster, a TaskManager killed)",
     )
     parser.add_argument(
@@ -1067,6 +1082,29 @@ def main() -> None:
                         f"backlog {args.events} via the gateway, {routed[0].clean.policy}",
                         routed,
                     )
+                )
+            if "gateway_paced" in scenarios:
+                if not args.rate:
+                    raise SystemExit("gateway_paced needs --rate (the paced arm's 1x, measured)")
+                routed = [
+                    pair(
+                        state,
+                        state_dir,
+                        logs,
+                        scenario="gateway_paced",
+                        policy=policy,
+                        repeat=repeat,
+                        events=args.events,
+                        shoppers=args.shoppers,
+                        kill_at=args.kill_at,
+                        rate=args.rate,
+                        gateway=True,
+                        tree=args.tree,
+                    )
+                    for repeat in range(args.repeats)
+                ]
+                arms.append(
+                    (f"paced 1x ({args.rate:.0f} events/s) via the gateway, {routed[0].clean.policy}", routed)
                 )
             if "flink" in scenarios:
                 flink = flink_pairs(
