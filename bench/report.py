@@ -301,7 +301,7 @@ DISAGG_LABELS = {
 """How ``docs/disaggregation.md`` names the setups it compares."""
 
 
-def _setups(path: Path) -> list[SetupResult]:
+def load_setups(path: Path) -> list[SetupResult]:
     """A ``bench.disagg`` results file: a list of setups (before the search) or ``{"results": [...]}``."""
     payload = json.loads(path.read_text())
     rows = payload["results"] if isinstance(payload, dict) else payload
@@ -328,7 +328,7 @@ def disagg_goodput(paths: Sequence[Path]) -> str:
     header = " | ".join(f"TTFT≤{t / 1000:g} s, ITL≤{i:g} ms" for t, i in SLOS)
     lines = [f"| workload | cost | setup | {header} |", "|---|---|---|" + "---|" * len(SLOS)]
     for path in paths:
-        for result in _setups(path):
+        for result in load_setups(path):
             cells = [goodput_text(result, ttft_slo, itl_slo) for ttft_slo, itl_slo in SLOS]
             label = DISAGG_LABELS.get(result.setup, result.setup)
             lines.append(f"| {result.workload} | {result.cost} | {label} | {' | '.join(cells)} |")

@@ -24,7 +24,7 @@ import pytest
 from bench.common import REPO
 from bench.disagg import GPUS as DISAGG_GPUS
 from bench.disagg import SLOS, SetupResult, goodput
-from bench.report import _setups
+from bench.report import load_setups
 from bench.routing.stats import Aggregate, RunResult, aggregate
 from bench.sizing import Inputs, size
 from serving.simulator.cost_model import IterationWork
@@ -330,7 +330,8 @@ def disagg_cell_wrong(written: str, result: SetupResult, ttft_slo: float, itl_sl
 
 @pytest.mark.parametrize("table", DISAGG_TABLES, ids=lambda t: t.results)
 def test_a_hand_written_goodput_table_shows_its_ladders_numbers(table: DisaggTable) -> None:
-    results = {(r.workload, r.cost, r.setup): r for r in _setups(REPO / "bench" / "results" / table.results)}
+    found = load_setups(REPO / "bench" / "results" / table.results)
+    results = {(r.workload, r.cost, r.setup): r for r in found}
     wrong = []
     rows = doc_rows(REPO / "docs" / "disaggregation.md", table.header, table.after)
     for cells in rows:
