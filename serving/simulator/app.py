@@ -308,8 +308,12 @@ async def _context_only(
 
 
 def _account(replica: Replica, job: GenerationRequest, request_type: str) -> None:
-    if job.error is not None or job.cancelled:
-        replica.metrics.errors.labels("aborted" if job.cancelled else "engine").inc()
+    """Count a finished or failed request; an aborted one is counted by the engine's ``on_abort`` hook
+    (``Replica._count_abort``), since a cancelled handler never gets here."""
+    if job.cancelled:
+        return
+    if job.error is not None:
+        replica.metrics.errors.labels("engine").inc()
     else:
         replica.record_finished(job, request_type)
 

@@ -213,6 +213,7 @@ class ContinuousBatchingEngine:
         knobs: EngineKnobs,
         clock: Callable[[], float] | None = None,
         on_transfer: Callable[[GenerationRequest], None] | None = None,
+        on_abort: Callable[[GenerationRequest], None] | None = None,
     ) -> None:
         self._cost = cost
         self._cache = cache
@@ -220,6 +221,9 @@ class ContinuousBatchingEngine:
         self._knobs = knobs
         self._clock = clock
         self._on_transfer = on_transfer
+        self._on_abort = on_abort
+        """Called once per aborted request, whichever path noticed the client leave (a poll, a failed
+        write, a cancelled handler), so the replica counts every abort exactly once."""
         self._waiting: deque[GenerationRequest] = deque()
         self._running: list[GenerationRequest] = []
         self._prefilling: list[GenerationRequest] = []
@@ -260,6 +264,8 @@ class ContinuousBatchingEngine:
             return
         request.cancelled = True
         self.stats.aborted += 1
+        if self._on_abort is not None:
+            self._on_abort(request)
         request.done.set()
         request.progress.set()
         request.kv_settled.set()

@@ -115,6 +115,7 @@ class Replica:
             engine_limits(config),
             self.knobs,
             on_transfer=self._start_transfer if config.role == "generation" else None,
+            on_abort=self._count_abort,
         )
         self.kv_link = KvLink(config.kv_transfer_latency_ms, config.kv_link_gbps)
         self._kv_sender: KvSender | None = None
@@ -204,6 +205,10 @@ class Replica:
     def next_ctx_request_id(self) -> int:
         """``ctx_request_id`` of a context_only request: unique in this replica's lifetime."""
         return next(self._ctx_request_ids)
+
+    def _count_abort(self, job: GenerationRequest) -> None:
+        """A request whose client went away (``sim_request_errors_total{reason="aborted"}``)."""
+        self.metrics.errors.labels("aborted").inc()
 
     def _start_transfer(self, job: GenerationRequest) -> None:
         """Engine callback: pull ``job``'s missing blocks off the loop, then hand it back."""

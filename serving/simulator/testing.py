@@ -36,7 +36,7 @@ async def running_simulator(**settings: Any) -> AsyncIterator[RunningSimulator]:
     settings["port"] = 0
     config = SimulatorConfig(**settings)
     app = create_app(config)
-    runner = web.AppRunner(app, access_log=None)
+    runner = web.AppRunner(app, access_log=None, handler_cancellation=True)  # as ``serve`` runs it
     await runner.setup()
     try:
         site = web.TCPSite(runner, config.host, 0)

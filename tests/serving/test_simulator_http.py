@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 from collections.abc import AsyncIterator
 from typing import Any
@@ -10,6 +11,7 @@ from typing import Any
 import aiohttp
 import jsonschema
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from prompt_assembly.tokens import chained_block_hashes, messages_text, token_ids
 from serving.simulator.testing import RunningSimulator, running_simulator
@@ -259,17 +261,38 @@ async def test_reset_cache_loses_the_prefix(sim: RunningSimulator, http: aiohttp
     assert stats["engine"]["cached_tokens_served"] > 0
 
 
-async def test_client_disconnect_mid_stream_aborts_the_request(http: aiohttp.ClientSession) -> None:
+@pytest.mark.parametrize("stream", [True, False])
+async def test_client_disconnect_aborts_the_request_and_counts_it(
+    http: aiohttp.ClientSession, stream: bool
+) -> None:
+    """Streamed (noticed at the next write) or not (noticed at the next disconnect poll, or when the
+    server cancels the handler): the slot is freed and ``/metrics`` counts one aborted request."""
     async with running_simulator(time_scale=0.01, stream_coalesce_s=0.0) as slow:
-        body = _chat(stream=True, max_tokens=2000, ignore_eos=True)
-        async with http.post(f"{slow.url}/v1/chat/completions", json=body) as r:
-            await r.content.readline()
-        for _ in range(100):
-            if slow.replica.engine.num_running == 0:
+        body = _chat(stream=stream, max_tokens=2000, ignore_eos=True)
+        if stream:
+            async with http.post(f"{slow.url}/v1/chat/completions", json=body) as r:
+                await r.content.readline()
+        else:
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(0.3), aiohttp.ClientSession() as own:
+                    await own.post(f"{slow.url}/v1/chat/completions", json=body)
+        for _ in range(200):
+            if slow.replica.engine.num_running == 0 and slow.replica.stats()["engine"]["aborted"]:
                 break
             await asyncio.sleep(0.02)
         stats = slow.replica.stats()
         assert stats["engine"]["aborted"] == 1 and stats["running"] == 0
+        async with http.get(f"{slow.url}/metrics") as r:
+            metrics = await r.text()
+        assert _counter(metrics, "sim_request_errors_total", "aborted") == 1.0
+
+
+def _counter(text: str, name: str, reason: str) -> float:
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name == name and sample.labels.get("reason") == reason:
+                return sample.value
+    return 0.0
 
 
 async def test_admin_ttft_hands_out_each_request_once(
