@@ -161,17 +161,19 @@ class Ingest:
         acct = runner.stats.accounting
         sessions = runner.sessions
         epoch = Epoch(lease=runner.assignment.lease)  # read after the poll: its records' assignment
-        offsets = epoch.offsets
-        topic = self.settings.topic
         values: list[bytes | None] = []
         stamps: list[tuple[int, int]] = []
         partitions: list[int] = []
-        for message in messages:
-            partition = message.partition()
-            offsets[(message.topic() or topic, partition or 0)] = (message.offset() or 0) + 1
+        last: dict[int, int] = {}  # partition -> index of its last record (the runner reads one topic)
+        for i, message in enumerate(messages):
+            partition = message.partition() or 0
+            last[partition] = i
             values.append(message.value())
             stamps.append(message.timestamp())
-            partitions.append(partition or 0)
+            partitions.append(partition)
+        topic = self.settings.topic
+        for partition, i in last.items():
+            epoch.offsets[(messages[i].topic() or topic, partition)] = (messages[i].offset() or 0) + 1
         acct.consumed += len(messages)
         times = [ms / 1000.0 if kind != 0 and ms > 0 else None for kind, ms in stamps]
         gated = parse_events(values, times, runner.event_window)
