@@ -3,7 +3,8 @@
 Scenarios (one run, same machine, same stack):
 - ingest vs bare consumer: the same topic is read, each time by a fresh consumer group, by
   (a) a bare confluent-kafka consumer (same poll batch size and consumer settings as the runner; it
-  reads each record's value and decodes nothing): what this machine's broker and client can deliver,
+  decodes each record's value with orjson, and keeps nothing): what this machine's broker and client
+  can deliver, decoded,
   (b) the runner with triggers limited to one prompt per shopper (a per-shopper rate limit of a day),
   so the LLM is not in the window: Kafka consume + parse + sessions + Redis state + commits,
   (c) optionally the runner of another source tree (``--baseline-tree``, e.g. a ``git worktree`` of an
@@ -49,6 +50,7 @@ ROOT = REPO
 
 BARE_CONSUMER = """
 import json, sys, time
+import orjson
 from confluent_kafka import Consumer
 job = json.loads(sys.stdin.read())
 consumer = Consumer(job["consumer"])
@@ -62,14 +64,20 @@ while consumed < job["events"]:
         first = time.monotonic()
     for message in messages:
         if message.error() is None:
-            message.value()
+            try:
+                orjson.loads(message.value())
+            except orjson.JSONDecodeError:
+                pass
             consumed += 1
     last = time.monotonic()
 consumer.close()
 print(json.dumps({"consumed": consumed, "seconds": last - first}))
 """
-"""Reads until it has seen ``events`` records; the window is first batch in -> last batch read, the same
-window the runner's ``ingest_rate`` uses."""
+"""Reads until it has seen ``events`` records, decoding each value with orjson (a malformed one is
+counted, as the runner counts it); the window is first batch in -> last batch read, the same window
+the runner's ``ingest_rate`` uses."""
+
+BARE_CASE = "bare consumer + orjson decode"
 
 RUNNER = """
 import asyncio, json, sys
@@ -162,17 +170,17 @@ def _child(code: str, job: dict[str, Any], tree: Path, profile_out: Path | None 
 
 
 PROFILE_PARTS: list[tuple[str, tuple[str, ...]]] = [
-    ("parse + validate (events.parse_event)", ("parse_event", "decode_event")),
+    ("gate: decode + validate (events.parse_event[s])", ("parse_event", "decode_event")),
     ("session log insert + dedup (ShopperSession.add)", ("ShopperSession.add", "ShopperSession.trim_head")),
     ("triggers (TriggerPolicy.next_pending)", ("TriggerPolicy.next_pending",)),
     ("session apply, rest (SessionProcessor.apply)", ("SessionProcessor.apply",)),
     ("prompt rendering (SessionProcessor._emit)", ("SessionProcessor._emit",)),
     ("Redis: session load (load_many)", ("RedisSessionStore.load_many",)),
-    ("Redis: session save (deltas, one pipeline)", ("RedisSessionStore.save",)),
+    ("Redis: session save (deltas encoded, one script call)", ("RedisSessionStore.save",)),
     ("epoch close (take_changes, timers)", ("EmbeddedRunner.close_epoch",)),
     ("dead letters (publish)", ("DeadLetterPublisher.",)),
     ("commit path, rest (S3/DLQ flush, offsets)", ("Committer.",)),
-    ("per-record bookkeeping (Ingest._process)", ("Ingest._process",)),
+    ("the poll's own loops (Ingest._process)", ("Ingest._process",)),
     ("Kafka poll hand-off (to_thread) + ingest loop", ("Ingest.run",)),
     ("idle: loop waiting (select)", ("EpollSelector.select",)),
 ]
@@ -217,10 +225,11 @@ def summarise_profile(path: Path, events: int) -> list[tuple[str, float, float]]
     ]
 
 
-def profile_table(profiles: dict[str, Path], events: int) -> list[list[object]]:
-    """One row per part: microseconds per event (and share of the loop thread) for each profiled case."""
+def profile_table(profiles: dict[str, Path], events: int) -> tuple[list[list[object]], str]:
+    """One row per part: microseconds per event (and share of the loop thread) for each profiled case;
+    the rows, and the table as printed."""
     if not profiles:
-        return []
+        return [], ""
     summaries = {
         name: {p: (share, us) for p, share, us in summarise_profile(path, events)}
         for name, path in profiles.items()
@@ -237,8 +246,7 @@ def profile_table(profiles: dict[str, Path], events: int) -> list[list[object]]:
         rows.append(row)
     totals = [sum(us for _, us in summary.values()) for summary in summaries.values()]
     rows.append(["total (loop thread, ingest window)", *(f"{t:.1f}" for t in totals)])
-    print_table(["part: us per event (share)", *summaries], rows)
-    return rows
+    return rows, print_table(["part: us per event (share)", *summaries], rows)
 
 
 def bare_consumer_job(settings: RunnerSettings, events: int) -> dict[str, Any]:
@@ -263,7 +271,7 @@ def ingest_comparison(
     profile_dir: Path | None,
 ) -> tuple[list[list[object]], dict[str, Any], dict[str, Path]]:
     """Bare consumer, this runner and (optionally) the baseline runner on the same topic, interleaved."""
-    cases: dict[str, Path | None] = {"bare confluent-kafka consumer": None, "runner (this tree)": ROOT}
+    cases: dict[str, Path | None] = {BARE_CASE: None, "runner (this tree)": ROOT}
     if baseline is not None:
         cases[f"runner ({baseline.name})"] = baseline
     rates: dict[str, list[float]] = {name: [] for name in cases}
@@ -304,6 +312,7 @@ def ingest_comparison(
                 statistics.median(rates[name]),
                 f"{min(rates[name]):,.0f} - {max(rates[name]):,.0f}",
                 f"{statistics.median(ratios[name]):.2f}",
+                f"{min(ratios[name]):.2f} - {max(ratios[name]):.2f}",
             ]
         )
     return rows, {"rates": rates, "ratios": ratios}, profiles
@@ -331,7 +340,8 @@ def main() -> None:
     ingest_rows: list[list[object]] = []
     ingest_raw: dict[str, Any] = {}
     profile_rows: list[list[object]] = []
-    print(f"machine: {machine()}; load average {os.getloadavg()[0]:.2f}")
+    load_before = os.getloadavg()[0]
+    print(f"machine: {machine()}; load average {load_before:.2f}")
     with temporary_stack(replicas=3, time_scale=0.0) as state:
         topic = create_topic(state.kafka_bootstrap)
         produce(
@@ -347,11 +357,20 @@ def main() -> None:
             ingest_rows, ingest_raw, profiles = ingest_comparison(
                 state, topic, args.events, args.repeats, args.baseline_tree, args.profile_dir
             )
-            print_table(
-                ["ingest case", "events", "runs", "median events/s", "range", "÷ bare consumer (median)"],
+            ingest_table = print_table(
+                [
+                    "ingest case",
+                    "events",
+                    "runs",
+                    "median events/s",
+                    "range",
+                    "÷ bare consumer (median)",
+                    "÷ bare (min - max)",
+                ],
                 ingest_rows,
             )
-            profile_rows = profile_table(profiles, args.events)
+            profile_rows, profile_text = profile_table(profiles, args.events)
+            write_ingest_results(ingest_table, ingest_raw, profile_text, load_before)
         if "llm0" in scenarios:
             stats, seconds = run_drained(settings_for(state, topic, SessionConfig()))
             rows.append(
@@ -386,6 +405,7 @@ def main() -> None:
         json.dumps(
             {
                 "machine": machine(),
+                "load_average": [load_before, os.getloadavg()[0]],
                 "ingest": ingest_rows,
                 "ingest_runs": ingest_raw,
                 "profile": profile_rows,
@@ -395,6 +415,21 @@ def main() -> None:
             indent=1,
         )
     )
+
+
+def write_ingest_results(table: str, runs: dict[str, Any], profile: str, load_before: float) -> None:
+    """The ingest comparison on its own, as printed (``runner_ingest.json``) and, when profiled, the
+    profile table (``runner_ingest_profile.json``): ``docs/benchmarks.md`` renders both from these
+    (``bench.report``'s ``printed_table``), so the documented ratios are the run's."""
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    load = [load_before, os.getloadavg()[0]]
+    (RESULTS / "runner_ingest.json").write_text(
+        json.dumps({"machine": machine(), "load_average": load, "table": table, "runs": runs}, indent=1)
+    )
+    if profile:
+        (RESULTS / "runner_ingest_profile.json").write_text(
+            json.dumps({"machine": machine(), "load_average": load, "table": profile}, indent=1)
+        )
 
 
 def paced_row(args: argparse.Namespace) -> list[object]:
