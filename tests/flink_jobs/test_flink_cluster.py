@@ -3,7 +3,7 @@ run``), two TaskManagers of one slot each, so a job at parallelism 2 runs one su
 
 - at parallelism 2, one TaskManager SIGKILLed mid-stream (JVM and its Python workers, as a lost
   machine): the job restarts from its last checkpoint on a new TaskManager; at the end every event is
-  accounted for, the insights topic read with ``read_committed`` holds exactly one record per prompt
+  accounted for, the insights topic read with ``read_committed`` holds exactly one result per prompt
   (where the broker hides aborted transactions), and no Redis signal went back;
 - rescaling: stop with a savepoint at parallelism 1 while triggers are pending, resume at 2, stop with a
   savepoint again, resume at 1, events arriving between each: nothing lost, nothing twice, and every
@@ -38,7 +38,7 @@ from tests.flink_kit import (
     run_job,
     wait_committed,
 )
-from tests.helpers import expected_prompts, final_seq_by_shopper
+from tests.helpers import assert_latest_wins, expected_prompts, final_seq_by_shopper, signal_versions
 
 pytestmark = [pytest.mark.flink, pytest.mark.slow]
 
@@ -92,9 +92,11 @@ def _check_results(
     exactly_once: bool = True,
 ) -> tuple[list[str], list[str]]:
     """Every valid event is in a prompt whose result is stored (S3 holds every expected prompt, Redis
-    each shopper's newest), one insight record per prompt; returns (S3 ids, insight ids). Without
-    ``exactly_once`` (a broker that serves aborted transactions to ``read_committed`` readers, after
-    a crash), the insights topic must hold every prompt and nothing else, copies allowed."""
+    each shopper's newest), one result record per prompt on the insights topic (an insight, or a
+    superseded one under latest wins, the default overload policy: ``tests.helpers.assert_latest_wins``);
+    returns (S3 ids, result ids). Without ``exactly_once`` (a broker that serves aborted transactions to
+    ``read_committed`` readers, after a crash), the insights topic must hold every prompt and nothing
+    else, copies allowed."""
     expected = expected_prompts([(k or b"", v, True) for k, v in records if v is not None])
     insights = request_ids(read_all(stack.kafka_bootstrap, insights_topic, expect=len(expected)))
     if exactly_once:
@@ -105,6 +107,7 @@ def _check_results(
     _, rows = list_s3_records(sinks, s3_prefix)
     s3_ids = [str(r["request_id"]) for r in rows]
     assert set(s3_ids) == set(expected), "S3 is missing results"
+    assert_latest_wins(expected, rows, signal_versions(stack.redis_url, settings_prefix))
     client = sync_redis.Redis.from_url(stack.redis_url, decode_responses=True)
     try:
         seqs = {
