@@ -209,7 +209,7 @@ class Ingest:
             runner.processor.new_session,
             runner.prompts.launch,
         )
-        held = sessions.get
+        held = sessions.lookup
         touched: dict[str, int] = {}
         accepted = 0
         for i in parsed:

@@ -45,6 +45,12 @@ class SessionCache:
     def get(self, shopper_id: str) -> ShopperSession | None:
         return self._sessions.get(shopper_id)
 
+    @property
+    def lookup(self) -> Callable[[str], ShopperSession | None]:
+        """``get`` without the method call around it, for a loop over a poll's events (it does not
+        count as a use: the poll's ``close_epoch`` touches every session it used)."""
+        return self._sessions.get
+
     def items(self) -> list[tuple[str, ShopperSession]]:
         return list(self._sessions.items())
 
