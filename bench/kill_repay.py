@@ -1,8 +1,9 @@
-"""Never pay twice: the runner SIGKILLed mid-stream and restarted, its LLM calls counted at the replicas
-against a clean run of the same stream.
+"""Never pay twice: the runner SIGKILLed mid-stream and restarted (or a Flink TaskManager killed), its
+LLM calls counted at the replicas against a clean run of the same stream.
 
     .venv/bin/python -m bench.kill_repay [--events 4000] [--shoppers 150] [--repeats 3]
-        [--scenarios backlog,paced] [--policies default,fifo] [--kill-at 0.4]
+        [--scenarios backlog,paced,gateway,gateway_paced,flink] [--policies default,fifo]
+        [--kill-at 0.4] [--rate R] [--tree OTHER_TREE] [--name kill_repay]
 
 The embedded stack as a new user starts it (``shopper stack up``: Tansu, Redis, moto, three simulated
 H100 replicas at the stack's default time scale) and the runner at its defaults (``shopper run``, the
@@ -14,20 +15,27 @@ Each repeat runs the same stream twice, in processes of their own (``python -m b
 - killed: the same, SIGKILLed once the replicas have received ``--kill-at`` of the clean run's calls,
   then a new process started at once with the same settings, until drained.
 
-Scenarios: ``backlog``, every event already in the topic; ``paced``, events produced at 1x of the
-capacity the clean backlog runs measured (events per second from the first event to the drain), stamped
-with the wall clock, so the kill lands while the stream is still arriving.
+Scenarios: ``backlog``, every event already in the topic; ``paced``, events sent at 1x of the capacity
+the clean backlog runs measured (events per second from the first event to the drain; ``--rate`` sets
+it), each stamped with the wall clock as it is sent, so the kill lands while the stream still arrives;
+``gateway`` and ``gateway_paced``, the same through ``shopper router serve`` (one per run), each call
+with its ``request_id`` as ``Idempotency-Key``; ``flink``, the backlog through the Flink job on a local
+cluster of one TaskManager, which is SIGKILLed (with its Python workers) and replaced.
 
 Counted: calls at the replicas (``sim_requests_total`` of every replica's ``/metrics``; aborted ones
 too: ``sim_request_errors_total{reason="aborted"}``), the runner's prompts, insights, superseded and
-errors, ``skipped_answered`` (answered from the ledger) of the restarted process; just before the kill,
-the dying runner's own ``/metrics`` (LLM calls in flight, admitted, waiting) and the replicas' running and
-waiting requests. Re-paid = the killed run's calls - the clean run's calls, as a share of the clean run's
-prompts. Every event and prompt is accounted for from what a reader sees: every valid event is in the
-``new_event_ids`` of a result stored in S3 (deduplicated on ``request_id``), every malformed record has a
-dead letter, and every answer in the ledger belongs to a stored result (an answer paid for whose prompt
-never came back after the restart is an ``orphan``: a prompt re-triggered under another ``request_id``).
-Results: ``bench/results/kill_repay.json``.
+errors; just before the kill, the dying runner's own ``/metrics`` (LLM calls in flight, admitted,
+waiting) and the replicas' running and waiting requests. Re-paid = the killed run's calls - the clean
+run's calls, as a share of the clean run's prompts. Each runner process logs every call it starts and
+ends by ``request_id`` (``CallLog``), which tells what had become of each call the restarted process
+made again: in flight at the kill, answered but not yet in the ledger, in the ledger (a bug), or
+cancelled by a newer prompt. Every event and prompt is accounted for from what a reader sees: no valid
+event that the clean run has in a stored result (S3, deduplicated on ``request_id``) is missing from the
+killed run's, every malformed record has a dead letter, each finished process's accounting balances,
+and every answer in the ledger belongs to a stored result (an answer paid for whose prompt never came
+back after the restart is an ``orphan``: a prompt re-triggered under another ``request_id``).
+Results: ``bench/results/<name>.json``; ``--tree`` runs the runner of another source tree (a worktree
+of an older commit) for a before/after.
 """
 
 from __future__ import annotations
@@ -850,9 +858,10 @@ def flink_pairs(
     repeats: int,
     kill_at: float,
 ) -> list[Pair]:
-    from devstack.flink_cluster import cluster_down, cluster_up
+    from devstack.flink_cluster import FlinkClusterSettings, cluster_down, cluster_up
 
-    cluster = cluster_up(state_dir)
+    # one TaskManager (one slot), so the one killed is the one running the job (parallelism 1)
+    cluster = cluster_up(state_dir, FlinkClusterSettings(taskmanagers=1))
     pairs: list[Pair] = []
     try:
         for repeat in range(repeats):
