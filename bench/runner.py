@@ -55,13 +55,13 @@ from confluent_kafka import Consumer
 job = json.loads(sys.stdin.read())
 consumer = Consumer(job["consumer"])
 consumer.subscribe([job["topic"]])
-consumed, first, last = 0, None, None
+consumed, first, last, cpu_first, cpu_last = 0, None, None, 0.0, 0.0
 while consumed < job["events"]:
     messages = consumer.consume(job["batch"], job["timeout"])
     if not messages:
         continue
     if first is None:
-        first = time.monotonic()
+        first, cpu_first = time.monotonic(), time.process_time()
     for message in messages:
         if message.error() is None:
             try:
@@ -69,26 +69,40 @@ while consumed < job["events"]:
             except orjson.JSONDecodeError:
                 pass
             consumed += 1
-    last = time.monotonic()
+    last, cpu_last = time.monotonic(), time.process_time()
 consumer.close()
-print(json.dumps({"consumed": consumed, "seconds": last - first}))
+print(json.dumps({"consumed": consumed, "seconds": last - first, "cpu_seconds": cpu_last - cpu_first}))
 """
 """Reads until it has seen ``events`` records, decoding each value with orjson (a malformed one is
 counted, as the runner counts it); the window is first batch in -> last batch read, the same window
-the runner's ``ingest_rate`` uses."""
+the runner's ``ingest_rate`` uses. ``cpu_seconds``: the process's CPU time (every thread, librdkafka's
+included) over that window."""
 
 BARE_CASE = "bare consumer + orjson decode"
 
 RUNNER = """
-import asyncio, json, sys
+import asyncio, json, sys, time
 from runner.config import RunnerSettings
 from runner.embedded import EmbeddedRunner
+from runner.ingest import Ingest
+cpu = []
+process = Ingest._process
+async def timed(self, messages):
+    if not cpu:
+        cpu.append(time.process_time())
+    try:
+        return await process(self, messages)
+    finally:
+        cpu[1:] = [time.process_time()]
+Ingest._process = timed
 settings = RunnerSettings.model_validate(json.loads(sys.stdin.read()))
 stats = asyncio.run(EmbeddedRunner(settings, log=lambda _: None).run())
-seconds = stats.last_event_at - stats.first_event_at
-print(json.dumps({"consumed": stats.accounting.consumed, "seconds": seconds}))
+seconds, consumed = stats.last_event_at - stats.first_event_at, stats.accounting.consumed
+print(json.dumps({"consumed": consumed, "seconds": seconds, "cpu_seconds": cpu[-1] - cpu[0]}))
 """
-"""The runner of whichever source tree is first on PYTHONPATH (this one, or ``--baseline-tree``)."""
+"""The runner of whichever source tree is first on PYTHONPATH (this one, or ``--baseline-tree``).
+``cpu_seconds``: the process's CPU time (every thread) from the first poll's processing to the last's,
+read around ``Ingest._process`` (once per poll, in both trees)."""
 
 
 def settings_for(
@@ -276,8 +290,10 @@ def ingest_comparison(
         cases[f"runner ({baseline.name})"] = baseline
     rates: dict[str, list[float]] = {name: [] for name in cases}
     ratios: dict[str, list[float]] = {name: [] for name in cases}
+    cpu_us: dict[str, list[float]] = {name: [] for name in cases}
+    cpu_ratios: dict[str, list[float]] = {name: [] for name in cases}
     for repeat in range(repeats):
-        bare_rate = 0.0
+        bare_rate = bare_cpu = 0.0
         for name, tree in cases.items():
             settings = settings_for(state, topic, one_prompt_session())
             if tree is None:
@@ -287,10 +303,17 @@ def ingest_comparison(
             if result["consumed"] != events:
                 raise RuntimeError(f"{name} consumed {result['consumed']} of {events} events")
             rate = result["consumed"] / result["seconds"]
+            per_event_us = result["cpu_seconds"] / result["consumed"] * 1e6
             bare_rate = rate if tree is None else bare_rate
+            bare_cpu = per_event_us if tree is None else bare_cpu
             rates[name].append(rate)
             ratios[name].append(rate / bare_rate)
-            print(f"  repeat {repeat + 1}: {name}: {rate:,.0f} events/s", flush=True)
+            cpu_us[name].append(per_event_us)
+            cpu_ratios[name].append(bare_cpu / per_event_us)
+            print(
+                f"  repeat {repeat + 1}: {name}: {rate:,.0f} events/s, {per_event_us:.2f} us CPU per event",
+                flush=True,
+            )
     profiles: dict[str, Path] = {}
     if profile_dir is not None:  # after the timed runs, so profiling never disturbs them
         profile_dir.mkdir(parents=True, exist_ok=True)
@@ -313,9 +336,13 @@ def ingest_comparison(
                 f"{min(rates[name]):,.0f} - {max(rates[name]):,.0f}",
                 f"{statistics.median(ratios[name]):.2f}",
                 f"{min(ratios[name]):.2f} - {max(ratios[name]):.2f}",
+                f"{statistics.median(cpu_us[name]):.2f}",
+                f"{statistics.median(cpu_ratios[name]):.2f}",
+                f"{min(cpu_ratios[name]):.2f} - {max(cpu_ratios[name]):.2f}",
             ]
         )
-    return rows, {"rates": rates, "ratios": ratios}, profiles
+    raw = {"rates": rates, "ratios": ratios, "cpu_us_per_event": cpu_us, "cpu_ratios": cpu_ratios}
+    return rows, raw, profiles
 
 
 def main() -> None:
@@ -366,6 +393,9 @@ def main() -> None:
                     "range",
                     "÷ bare consumer (median)",
                     "÷ bare (min - max)",
+                    "CPU µs/event (median)",
+                    "÷ bare by CPU (median)",
+                    "÷ bare by CPU (min - max)",
                 ],
                 ingest_rows,
             )
