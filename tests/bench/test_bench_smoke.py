@@ -110,6 +110,9 @@ SMOKE_RUNS = (
     # docs/ shows the script form; one row: the job's EnrichPrompts over HTTP at its defaults
     SmokeRun("flink_async", ("bench/flink_async.py", "--rows", "17", "--seconds", "1",
                              "--paced-seconds", "1")),
+    # the backlog arm, one repeat: a clean run, then one SIGKILLed mid-stream and restarted until drained
+    SmokeRun("kill_repay", ("-m", "bench.kill_repay", "--events", "400", "--shoppers", "30", "--repeats", "1",
+                            "--scenarios", "backlog"), ("kill_repay.json",)),
 )  # fmt: skip
 
 
