@@ -105,6 +105,108 @@ print(json.dumps({"consumed": consumed, "seconds": seconds, "cpu_seconds": cpu[-
 read around ``Ingest._process`` (once per poll, in both trees)."""
 
 
+STEPS = """
+import gc, json, sys, time
+import orjson
+from devstack.synthetic import SyntheticStream
+import prompt_assembly.events as E
+from prompt_assembly.processor import SessionConfig, SessionProcessor
+from prompt_assembly.triggers import TriggerPolicy
+from runner.gc_tuning import streaming_gc
+import runner.session_store as S
+job = json.loads(sys.stdin.read())
+stream = SyntheticStream(shoppers=job["shoppers"], seed=1, malformed_rate=0.005, start_ts=1_761_800_000.0)
+values = [stream.next_record()[1] for _ in range(job["events"])]
+out = {}
+def clock(name, started):
+    out.setdefault(name, []).append((time.thread_time() - started) / len(values) * 1e6)
+if not job["collector"]:
+    gc.disable()
+for _ in range(job["repeats"]):
+    with streaming_gc():
+        started = time.thread_time()
+        for value in values:
+            try:
+                orjson.loads(value)
+            except orjson.JSONDecodeError:
+                pass
+        clock("orjson.loads (the bare consumer's decode)", started)
+        started = time.thread_time()
+        if hasattr(E, "parse_events"):
+            gated = E.parse_events(values, [None] * len(values))
+            events = [e for e in gated if not isinstance(e, E.MalformedEvent)]
+        else:
+            events = []
+            for value in values:
+                try:
+                    events.append(E.parse_event(value))
+                except E.MalformedEvent:
+                    pass
+        clock("gate: decode, validate, build the models", started)
+        policy = TriggerPolicy(min_prompt_interval_s=86_400, quiet_period_s=86_400, immediate_types=())
+        processor = SessionProcessor(SessionConfig(triggers=policy))
+        sessions, deltas = {}, []
+        started = time.thread_time()
+        for at in range(0, len(events), job["batch"]):
+            touched = set()
+            for event in events[at : at + job["batch"]]:
+                session = sessions.get(event.shopper_id)
+                if session is None:
+                    session = sessions[event.shopper_id] = processor.new_session(event.shopper_id)
+                processor.apply(session, event, None)
+                touched.add(event.shopper_id)
+            deltas += [S.SessionDelta(sid, 0, sessions[sid].take_changes()) for sid in touched]
+        clock("session step: apply, take_changes per poll", started)
+        started = time.thread_time()
+        for net in S.merge_deltas(deltas).values():
+            orjson.dumps(net.header)
+            if hasattr(S, "joined_entries"):
+                S.joined_entries(net.entries)
+            else:
+                [entry.to_json() for entry in net.entries]
+        clock("save: merge and encode the deltas", started)
+print(json.dumps(out))
+"""
+"""The in-memory steps of ingest, without Kafka or Redis, on the loop thread's CPU clock
+(``time.thread_time``), in the tree first on PYTHONPATH (a baseline tree without ``parse_events`` or
+``joined_entries`` runs its own gate and encoding); the collector as in the runner
+(``streaming_gc``) or, with ``collector`` false, off."""
+
+
+def steps_table(
+    events: int, shoppers: int, repeats: int, baseline: Path | None
+) -> tuple[list[list[object]], str]:
+    """CPU µs per event of each in-memory step, median (min - max) of ``repeats``, per tree, with the
+    collector on and off."""
+    trees: dict[str, Path] = {"this tree": ROOT}
+    if baseline is not None:
+        trees[baseline.name] = baseline
+    columns: dict[str, dict[str, list[float]]] = {}
+    for name, tree in trees.items():
+        for collector in (True, False):
+            job = {
+                "events": events,
+                "shoppers": shoppers,
+                "repeats": repeats,
+                "batch": 2000,
+                "collector": collector,
+            }
+            columns[f"{name}, collector {'on' if collector else 'off'}"] = _child(STEPS, job, tree)
+    steps = list(next(iter(columns.values())))
+    rows: list[list[object]] = []
+    for step in [*steps, "total"]:
+        row: list[object] = [step]
+        for result in columns.values():
+            values = (
+                [sum(v[i] for k, v in result.items() if not k.startswith("orjson")) for i in range(repeats)]
+                if step == "total"
+                else result[step]
+            )
+            row.append(f"{statistics.median(values):.2f} ({min(values):.2f} - {max(values):.2f})")
+        rows.append(row)
+    return rows, print_table(["step: CPU µs per event", *columns], rows)
+
+
 def settings_for(
     state: StackState, topic: str, session: SessionConfig, until_drained: bool = True
 ) -> RunnerSettings:
@@ -351,7 +453,9 @@ def main() -> None:
     parser.add_argument("--shoppers", type=int, default=2000)
     parser.add_argument("--repeats", type=int, default=3, help="runs of each ingest case (median)")
     parser.add_argument(
-        "--scenarios", default="ingest,llm0,paced", help="comma-separated: ingest, llm0, paced"
+        "--scenarios",
+        default="ingest,llm0,paced",
+        help="comma-separated: ingest, llm0, paced, steps (the in-memory steps alone, no stack)",
     )
     parser.add_argument(
         "--baseline-tree", type=Path, default=None, help="another source tree's runner, measured too"
@@ -369,6 +473,17 @@ def main() -> None:
     profile_rows: list[list[object]] = []
     load_before = os.getloadavg()[0]
     print(f"machine: {machine()}; load average {load_before:.2f}")
+    if "steps" in scenarios:
+        _, text = steps_table(args.events, args.shoppers, args.repeats, args.baseline_tree)
+        RESULTS.mkdir(parents=True, exist_ok=True)
+        (RESULTS / "runner_steps.json").write_text(
+            json.dumps(
+                {"machine": machine(), "load_average": [load_before, os.getloadavg()[0]], "table": text}
+            )
+        )
+        scenarios.discard("steps")
+        if not scenarios:
+            return
     with temporary_stack(replicas=3, time_scale=0.0) as state:
         topic = create_topic(state.kafka_bootstrap)
         produce(
