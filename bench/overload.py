@@ -280,14 +280,20 @@ async def run_once(
     seed: int,
     grace_s: float,
     label: str,
+    consume_all_s: float = 0.0,
+    max_in_flight_prompts: int | None = None,
 ) -> Run:
     """One policy at one rate: the runner on a fresh topic and Redis prefix, the replicas' caches
-    emptied, the stream produced for ``seconds``, then ``grace_s`` more and a draining stop."""
+    emptied, the stream produced for ``seconds``, then ``grace_s`` more and a draining stop.
+    ``consume_all_s``: before that, wait (at most this long) until the runner has read every event sent,
+    so that no trigger of the window is left unread when it stops."""
     reset_caches(state)
     before = engine_totals(state)
     topic = create_topic(state.kafka_bootstrap)
     settings = settings_for(state, topic, SessionConfig(), until_drained=False)
     settings.enrichment = EnrichmentSettings(overload=policy)
+    if max_in_flight_prompts is not None:
+        settings.max_in_flight_prompts = max_in_flight_prompts
     runner = EmbeddedRunner(settings, log=lambda line: print(f"    {label}: {line}", flush=True))
     flight = RecordingFlight(runner)
     runner.prompts = flight
@@ -308,6 +314,9 @@ async def run_once(
     tracer = asyncio.create_task(trace())
     run.started = time.time()
     await asyncio.to_thread(produce)
+    waited_until = time.monotonic() + consume_all_s
+    while runner.stats.accounting.consumed < len(run.sent) and time.monotonic() < waited_until:
+        await asyncio.sleep(1)
     await asyncio.sleep(grace_s)
     stop_at = time.monotonic()
     runner.request_stop()
@@ -660,6 +669,8 @@ async def bench(args: argparse.Namespace) -> dict[str, Any]:
                     seed=args.seed,
                     grace_s=args.grace,
                     label=label,
+                    consume_all_s=args.consume_all,
+                    max_in_flight_prompts=None if arm == "fifo" else args.max_in_flight_prompts,
                 )
                 if args.raw_dir is not None:
                     args.raw_dir.mkdir(parents=True, exist_ok=True)
@@ -720,6 +731,18 @@ def main(argv: list[str] | None = None) -> None:
         type=int,
         default=None,
         help="the latest-wins arms' admission limit per replica (pipeline.overload's default otherwise)",
+    )
+    parser.add_argument(
+        "--max-in-flight-prompts",
+        type=int,
+        default=None,
+        help="the latest-wins arms' runner backpressure limit (prompts waiting or running)",
+    )
+    parser.add_argument(
+        "--consume-all",
+        type=float,
+        default=0.0,
+        help="after production, wait up to this many seconds for the runner to read every event sent",
     )
     parser.add_argument(
         "--raw-dir", type=Path, default=None, help="also keep each run's records here (pickles)"
