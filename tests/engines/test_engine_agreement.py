@@ -324,6 +324,8 @@ def test_flink_cluster_and_embedded_runner_write_the_same_results(
 
     topics = flink_topics(isolated)
     flink_prefix, flink_s3 = f"{isolated.prefix}flink:", f"{isolated.s3_prefix}-flink"
+    # Each engine's S3 objects, listed under "{prefix}/": "test-x" alone also lists "test-x-flink/".
+    flink_objects, runner_objects = f"{flink_s3}/", f"{isolated.s3_prefix}/"
     settings = cluster_job_settings(
         stack, stack_dir, isolated, topics, prefix=flink_prefix, s3_prefix=flink_s3
     ).model_copy(update={"dlq_max_original_bytes": DLQ_MAX_ORIGINAL_BYTES, "parallelism": 2})
@@ -365,8 +367,8 @@ def test_flink_cluster_and_embedded_runner_write_the_same_results(
         assert [p.reason for p in expected.values() if p.shopper_id == "s-future"] == ["add_to_cart"]
         assert "add_to_cart" in [p.reason for p in expected.values() if p.shopper_id == "s-miskeyed"]
         # Neither engine is drained or flushed before this: only their timers can fire the pauses.
-        wait_stored(isolated, flink_s3, set(expected), runner)
-        wait_stored(isolated, isolated.s3_prefix, set(expected), runner)
+        wait_stored(isolated, flink_objects, set(expected), runner)
+        wait_stored(isolated, runner_objects, set(expected), runner)
 
         assert rest.job_state(job.job_id) == "RUNNING", "the job stopped on a bad record"
         n_bad = sum(1 for _, v in records_in if v is None or not valid(v))
@@ -392,8 +394,8 @@ def test_flink_cluster_and_embedded_runner_write_the_same_results(
     assert len(embedded_signals) == len({p.shopper_id for p in expected.values()})
     assert signals(stack.redis_url, flink_prefix) == embedded_signals
 
-    embedded_records = whole_records(isolated, isolated.s3_prefix)
-    flink_records = whole_records(isolated, flink_s3)
+    embedded_records = whole_records(isolated, runner_objects)
+    flink_records = whole_records(isolated, flink_objects)
     for prefix, results in ((isolated.prefix, embedded_records), (flink_prefix, flink_records)):
         assert_latest_wins(expected, results.values(), signal_versions(stack.redis_url, prefix))
     assert_agree(flink_records, embedded_records, "S3")

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from typing import cast
 
 import orjson
 import pytest
@@ -53,6 +54,6 @@ def test_a_future_stamped_event_is_dead_lettered_and_the_shopper_still_answered(
     assert acct.prompts == acct.insights + acct.superseded == len(later) + 1 and acct.errors == 0
     client = sync_redis.Redis.from_url(isolated.stack.redis_url)
     try:
-        assert client.hget(f"{isolated.prefix}signals:s-1", "reason") == b"purchase"
+        assert cast(bytes, client.hget(f"{isolated.prefix}signals:s-1", "reason")) == b"purchase"
     finally:
         client.close()
