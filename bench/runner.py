@@ -146,6 +146,7 @@ for _ in range(job["repeats"]):
         policy = TriggerPolicy(min_prompt_interval_s=86_400, quiet_period_s=86_400, immediate_types=())
         processor = SessionProcessor(SessionConfig(triggers=policy))
         sessions, deltas = {}, []
+        cache = getattr(S, "cache_stored", None)
         started = time.thread_time()
         for at in range(0, len(events), job["batch"]):
             touched = set()
@@ -153,10 +154,12 @@ for _ in range(job["repeats"]):
                 session = sessions.get(event.shopper_id)
                 if session is None:
                     session = sessions[event.shopper_id] = processor.new_session(event.shopper_id)
-                processor.apply(session, event, None)
+                applied = processor.apply(session, event, None)
+                if cache is not None and applied.outcome == "accepted" and session.entries[-1].event is event:
+                    cache(session.entries[-1])  # where the tree's ingest encodes it (runner.ingest)
                 touched.add(event.shopper_id)
             deltas += [S.SessionDelta(sid, 0, sessions[sid].take_changes()) for sid in touched]
-        clock("session step: apply, take_changes per poll", started)
+        clock("session step: apply (+ stored event, this tree), take_changes per poll", started)
         started = time.thread_time()
         for net in S.merge_deltas(deltas).values():
             orjson.dumps(net.header)

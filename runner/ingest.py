@@ -22,6 +22,7 @@ from runner.consumer_errors import UNKNOWN_TOPIC, UnknownTopicWatch, classify, c
 from runner.epochs import Epoch
 from runner.errors import ConsumerFailed, SessionStoreUnavailable
 from runner.repartition import misplaced
+from runner.session_store import cache_stored
 
 if TYPE_CHECKING:
     from runner.embedded import EmbeddedRunner
@@ -221,6 +222,9 @@ class Ingest:
             applied = apply(session, event, values[i])
             if applied.outcome == "accepted":
                 accepted += 1
+                added = session.entries[-1]  # the event's entry, unless it arrived late (then: the save)
+                if added.event is event:
+                    cache_stored(added)
             if applied.prompts:
                 ts = stamps[i][1] / 1000.0
                 for prompt in applied.prompts:

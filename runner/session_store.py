@@ -159,15 +159,24 @@ def stored_json(event: ShopperEvent) -> bytes:
     )
 
 
+def cache_stored(entry: SessionEntry) -> None:
+    """Make ``entry``'s stored event now (``stored_json``), while its event is fresh in the CPU's
+    caches: ingest calls this as it adds an event. Made at the save instead, shopper by shopper, the
+    same encoding read events scattered over the heap and cost three times as much
+    (``docs/benchmarks.md``, runner ingest)."""
+    if entry.stored is None:
+        try:  # noqa: SIM105 (a try costs nothing here; contextlib.suppress is a call per entry)
+            entry.stored = stored_json(entry.event)
+        except (msgspec.EncodeError, UnicodeEncodeError):  # to_json decides (and words) what fails
+            pass
+
+
 def joined_entries(entries: list[SessionEntry]) -> bytes:
     """``entries`` as one script argument (see ``ENTRY_SEPARATOR``), each exactly as
     ``SessionEntry.to_json`` writes it (its stored event made by ``stored_json`` when not cached)."""
     for entry in entries:
         if entry.stored is None:
-            try:  # noqa: SIM105 (a try costs nothing here; contextlib.suppress is a call per entry)
-                entry.stored = stored_json(entry.event)
-            except (msgspec.EncodeError, UnicodeEncodeError):  # to_json decides (and words) what fails
-                pass
+            cache_stored(entry)
     blob = ENTRY_SEPARATOR.join([entry.to_json() for entry in entries])
     if blob.count(ENTRY_SEPARATOR) != max(0, len(entries) - 1):  # one memchr pass; JSON never holds one
         raise ValueError("a stored session entry holds a NUL byte, which JSON cannot")
