@@ -463,7 +463,8 @@ class WriteResults(AsyncFunction):
         async with asyncio.timeout(self.settings.async_io.sink_timeout_ms / 1000):
             await committer.submit(result)
         self.stats.observe("sink_commit", (time.perf_counter() - started) * 1000)
-        self.stats.inc("results_written")
+        if result.kind != "superseded":  # results_written is insights + errors on both engines
+            self.stats.inc("results_written")
         self.stats.inc(WRITTEN_COUNTERS[result.kind])
         return [value]
 

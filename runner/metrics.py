@@ -112,6 +112,12 @@ class _StateCollector(Collector):
         yield counter("results_written", "Results stored (insights and errors)", acct.insights + acct.errors)
         yield counter("insights_written", "Insights stored", acct.insights)
         yield counter("errors_written", "Error records stored", acct.errors)
+        yield counter(
+            "superseded_written",
+            "Superseded records stored (a newer prompt won, or a browse pause went stale); "
+            "not in results_written",
+            acct.superseded,
+        )
         yield counter("llm_prompt_tokens", "Prompt tokens the replicas reported", stats.prompt_tokens)
         yield counter("llm_cached_tokens", "Prompt tokens served from the KV cache", stats.cached_tokens)
         yield gauge("llm_cache_hit_ratio", "Cached / prompt tokens since start", stats.cache_hit_ratio)

@@ -115,6 +115,7 @@ def test_a_running_runner_serves_metrics_and_health_that_match_what_it_did(
     assert dlq_labels == set(REASON_CATEGORIES), "the reason label has exactly the fixed categories"
     assert 0 < value(samples, "shopper_prompts_emitted_total") == acct.prompts <= len(expected)
     assert value(samples, "shopper_results_written_total") == acct.insights + acct.errors
+    assert value(samples, "shopper_superseded_written_total") == acct.superseded
     assert acct.prompts == acct.insights + acct.errors + acct.superseded
     assert value(samples, "shopper_llm_latency_seconds_count") == acct.insights
     assert value(samples, "shopper_llm_ttft_seconds_count") == acct.insights
