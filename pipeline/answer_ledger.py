@@ -14,6 +14,8 @@ with a read each, the replies came back in any order, so an older prompt could p
 sent before its newer sibling's read returned, only to be cancelled in flight a moment later (on a
 backlog more than a third of the calls, and each a call a replay after a kill makes again). Read
 together, the older prompt meets the newer one while it is still waiting, and is superseded unsent.
+Writes are batched the same way (one pipeline per loop turn), so a burst of answers reaches Redis in one
+round trip rather than one connection each.
 
 Only insights are recorded: an error or a superseded prompt cost little or nothing, and asking again
 on replay is what a person would want. Each key expires after ``SinkSettings.answer_ttl_s``, so the
@@ -47,9 +49,12 @@ class LedgerCounts:
     write_failures: int = 0
     read_batches: int = 0
     """Round trips that read the ledger (each for every ``recorded`` asked in one loop turn)."""
+    write_batches: int = 0
+    """Round trips that wrote it (each for every ``record`` asked in one loop turn)."""
 
 
 _Waiting = list[tuple[str, "asyncio.Future[bytes | None]"]]
+_Writing = list[tuple[str, bytes, "asyncio.Future[None]"]]
 
 
 class AnswerLedger:
@@ -61,7 +66,8 @@ class AnswerLedger:
         self.ttl_s = ttl_s
         self.counts = LedgerCounts()
         self._waiting: _Waiting = []
-        self._reads: set[asyncio.Task[None]] = set()
+        self._writing: _Writing = []
+        self._tasks: set[asyncio.Task[None]] = set()
 
     @classmethod
     def from_settings(cls, settings: SinkSettings, redis: aioredis.Redis | None = None) -> AnswerLedger:
@@ -73,8 +79,8 @@ class AnswerLedger:
         """The answer recorded for ``request_id``, or None (also when Redis cannot be read). Read in
         one batch with every other ``recorded`` of this loop turn (see the module's docstring)."""
         future: asyncio.Future[bytes | None] = asyncio.get_running_loop().create_future()
-        if not self._waiting:
-            asyncio.get_running_loop().call_soon(self._read_waiting)
+        if not self._waiting:  # its first step, a loop turn from now, takes every read asked by then
+            self._hold(asyncio.get_running_loop().create_task(self._read_waiting()))
         self._waiting.append((request_id, future))
         try:
             raw = await future
@@ -91,11 +97,13 @@ class AnswerLedger:
         self.counts.found += 1
         return insight
 
-    def _read_waiting(self) -> None:
+    async def _read_waiting(self) -> None:
         batch, self._waiting = self._waiting, []
-        task = asyncio.get_running_loop().create_task(self._read(batch))
-        self._reads.add(task)  # held until done: the loop keeps only a weak reference
-        task.add_done_callback(self._reads.discard)
+        await self._read(batch)
+
+    def _hold(self, task: asyncio.Task[None]) -> None:
+        self._tasks.add(task)  # held until done: the loop keeps only a weak reference
+        task.add_done_callback(self._tasks.discard)
 
     async def _read(self, batch: _Waiting) -> None:
         """One round trip for ``batch``; each waiter gets its value, or the error, in the order asked
@@ -124,12 +132,31 @@ class AnswerLedger:
 
     async def record(self, insight: ShopperInsight) -> None:
         """Record ``insight`` under its ``request_id`` with the ledger's TTL (a replayed write of the
-        same answer only renews it)."""
+        same answer only renews it). Written in one pipeline with every other ``record`` of this loop
+        turn: answers arrive in bursts (a batch of replicas' replies), and a command each took a
+        connection each from the pool, opening new ones under a burst, so the last answer of a burst
+        reached Redis long after it arrived (and a kill in between pays for it again)."""
+        future: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        if not self._writing:
+            self._hold(asyncio.get_running_loop().create_task(self._write_waiting()))
+        answer = insight.model_dump_json().encode()
+        self._writing.append((self.keys.answer(insight.request_id), answer, future))
+        await future
+
+    async def _write_waiting(self) -> None:
+        """One round trip for every ``record`` asked by now; each writer is released when it is done,
+        counted as recorded or as a failure (never raised: a lost write loses only the saving)."""
+        batch, self._writing = self._writing, []
         try:
-            await self.redis.set(
-                self.keys.answer(insight.request_id), insight.model_dump_json(), ex=self.ttl_s
-            )
+            pipe = self.redis.pipeline(transaction=False)
+            for key, value, _ in batch:
+                pipe.set(key, value, ex=self.ttl_s)
+            await pipe.execute()
+            self.counts.recorded += len(batch)
+            self.counts.write_batches += 1
         except RedisError:
-            self.counts.write_failures += 1
-            return
-        self.counts.recorded += 1
+            self.counts.write_failures += len(batch)
+        finally:
+            for _, _, future in batch:
+                if not future.done():
+                    future.set_result(None)

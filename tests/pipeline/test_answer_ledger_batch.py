@@ -83,3 +83,19 @@ async def test_a_batch_read_gives_each_prompt_its_own_recorded_answer(sinks: Sin
     assert isinstance(new, ShopperInsight) and not new.replayed and new.request_id == fresh.request_id
     assert requests_received(metrics) == 2
     assert ledger.counts.found == 1 and ledger.counts.read_batches == 1
+
+
+async def test_a_burst_of_answers_is_recorded_in_one_round_trip(sinks: SinkSettings) -> None:
+    prompts = [Shopper(f"s-burst-{i}").cart() for i in range(SHOPPERS)]
+    async with running_simulator(time_scale=0.01) as sim, LLMClient(client_config(sim.url)) as client:
+        answers = await asyncio.gather(*(Enricher(client).enrich(p) for p in prompts))  # no ledger yet
+    assert all(isinstance(answer, ShopperInsight) for answer in answers)
+    ledger = AnswerLedger.from_settings(sinks)
+    await asyncio.gather(*(ledger.record(answer) for answer in answers if isinstance(answer, ShopperInsight)))
+    found = await asyncio.gather(*(ledger.recorded(p.request_id) for p in prompts))
+    ttls = [await ledger.redis.ttl(ledger.keys.answer(p.request_id)) for p in prompts]
+    await ledger.redis.aclose()
+    assert found == answers
+    assert ledger.counts.write_batches == 1 and ledger.counts.recorded == SHOPPERS
+    assert ledger.counts.read_batches == 1 and ledger.counts.found == SHOPPERS
+    assert all(0 < ttl <= sinks.answer_ttl_s for ttl in ttls)
