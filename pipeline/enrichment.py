@@ -29,6 +29,7 @@ from pydantic import BaseModel, Field, ValidationError
 from llm_client.client import LLMClient
 from llm_client.errors import InvalidAnswer, LLMError
 from pipeline.admission import AdmissionGate
+from pipeline.admission_limit import AdaptiveAdmissionLimit
 from pipeline.answer_ledger import AnswerLedger
 from pipeline.latest_wins import Arrival, Claim, ShopperClaims
 from pipeline.overload import OverloadCounts, OverloadSettings
@@ -73,8 +74,12 @@ class Enricher:
         self.settings = settings or EnrichmentSettings()
         self.ledger = ledger if self.settings.answer_ledger else None
         overload = self.settings.overload
+        self.fleet_limit = AdaptiveAdmissionLimit(
+            overload.adaptive, lambda: len(client.endpoints), overload.per_replica_in_flight
+        )
+        fixed = overload.max_in_flight
         self.gate = AdmissionGate(
-            lambda: overload.admission_limit(len(client.endpoints)), by_priority=overload.by_priority
+            self.fleet_limit if fixed is None else (lambda: fixed), by_priority=overload.by_priority
         )
         self.claims = ShopperClaims()
         self.counts = OverloadCounts()
@@ -145,9 +150,12 @@ class Enricher:
             return _superseded(prompt, "stale", None)
         try:
             claim.in_flight = True
-            return await self._answer(prompt, claim, (time.perf_counter() - arrived) * 1000)
+            result = await self._answer(prompt, claim, (time.perf_counter() - arrived) * 1000)
         finally:
             self.gate.release()
+        if isinstance(result, ShopperInsight):
+            self.fleet_limit.observe(result.ttft_ms, demand=self.gate.waiting > 0)
+        return result
 
     async def _answer(
         self, prompt: PromptRequest, claim: Claim | None = None, admission_wait_ms: float = 0.0

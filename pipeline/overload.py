@@ -17,6 +17,8 @@ from typing import Literal
 
 from pydantic import BaseModel, Field
 
+from pipeline.admission_limit import AdaptiveLimitSettings
+
 OverloadPolicy = Literal["fifo", "latest_wins", "latest_wins_priority"]
 
 DEFAULT_PER_REPLICA_IN_FLIGHT = 64
@@ -40,10 +42,18 @@ class OverloadSettings(BaseModel):
     max_in_flight: int | None = Field(
         None,
         ge=1,
-        description="prompts at the fleet at once; None = replicas x per_replica_in_flight",
+        description="prompts at the fleet at once, fixed; None = adaptive (below), between the replicas "
+        "and replicas x per_replica_in_flight",
     )
     per_replica_in_flight: int = Field(
-        DEFAULT_PER_REPLICA_IN_FLIGHT, ge=1, description="what one replica runs at once (max_batch_size)"
+        DEFAULT_PER_REPLICA_IN_FLIGHT,
+        ge=1,
+        description="the most one replica runs at once (max_batch_size): the ceiling of the adaptive limit",
+    )
+    adaptive: AdaptiveLimitSettings = Field(
+        default_factory=AdaptiveLimitSettings,
+        description="the limit below that ceiling, found from the replicas' queueing "
+        "(pipeline.admission_limit); not used when max_in_flight is set",
     )
     freshness_target_s: float = Field(
         5.0,
@@ -59,10 +69,6 @@ class OverloadSettings(BaseModel):
     @property
     def by_priority(self) -> bool:
         return self.policy == "latest_wins_priority"
-
-    def admission_limit(self, replicas: int) -> int:
-        """Prompts admitted to the fleet at once."""
-        return self.max_in_flight if self.max_in_flight is not None else replicas * self.per_replica_in_flight
 
 
 @dataclass(slots=True)
