@@ -730,7 +730,7 @@ def main(argv: list[str] | None = None) -> None:
         "--per-replica-in-flight",
         type=int,
         default=None,
-        help="the latest-wins arms' admission limit per replica (pipeline.overload's default otherwise)",
+        help="the latest-wins arms' per_replica_in_flight (pipeline.overload: the adaptive limit's ceiling)",
     )
     parser.add_argument(
         "--max-in-flight-prompts",
