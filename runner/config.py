@@ -40,11 +40,16 @@ class RunnerSettings(BaseSettings):
     batch_max_events: int = Field(2000, ge=1, description="events per poll (one epoch)")
     poll_timeout_s: float = Field(0.05, gt=0)
     max_in_flight_prompts: int = Field(
-        4096,
+        512,
         ge=1,
-        description="prompts waiting or running; beyond it partitions are paused. Under latest wins most "
-        "wait at the admission gate, at most one per shopper, where a newer trigger can still replace them "
-        "only if the consumer keeps reading (a prompt is about 15 KB: 4,096 are about 60 MB)",
+        description="prompts at the fleet or storing their result; beyond it partitions are paused",
+    )
+    max_waiting_prompts: int = Field(
+        4096,
+        ge=0,
+        description="prompts waiting at the admission gate that do not count against max_in_flight_prompts "
+        "(latest wins: at most one per shopper, replaceable by a newer trigger only while the consumer "
+        "reads; a prompt is about 15 KB, so 4,096 are about 60 MB)",
     )
     commit_interval_s: float = Field(
         1.0, gt=0, description="how often results are made durable (S3 flush, sessions, offsets)"

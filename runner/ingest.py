@@ -268,11 +268,15 @@ class Ingest:
         runner = self.runner
         limit = self.settings.max_in_flight_prompts
         partitions = runner.assignment.partitions
-        if not self.paused and runner.prompts.in_flight >= limit and partitions:
+        # Prompts waiting at the admission gate (latest wins) do not count, up to max_waiting_prompts:
+        # a newer trigger can replace one only if the consumer keeps reading.
+        waiting = min(runner.enricher.gate.waiting, self.settings.max_waiting_prompts)
+        pressure = runner.prompts.in_flight - waiting
+        if not self.paused and pressure >= limit and partitions:
             runner.consumer.pause(partitions)
             self.paused = True
             runner.stats.paused_times += 1
-        elif self.paused and runner.prompts.in_flight <= limit // 2:
+        elif self.paused and pressure <= limit // 2:
             runner.consumer.resume(partitions)
             self.paused = False
 
