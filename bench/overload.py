@@ -1,4 +1,4 @@
-"""Overload benchmark (issue 30): the embedded runner at 1x, 2x and 3x of the fleet's measured capacity,
+"""Overload benchmark: the embedded runner at 1x, 2x and 3x of the fleet's measured capacity,
 once per overload policy (``pipeline.overload``: ``fifo``, ``latest_wins``, ``latest_wins_priority``).
 
 The stack: Tansu, Redis, moto and simulated H100 replicas (32B, time scale 1, the simulator's defaults:
@@ -577,7 +577,7 @@ def tables(rows: list[dict[str, Any]]) -> str:
 
 
 def targets(rows: list[dict[str, Any]], target_s: float) -> list[str]:
-    """The issue's targets, each arm against them (met / not met, with the numbers)."""
+    """The overload targets at 1x and 2x, each arm against them (met / not met, with the numbers)."""
     at = {(r["arm"], r["multiple"]): r for r in rows}
     lines = []
     fifo_1x = at.get(("fifo", 1.0))
@@ -698,7 +698,7 @@ def report(result: dict[str, Any]) -> dict[str, Any]:
     verdicts = targets(rows, result["freshness_target_s"])
     print("\n".join(verdicts))
     result["targets"] = verdicts
-    result["table"] = table + "\n\nTargets (issue 30):\n\n" + "\n".join(verdicts)
+    result["table"] = table + "\n\nTargets:\n\n" + "\n".join(verdicts)
     return result
 
 

@@ -106,7 +106,8 @@ SMOKE_RUNS = (
     SmokeRun("fidelity", ("-m", "bench.fidelity", "--short"), ("fidelity_short.json",)),
     # the capacity probe, then each policy at 1x; a given capacity would skip the probe's code path
     SmokeRun("overload", ("-m", "bench.overload", "--seconds", "6", "--rates", "1", "--probe-seconds", "10",
-                          "--probe-shoppers", "300", "--grace", "2", "--age-samples", "10"), ("overload.json",)),
+                          "--probe-shoppers", "300", "--grace", "2", "--age-samples", "10"),
+             ("overload.json",)),
     # not a benchmark, but docs/ shows it: the docs' generated tables checked against their results
     SmokeRun("report", ("-m", "bench.report"), prints=": ok"),
     SmokeRun("tansu_fetch", ("-m", "bench.tansu_fetch", "--seconds", "4", "--waits", "100")),
