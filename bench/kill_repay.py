@@ -202,7 +202,7 @@ def child() -> None:
         "retries": runner.client.retries,
         "seconds": ended - (stats.first_event_at or ended) - settings.drain_idle_s,
         "policy": settings.enrichment.overload.policy,
-        "admission_limit": settings.enrichment.overload.admission_limit(len(settings.llm.endpoints)),
+        "admission_limit": enricher.gate.limit,  # at the end of the run (pipeline.admission_limit)
     }
     print(json.dumps(totals), flush=True)
 
