@@ -336,9 +336,12 @@ class EmbeddedRunner:
             self.log(self._render_progress(final=False))
 
     def _render_progress(self, *, final: bool) -> str:
+        enrichment = self.enrichment
         return self._progress_line.render(
             in_flight=self.prompts.in_flight,
             lag=None if final else self.cached_lag(),
             undelivered_dead_letters=self.undelivered_dead_letters,
             final=final,
+            overload=None if enrichment is None else enrichment.counts,
+            waiting=0 if enrichment is None else enrichment.gate.waiting,
         )

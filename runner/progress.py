@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from confluent_kafka import Consumer, TopicPartition
 
 from pipeline.accounting import Accounting
+from pipeline.overload import OverloadCounts
 from runner.dead_letters import DeadLetterCounts
 
 FRESHNESS_SAMPLES_KEPT = 100_000
@@ -58,7 +59,18 @@ class ProgressLine:
         self._last_consumed = 0
         self._last_at = time.monotonic()
 
-    def render(self, *, in_flight: int, lag: int | None, undelivered_dead_letters: int, final: bool) -> str:
+    def render(
+        self,
+        *,
+        in_flight: int,
+        lag: int | None,
+        undelivered_dead_letters: int,
+        final: bool,
+        overload: OverloadCounts | None = None,
+        waiting: int = 0,
+    ) -> str:
+        """``overload``: the enricher's counts of prompts not sent on their own (``docs/overload.md``);
+        ``waiting``: prompts waiting at its admission gate now (part of ``in_flight``)."""
         now = time.monotonic()
         stats, acct = self.stats, self.stats.accounting
         rate = (acct.consumed - self._last_consumed) / max(1e-9, now - self._last_at)
@@ -67,8 +79,18 @@ class ProgressLine:
             f"[{'done' if final else 'progress'}] events {acct.consumed} ({rate:,.0f}/s) "
             f"lag {'-' if lag is None else lag} dlq {acct.dead_lettered} dup {acct.duplicates} "
             f"prompts {acct.prompts} in-flight {in_flight} insights {acct.insights} "
-            f"errors {acct.errors} cache-hit {stats.cache_hit_ratio:.0%} commits {stats.commits}"
+            f"errors {acct.errors} superseded {acct.superseded} cache-hit {stats.cache_hit_ratio:.0%} "
+            f"commits {stats.commits}"
         )
+        if waiting:
+            line += f" waiting {waiting}"
+        if overload is not None:
+            not_sent = {
+                "cancelled": overload.cancelled_in_flight,
+                "stale": overload.dropped_stale,
+                "replayed": overload.skipped_answered,
+            }
+            line += "".join(f" {name} {count}" for name, count in not_sent.items() if count)
         if stats.sink_retries:
             line += f" sink-retries {stats.sink_retries}"
         if undelivered_dead_letters:

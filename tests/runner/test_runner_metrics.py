@@ -158,6 +158,9 @@ def test_a_running_runner_serves_metrics_and_health_that_match_what_it_did(
     lines = [line for line in capfd.readouterr().err.splitlines() if line.startswith("{")]
     logged = [json.loads(line) for line in lines]
     assert any(entry["msg"].startswith("[progress]") for entry in logged)
+    done = [entry["msg"] for entry in logged if entry["msg"].startswith("[done]")]
+    counts = f" insights {acct.insights} errors {acct.errors} superseded {acct.superseded} "
+    assert done and counts in done[-1]
     assert any(entry["msg"].startswith("rebalance: assigned") for entry in logged)
     assert all({"ts", "level", "logger", "msg"} <= set(entry) for entry in logged)
 
