@@ -7,6 +7,7 @@ import asyncio
 import json
 import os
 import sys
+import time
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -296,15 +297,18 @@ def signals(
     """Read shopper understanding back from Redis, as an ad server would (the stack's key prefix, or
     the one the environment sets: the prefix ``shopper run`` writes under)."""
     from devstack.stack import sink_settings
-    from shopper.readback import read_signals
+    from shopper.readback import read_signals, signal_age
 
     sinks = sink_settings(load_state(state_dir), base=read_runner_settings().sinks)
     rows = asyncio.run(read_signals(sinks.redis_url, shopper_id or [], limit, prefix=sinks.redis_key_prefix))
-    table = Table("shopper", "seq", "summary", "interests", "occasion", "price", "cached/prompt")
+    columns = ("shopper", "seq", "age s (event / written)", "summary", "interests", "occasion", "price")
+    table = Table(*columns, "cached/prompt")
+    now = time.time()
     for row in rows:
         table.add_row(
             row["shopper_id"],
             row["seq"],
+            signal_age(row, now),
             row["summary"],
             ", ".join(json.loads(row["interests"])),
             row["occasion"] or "-",

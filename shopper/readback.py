@@ -46,6 +46,12 @@ async def read_signals(
         await redis.aclose()
 
 
+def signal_age(row: dict[str, str], now: float) -> str:
+    """How old a signal is, as an ad server reading it now sees it: seconds since the newest event it
+    reflects (``last_event_ts``), and since it was written (``updated_at``)."""
+    return f"{now - float(row['last_event_ts']):,.1f} / {now - float(row['updated_at']):,.1f}"
+
+
 def list_s3_records(settings: SinkSettings, prefix: str) -> tuple[list[str], list[dict[str, Any]]]:
     """All object keys under ``prefix`` and the records they hold."""
     s3 = boto3.client("s3", **settings.s3_client_kwargs())

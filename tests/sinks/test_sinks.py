@@ -12,6 +12,7 @@ import orjson
 
 from prompt_assembly.records import EnrichmentError, ShopperInsight, Usage
 from prompt_assembly.understanding import ShopperUnderstanding
+from shopper.readback import read_signals, signal_age
 from sinks.redis import RedisSignalSink
 from sinks.s3 import S3InsightSink
 from tests.conftest import Isolated
@@ -155,3 +156,17 @@ async def test_s3_flushes_by_size_and_reports_age(isolated: Isolated) -> None:
     finally:
         await sink.close()
     assert sink.records_written == 6  # close flushes the rest
+
+
+async def test_a_signal_read_back_says_how_old_it_is(isolated: Isolated) -> None:
+    """``shopper signals``' age column: from the newest event the signal reflects, and from its write."""
+    settings = isolated.sinks()
+    sink = RedisSignalSink(settings)
+    written = time.time()
+    try:
+        await sink.write([insight("s-age", 1, ts=written - 30.0)])
+    finally:
+        await sink.close()
+    [row] = await read_signals(settings.redis_url, ["s-age"], 1, prefix=settings.redis_key_prefix)
+    event_age, write_age = (float(part) for part in signal_age(row, written + 10.0).split(" / "))
+    assert 39.0 <= event_age <= 40.5 and 9.0 <= write_age <= 10.5
