@@ -65,6 +65,10 @@ log = logging.getLogger(__name__)
 __all__ = ["IDEMPOTENCY_HEADER", "AnswerValidator", "LLMClient"]
 
 IDEMPOTENCY_HEADER = "Idempotency-Key"
+SESSION_VERSION_HEADER = "x-session-version"
+"""With the routing key (sent as ``x-session-id`` on every call), the gateway's supersede header
+(``gateway.supersede``): a newer version of the same session cancels or drops the older call there;
+replicas ignore it."""
 """The header ``chat`` sends its ``idempotency_key`` in (IETF draft ``httpapi-idempotency-key-header``)."""
 
 
@@ -206,6 +210,7 @@ class LLMClient:
         prompt_tokens: int | None = None,
         validate: AnswerValidator | None = None,
         idempotency_key: str | None = None,
+        session_version: str | None = None,
     ) -> Completion:
         """One chat completion, routed by ``routing_key`` (the shopper id). ``prompt_tokens``: the
         caller's estimate, used for load accounting (default: about 4 characters a token).
@@ -213,7 +218,10 @@ class LLMClient:
         answer it rejects is tried once more on another replica and counts against the replica.
         ``idempotency_key`` (a prompt's ``request_id``) is sent as ``Idempotency-Key``: behind
         ``shopper router serve`` a call with a key already in flight joins it, and one answered within
-        the gateway's TTL is answered again without a call (docs/gateway.md); replicas ignore it."""
+        the gateway's TTL is answered again without a call (docs/gateway.md); replicas ignore it.
+        ``session_version`` (``EPOCH.SEQ``) is sent with the routing key as the session: behind the
+        gateway a newer version cancels this session's older call, which a caller that left (a
+        superseded prompt whose request it closed) would otherwise leave running under its key."""
         body: dict[str, Any] = {
             "model": self.config.model,
             "messages": list(messages),
@@ -232,9 +240,18 @@ class LLMClient:
         text = messages_text(messages)
         estimate = prompt_tokens if prompt_tokens is not None else len(text) // 4
         route = RouteRequest(routing_key, text, estimate, max_tokens)
-        headers = None if idempotency_key is None else {IDEMPOTENCY_HEADER: header_value(idempotency_key)}
+        headers: dict[str, str] = {}
+        if idempotency_key is not None:
+            headers[IDEMPOTENCY_HEADER] = header_value(idempotency_key)
+        if session_version is not None:
+            headers[SESSION_VERSION_HEADER] = header_value(session_version)
         return await self.request(
-            "/v1/chat/completions", body, route, deadline_s=deadline_s, validate=validate, headers=headers
+            "/v1/chat/completions",
+            body,
+            route,
+            deadline_s=deadline_s,
+            validate=validate,
+            headers=headers or None,
         )
 
     async def request(

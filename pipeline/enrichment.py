@@ -180,6 +180,7 @@ class Enricher:
                 prompt_tokens=prompt.prompt_tokens,
                 validate=parse_understanding,
                 idempotency_key=prompt.request_id,
+                session_version=f"{prompt.session_epoch}.{prompt.seq}",
             )
         except InvalidAnswer as exc:
             return self._error(prompt, "InvalidAnswer", str(exc), exc.attempts, exc.raw)
