@@ -83,6 +83,7 @@ class Enricher:
         )
         self.claims = ShopperClaims()
         self.counts = OverloadCounts()
+        self._supersedes_in_flight = overload.latest_wins and overload.cancel_in_flight
 
     async def enrich(self, prompt: PromptRequest) -> EnrichmentResult:
         """Exactly one result for ``prompt``; raises only when the caller's own task is cancelled."""
@@ -180,7 +181,7 @@ class Enricher:
                 prompt_tokens=prompt.prompt_tokens,
                 validate=parse_understanding,
                 idempotency_key=prompt.request_id,
-                session_version=f"{prompt.session_epoch}.{prompt.seq}",
+                session_version=self._version_header(prompt),
             )
         except InvalidAnswer as exc:
             return self._error(prompt, "InvalidAnswer", str(exc), exc.attempts, exc.raw)
@@ -206,6 +207,11 @@ class Enricher:
             admission_wait_ms=admission_wait_ms,
             produced_at=time.time(),
         )
+
+    def _version_header(self, prompt: PromptRequest) -> str | None:
+        """The version a gateway supersedes by, only where a newer prompt may cancel this one in
+        flight (not under fifo, not with ``cancel_in_flight=False``: there both answers are wanted)."""
+        return f"{prompt.session_epoch}.{prompt.seq}" if self._supersedes_in_flight else None
 
     @staticmethod
     def _error(
