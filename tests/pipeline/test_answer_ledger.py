@@ -5,11 +5,6 @@ request. Also: superseded results never touch a shopper's signal, and accounting
 from __future__ import annotations
 
 import time
-import uuid
-from collections.abc import AsyncIterator
-
-import pytest
-import redis.asyncio as aioredis
 
 from llm_client import LLMClient
 from pipeline.accounting import Accounting
@@ -20,18 +15,6 @@ from serving.simulator.testing import running_simulator
 from sinks.config import SinkSettings
 from sinks.redis import RedisSignalSink
 from tests.pipeline.test_overload import Shopper, client_config, requests_received, sim_metrics
-
-
-@pytest.fixture
-async def sinks() -> AsyncIterator[SinkSettings]:
-    """Sink settings of this test alone: the local Redis under a prefix of its own, removed after."""
-    settings = SinkSettings(redis_key_prefix=f"test-ledger-{uuid.uuid4().hex[:10]}:")
-    yield settings
-    client: aioredis.Redis = settings.redis_client()
-    keys = [key async for key in client.scan_iter(match=f"{settings.redis_key_prefix}*")]
-    if keys:
-        await client.delete(*keys)
-    await client.aclose()
 
 
 async def test_a_replayed_prompt_is_answered_from_the_ledger_without_a_call(sinks: SinkSettings) -> None:

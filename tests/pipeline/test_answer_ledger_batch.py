@@ -10,11 +10,6 @@ Against the local Redis and a simulated replica over HTTP."""
 from __future__ import annotations
 
 import asyncio
-import uuid
-from collections.abc import AsyncIterator
-
-import pytest
-import redis.asyncio as aioredis
 
 from llm_client import LLMClient
 from pipeline.answer_ledger import AnswerLedger
@@ -26,18 +21,6 @@ from tests.pipeline.test_overload import Shopper, client_config, requests_receiv
 
 SHOPPERS = 12
 VERSIONS = 4
-
-
-@pytest.fixture
-async def sinks() -> AsyncIterator[SinkSettings]:
-    """Sink settings of this test alone: the local Redis under a prefix of its own, removed after."""
-    settings = SinkSettings(redis_key_prefix=f"test-ledger-batch-{uuid.uuid4().hex[:10]}:")
-    yield settings
-    client: aioredis.Redis = settings.redis_client()
-    keys = [key async for key in client.scan_iter(match=f"{settings.redis_key_prefix}*")]
-    if keys:
-        await client.delete(*keys)
-    await client.aclose()
 
 
 async def test_prompts_handed_over_together_reach_the_replica_once_per_shopper(sinks: SinkSettings) -> None:
