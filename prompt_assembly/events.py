@@ -320,53 +320,30 @@ def _fast_tier(raw: bytes | bytearray | memoryview) -> ShopperEvent | None:
 
 
 def _from_wire(wire: _WireEvent) -> ShopperEvent | None:
+    """The event ``wire`` describes, with pydantic's defaults for the fields it leaves out and the
+    fields set pydantic would record; None where the product-or-query rule fails (pydantic words it)."""
     product, query, schema_version, quantity = wire.product, wire.query, wire.schema_version, wire.quantity
+    fields_set = _EVENT_ALL
     if product is _UNSET or query is _UNSET or schema_version is _UNSET or quantity is _UNSET:
-        return _from_partial_wire(wire)  # a field left out: its default, and a smaller fields set
+        fields_set = set(_EVENT_REQUIRED)
+        if product is _UNSET:
+            product = None
+        else:
+            fields_set.add("product")
+        if query is _UNSET:
+            query = ""
+        else:
+            fields_set.add("query")
+        if schema_version is _UNSET:
+            schema_version = SCHEMA_VERSION
+        else:
+            fields_set.add("schema_version")
+        if quantity is _UNSET:
+            quantity = 1
+        else:
+            fields_set.add("quantity")
     if (not query) if wire.type == "search" else (product is None):
-        return None  # pydantic words the product-or-query rule
-    model = _new(ShopperEvent)
-    _set(
-        model,
-        "__dict__",
-        {
-            "schema_version": schema_version,
-            "event_id": wire.event_id,
-            "shopper_id": wire.shopper_id,
-            "type": wire.type,
-            "ts": wire.ts,
-            "product": None if product is None else _product(product),
-            "query": query,
-            "quantity": quantity,
-        },
-    )
-    _set_fields_set(model, _EVENT_ALL)
-    _set_extra(model, None)
-    _set_private(model, None)
-    return model
-
-
-def _from_partial_wire(wire: _WireEvent) -> ShopperEvent | None:
-    """``_from_wire`` for an event that leaves out an optional field."""
-    query = "" if wire.query is _UNSET else wire.query
-    product = None if wire.product is _UNSET else wire.product
-    if (not query) if wire.type == "search" else (product is None):
-        return None  # pydantic words the product-or-query rule
-    fields_set = set(_EVENT_REQUIRED)
-    if wire.product is not _UNSET:
-        fields_set.add("product")
-    if wire.query is not _UNSET:
-        fields_set.add("query")
-    schema_version = wire.schema_version
-    if schema_version is _UNSET:
-        schema_version = SCHEMA_VERSION
-    else:
-        fields_set.add("schema_version")
-    quantity = wire.quantity
-    if quantity is _UNSET:
-        quantity = 1
-    else:
-        fields_set.add("quantity")
+        return None
     values = {
         "schema_version": schema_version,
         "event_id": wire.event_id,
@@ -381,43 +358,23 @@ def _from_partial_wire(wire: _WireEvent) -> ShopperEvent | None:
 
 
 def _product(wire: _WireProduct) -> ProductSnapshot:
+    """``_from_wire`` for the product: defaults for the optional fields left out, and its fields set."""
     brand, category, snippet = wire.brand, wire.category, wire.snippet
+    fields_set = _PRODUCT_ALL
     if brand is _UNSET or category is _UNSET or snippet is _UNSET:
-        return _partial_product(wire)
-    model = _new(ProductSnapshot)
-    _set(
-        model,
-        "__dict__",
-        {
-            "product_id": wire.product_id,
-            "title": wire.title,
-            "brand": brand,
-            "category": category,
-            "price": wire.price,
-            "snippet": snippet,
-        },
-    )
-    _set_fields_set(model, _PRODUCT_ALL)
-    _set_extra(model, None)
-    _set_private(model, None)
-    return model
-
-
-def _partial_product(wire: _WireProduct) -> ProductSnapshot:
-    fields_set = set(_PRODUCT_REQUIRED)
-    brand, category, snippet = wire.brand, wire.category, wire.snippet
-    if brand is _UNSET:
-        brand = ""
-    else:
-        fields_set.add("brand")
-    if category is _UNSET:
-        category = ""
-    else:
-        fields_set.add("category")
-    if snippet is _UNSET:
-        snippet = ""
-    else:
-        fields_set.add("snippet")
+        fields_set = set(_PRODUCT_REQUIRED)
+        if brand is _UNSET:
+            brand = ""
+        else:
+            fields_set.add("brand")
+        if category is _UNSET:
+            category = ""
+        else:
+            fields_set.add("category")
+        if snippet is _UNSET:
+            snippet = ""
+        else:
+            fields_set.add("snippet")
     values = {
         "product_id": wire.product_id,
         "title": wire.title,
