@@ -1,10 +1,15 @@
 """The admission gate in front of the model: at most ``limit`` prompts at the fleet at once, the rest
 wait here, in rank order, where a newer prompt of the same shopper can still replace them.
 
-A rank is compared as a tuple, smallest first; ``rank_of`` makes purchase and cart prompts outrank
-browse pauses and, within a class, the earliest arrival (the oldest due) goes first. A hot shopper
-cannot starve new ones: with latest wins each shopper has at most one prompt waiting, so a class is
-served round the shoppers in arrival order. Waiting is cancellable at any point without losing a slot.
+A rank is ``(class, arrival)``; the smaller class goes first, so ``rank_of`` makes purchase and cart
+prompts outrank browse pauses. Within a class the earliest arrival goes first, unless the class has a
+standing queue (``lifo_after_s``): while its oldest waiter has waited longer than that, the class is
+served newest first (adaptive LIFO, as Facebook's "Fail at Scale" pairs it with CoDel). A queue that
+stands means the fleet answers fewer than arrive; served oldest first, every prompt would then wait
+the whole queue and land late, whereas newest first lands most of them fresh and leaves the oldest to
+their wait budget (the caller drops them as stale: ``Enricher``). A hot shopper cannot starve new ones:
+with latest wins each shopper has at most one prompt waiting. Waiting is cancellable at any point
+without losing a slot.
 
 The limit is read at every admission, so it follows the fleet: when capacity shifting moves replicas
 into or out of the pool (``LLMClient.set_endpoints``), more or fewer prompts are admitted from then on.
@@ -13,36 +18,71 @@ into or out of the pool (``LLMClient.set_endpoints``), more or fewer prompts are
 from __future__ import annotations
 
 import asyncio
-import heapq
+import bisect
 import itertools
+import time
 from collections.abc import Callable
+from dataclasses import dataclass, field
 
 from prompt_assembly.records import PromptRequest
 
 _CLASS = {"purchase": 0, "add_to_cart": 0, "browse_pause": 1}
 """Admission class of each trigger: purchase and cart before browse pauses."""
 
+URGENT_CLASS = 0
+"""The class of purchase and cart prompts."""
+
 Rank = tuple[int, int]
 
 
+@dataclass(order=True, slots=True)
+class _Waiter:
+    arrival: int
+    enqueued_at: float = field(compare=False)
+    future: asyncio.Future[None] = field(compare=False)
+
+
 class AdmissionGate:
-    def __init__(self, limit: Callable[[], int], *, by_priority: bool) -> None:
+    def __init__(
+        self,
+        limit: Callable[[], int],
+        *,
+        by_priority: bool,
+        lifo_after_s: float | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         self._limit = limit
         self.by_priority = by_priority
+        self.lifo_after_s = lifo_after_s
+        """A class whose oldest waiter has waited longer than this is served newest first; None: always
+        oldest first."""
+        self._clock = clock
         self.active = 0
-        self._waiters: list[tuple[Rank, asyncio.Future[None]]] = []
+        self._classes: dict[int, list[_Waiter]] = {}
+        """Per class, its waiters by arrival (cancelled ones are skipped when reached)."""
         self._arrivals = itertools.count()
         self.waiting = 0
         """Prompts waiting for admission now."""
+        self.admitted_newest_first = 0
+        """Prompts admitted ahead of older ones of their class, because the class had a standing queue."""
 
     @property
     def limit(self) -> int:
         """Prompts admitted at once now (at least one)."""
         return max(1, self._limit())
 
+    def class_of(self, prompt: PromptRequest) -> int:
+        """Its admission class: purchase and cart 0, browse pauses 1; 0 for all when not by priority."""
+        return _CLASS[prompt.reason] if self.by_priority else 0
+
     def rank_of(self, prompt: PromptRequest) -> Rank:
-        """Its place in the queue: (class, arrival); the class is 0 for all when not by priority."""
-        return (_CLASS[prompt.reason] if self.by_priority else 0, next(self._arrivals))
+        """Its place in the queue: (class, arrival)."""
+        return (self.class_of(prompt), next(self._arrivals))
+
+    def oldest_wait_s(self, klass: int) -> float:
+        """How long the oldest prompt of ``klass`` still waiting has waited (0 when none waits)."""
+        queue = self._live(klass)
+        return 0.0 if not queue else self._clock() - queue[0].enqueued_at
 
     async def acquire(self, rank: Rank) -> None:
         """Until a slot is free and no better-ranked prompt waits. Cancelled while waiting, it holds
@@ -51,7 +91,7 @@ class AdmissionGate:
             self.active += 1
             return
         future: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        heapq.heappush(self._waiters, (rank, future))
+        bisect.insort(self._classes.setdefault(rank[0], []), _Waiter(rank[1], self._clock(), future))
         self.waiting += 1
         self._fill()  # the limit may have grown since the last release
         try:
@@ -60,7 +100,7 @@ class AdmissionGate:
             if future.done() and not future.cancelled():
                 self.release()  # granted just as it was cancelled: hand the slot on
             else:
-                self.waiting -= 1  # its entry stays in the heap, done, and is skipped by release
+                self.waiting -= 1  # its entry stays in its queue, done, and is skipped when reached
             raise
 
     def release(self) -> None:
@@ -68,10 +108,39 @@ class AdmissionGate:
         self.active -= 1
         self._fill()
 
+    def _live(self, klass: int) -> list[_Waiter]:
+        """``klass``'s queue with cancelled waiters trimmed from both ends."""
+        queue = self._classes.get(klass, [])
+        start = 0
+        while start < len(queue) and queue[start].future.done():
+            start += 1
+        if start:
+            del queue[:start]
+        while queue and queue[-1].future.done():
+            queue.pop()
+        return queue
+
+    def _next(self) -> _Waiter | None:
+        for klass in sorted(self._classes):
+            queue = self._live(klass)
+            if not queue:
+                continue
+            standing = (
+                self.lifo_after_s is not None
+                and len(queue) > 1
+                and self._clock() - queue[0].enqueued_at > self.lifo_after_s
+            )
+            if standing:
+                self.admitted_newest_first += 1
+                return queue.pop()
+            return queue.pop(0)
+        return None
+
     def _fill(self) -> None:
-        while self.active < self.limit and self._waiters:
-            _, future = heapq.heappop(self._waiters)
-            if not future.done():  # a waiter cancelled meanwhile is skipped
-                future.set_result(None)
-                self.active += 1
-                self.waiting -= 1
+        while self.active < self.limit and self.waiting:
+            waiter = self._next()
+            if waiter is None:
+                return
+            waiter.future.set_result(None)
+            self.active += 1
+            self.waiting -= 1

@@ -32,7 +32,7 @@ from pipeline.admission import AdmissionGate
 from pipeline.admission_limit import AdaptiveAdmissionLimit
 from pipeline.answer_ledger import AnswerLedger
 from pipeline.latest_wins import Arrival, Claim, ShopperClaims
-from pipeline.overload import OverloadCounts, OverloadSettings
+from pipeline.overload import OverloadCounts, OverloadSettings, TokenCounts
 from prompt_assembly.records import (
     EnrichmentError,
     EnrichmentResult,
@@ -79,10 +79,13 @@ class Enricher:
         )
         fixed = overload.max_in_flight
         self.gate = AdmissionGate(
-            self.fleet_limit if fixed is None else (lambda: fixed), by_priority=overload.by_priority
+            self.fleet_limit if fixed is None else (lambda: fixed),
+            by_priority=overload.by_priority,
+            lifo_after_s=overload.lifo_after_s if overload.by_priority else None,
         )
         self.claims = ShopperClaims()
         self.counts = OverloadCounts()
+        self.tokens = TokenCounts()
         self._supersedes_in_flight = overload.latest_wins and overload.cancel_in_flight
 
     async def enrich(self, prompt: PromptRequest) -> EnrichmentResult:
@@ -136,12 +139,9 @@ class Enricher:
         return result
 
     async def _admitted(self, prompt: PromptRequest, claim: Claim) -> EnrichmentResult:
-        """Wait for admission (a browse pause at most ``freshness_target_s`` when by priority), then
-        ask the model while holding a slot."""
-        overload = self.settings.overload
-        stale_after = (
-            overload.freshness_target_s if overload.by_priority and prompt.reason == "browse_pause" else None
-        )
+        """Wait for admission (by priority, at most the class's budget:
+        ``OverloadSettings.wait_budget_s``), then ask the model while holding a slot."""
+        stale_after = self.settings.overload.wait_budget_s(prompt.reason)
         arrived = time.perf_counter()
         try:
             async with asyncio.timeout(stale_after):
@@ -149,14 +149,34 @@ class Enricher:
         except TimeoutError:
             self.counts.dropped_stale += 1
             return _superseded(prompt, "stale", None)
+        sent = time.perf_counter()
         try:
             claim.in_flight = True
-            result = await self._answer(prompt, claim, (time.perf_counter() - arrived) * 1000)
+            result = await self._answer(prompt, claim, (sent - arrived) * 1000)
+        except asyncio.CancelledError:
+            self._not_landed(prompt, sent)
+            raise
         finally:
             self.gate.release()
         if isinstance(result, ShopperInsight):
             self.fleet_limit.observe(result.ttft_ms, demand=self.gate.waiting > 0)
+            usage = result.usage
+            self.tokens.landed(
+                usage.prompt_tokens,
+                usage.cached_tokens,
+                usage.completion_tokens,
+                result.ttft_ms / 1000,
+                result.latency_ms / 1000,
+            )
+        elif isinstance(result, EnrichmentError) and result.attempts:
+            self._not_landed(prompt, sent)
         return result
+
+    def _not_landed(self, prompt: PromptRequest, sent: float) -> None:
+        """A prompt sent whose answer will not land: its tokens count as spent for nothing."""
+        in_flight_s = time.perf_counter() - sent
+        new_tokens = max(0, prompt.prompt_tokens - prompt.shared_prefix_tokens)
+        self.tokens.not_landed(new_tokens, in_flight_s, self.settings.max_tokens)
 
     async def _answer(
         self, prompt: PromptRequest, claim: Claim | None = None, admission_wait_ms: float = 0.0

@@ -7,7 +7,9 @@ the settings, and the counts an engine shows. The behaviour is ``docs/overload.m
   cancels it in flight (``cancel_in_flight``); at most ``max_in_flight`` prompts are at the fleet at
   once, the rest wait where they can still be replaced (``pipeline.admission``).
 - ``latest_wins_priority`` (the default): as ``latest_wins``, and purchase and cart prompts are
-  admitted before browse pauses; a browse pause that waited ``freshness_target_s`` is dropped as stale.
+  admitted before browse pauses; a class with a standing queue is served newest first
+  (``lifo_after_s``), and a prompt whose wait passes its class's budget is dropped as stale
+  (``freshness_target_s`` for a browse pause, ``urgent_max_wait_s`` for purchase and cart).
 """
 
 from __future__ import annotations
@@ -59,7 +61,19 @@ class OverloadSettings(BaseModel):
         5.0,
         gt=0,
         description="latest_wins_priority: a browse-pause prompt waiting for admission longer than this "
-        "is dropped as stale (purchase and cart prompts are never dropped, they go first)",
+        "is dropped as stale",
+    )
+    urgent_max_wait_s: float | None = Field(
+        10.0,
+        gt=0,
+        description="latest_wins_priority: a purchase or cart prompt waiting for admission longer than "
+        "this is dropped as stale (they go first, so only when they alone exceed the fleet); None: never",
+    )
+    lifo_after_s: float | None = Field(
+        1.0,
+        gt=0,
+        description="latest_wins_priority: while a class's oldest waiting prompt has waited longer than "
+        "this (a standing queue), the class is admitted newest first; None: always oldest first",
     )
 
     @property
@@ -69,6 +83,12 @@ class OverloadSettings(BaseModel):
     @property
     def by_priority(self) -> bool:
         return self.policy == "latest_wins_priority"
+
+    def wait_budget_s(self, reason: str) -> float | None:
+        """How long a prompt of this trigger may wait for admission before it is dropped as stale."""
+        if not self.by_priority:
+            return None
+        return self.freshness_target_s if reason == "browse_pause" else self.urgent_max_wait_s
 
 
 @dataclass(slots=True)
@@ -80,7 +100,8 @@ class OverloadCounts:
     cancelled_in_flight: int = 0
     """Replaced by the shopper's newer prompt after they were sent: the request was closed."""
     dropped_stale: int = 0
-    """Browse pauses that waited past ``freshness_target_s`` for admission."""
+    """Prompts that waited past their class's budget for admission (``freshness_target_s`` for a browse
+    pause, ``urgent_max_wait_s`` for purchase and cart)."""
     skipped_answered: int = 0
     """Replays answered from the answer ledger, without a call."""
     joined: int = 0
@@ -88,3 +109,62 @@ class OverloadCounts:
 
     def as_dict(self) -> dict[str, int]:
         return asdict(self)
+
+
+@dataclass(slots=True)
+class TokenCounts:
+    """Tokens of the prompts this process sent, split by whether their answer landed (the engines'
+    metrics: ``shopper_llm_tokens{answer="landed"|"not_landed", phase="prefill"|"decode"}``).
+
+    The caller cannot see what a replica computed for a request it closed, so the not-landed side is an
+    estimate: its prefill is the prompt's tokens past the prefix it shares with the shopper's previous
+    prompt (what the replica would have to compute on a cache hit; the shopper's newer prompt reuses
+    the blocks it computed, so even that is an upper bound), its decode the time it spent past
+    the landed answers' mean time to first token, at their mean time per output token. The replicas'
+    own counters (the simulator's ``/admin/stats``: ``prefill_tokens_computed``, ``decode_tokens``) are
+    exact; ``bench.overload`` uses those."""
+
+    landed_prefill: int = 0
+    """Uncached prompt tokens of the answers that came back."""
+    landed_decode: int = 0
+    """Completion tokens of the answers that came back."""
+    not_landed_prefill: int = 0
+    """Unshared prompt tokens of prompts sent whose answer never came back (cancelled in flight,
+    errors)."""
+    not_landed_decode: float = 0.0
+    """Their completion tokens, estimated from the time they were in flight."""
+    _ttft_s: float = 0.0
+    _token_s: float = 0.0
+    _answers: int = 0
+
+    def landed(
+        self, prompt_tokens: int, cached_tokens: int, completion_tokens: int, ttft_s: float, latency_s: float
+    ) -> None:
+        self.landed_prefill += max(0, prompt_tokens - cached_tokens)
+        self.landed_decode += completion_tokens
+        self._answers += 1
+        weight = 1.0 / min(self._answers, 200)  # the mean of the last ~200 answers
+        self._ttft_s += weight * (ttft_s - self._ttft_s)
+        per_token = (latency_s - ttft_s) / max(1, completion_tokens - 1)
+        self._token_s += weight * (per_token - self._token_s)
+
+    def not_landed(self, new_prompt_tokens: int, in_flight_s: float, max_tokens: int) -> None:
+        self.not_landed_prefill += new_prompt_tokens
+        if self._answers and self._token_s > 0:
+            decoded = (in_flight_s - self._ttft_s) / self._token_s
+            self.not_landed_decode += min(float(max_tokens), max(0.0, decoded))
+
+    @property
+    def not_landed_share(self) -> float:
+        """Share of the tokens (prefill and decode) spent on prompts whose answer never landed."""
+        wasted = self.not_landed_prefill + self.not_landed_decode
+        total = wasted + self.landed_prefill + self.landed_decode
+        return wasted / total if total else 0.0
+
+    def as_dict(self) -> dict[str, float]:
+        return {
+            "landed_prefill": self.landed_prefill,
+            "landed_decode": self.landed_decode,
+            "not_landed_prefill": self.not_landed_prefill,
+            "not_landed_decode": round(self.not_landed_decode),
+        }

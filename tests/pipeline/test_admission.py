@@ -64,3 +64,41 @@ async def test_the_smallest_rank_goes_first() -> None:
     gate.release()
     await asyncio.gather(*tasks)
     assert order == [3, 4, 1, 2]
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+async def admitted_order(lifo_after_s: float | None) -> list[int]:
+    """Four waiters (class 1, then three of class 0) queued at t=0 behind the one slot; one is let in
+    at t=0.5, the rest at t=2."""
+    clock = Clock()
+    gate = AdmissionGate(lambda: 1, by_priority=True, lifo_after_s=lifo_after_s, clock=clock)
+    await gate.acquire((-1, 0))
+    order: list[int] = []
+
+    async def one(rank: tuple[int, int]) -> None:
+        await gate.acquire(rank)
+        order.append(rank[1])
+
+    tasks = [asyncio.create_task(one(rank)) for rank in [(1, 1), (0, 2), (0, 3), (0, 4)]]
+    await settle()
+    clock.now = 0.5  # the oldest has waited 0.5 s: no standing queue yet
+    gate.release()
+    await settle()
+    clock.now = 2.0  # now it has
+    for _ in range(3):
+        gate.release()
+        await settle()
+    await asyncio.gather(*tasks)
+    return order
+
+
+async def test_a_standing_queue_is_served_newest_first_within_its_class() -> None:
+    assert await admitted_order(lifo_after_s=1.0) == [2, 4, 3, 1]
+    assert await admitted_order(lifo_after_s=None) == [2, 3, 4, 1]

@@ -1,7 +1,9 @@
 """Overload behaviour of the enrichment step (``pipeline.overload``) against a simulated replica over
 HTTP: latest wins while waiting and in flight (the replica sees the abort and frees the slot, and the
-newer prompt reuses the prefix the cancelled one computed), purchase and cart before browse pauses at
-a saturated gate, stale browse pauses dropped, and one call for a prompt sent twice at once.
+newer prompt reuses the prefix the cancelled one computed, and its tokens count as not landed),
+purchase and cart before browse pauses at a saturated gate, a standing queue served newest first,
+prompts waiting past their class's budget dropped as stale, and one call for a prompt sent twice at
+once.
 
 The gate's only slot is held by the test itself where an order must be shown: nothing is admitted
 until the test lets go, so the order does not depend on timing."""
@@ -148,6 +150,10 @@ async def test_in_flight_prompt_is_cancelled_and_the_newer_reuses_its_prefix() -
     assert metrics["sim_num_requests_running"] == 0  # the aborted request's slot was freed
     assert requests_received(metrics) == 2
     assert enrich.counts.cancelled_in_flight == 1
+    # the cancelled prompt's tokens count as spent for nothing; the newer one's as landed
+    assert enrich.tokens.not_landed_prefill == older.prompt_tokens - older.shared_prefix_tokens > 0
+    assert enrich.tokens.landed_prefill == result.usage.prompt_tokens - result.usage.cached_tokens
+    assert 0 < enrich.tokens.not_landed_share < 1
 
 
 async def test_in_flight_prompt_finishes_when_cancelling_is_off() -> None:
@@ -214,6 +220,50 @@ async def test_a_browse_pause_waiting_past_the_freshness_target_is_dropped() -> 
     assert isinstance(answered, ShopperInsight)
     assert requests_received(metrics) == 1
     assert enrich.counts.dropped_stale == 1
+
+
+async def test_a_cart_add_waiting_past_its_budget_is_dropped() -> None:
+    """Purchase and cart go first, but their wait is bounded too (``urgent_max_wait_s``): when they
+    alone are more than the fleet answers, the oldest are dropped rather than answered ever later."""
+    cart = Shopper("s-cart-stale").cart()
+    async with running_simulator(time_scale=0.01) as sim, LLMClient(client_config(sim.url)) as client:
+        enrich = enricher(client, max_in_flight=1, urgent_max_wait_s=0.05)
+        await enrich.gate.acquire(HELD)
+        async with asyncio.timeout(WAIT_S):
+            dropped = await enrich.enrich(cart)  # returns while the slot is still held
+        enrich.gate.release()
+        metrics = await sim_metrics(sim)
+    assert isinstance(dropped, Superseded) and dropped.cause == "stale" and dropped.superseded_by is None
+    assert requests_received(metrics) == 0
+    assert enrich.counts.dropped_stale == 1
+
+
+async def test_a_standing_queue_is_served_newest_first() -> None:
+    """Three cart adds of three shoppers queue behind the slot the test holds, past ``lifo_after_s``:
+    the newest goes first, then (the queue still standing) the next newest; by default without a
+    standing queue (``test_purchase_and_cart_go_before_browse_pauses_at_a_saturated_gate``) the oldest."""
+    carts = [Shopper(f"s-lifo-{i}").cart() for i in range(3)]
+    answered: list[str] = []
+    async with running_simulator(time_scale=0.01) as sim, LLMClient(client_config(sim.url)) as client:
+        enrich = enricher(client, max_in_flight=1, lifo_after_s=0.01, urgent_max_wait_s=WAIT_S)
+
+        async def one(prompt: PromptRequest) -> EnrichmentResult:
+            result = await enrich.enrich(prompt)
+            answered.append(prompt.shopper_id)
+            return result
+
+        await enrich.gate.acquire(HELD)
+        tasks = []
+        for prompt in carts:
+            tasks.append(asyncio.create_task(one(prompt)))
+            queued = len(tasks)
+            await until(lambda: enrich.gate.waiting == queued)  # noqa: B023 - awaited in this iteration
+        await until(lambda: enrich.gate.oldest_wait_s(0) > 0.01)  # the queue stands
+        enrich.gate.release()
+        results = await asyncio.gather(*tasks)
+    assert all(isinstance(r, ShopperInsight) for r in results)
+    assert answered == ["s-lifo-2", "s-lifo-1", "s-lifo-0"]
+    assert enrich.gate.admitted_newest_first == 2  # the last one left was the oldest and the newest
 
 
 async def test_the_same_prompt_twice_at_once_is_sent_once() -> None:
