@@ -17,7 +17,7 @@ import asyncio
 import base64
 import time
 import zlib
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import orjson
@@ -305,6 +305,14 @@ class EnrichPrompts(AsyncFunction):
                 "llm_cache_hit_permille": lambda: self.stats.permille(
                     "llm_cached_tokens", "llm_prompt_tokens"
                 ),
+                # tokens of prompts sent, by whether their answer landed (pipeline.overload.TokenCounts)
+                **{
+                    f"llm_tokens_{name}": _token_gauge(self, name)
+                    for name in ("landed_prefill", "landed_decode", "not_landed_prefill", "not_landed_decode")
+                },
+                "llm_tokens_not_landed_permille": lambda: (
+                    round(1000 * self.enricher.tokens.not_landed_share) if self.enricher else 0
+                ),
             },
         )
 
@@ -538,3 +546,8 @@ def _seconds(n: int) -> Any:
     from pyflink.common.time import Time
 
     return Time.seconds(n)
+
+
+def _token_gauge(operator: Any, name: str) -> Callable[[], int]:
+    """A gauge of the operator's enricher's ``TokenCounts`` field ``name`` (0 before it starts)."""
+    return lambda: round(operator.enricher.tokens.as_dict()[name]) if operator.enricher else 0

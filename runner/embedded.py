@@ -344,4 +344,5 @@ class EmbeddedRunner:
             final=final,
             overload=None if enrichment is None else enrichment.counts,
             waiting=0 if enrichment is None else enrichment.gate.waiting,
+            tokens=None if enrichment is None else enrichment.tokens,
         )

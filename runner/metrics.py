@@ -176,6 +176,27 @@ class _StateCollector(Collector):
             yield gauge("admission_active", "Prompts admitted to the fleet now", enrichment.gate.active)
             yield gauge("admission_waiting", "Prompts waiting for admission now", enrichment.gate.waiting)
             yield gauge("admission_limit", "Prompts the gate admits at once now", enrichment.gate.limit)
+            yield counter(
+                "admission_newest_first",
+                "Prompts admitted ahead of older ones of their class: the class had a standing queue",
+                enrichment.gate.admitted_newest_first,
+            )
+            tokens = CounterMetricFamily(
+                f"{PREFIX}_llm_tokens",
+                "Tokens of prompts sent, by whether their answer landed and by phase (prefill: uncached "
+                "prompt tokens; not_landed: cancelled in flight or failed, an estimate, see "
+                "pipeline.overload.TokenCounts)",
+                labels=["answer", "phase"],
+            )
+            for name, value in enrichment.tokens.as_dict().items():
+                answer, _, phase = name.rpartition("_")
+                tokens.add_metric([answer, phase], value)
+            yield tokens
+            yield gauge(
+                "llm_tokens_not_landed_ratio",
+                "Share of the tokens sent (prefill and decode) spent on prompts whose answer never landed",
+                enrichment.tokens.not_landed_share,
+            )
         healthy = GaugeMetricFamily(
             f"{PREFIX}_llm_endpoint_healthy", "1 while a replica is routable", labels=["endpoint"]
         )

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from confluent_kafka import Consumer, TopicPartition
 
 from pipeline.accounting import Accounting
-from pipeline.overload import OverloadCounts
+from pipeline.overload import OverloadCounts, TokenCounts
 from runner.dead_letters import DeadLetterCounts
 
 FRESHNESS_SAMPLES_KEPT = 100_000
@@ -68,9 +68,11 @@ class ProgressLine:
         final: bool,
         overload: OverloadCounts | None = None,
         waiting: int = 0,
+        tokens: TokenCounts | None = None,
     ) -> str:
         """``overload``: the enricher's counts of prompts not sent on their own (``docs/overload.md``);
-        ``waiting``: prompts waiting at its admission gate now (part of ``in_flight``)."""
+        ``waiting``: prompts waiting at its admission gate now (part of ``in_flight``); ``tokens``: its
+        tokens by whether their answer landed (``tokens-not-landed``: the share spent for nothing)."""
         now = time.monotonic()
         stats, acct = self.stats, self.stats.accounting
         rate = (acct.consumed - self._last_consumed) / max(1e-9, now - self._last_at)
@@ -91,6 +93,8 @@ class ProgressLine:
                 "replayed": overload.skipped_answered,
             }
             line += "".join(f" {name} {count}" for name, count in not_sent.items() if count)
+        if tokens is not None and tokens.not_landed_prefill:
+            line += f" tokens-not-landed {tokens.not_landed_share:.1%}"
         if stats.sink_retries:
             line += f" sink-retries {stats.sink_retries}"
         if undelivered_dead_letters:

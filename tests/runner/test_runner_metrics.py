@@ -132,6 +132,13 @@ def test_a_running_runner_serves_metrics_and_health_that_match_what_it_did(
         assert value(samples, "shopper_prompts_not_sent_total", cause=cause) == count, cause
     assert value(samples, "shopper_admission_waiting") == value(samples, "shopper_admission_active") == 0
     assert value(samples, "shopper_admission_limit") == enrichment.gate.limit > 0
+    stats = runner.stats
+    landed_prefill = value(samples, "shopper_llm_tokens_total", answer="landed", phase="prefill")
+    assert landed_prefill == stats.prompt_tokens - stats.cached_tokens > 0  # the insights' uncached tokens
+    assert value(samples, "shopper_llm_tokens_total", answer="landed", phase="decode") > 0
+    not_landed = value(samples, "shopper_llm_tokens_total", answer="not_landed", phase="prefill")
+    assert not_landed == enrichment.tokens.not_landed_prefill
+    assert value(samples, "shopper_llm_tokens_not_landed_ratio") == enrichment.tokens.not_landed_share
     lags = {
         dict(labels)["partition"]: v
         for (name, labels), v in samples.items()
