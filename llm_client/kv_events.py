@@ -11,6 +11,12 @@ Guarantees: events reach the policy in the order the replica produced them; a re
 it; a failed poll (replica down, timeout) is skipped, not retried in the loop (its events stay buffered
 on the replica, or are dropped there and show up as an id gap). A poll is a drain: an answer the client
 gave up on (timeout) is lost, and shows up as a gap at the next poll.
+
+Block hashes in the events are the *engine's* (TensorRT-LLM's ``BlockKeyHasher``; the simulator's
+``serving.simulator.block_keys``), which a router cannot compute. ``EngineBlockMap`` rebuilds the
+router's own chained hashes (``prompt_assembly.tokens.chain_block_hash``) from each stored block's
+``tokens``, chained on the router hash of the event's ``parent_hash``, as NVIDIA Dynamo's router does
+(it hashes each block's tokens and links blocks through the engine's parent hash).
 """
 
 from __future__ import annotations
@@ -19,14 +25,18 @@ import asyncio
 import contextlib
 import logging
 import time
+from collections import Counter, OrderedDict
 from collections.abc import Callable, Sequence
-from typing import Annotated, Literal
+from typing import TYPE_CHECKING, Annotated, Literal
 
 import aiohttp
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
 
 from llm_client.endpoints import Endpoint
-from llm_client.routing.base import KvEventConsumer
+from prompt_assembly.tokens import ROOT_PARENT, chain_block_hash
+
+if TYPE_CHECKING:
+    from llm_client.routing.base import KvEventConsumer
 
 log = logging.getLogger(__name__)
 
@@ -35,19 +45,31 @@ class _Event(BaseModel):
     model_config = ConfigDict(extra="ignore", frozen=True)
 
 
+EngineHash = int | str
+"""An engine's block hash: an integer in TensorRT-LLM's KV cache events (newer engines may write hex
+strings); only ever compared, never computed here."""
+
+
+class UniqueToken(_Event):
+    token_id: int
+    token_extra_id: int = 0
+    """Nonzero for prompt-tuning or multimodal tokens, which a token-id hash cannot name."""
+
+
 class StoredBlock(_Event):
-    block_hash: int
+    block_hash: EngineHash
+    tokens: list[UniqueToken] = []
 
 
 class StoredData(_Event):
     type: Literal["stored"]
-    parent_hash: int | None = None
+    parent_hash: EngineHash | None = None
     blocks: list[StoredBlock]
 
 
 class RemovedData(_Event):
     type: Literal["removed"]
-    block_hashes: list[int]
+    block_hashes: list[EngineHash]
 
 
 class CreatedData(_Event):
@@ -76,6 +98,10 @@ EventData = Annotated[
 class KvCacheEvent(_Event):
     event_id: int
     data: EventData
+    window_size: int | None = None
+    """The attention window of the block pool the event is about: a model with sliding-window layers
+    has a pool, and events, per window size; only the largest (full attention) holds reusable
+    prefixes (``PrefixAwarePolicy.apply_kv_events`` keeps those only, as Dynamo does)."""
 
 
 EVENTS = TypeAdapter(list[KvCacheEvent])
@@ -87,6 +113,76 @@ def parse_events(raw: bytes) -> list[KvCacheEvent]:
         return EVENTS.validate_json(raw)
     except ValidationError as exc:
         raise ValueError(f"not a KV cache event list: {exc.errors()[:1]}") from None
+
+
+class EngineBlockMap:
+    """One replica's engine block hashes and the router hashes rebuilt from their tokens.
+
+    ``stored`` gives the router hashes of a stored run: block by block, the router hash of the block
+    before (the event's ``parent_hash`` looked up here, the root when null) chained with the block's
+    token ids. It stops at the first block it cannot rebuild: a parent it never saw stored (events
+    missed in a gap, or stored before this router followed the replica), a partly filled block
+    (TensorRT-LLM's partial reuse stores one as the last of a run; the router indexes whole blocks
+    only, as Dynamo's does), or tokens with extra ids. ``removed`` gives the router hashes no engine
+    block maps to any more (two salted copies of one prompt are two engine blocks with one router
+    hash: it goes when both have). Bounded: beyond ``capacity`` entries (only reachable when removals
+    were missed) the oldest mapping is forgotten.
+    """
+
+    __slots__ = ("_counts", "_router", "block_size", "capacity")
+
+    def __init__(self, block_size: int, capacity: int) -> None:
+        self.block_size = block_size
+        self.capacity = capacity
+        self._router: OrderedDict[EngineHash, int] = OrderedDict()
+        self._counts: Counter[int] = Counter()
+
+    def __len__(self) -> int:
+        return len(self._router)
+
+    def router_hash(self, engine_hash: EngineHash) -> int | None:
+        return self._router.get(engine_hash)
+
+    def stored(self, parent_hash: EngineHash | None, blocks: Sequence[StoredBlock]) -> list[int]:
+        parent = ROOT_PARENT if parent_hash is None else self._router.get(parent_hash)
+        rebuilt: list[int] = []
+        for block in blocks:
+            tokens = block.tokens
+            if parent is None or len(tokens) != self.block_size or any(t.token_extra_id for t in tokens):
+                break
+            known = self._router.get(block.block_hash)
+            if known is None:
+                known = chain_block_hash(parent, [t.token_id for t in tokens])
+                self._router[block.block_hash] = known
+                self._counts[known] += 1
+            else:
+                self._router.move_to_end(block.block_hash)
+            rebuilt.append(known)
+            parent = known
+        while len(self._router) > self.capacity:
+            self._forget(self._router.popitem(last=False)[1])
+        return rebuilt
+
+    def removed(self, engine_hashes: Sequence[EngineHash]) -> list[int]:
+        gone: list[int] = []
+        for engine_hash in engine_hashes:
+            router = self._router.pop(engine_hash, None)
+            if router is not None and self._forget(router):
+                gone.append(router)
+        return gone
+
+    def clear(self) -> None:
+        self._router.clear()
+        self._counts.clear()
+
+    def _forget(self, router: int) -> bool:
+        """One engine block fewer maps to ``router``; True when none is left."""
+        left = self._counts[router] - 1
+        if left > 0:
+            self._counts[router] = left
+            return False
+        del self._counts[router]
+        return True
 
 
 class KvEventPoller:

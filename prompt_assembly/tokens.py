@@ -9,7 +9,8 @@ the leading space kept gives both, and costs one regex pass.
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable, Sequence
+import struct
+from collections.abc import Sequence
 
 import xxhash
 
@@ -34,19 +35,30 @@ def token_ids(text: str) -> list[int]:
 def chained_block_hashes(ids: Sequence[int], block_size: int) -> list[int]:
     """Hash of each *full* block of ``block_size`` tokens, chained so that a block's hash names its
     whole prefix (as vLLM, SGLang and TensorRT-LLM's block reuse do): equal hashes at position i mean
-    equal prompts up to the end of block i."""
+    equal prompts up to the end of block i. These are the *router's* hashes; an engine has its own
+    (the simulator's: ``serving.simulator.block_keys``), and a router following an engine's KV cache
+    events rebuilds these from the events' tokens with ``chain_block_hash``."""
     hashes: list[int] = []
     parent = 0
     for start in range(0, len(ids) - block_size + 1, block_size):
-        h = xxhash.xxh64(parent.to_bytes(8, "little"))
-        h.update(_pack(ids[start : start + block_size]))
-        parent = h.intdigest()
+        parent = chain_block_hash(parent, ids[start : start + block_size])
         hashes.append(parent)
     return hashes
 
 
-def _pack(ids: Iterable[int]) -> bytes:
-    return b"".join(i.to_bytes(4, "little") for i in ids)
+ROOT_PARENT = 0
+"""The parent of a prompt's first block in ``chain_block_hash``."""
+
+
+def chain_block_hash(parent: int, block: Sequence[int]) -> int:
+    """The router's hash of one block of token ids whose preceding block hashed to ``parent``
+    (``ROOT_PARENT`` for the first block): ``chained_block_hashes`` one step at a time."""
+    return xxhash.xxh64_intdigest(parent.to_bytes(8, "little") + pack_token_ids(block))
+
+
+def pack_token_ids(ids: Sequence[int]) -> bytes:
+    """Token ids as little-endian unsigned 32-bit integers (the bytes every block hash here reads)."""
+    return struct.pack(f"<{len(ids)}I", *ids)
 
 
 def messages_text(messages: Sequence[dict[str, str]]) -> str:

@@ -24,7 +24,10 @@ How the index is kept (no call to the servers, only what the client sees):
 *Precise* mode (``kv_events="precise"``) adds what the replicas themselves report: the client polls each
 replica's ``POST /kv_cache_events`` (TensorRT-LLM's KV cache events, ``llm_client.kv_events``) and the
 events correct each replica's index: ``stored`` blocks are added, ``removed`` ones (evictions) dropped at
-once, and ``created``/``cleared`` or event ids starting again (a restarted replica) empty it. A gap in
+once, and ``cleared``, a ``created`` after other events, or event ids starting again (a restarted
+replica) empty it. The events name blocks by the engine's hashes; the router's own are rebuilt from the
+blocks' token ids (``llm_client.kv_events.EngineBlockMap``, as Dynamo's router does), and only events
+of the largest attention window (``window_size``; full attention) are followed. A gap in
 the event ids (a poll missed events the replica's bounded buffer dropped) cannot be repaired from the
 events alone (trtllm has no snapshot call): the replica's index keeps its learned belief, as in
 approximate mode, and is counted (``stats.kv_gaps``). A replica that answers 404 (events off) stays
@@ -61,6 +64,7 @@ from typing import Any, ClassVar, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from llm_client.endpoints import Endpoint
+from llm_client.kv_events import EngineBlockMap
 from llm_client.routing.base import NO_FEEDBACK, Feedback, RouteOutcome, RouteRequest
 from llm_client.routing.queued_prefills import QueuedPrefills
 from llm_client.routing.session_affinity import rendezvous_order
@@ -287,6 +291,12 @@ class PrefixAwareStats:
     """Replicas found restarted or cleared by their events (created/cleared, event ids starting over)."""
     kv_gaps: int = 0
     """Polls whose first event id skipped ids: events the replica dropped before they were read."""
+    kv_blocks_unrebuilt: int = 0
+    """Stored blocks whose router hash could not be rebuilt from the event (parent never seen stored,
+    a partly filled block, tokens with extra ids): not indexed."""
+    kv_events_other_window: int = 0
+    """Events skipped because they were about a smaller attention window than the largest ``created``
+    announced (a sliding-window layer group's pool)."""
     hot_key_spreads: int = 0
     """Decisions that skipped a replica because it already ran its share of this shopper's requests."""
     queue_cap_skips: int = 0
@@ -296,6 +306,10 @@ class PrefixAwareStats:
 @dataclass(slots=True)
 class _EventCursor:
     last_event_id: int | None = None
+    max_window: int | None = None
+    """The largest ``window_size`` of the ``created`` events since the replica (re)started."""
+    seen_blocks: bool = False
+    """A stored or removed event came since the (re)start: a ``created`` now means a new engine."""
 
 
 class PrefixAwarePolicy:
@@ -331,6 +345,8 @@ class PrefixAwarePolicy:
         self._rng = random.Random(settings.seed)
         self._indexes: dict[str, ReplicaBlockIndex] = {}
         self._cursors: dict[str, _EventCursor] = {}
+        self._engine_blocks: dict[str, EngineBlockMap] = {}
+        """Precise mode: per replica, the engine's block hashes and the router hashes rebuilt for them."""
         self._key_inflight: dict[tuple[str, str], int] = {}
         """Attempts in flight per (shopper, replica): routed, and neither observed nor over
         (``attempt_over``, which the client calls at the end of every attempt, a cancelled one too), so
@@ -607,24 +623,36 @@ class PrefixAwarePolicy:
             index.clear()
         self._queued.forget(endpoint.name)
         self._cursors.pop(endpoint.name, None)
+        self._engine_blocks.pop(endpoint.name, None)
 
     # ---- precise mode: the replicas' KV cache events ---------------------------------------------------
     def apply_kv_events(self, endpoint: Endpoint, events: Sequence[Any]) -> None:
         """Correct ``endpoint``'s index with one poll's events (``llm_client.kv_events.KvCacheEvent``,
-        oldest first). ``created``/``cleared``, or an event id not above the last one seen (the replica
-        restarted and counts from 0 again), empty the index before the event applies; a skipped id is a
-        gap (events dropped unread): counted, and the index keeps its learned belief."""
+        oldest first). ``cleared``, a ``created`` after stored or removed events, or an event id not
+        above the last one seen (the replica restarted and counts from 0 again) empty the index before
+        the event applies; a skipped id is a gap (events dropped unread): counted, and the index keeps
+        its learned belief. The ``created`` events at a start announce the attention windows; stored
+        and removed events of a smaller window than the largest are skipped. Stored blocks are indexed
+        by the router hashes rebuilt from their tokens (``EngineBlockMap``)."""
         cursor = self._cursors.setdefault(endpoint.name, _EventCursor())
         index = self.index(endpoint)
+        blocks = self._engine_blocks.get(endpoint.name)
+        if blocks is None:
+            capacity = 4 * self.max_blocks_per_replica
+            blocks = self._engine_blocks[endpoint.name] = EngineBlockMap(self.block_size, capacity)
         for event in events:
             data = event.data
             last = cursor.last_event_id
-            if last is None and data.type == "created":
-                pass  # the first poll of a replica that just started: nothing to undo
-            elif data.type in ("created", "cleared") or (last is not None and event.event_id <= last):
+            if (
+                data.type == "cleared"
+                or (data.type == "created" and cursor.seen_blocks)
+                or (last is not None and event.event_id <= last)
+            ):
                 self.stats.kv_restarts += 1
                 log.warning("replica %s reports its KV cache emptied (%s)", endpoint.name, data.type)
                 index.clear()
+                blocks.clear()
+                cursor.max_window, cursor.seen_blocks = None, False
             elif last is not None and event.event_id > last + 1:
                 self.stats.kv_gaps += 1
                 log.warning(
@@ -635,11 +663,26 @@ class PrefixAwarePolicy:
                 )
             cursor.last_event_id = event.event_id
             self.stats.kv_events += 1
+            window = event.window_size
+            if data.type == "created":
+                if window is not None and (cursor.max_window is None or window > cursor.max_window):
+                    cursor.max_window = window
+                continue
+            if data.type not in ("stored", "removed"):
+                continue
+            cursor.seen_blocks = True
+            if window is not None and cursor.max_window is not None and window < cursor.max_window:
+                self.stats.kv_events_other_window += 1
+                continue
             if data.type == "stored":
-                index.insert([block.block_hash for block in data.blocks], confirmed=True)
-            elif data.type == "removed":
-                index.remove(data.block_hashes)
-                self.stats.kv_blocks_removed += len(data.block_hashes)
+                rebuilt = blocks.stored(data.parent_hash, data.blocks)
+                self.stats.kv_blocks_unrebuilt += len(data.blocks) - len(rebuilt)
+                if rebuilt:
+                    index.insert(rebuilt, confirmed=True)
+            else:
+                gone = blocks.removed(data.block_hashes)
+                index.remove(gone)
+                self.stats.kv_blocks_removed += len(gone)
 
     # ---- helpers -----------------------------------------------------------------------------------
     @staticmethod

@@ -298,7 +298,9 @@ class ContinuousBatchingEngine:
             self.kv_released()
             return
         pin = self._limits.pin_blocks
-        pinned = self._cache.insert(request.block_hashes, pin=pin, release_reserved=request.reserved_blocks)
+        pinned = self._cache.insert(
+            request.block_hashes, tokens=request.tokens, pin=pin, release_reserved=request.reserved_blocks
+        )
         if pin:
             request.pins.append(pinned)
         request.reserved_blocks = 0
@@ -647,7 +649,9 @@ class ContinuousBatchingEngine:
                 finished.append(request)
             elif self._limits.reuse_chunk_blocks and not request.cancelled:
                 done = (request.cached_tokens + request.prefilled_tokens) // self._cache.block_size
-                pinned = self._cache.insert(request.block_hashes[:done], pin=self._limits.pin_blocks)
+                pinned = self._cache.insert(
+                    request.block_hashes[:done], tokens=request.tokens, pin=self._limits.pin_blocks
+                )
                 if pinned:
                     request.pins.append(pinned)
         self._prefilling = self._drop_cancelled(r for r in self._prefilling if r not in finished)
@@ -687,12 +691,14 @@ class ContinuousBatchingEngine:
         for request in admitted:
             if request.cancelled:
                 # The pass ran: its blocks are computed and stay reusable, only the slot is freed.
-                self._cache.insert(request.block_hashes, release_reserved=request.reserved_blocks)
+                self._cache.insert(
+                    request.block_hashes, tokens=request.tokens, release_reserved=request.reserved_blocks
+                )
                 request.reserved_blocks = 0
                 self._release(request)
                 continue
             pinned = self._cache.insert(
-                request.block_hashes, pin=pin, release_reserved=request.reserved_blocks
+                request.block_hashes, tokens=request.tokens, pin=pin, release_reserved=request.reserved_blocks
             )
             self._cache.store_tail(request.block_hashes, request.tokens)
             if pin:

@@ -4,12 +4,14 @@
 manager in a bounded buffer; each ``POST /kv_cache_events`` drains it and answers a JSON list, each item
 shaped as TensorRT-LLM's ``KVCacheEventSerializer`` writes it::
 
-    {"event_id": 7, "window_size": 4096,
+    {"event_id": 7, "window_size": 32768,
      "data": {"type": "stored", "parent_hash": 123 | null,
-              "blocks": [{"type": "stored_block", "block_hash": 456, "tokens": [],
+              "blocks": [{"type": "stored_block", "block_hash": 456,
+                          "tokens": [{"type": "unique_token", "token_id": 9, "token_extra_id": 0}, ...],
                           "cache_level": 0, "priority": 35}]}}
-    {"event_id": 8, "window_size": 4096, "data": {"type": "removed", "block_hashes": [456]}}
-    {"event_id": 0, "window_size": 4096, "data": {"type": "created", "num_blocks_per_cache_level": [8192, 0]}}
+    {"event_id": 8, "window_size": 32768, "data": {"type": "removed", "block_hashes": [456]}}
+    {"event_id": 0, "window_size": 32768,
+     "data": {"type": "created", "num_blocks_per_cache_level": [1848, 0]}}
 
 Guarantees and deliberate differences:
 
@@ -22,10 +24,14 @@ Guarantees and deliberate differences:
 - ``cleared`` (``{"type": "cleared"}``) says every block is gone without a restart (the simulator's
   ``/admin/reset_cache``). TensorRT-LLM has no such event (it reports removals); NVIDIA Dynamo's router
   has the same notion (``Cleared``). A consumer must treat it like ``created``: drop what it knows;
-- ``tokens`` is left empty: block hashes here are the router's own chained hashes
-  (``prompt_assembly.tokens.chained_block_hashes``, salted per ``cache_salt``), so a router needs no
-  token ids to match them. A real engine hashes with its own tokenizer and hash, and a consumer of a
-  real ``trtllm-serve`` has to rebuild its hashes from ``tokens`` (Dynamo does).
+- block hashes are the engine's own (``serving.simulator.block_keys``, salted per ``cache_salt``), not
+  the router's; each stored block carries its token ids in ``tokens``, from which a router rebuilds its
+  own hashes (``llm_client.kv_events``), as it must in front of a real ``trtllm-serve``;
+- ``window_size`` is the attention window of the cache the event is about: one full-attention window
+  here, the replica's ``max_seq_len`` (TensorRT-LLM's default ``max_attention_window``). A model with
+  sliding-window layers has one block pool, and one ``created`` event, per window size;
+- ``lora_id`` is not written: the serializer read (``KVCacheEventSerializer`` in
+  ``tensorrt_llm/_utils.py``) leaves it commented out.
 
 Pure and synchronous: the prefix cache calls it under the event loop, the HTTP handler drains it.
 """
@@ -61,18 +67,21 @@ class KvEventBuffer:
     def last_event_id(self) -> int:
         return self._next_id - 1
 
-    def stored(self, parent_hash: int | None, block_hashes: Sequence[int]) -> None:
+    def stored(
+        self, parent_hash: int | None, block_hashes: Sequence[int], block_tokens: Sequence[Sequence[int]]
+    ) -> None:
+        """One run of new consecutive blocks; ``block_tokens[i]`` are block i's token ids."""
         if not block_hashes:
             return
         blocks = [
             {
                 "type": "stored_block",
                 "block_hash": h,
-                "tokens": [],
+                "tokens": [{"type": "unique_token", "token_id": t, "token_extra_id": 0} for t in tokens],
                 "cache_level": 0,
                 "priority": DEFAULT_PRIORITY,
             }
-            for h in block_hashes
+            for h, tokens in zip(block_hashes, block_tokens, strict=True)
         ]
         self._append({"type": "stored", "parent_hash": parent_hash, "blocks": blocks})
 

@@ -1,6 +1,7 @@
 """A replica's reusable KV blocks, keyed by chained block hashes, with LRU eviction by block.
 
-Because every block hash names its whole prefix (``prompt_assembly.tokens.chained_block_hashes``), the
+Because every block hash names its whole prefix (``serving.simulator.block_keys``: the engine's chained
+hashes), the
 cache needs no tree: a prompt's reusable prefix is the run of its leading hashes that are present. A
 block whose parent was evicted can stay in the table, but lookups stop at the first missing block, so it
 is never matched (it simply ages out). To make that rare, every insert or hit touches a prompt's blocks
@@ -25,8 +26,6 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
-
-import xxhash
 
 from serving.simulator.kv_events import KvEventBuffer
 
@@ -97,14 +96,21 @@ class BlockPrefixCache:
         return n
 
     def insert(
-        self, block_hashes: Sequence[int], *, pin: bool = False, release_reserved: int = 0
+        self,
+        block_hashes: Sequence[int],
+        *,
+        tokens: Sequence[int] = (),
+        pin: bool = False,
+        release_reserved: int = 0,
     ) -> list[int]:
         """Store (or refresh) a prompt's blocks, evicting least recently used unpinned blocks beyond
         capacity. With ``pin`` every block of ``block_hashes`` is pinned once more (the caller unpins
-        exactly the returned list later); ``release_reserved`` gives back the room booked for them."""
+        exactly the returned list later); ``release_reserved`` gives back the room booked for them.
+        ``tokens`` (the prompt's token ids) go into the ``stored`` events; without them a block's
+        ``tokens`` are empty and no router can rebuild its hash."""
         blocks, pinned = self._blocks, self._pinned
         if self.events is not None:
-            self._publish_stored(block_hashes)
+            self._publish_stored(block_hashes, tokens)
         for h in reversed(block_hashes):
             if pin:
                 if h in pinned:
@@ -210,22 +216,26 @@ class BlockPrefixCache:
             n += 1
         return n
 
-    def _publish_stored(self, block_hashes: Sequence[int]) -> None:
-        """One ``stored`` event per run of consecutive blocks not yet held, with the block before it."""
+    def _publish_stored(self, block_hashes: Sequence[int], tokens: Sequence[int]) -> None:
+        """One ``stored`` event per run of consecutive blocks not yet held, with the block before it
+        and each block's token ids."""
         assert self.events is not None
+        size = self.block_size
         run: list[int] = []
+        run_tokens: list[Sequence[int]] = []
         parent: int | None = None
         for i, h in enumerate(block_hashes):
             if self._holds(h):
                 if run:
-                    self.events.stored(parent, run)
-                    run = []
+                    self.events.stored(parent, run, run_tokens)
+                    run, run_tokens = [], []
                 continue
             if not run:
                 parent = block_hashes[i - 1] if i > 0 else None
             run.append(h)
+            run_tokens.append(tokens[i * size : (i + 1) * size])
         if run:
-            self.events.stored(parent, run)
+            self.events.stored(parent, run, run_tokens)
 
     def clear(self) -> None:
         """Forget every block and counter, as a restarted engine would (pins included: later unpins of
@@ -268,13 +278,3 @@ def cached_tokens_for(matched_blocks: int, block_size: int, prompt_tokens: int) 
     """Prompt tokens served from cache: whole matched blocks, but never the last prompt token, which an
     engine must always compute to produce the first output token's logits."""
     return max(0, min(matched_blocks * block_size, prompt_tokens - 1))
-
-
-def salted_block_hashes(block_hashes: Sequence[int], cache_salt: str | None) -> list[int]:
-    """Mix a tenant's ``cache_salt`` into every block hash, so prompts with different salts never share
-    blocks (vLLM and TensorRT-LLM salt the first block, which by chaining changes all of them; salting
-    each chained hash has the same effect without re-hashing the tokens)."""
-    if not cache_salt:
-        return list(block_hashes)
-    salt = cache_salt.encode()
-    return [xxhash.xxh64_intdigest(h.to_bytes(8, "little") + salt) for h in block_hashes]

@@ -20,9 +20,10 @@ from typing import Any
 
 from aiohttp import web
 
-from prompt_assembly.tokens import chained_block_hashes, token_ids
+from prompt_assembly.tokens import token_ids
 from serving.simulator.answers import Answer, plan_answer
 from serving.simulator.bad_answers import BAD_ANSWERS, BadAnswer
+from serving.simulator.block_keys import engine_block_hashes
 from serving.simulator.config import SimulatorConfig
 from serving.simulator.cost_model import CostModel, IterationCost, KvLink
 from serving.simulator.disagg import KV_CACHE_GONE, KvCacheGone, KvTransferFailed
@@ -31,7 +32,7 @@ from serving.simulator.kv_events import KvEventBuffer
 from serving.simulator.kv_transfer import KvPuller, KvSender
 from serving.simulator.metrics import ReplicaMetrics
 from serving.simulator.perf_metrics import perf_record
-from serving.simulator.prefix_cache import BlockPrefixCache, salted_block_hashes
+from serving.simulator.prefix_cache import BlockPrefixCache
 from serving.simulator.roofline import RooflineCost
 
 _log = logging.getLogger(__name__)
@@ -101,7 +102,9 @@ class Replica:
         self.kv_events = (
             KvEventBuffer(
                 config.kv_event_buffer_max_size,
-                window_size=config.cache_capacity_blocks * config.block_size,
+                # the attention window: one full-attention window of max_seq_len (trtllm's default
+                # max_attention_window), not the cache's capacity
+                window_size=config.max_seq_len,
                 capacity_blocks=config.cache_capacity_blocks,
             )
             if config.kv_event_buffer_max_size > 0
@@ -171,7 +174,7 @@ class Replica:
         needs a length) but books ``max_seq_len - prompt`` tokens of KV memory, as TensorRT-LLM deduces
         its ``max_tokens`` (``_deduce_max_tokens`` in ``tensorrt_llm/executor/base_worker.py``)."""
         ids = token_ids(prompt_text)
-        hashes = salted_block_hashes(chained_block_hashes(ids, self.config.block_size), cache_salt)
+        hashes = engine_block_hashes(ids, self.config.block_size, cache_salt)
         limit = max_tokens or self.config.default_max_tokens
         answer = plan_answer(
             prompt_text, last_user_text, limit, response_format, ignore_eos=ignore_eos, min_tokens=min_tokens

@@ -1,13 +1,17 @@
 """KV cache events over real HTTP: the simulator publishes them in TensorRT-LLM's format at
-``POST /kv_cache_events``, and ``prefix_aware``'s precise mode follows them (stored, removed, cleared,
-a restarted replica, a gap in the event ids, a replica with events off).
+``POST /kv_cache_events`` (the engine's own block hashes, each block's token ids), and
+``prefix_aware``'s precise mode follows them, rebuilding its own hashes from the tokens (stored,
+removed, cleared, a restarted replica, a gap in the event ids, a replica with events off). The pure
+parts (attention windows, blocks that cannot be rebuilt) are tested on hand-written events.
 
-Every test starts its own simulator processes (``serving.simulator.launch``) and stops them at the end.
+Every HTTP test starts its own simulator processes (``serving.simulator.launch``) and stops them at the
+end.
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
 import signal
 from collections.abc import AsyncIterator
 
@@ -16,10 +20,12 @@ import pytest
 
 from devstack.processes import free_port
 from llm_client import ClientConfig, LLMClient
+from llm_client.endpoints import Endpoint
 from llm_client.kv_events import KvCacheEvent, parse_events
 from llm_client.routing.base import RouteRequest
 from llm_client.routing.prefix_aware import PrefixAwarePolicy
 from prompt_assembly.tokens import chained_block_hashes, count_tokens, messages_text, token_ids
+from serving.simulator.block_keys import engine_block_hashes
 from serving.simulator.launch import SimulatorFleet, simulator_argv
 from tests.helpers import viewed_prompt
 
@@ -30,8 +36,18 @@ def prompt(shopper: str, events: int) -> list[dict[str, str]]:
     return viewed_prompt(shopper, events, item="lantern", category="Garden > Lights")
 
 
+def ids(shopper: str, events: int) -> list[int]:
+    return token_ids(messages_text(prompt(shopper, events)))
+
+
 def hashes(shopper: str, events: int) -> list[int]:
-    return chained_block_hashes(token_ids(messages_text(prompt(shopper, events))), 32)
+    """The router's hashes of a prompt."""
+    return chained_block_hashes(ids(shopper, events), 32)
+
+
+def engine_hashes(shopper: str, events: int) -> list[int]:
+    """The simulated engine's hashes of the same prompt (what its events carry)."""
+    return engine_block_hashes(ids(shopper, events), 32)
 
 
 def route(shopper: str, events: int) -> RouteRequest:
@@ -79,17 +95,24 @@ async def test_simulator_publishes_stored_removed_and_cleared(http: aiohttp.Clie
         first = await poll(http, url)
         assert [e.data.type for e in first] == ["created"] and first[0].event_id == 0
 
+        assert first[0].window_size == 32768  # the attention window (max_seq_len), not the cache size
+
         await chat(http, url, "ann", 40)
         stored = await poll(http, url)
-        expected = hashes("ann", 40)
+        expected = engine_hashes("ann", 40)
         assert [e.data.type for e in stored] == ["stored"] and stored[0].event_id == 1
         data = stored[0].data
         assert data.type == "stored" and data.parent_hash is None
-        assert [b.block_hash for b in data.blocks] == expected  # the router's own chained hashes
+        assert [b.block_hash for b in data.blocks] == expected  # the engine's hashes...
+        assert not set(expected) & set(hashes("ann", 40))  # ...which are not the router's
+        prompt_ids = ids("ann", 40)
+        assert [[t.token_id for t in b.tokens] for b in data.blocks] == [
+            prompt_ids[i * 32 : (i + 1) * 32] for i in range(len(expected))
+        ]
 
         # The next prompt of the same shopper stores only its new blocks, chained to the held ones.
         await chat(http, url, "ann", 44)
-        grown = hashes("ann", 44)
+        grown = engine_hashes("ann", 44)
         held = len([h for h in grown if h in set(expected)])
         (event,) = await poll(http, url)
         assert event.data.type == "stored" and event.data.parent_hash == grown[held - 1]
@@ -101,9 +124,9 @@ async def test_simulator_publishes_stored_removed_and_cleared(http: aiohttp.Clie
             await chat(http, url, shopper, 40)
         events = await poll(http, url)
         removed = [h for e in events if e.data.type == "removed" for h in e.data.block_hashes]
-        everything = {h for shopper in ("bob", "cat", "dan") for h in hashes(shopper, 40)}
+        everything = {h for shopper in ("bob", "cat", "dan") for h in engine_hashes(shopper, 40)}
         assert removed and set(removed) <= everything | set(grown) | set(expected)
-        assert not set(removed) & set(hashes("dan", 40))  # the newest prompt is not what goes
+        assert not set(removed) & set(engine_hashes("dan", 40))  # the newest prompt is not what goes
         assert [e.event_id for e in events] == list(range(events[0].event_id, events[-1].event_id + 1))
 
         async with http.post(url + "/admin/reset_cache") as response:
@@ -190,6 +213,114 @@ async def test_precise_index_resyncs_after_a_replica_restart_and_counts_gaps() -
         if process.returncode is None:
             process.terminate()
         await process.wait()
+
+
+async def test_precise_mode_learns_a_prompt_it_never_routed_from_the_events_tokens(
+    http: aiohttp.ClientSession,
+) -> None:
+    """A prompt that reached the replica by another way (another router, a direct call): the router
+    knows of it only from the ``stored`` event, whose block hashes are the engine's. Precise mode
+    rebuilds its own hashes from the blocks' tokens and finds the prompt held; a router that indexed
+    the engine's hashes would find nothing (its hashes never equal the engine's), and its removal
+    follows the engine's ``removed`` event."""
+    args = (*FAST, "--kv-event-buffer-max-size", "1000", "--cache-capacity-blocks", "200")
+    policy = PrefixAwarePolicy(kv_events="precise", kv_events_poll_s=60)  # the test steps the poller
+    async with SimulatorFleet(1, *args) as fleet, LLMClient(precise_config(fleet.urls), policy) as client:
+        await client.wait_until_healthy()
+        assert client.kv_events is not None
+        home = client.endpoints[0]
+        await chat(http, fleet.urls[0], "eve", 40)  # not through the client
+        assert policy.cached_tokens(route("eve", 40), home) == 0
+        await client.kv_events.poll_once()
+        eve = route("eve", 40)
+        assert policy.cached_tokens(eve, home) == len(hashes("eve", 40)) * 32 > 0.9 * eve.prompt_tokens
+        assert policy.index(home).confirmed_prefix(hashes("eve", 40)) == len(hashes("eve", 40))
+        assert policy.stats.kv_blocks_unrebuilt == 0
+        answer = await client.chat(prompt("eve", 42), routing_key="eve", max_tokens=4)
+        assert answer.cached_tokens > 0.8 * answer.prompt_tokens  # the replica agrees
+
+        for shopper in ("fay", "gus", "hal", "ivy"):  # ~60 blocks each in 200: eve's are evicted
+            await chat(http, fleet.urls[0], shopper, 40)
+        await client.kv_events.poll_once()
+        assert policy.stats.kv_blocks_removed > 0
+        assert policy.cached_tokens(route("eve", 40), home) < 0.3 * eve.prompt_tokens
+
+
+def _event(event_id: int, data: dict[str, object], window: int | None = 4096) -> dict[str, object]:
+    return {"event_id": event_id, "window_size": window, "data": data}
+
+
+def _stored(parent: int | None, blocks: list[tuple[int, list[int]]], extra: int = 0) -> dict[str, object]:
+    return {
+        "type": "stored",
+        "parent_hash": parent,
+        "blocks": [
+            {
+                "type": "stored_block",
+                "block_hash": h,
+                "tokens": [{"type": "unique_token", "token_id": t, "token_extra_id": extra} for t in tokens],
+                "cache_level": 0,
+                "priority": 35,
+            }
+            for h, tokens in blocks
+        ],
+    }
+
+
+def _apply(policy: PrefixAwarePolicy, endpoint: Endpoint, *events: dict[str, object]) -> None:
+    policy.apply_kv_events(endpoint, parse_events(json.dumps(list(events)).encode()))
+
+
+BLOCK_A, BLOCK_B, BLOCK_C = list(range(32)), list(range(100, 132)), list(range(200, 232))
+
+
+def test_only_the_largest_attention_windows_events_are_followed() -> None:
+    """A model with sliding-window layers: one ``created`` per window at start, then events of both
+    pools. The sliding window's pool keeps only recent blocks, so its events say nothing about reusable
+    prefixes: they are skipped, and the second ``created`` is no restart."""
+    policy = PrefixAwarePolicy(kv_events="precise")
+    home = Endpoint("http://r0", "r0")
+    _apply(
+        policy,
+        home,
+        _event(0, {"type": "created", "num_blocks_per_cache_level": [100, 0]}, window=512),
+        _event(1, {"type": "created", "num_blocks_per_cache_level": [900, 0]}, window=32768),
+        _event(2, _stored(None, [(7, BLOCK_A)]), window=512),
+        _event(3, _stored(None, [(8, BLOCK_A), (9, BLOCK_B)]), window=32768),
+        _event(4, {"type": "removed", "block_hashes": [7]}, window=512),
+    )
+    router = chained_block_hashes(BLOCK_A + BLOCK_B, 32)
+    assert policy.index(home).confirmed_prefix(router) == 2
+    assert policy.stats.kv_restarts == 0 and policy.stats.kv_events_other_window == 2
+    _apply(policy, home, _event(5, {"type": "removed", "block_hashes": [9]}, window=32768))
+    assert policy.index(home).confirmed_prefix(router) == 1
+    # a ``created`` after blocks were stored is a new engine (ids restarting is the other sign)
+    _apply(policy, home, _event(6, {"type": "created", "num_blocks_per_cache_level": [900, 0]}))
+    assert policy.stats.kv_restarts == 1 and len(policy.index(home)) == 0
+
+
+def test_blocks_that_cannot_be_rebuilt_are_not_indexed() -> None:
+    """A run whose parent the router never saw stored (events lost in a gap), a partly filled last
+    block (trtllm's partial reuse), tokens with extra ids: not indexed, counted. Two engine blocks
+    with one router hash (two cache salts) leave the index only when both are removed."""
+    policy = PrefixAwarePolicy(kv_events="precise")
+    home = Endpoint("http://r0", "r0")
+    router = chained_block_hashes(BLOCK_A + BLOCK_B + BLOCK_C, 32)
+    _apply(
+        policy,
+        home,
+        _event(0, _stored(None, [(1, BLOCK_A), (2, BLOCK_B), (3, BLOCK_C[:5])])),  # partial last block
+        _event(1, _stored(99, [(4, BLOCK_C)])),  # unknown parent
+        _event(2, _stored(None, [(5, BLOCK_C)], extra=3)),  # extra ids
+        _event(3, _stored(None, [(11, BLOCK_A)])),  # the same tokens under another salt
+    )
+    index = policy.index(home)
+    assert index.confirmed_prefix(router) == 2 and len(index) == 2
+    assert policy.stats.kv_blocks_unrebuilt == 3
+    _apply(policy, home, _event(4, {"type": "removed", "block_hashes": [2, 1, 3]}))
+    assert index.confirmed_prefix(router) == 1  # block A is still held under the other salt
+    _apply(policy, home, _event(5, {"type": "removed", "block_hashes": [11]}))
+    assert len(index) == 0 and policy.stats.kv_blocks_removed == 2
 
 
 async def _start(argv: list[str]) -> asyncio.subprocess.Process:

@@ -14,7 +14,7 @@ import aiohttp
 import pytest
 
 from prompt_assembly.errors import ConfigurationError
-from prompt_assembly.tokens import chained_block_hashes, messages_text, token_ids
+from prompt_assembly.tokens import messages_text, token_ids
 from serving.disagg_router.app import SERVICE, create_app
 from serving.disagg_router.config import ConditionalDisagg, DisaggConfig, RouterSettings
 from serving.disagg_router.errors import NoServerAvailable, RouterRefusal
@@ -28,6 +28,7 @@ from serving.disagg_router.routers import (
     make_router,
 )
 from serving.disagg_router.service import DisaggService, needs_context
+from serving.simulator.block_keys import engine_block_hashes
 from serving.simulator.kv_events import KvEventBuffer
 from serving.simulator.testing import RunningSimulator, running_simulator
 from tests.helpers import serving
@@ -99,7 +100,7 @@ def test_block_hashes_leave_out_the_last_token_and_keep_a_partial_block() -> Non
     for n in (1, 2, 32, 33, 34, 64, 65, 650):
         hashes = block_hashes(RouteRequest(list(range(n))), 32)
         assert len(hashes) == math.ceil((n - 1) / 32), n
-        full = chained_block_hashes(list(range(n - 1)), 32)
+        full = engine_block_hashes(list(range(n - 1)), 32)
         assert hashes[: len(full)] == full
         assert hashes[len(full) :] == ([PARTIAL_BLOCK] if (n - 1) % 32 else [])
 
@@ -158,10 +159,10 @@ def test_kv_cache_aware_learns_blocks_from_the_simulators_events() -> None:
     """``stored`` adds, ``removed`` drops; ``created`` and ``cleared`` change nothing (TensorRT-LLM
     ignores both), in the simulator's wire format."""
     buffer = KvEventBuffer(100, window_size=1024, capacity_blocks=32)
-    buffer.stored(None, [11, 12, 13])
+    buffer.stored(None, [11, 12, 13], [[1], [2], [3]])
     buffer.removed([11])
     buffer.cleared()
-    buffer.stored(13, [14])
+    buffer.stored(13, [14], [[4]])
     router = KvCacheAwareRouter(["s"])
     router.block_tables["s"].add(99)
     router.apply_events("s", buffer.drain())
@@ -319,7 +320,7 @@ async def test_the_conditional_rule_at_its_boundary(uncached: int, remote: bool)
 
         def uncached_on_gen(text: str) -> tuple[int, int]:
             ids = token_ids(messages_text([{"role": "user", "content": text}]))
-            held = gen.replica.cache.longest_prefix(chained_block_hashes(ids, 32))
+            held = gen.replica.cache.longest_prefix(engine_block_hashes(ids, 32))
             return len(ids) - 32 * held, held
 
         probe, held = uncached_on_gen(history + " x" * 600)  # " x" is one token

@@ -19,8 +19,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from prompt_assembly.tokens import chained_block_hashes, token_ids
+from prompt_assembly.tokens import token_ids
 from serving.simulator import cost_model, disagg
+from serving.simulator.block_keys import engine_block_hashes
 from serving.simulator.config import SimulatorConfig
 from serving.simulator.cost_model import KV_BYTES_PER_TOKEN, CostModel, KvLink, mixed_iteration_ms
 from serving.simulator.disagg import OpaqueState, first_gen_token
@@ -276,8 +277,8 @@ async def test_a_prefill_burst_stretches_decode_gaps_when_aggregated_but_not_on_
 async def test_a_shoppers_next_request_moves_only_its_new_blocks(http: aiohttp.ClientSession) -> None:
     first = _body(_prompt("shopper-7", 400), 4)
     second = _body(first["prompt"] + " beta" * 150, 4)
-    h1 = chained_block_hashes(token_ids(first["prompt"]), BS)
-    h2 = chained_block_hashes(token_ids(second["prompt"]), BS)
+    h1 = engine_block_hashes(token_ids(first["prompt"]), BS)
+    h2 = engine_block_hashes(token_ids(second["prompt"]), BS)
     assert h2[: len(h1)] == h1  # the second prompt extends the first one's full blocks
     n1, n2 = len(token_ids(first["prompt"])), len(token_ids(second["prompt"]))
 
@@ -314,8 +315,8 @@ async def test_pinned_blocks_are_never_evicted_and_a_late_pull_finds_the_kv_cach
     never pulled: after ``kv_transfer_timeout_s`` its blocks are released, and a pull gets
     ``kv_cache_gone``, 404 from the context replica, 409 from the generation replica to its client."""
     p1, p2 = _body(_prompt("pinned-1", 799), 3), _body(_prompt("pinned-2", 799), 3)
-    h1 = chained_block_hashes(token_ids(p1["prompt"]), BS)
-    h2 = chained_block_hashes(token_ids(p2["prompt"]), BS)
+    h1 = engine_block_hashes(token_ids(p1["prompt"]), BS)
+    h2 = engine_block_hashes(token_ids(p2["prompt"]), BS)
     assert len(h1) == len(h2) == 25
     async with (
         running_simulator(

@@ -18,7 +18,8 @@ from typing import Any
 import aiohttp
 import pytest
 
-from prompt_assembly.tokens import chained_block_hashes, token_ids
+from prompt_assembly.tokens import token_ids
+from serving.simulator.block_keys import engine_block_hashes
 from serving.simulator.config import SimulatorConfig
 from serving.simulator.hardware import GPUS, MODELS, kv_memory
 from serving.simulator.launch import simulator_argv
@@ -147,7 +148,7 @@ async def test_running_blocks_are_pinned_and_generated_tokens_take_room(http: ai
     through the rest of the cache leaves them), and the blocks its generated tokens fill count as held."""
     block = SimulatorConfig().block_size
     long_prompt = _prompt(10 * block, "pinned-long")
-    hashes = chained_block_hashes(token_ids(long_prompt), block)
+    hashes = engine_block_hashes(token_ids(long_prompt), block)
     max_tokens = 4 * block
     async with running_simulator(time_scale=0.002, cache_capacity_blocks=3 * len(hashes)) as sim:
         url = f"{sim.url}/v1/completions"
@@ -221,7 +222,7 @@ async def test_a_client_that_leaves_frees_its_slot_at_the_next_poll_and_keeps_it
     it computed stay in the cache for the shopper's next request."""
     block = SimulatorConfig().block_size
     prompt = _prompt(8 * block, "leaver")
-    hashes = chained_block_hashes(token_ids(prompt), block)
+    hashes = engine_block_hashes(token_ids(prompt), block)
     async with running_simulator(time_scale=0.01, disconnect_poll_s=1.0) as sim:
         url = f"{sim.url}/v1/completions"
         leaver = asyncio.create_task(post_json(http, url, _body(prompt, 2000)))

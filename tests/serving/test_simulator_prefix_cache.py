@@ -6,7 +6,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from prompt_assembly.tokens import chained_block_hashes, token_ids
-from serving.simulator.prefix_cache import BlockPrefixCache, cached_tokens_for, salted_block_hashes
+from serving.simulator.block_keys import engine_block_hashes
+from serving.simulator.prefix_cache import BlockPrefixCache, cached_tokens_for
 
 BS = 4
 
@@ -71,12 +72,12 @@ def test_clear_forgets_blocks_and_counters() -> None:
 
 def test_salts_isolate_tenants() -> None:
     cache = BlockPrefixCache(capacity_blocks=100, block_size=BS)
-    plain = _hashes(list(range(16)))
-    cache.insert(salted_block_hashes(plain, "tenant-a"))
-    assert cache.match(salted_block_hashes(plain, "tenant-a")) == 4
-    assert cache.match(salted_block_hashes(plain, "tenant-b")) == 0
-    assert cache.match(plain) == 0
-    assert salted_block_hashes(plain, None) == plain
+    ids = list(range(16))
+    cache.insert(engine_block_hashes(ids, BS, "tenant-a"))
+    assert cache.match(engine_block_hashes(ids, BS, "tenant-a")) == 4
+    assert cache.match(engine_block_hashes(ids, BS, "tenant-b")) == 0
+    assert cache.match(engine_block_hashes(ids, BS)) == 0
+    assert engine_block_hashes(ids, BS, None) == engine_block_hashes(ids, BS, "")
 
 
 def test_cached_tokens_never_covers_the_whole_prompt() -> None:

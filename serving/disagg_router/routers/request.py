@@ -4,8 +4,9 @@ adds to a server.
 Block hashes follow the layout of TensorRT-LLM's ``BlockHashMixin._compute_block_hashes``: blocks of
 ``tokens_per_block`` over every token but the last ("in KvCacheManager, the last token is not included
 in the block key"), the last block partial when the count does not divide. The hash *function* is the
-simulator's (``prompt_assembly.tokens.chained_block_hashes``, salted per ``cache_salt``), because those
-are the hashes its KV cache events carry; a real front end hashes token ids with the engine's hash. The
+simulated engine's (``serving.simulator.block_keys.engine_block_hashes``, salted per ``cache_salt``),
+because those are the hashes its KV cache events carry, as TensorRT-LLM's router hashes token ids with
+the engine's own block hash. The
 simulator stores full blocks only, so a partial block stands as ``PARTIAL_BLOCK``, which no server's
 table holds: it counts in the prompt's length (``padded_tokens``) and never matches.
 """
@@ -16,9 +17,9 @@ import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from prompt_assembly.tokens import chained_block_hashes, token_ids
+from prompt_assembly.tokens import token_ids
 from serving.disagg_router.errors import RouterRefusal
-from serving.simulator.prefix_cache import salted_block_hashes
+from serving.simulator.block_keys import engine_block_hashes
 from serving.simulator.protocol import ChatCompletionRequest, CompletionRequest, RequestType
 
 PARTIAL_BLOCK = -1
@@ -69,5 +70,5 @@ class RouteRequest:
 def block_hashes(request: RouteRequest, tokens_per_block: int) -> list[int]:
     """The prompt's block hashes in TensorRT-LLM's layout (see the module's docstring)."""
     keyed = list(request.token_ids[:-1])
-    full = salted_block_hashes(chained_block_hashes(keyed, tokens_per_block), request.cache_salt)
+    full = engine_block_hashes(keyed, tokens_per_block, request.cache_salt)
     return [*full, PARTIAL_BLOCK] if len(keyed) % tokens_per_block else full
