@@ -42,6 +42,13 @@ class AdaptiveLimitSettings(BaseModel):
         2.0, gt=0, description="at most one cut per interval: answers admitted before a cut still queued"
     )
     start_per_replica: int = Field(16, ge=1, description="the limit per replica before any answer came back")
+    token_ms: float | None = Field(
+        None,
+        gt=0,
+        description="a time per output token (first to last token) above this means the replicas' "
+        "iterations are crowded (a saturated replica spends them on others' prefills): the limit is cut "
+        "too, so an answer's decode fits a freshness target; None: the time to first token only",
+    )
 
 
 class AdaptiveAdmissionLimit:
@@ -77,11 +84,14 @@ class AdaptiveAdmissionLimit:
             return self.ceiling
         return int(min(max(self._value, self.floor), self.ceiling))
 
-    def observe(self, ttft_ms: float, *, demand: bool) -> None:
-        """One answer came back after ``ttft_ms`` to its first token; ``demand``: prompts are waiting
-        at the gate, so a larger limit would be used."""
+    def observe(self, ttft_ms: float, *, demand: bool, token_ms: float | None = None) -> None:
+        """One answer came back after ``ttft_ms`` to its first token, then ``token_ms`` per further
+        token; ``demand``: prompts are waiting at the gate, so a larger limit would be used."""
         value = min(max(self._value, self.floor), self.ceiling)
-        if ttft_ms > self.settings.queue_ttft_ms:
+        slow_tokens = (
+            self.settings.token_ms is not None and token_ms is not None and token_ms > self.settings.token_ms
+        )
+        if ttft_ms > self.settings.queue_ttft_ms or slow_tokens:
             now = self._clock()
             if now - self._last_cut >= self.settings.cut_interval_s:
                 value *= self.settings.backoff

@@ -159,8 +159,9 @@ class Enricher:
         finally:
             self.gate.release()
         if isinstance(result, ShopperInsight):
-            self.fleet_limit.observe(result.ttft_ms, demand=self.gate.waiting > 0)
             usage = result.usage
+            token_ms = (result.latency_ms - result.ttft_ms) / max(1, usage.completion_tokens - 1)
+            self.fleet_limit.observe(result.ttft_ms, demand=self.gate.waiting > 0, token_ms=token_ms)
             self.tokens.landed(
                 usage.prompt_tokens,
                 usage.cached_tokens,

@@ -62,3 +62,15 @@ def test_disabled_is_the_ceiling() -> None:
     limit = limit_for([3], Clock(), enabled=False)
     limit.observe(QUEUED, demand=True)
     assert limit() == 192
+
+
+def test_slow_tokens_cut_when_a_token_target_is_set() -> None:
+    """A replica crowded with others' prefills answers its first token fast and the rest slowly: with
+    ``token_ms`` set that is a cut too; without it (the default), only the first token counts."""
+    clock = Clock()
+    unset, capped = limit_for([3], clock), limit_for([3], clock, token_ms=40.0)
+    for limit in (unset, capped):
+        limit.observe(FAST, demand=True, token_ms=70.0)
+    assert (unset(), capped()) == (49, 36)
+    capped.observe(FAST, demand=True, token_ms=30.0)
+    assert capped() == 37
