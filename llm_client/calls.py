@@ -11,7 +11,13 @@ Guarantees:
   bounded by construction (one extra attempt per request, never a storm), and the budget is for
   outages. In a burst many calls are in flight to a replica that answers badly before its quarantine
   (``llm_client.answer_health``); with one bad replica of two, their failovers spent the budget and
-  11-14% of a backlog's prompts became ``RetryBudgetExhausted`` error records.
+  11-14% of a backlog's prompts became ``RetryBudgetExhausted`` error records;
+- a server that refused with ``Retry-After`` (a gateway's 429 ``overloaded``, a 503) is not sent the
+  retry before that time: when the retry can only go back to it (no other routable replica left
+  untried), the wait is the longer of its ``Retry-After`` and the backoff; when that wait would end past
+  the call's deadline, the call fails at once with the server's refusal instead of waiting for nothing
+  (and spends no retry token). A retry that can go to another replica goes after the usual backoff:
+  ``Retry-After`` speaks for the server that sent it.
 """
 
 from __future__ import annotations
@@ -24,7 +30,13 @@ from typing import TypeVar
 
 from llm_client.config import ClientConfig
 from llm_client.endpoints import Endpoint
-from llm_client.errors import DeadlineExceeded, InvalidAnswer, LLMError, RetryBudgetExhausted
+from llm_client.errors import (
+    DeadlineExceeded,
+    EndpointUnavailable,
+    InvalidAnswer,
+    LLMError,
+    RetryBudgetExhausted,
+)
 from llm_client.fleet import Fleet
 from llm_client.retry import RetryBudget, backoff_s
 from llm_client.routing import RouteRequest
@@ -45,16 +57,18 @@ class Calls:
         self.retries = 0
 
     @contextlib.asynccontextmanager
-    async def call(self, deadline_s: float | None, tried: list[str]) -> AsyncIterator[None]:
+    async def call(self, deadline_s: float | None, tried: list[str]) -> AsyncIterator[float]:
         """One call: the deadline over the whole block (the wait for a slot included: a caller's
         deadline holds however long the queue), the backpressure gate, the in-flight count, and the
-        attempt count (``len(tried)``) on whatever error leaves it."""
+        attempt count (``len(tried)``) on whatever error leaves it. Yields when the deadline falls
+        (event-loop time), for ``retried``."""
         deadline = deadline_s if deadline_s is not None else self.config.timeouts.deadline_s
+        expires_at = asyncio.get_running_loop().time() + deadline
         try:
             async with asyncio.timeout(deadline), self._gate:
                 self.in_flight += 1
                 try:
-                    yield
+                    yield expires_at
                 finally:
                     self.in_flight -= 1
         except TimeoutError:
@@ -70,21 +84,30 @@ class Calls:
         route: RouteRequest,
         tried: list[str],
         attempt: Callable[[Endpoint, int], Awaitable[T]],
+        expires_at: float | None = None,
     ) -> T:
         """Attempts in order, each ``attempt(endpoint, number)`` on the replica the policy picks;
         ``tried`` collects the replica of each (its length is the attempt count). A retryable error is
-        retried under the retry budget with backoff; any other is raised at once."""
+        retried under the retry budget with backoff (or the server's ``Retry-After``, within the
+        deadline ``expires_at``, event-loop time); any other is raised at once."""
         self._budget.on_request()
         last_error: LLMError | None = None
         for number in range(1, self.config.retry.max_attempts + 1):
             if isinstance(last_error, InvalidAnswer) and number > 2:
                 raise last_error
             if number > 1:
+                wait_s = backoff_s(number - 2, self.config.retry, self._rng)
+                told_s = self._retry_after(last_error, tried)
+                if told_s is not None and last_error is not None:
+                    left_s = None if expires_at is None else expires_at - asyncio.get_running_loop().time()
+                    if left_s is not None and told_s >= left_s:
+                        raise self._refused_past_deadline(last_error, told_s, left_s)
+                    wait_s = max(wait_s, told_s)
                 failover = isinstance(last_error, InvalidAnswer)  # away from a bad answer: see above
                 if not failover and not self._budget.try_spend():
                     raise RetryBudgetExhausted(f"retry budget exhausted after: {last_error}")
                 self.retries += 1
-                await asyncio.sleep(backoff_s(number - 2, self.config.retry, self._rng))
+                await asyncio.sleep(wait_s)
             if not any(e.routable for e in self.fleet.endpoints):
                 await self.fleet.wait_for_routable()
             endpoint = self.fleet.choose(route, tried)
@@ -97,3 +120,21 @@ class Calls:
                 last_error = exc
         assert last_error is not None
         raise last_error
+
+    def _retry_after(self, error: LLMError | None, tried: list[str]) -> float | None:
+        """The wait ``error``'s server asked for, when the retry can only go back to a server already
+        tried (no other routable replica is left untried); else None (the usual backoff)."""
+        told_s = error.retry_after_s if isinstance(error, EndpointUnavailable) else None
+        if told_s is None or any(e.routable and e.name not in tried for e in self.fleet.endpoints):
+            return None
+        return told_s
+
+    @staticmethod
+    def _refused_past_deadline(error: LLMError, told_s: float, left_s: float) -> EndpointUnavailable:
+        refused = EndpointUnavailable(
+            f"{error}; it asks for no retry before {told_s:g} s, past this call's deadline "
+            f"({max(left_s, 0.0):.3f} s left)",
+            retry_after_s=told_s,
+        )
+        refused.endpoint = error.endpoint
+        return refused

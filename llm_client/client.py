@@ -266,7 +266,7 @@ class LLMClient:
     ) -> Completion:
         """``headers``: extra request headers for the replica (or the gateway in front of it)."""
         tried: list[str] = []
-        async with self._calls.call(deadline_s, tried):
+        async with self._calls.call(deadline_s, tried) as expires_at:
 
             async def attempt(endpoint: Endpoint, number: int) -> Completion:
                 info = Attempt(endpoint.name, route.key, number)
@@ -283,7 +283,7 @@ class LLMClient:
                 self.hooks.finished(info, completion)
                 return completion
 
-            return await self._calls.retried(route, tried, attempt)
+            return await self._calls.retried(route, tried, attempt, expires_at)
 
     # ---- raw pass-through, for the routing gateway (gateway/) -----------------------------------
     @contextlib.asynccontextmanager
@@ -309,12 +309,12 @@ class LLMClient:
         the degradation detector (usage and first-byte time read in passing), one the caller left
         unread teaches nothing."""
         tried: list[str] = []
-        async with self._calls.call(deadline_s, tried):
+        async with self._calls.call(deadline_s, tried) as expires_at:
 
             async def attempt(endpoint: Endpoint, number: int) -> Forwarded:
                 return await self._handover.forwarded(endpoint, method, path, body, route, headers or {})
 
-            forwarded = await self._calls.retried(route, tried, attempt)
+            forwarded = await self._calls.retried(route, tried, attempt, expires_at)
             forwarded.attempts = len(tried)
             try:
                 yield forwarded

@@ -52,7 +52,17 @@ class TransportError(LLMError):
 
 
 class EndpointUnavailable(TransportError):
-    """Connection refused/reset, an answer cut off, or a 5xx/429 answer: try another replica."""
+    """Connection refused/reset, an answer cut off, or a 5xx/429 answer: try another replica.
+
+    ``retry_after_s``: how long the server asked not to be sent the request again (its ``Retry-After``,
+    on a 429 or 503; None when it said nothing). The client honours it when the retry would go back to
+    that server (``llm_client.calls``)."""
+
+    def __init__(
+        self, message: str, *, endpoint: str | None = None, retry_after_s: float | None = None
+    ) -> None:
+        super().__init__(message, endpoint=endpoint)
+        self.retry_after_s = retry_after_s
 
 
 class ConnectionFailed(EndpointUnavailable):
