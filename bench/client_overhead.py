@@ -7,6 +7,13 @@ Overhead = client latency percentile - bare latency percentile, measured in one 
 ``--interleave`` sends even requests bare and odd ones through the client within one open loop (each
 path at half the rate, both under the same total load and machine state), which takes the drift
 between rounds out of the comparison on a shared machine.
+
+``--cpu-rounds N`` measures CPU instead of latency: rounds of ``--cpu-calls`` calls from 16 callers in
+closed loop, alternating bare and client (ABBA), each round's CPU from this process's own counter
+(``time.process_time``); the client's cost is its CPU per call minus the bare path's in the same round
+pair. Writes bench/results/client_overhead_cpu.json. To compare another checkout's client, run this file
+with that checkout first on the import path (``cd /tmp/old && PYTHONPATH=. python
+/path/to/bench/client_overhead.py --cpu-rounds 6``).
 """
 
 from __future__ import annotations
@@ -14,13 +21,16 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import subprocess
 import sys
 import time
 from collections.abc import Awaitable, Callable
+from pathlib import Path
 
 import aiohttp
 
+import llm_client as llm_client_module
 from bench.common import machine, percentile, print_table, results_dir
 from devstack.processes import ManagedProcess, free_port, stop, wait_for_port
 from llm_client import ClientConfig, LLMClient
@@ -133,6 +143,50 @@ async def bench(
     return rows
 
 
+async def cpu_rounds(url: str, rounds: int, calls: int, callers: int = 16) -> list[dict[str, float]]:
+    """Per round pair: CPU microseconds per call of the bare path and of ``LLMClient.chat``."""
+    body = {"model": "m", "messages": MESSAGES, "max_tokens": 1, "stream": False}
+    config = ClientConfig(
+        endpoints=[url], stream=False, max_in_flight=4096, policy="least_outstanding", model="m"
+    )
+    async with (
+        aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as session,
+        LLMClient(config) as client,
+    ):
+
+        async def bare(i: int) -> None:
+            async with session.post(
+                url + "/v1/chat/completions", json=body, headers={"x-session-id": f"s{i}"}
+            ) as r:
+                json.loads(await r.read())
+
+        async def ours(i: int) -> None:
+            await client.chat(MESSAGES, routing_key=f"s{i % 500}", max_tokens=1)
+
+        async def closed(call: Callable[[int], Awaitable[None]]) -> float:
+            left = list(range(calls))
+
+            async def caller() -> None:
+                while left:
+                    await call(left.pop())
+
+            started = time.process_time()
+            await asyncio.gather(*(caller() for _ in range(callers)))
+            return (time.process_time() - started) / calls * 1e6
+
+        await closed(bare)
+        await closed(ours)
+        out = []
+        for r in range(rounds):
+            if r % 2 == 0:
+                bare_us, ours_us = await closed(bare), await closed(ours)
+            else:
+                ours_us, bare_us = await closed(ours), await closed(bare)
+            out.append({"bare_us": round(bare_us, 1), "client_us": round(ours_us, 1)})
+            print(f"round {r + 1}: bare {bare_us:.0f} us/call, LLMClient {ours_us:.0f} us/call", flush=True)
+    return out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--rate", type=float, default=2000)
@@ -143,7 +197,12 @@ def main() -> None:
         action="store_true",
         help="one open loop, requests alternating between the two paths (else alternating rounds)",
     )
+    parser.add_argument("--cpu-rounds", type=int, default=0, help="closed-loop CPU per call instead")
+    parser.add_argument("--cpu-calls", type=int, default=3000, help="calls per path per CPU round")
     args = parser.parse_args()
+    if args.cpu_rounds:
+        cpu_main(args.cpu_rounds, args.cpu_calls)
+        return
     port = free_port()
     proc = subprocess.Popen([sys.executable, "-c", SERVER, str(port)], start_new_session=True)
     server = ManagedProcess("echo", proc.pid, port, "-")
@@ -163,6 +222,40 @@ def main() -> None:
     out.mkdir(parents=True, exist_ok=True)
     (out / "client_overhead.json").write_text(
         json.dumps({"machine": machine(), "rate": args.rate, "interleave": args.interleave, "table": table})
+    )
+
+
+def cpu_main(rounds: int, calls: int) -> None:
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-c", SERVER, str(port)], start_new_session=True)
+    server = ManagedProcess("echo", proc.pid, port, "-")
+    load = os.getloadavg()[0]
+    try:
+        wait_for_port(server)
+        print(f"machine: {machine()}; closed loop, 16 callers, {calls} calls a round, load {load:.1f}")
+        result = asyncio.run(cpu_rounds(f"http://127.0.0.1:{port}", rounds, calls))
+    finally:
+        stop(server)
+    extra = [r["client_us"] - r["bare_us"] for r in result]
+    ordered = sorted(extra)
+    print(
+        f"LLMClient's own CPU per call (client - bare, each round): "
+        f"median {ordered[len(ordered) // 2]:.0f} us, "
+        f"range {ordered[0]:.0f}-{ordered[-1]:.0f} us"
+    )
+    out = results_dir()
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "client_overhead_cpu.json").write_text(
+        json.dumps(
+            {
+                "machine": machine(),
+                "load_average": [load, os.getloadavg()[0]],
+                "calls": calls,
+                "import_root": str(Path(llm_client_module.__file__).parent.parent),
+                "rounds": result,
+            },
+            indent=1,
+        )
     )
 
 

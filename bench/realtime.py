@@ -20,13 +20,21 @@ deadline from there (``--no-request-start``: from arrival, as a caller without i
 is read two ways: the service's own counter on ``/metrics`` (``realtime_process_cpu_seconds_total``
 over the requests it counted) and ``/proc`` for every process of the run.
 
-Prints tables and the machine; writes bench/results/realtime.json.
+Equal work (``--arm``, repeated): CPU per request where every request is answered by the model, for
+several services on one stack (another checkout's, or this one's with other settings), in rounds that
+alternate between them (A B, then B A, ...), closed loop of ``--concurrency`` callers with a loose
+deadline. The load average moves CPU per request by itself, so only the ratio within a round compares;
+``--profile-dir`` adds one py-spy round per service (on-CPU samples by package).
+
+Prints tables and the machine; writes bench/results/realtime.json (``--arm``: realtime_cpu.json).
 
 Usage:
   .venv/bin/python -m bench.realtime            # the documented run (about 2 minutes)
   .venv/bin/python -m bench.realtime --quick    # 10 s phases
   .venv/bin/python -m bench.realtime --service-root /tmp/old --out realtime_before  # an older service:
       # /tmp/old = this checkout with another commit's realtime/ (docs/realtime.md shows the commands)
+  .venv/bin/python -m bench.realtime --arm before=/tmp/old --arm after=. --rounds 6  # CPU at equal work
+  .venv/bin/python -m bench.realtime --arm asyncio=.,REALTIME_EVENT_LOOP=asyncio --arm uvloop=.
 """
 
 from __future__ import annotations
@@ -270,14 +278,21 @@ def summarise(name: str, rate: float, samples: list[Sample]) -> dict[str, Any]:
 
 
 async def _start_service(
-    stack_dir: Path, prefix: str, replicas: int, per_replica: int, root: Path = REPO
+    stack_dir: Path,
+    prefix: str,
+    replicas: int,
+    per_replica: int,
+    root: Path = REPO,
+    extra_env: dict[str, str] | None = None,
 ) -> tuple[Any, str]:
-    """``shopper realtime serve`` from the checkout at ``root`` (another commit's, to compare)."""
+    """``shopper realtime serve`` from the checkout at ``root`` (another commit's, to compare), with
+    ``extra_env`` (``REALTIME_*`` settings) on top of the bench's own."""
     env = {
         **os.environ,
         "PYTHONPATH": str(root),
         "SINK_REDIS_KEY_PREFIX": prefix,
         "REALTIME_LLM_CONCURRENCY_PER_REPLICA": str(per_replica),
+        **(extra_env or {}),
     }
     argv = [
         sys.executable, "-m", "shopper", "realtime", "serve", "--port", "0", "--replicas", str(replicas),
@@ -397,6 +412,245 @@ async def bench(args: argparse.Namespace) -> dict[str, Any]:
     }
 
 
+@dataclass(frozen=True)
+class Arm:
+    """One service of an equal-work comparison: ``LABEL=ROOT[,VAR=VALUE...]`` on the command line."""
+
+    label: str
+    root: Path
+    env: dict[str, str]
+
+    @classmethod
+    def parse(cls, text: str) -> Arm:
+        label, _, rest = text.partition("=")
+        root, *settings = rest.split(",")
+        if not label or not root or any("=" not in v for v in settings):
+            raise argparse.ArgumentTypeError(f"--arm takes LABEL=ROOT[,VAR=VALUE...], not {text!r}")
+        return cls(label, Path(root).resolve(), dict(v.split("=", 1) for v in settings))
+
+
+async def closed_loop(
+    url: str, requests: int, concurrency: int, deadline_ms: int, products: list[str], shoppers: int, seed: int
+) -> list[Sample]:
+    """``requests`` requests from ``concurrency`` callers, each sending its next as soon as it has its
+    answer: the same work for every service compared, whatever the machine's load does to the rate."""
+    rng = random.Random(seed)
+    loop = asyncio.get_running_loop()
+    bodies = [_body(rng, products, shoppers, deadline_ms) for _ in range(requests)]
+    samples: list[Sample] = []
+    headers = {"Content-Type": "application/json"}
+    timeout = aiohttp.ClientTimeout(total=deadline_ms / 1000 + 2.0)
+    connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=60)
+    async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
+
+        async def caller() -> None:
+            while bodies:
+                body = bodies.pop()
+                sent = loop.time()
+                status, reason, llm_ms, elapsed = 0, None, None, None
+                try:
+                    async with session.post(url + "/v1/match", data=body, headers=headers) as r:
+                        raw = await r.read()
+                        status = r.status
+                    if status == 200:
+                        answer = orjson.loads(raw)
+                        reason, llm_ms, elapsed = (
+                            answer["degraded_reason"],
+                            answer["llm_ms"],
+                            answer["elapsed_ms"],
+                        )
+                except (aiohttp.ClientError, TimeoutError):
+                    status = -1
+                latency = (loop.time() - sent) * 1000
+                samples.append(Sample(sent, 0.0, latency, status, reason, llm_ms, deadline_ms, elapsed))
+
+        await asyncio.gather(*(caller() for _ in range(concurrency)))
+    return samples
+
+
+PROFILE_PACKAGES: list[tuple[str, tuple[str, ...]]] = [
+    ("realtime/ (this service)", ("(realtime/", "(prompt_assembly/")),
+    ("llm_client/", ("(llm_client/",)),
+    ("aiohttp (server and client)", ("(aiohttp/", "(multidict/", "(yarl/")),
+    ("redis client", ("(redis/",)),
+    ("pydantic (request validation)", ("(pydantic/", "(pydantic_core/")),
+    ("prometheus_client", ("(prometheus_client/",)),
+    ("event loop (asyncio, uvloop)", ("(asyncio/", "(uvloop/", "(selectors.py")),
+]
+"""A py-spy sample is counted for the innermost frame whose file is in one of these (its own time, by
+package); a sample in none of them (the standard library's other modules, the interpreter) is 'other'."""
+
+
+def summarise_collapsed(path: Path) -> dict[str, float]:
+    """Shares of on-CPU samples by package, from py-spy's ``raw`` (collapsed stacks) output (empty when
+    py-spy wrote nothing: it could not attach)."""
+    counts: Counter[str] = Counter()
+    for line in path.read_text().splitlines() if path.exists() else []:
+        stack, _, n = line.rpartition(" ")
+        if not stack or not n.isdigit():
+            continue
+        part = "other"
+        for frame in reversed(stack.split(";")):
+            found = next((name for name, marks in PROFILE_PACKAGES if any(m in frame for m in marks)), None)
+            if found is not None:
+                part = found
+                break
+        counts[part] += int(n)
+    total = sum(counts.values()) or 1
+    return {part: round(n / total, 3) for part, n in counts.most_common()}
+
+
+async def _profiled_round(pid: int, out: Path, round_: Any) -> tuple[list[Sample], dict[str, float]]:
+    """One round with py-spy sampling the service: on-CPU samples only, each taken with the process
+    paused (consistent stacks; the round runs slower, which is why it is not one of the timed ones)."""
+    py_spy = Path(sys.executable).parent / "py-spy"
+    argv = [str(py_spy), "record", "--pid", str(pid), "-r", "250", "-f", "raw", "-o", str(out)]
+    spy = await asyncio.create_subprocess_exec(
+        *argv, stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.DEVNULL
+    )
+    await asyncio.sleep(1.0)  # attached
+    samples = await round_()
+    spy.send_signal(2)  # SIGINT: py-spy writes its file and exits
+    await asyncio.wait_for(spy.wait(), 30)
+    return samples, summarise_collapsed(out)
+
+
+def _round_summary(samples: list[Sample], cpu_ms: float | None) -> dict[str, Any]:
+    ok = [s for s in samples if s.status == 200]
+    by_model = [s for s in ok if s.degraded_reason is None and s.llm_ms is not None]
+    overhead = [s.latency_ms - (s.llm_ms or 0.0) for s in by_model]
+    return {
+        "requests": len(samples),
+        "errors": len(samples) - len(ok),
+        "answered_by_model": len(by_model),
+        "service_cpu_ms_per_request": cpu_ms,
+        "overhead_p50_ms": round(percentile(overhead, 0.5), 2) if overhead else None,
+        "overhead_p99_ms": round(percentile(overhead, 0.99), 2) if overhead else None,
+        "load_average": round(os.getloadavg()[0], 2),
+    }
+
+
+async def equal_work(args: argparse.Namespace) -> dict[str, Any]:
+    """Every ``--arm``'s service on one stack; rounds alternate between them (ABBA order), each the same
+    closed-loop work, and CPU per request comes from each service's own counter."""
+    arms: list[Arm] = args.arm
+    prefix = f"bench-rt-{int(time.time())}:"
+    load_before = os.getloadavg()
+    rounds: list[dict[str, Any]] = []
+    profiles: dict[str, dict[str, float]] = {}
+    with temporary_stack(replicas=args.replicas, time_scale=args.time_scale) as stack:
+        stack_dir = Path(stack.processes[0].log).parent.parent
+        products = await _write_signals(stack, prefix, args.shoppers)
+        services: dict[str, tuple[Any, str]] = {}
+        drains = []
+        try:
+            for arm in arms:
+                services[arm.label] = await _start_service(
+                    stack_dir, prefix, args.replicas, args.per_replica, arm.root, arm.env
+                )
+                drains.append(asyncio.create_task(_drain(services[arm.label][0].stdout)))
+            slowdown = await _calibrate(
+                services[arms[0].label][1], stack, args.llm_ms, products, args.shoppers
+            )
+            print(f"replica slowdown {slowdown:.3f} for ~{args.llm_ms:.0f} ms ranking calls", flush=True)
+            deadline_ms = 3000  # every request waits for the model: equal work
+
+            def work(url: str, seed: int) -> Any:
+                return lambda: closed_loop(
+                    url, args.round_requests, args.concurrency, deadline_ms, products, args.shoppers, seed
+                )
+
+            for arm in arms:  # warm-up: connections, caches, the model-time window
+                await work(services[arm.label][1], 0)()
+            for r in range(args.rounds):
+                order = arms if r % 2 == 0 else arms[::-1]
+                row: dict[str, Any] = {"round": r + 1}
+                for arm in order:
+                    _, url = services[arm.label]
+                    before = await _service_counters(url)
+                    samples = await work(url, r + 1)()
+                    row[arm.label] = _round_summary(
+                        samples, _service_cpu_ms(before, await _service_counters(url))
+                    )
+                rounds.append(row)
+                print(
+                    f"round {r + 1}: "
+                    + ", ".join(f"{a.label} {row[a.label]['service_cpu_ms_per_request']} ms" for a in arms),
+                    flush=True,
+                )
+            if args.profile_dir is not None:  # after the timed rounds: profiling never disturbs them
+                args.profile_dir.mkdir(parents=True, exist_ok=True)
+                for arm in arms:
+                    process, url = services[arm.label]
+                    out = args.profile_dir / f"realtime-{arm.label}.collapsed.txt"
+                    _, profiles[arm.label] = await _profiled_round(process.pid, out, work(url, 99))
+                    print(f"profiled {arm.label} -> {out}: {profiles[arm.label]}", flush=True)
+        finally:
+            for process, _ in services.values():
+                process.terminate()
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(process.wait(), 10)
+            for drain in drains:
+                drain.cancel()
+    first = arms[0].label
+    summary = {}
+    for arm in arms:
+        cpu = [row[arm.label]["service_cpu_ms_per_request"] for row in rounds]
+        ratios = [
+            row[arm.label]["service_cpu_ms_per_request"] / row[first]["service_cpu_ms_per_request"]
+            for row in rounds
+        ]
+        summary[arm.label] = {
+            "root": str(arm.root),
+            "env": arm.env,
+            "cpu_ms_median": round(statistics.median(cpu), 3),
+            "ratio_to_first_median": round(statistics.median(ratios), 3),
+            "ratio_to_first_range": [round(min(ratios), 3), round(max(ratios), 3)],
+            "overhead_p50_ms_median": statistics.median(row[arm.label]["overhead_p50_ms"] for row in rounds),
+            "overhead_p99_ms_median": statistics.median(row[arm.label]["overhead_p99_ms"] for row in rounds),
+        }
+    return {
+        "machine": machine(),
+        "load_average_before": [round(x, 2) for x in load_before],
+        "load_average_after": [round(x, 2) for x in os.getloadavg()],
+        "replicas": args.replicas,
+        "time_scale": args.time_scale,
+        "concurrency": args.concurrency,
+        "round_requests": args.round_requests,
+        "arms": summary,
+        "rounds": rounds,
+        "profiles": profiles,
+    }
+
+
+def report_equal_work(result: dict[str, Any]) -> None:
+    loads = f"{result['load_average_before']} -> {result['load_average_after']}"
+    print(f"\nmachine: {result['machine']}; load average {loads}")
+    print(
+        f"equal work: {result['round_requests']} requests a round from {result['concurrency']} callers, "
+        "every one answered by the model\n"
+    )
+    labels = list(result["arms"])
+    print_table(
+        ["round", "load", *(f"{a} CPU ms/req" for a in labels), *(f"{a} / {labels[0]}" for a in labels[1:])],
+        [
+            [row["round"], row[labels[0]]["load_average"],
+             *(row[a]["service_cpu_ms_per_request"] for a in labels),
+             *(round(row[a]["service_cpu_ms_per_request"] / row[labels[0]]["service_cpu_ms_per_request"], 3)
+               for a in labels[1:])]
+            for row in result["rounds"]
+        ],
+    )  # fmt: skip
+    for label, arm in result["arms"].items():
+        print(
+            f"  {label}: CPU median {arm['cpu_ms_median']} ms/req, ratio to {labels[0]} "
+            f"{arm['ratio_to_first_median']} (rounds {arm['ratio_to_first_range']}); overhead p50/p99 "
+            f"{arm['overhead_p50_ms_median']} / {arm['overhead_p99_ms_median']} ms"
+        )
+    for label, shares in result["profiles"].items():
+        print(f"  profile {label}: " + ", ".join(f"{k} {v:.0%}" for k, v in shares.items()))
+
+
 async def _drain(stream: asyncio.StreamReader | None) -> None:
     while stream is not None and await stream.readline():
         pass
@@ -457,13 +711,33 @@ def main() -> None:
         default=REPO,
         help="run the service from this checkout (e.g. a git worktree of an older commit, to compare)",
     )
+    parser.add_argument(
+        "--arm",
+        type=Arm.parse,
+        action="append",
+        help="LABEL=ROOT[,VAR=VALUE...]: a service to compare at equal work (repeat; the first is the "
+        "reference of the ratios)",
+    )
+    parser.add_argument("--rounds", type=int, default=4, help="equal work: rounds per service")
+    parser.add_argument("--round-requests", type=int, default=1500, help="equal work: requests a round")
+    parser.add_argument("--concurrency", type=int, default=32, help="equal work: callers")
+    parser.add_argument(
+        "--profile-dir", type=Path, default=None, help="equal work: py-spy one more round of each service"
+    )
     parser.add_argument("--quick", action="store_true")
-    parser.add_argument("--out", default="realtime")
+    parser.add_argument(
+        "--out", default=None, help="results name (default realtime, realtime_cpu with --arm)"
+    )
     args = parser.parse_args()
     if args.quick:
         args.seconds, args.overload_seconds = 10.0, 10.0
-    result = asyncio.run(bench(args))
-    report(result)
+    if args.arm:
+        result = asyncio.run(equal_work(args))
+        report_equal_work(result)
+    else:
+        result = asyncio.run(bench(args))
+        report(result)
+    args.out = args.out or ("realtime_cpu" if args.arm else "realtime")
     RESULTS.mkdir(parents=True, exist_ok=True)
     (RESULTS / f"{args.out}.json").write_text(json.dumps(result, indent=1))
     print(f"\nwrote {RESULTS / args.out}.json")
