@@ -8,10 +8,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import json
 import signal
+from collections.abc import Coroutine
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Any
 
 import typer
 
@@ -67,7 +69,21 @@ def serve_cmd(
         capacity = CapacitySettings()
         config["capacity"] = {"pool": shift_capacity, **capacity.model_dump()}
     print(redacted_config_dump(config), flush=True)  # secrets masked (pipeline.redaction)
-    asyncio.run(_serve(settings, llm, sinks, shift_capacity, capacity))
+    run_event_loop(_serve(settings, llm, sinks, shift_capacity, capacity), settings.event_loop)
+
+
+def run_event_loop(main: Coroutine[Any, Any, None], kind: str) -> None:
+    """``asyncio.run(main)`` on the loop ``kind`` names: ``uvloop`` where it is installed (it is a
+    dependency except on Windows, where it does not exist), else the standard library's."""
+    if kind == "uvloop":
+        try:
+            import uvloop
+        except ImportError:
+            print("uvloop is not installed: serving on the standard asyncio loop", flush=True)
+        else:
+            uvloop.run(main)
+            return
+    asyncio.run(main)
 
 
 async def _serve(
@@ -88,6 +104,11 @@ async def _serve(
     site = web.TCPSite(runner, settings.host, settings.port)  # type: ignore[attr-defined]
     await site.start()
     port = next(a[1] for a in runner.addresses if isinstance(a, tuple))
+    # Everything built so far (modules, settings, the app) lives as long as the process: frozen out of
+    # the collector, a full collection no longer walks it (the collector was ~6% of the CPU under load).
+    gc.collect()
+    gc.freeze()
+    print(f"event loop: {type(asyncio.get_running_loop()).__module__}", flush=True)
     print(f"READY http://{settings.host}:{port}", flush=True)  # type: ignore[attr-defined]
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()

@@ -30,6 +30,11 @@ class RealtimeSettings(BaseSettings):
         24, ge=1, description="calls in flight per routable replica; beyond it requests are answered degraded"
     )
     reason_max_chars: int = Field(80, ge=10)
+    event_loop: Literal["uvloop", "asyncio"] = Field(
+        "uvloop",
+        description="uvloop (libuv, in C) or the standard library's loop: same behaviour, and uvloop cut "
+        "the service's CPU per request (docs/realtime.md)",
+    )
 
     # Security (docs/security.md). Every guard is off or generous by default so a local stack just works.
     api_keys: list[SecretStr] = Field(
