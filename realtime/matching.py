@@ -99,6 +99,10 @@ class MatchService:
         self.admission = DeadlineAdmission(self.settings.answer_reserve_ms / 1000)
         self.model_time = RecentQuantile(MODEL_FLOOR_QUANTILE, initial_s=_MIN_MODEL_S)
         """How fast the model answers when it does: less time left than this, and it is not asked."""
+        self.asking = 0
+        """Model calls in flight from this service; ``/metrics`` reads it at scrape time (a gauge
+        updated per call took a lock twice a request for a number nobody reads between scrapes)."""
+        self.metrics.llm_in_flight.set_function(lambda: self.asking)
 
     def deadline_ms(self, body: object) -> int:
         """The request's deadline before validation (the admission decision comes first): its
@@ -194,7 +198,7 @@ class MatchService:
     ) -> tuple[list[Ranked], DegradedReason | None, str | None]:
         s = self.settings
         messages = ranking_messages(shopper, request.query, request.candidates, products, s.llm_top_k)
-        self.metrics.llm_in_flight.inc()
+        self.asking += 1
         try:
             completion = await self.llm.chat(
                 messages,
@@ -212,7 +216,7 @@ class MatchService:
         except LLMError:
             return fallback, "llm_error", None
         finally:
-            self.metrics.llm_in_flight.dec()
+            self.asking -= 1
         try:
             return parse_ranking(completion.text, fallback, s.reason_max_chars), None, completion.model
         except InvalidAnswer:

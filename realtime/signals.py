@@ -6,6 +6,7 @@ from typing import Literal
 
 import orjson
 import redis.asyncio as aioredis
+from redis.exceptions import NoScriptError
 
 from realtime.models import MatchRequest
 from realtime.ranking import ProductProfile, ShopperProfile
@@ -41,8 +42,8 @@ class SignalReader:
         self.mode = mode
         self._script = redis.register_script(_READ_SIGNALS)
         # The script's arguments are the same for every request: built once.
-        self._args: list[str | int] = [
-            len(ShopperProfile.FIELDS),
+        self._args: list[str] = [
+            str(len(ShopperProfile.FIELDS)),
             *ShopperProfile.FIELDS,
             *ProductProfile.FIELDS,
         ]
@@ -56,7 +57,11 @@ class SignalReader:
             *(product_key(c.product_id) for c in request.candidates),
         ]
         if self.mode == "script":
-            replies = orjson.loads(await self._script(keys=keys, args=self._args))
+            try:  # EVALSHA straight away (the script object re-checks its client and copies the args)
+                raw = await self.redis.evalsha(self._script.sha, len(keys), *keys, *self._args)  # type: ignore[misc]
+            except NoScriptError:  # a restarted or flushed Redis: the script object loads it again
+                raw = await self._script(keys=keys, args=self._args)
+            replies = orjson.loads(raw)
         else:
             pipe = self.redis.pipeline(transaction=False)
             pipe.hmget(keys[0], self._shopper_fields)
