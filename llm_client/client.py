@@ -269,18 +269,22 @@ class LLMClient:
         async with self._calls.call(deadline_s, tried) as expires_at:
 
             async def attempt(endpoint: Endpoint, number: int) -> Completion:
-                info = Attempt(endpoint.name, route.key, number)
-                self.hooks.started(info)
+                # No hook registered (the real-time path): no record to build for nobody.
+                info = Attempt(endpoint.name, route.key, number) if self.hooks.any else None
+                if info is not None:
+                    self.hooks.started(info)
                 try:
                     completion = await self._handover.completion(
                         endpoint, path, body, route, validate, headers
                     )
                 except LLMError as exc:
-                    self.hooks.failed(info, exc)
+                    if info is not None:
+                        self.hooks.failed(info, exc)
                     raise
                 if completion.attempts != number:
                     completion = replace(completion, attempts=number)
-                self.hooks.finished(info, completion)
+                if info is not None:
+                    self.hooks.finished(info, completion)
                 return completion
 
             return await self._calls.retried(route, tried, attempt, expires_at)

@@ -39,6 +39,10 @@ class Exchange:
         self.fleet = fleet
         self._session = session
         self.prober = prober
+        # The same for every attempt (the settings do not change while the client runs): built once.
+        self._timeout = aiohttp.ClientTimeout(
+            total=config.timeouts.attempt_s, sock_connect=config.timeouts.connect_s
+        )
 
     async def completion(
         self,
@@ -67,9 +71,6 @@ class Exchange:
         endpoint.outstanding_prefill_tokens += uncached
         endpoint.outstanding_decode_tokens += route.max_tokens
         started = time.perf_counter()
-        timeout = aiohttp.ClientTimeout(
-            total=self.config.timeouts.attempt_s, sock_connect=self.config.timeouts.connect_s
-        )
         sent = {**(headers or {}), "x-session-id": header_value(route.key)}
         sent["Content-Type"] = "application/json"
         limits = self.config.answer_limits
@@ -77,7 +78,7 @@ class Exchange:
             with mapped_transport_errors(endpoint.name, self.config.timeouts.attempt_s):
                 # bytes straight from orjson: ``json=`` would decode them to str and aiohttp encode them
                 async with session.post(
-                    endpoint.url + path, data=orjson.dumps(body), headers=sent, timeout=timeout
+                    endpoint.url + path, data=orjson.dumps(body), headers=sent, timeout=self._timeout
                 ) as response:
                     if response.status >= 400:
                         await raise_for_status(response, endpoint)

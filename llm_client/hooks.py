@@ -36,6 +36,11 @@ class ClientHooks:
     """Every failed attempt, retried or not (``error.retryable`` says whether a retry may follow)."""
     attempt_finished: list[Callable[[Attempt, Completion], None]] = field(default_factory=list)
 
+    @property
+    def any(self) -> bool:
+        """Whether any hook is registered (the client skips building ``Attempt`` records otherwise)."""
+        return bool(self.attempt_started or self.attempt_failed or self.attempt_finished)
+
     def started(self, attempt: Attempt) -> None:
         for hook in self.attempt_started:
             _call(hook, attempt)
