@@ -26,7 +26,7 @@ from devstack.processes import alive
 from devstack.stack import StackState
 from devstack.synthetic import SyntheticStream
 from pipeline.dead_letter import DeadLetter
-from shopper.readback import list_s3_records
+from shopper.readback import list_s3_records, read_topic
 from tests.conftest import Isolated
 from tests.flink_kit import (
     cluster_job_settings,
@@ -98,7 +98,15 @@ def _check_results(
     ``read_committed`` readers, after a crash), the insights topic must hold every prompt and nothing
     else, copies allowed."""
     expected = expected_prompts([(k or b"", v, True) for k, v in records if v is not None])
-    insights = request_ids(read_all(stack.kafka_bootstrap, insights_topic, expect=len(expected)))
+    # A broker that serves aborted transactions to read_committed readers (Tansu) gives them nothing
+    # that read_uncommitted does not, but it holds their end at the first record of a transaction
+    # still open, until a producer with the same transactional id fences it (tried against Tansu
+    # 0.6.0). A transaction that the restarted sink leaves unfenced after a TaskManager kill then
+    # stalls the reader: one run here read 48 of 71 records, a partition never at its end in 120 s.
+    # On such a broker, read the topic as it is served, to its high watermark.
+    insights = request_ids(
+        read_topic(stack.kafka_bootstrap, insights_topic, expect=len(expected), read_committed=exactly_once)
+    )
     if exactly_once:
         assert sorted(insights) == sorted(expected), "insights topic: not exactly one record per prompt"
     else:
