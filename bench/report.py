@@ -630,6 +630,43 @@ def realtime_pairs(paths: Sequence[Path]) -> str:
     return "\n".join(lines)
 
 
+def realtime_cpu(paths: Sequence[Path]) -> str:
+    """``python -m bench.realtime --arm ...``: each service's CPU per request at equal work, and its
+    ratio to the first service's in the same round (the only comparison the load average leaves)."""
+    payload = json.loads(paths[0].read_text())
+    arms = payload["arms"]
+    first = next(iter(arms))
+    lines = [
+        f"| service | CPU ms/request (median of {len(payload['rounds'])} rounds) | ratio to {first}: median "
+        "(rounds' range) | overhead p50 / p99 ms |",
+        "|---|---|---|---|",
+    ]
+    for label, arm in arms.items():
+        low, high = arm["ratio_to_first_range"]
+        ratio = "1" if label == first else f"**{arm['ratio_to_first_median']:.2f}** ({low:.2f}-{high:.2f})"
+        lines.append(
+            f"| {label} | {arm['cpu_ms_median']:.2f} | {ratio} | {_ms(arm['overhead_p50_ms_median'])} / "
+            f"{_ms(arm['overhead_p99_ms_median'])} |"
+        )
+    loads = [payload["load_average_before"][0], payload["load_average_after"][0]]
+    lines += ["", f"Load average {min(loads):.1f}-{max(loads):.1f}; {payload['machine']}."]
+    return "\n".join(lines)
+
+
+def realtime_profile(paths: Sequence[Path]) -> str:
+    """The py-spy round of ``bench.realtime --arm ... --profile-dir``: where each service's on-CPU
+    samples are, by package (the innermost frame in a known package)."""
+    profiles = json.loads(paths[0].read_text())["profiles"]
+    labels = list(profiles)
+    parts = sorted(
+        {p for shares in profiles.values() for p in shares}, key=lambda p: -profiles[labels[-1]].get(p, 0)
+    )
+    lines = ["| where the CPU goes | " + " | ".join(labels) + " |", "|---" * (len(labels) + 1) + "|"]
+    for part in parts:
+        lines.append(f"| {part} | " + " | ".join(f"{profiles[a].get(part, 0):.0%}" for a in labels) + " |")
+    return "\n".join(lines)
+
+
 def capacity_splits(paths: Sequence[Path]) -> str:
     """``python -m bench.capacity`` and its ``--static`` runs: the same compressed day per split."""
     lines = [
@@ -695,6 +732,8 @@ RENDERERS: dict[str, Callable[[Sequence[Path]], str]] = {
     "regions_lost": regions_lost,
     "batch_runs": batch_runs,
     "realtime_pairs": realtime_pairs,
+    "realtime_cpu": realtime_cpu,
+    "realtime_profile": realtime_profile,
     "capacity_splits": capacity_splits,
     "fidelity": fidelity,
 }
