@@ -111,6 +111,10 @@ class Stored:
     completion_tokens: int = 0
     enricher_ms: float = 0.0
     """Admission wait + the model's latency (``ShopperInsight``): from the enricher's start."""
+    admission_wait_ms: float = 0.0
+    ttft_ms: float = 0.0
+    """Request sent -> first token: the wait at the replica (KV memory, a batch slot) and the prefill."""
+    latency_ms: float = 0.0
 
 
 class RecordingFlight(PromptFlight):
@@ -142,6 +146,9 @@ class RecordingFlight(PromptFlight):
             stored.cached_tokens = result.usage.cached_tokens
             stored.completion_tokens = result.usage.completion_tokens
             stored.enricher_ms = result.admission_wait_ms + result.latency_ms
+            stored.admission_wait_ms = result.admission_wait_ms
+            stored.ttft_ms = result.ttft_ms
+            stored.latency_ms = result.latency_ms
         elif isinstance(result, Superseded):
             stored.cause = result.cause
             stored.cancelled_in_flight = result.cancelled_in_flight
@@ -375,6 +382,43 @@ def sampled_ages(run: Run, samples: int, rng: random.Random) -> list[float]:
     return ages
 
 
+STAGES = ("to_runner", "gate", "replica_ttft", "decode", "to_redis")
+"""Where a landed insight's freshness (due -> Redis write) goes: due -> the runner hands the prompt to
+the enricher (consumer lag, session step), the wait at the admission gate, request sent -> first token
+(the wait at the replica for KV memory or a batch slot, and the prefill), first -> last token (decode),
+answer -> stored (the answer ledger, the sinks)."""
+
+
+def where_time_goes(run: Run) -> dict[str, dict[str, dict[str, float | None]]]:
+    """Per stage (``STAGES``), p50 / p99 / mean seconds over the landed insights, for purchase and cart
+    together and for browse pauses."""
+    stages: dict[str, dict[str, list[float]]] = {
+        group: {stage: [] for stage in STAGES} for group in ("purchase_cart", "browse_pause")
+    }
+    for rid, stored in run.stored.items():
+        if stored.kind != "insight":
+            continue
+        launched = run.launched[rid]
+        group = stages["browse_pause" if launched.reason == "browse_pause" else "purchase_cart"]
+        answered_at = launched.launched_at + stored.enricher_ms / 1000
+        group["to_runner"].append(launched.launched_at - launched.trigger_at)
+        group["gate"].append(stored.admission_wait_ms / 1000)
+        group["replica_ttft"].append(stored.ttft_ms / 1000)
+        group["decode"].append(max(0.0, stored.latency_ms - stored.ttft_ms) / 1000)
+        group["to_redis"].append(stored.stored_at - answered_at)
+    return {
+        group: {
+            stage: {
+                "p50": _p(values, 0.5),
+                "p99": _p(values, 0.99),
+                "mean": round(statistics.fmean(values), 2) if values else None,
+            }
+            for stage, values in by_stage.items()
+        }
+        for group, by_stage in stages.items()
+    }
+
+
 def summarise(run: Run, age_samples: int, capacity_prompts_s: float | None) -> dict[str, Any]:
     end = run.started + run.seconds
     third = run.seconds / 3
@@ -402,6 +446,7 @@ def summarise(run: Run, age_samples: int, capacity_prompts_s: float | None) -> d
         decode += max(0, stored.completion_tokens - 1)  # the first token comes out of the prefill pass
     acct = run.accounting
     insights = max(1, acct["insights"])
+    where = where_time_goes(run)
     computed = run.engine.get("prefill_tokens_computed", 0) + run.engine.get("decode_tokens", 0)
     wasted = max(0.0, computed - prefill - decode)
     superseded = [s for s in run.stored.values() if s.kind == "superseded"]
@@ -423,6 +468,11 @@ def summarise(run: Run, age_samples: int, capacity_prompts_s: float | None) -> d
             "queued": sum(1 for s in superseded if s.cause == "newer_prompt" and not s.cancelled_in_flight),
             "cancelled_in_flight": sum(1 for s in superseded if s.cancelled_in_flight),
             "stale": sum(1 for s in superseded if s.cause == "stale"),
+            "stale_purchase_cart": sum(
+                1
+                for rid, s in run.stored.items()
+                if s.cause == "stale" and run.launched[rid].reason != "browse_pause"
+            ),
         },
         "freshness_s": {
             "landed": len(fresh),
@@ -462,6 +512,7 @@ def summarise(run: Run, age_samples: int, capacity_prompts_s: float | None) -> d
             else 0.0,
             "aborted_requests": run.engine.get("aborted", 0),
         },
+        "where_time_goes_s": where,
         "drain_s": round(run.drain_s, 1),
         "runner_paused_times": run.paused_times,
         "load_average": run.load_average,
@@ -497,6 +548,26 @@ def capacity_from(run: Run) -> dict[str, Any]:
     }
 
 
+def arm_settings(arm: str) -> OverloadSettings:
+    """An arm is a policy, optionally with settings changed: ``POLICY/KEY=VALUE/...``, a KEY being an
+    ``OverloadSettings`` field or a nested one (``adaptive.enabled=false``), a VALUE JSON or a string
+    (``latest_wins_priority/max_in_flight=192``, ``latest_wins_priority/cancel_in_flight=false``)."""
+    policy, *changes = arm.split("/")
+    data: dict[str, Any] = {"policy": policy}
+    for change in changes:
+        key, _, text = change.partition("=")
+        try:
+            value = json.loads(text)
+        except json.JSONDecodeError:
+            value = text
+        *outer, last = key.split(".")
+        target = data
+        for name in outer:
+            target = target.setdefault(name, {})
+        target[last] = value
+    return OverloadSettings.model_validate(data)
+
+
 # ---- the report ----------------------------------------------------------------------------------------
 def _s(value: float | None) -> str:
     return "-" if value is None else f"{value:.1f}"
@@ -518,7 +589,8 @@ def tables(rows: list[dict[str, Any]]) -> str:
                 _rate_cell(r),
                 r["accounting"]["prompts"],
                 r["accounting"]["insights"],
-                f"{s['queued']} / {s['cancelled_in_flight']} / {s['stale']}",
+                f"{s['queued']} / {s['cancelled_in_flight']} / {s['stale']}"
+                + (f" ({s['stale_purchase_cart']})" if s.get("stale_purchase_cart") else ""),
                 r["accounting"]["errors"],
                 r["accounting"]["prompts_unaccounted"],
                 f"{_s(f['p50'])} / {_s(f['p99'])}",
@@ -536,7 +608,7 @@ def tables(rows: list[dict[str, Any]]) -> str:
             "rate (events/s; load)",
             "prompts",
             "insights",
-            "superseded queued / cancelled / stale",
+            "superseded queued / cancelled / stale (of them purchase+cart)",
             "errors",
             "unaccounted",
             "freshness p50 / p99 s",
@@ -573,7 +645,23 @@ def tables(rows: list[dict[str, Any]]) -> str:
         ],
         kinds,
     )
-    return f"{first}\n\n{second}"
+    where_rows = []
+    for r in rows:
+        for group, by_stage in r.get("where_time_goes_s", {}).items():
+            if by_stage["gate"]["p50"] is None:
+                continue
+            where_rows.append(
+                [r["arm"], f"{r['multiple']:g}x", {"purchase_cart": "purchase+cart"}.get(group, group)]
+                + [f"{_s(by_stage[st]['mean'])} / {_s(by_stage[st]['p99'])}" for st in STAGES]
+            )
+    third = (
+        print_table(
+            ["arm", "rate", "trigger", *(f"{st.replace('_', ' ')} mean / p99 s" for st in STAGES)], where_rows
+        )
+        if where_rows
+        else ""
+    )
+    return f"{first}\n\n{second}" + (f"\n\n{third}" if third else "")
 
 
 def targets(rows: list[dict[str, Any]], target_s: float) -> list[str]:
@@ -619,7 +707,9 @@ def targets(rows: list[dict[str, Any]], target_s: float) -> list[str]:
 
 
 async def bench(args: argparse.Namespace) -> dict[str, Any]:
-    arms = [OverloadSettings(policy=a).policy for a in args.arms.split(",")]
+    arms = args.arms.split(",")
+    for arm in arms:
+        arm_settings(arm)  # a typo fails before the stack starts
     multiples = [float(m) for m in args.rates.split(",")]
     print(f"machine: {machine()}; load average {os.getloadavg()[0]:.2f}", flush=True)
     with temporary_stack(replicas=args.replicas, time_scale=1.0) as state:
@@ -657,7 +747,7 @@ async def bench(args: argparse.Namespace) -> dict[str, Any]:
                     f"run {label}: {rate:.1f} events/s of {shoppers} shoppers for {args.seconds:g} s",
                     flush=True,
                 )
-                policy = OverloadSettings(policy=arm)
+                policy = arm_settings(arm)
                 if args.per_replica_in_flight is not None:
                     policy.per_replica_in_flight = args.per_replica_in_flight
                 run = await run_once(
@@ -670,11 +760,11 @@ async def bench(args: argparse.Namespace) -> dict[str, Any]:
                     grace_s=args.grace,
                     label=label,
                     consume_all_s=args.consume_all,
-                    max_in_flight_prompts=None if arm == "fifo" else args.max_in_flight_prompts,
+                    max_in_flight_prompts=None if policy.policy == "fifo" else args.max_in_flight_prompts,
                 )
                 if args.raw_dir is not None:
                     args.raw_dir.mkdir(parents=True, exist_ok=True)
-                    (args.raw_dir / f"{label}.pickle").write_bytes(pickle.dumps(run))
+                    (args.raw_dir / f"{label.replace('/', '+')}.pickle").write_bytes(pickle.dumps(run))
                 row = summarise(run, args.age_samples, capacity["prompts_per_s"])
                 row.update(arm=arm, multiple=multiple, shoppers=shoppers, target_prompts_per_s=target)
                 rows.append(row)
@@ -708,7 +798,11 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m bench.overload", description=__doc__.split("\n\n")[0])
     parser.add_argument("--seconds", type=float, default=120.0, help="production window of each run")
     parser.add_argument("--rates", default="1,2,3", help="multiples of the measured capacity")
-    parser.add_argument("--arms", default=",".join(ARMS), help="overload policies, comma-separated")
+    parser.add_argument(
+        "--arms",
+        default=",".join(ARMS),
+        help="overload policies, comma-separated; POLICY/KEY=VALUE changes a setting (arm_settings)",
+    )
     parser.add_argument(
         "--per-shopper",
         type=float,
