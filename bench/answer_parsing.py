@@ -2,7 +2,11 @@
 msgspec structs, byte limits, its own SSE line splitting) against a plain ``orjson.loads`` of the same
 documents with no checks (what the client did before), per answer, measured in one run.
 
-    python -m bench.answer_parsing [--tokens 200] [--repeat 2000]
+    python -m bench.answer_parsing [--tokens 200] [--repeat 2000] [--rounds 7]
+
+Each round times the four cases back to back, so a ratio is taken within a round (the same moment of
+the machine's load); the table gives the median µs and the median ratio with its range over the rounds,
+and goes to ``bench/results/answer_parsing.json`` (``docs/benchmarks.md`` renders it from there).
 
 A streamed answer is ``--tokens`` chunks of one token each plus a usage chunk (OpenAI's shape, as
 trtllm-serve sends it); a body is one chat completion of the same text. No network: the bytes are
@@ -13,12 +17,14 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import os
+import statistics
 import time
 from collections.abc import AsyncIterator, Callable
 
 import orjson
 
-from bench.common import machine, print_table
+from bench.common import load_average, machine, print_table, write_results
 from llm_client.answers import AnswerLimits, parse_body, read_stream
 
 
@@ -92,9 +98,11 @@ async def main() -> None:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--tokens", type=int, default=200)
-    parser.add_argument("--repeat", type=int, default=2000)
+    parser.add_argument("--repeat", type=int, default=2000, help="calls timed per case and round")
+    parser.add_argument("--rounds", type=int, default=7, help="rounds of the four cases, interleaved")
     args = parser.parse_args()
     chunks, body, limits = stream_bytes(args.tokens), body_bytes(args.tokens), AnswerLimits()
+    load_before = list(os.getloadavg())
 
     # read_stream is a coroutine: timed by awaiting it in this loop.
     async def typed_stream_us() -> float:
@@ -104,19 +112,40 @@ async def main() -> None:
             await read_stream(_Response(chunks), limits, "r", 0.0)  # type: ignore[arg-type]
         return float((time.perf_counter() - started) / args.repeat * 1e6)
 
-    rows = []
-    plain_s = per_call_us(lambda: plain_stream(chunks), args.repeat)
-    typed_s = await typed_stream_us()
-    rows.append(
-        [f"stream, {args.tokens} chunks", f"{plain_s:.0f}", f"{typed_s:.0f}", f"{typed_s / plain_s:.2f}x"]
-    )
-    plain_b = per_call_us(lambda: orjson.loads(body)["choices"][0]["message"]["content"], args.repeat)
-    typed_b = per_call_us(lambda: parse_body(body, "r", 0.0), args.repeat)
-    rows.append(
-        [f"body, {args.tokens} tokens", f"{plain_b:.1f}", f"{typed_b:.1f}", f"{typed_b / plain_b:.2f}x"]
-    )
+    runs: dict[str, list[float]] = {
+        case: [] for case in ("plain_stream", "typed_stream", "plain_body", "typed_body")
+    }
+    for _ in range(args.rounds):
+        runs["plain_stream"].append(per_call_us(lambda: plain_stream(chunks), args.repeat))
+        runs["typed_stream"].append(await typed_stream_us())
+        runs["plain_body"].append(
+            per_call_us(lambda: orjson.loads(body)["choices"][0]["message"]["content"], args.repeat)
+        )
+        runs["typed_body"].append(per_call_us(lambda: parse_body(body, "r", 0.0), args.repeat))
+
+    def row(label: str, case: str, digits: int) -> list[object]:
+        plain, typed = runs[f"plain_{case}"], runs[f"typed_{case}"]
+        ratios = [t / p for t, p in zip(typed, plain, strict=True)]
+        return [
+            label,
+            f"{statistics.median(plain):.{digits}f}",
+            f"{statistics.median(typed):.{digits}f}",
+            f"{statistics.median(ratios):.2f}x [{min(ratios):.2f}, {max(ratios):.2f}]",
+        ]
+
     print(machine())
-    print_table(["answer", "plain orjson µs", "typed + limits µs", "ratio"], rows)
+    table = print_table(
+        ["answer", "plain orjson µs", "typed + limits µs", f"ratio, median [range] of {args.rounds} rounds"],
+        [
+            row(f"streamed, {args.tokens} chunks", "stream", 0),
+            row(f"one body, {args.tokens} tokens", "body", 1),
+        ],
+    )
+    print(load_average())
+    write_results(
+        "answer_parsing.json",
+        {"args": vars(args), "load_average_start": load_before, "runs_us": runs, "table": table},
+    )
 
 
 if __name__ == "__main__":

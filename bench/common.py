@@ -3,6 +3,7 @@ open-loop schedule."""
 
 from __future__ import annotations
 
+import json
 import os
 import platform
 import tempfile
@@ -27,6 +28,24 @@ def results_dir() -> Path:
     (``tests/bench``) points it at a temporary one, so a short run never overwrites a documented result."""
     override = os.environ.get(RESULTS_DIR_ENV)
     return Path(override) if override else REPO / "bench" / "results"
+
+
+def write_results(name: str, payload: dict[str, object]) -> Path:
+    """Write a benchmark's results as ``name`` under ``results_dir()``, with the machine and the load
+    average at the end of the run added, and say where. A table ``docs/`` quotes goes in as ``"table"``,
+    as the benchmark printed it, so ``bench.report``'s ``printed_table`` renders it from here."""
+    out = results_dir()
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / name
+    record = {"machine": machine(), "load_average_end": list(os.getloadavg()), **payload}
+    path.write_text(json.dumps(record, indent=1))
+    print(f"results: {path}")
+    return path
+
+
+def load_average() -> str:
+    one, five, fifteen = os.getloadavg()
+    return f"load average {one:.1f} / {five:.1f} / {fifteen:.1f}"
 
 
 def machine() -> str:

@@ -5,6 +5,9 @@ fixed-latency OpenAI-compatible endpoint (a tiny aiohttp server in this process)
     .venv/bin/python bench/flink_async.py --quick          # two rows, as a smoke test
     .venv/bin/python bench/flink_async.py --defaults       # the job's current defaults, 200 ms and 1 s calls
 
+The table it prints goes to ``bench/results/flink_async.json`` (``flink_async_defaults.json`` with
+``--defaults``, or ``--out``) with the machine and load average; ``docs/`` renders it from there.
+
 Each setting runs twice in the local MiniCluster:
 - saturated: the whole input is available at once; events/s = prompts completed per second between the
   first call and the last completion, against the Little's-law ceiling capacity / latency;
@@ -34,6 +37,7 @@ from pyflink.datastream.functions import AsyncFunction
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench.common import write_results
 from flink_jobs.flink_config import AsyncSettings, NearRealtimeSettings
 from llm_client.config import ClientConfig, HealthSettings, RetrySettings, Timeouts
 from prompt_assembly.records import PromptRequest
@@ -245,14 +249,20 @@ def run_once(setting: Setting, url: str, n: int, rate: float) -> dict[str, float
             result = orjson.loads(raw)
             index = int(result["request_id"].split("-")[1])
             done = result["produced_at"]
-            call_s = result["latency_ms"] / 1000
+            # an error or superseded result carries no call latency; it counts as an error below
+            call_s = (result.get("latency_ms") or 0) / 1000
             rows.append((index, done - call_s, done, float(received), call_s, result["kind"]))
     errors = sum(1 for r in rows if r[5] != "insight")
+    kinds = sorted({r[5] for r in rows if r[5] != "insight"})
+    if errors:
+        print(f"  {errors} of {len(rows)} results are not insights ({', '.join(kinds)})", flush=True)
     first_call = min(r[1] for r in rows)
     last_done = max(r[2] for r in rows)
     # Record i is offered at t0 + i / rate; t0 is the earliest start the calls imply.
     t0 = min(r[1] - r[0] / rate for r in rows) if rate > 0 else first_call
-    added = sorted((r[3] - (t0 + (r[0] / rate if rate > 0 else 0.0)) - r[4]) * 1000 for r in rows)
+    added = sorted(
+        (r[3] - (t0 + (r[0] / rate if rate > 0 else 0.0)) - r[4]) * 1000 for r in rows if r[5] == "insight"
+    )
     return {
         "n": len(rows),
         "errors": errors,
@@ -313,7 +323,9 @@ def main() -> int:
     parser.add_argument("--only", help="run settings whose label contains this")
     parser.add_argument("--rows", help="comma-separated indices into SETTINGS")
     parser.add_argument("--defaults", action="store_true", help="only the two rows at the job's defaults")
+    parser.add_argument("--out", help="results file name under bench/results (default: by the rows run)")
     args = parser.parse_args()
+    load_before = list(os.getloadavg())
     server = FixedLatencyLLM()
     url = server.start()
     settings = [SETTINGS[2], SETTINGS[-1]] if args.quick else SETTINGS
@@ -323,17 +335,20 @@ def main() -> int:
         settings = [SETTINGS[int(i)] for i in args.rows.split(",")]
     if args.defaults:
         settings = job_default_settings()
-    print(
+    header = (
         f"machine: {platform.machine()}, {os.cpu_count()} cores (shared), "
         f"Python {platform.python_version()}, "
         "PyFlink 2.3.0 local MiniCluster, parallelism 1, "
         f"load average {os.getloadavg()[0]:.1f} / {os.getloadavg()[1]:.1f}"
     )
-    print(
+    print(header)
+    lines = [
         "| call | latency | capacity | setting | ceiling/s | saturated events/s | ratio | paced at /s "
-        "| added p50 ms | added p99 ms |"
-    )
-    print("|---|---|---|---|---|---|---|---|---|---|")
+        "| added p50 ms | added p99 ms |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    print("\n".join(lines))
+    notes = []
     for setting in settings:
         server.latency_s = setting.latency_s
         n_sat = int(max(500, min(setting.ceiling, CPU_BOUND_ABOVE) * args.seconds))
@@ -345,13 +360,30 @@ def main() -> int:
         )
         paced: dict[str, float] = {"errors": 0}
         if setting.ceiling > CPU_BOUND_ABOVE and setting.paced_rate is None:
-            print(f"{row} - | - | - |", flush=True)
+            row += " - | - | - |"
         else:
             paced_rate = setting.paced_rate or args.paced_load * setting.ceiling
             paced = run_once(setting, url, int(max(200, paced_rate * args.paced_seconds)), paced_rate)
-            print(f"{row} {paced_rate:,.0f} | {paced['p50']:.0f} | {paced['p99']:.0f} |", flush=True)
+            row += f" {paced_rate:,.0f} | {paced['p50']:,.0f} | {paced['p99']:,.0f} |"
+        lines.append(row)
+        print(row, flush=True)
         if saturated["errors"] or paced["errors"]:
-            print(f"  (errors: saturated {saturated['errors']}, paced {paced['errors']})", flush=True)
+            note = f"{setting.label}: errors, saturated {saturated['errors']}, paced {paced['errors']}"
+            notes.append(note)
+            print(f"  ({note})", flush=True)
+    load_end = os.getloadavg()
+    print(f"load average {load_end[0]:.1f} / {load_end[1]:.1f}")
+    table = "\n".join(lines + [f"\n({'; '.join(notes)})"] * bool(notes))
+    name = args.out or ("flink_async_defaults.json" if args.defaults else "flink_async.json")
+    write_results(
+        name,
+        {
+            "header": header,
+            "args": vars(args),
+            "load_average_start": load_before,
+            "table": table,
+        },
+    )
     return 0
 
 

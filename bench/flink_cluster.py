@@ -20,6 +20,9 @@ fetch_max_wait_ms=500``; ``default`` changes nothing. Throughput: the same synth
 the Flink job (from running to the group's committed offsets covering every record, so up to one
 checkpoint interval of slack) and through the embedded runner (until drained). Recovery:
 ``bench/flink_recovery.py``.
+
+The printed tables, each variant's settings and the load average before and after each part go to
+``bench/results/flink_cluster.json`` (``--out`` names another file there); ``docs/`` renders them.
 """
 
 from __future__ import annotations
@@ -41,6 +44,7 @@ from bench.common import (
     percentile,
     print_table,
     process_group_cpu_seconds,
+    write_results,
 )
 from bench.flink_kit import (
     WARMUP_S,
@@ -213,6 +217,7 @@ def main() -> None:
     parser.add_argument("--bundles", help="shorthand: ','-separated bundle_time_ms variants")
     parser.add_argument("--backlog", type=int, default=0, help="throughput comparison; 0 = skip")
     parser.add_argument("--parallelism", default="1", help="throughput: ','-separated job parallelisms")
+    parser.add_argument("--out", default="flink_cluster.json", help="results file name under bench/results")
     args = parser.parse_args()
     variants = (
         [f"bundle_time_ms={b}" for b in args.bundles.split(",")] if args.bundles else args.variants.split(";")
@@ -229,33 +234,56 @@ def main() -> None:
             flush=True,
         )
         rows: list[list[object]] = []
+        loads = [load_average()]
+        described = {}
         for spec in variants if args.seconds > 0 else []:
             row, settings = freshness(stack, state_dir, spec, args.rate, args.seconds)
             rows.append(row)
-            print(f"{spec}: {settings}; {load_average()}\n  {row}", flush=True)
+            described[spec] = settings
+            loads.append(load_average())
+            print(f"{spec}: {settings}; {loads[-1]}\n  {row}", flush=True)
+        tables = []
         if rows:
-            print_table(
-                [
-                    "variant",
-                    "events",
-                    "measured",
-                    "LLM p50 ms",
-                    "to call p50",
-                    "to call p99",
-                    "write p50",
-                    "write p99",
-                    "added p50 ms",
-                    "added p99 ms",
-                    "TM cores busy",
-                ],
-                rows,
+            tables.append(
+                f"Freshness at {args.rate:g} events/s for {args.seconds:g} s, first {WARMUP_S:g} s excluded:"
+            )
+            tables.append(
+                print_table(
+                    [
+                        "variant",
+                        "events",
+                        "measured",
+                        "LLM p50 ms",
+                        "to call p50",
+                        "to call p99",
+                        "write p50",
+                        "write p99",
+                        "added p50 ms",
+                        "added p99 ms",
+                        "TM cores busy",
+                    ],
+                    rows,
+                )
             )
         if args.backlog:
-            print_table(
-                ["engine", "events", "seconds", "events/s", "machine cores busy", "prompts"],
-                throughput(stack, state_dir, args.backlog, [int(p) for p in args.parallelism.split(",")]),
+            tables.append(f"Throughput on a backlog of {args.backlog:,} synthetic events (100 shoppers):")
+            tables.append(
+                print_table(
+                    ["engine", "events", "seconds", "events/s", "machine cores busy", "prompts"],
+                    throughput(stack, state_dir, args.backlog, [int(p) for p in args.parallelism.split(",")]),
+                )
             )
-        print(load_average())
+            loads.append(load_average())
+        print(loads[-1])
+        write_results(
+            args.out,
+            {
+                "args": vars(args),
+                "variants": described,
+                "load_averages": loads,
+                "table": "\n\n".join(tables),
+            },
+        )
     finally:
         cluster_down(state_dir)
         stack_down(state_dir)

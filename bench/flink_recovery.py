@@ -32,7 +32,7 @@ from pathlib import Path
 import orjson
 from confluent_kafka import KafkaError, Message, Producer
 
-from bench.common import machine, paced, percentile, print_table
+from bench.common import load_average, machine, paced, percentile, print_table, write_results
 from bench.flink_kit import (
     Knobs,
     SignalPoller,
@@ -283,61 +283,81 @@ def _ms(values: list[float]) -> str:
     return f"{percentile(values, 0.5):,.0f} / {percentile(values, 0.99):,.0f} / {max(values):,.0f}"
 
 
-def print_recovery(r: Recovery) -> None:
+def print_recovery(r: Recovery) -> str:
+    """Print the run's three tables and verdict lines; return them as one text (the results' table)."""
     cluster = FlinkClusterSettings()
     print(
         f"job: {r.settings}; restart exponential-delay from 1 s; cluster heartbeat "
         f"{cluster.heartbeat_interval_ms} ms, timeout {cluster.heartbeat_timeout_ms} ms"
     )
-    print_table(
-        ["from the SIGKILL of the TaskManager", "seconds"],
-        [
-            ["last completed checkpoint was triggered (replayed window)", f"-{r.checkpoint_age_s:.1f}"],
-            ["JobManager records the failure", f"{r.noticed_s:.1f}"],
-            ["every task RUNNING again (new TaskManager)", f"{r.running_s:.1f}"],
-            ["first new result written to Redis", f"{r.first_result_s:.1f}"],
-        ],
-    )
-    print_table(
-        ["events", "count", "freshness p50 / p99 / max ms (Redis write - event time)"],
-        [
-            [f"steady, before the last {IN_FLIGHT_S:.0f} s before the kill", len(r.steady), _ms(r.steady)],
-            [f"produced in the {IN_FLIGHT_S:.0f} s before the kill", r.in_flight[0], _ms(r.in_flight[1])],
-            ["produced between the kill and the first new result", r.outage_events, _ms(r.outage_observed)],
-            [f"produced from {SETTLE_S:.0f} s after the first new result", len(r.after), _ms(r.after)],
-        ],
-    )
-    print(f"(outage: {len(r.outage_observed)} of {r.outage_events} results seen by the Redis poller)")
-    print_table(
-        ["accounting", "count"],
-        [
-            ["records produced", r.produced],
-            ["malformed", r.malformed],
-            ["valid events in no stored prompt", r.uncovered],
-            ["prompts with a result in S3", r.results],
-            ["of them error results", r.result_errors],
-            ["S3 records written twice (replay, deduped on request_id)", r.s3_replayed],
-            ["dead letters (distinct partition/offset)", r.dead_letters],
-            ["insights, read_committed", r.insights],
+    parts = []
+    parts.append(
+        print_table(
+            ["from the SIGKILL of the TaskManager", "seconds"],
             [
-                "insights duplicated / missing / extra",
-                f"{r.insight_duplicates} / {r.insights_missing} / {r.insights_extra}",
+                ["last completed checkpoint was triggered (replayed window)", f"-{r.checkpoint_age_s:.1f}"],
+                ["JobManager records the failure", f"{r.noticed_s:.1f}"],
+                ["every task RUNNING again (new TaskManager)", f"{r.running_s:.1f}"],
+                ["first new result written to Redis", f"{r.first_result_s:.1f}"],
             ],
-        ],
+        )
+    )
+    parts.append(
+        print_table(
+            ["events", "count", "freshness p50 / p99 / max ms (Redis write - event time)"],
+            [
+                [
+                    f"steady, before the last {IN_FLIGHT_S:.0f} s before the kill",
+                    len(r.steady),
+                    _ms(r.steady),
+                ],
+                [f"produced in the {IN_FLIGHT_S:.0f} s before the kill", r.in_flight[0], _ms(r.in_flight[1])],
+                [
+                    "produced between the kill and the first new result",
+                    r.outage_events,
+                    _ms(r.outage_observed),
+                ],
+                [f"produced from {SETTLE_S:.0f} s after the first new result", len(r.after), _ms(r.after)],
+            ],
+        )
+    )
+    seen = f"(outage: {len(r.outage_observed)} of {r.outage_events} results seen by the Redis poller)"
+    print(seen)
+    parts[-1] += f"\n\n{seen}"
+    parts.append(
+        print_table(
+            ["accounting", "count"],
+            [
+                ["records produced", r.produced],
+                ["malformed", r.malformed],
+                ["valid events in no stored prompt", r.uncovered],
+                ["prompts with a result in S3", r.results],
+                ["of them error results", r.result_errors],
+                ["S3 records written twice (replay, deduped on request_id)", r.s3_replayed],
+                ["dead letters (distinct partition/offset)", r.dead_letters],
+                ["insights, read_committed", r.insights],
+                [
+                    "insights duplicated / missing / extra",
+                    f"{r.insight_duplicates} / {r.insights_missing} / {r.insights_extra}",
+                ],
+            ],
+        )
     )
     events_ok = r.uncovered == 0 and r.dead_letters == r.malformed
     insights_ok = r.insight_duplicates == r.insights_missing == r.insights_extra == 0
-    print("events: " + ("every one processed or dead-lettered" if events_ok else "INCOMPLETE"))
+    verdicts = ["events: " + ("every one processed or dead-lettered" if events_ok else "INCOMPLETE")]
     if insights_ok:
-        print("insights: exactly one record per prompt under read_committed")
+        verdicts.append("insights: exactly one record per prompt under read_committed")
     elif r.insights_missing == r.insights_extra == 0 and r.duplicates_replayed:
-        print(
+        verdicts.append(
             "insights: none missing; every duplicate is a result replayed after the kill, i.e. a record "
             "of the transaction open at the kill, which the new TaskManager aborted (a broker that "
             "filters aborted transactions hides it from read_committed; see bench.tansu_fetch)"
         )
     else:
-        print("insights: INCOMPLETE")
+        verdicts.append("insights: INCOMPLETE")
+    print("\n".join(verdicts))
+    return "\n\n".join([*parts, "; ".join(verdicts) + "."])
 
 
 def main() -> None:
@@ -346,16 +366,23 @@ def main() -> None:
     parser.add_argument("--seconds", type=float, default=120.0, help="stream length")
     parser.add_argument("--kill-after", type=float, default=40.0, help="seconds into the stream")
     parser.add_argument("--variant", default="default", help="job knobs (bench.flink_kit.KNOBS)")
+    parser.add_argument("--out", default="flink_recovery.json", help="results file name under bench/results")
     args = parser.parse_args()
     state_dir = Path(tempfile.mkdtemp(prefix="bench-flink-"))
     stack = stack_up(StackSettings(state_dir=state_dir, replicas=2, time_scale=0.01))
     try:
-        print(f"machine: {machine()}; Flink 2.3 standalone, Tansu, 2 simulator replicas (x0.01)", flush=True)
+        loads = [load_average()]
+        print(f"machine: {machine()}; Flink 2.3 standalone, Tansu, 2 simulator replicas (x0.01); {loads[0]}")
         knobs = parse_variant(args.variant)
         run = recovery(
             stack, state_dir, knobs, rate=args.rate, seconds=args.seconds, kill_after=args.kill_after
         )
-        print_recovery(run)
+        table = print_recovery(run)
+        loads.append(load_average())
+        print(loads[-1])
+        write_results(
+            args.out, {"args": vars(args), "job": run.settings, "load_averages": loads, "table": table}
+        )
     finally:
         cluster_down(state_dir)
         stack_down(state_dir)

@@ -802,10 +802,13 @@ def documents(root: Path = REPO) -> list[Path]:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.report", description=__doc__.split("\n\n")[0])
     parser.add_argument("--write", action="store_true", help="rewrite the tables from their results files")
+    parser.add_argument(
+        "docs", nargs="*", type=Path, help="only these docs (default: README.md and every docs/*.md)"
+    )
     args = parser.parse_args(argv)
     stale = 0
     cache: Rendered = {}
-    for doc in documents():
+    for doc in [path.resolve() for path in args.docs] or documents():
         text = doc.read_text()
         found = blocks(doc, text, cache=cache)
         for block in found:

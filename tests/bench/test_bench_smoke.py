@@ -67,8 +67,9 @@ SMOKE_RUNS = (
              ("prompt_assembly.json",)),
     SmokeRun("client_overhead", ("-m", "bench.client_overhead", "--rate", "200", "--seconds", "1",
                                  "--rounds", "1"), ("client_overhead.json",)),
-    SmokeRun("answer_parsing", ("-m", "bench.answer_parsing", "--tokens", "50", "--repeat", "20")),
-    SmokeRun("security", ("-m", "bench.security", "--events", "500", "--repeat", "1")),
+    SmokeRun("answer_parsing", ("-m", "bench.answer_parsing", "--tokens", "50", "--repeat", "20", "--rounds",
+                                "2"), ("answer_parsing.json",)),
+    SmokeRun("security", ("-m", "bench.security", "--events", "500", "--repeat", "1"), ("security.json",)),
     SmokeRun("sizing", ("-m", "bench.sizing",)),
     SmokeRun("batch", ("-m", "bench.batch", "--records", "200", "--baseline-records", "100", "--skip-kill"),
              ("batch.json", "batch.png")),
@@ -113,7 +114,7 @@ SMOKE_RUNS = (
     SmokeRun("tansu_fetch", ("-m", "bench.tansu_fetch", "--seconds", "4", "--waits", "100")),
     # docs/ shows the script form; one row: the job's EnrichPrompts over HTTP at its defaults
     SmokeRun("flink_async", ("bench/flink_async.py", "--rows", "17", "--seconds", "1",
-                             "--paced-seconds", "1")),
+                             "--paced-seconds", "1"), ("flink_async.json",)),
     # the backlog arm, one repeat: a clean run, then one SIGKILLed mid-stream and restarted until drained
     SmokeRun("kill_repay", ("-m", "bench.kill_repay", "--events", "400", "--shoppers", "30", "--repeats", "1",
                             "--scenarios", "backlog"), ("kill_repay.json",)),
