@@ -11,9 +11,10 @@ between rounds out of the comparison on a shared machine.
 ``--cpu-rounds N`` measures CPU instead of latency: rounds of ``--cpu-calls`` calls from 16 callers in
 closed loop, alternating bare and client (ABBA), each round's CPU from this process's own counter
 (``time.process_time``); the client's cost is its CPU per call minus the bare path's in the same round
-pair. Writes bench/results/client_overhead_cpu.json. To compare another checkout's client, run this file
-with that checkout first on the import path (``cd /tmp/old && PYTHONPATH=. python
-/path/to/bench/client_overhead.py --cpu-rounds 6``).
+pair. Writes bench/results/client_overhead_cpu.json. To measure another commit's client, run this mode
+from a worktree of it (copy this file into its ``bench/`` when it is older than the mode:
+``cp bench/client_overhead.py /tmp/old/bench/ && cd /tmp/old && python -m bench.client_overhead
+--cpu-rounds 6``).
 """
 
 from __future__ import annotations

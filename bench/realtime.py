@@ -478,7 +478,24 @@ PROFILE_PACKAGES: list[tuple[str, tuple[str, ...]]] = [
     ("event loop (asyncio, uvloop)", ("(asyncio/", "(uvloop/", "(selectors.py")),
 ]
 """A py-spy sample is counted for the innermost frame whose file is in one of these (its own time, by
-package); a sample in none of them (the standard library's other modules, the interpreter) is 'other'."""
+package); a sample in none of them (the standard library's other modules, the interpreter) is 'other'.
+Two kinds of sample are told apart first, by the innermost frame itself (``PROFILE_CALLS``)."""
+
+PROFILE_CALLS: list[tuple[str, tuple[str, ...]]] = [
+    (
+        "socket writes (the send system calls)",
+        (
+            "_SelectorSocketTransport.write (",
+            "_SelectorSocketTransport.writelines (",
+            "StreamWriter._writelines (aiohttp/http_writer.py",
+            "StreamWriter.writelines (asyncio/streams.py",
+        ),
+    ),
+    ("uvloop's C loop (polling, reads, callbacks)", ("Runner.run (asyncio/runners.py",)),
+]
+"""Samples whose innermost Python frame is one of these: a socket write (with uvloop the write itself is
+C, so the sample stops at the Python line that calls it), or uvloop's loop, which runs in C under
+``asyncio.Runner.run``."""
 
 
 def summarise_collapsed(path: Path) -> dict[str, float]:
@@ -489,8 +506,9 @@ def summarise_collapsed(path: Path) -> dict[str, float]:
         stack, _, n = line.rpartition(" ")
         if not stack or not n.isdigit():
             continue
-        part = "other"
-        for frame in reversed(stack.split(";")):
+        frames = stack.split(";")
+        part = next((name for name, marks in PROFILE_CALLS if frames[-1].startswith(marks)), "other")
+        for frame in reversed(frames) if part == "other" else ():
             found = next((name for name, marks in PROFILE_PACKAGES if any(m in frame for m in marks)), None)
             if found is not None:
                 part = found
