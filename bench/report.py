@@ -649,6 +649,7 @@ def realtime_cpu(paths: Sequence[Path]) -> str:
             f"{_ms(arm['overhead_p99_ms_median'])} |"
         )
     loads = [payload["load_average_before"][0], payload["load_average_after"][0]]
+    loads += [row[label]["load_average"] for row in payload["rounds"] for label in arms]
     lines += ["", f"Load average {min(loads):.1f}-{max(loads):.1f}; {payload['machine']}."]
     return "\n".join(lines)
 
