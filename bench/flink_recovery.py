@@ -128,15 +128,38 @@ def produce_paced(
     producer.flush(30)
 
 
+def runs_python_workers(pgid: int) -> bool:
+    """Whether process group ``pgid`` (a TaskManager's JVM) has a Python worker in it: only a TaskManager
+    that runs a subtask of the job starts one (``/proc``; Linux only)."""
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+            if int(fields[2]) != pgid or int(stat.parent.name) == pgid:
+                continue
+            program = (stat.parent / "cmdline").read_bytes().split(b"\0")[0]
+            if b"python" in program.rsplit(b"/", 1)[-1]:  # not the JVM, whose classpath names flink-python
+                return True
+        except (OSError, ValueError):  # the process ended while we looked
+            continue
+    return False
+
+
 def kill_taskmanager(cluster: FlinkClusterState, state_dir: Path) -> float:
-    """SIGKILL the TaskManager's process group and start a new TaskManager; returns the kill time."""
-    victims = [p for p in cluster.processes if p.name.startswith("flink-taskmanager") and alive(p.pid)]
+    """SIGKILL the process group of the TaskManager that runs the job (the cluster has more than one;
+    at parallelism 1 only one of them runs its subtasks) and start a new TaskManager in its place;
+    returns the kill time."""
+    live = [p for p in cluster.processes if p.name.startswith("flink-taskmanager") and alive(p.pid)]
+    victims = [p for p in live if runs_python_workers(p.pid)] if len(live) > 1 else live
     if len(victims) != 1:
-        raise RuntimeError(f"expected one live TaskManager, found {[v.name for v in victims]}")
-    os.killpg(victims[0].pid, signal.SIGKILL)  # the JVM and its Python workers, like a lost machine
+        raise RuntimeError(
+            f"expected one TaskManager running the job, found {[v.name for v in victims]} of "
+            f"{[v.name for v in live]}"
+        )
+    (victim,) = victims
+    os.killpg(victim.pid, signal.SIGKILL)  # the JVM and its Python workers, like a lost machine
     killed = time.time()
-    cluster.processes.remove(victims[0])
-    start_taskmanager(cluster, name="flink-taskmanager-2")
+    cluster.processes.remove(victim)
+    start_taskmanager(cluster, name=f"{victim.name}-replaced")
     save_cluster(state_dir, cluster)
     return killed
 
