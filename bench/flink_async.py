@@ -40,6 +40,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.common import write_results
 from flink_jobs.flink_config import AsyncSettings, NearRealtimeSettings
 from llm_client.config import ClientConfig, HealthSettings, RetrySettings, Timeouts
+from pipeline.enrichment import EnrichmentSettings
+from pipeline.overload import OverloadSettings
 from prompt_assembly.records import PromptRequest
 from sinks.config import SinkSettings
 
@@ -225,6 +227,10 @@ def run_once(setting: Setting, url: str, n: int, rate: float) -> dict[str, float
             health=HealthSettings(interval_s=5),
         ),
         sinks=SinkSettings(enabled=()),  # the async stage alone: no sinks
+        # The admission gate as wide as Flink's capacity: the one fixed-latency endpoint is one "replica"
+        # to pipeline.overload, whose adaptive limit (at most 64 a replica) would otherwise bind before
+        # the operator does, and drop what waits past its freshness budget as stale.
+        enrichment=EnrichmentSettings(overload=OverloadSettings(max_in_flight=setting.capacity)),
     )
     settings.checkpoint.interval_ms = 3_600_000
     env = create_environment(settings, local=True)
