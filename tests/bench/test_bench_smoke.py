@@ -105,6 +105,8 @@ SMOKE_RUNS = (
                         "--requests", "10", "--search", "4", "8", "--repeats", "1", "--tolerance", "1.5"),
              ("disagg_matrix.json",)),
     SmokeRun("fidelity", ("-m", "bench.fidelity", "--short"), ("fidelity_short.json",)),
+    SmokeRun("tokenizer_digits", ("-m", "bench.tokenizer_digits", "--events", "2000", "--shoppers", "50"),
+             ("tokenizer_digits.json",)),
     # the capacity probe, then each policy at 1x; a given capacity would skip the probe's code path
     SmokeRun("overload", ("-m", "bench.overload", "--seconds", "6", "--rates", "1", "--probe-seconds", "10",
                           "--probe-shoppers", "300", "--grace", "2", "--age-samples", "10"),

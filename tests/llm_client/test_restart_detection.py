@@ -59,7 +59,7 @@ async def test_a_burst_of_new_shoppers_finds_no_replica_restarted() -> None:
     prompts = [
         viewed_prompt(f"shopper-{i}", SHORT, item="lantern", category="Home > Decor") for i in range(BURST)
     ]
-    blocker = [{"role": "user", "content": " ".join(f"w{i}" for i in range(3000))}]
+    blocker = [{"role": "user", "content": " ".join(f"w{i}" for i in range(1800))}]  # ~7.9k tokens
     async with (
         # an engine that admits prompts sharing an uncomputed head together (trtllm without its
         # beneficialToSkip deferral, which holds them back an iteration to reuse the head)
