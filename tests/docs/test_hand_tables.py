@@ -258,7 +258,7 @@ HAND_TABLES = [
     HandTable(
         "docs/realtime.md",
         "| phase | service | requests | errors | refused (late) |",
-        ("realtime_before.json", "realtime.json"),
+        ("realtime_before_25nov.json", "realtime_25nov.json"),
         realtime_pair,
     ),
     HandTable(
