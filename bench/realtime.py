@@ -108,6 +108,18 @@ async def _service_counters(url: str) -> tuple[float, float] | None:
     return None if cpu is None else (cpu, handled)
 
 
+async def _signal_errors(url: str) -> float:
+    """The service's Redis reads that failed or timed out so far (each timed-out read also closes its
+    connection: the next read opens a new one)."""
+    async with aiohttp.ClientSession() as session, session.get(url + "/metrics") as r:
+        text = await r.text()
+    return sum(
+        float(line.rpartition(" ")[2])
+        for line in text.splitlines()
+        if line.startswith("realtime_signal_errors_total")
+    )
+
+
 def _service_cpu_ms(before: tuple[float, float] | None, after: tuple[float, float] | None) -> float | None:
     if before is None or after is None or after[1] <= before[1]:
         return None
@@ -376,6 +388,7 @@ async def bench(args: argparse.Namespace) -> dict[str, Any]:
                 print(f"{name}: {rate:.0f} req/s for {seconds:.0f} s", flush=True)
                 before = {k: sum(_cpu_s(p) for p in group) for k, group in pids.items()}
                 counted = await _service_counters(url)
+                redis_errors = await _signal_errors(url)
                 samples = await open_loop(
                     url, rate, seconds, args.deadline_ms, products, args.shoppers, seed=i + 1,
                     request_start=args.request_start,
@@ -383,6 +396,7 @@ async def bench(args: argparse.Namespace) -> dict[str, Any]:
                 summary = summarise(name, rate, samples)
                 summary["cpu_ms_per_request"] = _cpu_per_request(pids, before, len(samples))
                 summary["service_cpu_ms_per_request"] = _service_cpu_ms(counted, await _service_counters(url))
+                summary["signal_errors"] = round(await _signal_errors(url) - redis_errors)
                 results.append(summary)
                 await asyncio.sleep(2)
         finally:
@@ -475,7 +489,7 @@ PROFILE_PACKAGES: list[tuple[str, tuple[str, ...]]] = [
     ("redis client", ("(redis/",)),
     ("pydantic (request validation)", ("(pydantic/", "(pydantic_core/")),
     ("prometheus_client", ("(prometheus_client/",)),
-    ("event loop (asyncio, uvloop)", ("(asyncio/", "(uvloop/", "(selectors.py")),
+    ("asyncio in Python (loop, tasks, timeouts, streams)", ("(asyncio/", "(uvloop/", "(selectors.py")),
 ]
 """A py-spy sample is counted for the innermost frame whose file is in one of these (its own time, by
 package); a sample in none of them (the standard library's other modules, the interpreter) is 'other'.
@@ -702,6 +716,7 @@ def report(result: dict[str, Any]) -> None:
             f"{p.get('late_other', 0)}"
         )
         print(f"    CPU ms per request (/proc): {p['cpu_ms_per_request']}")
+        print(f"    Redis signal reads failed or timed out: {p.get('signal_errors')}")
 
 
 def main() -> None:

@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError
@@ -99,6 +100,8 @@ class MatchService:
         self.admission = DeadlineAdmission(self.settings.answer_reserve_ms / 1000)
         self.model_time = RecentQuantile(MODEL_FLOOR_QUANTILE, initial_s=_MIN_MODEL_S)
         """How fast the model answers when it does: less time left than this, and it is not asked."""
+        self._late_reads: set[asyncio.Future[Any]] = set()
+        """Signal reads the requests stopped waiting for, kept referenced until they finish."""
         self.asking = 0
         """Model calls in flight from this service; ``/metrics`` reads it at scrape time (a gauge
         updated per call took a lock twice a request for a number nobody reads between scrapes)."""
@@ -141,10 +144,18 @@ class MatchService:
 
         shopper: ShopperProfile | None = None
         products: dict[str, ProductProfile] = {}
+        # The request stops waiting for Redis at the timeout, but the read itself is not cancelled: a
+        # cancelled read closes its connection, and under overload (half the reads late at 2x) every
+        # next read then paid for a new connection and its handshake, which made the overload worse.
+        read = asyncio.ensure_future(self.signals.read(request))
         try:
             async with asyncio.timeout(max(min(s.redis_timeout_ms / 1000, answer_by - loop.time()), 0)):
-                shopper, products = await self.signals.read(request)
-        except (TimeoutError, RedisError, OSError):
+                shopper, products = await asyncio.shield(read)
+        except TimeoutError:
+            self._late_reads.add(read)  # finishes in the background; its connection goes back to the pool
+            read.add_done_callback(self._late_read_done)
+            self.metrics.signal_errors.inc()
+        except (RedisError, OSError):
             self.metrics.signal_errors.inc()
         fallback = fallback_ranking(shopper, request.query, request.candidates, products, s.reason_max_chars)
 
@@ -187,6 +198,11 @@ class MatchService:
             deadline_ms,
             SignalsFound(shopper is not None, len(products)),
         )
+
+    def _late_read_done(self, read: asyncio.Future[Any]) -> None:
+        self._late_reads.discard(read)
+        if not read.cancelled():
+            read.exception()  # retrieved: a late read's error was counted when the request gave up on it
 
     async def _ask(
         self,
