@@ -10,8 +10,9 @@ A generated table sits between two comments in a doc::
 The first word names a renderer below; the paths after it are the results files it reads. Without
 options the command checks every block of ``docs/*.md`` and ``README.md`` and exits 1 if one differs from
 what its files give (``tests/docs/test_bench_tables.py`` runs the same check); ``--write`` rewrites the
-blocks. After a rerun that writes new results, ``--write`` is the whole doc update for those tables; the
-prose around them is still written, and checked, by people.
+blocks; naming docs (``python -m bench.report --write docs/flink.md``) limits either to those. After a rerun
+that writes new results, ``--write`` is the whole doc update for those tables; the prose around them is
+still written, and checked, by people.
 """
 
 from __future__ import annotations
