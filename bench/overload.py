@@ -269,6 +269,8 @@ class Run:
     engine: dict[str, float] = field(default_factory=dict)
     served_trace: list[tuple[float, float]] = field(default_factory=list)
     """(wall time, requests the replicas finished so far in this run), every 2 s."""
+    limit_trace: list[tuple[float, int]] = field(default_factory=list)
+    """(wall time, the admission gate's limit), every 2 s."""
     drain_s: float = 0.0
     load_average: tuple[float, float] = (0.0, 0.0)
     paused_times: int = 0
@@ -314,6 +316,8 @@ async def run_once(
         while True:
             served = (await asyncio.to_thread(engine_totals, state))["served"] - before["served"]
             run.served_trace.append((time.time(), served))
+            if runner.enrichment is not None:
+                run.limit_trace.append((time.time(), runner.enrichment.gate.limit))
             await asyncio.sleep(2)
 
     task = asyncio.create_task(runner.run())
@@ -513,6 +517,14 @@ def summarise(run: Run, age_samples: int, capacity_prompts_s: float | None) -> d
             "aborted_requests": run.engine.get("aborted", 0),
         },
         "where_time_goes_s": where,
+        "admission_limit_second_half": _p(
+            [
+                float(v)
+                for t, v in getattr(run, "limit_trace", [])
+                if run.started + run.seconds / 2 <= t <= end
+            ],
+            0.5,
+        ),
         "drain_s": round(run.drain_s, 1),
         "runner_paused_times": run.paused_times,
         "load_average": run.load_average,

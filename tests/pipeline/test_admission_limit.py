@@ -64,13 +64,13 @@ def test_disabled_is_the_ceiling() -> None:
     assert limit() == 192
 
 
-def test_slow_tokens_cut_when_a_token_target_is_set() -> None:
-    """A replica crowded with others' prefills answers its first token fast and the rest slowly: with
-    ``token_ms`` set that is a cut too; without it (the default), only the first token counts."""
+def test_slow_tokens_cut_the_limit() -> None:
+    """A replica crowded with others' prefills answers its first token fast and the rest slowly: that
+    is a cut too (``token_ms``, 60 ms by default); with it unset, only the first token counts."""
     clock = Clock()
-    unset, capped = limit_for([3], clock), limit_for([3], clock, token_ms=40.0)
+    unset, capped = limit_for([3], clock, token_ms=None), limit_for([3], clock)
     for limit in (unset, capped):
         limit.observe(FAST, demand=True, token_ms=70.0)
     assert (unset(), capped()) == (49, 36)
-    capped.observe(FAST, demand=True, token_ms=30.0)
+    capped.observe(FAST, demand=True, token_ms=50.0)
     assert capped() == 37
