@@ -19,9 +19,10 @@ import pytest
 
 from flink_jobs import flink_connectors
 from flink_jobs.flink_config import NearRealtimeSettings
-from flink_jobs.flink_functions import gate, is_retryable_result, parse_result
+from flink_jobs.flink_functions import _token_gauge, gate, is_retryable_result, parse_result
 from flink_jobs.flink_metrics import OperatorStats
 from pipeline.checkpoint import Checkpoint
+from pipeline.overload import TokenCounts
 from pipeline.sink_commit import SinkCommitter
 from pipeline.sink_retry import SinkRetry
 from prompt_assembly.records import EnrichmentError, EnrichmentResult, Superseded
@@ -307,3 +308,22 @@ def test_only_the_session_stage_follows_the_session_stage_mode(mode: str) -> Non
     )
     assert operators["gate and shopper sessions"] == embedded
     assert operators["enrich prompts (LLM), write redis, s3"] == "ExternalPythonProcessOperator"
+
+
+def test_token_gauges_read_the_enrichers_counts_and_are_zero_before_it_starts() -> None:
+    class Enricher:
+        def __init__(self) -> None:
+            self.tokens = TokenCounts()
+
+    class Operator:
+        enricher: Enricher | None = None
+
+    operator = Operator()
+    gauge = _token_gauge(operator, "not_landed_prefill")
+    assert gauge() == 0
+    operator.enricher = Enricher()
+    operator.enricher.tokens.landed(1000, 400, 91, ttft_s=0.5, latency_s=5.0)  # 50 ms a token
+    operator.enricher.tokens.not_landed(700, in_flight_s=3.0, max_tokens=200)
+    assert gauge() == 700
+    assert _token_gauge(operator, "landed_prefill")() == 600
+    assert _token_gauge(operator, "not_landed_decode")() == 50  # (3.0 - 0.5) s at 50 ms a token
