@@ -73,9 +73,11 @@ class RemovedData(_Event):
 
 
 class CreatedData(_Event):
-    """First event of a (re)started engine."""
+    """First event of a (re)started engine (one per attention window's block pool)."""
 
     type: Literal["created"]
+    num_blocks_per_cache_level: list[int] = []
+    """Blocks of the pool per cache level: GPU first, then host offload."""
 
 
 class ClearedData(_Event):

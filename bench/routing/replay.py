@@ -47,7 +47,8 @@ def client_config(
 ) -> ClientConfig:
     """``policy`` is a policy name, ``prefix_aware_precise`` (prefix_aware following KV events) or
     ``prefix_aware_noguard`` (without the tail guards: hot-shopper spreading and the queue cap, as before
-    they existed) or ``prefix_aware_spread`` (with hot-shopper spreading, off by default); ``options``
+    they existed) or ``prefix_aware_spread`` (with hot-shopper spreading, off by default) or
+    ``prefix_aware_room`` (with ``kv_room_guard``, off by default); ``options``
     are prefix_aware's settings (ignored for the others), passed as they are (a ``cobatch_window_s``
     there is wall time); ``time_scale`` is the replicas' (wall seconds per simulated second)."""
     settings: dict[str, Any] | None = None
@@ -61,6 +62,8 @@ def client_config(
             settings.update(max_queued_tokens=1e12, hot_key_spread=False)
         if policy == "prefix_aware_spread":
             settings["hot_key_spread"] = True
+        if policy == "prefix_aware_room":
+            settings["kv_room_guard"] = True
         policy = "prefix_aware"
     return ClientConfig.model_validate(
         {

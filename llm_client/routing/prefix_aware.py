@@ -86,6 +86,8 @@ _IN_FLIGHT = "prefix_aware.key_inflight"
 """Replicas this request was routed to whose prefill has not been reported done."""
 _INDEXED = "prefix_aware.indexed"
 """What the replica's index held of the prompt when it was routed (before the co-batching discount)."""
+_BOOKED = "prefix_aware.booked_kv"
+"""Replicas whose booked KV tokens this request holds, one entry per attempt (``kv_room_guard``)."""
 _SIBLING = "prefix_aware.sibling_prefilling"
 """Replicas where another prompt of the same key was still prefilling when this one was routed, with
 the cached tokens believed there at that moment."""
@@ -225,6 +227,13 @@ class PrefixAwareSettings(BaseModel):
         "this (two full 8192-token iterations) is not a candidate while another is under it, whatever "
         "it caches"
     )  # fmt: skip
+    kv_room_guard: bool = Field(
+        False, description="affinity that respects KV capacity: a replica whose requests in flight book "
+        "more KV memory than it holds once this one is added (prompt + max_tokens each, what "
+        "GUARANTEED_NO_EVICT books; capacity max_blocks_per_replica x block_size, or the replica's own "
+        "created event in precise mode) would queue it for memory, so it is not a candidate while another "
+        "has room, whatever it caches"
+    )  # fmt: skip
     pending_min_hit_rate: float = Field(
         0.5, ge=0, le=1, description="a believed match on a replica where the same shopper's previous "
         "prompt is still being prefilled counts only while at least this share of such prompts came back "
@@ -301,6 +310,9 @@ class PrefixAwareStats:
     """Decisions that skipped a replica because it already ran its share of this shopper's requests."""
     queue_cap_skips: int = 0
     """Decisions that skipped a replica whose queued prefill exceeded ``max_queued_tokens``."""
+    kv_room_skips: int = 0
+    """Decisions that skipped a replica whose booked KV memory had no room for the prompt
+    (``kv_room_guard``)."""
 
 
 @dataclass(slots=True)
@@ -354,6 +366,10 @@ class PrefixAwarePolicy:
         self._queued = QueuedPrefills(settings.cobatch_window_s, clock)
         """Attempts per (key, replica) whose prefill is not over (``prefill_done`` not called yet), and
         which of them are likely still queued (not admitted into an iteration): the co-batching rule."""
+        self._booked_kv: dict[str, int] = {}
+        """KV tokens the attempts in flight book on each replica (prompt + max_tokens), ``kv_room_guard``."""
+        self._kv_capacity: dict[str, int] = {}
+        """Replicas' KV capacity in tokens as their ``created`` events announced it (precise mode)."""
         self._traffic_share: dict[str, float] = {}
         """Each replica's recent share of the routed requests (EWMA over decisions; sums to about 1)."""
         self.stats = PrefixAwareStats()
@@ -400,6 +416,11 @@ class PrefixAwarePolicy:
             name: max(self.min_load_bound, math.ceil(self.load_factor * total * share / whole))
             for name, share in capacity.items()
         }
+
+    def kv_capacity_tokens(self, endpoint: Endpoint) -> int:
+        """The replica's KV memory in tokens: what its ``created`` event announced (precise mode), else
+        ``max_blocks_per_replica`` blocks."""
+        return self._kv_capacity.get(endpoint.name, self.max_blocks_per_replica * self.block_size)
 
     def load(self, endpoint: Endpoint) -> float:
         return endpoint.outstanding_prefill_tokens + self.decode_weight * endpoint.outstanding_decode_tokens
@@ -459,6 +480,15 @@ class PrefixAwarePolicy:
         if calm and len(calm) < len(eligible):
             self.stats.queue_cap_skips += 1
             eligible = calm
+        if self.settings.kv_room_guard:
+            # Affinity within capacity: a replica whose KV memory is booked full queues a new request
+            # for memory (GUARANTEED_NO_EVICT), however much of its prompt it caches.
+            need = request.prompt_tokens + request.max_tokens
+            booked = self._booked_kv
+            room = [e for e in eligible if booked.get(e.name, 0) + need <= self.kv_capacity_tokens(e)]
+            if room and len(room) < len(eligible):
+                self.stats.kv_room_skips += 1
+                eligible = room
         if self.settings.hot_key_spread:
             # A hot shopper spreads over more replicas once it holds its share of one.
             key_cap = max(self.settings.hot_key_min_inflight, self.settings.hot_key_share * bound)
@@ -511,6 +541,12 @@ class PrefixAwarePolicy:
         self._key_inflight[slot] = self._key_inflight.get(slot, 0) + 1
         counted: list[str] = request.memo.setdefault(_IN_FLIGHT, [])  # type: ignore[assignment]
         counted.append(chosen.name)
+        if self.settings.kv_room_guard:
+            booked_on: list[str] = request.memo.setdefault(_BOOKED, [])  # type: ignore[assignment]
+            booked_on.append(chosen.name)
+            self._booked_kv[chosen.name] = (
+                self._booked_kv.get(chosen.name, 0) + request.prompt_tokens + request.max_tokens
+            )
         if chosen.name in pending:
             sibling: dict[str, int] = request.memo.setdefault(_SIBLING, {})  # type: ignore[assignment]
             sibling[chosen.name] = cached[chosen.name] if cached[chosen.name] >= floor else 0
@@ -547,6 +583,14 @@ class PrefixAwarePolicy:
         if isinstance(counted, list) and endpoint.name in counted:
             counted.remove(endpoint.name)
             _release(self._key_inflight, (request.key, endpoint.name))
+        booked = request.memo.get(_BOOKED)
+        if isinstance(booked, list) and endpoint.name in booked:
+            booked.remove(endpoint.name)
+            left = self._booked_kv.get(endpoint.name, 0) - request.prompt_tokens - request.max_tokens
+            if left > 0:
+                self._booked_kv[endpoint.name] = left
+            else:
+                self._booked_kv.pop(endpoint.name, None)
 
     def estimate_uncached_tokens(self, request: RouteRequest, endpoint: Endpoint) -> int:
         expected = request.memo.get(_EXPECTED)
@@ -667,6 +711,9 @@ class PrefixAwarePolicy:
             if data.type == "created":
                 if window is not None and (cursor.max_window is None or window > cursor.max_window):
                     cursor.max_window = window
+                    if data.num_blocks_per_cache_level:  # the full-attention pool's GPU blocks
+                        blocks_held = data.num_blocks_per_cache_level[0]
+                        self._kv_capacity[endpoint.name] = blocks_held * self.block_size
                 continue
             if data.type not in ("stored", "removed"):
                 continue

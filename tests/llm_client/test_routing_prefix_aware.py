@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import collections
+import json
+import math
 
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -10,6 +12,7 @@ from hypothesis import strategies as st
 
 from llm_client.degradation import DegradationDetector, DegradationSettings, apply_health_changes
 from llm_client.endpoints import Endpoint
+from llm_client.kv_events import parse_events
 from llm_client.routing import POLICIES, make_policy
 from llm_client.routing.base import RouteOutcome, RouteRequest
 from llm_client.routing.prefix_aware import PrefixAwarePolicy, ReplicaBlockIndex
@@ -169,6 +172,37 @@ def test_a_long_prefill_queue_is_not_a_candidate() -> None:
     home.outstanding_prefill_tokens = 12_000  # more than the cap: its cache no longer pays for the wait
     assert policy.choose(shopper_prompt("ida", 61), eps) is not home
     assert policy.stats.queue_cap_skips == 1
+
+
+def test_kv_room_guard_moves_a_prompt_off_a_replica_whose_kv_memory_is_booked_full() -> None:
+    """Each request in flight books prompt + max_tokens of KV memory, as GUARANTEED_NO_EVICT admits it;
+    a third request of the shopper would wait for memory on its home replica, so it goes elsewhere;
+    once an answer frees room, home is a candidate again. Off by default: the cache wins."""
+    need = shopper_prompt("kim", 63).prompt_tokens + 200
+    blocks = math.ceil(2.5 * need / 32)  # room for two such requests, not three
+    for guard in (True, False):
+        policy, eps = (
+            PrefixAwarePolicy(load_factor=100, max_blocks_per_replica=blocks, kv_room_guard=guard),
+            endpoints(4),
+        )
+        home = route(policy, shopper_prompt("kim", 60), eps)  # answered: books nothing any more
+        first, second = (shopper_prompt("kim", 61 + i) for i in range(2))
+        assert [policy.choose(r, eps) for r in (first, second)] == [home, home]  # in flight there
+        third = policy.choose(shopper_prompt("kim", 63), eps)
+        assert (third is not home) == guard and policy.stats.kv_room_skips == int(guard)
+        cached = first.prompt_tokens - policy.estimate_uncached_tokens(first, home)
+        policy.observe(first, home, RouteOutcome(True, first.prompt_tokens, cached))  # room again at home
+        fourth = policy.choose(shopper_prompt("kim", 64), eps)
+        assert fourth in (home, third) and policy.stats.kv_room_skips == int(guard)  # no skip now
+
+
+def test_precise_mode_takes_each_replicas_kv_capacity_from_its_created_event() -> None:
+    policy, eps = PrefixAwarePolicy(kv_events="precise", max_blocks_per_replica=100), endpoints(2)
+    created = {"type": "created", "num_blocks_per_cache_level": [1848, 0]}
+    raw = json.dumps([{"event_id": 0, "window_size": 32768, "data": created}]).encode()
+    policy.apply_kv_events(eps[0], parse_events(raw))
+    assert policy.kv_capacity_tokens(eps[0]) == 1848 * 32
+    assert policy.kv_capacity_tokens(eps[1]) == 100 * 32  # no event yet: the configured bound
 
 
 def test_spreads_cold_shoppers() -> None:
