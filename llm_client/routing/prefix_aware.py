@@ -714,6 +714,8 @@ class PrefixAwarePolicy:
                     if data.num_blocks_per_cache_level:  # the full-attention pool's GPU blocks
                         blocks_held = data.num_blocks_per_cache_level[0]
                         self._kv_capacity[endpoint.name] = blocks_held * self.block_size
+                        # the engine-hash map holds what the replica holds, however the index is bounded
+                        blocks.capacity = max(blocks.capacity, 4 * blocks_held)
                 continue
             if data.type not in ("stored", "removed"):
                 continue

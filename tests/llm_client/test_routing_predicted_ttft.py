@@ -34,7 +34,10 @@ def route(text: str, key: str = "s1") -> RouteRequest:
 
 
 def words(n: int, seed: str = "w") -> str:
-    return "".join(f" {seed}{i % 97}x" for i in range(n // 2))
+    """About ``1.5 x n`` tokens: three a word (" w", "4", "x"; the tokenizer takes one digit a token), so
+    a seed's digits are spelled as letters."""
+    seed = seed.translate(str.maketrans("0123456789", "abcdefghij"))
+    return "".join(f" {seed}{i % 10}x" for i in range(n // 2))
 
 
 def fleet() -> tuple[list[Endpoint], list[Endpoint]]:
