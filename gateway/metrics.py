@@ -146,6 +146,11 @@ class ClientCollector(Collector):
         )
         served = CounterMetricFamily("gateway_replica_served", "Attempts answered", labels=["replica"])
         failed = CounterMetricFamily("gateway_replica_failed", "Attempts failed", labels=["replica"])
+        refused = CounterMetricFamily(
+            "gateway_replica_refused",
+            "Attempts the replica refused for load (429): not failures",
+            labels=["replica"],
+        )
         ejections = CounterMetricFamily("gateway_replica_ejections", "Times ejected", labels=["replica"])
         state = GaugeMetricFamily(
             "gateway_replica_state",
@@ -163,11 +168,12 @@ class ClientCollector(Collector):
             outstanding.add_metric(label, endpoint.outstanding)
             served.add_metric(label, endpoint.served)
             failed.add_metric(label, endpoint.failed)
+            refused.add_metric(label, endpoint.refused)
             ejections.add_metric(label, endpoint.ejections)
             state.add_metric([endpoint.name, endpoint.routing_state], 1.0)
             for kind, count in sorted(endpoint.invalid_answers.items()):
                 invalid.add_metric([endpoint.name, kind], float(count))
-        yield from (routable, outstanding, served, failed, ejections, state, invalid)
+        yield from (routable, outstanding, served, failed, refused, ejections, state, invalid)
         yield from _policy_counters(client)
         yield from _group_weights(client)
 

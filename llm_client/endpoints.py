@@ -25,6 +25,8 @@ class Endpoint:
     consecutive_failures: int = 0
     served: int = 0
     failed: int = 0
+    refused: int = 0
+    """Attempts it refused for load (HTTP 429): not failures, they count against nothing."""
     ejections: int = 0
     restarts_detected: int = 0
     latency_ewma_ms: float | None = None

@@ -5,7 +5,8 @@ The tree (the project's whole hierarchy is drawn in ``prompt_assembly.errors``):
     LLMError
     ├── TransportError  (retryable)      the replica could not be reached, or broke off
     │   ├── EndpointUnavailable          refused, reset or cut off; a 5xx or 429
-    │   │   └── ConnectionFailed         ... at the connection: the replica is ejected at once
+    │   │   ├── ConnectionFailed         ... at the connection: the replica is ejected at once
+    │   │   └── Overloaded               ... a 429: alive and shedding load, never counted against it
     │   └── AttemptTimeout               one attempt ran past its share of the deadline
     ├── InvalidAnswer   (retried once)   a 2xx that is no usable answer: not JSON, the wrong shape or
     │   │                                types, empty, or not what the caller's schema requires
@@ -63,6 +64,14 @@ class EndpointUnavailable(TransportError):
     ) -> None:
         super().__init__(message, endpoint=endpoint)
         self.retry_after_s = retry_after_s
+
+
+class Overloaded(EndpointUnavailable):
+    """The server answered and refused for load (HTTP 429, as a gateway sheds overload): it is alive
+    and did what it should, so nothing counts against its health (``Fleet.refused``). Counted as a
+    failure, two in a row ejected a gateway until its ``/health`` answered, leaving a client with one
+    gateway no replica at all. The retry goes to another replica, or back to it after its
+    ``Retry-After``."""
 
 
 class ConnectionFailed(EndpointUnavailable):

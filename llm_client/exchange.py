@@ -22,7 +22,7 @@ from llm_client.answer_probes import AnswerProber, ProbeRequest
 from llm_client.answers import AnswerValidator, parse_body, read_body, read_stream, validated
 from llm_client.config import ClientConfig
 from llm_client.endpoints import Endpoint
-from llm_client.errors import ConnectionFailed, InvalidAnswer, LLMError
+from llm_client.errors import InvalidAnswer, LLMError
 from llm_client.fleet import Fleet
 from llm_client.models import Completion
 from llm_client.routing import RouteOutcome, RouteRequest
@@ -97,9 +97,8 @@ class Exchange:
             raise
         except LLMError as exc:
             # A slow connect or read on a busy replica is not a dead replica: it counts towards the
-            # consecutive-failure limit; a failed connection ejects at once.
-            if exc.retryable:
-                self.fleet.failed(endpoint, route, connection=isinstance(exc, ConnectionFailed))
+            # consecutive-failure limit; a failed connection ejects at once; a 429 counts for nothing.
+            self.fleet.attempt_failed(endpoint, route, exc)
             raise
         except asyncio.CancelledError:
             # The caller's deadline: the replica did nothing wrong, nothing is learned.

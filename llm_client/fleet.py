@@ -20,7 +20,7 @@ from llm_client.answer_health import AnswerHealth, Quarantine
 from llm_client.config import ClientConfig
 from llm_client.degradation import DegradationDetector, apply_health_changes
 from llm_client.endpoints import Endpoint, endpoint_name
-from llm_client.errors import InvalidAnswer, NoHealthyEndpoint
+from llm_client.errors import ConnectionFailed, InvalidAnswer, LLMError, NoHealthyEndpoint, Overloaded
 from llm_client.routing import RouteOutcome, RouteRequest, RoutingPolicy
 from llm_client.routing.base import prefill_observer
 from llm_client.routing.pd_aware import PdAwarePolicy
@@ -127,8 +127,22 @@ class Fleet:
         self.evaluate_health()
         self.observe(route, endpoint, outcome)
 
+    def attempt_failed(self, endpoint: Endpoint, route: RouteRequest, error: LLMError) -> None:
+        """How a retryable error of one attempt counts: a refusal for load (``Overloaded``) against
+        nothing (``refused``), any other against the replica (``failed``)."""
+        if isinstance(error, Overloaded):
+            self.refused(endpoint, route)
+        elif error.retryable:
+            self.failed(endpoint, route, connection=isinstance(error, ConnectionFailed))
+
+    def refused(self, endpoint: Endpoint, route: RouteRequest) -> None:
+        """The replica refused for load (a 429): alive and working, so no failure is recorded, nothing
+        is ejected or drained; only the policy learns that this request was not served there."""
+        endpoint.refused += 1
+        self.observe(route, endpoint, RouteOutcome(ok=False))
+
     def failed(self, endpoint: Endpoint, route: RouteRequest, *, connection: bool) -> None:
-        """A retryable failure (5xx, 429, timeout, broken connection): a failed connection ejects at
+        """A retryable failure (5xx, timeout, broken connection): a failed connection ejects at
         once, other failures after ``eject_after_failures`` in a row."""
         endpoint.record_failure()
         self.observe(route, endpoint, RouteOutcome(ok=False, connection_failed=connection))

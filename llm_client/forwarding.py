@@ -15,7 +15,7 @@ import aiohttp
 from llm_client.answers import usage_from_documents
 from llm_client.config import ClientConfig
 from llm_client.endpoints import Endpoint
-from llm_client.errors import ConnectionFailed, InvalidAnswer, LLMError
+from llm_client.errors import InvalidAnswer, LLMError
 from llm_client.fleet import Fleet
 from llm_client.passthrough import Forwarded
 from llm_client.routing import RouteOutcome, RouteRequest
@@ -73,8 +73,8 @@ class Forwarder:
             forwarded.release()
             raise
         except LLMError as exc:
-            if exc.retryable:  # as for a parsed call: blocks gone at the pull are not the replica's failure
-                self.fleet.failed(endpoint, route, connection=isinstance(exc, ConnectionFailed))
+            # As for a parsed call: blocks gone at the pull are not the replica's failure, nor a 429.
+            self.fleet.attempt_failed(endpoint, route, exc)
             forwarded.release()
             raise
         except BaseException:

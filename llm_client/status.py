@@ -15,7 +15,7 @@ import time
 import aiohttp
 
 from llm_client.endpoints import Endpoint
-from llm_client.errors import BadRequest, EndpointUnavailable, KvCacheGone
+from llm_client.errors import BadRequest, EndpointUnavailable, KvCacheGone, Overloaded
 
 ERROR_BODY_MAX_BYTES = 4096
 _UTC = datetime.UTC
@@ -29,17 +29,16 @@ KV_GONE_STATUSES = frozenset({404, 409})
 
 async def raise_for_status(response: aiohttp.ClientResponse, endpoint: Endpoint) -> None:
     """Raise the error a status of 400 or more stands for: ``KvCacheGone`` (a P/D hand-over whose blocks
-    were gone), ``EndpointUnavailable`` (429, 5xx: retryable; with the server's ``Retry-After`` on a
-    429 or 503) or ``BadRequest`` (any other 4xx)."""
+    were gone), ``Overloaded`` (429) or ``EndpointUnavailable`` (5xx), both retryable and with the
+    server's ``Retry-After`` on a 429 or 503, or ``BadRequest`` (any other 4xx)."""
     body = (await response.content.read(ERROR_BODY_MAX_BYTES)).decode("utf-8", "replace")
     detail = body[:300]
     if response.status in (404, 409, 503) and KV_CACHE_GONE in body:
         raise KvCacheGone(f"HTTP {response.status}: {detail}", endpoint=endpoint.name)
     if response.status == 429 or response.status >= 500:
         wait_s = retry_after_s(response.headers.get("Retry-After")) if response.status in (429, 503) else None
-        raise EndpointUnavailable(
-            f"HTTP {response.status}: {detail}", endpoint=endpoint.name, retry_after_s=wait_s
-        )
+        error = Overloaded if response.status == 429 else EndpointUnavailable
+        raise error(f"HTTP {response.status}: {detail}", endpoint=endpoint.name, retry_after_s=wait_s)
     raise BadRequest(f"HTTP {response.status}: {detail}", endpoint=endpoint.name)
 
 

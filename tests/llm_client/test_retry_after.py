@@ -18,7 +18,7 @@ from aiohttp import web
 
 from llm_client import ClientConfig, LLMClient
 from llm_client.config import HealthSettings, RetrySettings, Timeouts
-from llm_client.errors import EndpointUnavailable
+from llm_client.errors import EndpointUnavailable, Overloaded
 from llm_client.status import retry_after_s
 
 MESSAGES = [{"role": "user", "content": "Describe shopper s1."}]
@@ -145,3 +145,36 @@ def test_retry_after_forms() -> None:
     assert retry_after_s(email.utils.formatdate(now - 120, usegmt=True), now=now) == 0.0
     for unreadable in (None, "", "soon", "-5", "nan", "inf", "Mon, 99 Foo 2026"):
         assert retry_after_s(unreadable) is None, unreadable
+
+
+async def test_refusals_for_load_never_eject_the_server() -> None:
+    """A lone gateway sheds load with more 429s in a row than ``eject_after_failures``: they are
+    refusals, not failures (``Fleet.refused``), so it stays routable and answers the next call. Counted
+    as failures, two 429s ejected it, and every caller waited for its ``/health``."""
+    strict = HealthSettings(interval_s=0.05, eject_after_failures=2)
+    async with (
+        serving(RefusingServer(refusals=4, retry_after="0")) as gateway,
+        LLMClient(config(gateway.url).model_copy(update={"health": strict})) as client,
+    ):
+        with pytest.raises(Overloaded):
+            await client.chat(MESSAGES, routing_key="s1", max_tokens=5)
+        (endpoint,) = client.endpoints
+        assert (endpoint.refused, endpoint.failed, endpoint.ejections) == (3, 0, 0)
+        assert endpoint.routable
+        completion = await client.chat(MESSAGES, routing_key="s1", max_tokens=5)
+    assert completion.attempts == 2 and len(gateway.arrivals) == 5
+
+
+async def test_a_5xx_still_counts_against_the_server() -> None:
+    """Only a 429 is a refusal: a 503 is the server failing, and two in a row eject it."""
+    strict = HealthSettings(interval_s=60, eject_after_failures=2)
+    async with (
+        serving(RefusingServer(refusals=2, retry_after=None, status=503)) as broken,
+        serving(RefusingServer(refusals=0, retry_after=None)) as spare,
+        LLMClient(config(broken.url, spare.url).model_copy(update={"health": strict})) as client,
+    ):
+        for _ in range(2):
+            await client.chat(MESSAGES, routing_key="s1", max_tokens=5)
+        failing = next(e for e in client.endpoints if broken.url.endswith(e.name))
+        assert (failing.failed, failing.refused, failing.ejections) == (2, 0, 1)
+        assert not failing.routable
