@@ -32,7 +32,15 @@ _CLASS = {"purchase": 0, "add_to_cart": 0, "browse_pause": 1}
 URGENT_CLASS = 0
 """The class of purchase and cart prompts."""
 
+BACKFILL_CLASS = 2
+"""Prompts past their class's wait budget (``OverloadSettings.past_budget``): admitted only when no
+prompt within its budget waits."""
+
 Rank = tuple[int, int]
+
+
+class Evicted(Exception):
+    """A waiting prompt the gate let go without a slot (``AdmissionGate.evict_oldest``)."""
 
 
 @dataclass(order=True, slots=True)
@@ -63,6 +71,8 @@ class AdmissionGate:
         self._arrivals = itertools.count()
         self.waiting = 0
         """Prompts waiting for admission now."""
+        self.backfilled = 0
+        """Prompts moved to the backfill after waiting past their class's budget."""
         self.admitted_newest_first = 0
         """Prompts admitted ahead of older ones of their class, because the class had a standing queue."""
 
@@ -79,14 +89,19 @@ class AdmissionGate:
         """Its place in the queue: (class, arrival)."""
         return (self.class_of(prompt), next(self._arrivals))
 
+    def backfill_rank(self) -> Rank:
+        """A place behind every prompt within its wait budget, for one that waited past it."""
+        self.backfilled += 1
+        return (BACKFILL_CLASS, next(self._arrivals))
+
     def oldest_wait_s(self, klass: int) -> float:
         """How long the oldest prompt of ``klass`` still waiting has waited (0 when none waits)."""
         queue = self._live(klass)
         return 0.0 if not queue else self._clock() - queue[0].enqueued_at
 
     async def acquire(self, rank: Rank) -> None:
-        """Until a slot is free and no better-ranked prompt waits. Cancelled while waiting, it holds
-        no slot (one granted in the same instant is passed on)."""
+        """Until a slot is free and no better-ranked prompt waits (``Evicted`` when let go without one).
+        Cancelled while waiting, it holds no slot (one granted in the same instant is passed on)."""
         if self.active < self.limit and not self.waiting:
             self.active += 1
             return
@@ -97,11 +112,23 @@ class AdmissionGate:
         try:
             await future
         except asyncio.CancelledError:
-            if future.done() and not future.cancelled():
-                self.release()  # granted just as it was cancelled: hand the slot on
-            else:
+            if future.cancelled():
                 self.waiting -= 1  # its entry stays in its queue, done, and is skipped when reached
-            raise
+            elif future.exception() is None:
+                self.release()  # granted just as it was cancelled: hand the slot on
+            raise  # (evicted just as it was cancelled: evict_oldest counted it already)
+
+    def waiting_in(self, klass: int) -> int:
+        """Prompts of ``klass`` waiting now."""
+        return len(self._live(klass))
+
+    def evict_oldest(self, klass: int) -> None:
+        """Let the longest-waiting prompt of ``klass`` go without a slot: its ``acquire`` raises
+        ``Evicted``. Nothing happens when none of ``klass`` waits."""
+        queue = self._live(klass)
+        if queue:
+            queue.pop(0).future.set_exception(Evicted())
+            self.waiting -= 1
 
     def release(self) -> None:
         """Give a slot back, then admit the best-ranked waiting prompts while slots are free."""

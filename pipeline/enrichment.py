@@ -28,7 +28,7 @@ from pydantic import BaseModel, Field, ValidationError
 
 from llm_client.client import LLMClient
 from llm_client.errors import InvalidAnswer, LLMError
-from pipeline.admission import AdmissionGate
+from pipeline.admission import BACKFILL_CLASS, AdmissionGate, Evicted
 from pipeline.admission_limit import AdaptiveAdmissionLimit
 from pipeline.answer_ledger import AnswerLedger
 from pipeline.latest_wins import Arrival, Claim, ShopperClaims
@@ -139,16 +139,17 @@ class Enricher:
         return result
 
     async def _admitted(self, prompt: PromptRequest, claim: Claim) -> EnrichmentResult:
-        """Wait for admission (by priority, at most the class's budget:
-        ``OverloadSettings.wait_budget_s``), then ask the model while holding a slot."""
-        stale_after = self.settings.overload.wait_budget_s(prompt.reason)
+        """Wait for admission (by priority; past the class's budget, ``OverloadSettings.wait_budget_s``,
+        behind every fresher prompt, or dropped: ``max_backfill``), then ask the model holding a slot."""
+        overload = self.settings.overload
         arrived = time.perf_counter()
         try:
-            async with asyncio.timeout(stale_after):
+            async with asyncio.timeout(overload.wait_budget_s(prompt.reason)):
                 await self.gate.acquire(self.gate.rank_of(prompt))
         except TimeoutError:
-            self.counts.dropped_stale += 1
-            return _superseded(prompt, "stale", None)
+            if not await self._backfilled(overload.max_backfill):
+                self.counts.dropped_stale += 1
+                return _superseded(prompt, "stale", None)
         sent = time.perf_counter()
         try:
             claim.in_flight = True
@@ -172,6 +173,21 @@ class Enricher:
         elif isinstance(result, EnrichmentError) and result.attempts:
             self._not_landed(prompt, sent)
         return result
+
+    async def _backfilled(self, limit: int) -> bool:
+        """Admitted from the backfill (True), or let go (False: ``limit`` 0, or a longer-waiting
+        backfilled prompt is let go to make room, this one later in its turn). A prompt past its
+        budget is its shopper's newest (latest wins): dropped, the shopper's signal would freeze until
+        a next trigger that may never come; behind every fresher prompt, it lands once there is room."""
+        if limit == 0:
+            return False
+        if self.gate.waiting_in(BACKFILL_CLASS) >= limit:
+            self.gate.evict_oldest(BACKFILL_CLASS)
+        try:
+            await self.gate.acquire(self.gate.backfill_rank())
+        except Evicted:
+            return False
+        return True
 
     def _not_landed(self, prompt: PromptRequest, sent: float) -> None:
         """A prompt sent whose answer will not land: its tokens count as spent for nothing."""

@@ -69,6 +69,15 @@ class OverloadSettings(BaseModel):
         description="latest_wins_priority: a purchase or cart prompt waiting for admission longer than "
         "this is dropped as stale (they go first, so only when they alone exceed the fleet); None: never",
     )
+    max_backfill: int = Field(
+        256,
+        ge=0,
+        description="latest_wins_priority: prompts past their class's wait budget kept to be answered "
+        "once no fresher prompt waits (backfill), at most this many at once per process; past it the "
+        "one that has waited longest is dropped as stale; 0 drops each at its budget. A shopper's prompt "
+        "past its budget is its newest (latest wins): dropped, the shopper keeps an old signal, or none, "
+        "until a next trigger that may never come. Keep it under the Flink job's async capacity (512)",
+    )
     lifo_after_s: float | None = Field(
         1.0,
         gt=0,
@@ -85,7 +94,8 @@ class OverloadSettings(BaseModel):
         return self.policy == "latest_wins_priority"
 
     def wait_budget_s(self, reason: str) -> float | None:
-        """How long a prompt of this trigger may wait for admission before it is dropped as stale."""
+        """How long a prompt of this trigger may wait for admission before it goes to the backfill (or is
+        dropped as stale: ``max_backfill``); None: as long as it takes."""
         if not self.by_priority:
             return None
         return self.freshness_target_s if reason == "browse_pause" else self.urgent_max_wait_s
@@ -101,7 +111,8 @@ class OverloadCounts:
     """Replaced by the shopper's newer prompt after they were sent: the request was closed."""
     dropped_stale: int = 0
     """Prompts that waited past their class's budget for admission (``freshness_target_s`` for a browse
-    pause, ``urgent_max_wait_s`` for purchase and cart)."""
+    pause, ``urgent_max_wait_s`` for purchase and cart) and were then dropped: at once with
+    ``max_backfill`` 0, else the longest-waiting backfilled prompt when a new one finds it full."""
     skipped_answered: int = 0
     """Replays answered from the answer ledger, without a call."""
     joined: int = 0

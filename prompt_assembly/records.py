@@ -102,8 +102,9 @@ class EnrichmentError(BaseModel):
 
 
 SupersededCause = Literal["newer_prompt", "stale"]
-"""``newer_prompt``: the same shopper's newer prompt arrived first (latest wins); ``stale``: a browse
-pause waited for admission past the freshness target and was dropped rather than computed."""
+"""``newer_prompt``: the same shopper's newer prompt arrived first (latest wins); ``stale``: it waited
+for admission past its class's budget and was then dropped rather than computed
+(``pipeline.overload.OverloadSettings.max_backfill``)."""
 
 
 class Superseded(BaseModel):

@@ -181,6 +181,12 @@ class _StateCollector(Collector):
                 "Prompts admitted ahead of older ones of their class: the class had a standing queue",
                 enrichment.gate.admitted_newest_first,
             )
+            yield counter(
+                "admission_backfilled",
+                "Prompts that waited past their class's budget and went behind every fresher prompt "
+                "(OverloadSettings.max_backfill); answered once there is room, unless dropped as stale",
+                enrichment.gate.backfilled,
+            )
             tokens = CounterMetricFamily(
                 f"{PREFIX}_llm_tokens",
                 "Tokens of prompts sent, by whether their answer landed and by phase (prefill: uncached "

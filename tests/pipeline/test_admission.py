@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import asyncio
 
-from pipeline.admission import AdmissionGate
+from pipeline.admission import AdmissionGate, Evicted
 
 
 async def settle() -> None:
@@ -102,3 +102,30 @@ async def admitted_order(lifo_after_s: float | None) -> list[int]:
 async def test_a_standing_queue_is_served_newest_first_within_its_class() -> None:
     assert await admitted_order(lifo_after_s=1.0) == [2, 4, 3, 1]
     assert await admitted_order(lifo_after_s=None) == [2, 3, 4, 1]
+
+
+async def test_an_evicted_waiter_leaves_without_a_slot_and_the_next_one_gets_it() -> None:
+    """``evict_oldest`` lets the longest-waiting prompt of a class go (its ``acquire`` raises
+    ``Evicted``); it holds nothing, counts no longer as waiting, and a released slot goes on to the
+    next. One cancelled just after it was evicted is not counted twice."""
+    gate = AdmissionGate(lambda: 1, by_priority=True)
+    await gate.acquire((0, 0))
+    oldest = asyncio.create_task(gate.acquire((2, 1)))
+    newer = asyncio.create_task(gate.acquire((2, 2)))
+    last = asyncio.create_task(gate.acquire((2, 3)))
+    await settle()
+    assert (gate.waiting, gate.waiting_in(2)) == (3, 3)
+    gate.evict_oldest(2)
+    await settle()
+    assert isinstance(oldest.exception(), Evicted)
+    assert (gate.active, gate.waiting, gate.waiting_in(2)) == (1, 2, 2)
+    gate.evict_oldest(2)  # evicts newer ...
+    newer.cancel()  # ... and cancels it before it runs: counted once
+    await settle()
+    assert newer.cancelled()
+    assert (gate.active, gate.waiting) == (1, 1)
+    gate.release()
+    await last  # the slot goes on to the last waiter
+    assert (gate.active, gate.waiting) == (1, 0)
+    gate.evict_oldest(2)  # none waits: nothing happens
+    assert (gate.active, gate.waiting) == (1, 0)

@@ -205,14 +205,64 @@ async def test_purchase_and_cart_go_before_browse_pauses_at_a_saturated_gate() -
     assert await admission_order("latest_wins") == ["s-browse-0", "s-browse-1", "s-cart-0", "s-cart-1"]
 
 
-async def test_a_browse_pause_waiting_past_the_freshness_target_is_dropped() -> None:
-    browse, cart = Shopper("s-stale").browse_pause(), Shopper("s-buyer").cart()
+async def test_a_prompt_past_its_budget_goes_behind_fresher_ones_and_is_still_answered() -> None:
+    """By default a browse pause that waited past the freshness target is not dropped: it is its
+    shopper's newest prompt, and dropped it would leave the shopper's signal old until a next trigger.
+    It goes behind the cart add that arrives after it (backfill) and is answered once there is room."""
+    browse, cart = Shopper("s-late").browse_pause(), Shopper("s-buyer").cart()
+    answered: list[str] = []
     async with running_simulator(time_scale=0.01) as sim, LLMClient(client_config(sim.url)) as client:
         enrich = enricher(client, max_in_flight=1, freshness_target_s=0.05)
+        assert enrich.settings.overload.max_backfill > 0  # the default backfills
+
+        async def one(prompt: PromptRequest) -> EnrichmentResult:
+            result = await enrich.enrich(prompt)
+            answered.append(prompt.shopper_id)
+            return result
+
+        await enrich.gate.acquire(HELD)
+        late = asyncio.create_task(one(browse))
+        await until(lambda: enrich.gate.backfilled == 1)  # past its budget, still waiting
+        fresh = asyncio.create_task(one(cart))
+        await until(lambda: enrich.gate.waiting == 2)
+        enrich.gate.release()
+        results = [await late, await fresh]
+        metrics = await sim_metrics(sim)
+    assert [type(r) for r in results] == [ShopperInsight, ShopperInsight]
+    assert answered == ["s-buyer", "s-late"]
+    assert requests_received(metrics) == 2
+    assert enrich.counts.dropped_stale == 0
+
+
+async def test_a_full_backfill_lets_its_longest_waiting_prompt_go_as_stale() -> None:
+    """The backfill is bounded (``max_backfill``): a prompt that finds it full makes room by dropping
+    the one that has waited longest, as stale; the newer one is answered."""
+    first, second = Shopper("s-old").browse_pause(), Shopper("s-new").browse_pause()
+    async with running_simulator(time_scale=0.01) as sim, LLMClient(client_config(sim.url)) as client:
+        enrich = enricher(client, max_in_flight=1, freshness_target_s=0.05, max_backfill=1)
+        await enrich.gate.acquire(HELD)
+        dropping = asyncio.create_task(enrich.enrich(first))
+        await until(lambda: enrich.gate.backfilled == 1)
+        kept = asyncio.create_task(enrich.enrich(second))
+        dropped = await dropping  # returns while the slot is still held
+        assert enrich.gate.waiting == 1
+        enrich.gate.release()
+        answered = await kept
+        metrics = await sim_metrics(sim)
+    assert isinstance(dropped, Superseded) and dropped.cause == "stale" and dropped.superseded_by is None
+    assert isinstance(answered, ShopperInsight)
+    assert requests_received(metrics) == 1
+    assert (enrich.counts.dropped_stale, enrich.gate.backfilled) == (1, 2)
+
+
+async def test_without_backfill_a_browse_pause_waiting_past_the_freshness_target_is_dropped() -> None:
+    browse, cart = Shopper("s-stale").browse_pause(), Shopper("s-buyer").cart()
+    async with running_simulator(time_scale=0.01) as sim, LLMClient(client_config(sim.url)) as client:
+        enrich = enricher(client, max_in_flight=1, freshness_target_s=0.05, max_backfill=0)
         await enrich.gate.acquire(HELD)
         waiting_cart = asyncio.create_task(enrich.enrich(cart))
         dropped = await enrich.enrich(browse)  # returns while the slot is still held
-        assert enrich.gate.waiting == 1  # the cart add still waits: never dropped
+        assert enrich.gate.waiting == 1  # the cart add still waits: within its budget
         enrich.gate.release()
         answered = await waiting_cart
         metrics = await sim_metrics(sim)
@@ -222,12 +272,12 @@ async def test_a_browse_pause_waiting_past_the_freshness_target_is_dropped() -> 
     assert enrich.counts.dropped_stale == 1
 
 
-async def test_a_cart_add_waiting_past_its_budget_is_dropped() -> None:
+async def test_without_backfill_a_cart_add_waiting_past_its_budget_is_dropped() -> None:
     """Purchase and cart go first, but their wait is bounded too (``urgent_max_wait_s``): when they
-    alone are more than the fleet answers, the oldest are dropped rather than answered ever later."""
+    alone are more than the fleet answers, the oldest leave the queue rather than wait ever longer."""
     cart = Shopper("s-cart-stale").cart()
     async with running_simulator(time_scale=0.01) as sim, LLMClient(client_config(sim.url)) as client:
-        enrich = enricher(client, max_in_flight=1, urgent_max_wait_s=0.05)
+        enrich = enricher(client, max_in_flight=1, urgent_max_wait_s=0.05, max_backfill=0)
         await enrich.gate.acquire(HELD)
         async with asyncio.timeout(WAIT_S):
             dropped = await enrich.enrich(cart)  # returns while the slot is still held
