@@ -70,13 +70,13 @@ class OverloadSettings(BaseModel):
         "this is dropped as stale (they go first, so only when they alone exceed the fleet); None: never",
     )
     max_backfill: int = Field(
-        256,
+        0,
         ge=0,
         description="latest_wins_priority: prompts past their class's wait budget kept to be answered "
         "once no fresher prompt waits (backfill), at most this many at once per process; past it the "
-        "one that has waited longest is dropped as stale; 0 drops each at its budget. A shopper's prompt "
-        "past its budget is its newest (latest wins): dropped, the shopper keeps an old signal, or none, "
-        "until a next trigger that may never come. Keep it under the Flink job's async capacity (512)",
+        "one that has waited longest is dropped as stale; 0 (the default) drops each at its budget. A "
+        "shopper's prompt past its budget is its newest (latest wins): dropped, the shopper keeps an old "
+        "signal, or none, until a next trigger. Keep it under the Flink job's async capacity (512)",
     )
     lifo_after_s: float | None = Field(
         1.0,

@@ -205,15 +205,14 @@ async def test_purchase_and_cart_go_before_browse_pauses_at_a_saturated_gate() -
     assert await admission_order("latest_wins") == ["s-browse-0", "s-browse-1", "s-cart-0", "s-cart-1"]
 
 
-async def test_a_prompt_past_its_budget_goes_behind_fresher_ones_and_is_still_answered() -> None:
-    """By default a browse pause that waited past the freshness target is not dropped: it is its
-    shopper's newest prompt, and dropped it would leave the shopper's signal old until a next trigger.
-    It goes behind the cart add that arrives after it (backfill) and is answered once there is room."""
+async def test_with_a_backfill_a_prompt_past_its_budget_goes_behind_fresher_ones_and_is_answered() -> None:
+    """With a backfill (``max_backfill``), a browse pause that waited past the freshness target is not
+    dropped: it is its shopper's newest prompt, and dropped it would leave the shopper's signal old until
+    a next trigger. It goes behind the cart add that arrives after it and is answered once there is room."""
     browse, cart = Shopper("s-late").browse_pause(), Shopper("s-buyer").cart()
     answered: list[str] = []
     async with running_simulator(time_scale=0.01) as sim, LLMClient(client_config(sim.url)) as client:
-        enrich = enricher(client, max_in_flight=1, freshness_target_s=0.05)
-        assert enrich.settings.overload.max_backfill > 0  # the default backfills
+        enrich = enricher(client, max_in_flight=1, freshness_target_s=0.05, max_backfill=256)
 
         async def one(prompt: PromptRequest) -> EnrichmentResult:
             result = await enrich.enrich(prompt)
@@ -255,10 +254,10 @@ async def test_a_full_backfill_lets_its_longest_waiting_prompt_go_as_stale() -> 
     assert (enrich.counts.dropped_stale, enrich.gate.backfilled) == (1, 2)
 
 
-async def test_without_backfill_a_browse_pause_waiting_past_the_freshness_target_is_dropped() -> None:
+async def test_by_default_a_browse_pause_waiting_past_the_freshness_target_is_dropped() -> None:
     browse, cart = Shopper("s-stale").browse_pause(), Shopper("s-buyer").cart()
     async with running_simulator(time_scale=0.01) as sim, LLMClient(client_config(sim.url)) as client:
-        enrich = enricher(client, max_in_flight=1, freshness_target_s=0.05, max_backfill=0)
+        enrich = enricher(client, max_in_flight=1, freshness_target_s=0.05)
         await enrich.gate.acquire(HELD)
         waiting_cart = asyncio.create_task(enrich.enrich(cart))
         dropped = await enrich.enrich(browse)  # returns while the slot is still held
@@ -272,12 +271,12 @@ async def test_without_backfill_a_browse_pause_waiting_past_the_freshness_target
     assert enrich.counts.dropped_stale == 1
 
 
-async def test_without_backfill_a_cart_add_waiting_past_its_budget_is_dropped() -> None:
+async def test_by_default_a_cart_add_waiting_past_its_budget_is_dropped() -> None:
     """Purchase and cart go first, but their wait is bounded too (``urgent_max_wait_s``): when they
     alone are more than the fleet answers, the oldest leave the queue rather than wait ever longer."""
     cart = Shopper("s-cart-stale").cart()
     async with running_simulator(time_scale=0.01) as sim, LLMClient(client_config(sim.url)) as client:
-        enrich = enricher(client, max_in_flight=1, urgent_max_wait_s=0.05, max_backfill=0)
+        enrich = enricher(client, max_in_flight=1, urgent_max_wait_s=0.05)
         await enrich.gate.acquire(HELD)
         async with asyncio.timeout(WAIT_S):
             dropped = await enrich.enrich(cart)  # returns while the slot is still held
