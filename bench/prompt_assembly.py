@@ -8,10 +8,9 @@ stream. Pure CPU, one process, no I/O.
 from __future__ import annotations
 
 import argparse
-import json
 import time
 
-from bench.common import machine, percentile, print_table, results_dir
+from bench.common import machine, percentile, print_table, write_results
 from devstack.synthetic import SyntheticStream
 from prompt_assembly.events import parse_event
 from prompt_assembly.processor import SessionProcessor
@@ -103,11 +102,7 @@ def main() -> None:
         ],
         rows,
     )
-    out = results_dir()
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "prompt_assembly.json").write_text(
-        json.dumps({"machine": machine(), "results": results, "table": table})
-    )
+    write_results("prompt_assembly.json", {"results": results, "table": table})
 
 
 if __name__ == "__main__":

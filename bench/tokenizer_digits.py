@@ -12,12 +12,11 @@ activity-log budget now keeps. Pure CPU, one process.
 from __future__ import annotations
 
 import argparse
-import json
 import re
 import statistics
 
 import prompt_assembly.tokens as tokens
-from bench.common import machine, percentile, print_table, results_dir
+from bench.common import machine, percentile, print_table, write_results
 from devstack.synthetic import SyntheticStream
 from prompt_assembly.events import parse_event
 from prompt_assembly.processor import SessionProcessor
@@ -100,18 +99,9 @@ def main() -> None:
         ],
         rows,
     )
-    out = results_dir()
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "tokenizer_digits.json").write_text(
-        json.dumps(
-            {
-                "machine": machine(),
-                "events": args.events,
-                "shoppers": args.shoppers,
-                "results": results,
-                "table": table,
-            }
-        )
+    write_results(
+        "tokenizer_digits.json",
+        {"events": args.events, "shoppers": args.shoppers, "results": results, "table": table},
     )
 
 

@@ -263,6 +263,8 @@ def _parse(raw: bytes | bytearray | memoryview | None) -> ShopperEvent:
 _Unset = msgspec.UnsetType
 _UNSET = msgspec.UNSET
 _M = TypeVar("_M", bound=BaseModel)
+_V = TypeVar("_V")
+_D = TypeVar("_D")
 
 
 _WireShortText = Annotated[str, msgspec.Meta(min_length=1, max_length=200)]
@@ -326,22 +328,10 @@ def _from_wire(wire: _WireEvent) -> ShopperEvent | None:
     fields_set = _EVENT_ALL
     if product is _UNSET or query is _UNSET or schema_version is _UNSET or quantity is _UNSET:
         fields_set = set(_EVENT_REQUIRED)
-        if product is _UNSET:
-            product = None
-        else:
-            fields_set.add("product")
-        if query is _UNSET:
-            query = ""
-        else:
-            fields_set.add("query")
-        if schema_version is _UNSET:
-            schema_version = SCHEMA_VERSION
-        else:
-            fields_set.add("schema_version")
-        if quantity is _UNSET:
-            quantity = 1
-        else:
-            fields_set.add("quantity")
+        product = _given(product, None, "product", fields_set)
+        query = _given(query, "", "query", fields_set)
+        schema_version = _given(schema_version, SCHEMA_VERSION, "schema_version", fields_set)
+        quantity = _given(quantity, 1, "quantity", fields_set)
     if (not query) if wire.type == "search" else (product is None):
         return None
     values = {
@@ -363,18 +353,9 @@ def _product(wire: _WireProduct) -> ProductSnapshot:
     fields_set = _PRODUCT_ALL
     if brand is _UNSET or category is _UNSET or snippet is _UNSET:
         fields_set = set(_PRODUCT_REQUIRED)
-        if brand is _UNSET:
-            brand = ""
-        else:
-            fields_set.add("brand")
-        if category is _UNSET:
-            category = ""
-        else:
-            fields_set.add("category")
-        if snippet is _UNSET:
-            snippet = ""
-        else:
-            fields_set.add("snippet")
+        brand = _given(brand, "", "brand", fields_set)
+        category = _given(category, "", "category", fields_set)
+        snippet = _given(snippet, "", "snippet", fields_set)
     values = {
         "product_id": wire.product_id,
         "title": wire.title,
@@ -384,6 +365,15 @@ def _product(wire: _WireProduct) -> ProductSnapshot:
         "snippet": snippet,
     }
     return _built(ProductSnapshot, values, fields_set)
+
+
+def _given(value: _V | _Unset, default: _D, name: str, fields_set: set[str]) -> _V | _D:
+    """``value`` when the message gave it (recorded in ``fields_set``, as pydantic records it), else
+    the field's ``default``."""
+    if value is _UNSET:
+        return default
+    fields_set.add(name)
+    return value
 
 
 def _built(cls: type[_M], values: dict[str, Any], fields_set: set[str]) -> _M:
