@@ -13,6 +13,10 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from devstack.stack import StackSettings, StackState, stack_down, stack_up
+from prompt_assembly.events import parse_event
+from prompt_assembly.processor import SessionProcessor
+from prompt_assembly.records import PromptRequest
+from prompt_assembly.session import ShopperSession
 
 REPO = Path(__file__).resolve().parents[1]
 """The repository root: the working directory and ``PYTHONPATH`` of every process a benchmark starts, so
@@ -126,3 +130,20 @@ def process_group_cpu_seconds(pgid: int) -> float:
         if int(fields[2]) == pgid:
             total += sum(int(f) for f in fields[11:15])
     return total / os.sysconf("SC_CLK_TCK")
+
+
+def stream_prompts(records: Sequence[bytes]) -> list[PromptRequest]:
+    """Every prompt the session logic makes of ``records`` (events in order, one session per shopper),
+    then the pending triggers each session still holds at the end: pure CPU, no engine."""
+    processor = SessionProcessor()
+    sessions: dict[str, ShopperSession] = {}
+    prompts: list[PromptRequest] = []
+    for value in records:
+        event = parse_event(value)
+        session = sessions.get(event.shopper_id)
+        if session is None:
+            session = sessions[event.shopper_id] = processor.new_session(event.shopper_id)
+        prompts.extend(processor.apply(session, event, value).prompts)
+    for session in sessions.values():
+        prompts.extend(processor.flush(session))
+    return prompts

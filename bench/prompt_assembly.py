@@ -10,29 +10,15 @@ from __future__ import annotations
 import argparse
 import time
 
-from bench.common import machine, percentile, print_table, write_results
+from bench.common import machine, percentile, print_table, stream_prompts, write_results
 from devstack.synthetic import SyntheticStream
-from prompt_assembly.events import parse_event
-from prompt_assembly.processor import SessionProcessor
-from prompt_assembly.records import PromptRequest
-from prompt_assembly.session import ShopperSession
 from prompt_assembly.tokens import messages_text, token_ids
 
 
 def run(events: int, shoppers: int, seed: int) -> dict[str, float]:
     records = [value for _, value, _ in SyntheticStream(shoppers=shoppers, seed=seed).take(events)]
-    processor = SessionProcessor()
-    sessions: dict[str, ShopperSession] = {}
-    prompts: list[PromptRequest] = []
     started = time.perf_counter()
-    for value in records:
-        event = parse_event(value)
-        session = sessions.get(event.shopper_id)
-        if session is None:
-            session = sessions[event.shopper_id] = processor.new_session(event.shopper_id)
-        prompts.extend(processor.apply(session, event, value).prompts)
-    for session in sessions.values():
-        prompts.extend(processor.flush(session))
+    prompts = stream_prompts(records)
     seconds = time.perf_counter() - started
     # Exact reuse on a sample, by comparing token ids with the shopper's previous prompt.
     previous: dict[str, list[int]] = {}

@@ -16,12 +16,9 @@ import re
 import statistics
 
 import prompt_assembly.tokens as tokens
-from bench.common import machine, percentile, print_table, write_results
+from bench.common import machine, percentile, print_table, stream_prompts, write_results
 from devstack.synthetic import SyntheticStream
-from prompt_assembly.events import parse_event
-from prompt_assembly.processor import SessionProcessor
 from prompt_assembly.records import PromptRequest
-from prompt_assembly.session import ShopperSession
 from prompt_assembly.tokens import messages_text
 
 THREE_DIGITS = re.compile(r" ?[A-Za-z]{1,8}| ?[0-9]{1,3}| ?[^\sA-Za-z0-9]|\s+")
@@ -34,18 +31,7 @@ def assemble(events: int, shoppers: int, split: re.Pattern[str]) -> list[PromptR
     saved, tokens._PIECE = tokens._PIECE, split
     try:
         records = [value for _, value, _ in SyntheticStream(shoppers=shoppers, seed=7).take(events)]
-        processor = SessionProcessor()
-        sessions: dict[str, ShopperSession] = {}
-        prompts: list[PromptRequest] = []
-        for value in records:
-            event = parse_event(value)
-            session = sessions.get(event.shopper_id)
-            if session is None:
-                session = sessions[event.shopper_id] = processor.new_session(event.shopper_id)
-            prompts.extend(processor.apply(session, event, value).prompts)
-        for session in sessions.values():
-            prompts.extend(processor.flush(session))
-        return prompts
+        return stream_prompts(records)
     finally:
         tokens._PIECE = saved
 
