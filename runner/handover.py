@@ -23,6 +23,10 @@ from confluent_kafka import Consumer, KafkaException, TopicPartition
 if TYPE_CHECKING:
     from runner.embedded import EmbeddedRunner
 
+COMMIT_UNDER_WAY_WAIT_S = 2.0
+"""How long a revoke waits for an offset commit already under way before ending the lease anyway: one
+already sent to a live coordinator takes milliseconds; one librdkafka deferred waits for this callback."""
+
 
 class RebalanceHandover:
     def __init__(self, runner: EmbeddedRunner) -> None:
@@ -84,7 +88,13 @@ class RebalanceHandover:
                     runner.commits.commit_offsets(offsets, lease)
                 except KafkaException as exc:  # fenced or broker away: the next owner replays them
                     runner.log(f"rebalance: hand-over commit failed ({exc}); the next owner replays")
-        runner.assignment.end_lease()  # from here no save or commit of the old assignment happens
+        # From here no save or commit of the old assignment starts. A commit still under way can be
+        # waiting for this rebalance to move on, which waits for this callback: bounded (assignment).
+        if not runner.assignment.end_lease(wait_s=COMMIT_UNDER_WAY_WAIT_S):
+            runner.log(
+                f"rebalance: a commit under way did not finish within {COMMIT_UNDER_WAY_WAIT_S} s; "
+                "partitions handed over, the commit completes after (its offsets are durable)"
+            )
         with contextlib.suppress(Exception):
             asyncio.run_coroutine_threadsafe(self._forget_assignment(), loop).result(timeout=5)
         runner.assignment.partitions = []
