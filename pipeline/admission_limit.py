@@ -47,8 +47,7 @@ class AdaptiveLimitSettings(BaseModel):
         gt=0,
         description="a time per output token (first to last token) above this means the replicas' "
         "iterations are crowded (a saturated replica spends them on others' prefills): the limit is cut "
-        "too (bench.overload at 1x: 60 lands as many answers as without it, 14.8 -> 11.9 s p99; 40 "
-        "lands 7.7 s p99 and 20% fewer answers); None: the time to first token only",
+        "too (what 60 and 40 measured: docs/overload.md); None: the time to first token only",
     )
 
 

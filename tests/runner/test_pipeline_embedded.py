@@ -102,8 +102,16 @@ def test_every_event_and_prompt_is_accounted_for(isolated: Isolated) -> None:
     assert all(key == data["shopper_id"].encode() for key, data in by_id.values())
     s3_by_id = {r["request_id"]: r for r in s3_records}
     assert all(data == s3_by_id[rid] for rid, (_, data) in by_id.items())
-    # Session affinity made the prefix cache work: most prompt tokens were served from cache.
-    assert stats.cache_hit_ratio > 0.5
+    # Session affinity: each shopper's prompts go to the replica that holds its prefix, bar the few the
+    # router's load bound moves (about 0.98 of them here). Without affinity, a shopper's ~10 prompts
+    # spread over 3 replicas put about half on the most used one. (The cache hit ratio is no measure of
+    # this: on a backlog a shopper's next prompt is often sent before the previous one's blocks exist.)
+    answers = [record for record in s3_records if record["kind"] == "insight"]
+    by_shopper: dict[str, Counter[str]] = {}
+    for answer in answers:
+        by_shopper.setdefault(answer["shopper_id"], Counter())[answer["replica"]] += 1
+    on_home_replica = sum(max(c.values()) for c in by_shopper.values()) / len(answers)
+    assert on_home_replica > 0.9, on_home_replica
 
 
 def test_a_replica_killed_mid_run_loses_no_result(isolated: Isolated, tmp_path: Path) -> None:
