@@ -18,6 +18,7 @@ from llm_client.config import ClientConfig, HealthSettings, Timeouts
 from prompt_assembly.processor import SessionConfig
 from runner.config import RunnerSettings
 from sinks.config import SinkSettings
+from tests.timeout_report import pytest_timeout_set_timer  # noqa: F401  (a hung test's report ends with its id)
 
 SIM_TIME_SCALE = 0.01
 """Simulated H100 timings at 1/100: a 4k-token prefill takes ~5 ms, a 200-token answer ~0.1 s."""

@@ -1,0 +1,70 @@
+"""A test past its timeout ends the run with a report whose last lines name it.
+
+pytest-timeout's thread method prints every thread's stack and then the test's captured output, so
+the last lines of a CI log (often all that is kept) show some thread's frames and never say which
+test hung. This timer prints the same stacks, then the tail of what the test printed (a runner's
+progress lines say whether it was still moving), then the test's id, and ends the run as pytest-timeout
+does (``os._exit``: a hung thread cannot be joined).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import threading
+import traceback
+from typing import Any
+
+import pytest
+
+CAPTURED_TAIL_LINES = 12
+"""The captured output lines repeated just above the test's id."""
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_timeout_set_timer(item: pytest.Item, settings: Any) -> bool | None:
+    """Own the thread-method timer (pytest-timeout's own still serves the signal method)."""
+    if settings.method != "thread":
+        return None
+    timer = threading.Timer(settings.timeout, _timed_out, (item, settings.timeout))
+    timer.name = f"timeout {item.nodeid}"
+    timer.daemon = True
+
+    def cancel() -> None:
+        timer.cancel()
+        timer.join()
+
+    item.cancel_timeout = cancel  # type: ignore[attr-defined]  # pytest-timeout's cancel hook calls it
+    timer.start()
+    return True
+
+
+def _timed_out(item: pytest.Item, timeout: float) -> None:
+    stdout, stderr = "", ""
+    capman = item.config.pluginmanager.getplugin("capturemanager")
+    if capman is not None:  # first, so that sys.stderr below is the real one again
+        capman.suspend_global_capture(item)
+        stdout, stderr = capman.read_global_capture()
+    out = sys.stderr
+    try:
+        out.write(f"\n{'+' * 30} Timeout: {item.nodeid} {'+' * 30}\n")
+        _write_stacks(out)
+        captured = (stdout + stderr).splitlines()
+        out.write(f"~~~ last {CAPTURED_TAIL_LINES} of {len(captured)} captured lines ~~~\n")
+        out.write("".join(f"{line}\n" for line in captured[-CAPTURED_TAIL_LINES:]))
+        out.write(f"TIMEOUT after {timeout:.0f} s in {item.nodeid}\n")
+    except Exception:  # the report is best effort; ending the run is not
+        traceback.print_exc()
+    finally:
+        out.flush()
+        sys.stdout.flush()
+        os._exit(1)
+
+
+def _write_stacks(out: Any) -> None:
+    names = {thread.ident: thread.name for thread in threading.enumerate()}
+    me = threading.get_ident()
+    for ident, frame in sys._current_frames().items():
+        if ident != me:
+            out.write(f"~~~ stack of {names.get(ident, '<unknown>')} ({ident}) ~~~\n")
+            out.write("".join(traceback.format_stack(frame)))
