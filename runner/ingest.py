@@ -46,6 +46,9 @@ class Ingest:
         self._last_message_at = time.monotonic()
         self._held: list[Message] = []
         """Records a poll returned while the loop waited for the store: processed with the next poll."""
+        self.not_drained_because: str | None = None
+        """With ``until_drained``, what the last drain check waited for (the progress line shows it, so
+        a run that never ends says why)."""
 
     def consumer_config(self) -> dict[str, object]:
         s = self.settings
@@ -98,6 +101,7 @@ class Ingest:
                     runner.fail(self._consumer_failed(error) if isinstance(error, KafkaError) else exc)
                     return
                 self._last_message_at = runner.stats.last_event_at = time.monotonic()
+                self.not_drained_because = None
             elif s.until_drained and await self._caught_up():
                 return
 
@@ -281,19 +285,28 @@ class Ingest:
             self.paused = False
 
     async def _caught_up(self) -> bool:
+        self.not_drained_because = reason = await self._drain_blocker()
+        return reason is None
+
+    async def _drain_blocker(self) -> str | None:
+        """What keeps the run from being drained now (``None``: drained)."""
         runner = self.runner
         partitions = runner.assignment.partitions
-        if not partitions or runner.prompts.in_flight or self.paused:
-            return False
+        if not partitions:
+            return "no partitions assigned"
+        if runner.prompts.in_flight:
+            return f"{runner.prompts.in_flight} prompts in flight"
+        if self.paused:
+            return "paused by backpressure"
         if runner.handover.rearming:  # its timers are not armed yet: draining now would never fire them
-            return False
+            return "re-arming timers of assigned partitions"
         if time.monotonic() - self._last_message_at < self.settings.drain_idle_s:
-            return False
+            return f"quiet for less than drain_idle_s ({self.settings.drain_idle_s:g} s)"
         try:
             # the event topic, the repartition topic and copies not yet delivered (runner.repartition)
             lag = await asyncio.to_thread(
                 runner.rekeyer.behind, runner.consumer, self.settings.topic, partitions
             )
-        except KafkaException:  # the broker is away: not caught up, keep consuming (it waits)
-            return False
-        return lag == 0
+        except KafkaException as exc:  # the broker is away: not caught up, keep consuming (it waits)
+            return f"lag unknown ({exc})"
+        return None if lag == 0 else f"{lag} records behind"

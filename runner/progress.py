@@ -69,10 +69,12 @@ class ProgressLine:
         overload: OverloadCounts | None = None,
         waiting: int = 0,
         tokens: TokenCounts | None = None,
+        not_drained_because: str | None = None,
     ) -> str:
         """``overload``: the enricher's counts of prompts not sent on their own (``docs/overload.md``);
         ``waiting``: prompts waiting at its admission gate now (part of ``in_flight``); ``tokens``: its
-        tokens by whether their answer landed (``tokens-not-landed``: the share spent for nothing)."""
+        tokens by whether their answer landed (``tokens-not-landed``: the share spent for nothing);
+        ``not_drained_because``: with ``until_drained``, what the last drain check waited for."""
         now = time.monotonic()
         stats, acct = self.stats, self.stats.accounting
         rate = (acct.consumed - self._last_consumed) / max(1e-9, now - self._last_at)
@@ -99,6 +101,8 @@ class ProgressLine:
             line += f" sink-retries {stats.sink_retries}"
         if undelivered_dead_letters:
             line += f" dead-letters-undelivered {undelivered_dead_letters}"
+        if not_drained_because is not None and not final:
+            line += f" (not drained: {not_drained_because})"
         return line
 
 

@@ -390,3 +390,17 @@ def test_a_session_that_replaces_a_lost_ones_signal_is_counted_as_a_reset(isolat
     samples, _ = parse(scraped["metrics"])
     assert counted > 0, "a shopper of the stream got an answer over its lost session's signal"
     assert value(samples, "shopper_session_resets_total") == counted
+
+
+def test_an_until_drained_run_says_in_its_progress_line_what_it_waits_for(isolated: Isolated) -> None:
+    """A run that has stopped reading but not ended names what it waits for, so a run that never ends
+    (a test past its timeout, a backfill that hangs) says why in its last lines."""
+    records = SyntheticStream(shoppers=5, seed=17, malformed_rate=0.0).take(40)
+    produce_records(isolated.stack.kafka_bootstrap, isolated.topic, records)
+    logged: list[str] = []
+    runner = EmbeddedRunner(isolated.runner(progress_interval_s=0.2, drain_idle_s=2.0), log=logged.append)
+    stats = asyncio.run(runner.run())
+    assert stats.accounting.consumed == len(records)
+    waits = [line for line in logged if line.startswith("[progress]") and "(not drained: " in line]
+    assert any("(not drained: quiet for less than drain_idle_s (2 s))" in line for line in waits), logged
+    assert not [line for line in logged if line.startswith("[done]") and "not drained" in line]
