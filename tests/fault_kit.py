@@ -509,5 +509,10 @@ class RunnerLog(list[str]):
         self._at.append(time.monotonic() - self._t0)
         self.append(line)
 
-    def render(self) -> str:
-        return "\n".join(f"{at:8.2f} {line}" for at, line in zip(self._at, self, strict=False))
+    def render(self, last: int | None = None) -> str:
+        lines = list(zip(self._at, self, strict=False))
+        return "\n".join(f"{at:8.2f} {line}" for at, line in lines[-last if last else 0 :])
+
+    def timeout_report(self) -> str:
+        """The last lines, for ``tests.timeout_report`` when the case hangs past its timeout."""
+        return self.render(last=8)

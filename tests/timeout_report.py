@@ -3,8 +3,9 @@
 pytest-timeout's thread method prints every thread's stack and then the test's captured output, so
 the last lines of a CI log (often all that is kept) show some thread's frames and never say which
 test hung. This timer prints the same stacks, then the tail of what the test printed (a runner's
-progress lines say whether it was still moving), then the test's id, and ends the run as pytest-timeout
-does (``os._exit``: a hung thread cannot be joined).
+progress lines say whether it was still moving, and what an until-drained run waits for), the tail of
+any fixture that offers a ``timeout_report()`` (a runner's kept log), then the test's id, and ends
+the run as pytest-timeout does (``os._exit``: a hung thread cannot be joined).
 """
 
 from __future__ import annotations
@@ -52,6 +53,10 @@ def _timed_out(item: pytest.Item, timeout: float) -> None:
         captured = (stdout + stderr).splitlines()
         out.write(f"~~~ last {CAPTURED_TAIL_LINES} of {len(captured)} captured lines ~~~\n")
         out.write("".join(f"{line}\n" for line in captured[-CAPTURED_TAIL_LINES:]))
+        for name, value in getattr(item, "funcargs", {}).items():
+            report = getattr(value, "timeout_report", None)
+            if callable(report):  # a fixture that keeps a story of its own (tests.fault_kit.RunnerLog)
+                out.write(f"~~~ {name} ~~~\n{report()}\n")
         out.write(f"TIMEOUT after {timeout:.0f} s in {item.nodeid}\n")
     except Exception:  # the report is best effort; ending the run is not
         traceback.print_exc()
