@@ -465,6 +465,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     )
     parser.add_argument("--knobs", default="{}", help="predicted_ttft settings (JSON) for the mixed fleet")
     parser.add_argument(
+        "--tag", default="", help="results file suffix: regions_<scenario><tag>.json (a variant kept apart)"
+    )
+    parser.add_argument(
         "--report-from", type=Path, help="print the report of this results JSON again (same options)"
     )
     args = parser.parse_args(argv)
@@ -502,7 +505,7 @@ async def main(argv: Sequence[str] | None = None) -> None:
     text = report(runs, args, searched)
     RESULTS.mkdir(parents=True, exist_ok=True)
     name = f"lost_{args.lose}" if args.scenario == "lost" else args.scenario
-    path = RESULTS / f"regions_{name}.json"
+    path = RESULTS / f"regions_{name}{args.tag}.json"
     payload = {
         "machine": machine(),
         "args": vars(args),
