@@ -567,13 +567,15 @@ def regions_lost(paths: Sequence[Path]) -> str:
     them (its last table)."""
     (path,) = paths
     rows = _printed_rows(json.loads(path.read_text())["report"].split("\n\n")[-1])
+    # the share column names the region that survives: "share answered in east" when the west is lost
+    (share,) = [column for column in rows[0] if column.startswith("share answered in")]
     lines = [
-        "| arrivals | answered | errors | share answered in east | TTFT p50 ms | TTFT p99 ms |",
+        f"| arrivals | answered | errors | {share} | TTFT p50 ms | TTFT p99 ms |",
         "|---|---|---|---|---|---|",
     ]
     for row in rows:
         lines.append(
-            f"| {row['arrivals']} | {row['answered']} | {row['errors']} | {row['share answered in east']} | "
+            f"| {row['arrivals']} | {row['answered']} | {row['errors']} | {row[share]} | "
             f"{_number(row['TTFT p50 ms']):,.0f} | {_number(row['TTFT p99 ms']):,.0f} |"
         )
     return "\n".join(lines)
