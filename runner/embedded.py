@@ -345,5 +345,5 @@ class EmbeddedRunner:
             overload=None if enrichment is None else enrichment.counts,
             waiting=0 if enrichment is None else enrichment.gate.waiting,
             tokens=None if enrichment is None else enrichment.tokens,
-            not_drained_because=self.ingest.not_drained_because if self.settings.until_drained else None,
+            not_drained_because=self.ingest.not_drained_because,  # set by until_drained's check only
         )

@@ -2,10 +2,11 @@
 
 pytest-timeout's thread method prints every thread's stack and then the test's captured output, so
 the last lines of a CI log (often all that is kept) show some thread's frames and never say which
-test hung. This timer prints the same stacks, then the tail of what the test printed (a runner's
-progress lines say whether it was still moving, and what an until-drained run waits for), the tail of
-any fixture that offers a ``timeout_report()`` (a runner's kept log), then the test's id, and ends
-the run as pytest-timeout does (``os._exit``: a hung thread cannot be joined).
+test hung. This timer prints the stacks (pytest-timeout's own ``dump_stacks``), then the tail of what
+the test printed (a runner's progress lines say whether it was still moving, and what an
+until-drained run waits for), the tail of any fixture that offers a ``timeout_report()`` (a runner's
+kept log), then the test's id, and ends the run as pytest-timeout does (``os._exit``: a hung thread
+cannot be joined).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import traceback
 from typing import Any
 
 import pytest
+from pytest_timeout import dump_stacks
 
 CAPTURED_TAIL_LINES = 12
 """The captured output lines repeated just above the test's id."""
@@ -41,35 +43,28 @@ def pytest_timeout_set_timer(item: pytest.Item, settings: Any) -> bool | None:
 
 
 def _timed_out(item: pytest.Item, timeout: float) -> None:
-    stdout, stderr = "", ""
-    capman = item.config.pluginmanager.getplugin("capturemanager")
-    if capman is not None:  # first, so that sys.stderr below is the real one again
-        capman.suspend_global_capture(item)
-        stdout, stderr = capman.read_global_capture()
-    out = sys.stderr
+    terminal = item.config.get_terminal_writer()
     try:
-        out.write(f"\n{'+' * 30} Timeout: {item.nodeid} {'+' * 30}\n")
-        _write_stacks(out)
+        stdout, stderr = "", ""
+        capman = item.config.pluginmanager.getplugin("capturemanager")
+        if capman is not None:
+            capman.suspend_global_capture(item)
+            stdout, stderr = capman.read_global_capture()
+        terminal.sep("+", title=f"Timeout: {item.nodeid}")
+        dump_stacks(terminal)  # pytest-timeout's own: every thread but this one
         captured = (stdout + stderr).splitlines()
-        out.write(f"~~~ last {CAPTURED_TAIL_LINES} of {len(captured)} captured lines ~~~\n")
-        out.write("".join(f"{line}\n" for line in captured[-CAPTURED_TAIL_LINES:]))
+        terminal.sep("~", title=f"last {CAPTURED_TAIL_LINES} of {len(captured)} captured lines")
+        terminal.write("".join(f"{line}\n" for line in captured[-CAPTURED_TAIL_LINES:]))
         for name, value in getattr(item, "funcargs", {}).items():
             report = getattr(value, "timeout_report", None)
             if callable(report):  # a fixture that keeps a story of its own (tests.fault_kit.RunnerLog)
-                out.write(f"~~~ {name} ~~~\n{report()}\n")
-        out.write(f"TIMEOUT after {timeout:.0f} s in {item.nodeid}\n")
+                terminal.sep("~", title=name)
+                terminal.write(f"{report()}\n")
+        terminal.write(f"TIMEOUT after {timeout:.0f} s in {item.nodeid}\n")
     except Exception:  # the report is best effort; ending the run is not
         traceback.print_exc()
     finally:
-        out.flush()
+        terminal.flush()
         sys.stdout.flush()
+        sys.stderr.flush()
         os._exit(1)
-
-
-def _write_stacks(out: Any) -> None:
-    names = {thread.ident: thread.name for thread in threading.enumerate()}
-    me = threading.get_ident()
-    for ident, frame in sys._current_frames().items():
-        if ident != me:
-            out.write(f"~~~ stack of {names.get(ident, '<unknown>')} ({ident}) ~~~\n")
-            out.write("".join(traceback.format_stack(frame)))
