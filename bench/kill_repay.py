@@ -2,7 +2,7 @@
 LLM calls counted at the replicas against a clean run of the same stream.
 
     .venv/bin/python -m bench.kill_repay [--events 4000] [--shoppers 150] [--repeats 3]
-        [--scenarios backlog,paced,gateway,gateway_paced,flink] [--policies default,fifo]
+        [--scenarios backlog,paced,gateway,gateway_paced,flink,flink_gateway] [--policies default,fifo]
         [--kill-at 0.4] [--rate R] [--tree OTHER_TREE] [--name kill_repay]
 
 The embedded stack as a new user starts it (``shopper stack up``: Tansu, Redis, moto, three simulated
@@ -20,7 +20,11 @@ the clean backlog runs measured (events per second from the first event to the d
 it), each stamped with the wall clock as it is sent, so the kill lands while the stream still arrives;
 ``gateway`` and ``gateway_paced``, the same through ``shopper router serve`` (one per run), each call
 with its ``request_id`` as ``Idempotency-Key``; ``flink``, the backlog through the Flink job on a local
-cluster of one TaskManager, which is SIGKILLed (with its Python workers) and replaced.
+cluster of one TaskManager, which is SIGKILLed (with its Python workers) and replaced; ``flink_gateway``,
+the same through a gateway of each run's own. The gateway arms are the stack's default path (``shopper
+stack up`` starts a gateway and the stream jobs call it); ``backlog``, ``paced`` and ``flink`` call the
+replicas directly, as with ``STACK_GATEWAY=false``. The stack here starts no gateway of its own: each
+run gets a fresh one, so that no run is answered from what another run's calls left there.
 
 Counted: calls at the replicas (``sim_requests_total`` of every replica's ``/metrics``; aborted ones
 too: ``sim_request_errors_total{reason="aborted"}``), the runner's prompts, insights, superseded and
@@ -765,11 +769,13 @@ def flink_run(
     shoppers: int,
     repeat: int,
     kill_at_calls: float | None,
+    gateway: bool = False,
 ) -> Run:
     """The backlog through the Flink job at its defaults (``bench.flink_kit.bench_job``: prompts from
     event order alone), until the group has committed every record and the replicas are idle; killed:
     the TaskManager's process group SIGKILLed once the replicas have received ``kill_at_calls`` calls
-    and a new one started at once (``bench.flink_recovery.kill_taskmanager``)."""
+    and a new one started at once (``bench.flink_recovery.kill_taskmanager``). ``gateway``: the job calls
+    a gateway of this run's own (as the stack's job does its stack's; no answer kept from another run)."""
     from confluent_kafka import Producer
 
     from bench.flink_kit import bench_job, wait_committed
@@ -778,6 +784,10 @@ def flink_run(
 
     tag = uuid.uuid4().hex[:8]
     settings = bench_job(state, state_dir, tag, {}, live=False)
+    router: subprocess.Popen[str] | None = None
+    if gateway:
+        router, url = start_gateway(state.llm_endpoints, logs / f"flink-{repeat}-{tag}.gateway.log")
+        settings = settings.model_copy(update={"llm": settings.llm.model_copy(update={"endpoints": [url]})})
     topic = settings.kafka.events_topic
     seed = SEED + repeat
     ends: dict[int, int] = {}
@@ -820,6 +830,9 @@ def flink_run(
         wait_replicas_idle(state.llm_endpoints)
     finally:
         rest.cancel(job.job_id)
+        if router is not None:
+            os.killpg(router.pid, signal.SIGTERM)
+            router.wait(30)
     spent = Replicas.read(state.llm_endpoints).minus(before)
     reader_job = Job(
         state_dir=str(state_dir),
@@ -833,7 +846,7 @@ def flink_run(
     )
     reader = read_back(state, reader_job, stream)
     return Run(
-        scenario="flink",
+        scenario="flink_gateway" if gateway else "flink",
         policy=settings.enrichment.overload.policy,
         repeat=repeat,
         killed=kill_at_calls is not None,
@@ -857,6 +870,7 @@ def flink_pairs(
     shoppers: int,
     repeats: int,
     kill_at: float,
+    gateway: bool = False,
 ) -> list[Pair]:
     from devstack.flink_cluster import FlinkClusterSettings, cluster_down, cluster_up
 
@@ -874,6 +888,7 @@ def flink_pairs(
                 shoppers=shoppers,
                 repeat=repeat,
                 kill_at_calls=None,
+                gateway=gateway,
             )
             print(describe_run(clean), flush=True)
             killed = flink_run(
@@ -885,6 +900,7 @@ def flink_pairs(
                 shoppers=shoppers,
                 repeat=repeat,
                 kill_at_calls=max(1.0, kill_at * clean.calls),
+                gateway=gateway,
             )
             print(describe_run(killed), flush=True)
             pairs.append(Pair(clean, killed))
@@ -984,7 +1000,8 @@ def main() -> None:
         default="backlog,paced",
         help="comma-separated: backlog, paced, gateway (the backlog through shopper router serve), "
         "gateway_paced (the paced stream through it; needs --rate), "
-        "flink (the backlog through the Flink job on a local cluster, a TaskManager killed)",
+        "flink (the backlog through the Flink job on a local cluster, a TaskManager killed), "
+        "flink_gateway (the same through a gateway of each run's own)",
     )
     parser.add_argument(
         "--policies", default="default", help="comma-separated overload policies; default = as shipped"
@@ -1008,7 +1025,7 @@ def main() -> None:
     state_dir = Path(tempfile.mkdtemp(prefix="bench-kill-repay-"))
     logs = state_dir / "runs"
     logs.mkdir()
-    stack = StackSettings(state_dir=state_dir)
+    stack = StackSettings(state_dir=state_dir, gateway=False)  # each run starts a gateway of its own
     state = stack_up(stack)
     print(
         f"machine: {machine()}; load average {os.getloadavg()[0]:.2f}; {stack.replicas} simulator replicas "
@@ -1127,6 +1144,24 @@ def main() -> None:
                 )
                 arms.append(
                     (f"Flink, backlog {args.events}, TaskManager killed, {flink[0].clean.policy}", flink)
+                )
+            if "flink_gateway" in scenarios:
+                flink = flink_pairs(
+                    state,
+                    state_dir,
+                    logs,
+                    events=args.events,
+                    shoppers=args.shoppers,
+                    repeats=args.repeats,
+                    kill_at=args.kill_at,
+                    gateway=True,
+                )
+                arms.append(
+                    (
+                        f"Flink via the gateway, backlog {args.events}, TaskManager killed, "
+                        f"{flink[0].clean.policy}",
+                        flink,
+                    )
                 )
             for name, pairs in arms:
                 if args.tree.resolve() != REPO:

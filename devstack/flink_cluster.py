@@ -313,7 +313,7 @@ def job_settings(stack: StackState, state_dir: Path, **overrides: Any) -> NearRe
         "checkpoint": CheckpointSettings(
             interval_ms=3_000, directory=(cluster_dir(state_dir).resolve() / "checkpoints").as_uri()
         ),
-        "llm": ClientConfig(endpoints=stack.llm_endpoints, model=stack.model),
+        "llm": ClientConfig(endpoints=stack.stream_endpoints, model=stack.model),
         "sinks": sink_settings(stack),
         "python_executable": sys.executable,
     }

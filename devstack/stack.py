@@ -65,6 +65,12 @@ class StackSettings(BaseSettings):
     s3_endpoint_url: str | None = Field(None, description="use this S3 endpoint instead of moto")
     s3_bucket: str = "shopper-understanding"
     llm_endpoints: list[str] = Field(default_factory=list, description="use these LLM servers")
+    gateway: bool = Field(
+        True,
+        description="start 'shopper router serve' in front of the LLM servers and send the stream jobs' "
+        "prompts through it: it outlives a job that crashes, so a replayed prompt joins or reuses the "
+        "call it repeats instead of paying for it again",
+    )
 
 
 @dataclass
@@ -83,7 +89,15 @@ class StackState:
     redis_shared: bool = False
     """The Redis was there before the stack (reused on 6379, or given): it keeps the stack's keys
     after ``stack_down`` unless they are deleted."""
+    gateway_url: str | None = None
+    """The routing gateway the stack started in front of ``llm_endpoints`` (None: none started)."""
     processes: list[ManagedProcess] = field(default_factory=list)
+
+    @property
+    def stream_endpoints(self) -> list[str]:
+        """Where the stream jobs (the runner, the Flink job, the demo) send prompts: the gateway when the
+        stack has one, else the replicas themselves. Batch and real time call the replicas directly."""
+        return [self.gateway_url] if self.gateway_url else list(self.llm_endpoints)
 
     def to_json(self) -> str:
         """Everything, secrets in clear: for the state file (``write_private``), never for printing."""
@@ -158,6 +172,7 @@ def stack_up(settings: StackSettings) -> StackState:
             endpoints, model = _start_llama(settings, logs, started)
         else:
             endpoints, model = _start_simulators(settings, logs, started)
+        gateway = _start_gateway(endpoints, model, logs, started) if settings.gateway else None
     except BaseException:
         for process in reversed(started):
             stop(process)
@@ -175,6 +190,7 @@ def stack_up(settings: StackSettings) -> StackState:
         s3_secret_access_key=secret,
         redis_key_prefix=f"stack-{uuid.uuid4().hex[:8]}:",
         redis_shared=redis_shared,
+        gateway_url=gateway,
         processes=started,
     )
     write_private(state_file(settings.state_dir), state.to_json())
@@ -234,6 +250,7 @@ def stack_status(state_dir: Path) -> dict[str, object]:
             "redis": state.redis_url,
             "s3": state.s3_endpoint_url,
             "llm": state.llm_endpoints,
+            "gateway": state.gateway_url,
         }
     )
     status["processes"] = {p.name: ("up" if alive(p.pid) else "DOWN") for p in state.processes}
@@ -341,6 +358,19 @@ def _start_llama(settings: StackSettings, logs: Path, started: list[ManagedProce
         wait_for_http(process, timeout_s=180)
         endpoints.append(f"http://127.0.0.1:{port}")
     return endpoints, "gemma-3-270m"
+
+
+def _start_gateway(endpoints: list[str], model: str, logs: Path, started: list[ManagedProcess]) -> str:
+    """``shopper router serve`` in front of ``endpoints`` at its defaults (``GATEWAY_*`` and ``LLM_*``
+    from the environment apply); returns its URL once its ``/health`` answers (a replica routable)."""
+    port = free_port()
+    argv = [sys.executable, "-m", "shopper", "router", "serve", "--host", "127.0.0.1", "--port", str(port)]
+    for endpoint in endpoints:
+        argv += ["--endpoint", endpoint]
+    process = spawn("gateway", argv, port, logs, env={"LLM_MODEL": model})
+    started.append(process)
+    wait_for_http(process, timeout_s=60)
+    return f"http://127.0.0.1:{port}"
 
 
 def wait_ready(state: StackState, timeout_s: float = 30.0) -> None:

@@ -333,7 +333,12 @@ class EnrichPrompts(AsyncFunction):
                     if "redis" in self.settings.sinks.enabled:  # it lives where the signals do
                         ledger = AnswerLedger.from_settings(self.settings.sinks)
                         self.resources.add(ledger.redis.aclose)
-                    self.enricher = Enricher(client, self.settings.enrichment, ledger=ledger)
+                    self.enricher = Enricher(
+                        client,
+                        self.settings.enrichment,
+                        ledger=ledger,
+                        scope=self.settings.sinks.redis_key_prefix,
+                    )
         return self.enricher
 
     async def async_invoke(self, value: str) -> list[str]:

@@ -42,6 +42,7 @@ from llm_client.errors import (
     NoHealthyEndpoint,
     RetryBudgetExhausted,
 )
+from llm_client.gateway_headers import FLEET_SIZE_HEADER, SERVED_BY_HEADER
 from llm_client.passthrough import Forwarded
 from llm_client.routing import RouteRequest
 from llm_client.routing.prefix_aware import PrefixAwarePolicy
@@ -55,7 +56,7 @@ CALLER_CHECK_S = 0.25
 """How often a waiting request looks whether its caller is still connected."""
 
 PASSED_RESPONSE_HEADERS = ("content-type", "cache-control", "x-replica-id", "x-request-id")
-"""Replica headers the caller sees, plus the gateway's ``x-gateway-replica`` and ``x-gateway-attempts``."""
+"""Replica headers the caller sees; the gateway adds its own (``_answer_headers``)."""
 
 
 class OpenAIProxy:
@@ -173,7 +174,7 @@ class OpenAIProxy:
                     path, body, route, headers=headers, deadline_s=self.settings.deadline_s
                 ) as answer:
                     streaming = answer.headers.get("content-type", "").startswith("text/event-stream")
-                    flight.answer_head(Head(answer.status, _answer_headers(answer), streaming))
+                    flight.answer_head(Head(answer.status, self._answer_headers(answer), streaming))
                     async for chunk in answer.chunks():
                         flight.append(chunk)
         except Refused as exc:
@@ -261,6 +262,15 @@ class OpenAIProxy:
         self.metrics.requests.labels(request.path, status).inc()
         return response
 
+    def _answer_headers(self, answer: Forwarded) -> dict[str, str]:
+        """The replica's headers the caller may see, plus which replica answered and how many are
+        routable (``llm_client.gateway_headers``: a client sizes its admission limit by it)."""
+        headers = {name: answer.headers[name] for name in PASSED_RESPONSE_HEADERS if name in answer.headers}
+        headers[SERVED_BY_HEADER] = answer.endpoint.name
+        headers[FLEET_SIZE_HEADER] = str(sum(e.routable for e in self.client.endpoints))
+        headers["x-gateway-attempts"] = str(answer.attempts)
+        return headers
+
     async def close(self) -> None:
         """Stop the calls still running (kept-running ones too): the gateway is stopping."""
         for task in list(self._flights):
@@ -297,12 +307,12 @@ class OpenAIProxy:
                 request.path, body, route, method=method, headers=headers, deadline_s=self.settings.deadline_s
             ) as answer:
                 if answer.headers.get("content-type", "").startswith("text/event-stream"):
-                    response = web.StreamResponse(status=answer.status, headers=_answer_headers(answer))
+                    response = web.StreamResponse(status=answer.status, headers=self._answer_headers(answer))
                     await self._stream(request, response, answer, started)
                 else:
                     payload = await answer.read()
                     response = web.Response(
-                        body=payload, status=answer.status, headers=_answer_headers(answer)
+                        body=payload, status=answer.status, headers=self._answer_headers(answer)
                     )
         except LLMError as exc:
             if response is None or not response.prepared:
@@ -374,13 +384,6 @@ async def _until(request: web.Request, flight: Flight, ready: Callable[[], bool]
             transport = request.transport
             if transport is None or transport.is_closing():
                 raise ConnectionResetError("the caller went away") from None
-
-
-def _answer_headers(answer: Forwarded) -> dict[str, str]:
-    headers = {name: answer.headers[name] for name in PASSED_RESPONSE_HEADERS if name in answer.headers}
-    headers["x-gateway-replica"] = answer.endpoint.name
-    headers["x-gateway-attempts"] = str(answer.attempts)
-    return headers
 
 
 def _superseded(session: str, version: Version, when: str) -> GatewayAnswer:

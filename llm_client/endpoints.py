@@ -42,6 +42,9 @@ class Endpoint:
     """The most frequent kind of invalid answer that quarantined it (a metrics label)."""
     invalid_answers: dict[str, int] = field(default_factory=dict)
     """Invalid answers by kind (``InvalidAnswer.kind``)."""
+    replicas_behind: int = 1
+    """Replicas this address stands for: 1 for a replica; for a gateway, the routable replicas behind it
+    as its last answer said (``llm_client.gateway_headers``). The admission limit is sized by it."""
     extra: dict[str, float] = field(default_factory=dict)
 
     @property

@@ -24,6 +24,7 @@ from llm_client.config import ClientConfig
 from llm_client.endpoints import Endpoint
 from llm_client.errors import InvalidAnswer, LLMError
 from llm_client.fleet import Fleet
+from llm_client.gateway_headers import SERVED_BY_HEADER, fleet_size
 from llm_client.models import Completion
 from llm_client.routing import RouteOutcome, RouteRequest
 from llm_client.routing.base import prefill_observer
@@ -82,12 +83,17 @@ class Exchange:
                 ) as response:
                     if response.status >= 400:
                         await raise_for_status(response, endpoint)
+                    served_by = response.headers.get(SERVED_BY_HEADER)
+                    if (behind := fleet_size(response.headers)) is not None:
+                        endpoint.replicas_behind = behind
                     if body.get("stream"):
                         completion = await read_stream(response, limits, endpoint.name, started, prefill_done)
                     else:
                         completion = parse_body(
                             await read_body(response, limits, endpoint.name), endpoint.name, started
                         )
+            if served_by is not None:  # through a gateway: the replica behind it that answered
+                completion = replace(completion, endpoint=served_by)
             if validate is not None:
                 completion = replace(completion, parsed=validated(validate, completion, endpoint.name))
             answered = True

@@ -61,7 +61,11 @@ class Enricher:
     """One per process (engine worker): its claims and its gate see every prompt the process sends.
 
     ``ledger``: the answer ledger (``AnswerLedger.from_settings(sink_settings)``); None records nothing
-    and reads nothing, so every replayed prompt is sent again."""
+    and reads nothing, so every replayed prompt is sent again. ``scope``: what makes this job's sessions
+    and prompts its own at a gateway that other jobs call too (the sinks' key prefix, where the signals
+    and the ledger live): it goes before the shopper in the routing key (the gateway's session, which
+    a newer version supersedes) and before the ``request_id`` in the idempotency key. Without it, two
+    jobs with the same shoppers (a replayed topic, a test) would supersede or join each other's calls."""
 
     def __init__(
         self,
@@ -69,13 +73,17 @@ class Enricher:
         settings: EnrichmentSettings | None = None,
         *,
         ledger: AnswerLedger | None = None,
+        scope: str = "",
     ) -> None:
         self.client = client
+        self.scope = scope
         self.settings = settings or EnrichmentSettings()
         self.ledger = ledger if self.settings.answer_ledger else None
         overload = self.settings.overload
         self.fleet_limit = AdaptiveAdmissionLimit(
-            overload.adaptive, lambda: len(client.endpoints), overload.per_replica_in_flight
+            overload.adaptive,
+            lambda: sum(e.replicas_behind for e in client.endpoints),  # a gateway stands for its fleet
+            overload.per_replica_in_flight,
         )
         fixed = overload.max_in_flight
         self.gate = AdmissionGate(
@@ -211,13 +219,13 @@ class Enricher:
         try:
             completion = await self.client.chat(
                 prompt.messages,
-                routing_key=prompt.shopper_id,
+                routing_key=self.scope + prompt.shopper_id,
                 max_tokens=self.settings.max_tokens,
                 response_format=response_format() if self.settings.guided_json else None,
                 deadline_s=self.settings.deadline_s,
                 prompt_tokens=prompt.prompt_tokens,
                 validate=parse_understanding,
-                idempotency_key=prompt.request_id,
+                idempotency_key=self.scope + prompt.request_id,
                 session_version=self._version_header(prompt),
             )
         except InvalidAnswer as exc:

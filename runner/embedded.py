@@ -192,7 +192,12 @@ class EmbeddedRunner:
                 self.loop.add_signal_handler(sig, self.request_stop)
         async with LLMClient(s.llm) as client:
             # answers recorded as they arrive, so a replay after a kill does not pay again
-            self.enricher = Enricher(client, s.enrichment, ledger=AnswerLedger.from_settings(s.sinks, redis))
+            self.enricher = Enricher(
+                client,
+                s.enrichment,
+                ledger=AnswerLedger.from_settings(s.sinks, redis),
+                scope=s.sinks.redis_key_prefix,
+            )
             self.client = client
             if s.metrics_port is not None:
                 self.ops = OpsServer(self, self.metrics, host=s.metrics_host, port=s.metrics_port)

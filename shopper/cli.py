@@ -185,7 +185,7 @@ def runner_settings_from_stack(state_dir: Path, **overrides: Any) -> RunnerSetti
 
     state = load_state(state_dir)
     from_env = read_runner_settings()
-    llm = from_env.llm.model_copy(update={"endpoints": state.llm_endpoints, "model": state.model})
+    llm = from_env.llm.model_copy(update={"endpoints": state.stream_endpoints, "model": state.model})
     return from_env.model_copy(
         update={
             "bootstrap_servers": state.kafka_bootstrap,

@@ -48,6 +48,8 @@ def run_demo(
     console.print(f"kafka {state.kafka_bootstrap}  s3 {mask_url(state.s3_endpoint_url or '-')}")
     console.print(describe_redis(state), markup=False)
     console.print(f"LLM replicas ({state.model}): {', '.join(map(mask_url, state.llm_endpoints))}")
+    if state.gateway_url:
+        console.print(f"the runner calls them through the gateway at {mask_url(state.gateway_url)}")
     try:
         # Under the stack's own prefix, so 'stack down' deletes the demo's keys from a shared Redis.
         prefix = f"{state.redis_key_prefix}demo-{int(time.time())}:"
@@ -84,7 +86,7 @@ def run_demo(
                 bootstrap_servers=state.kafka_bootstrap,
                 group_id=f"demo-{prefix}",
                 until_drained=True,
-                llm=ClientConfig(endpoints=state.llm_endpoints, model=state.model),
+                llm=ClientConfig(endpoints=state.stream_endpoints, model=state.model),
                 sinks=sink_settings(state, redis_key_prefix=prefix, s3_prefix=s3_prefix),
             )
         except ValidationError as error:

@@ -103,7 +103,7 @@ class Isolated:
 
     def llm(self, **overrides: object) -> ClientConfig:
         options: dict[str, object] = {
-            "endpoints": self.stack.llm_endpoints,
+            "endpoints": self.stack.stream_endpoints,  # what `shopper run --from-stack` calls: the gateway
             "model": self.stack.model,
             "timeouts": Timeouts(connect_s=2, attempt_s=20, deadline_s=60),
             "health": HealthSettings(interval_s=0.2),

@@ -160,6 +160,19 @@ def prometheus_names(urls: list[str]) -> set[str]:
     return names
 
 
+def prometheus_total(urls: list[str], name: str, **labels: str) -> float:
+    """The sum over ``urls`` of the samples called ``name`` whose labels include ``labels``."""
+    total = 0.0
+    for url in urls:
+        with urllib.request.urlopen(url, timeout=10) as response:
+            text = response.read().decode()
+        for family in text_string_to_metric_families(text):
+            for sample in family.samples:
+                if sample.name == name and labels.items() <= sample.labels.items():
+                    total += sample.value
+    return total
+
+
 def viewed_prompt(
     shopper: str, events: int, *, item: str, category: str, hour: int = 10, cents: int = 49
 ) -> list[dict[str, str]]:

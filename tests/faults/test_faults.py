@@ -501,7 +501,7 @@ def worker_env(iso: Isolated) -> dict[str, str]:
         "RUNNER_DRAIN_IDLE_S": "3",
         "RUNNER_TIMER_WALL_PER_EVENT_S": "1000",
         "RUNNER_MAX_IN_FLIGHT_PROMPTS": "32",
-        "RUNNER_LLM__ENDPOINTS": orjson.dumps(iso.stack.llm_endpoints).decode(),
+        "RUNNER_LLM__ENDPOINTS": orjson.dumps(iso.stack.stream_endpoints).decode(),
         "RUNNER_SINKS__REDIS_URL": settings.sinks.redis_url,
         "RUNNER_SINKS__REDIS_KEY_PREFIX": iso.prefix,
         "RUNNER_SINKS__S3_ENDPOINT_URL": settings.sinks.s3_endpoint_url or "",

@@ -34,10 +34,13 @@ from llm_client.routing import RouteRequest
 from llm_client.routing.predicted_ttft import MAX_GROUP_WEIGHT, PredictedTtftPolicy
 from llm_client.routing.prefix_aware import PrefixAwarePolicy
 from llm_client.routing.session_affinity import rendezvous_order
+from pipeline.enrichment import Enricher
 from prompt_assembly.prompt import build_messages
+from prompt_assembly.records import ShopperInsight
 from serving.simulator.launch import REPO_ROOT, SimulatorFleet
 from serving.simulator.testing import running_simulator
 from tests.helpers import serving
+from tests.llm_client.test_llm_client import a_prompt
 
 TIME_SCALE = "0.05"
 """Simulated H100 timings at 1/20: one decode step ~2.5 ms, so a 600-token stream lasts over a second."""
@@ -743,3 +746,33 @@ async def test_a_quarantined_replica_is_probed_with_the_callers_model_name(
             while replica.quarantined:
                 await asyncio.sleep(HEALTH.cooldown_s)
         assert replica.routable and gw.client.answer_health.readmissions == 1
+
+
+async def test_a_pipeline_calling_the_gateway_sizes_its_limit_by_the_fleet_behind_it(
+    fleet: SimulatorFleet, http: aiohttp.ClientSession
+) -> None:
+    """The stream jobs call the stack's gateway, one address: their admission limit is still sized per
+    replica behind it (the gateway says how many in every answer), each insight names the replica
+    that answered, and a job's ``scope`` keeps its prompts its own: the same prompt from another job
+    is paid for again, from the same job it is answered from the gateway's kept answer."""
+    async with running_gateway(fleet.urls, "prefix_aware") as gw:
+        config = ClientConfig(endpoints=[gw.url], model="qwen2.5-32b-sim")
+        async with LLMClient(config) as client:
+            job_a, job_b = Enricher(client, scope="job-a:"), Enricher(client, scope="job-b:")
+            floor_before = job_a.fleet_limit.floor
+            prompt = a_prompt()
+            first = await job_a.enrich(prompt)
+            other_job = await job_b.enrich(prompt)
+            async with http.get(gw.url + "/metrics") as r:
+                reused_before = metric(await r.text(), "gateway_idempotent_total", outcome="reused")
+            again = await Enricher(client, scope="job-a:").enrich(prompt)  # job a, restarted
+            async with http.get(gw.url + "/metrics") as r:
+                reused = metric(await r.text(), "gateway_idempotent_total", outcome="reused") - reused_before
+    assert floor_before == 1, "one address, and nothing heard from it yet"
+    assert job_a.fleet_limit.floor == 3
+    assert job_a.fleet_limit.ceiling == 3 * job_a.settings.overload.per_replica_in_flight
+    replicas = {endpoint_name(url) for url in fleet.urls}
+    assert all(isinstance(r, ShopperInsight) for r in (first, other_job, again))
+    assert {first.replica, other_job.replica, again.replica} <= replicas  # type: ignore[union-attr]
+    assert reused_before == 0, "another job's prompt under the same request_id is its own call"
+    assert reused == 1, "the restarted job's repeat is answered from the kept answer"

@@ -35,6 +35,7 @@ from tests.helpers import (
     expected_prompts,
     final_seq_by_shopper,
     produce_records,
+    prometheus_total,
     signal_versions,
 )
 
@@ -164,7 +165,7 @@ def _runner_env(isolated: Isolated, **extra: str) -> dict[str, str]:
         "RUNNER_COMMIT_INTERVAL_S": "0.3",
         "RUNNER_TIMER_WALL_PER_EVENT_S": "1000",
         "RUNNER_MAX_IN_FLIGHT_PROMPTS": "32",
-        "RUNNER_LLM__ENDPOINTS": orjson.dumps(isolated.stack.llm_endpoints).decode(),
+        "RUNNER_LLM__ENDPOINTS": orjson.dumps(isolated.stack.stream_endpoints).decode(),
         "RUNNER_LLM__MAX_IN_FLIGHT": "16",
         "RUNNER_SINKS__REDIS_URL": settings.sinks.redis_url,
         "RUNNER_SINKS__REDIS_KEY_PREFIX": isolated.prefix,
@@ -180,9 +181,16 @@ def _runner_env(isolated: Isolated, **extra: str) -> dict[str, str]:
 
 
 def test_runner_killed_mid_stream_resumes_with_no_loss_and_no_regression(isolated: Isolated) -> None:
+    """On the stack's default path, through its gateway: the calls the killed runner had in flight
+    finish there, and the restarted runner's repeats of them join or reuse them (never paid twice)."""
     records = SyntheticStream(shoppers=60, seed=33, malformed_rate=0.01).take(3000)
     produce_records(isolated.stack.kafka_bootstrap, isolated.topic, records)
     expected = expected_prompts(records)
+    assert isolated.stack.gateway_url is not None, "the stack starts a gateway by default"
+    gateway_metrics = [f"{isolated.stack.gateway_url}/metrics"]
+    replica_metrics = [f"{url}/metrics" for url in isolated.stack.llm_endpoints]
+    spared_before = prometheus_total(gateway_metrics, "gateway_idempotent_total")
+    calls_before = prometheus_total(replica_metrics, "sim_requests_total")
     command = [sys.executable, "-m", "shopper", "run", "--no-from-stack", "--group-id", isolated.group]
 
     first = subprocess.Popen(
@@ -208,6 +216,10 @@ def test_runner_killed_mid_stream_resumes_with_no_loss_and_no_regression(isolate
         [*command, "--until-drained"], env=_runner_env(isolated), capture_output=True, timeout=240
     )
     assert second.returncode == 0, second.stderr.decode()[-3000:]
+    spared = prometheus_total(gateway_metrics, "gateway_idempotent_total") - spared_before
+    calls = prometheus_total(replica_metrics, "sim_requests_total") - calls_before
+    assert spared >= 1, "the restarted runner's repeats joined or reused the killed runner's calls"
+    assert calls <= len(expected), (calls, len(expected))
 
     after = redis_seqs(isolated)
     assert after == final_seq_by_shopper(expected)

@@ -151,7 +151,7 @@ def test_a_running_runner_serves_metrics_and_health_that_match_what_it_did(
     endpoints = {
         dict(labels)["endpoint"] for name, labels in samples if name == "shopper_llm_endpoint_healthy"
     }
-    assert len(endpoints) == len(isolated.stack.llm_endpoints)
+    assert len(endpoints) == len(isolated.stack.stream_endpoints)
     assert value(samples, "shopper_runner_ready") == 1
 
     for probe in ("ready", "live", "health"):

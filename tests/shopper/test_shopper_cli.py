@@ -41,7 +41,7 @@ def test_stack_addresses_keep_the_environment_llm_settings(
         from_stack=True, state_dir=stack_dir, until_drained=False, group_id=None, policy=None
     )
     assert settings.llm.policy == "prefix_aware" and settings.llm.max_in_flight == 7
-    assert settings.llm.endpoints == stack.llm_endpoints
+    assert settings.llm.endpoints == stack.stream_endpoints
     assert settings.bootstrap_servers == stack.kafka_bootstrap
 
 
