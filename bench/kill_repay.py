@@ -2,7 +2,8 @@
 LLM calls counted at the replicas against a clean run of the same stream.
 
     .venv/bin/python -m bench.kill_repay [--events 4000] [--shoppers 150] [--repeats 3]
-        [--scenarios backlog,paced,gateway,gateway_paced,flink,flink_gateway] [--policies default,fifo]
+        [--scenarios backlog,paced,gateway,gateway_paced,flink,flink_gateway,flink_gateway_paced]
+        [--flink-rate R] [--policies default,fifo]
         [--kill-at 0.4] [--rate R] [--tree OTHER_TREE] [--name kill_repay]
 
 The embedded stack as a new user starts it (``shopper stack up``: Tansu, Redis, moto, three simulated
@@ -22,7 +23,9 @@ it), each stamped with the wall clock as it is sent, so the kill lands while the
 with its ``request_id`` as ``Idempotency-Key``; ``flink``, the backlog through the Flink job on a local
 cluster of one TaskManager, which is SIGKILLed (with its Python workers) and replaced; ``flink_gateway``,
 the same through a gateway of each run's own. The gateway arms are the stack's default path (``shopper
-stack up`` starts a gateway and the stream jobs call it); ``backlog``, ``paced`` and ``flink`` call the
+stack up`` starts a gateway and the stream jobs call it); ``flink_gateway_paced`` sends the stream at
+``--flink-rate`` to the Flink job at its live defaults, through a gateway of each run's own. ``backlog``,
+``paced`` and ``flink`` call the
 replicas directly, as with ``STACK_GATEWAY=false``. The stack here starts no gateway of its own: each
 run gets a fresh one, so that no run is answered from what another run's calls left there.
 
@@ -745,6 +748,18 @@ def pair(
 
 
 # ---- the Flink job: a TaskManager killed ---------------------------------------------------------------
+def topic_end_offsets(bootstrap: str, topic: str) -> dict[int, int]:
+    """Each partition's high watermark: where a group that has read everything has committed to."""
+    from confluent_kafka import Consumer, TopicPartition
+
+    consumer = Consumer({"bootstrap.servers": bootstrap, "group.id": f"ends-{uuid.uuid4().hex[:8]}"})
+    try:
+        partitions = consumer.list_topics(topic, timeout=10).topics[topic].partitions
+        return {p: consumer.get_watermark_offsets(TopicPartition(topic, p), timeout=10)[1] for p in partitions}
+    finally:
+        consumer.close()
+
+
 def wait_replicas_idle(endpoints: list[str], quiet_s: float = 3.0, timeout_s: float = 300.0) -> None:
     """Until no replica runs or queues a request and none arrived for ``quiet_s``."""
     deadline = time.monotonic() + timeout_s
@@ -770,9 +785,14 @@ def flink_run(
     repeat: int,
     kill_at_calls: float | None,
     gateway: bool = False,
+    rate: float | None = None,
 ) -> Run:
     """The backlog through the Flink job at its defaults (``bench.flink_kit.bench_job``: prompts from
-    event order alone), until the group has committed every record and the replicas are idle; killed:
+    event order alone), until the group has committed every record and the replicas are idle. ``rate``:
+    instead of a backlog, the events sent at ``rate`` a second once the job runs, each stamped with the
+    wall clock as sent, and the job at its live defaults (wall-clock timers, nothing fired at a drain);
+    the end is then every record committed and the replicas quiet for longer than a browse pause and a
+    rate limit together, so the last shoppers' pending triggers have fired. Killed:
     the TaskManager's process group SIGKILLed once the replicas have received ``kill_at_calls`` calls
     and a new one started at once (``bench.flink_recovery.kill_taskmanager``). ``gateway``: the job calls
     a gateway of this run's own (as the stack's job does its stack's; no answer kept from another run)."""
@@ -781,9 +801,14 @@ def flink_run(
     from bench.flink_kit import bench_job, wait_committed
     from bench.flink_recovery import kill_taskmanager, watch_restart
     from devstack.flink_cluster import FlinkRest, submit
+    from flink_jobs.flink_config import NearRealtimeSettings
 
     tag = uuid.uuid4().hex[:8]
     settings = bench_job(state, state_dir, tag, {}, live=False)
+    if rate is not None:  # the job's own defaults for a live stream
+        fields = NearRealtimeSettings.model_fields
+        live = {name: fields[name].default for name in ("wall_clock_timers", "flush_on_drain")}
+        settings = settings.model_copy(update=live)
     router: subprocess.Popen[str] | None = None
     if gateway:
         router, url = start_gateway(state.llm_endpoints, logs / f"flink-{repeat}-{tag}.gateway.log")
@@ -795,12 +820,19 @@ def flink_run(
     def delivered(error: object, message: Any) -> None:
         ends[message.partition()] = max(ends.get(message.partition(), 0), message.offset() + 1)
 
-    producer = Producer({"bootstrap.servers": state.kafka_bootstrap, "linger.ms": 5})
-    for key, value, _ in SyntheticStream(shoppers=shoppers, seed=seed, malformed_rate=MALFORMED_RATE).take(
-        events
-    ):
-        producer.produce(topic, key=key, value=value, on_delivery=delivered)
-    producer.flush(30)
+    live_producer: threading.Thread | None = None
+    if rate is None:
+        producer = Producer({"bootstrap.servers": state.kafka_bootstrap, "linger.ms": 5})
+        stream_of = SyntheticStream(shoppers=shoppers, seed=seed, malformed_rate=MALFORMED_RATE)
+        for key, value, _ in stream_of.take(events):
+            producer.produce(topic, key=key, value=value, on_delivery=delivered)
+        producer.flush(30)
+    else:
+        live_producer = threading.Thread(
+            target=produce_live,
+            args=(state.kafka_bootstrap, topic, events, shoppers, seed, rate),
+            daemon=True,
+        )
     ids, malformed = stream_records(events, shoppers, seed)
     stream = Stream(topic, events, ids, malformed)
     rest = FlinkRest(cluster.web_url)
@@ -812,6 +844,8 @@ def flink_run(
     calls_before_kill = 0.0
     try:
         rest.wait_running(job.job_id)
+        if live_producer is not None:
+            live_producer.start()
         if kill_at_calls is not None:
             while Replicas.read(state.llm_endpoints).minus(before).requests < kill_at_calls:
                 time.sleep(0.05)
@@ -826,8 +860,15 @@ def flink_run(
             time.sleep(KILL_WAIT_S)
             calls_before_kill = Replicas.read(state.llm_endpoints).minus(before).requests
             at_kill["restart_s"] = watch_restart(rest, job.job_id, killed) - killed
+        if live_producer is not None:
+            live_producer.join()
+            ends = topic_end_offsets(state.kafka_bootstrap, topic)
         wait_committed(state.kafka_bootstrap, settings.kafka.group_id, topic, ends, 900)
-        wait_replicas_idle(state.llm_endpoints)
+        triggers = settings.session.triggers
+        wait_replicas_idle(
+            state.llm_endpoints,
+            quiet_s=3.0 if rate is None else triggers.quiet_period_s + triggers.min_prompt_interval_s + 5.0,
+        )
     finally:
         rest.cancel(job.job_id)
         if router is not None:
@@ -846,7 +887,7 @@ def flink_run(
     )
     reader = read_back(state, reader_job, stream)
     return Run(
-        scenario="flink_gateway" if gateway else "flink",
+        scenario=("flink_gateway" if gateway else "flink") + ("_paced" if rate is not None else ""),
         policy=settings.enrichment.overload.policy,
         repeat=repeat,
         killed=kill_at_calls is not None,
@@ -871,6 +912,7 @@ def flink_pairs(
     repeats: int,
     kill_at: float,
     gateway: bool = False,
+    rate: float | None = None,
 ) -> list[Pair]:
     from devstack.flink_cluster import FlinkClusterSettings, cluster_down, cluster_up
 
@@ -889,6 +931,7 @@ def flink_pairs(
                 repeat=repeat,
                 kill_at_calls=None,
                 gateway=gateway,
+                rate=rate,
             )
             print(describe_run(clean), flush=True)
             killed = flink_run(
@@ -901,6 +944,7 @@ def flink_pairs(
                 repeat=repeat,
                 kill_at_calls=max(1.0, kill_at * clean.calls),
                 gateway=gateway,
+                rate=rate,
             )
             print(describe_run(killed), flush=True)
             pairs.append(Pair(clean, killed))
@@ -1001,13 +1045,20 @@ def main() -> None:
         help="comma-separated: backlog, paced, gateway (the backlog through shopper router serve), "
         "gateway_paced (the paced stream through it; needs --rate), "
         "flink (the backlog through the Flink job on a local cluster, a TaskManager killed), "
-        "flink_gateway (the same through a gateway of each run's own)",
+        "flink_gateway (the same through a gateway of each run's own), flink_gateway_paced (the "
+        "stream sent at --flink-rate to the job at its live defaults, through a gateway of each run's own)",
     )
     parser.add_argument(
         "--policies", default="default", help="comma-separated overload policies; default = as shipped"
     )
     parser.add_argument("--kill-at", type=float, default=0.4, help="share of the clean run's calls")
     parser.add_argument("--rate", type=float, default=0.0, help="paced events/s; 0 = 1x measured capacity")
+    parser.add_argument(
+        "--flink-rate",
+        type=float,
+        default=None,
+        help="events/s of flink_gateway_paced: the Flink job's 1x (the rate its clean backlog runs drained at)",
+    )
     parser.add_argument("--name", default="kill_repay", help="results file: bench/results/<name>.json")
     parser.add_argument(
         "--tree",
@@ -1160,6 +1211,27 @@ def main() -> None:
                     (
                         f"Flink via the gateway, backlog {args.events}, TaskManager killed, "
                         f"{flink[0].clean.policy}",
+                        flink,
+                    )
+                )
+            if "flink_gateway_paced" in scenarios:
+                if args.flink_rate is None:
+                    raise SystemExit("flink_gateway_paced needs --flink-rate (the Flink job's 1x, measured)")
+                flink = flink_pairs(
+                    state,
+                    state_dir,
+                    logs,
+                    events=args.events,
+                    shoppers=args.shoppers,
+                    repeats=args.repeats,
+                    kill_at=args.kill_at,
+                    gateway=True,
+                    rate=args.flink_rate,
+                )
+                arms.append(
+                    (
+                        f"Flink via the gateway, paced 1x ({args.flink_rate:.0f} events/s), TaskManager "
+                        f"killed, {flink[0].clean.policy}",
                         flink,
                     )
                 )

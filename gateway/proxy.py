@@ -42,7 +42,7 @@ from llm_client.errors import (
     NoHealthyEndpoint,
     RetryBudgetExhausted,
 )
-from llm_client.gateway_headers import FLEET_SIZE_HEADER, SERVED_BY_HEADER
+from llm_client.gateway_headers import FLEET_SIZE_HEADER, SERVED_BY_HEADER, SUPERSEDED_BY_HEADER
 from llm_client.passthrough import Forwarded
 from llm_client.routing import RouteRequest
 from llm_client.routing.prefix_aware import PrefixAwarePolicy
@@ -391,7 +391,7 @@ def _superseded(session: str, version: Version, when: str) -> GatewayAnswer:
         409,
         "superseded",
         f"superseded by version {version_text(version)} of session {session!r} {when}".strip(),
-        headers={"x-gateway-superseded-by": version_text(version)},
+        headers={SUPERSEDED_BY_HEADER: version_text(version)},
     )
 
 

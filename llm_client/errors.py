@@ -125,6 +125,17 @@ class BadRequest(LLMError):
     """The server rejected the request itself (4xx other than 429): retrying cannot help."""
 
 
+class SupersededByNewer(BadRequest):
+    """A gateway in front of the replicas refused the call (HTTP 409 with ``x-gateway-superseded-by``):
+    it had already seen a newer version of the call's session. A caller replaying after a crash meets
+    this for the prompts its dead process had superseded there; it is an outcome, not a failure."""
+
+    def __init__(self, message: str, *, newer_version: str, endpoint: str | None = None) -> None:
+        super().__init__(message, endpoint=endpoint)
+        self.newer_version = newer_version
+        """The session version that superseded it (``N`` or ``EPOCH.N``)."""
+
+
 class KvCacheGone(LLMError):
     """P/D disaggregation: a generation server could not pull the prompt's KV cache from the context
     server (pulled already, past the transfer timeout, or lost in a restart). Retrying the pull cannot

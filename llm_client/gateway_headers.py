@@ -17,6 +17,9 @@ SERVED_BY_HEADER = "x-gateway-replica"
 FLEET_SIZE_HEADER = "x-gateway-routable-replicas"
 """How many replicas the gateway could route to when it answered."""
 
+SUPERSEDED_BY_HEADER = "x-gateway-superseded-by"
+"""On a 409: the newer session version that superseded the call (``errors.SupersededByNewer``)."""
+
 
 def fleet_size(headers: Mapping[str, str]) -> int | None:
     """The replicas behind the endpoint that answered with ``headers``; None when it did not say."""

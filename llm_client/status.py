@@ -15,7 +15,8 @@ import time
 import aiohttp
 
 from llm_client.endpoints import Endpoint
-from llm_client.errors import BadRequest, EndpointUnavailable, KvCacheGone, Overloaded
+from llm_client.errors import BadRequest, EndpointUnavailable, KvCacheGone, Overloaded, SupersededByNewer
+from llm_client.gateway_headers import SUPERSEDED_BY_HEADER
 
 ERROR_BODY_MAX_BYTES = 4096
 _UTC = datetime.UTC
@@ -30,7 +31,8 @@ KV_GONE_STATUSES = frozenset({404, 409})
 async def raise_for_status(response: aiohttp.ClientResponse, endpoint: Endpoint) -> None:
     """Raise the error a status of 400 or more stands for: ``KvCacheGone`` (a P/D hand-over whose blocks
     were gone), ``Overloaded`` (429) or ``EndpointUnavailable`` (5xx), both retryable and with the
-    server's ``Retry-After`` on a 429 or 503, or ``BadRequest`` (any other 4xx)."""
+    server's ``Retry-After`` on a 429 or 503, ``SupersededByNewer`` (a gateway's 409 for a session it
+    saw a newer version of), or ``BadRequest`` (any other 4xx)."""
     body = (await response.content.read(ERROR_BODY_MAX_BYTES)).decode("utf-8", "replace")
     detail = body[:300]
     if response.status in (404, 409, 503) and KV_CACHE_GONE in body:
@@ -39,6 +41,9 @@ async def raise_for_status(response: aiohttp.ClientResponse, endpoint: Endpoint)
         wait_s = retry_after_s(response.headers.get("Retry-After")) if response.status in (429, 503) else None
         error = Overloaded if response.status == 429 else EndpointUnavailable
         raise error(f"HTTP {response.status}: {detail}", endpoint=endpoint.name, retry_after_s=wait_s)
+    newer = response.headers.get(SUPERSEDED_BY_HEADER)
+    if response.status == 409 and newer is not None:
+        raise SupersededByNewer(f"HTTP 409: {detail}", newer_version=newer, endpoint=endpoint.name)
     raise BadRequest(f"HTTP {response.status}: {detail}", endpoint=endpoint.name)
 
 

@@ -27,7 +27,7 @@ import orjson
 from pydantic import BaseModel, Field, ValidationError
 
 from llm_client.client import LLMClient
-from llm_client.errors import InvalidAnswer, LLMError
+from llm_client.errors import InvalidAnswer, LLMError, SupersededByNewer
 from pipeline.admission import BACKFILL_CLASS, AdmissionGate, Evicted
 from pipeline.admission_limit import AdaptiveAdmissionLimit
 from pipeline.answer_ledger import AnswerLedger
@@ -41,6 +41,7 @@ from prompt_assembly.records import (
     Superseded,
     SupersededCause,
     Usage,
+    request_id,
 )
 from prompt_assembly.understanding import ShopperUnderstanding, response_format
 
@@ -230,6 +231,9 @@ class Enricher:
             )
         except InvalidAnswer as exc:
             return self._error(prompt, "InvalidAnswer", str(exc), exc.attempts, exc.raw)
+        except SupersededByNewer as exc:  # a gateway saw this shopper's newer prompt (a replay)
+            self.counts.superseded_upstream += 1
+            return _superseded(prompt, "newer_prompt", _newer_request_id(prompt, exc.newer_version))
         except LLMError as exc:
             return self._error(prompt, type(exc).__name__, str(exc), attempts=exc.attempts)
         understanding = completion.parsed
@@ -283,6 +287,16 @@ def _about(prompt: PromptRequest) -> dict[str, Any]:
         "new_event_ids": prompt.new_event_ids,
         "last_event_ts": prompt.last_event_ts,
     }
+
+
+def _newer_request_id(prompt: PromptRequest, version: str) -> str | None:
+    """The ``request_id`` of the shopper's prompt at session version ``version`` (``EPOCH.N`` or ``N``,
+    as ``_version_header`` writes it); None when the version does not read as one."""
+    epoch, _, seq = version.strip().rpartition(".")
+    try:
+        return request_id(prompt.shopper_id, int(epoch or 0), int(seq))
+    except ValueError:
+        return None
 
 
 def _superseded(

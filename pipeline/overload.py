@@ -117,6 +117,9 @@ class OverloadCounts:
     """Replays answered from the answer ledger, without a call."""
     joined: int = 0
     """A second call of a prompt already in flight in this process, which waited for the first one."""
+    superseded_upstream: int = 0
+    """Refused by a gateway in front of the replicas (409) that had seen the shopper's newer prompt: a
+    replay after a crash re-sends prompts the dead process had already superseded there."""
 
     def as_dict(self) -> dict[str, int]:
         return asdict(self)

@@ -167,7 +167,8 @@ class _StateCollector(Collector):
             not_sent = CounterMetricFamily(
                 f"{PREFIX}_prompts_not_sent",
                 "Prompts answered without a model call of their own, by cause (docs/overload.md): "
-                "superseded_queued, cancelled_in_flight, dropped_stale, skipped_answered, joined",
+                "superseded_queued, cancelled_in_flight, dropped_stale, skipped_answered, joined, "
+                "superseded_upstream",
                 labels=["cause"],
             )
             for cause, count in enrichment.counts.as_dict().items():

@@ -36,7 +36,7 @@ from llm_client.routing.prefix_aware import PrefixAwarePolicy
 from llm_client.routing.session_affinity import rendezvous_order
 from pipeline.enrichment import Enricher
 from prompt_assembly.prompt import build_messages
-from prompt_assembly.records import ShopperInsight
+from prompt_assembly.records import ShopperInsight, Superseded, request_id
 from serving.simulator.launch import REPO_ROOT, SimulatorFleet
 from serving.simulator.testing import running_simulator
 from tests.helpers import serving
@@ -776,3 +776,25 @@ async def test_a_pipeline_calling_the_gateway_sizes_its_limit_by_the_fleet_behin
     assert {first.replica, other_job.replica, again.replica} <= replicas  # type: ignore[union-attr]
     assert reused_before == 0, "another job's prompt under the same request_id is its own call"
     assert reused == 1, "the restarted job's repeat is answered from the kept answer"
+
+
+async def test_a_replayed_prompt_the_gateway_saw_superseded_becomes_a_superseded_result(
+    fleet: SimulatorFleet,
+) -> None:
+    """A job killed after sending a shopper's newer prompt and restarted replays the older one too; the
+    gateway refuses it (409: it saw the newer version). The job records it as superseded by that newer
+    prompt, counted apart, not as an error."""
+    older = a_prompt()
+    seq = older.seq + 1
+    newer = older.model_copy(
+        update={"seq": seq, "request_id": request_id(older.shopper_id, older.session_epoch, seq)}
+    )
+    async with running_gateway(fleet.urls, "prefix_aware") as gw:
+        config = ClientConfig(endpoints=[gw.url], model="qwen2.5-32b-sim")
+        async with LLMClient(config) as client:
+            assert isinstance(await Enricher(client, scope="job:").enrich(newer), ShopperInsight)
+            restarted = Enricher(client, scope="job:")
+            result = await restarted.enrich(older)
+    assert isinstance(result, Superseded), result
+    assert result.cause == "newer_prompt" and result.superseded_by == newer.request_id
+    assert restarted.counts.superseded_upstream == 1
