@@ -11,14 +11,15 @@ a recorded answer is returned from the answer ledger (``pipeline.answer_ledger``
 shopper's newer prompt supersedes its older one (``pipeline.latest_wins``), and an admission gate
 (``pipeline.admission``) keeps in flight only what the fleet serves, purchase and cart first. Each of
 those prompts still gets its one result: the recorded insight, or a ``Superseded`` record. A prompt that
-is sent goes with its ``request_id`` as the idempotency key (``Idempotency-Key``), so a gateway in front
-of the replicas can join or reuse a replayed call that the ledger did not catch (one in flight at a
-crash).
+is sent goes with its ``request_id`` (after the job's scope, before a digest of its messages) as the
+idempotency key (``Idempotency-Key``), so a gateway in front of the replicas can join or reuse a
+replayed call that the ledger did not catch (one in flight at a crash).
 """
 
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import time
 from collections.abc import Awaitable
 from typing import Any
@@ -226,7 +227,7 @@ class Enricher:
                 deadline_s=self.settings.deadline_s,
                 prompt_tokens=prompt.prompt_tokens,
                 validate=parse_understanding,
-                idempotency_key=self.scope + prompt.request_id,
+                idempotency_key=self._idempotency_key(prompt),
                 session_version=self._version_header(prompt),
             )
         except InvalidAnswer as exc:
@@ -256,6 +257,14 @@ class Enricher:
             admission_wait_ms=admission_wait_ms,
             produced_at=time.time(),
         )
+
+    def _idempotency_key(self, prompt: PromptRequest) -> str:
+        """The job's scope, the ``request_id``, and a digest of the messages. A replay rebuilds the same
+        prompt under the same id, except where a wall-clock timer fired it: then the restarted process
+        may fire it after more events and build other messages under that id. That is another prompt,
+        which must be a call of its own, not the gateway's 422 for a key sent with another body."""
+        digest = hashlib.blake2b(orjson.dumps(prompt.messages), digest_size=8).hexdigest()
+        return f"{self.scope}{prompt.request_id}:{digest}"
 
     def _version_header(self, prompt: PromptRequest) -> str | None:
         """The version a gateway supersedes by, only where a newer prompt may cancel this one in

@@ -127,9 +127,10 @@ SMOKE_RUNS = (
              ("flink_cluster.json",), hang_guard_s=600),
     SmokeRun("flink_recovery", ("-m", "bench.flink_recovery", "--rate", "5", "--seconds", "20",
                                 "--kill-after", "12"), ("flink_recovery.json",), hang_guard_s=600),
-    # the backlog arm, one repeat: a clean run, then one SIGKILLed mid-stream and restarted until drained
+    # the backlog arm through a gateway (the stack's default path), one repeat: a clean run, then one
+    # SIGKILLed mid-stream and restarted until drained
     SmokeRun("kill_repay", ("-m", "bench.kill_repay", "--events", "400", "--shoppers", "30", "--repeats", "1",
-                            "--scenarios", "backlog"), ("kill_repay.json",)),
+                            "--scenarios", "gateway"), ("kill_repay.json",)),
 )  # fmt: skip
 
 

@@ -798,3 +798,26 @@ async def test_a_replayed_prompt_the_gateway_saw_superseded_becomes_a_superseded
     assert isinstance(result, Superseded), result
     assert result.cause == "newer_prompt" and result.superseded_by == newer.request_id
     assert restarted.counts.superseded_upstream == 1
+
+
+async def test_a_replayed_prompt_with_other_messages_under_the_same_id_is_a_call_of_its_own(
+    fleet: SimulatorFleet, http: aiohttp.ClientSession
+) -> None:
+    """A prompt a wall-clock timer fired may be rebuilt after a restart with more events under the same
+    ``request_id``: another prompt, so it is answered by a call of its own (not refused with a 422 for
+    a key sent with another body), while the same messages again are answered from the kept answer."""
+    first = a_prompt()
+    extended = first.model_copy(
+        update={"messages": [*first.messages[:-1], {**first.messages[-1], "content": "one more event"}]}
+    )
+    async with running_gateway(fleet.urls, "prefix_aware") as gw:
+        config = ClientConfig(endpoints=[gw.url], model="qwen2.5-32b-sim")
+        async with LLMClient(config) as client:
+            assert isinstance(await Enricher(client, scope="job:").enrich(first), ShopperInsight)
+            restarted = Enricher(client, scope="job:")
+            other = await restarted.enrich(extended)
+            same = await Enricher(client, scope="job:").enrich(first)
+        async with http.get(gw.url + "/metrics") as r:
+            text = await r.text()
+    assert isinstance(other, ShopperInsight) and isinstance(same, ShopperInsight), (other, same)
+    assert metric(text, "gateway_idempotent_total", outcome="reused") == 1
