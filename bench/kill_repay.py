@@ -268,6 +268,15 @@ def create_topics(bootstrap: str, names: list[str], partitions: int) -> None:
         future.result(10)
 
 
+def idempotent_outcomes(gateway_url: str) -> dict[str, float]:
+    """The gateway's calls with an ``Idempotency-Key`` by outcome (``joined``, ``reused``, ...)."""
+    return {
+        k.removeprefix("gateway_idempotent_total{outcome=").rstrip("}"): v
+        for k, v in scrape(f"{gateway_url}/metrics").items()
+        if k.startswith("gateway_idempotent_total{")
+    }
+
+
 def start_gateway(endpoints: list[str], log: Path) -> tuple[subprocess.Popen[str], str]:
     """``shopper router serve`` in front of ``endpoints``, at its defaults; returns it and its URL."""
     argv = [sys.executable, "-m", "shopper", "router", "serve", "--port", "0"]
@@ -558,11 +567,7 @@ def one_run(
             process.wait()
         if router is not None:
             assert endpoints is not None
-            gateway_counts = {
-                k.removeprefix("gateway_idempotent_total{outcome=").rstrip("}"): v
-                for k, v in scrape(f"{endpoints[0]}/metrics").items()
-                if k.startswith("gateway_idempotent_total{")
-            }
+            gateway_counts = idempotent_outcomes(endpoints[0])
             os.killpg(router.pid, signal.SIGTERM)
             router.wait(30)
     if producer is not None:
@@ -755,7 +760,8 @@ def topic_end_offsets(bootstrap: str, topic: str) -> dict[int, int]:
     consumer = Consumer({"bootstrap.servers": bootstrap, "group.id": f"ends-{uuid.uuid4().hex[:8]}"})
     try:
         partitions = consumer.list_topics(topic, timeout=10).topics[topic].partitions
-        return {p: consumer.get_watermark_offsets(TopicPartition(topic, p), timeout=10)[1] for p in partitions}
+        ends = {p: consumer.get_watermark_offsets(TopicPartition(topic, p), timeout=10) for p in partitions}
+        return {p: high for p, (_, high) in ends.items()}
     finally:
         consumer.close()
 
@@ -810,6 +816,7 @@ def flink_run(
         live = {name: fields[name].default for name in ("wall_clock_timers", "flush_on_drain")}
         settings = settings.model_copy(update=live)
     router: subprocess.Popen[str] | None = None
+    gateway_counts: dict[str, float] = {}
     if gateway:
         router, url = start_gateway(state.llm_endpoints, logs / f"flink-{repeat}-{tag}.gateway.log")
         settings = settings.model_copy(update={"llm": settings.llm.model_copy(update={"endpoints": [url]})})
@@ -872,6 +879,7 @@ def flink_run(
     finally:
         rest.cancel(job.job_id)
         if router is not None:
+            gateway_counts = idempotent_outcomes(settings.llm.endpoints[0])
             os.killpg(router.pid, signal.SIGTERM)
             router.wait(30)
     spent = Replicas.read(state.llm_endpoints).minus(before)
@@ -899,6 +907,7 @@ def flink_run(
         seconds=time.monotonic() - started,
         calls_before_kill=calls_before_kill,
         at_kill=at_kill,
+        gateway=gateway_counts,
     )
 
 
@@ -1057,7 +1066,7 @@ def main() -> None:
         "--flink-rate",
         type=float,
         default=None,
-        help="events/s of flink_gateway_paced: the Flink job's 1x (the rate its clean backlog runs drained at)",
+        help="events/s of flink_gateway_paced: the Flink job's 1x (the rate its clean backlog runs drain at)",
     )
     parser.add_argument("--name", default="kill_repay", help="results file: bench/results/<name>.json")
     parser.add_argument(
