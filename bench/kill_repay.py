@@ -1192,7 +1192,20 @@ def main() -> None:
                 arms.append(
                     (f"paced 1x ({args.rate:.0f} events/s) via the gateway, {routed[0].clean.policy}", routed)
                 )
-            if "flink" in scenarios:
+            flink_arms = {  # scenario: (through a gateway, paced at, label)
+                "flink": (False, None, f"Flink, backlog {args.events}"),
+                "flink_gateway": (True, None, f"Flink via the gateway, backlog {args.events}"),
+                "flink_gateway_paced": (
+                    True,
+                    args.flink_rate,
+                    f"Flink via the gateway, paced 1x ({args.flink_rate or 0:.0f} events/s)",
+                ),
+            }
+            for scenario, (through_gateway, flink_rate, label) in flink_arms.items():
+                if scenario not in scenarios:
+                    continue
+                if scenario.endswith("_paced") and flink_rate is None:
+                    raise SystemExit(f"{scenario} needs --flink-rate (the Flink job's 1x, measured)")
                 flink = flink_pairs(
                     state,
                     state_dir,
@@ -1201,49 +1214,10 @@ def main() -> None:
                     shoppers=args.shoppers,
                     repeats=args.repeats,
                     kill_at=args.kill_at,
+                    gateway=through_gateway,
+                    rate=flink_rate,
                 )
-                arms.append(
-                    (f"Flink, backlog {args.events}, TaskManager killed, {flink[0].clean.policy}", flink)
-                )
-            if "flink_gateway" in scenarios:
-                flink = flink_pairs(
-                    state,
-                    state_dir,
-                    logs,
-                    events=args.events,
-                    shoppers=args.shoppers,
-                    repeats=args.repeats,
-                    kill_at=args.kill_at,
-                    gateway=True,
-                )
-                arms.append(
-                    (
-                        f"Flink via the gateway, backlog {args.events}, TaskManager killed, "
-                        f"{flink[0].clean.policy}",
-                        flink,
-                    )
-                )
-            if "flink_gateway_paced" in scenarios:
-                if args.flink_rate is None:
-                    raise SystemExit("flink_gateway_paced needs --flink-rate (the Flink job's 1x, measured)")
-                flink = flink_pairs(
-                    state,
-                    state_dir,
-                    logs,
-                    events=args.events,
-                    shoppers=args.shoppers,
-                    repeats=args.repeats,
-                    kill_at=args.kill_at,
-                    gateway=True,
-                    rate=args.flink_rate,
-                )
-                arms.append(
-                    (
-                        f"Flink via the gateway, paced 1x ({args.flink_rate:.0f} events/s), TaskManager "
-                        f"killed, {flink[0].clean.policy}",
-                        flink,
-                    )
-                )
+                arms.append((f"{label}, TaskManager killed, {flink[0].clean.policy}", flink))
             for name, pairs in arms:
                 if args.tree.resolve() != REPO:
                     name = f"{name} (runner of {args.tree})"

@@ -748,6 +748,15 @@ async def test_a_quarantined_replica_is_probed_with_the_callers_model_name(
         assert replica.routable and gw.client.answer_health.readmissions == 1
 
 
+@asynccontextmanager
+async def gateway_client(fleet: SimulatorFleet) -> AsyncIterator[tuple[Gateway, LLMClient]]:
+    """A fresh gateway in front of ``fleet`` and a client of it, as the stream jobs on the stack call it."""
+    async with running_gateway(fleet.urls, "prefix_aware") as gw:
+        config = ClientConfig(endpoints=[gw.url], model="qwen2.5-32b-sim")
+        async with LLMClient(config) as client:
+            yield gw, client
+
+
 async def test_a_pipeline_calling_the_gateway_sizes_its_limit_by_the_fleet_behind_it(
     fleet: SimulatorFleet, http: aiohttp.ClientSession
 ) -> None:
@@ -755,19 +764,17 @@ async def test_a_pipeline_calling_the_gateway_sizes_its_limit_by_the_fleet_behin
     replica behind it (the gateway says how many in every answer), each insight names the replica
     that answered, and a job's ``scope`` keeps its prompts its own: the same prompt from another job
     is paid for again, from the same job it is answered from the gateway's kept answer."""
-    async with running_gateway(fleet.urls, "prefix_aware") as gw:
-        config = ClientConfig(endpoints=[gw.url], model="qwen2.5-32b-sim")
-        async with LLMClient(config) as client:
-            job_a, job_b = Enricher(client, scope="job-a:"), Enricher(client, scope="job-b:")
-            floor_before = job_a.fleet_limit.floor
-            prompt = a_prompt()
-            first = await job_a.enrich(prompt)
-            other_job = await job_b.enrich(prompt)
-            async with http.get(gw.url + "/metrics") as r:
-                reused_before = metric(await r.text(), "gateway_idempotent_total", outcome="reused")
-            again = await Enricher(client, scope="job-a:").enrich(prompt)  # job a, restarted
-            async with http.get(gw.url + "/metrics") as r:
-                reused = metric(await r.text(), "gateway_idempotent_total", outcome="reused") - reused_before
+    async with gateway_client(fleet) as (gw, client):
+        job_a, job_b = Enricher(client, scope="job-a:"), Enricher(client, scope="job-b:")
+        floor_before = job_a.fleet_limit.floor
+        prompt = a_prompt()
+        first = await job_a.enrich(prompt)
+        other_job = await job_b.enrich(prompt)
+        async with http.get(gw.url + "/metrics") as r:
+            reused_before = metric(await r.text(), "gateway_idempotent_total", outcome="reused")
+        again = await Enricher(client, scope="job-a:").enrich(prompt)  # job a, restarted
+        async with http.get(gw.url + "/metrics") as r:
+            reused = metric(await r.text(), "gateway_idempotent_total", outcome="reused") - reused_before
     assert floor_before == 1, "one address, and nothing heard from it yet"
     assert job_a.fleet_limit.floor == 3
     assert job_a.fleet_limit.ceiling == 3 * job_a.settings.overload.per_replica_in_flight
@@ -789,12 +796,10 @@ async def test_a_replayed_prompt_the_gateway_saw_superseded_becomes_a_superseded
     newer = older.model_copy(
         update={"seq": seq, "request_id": request_id(older.shopper_id, older.session_epoch, seq)}
     )
-    async with running_gateway(fleet.urls, "prefix_aware") as gw:
-        config = ClientConfig(endpoints=[gw.url], model="qwen2.5-32b-sim")
-        async with LLMClient(config) as client:
-            assert isinstance(await Enricher(client, scope="job:").enrich(newer), ShopperInsight)
-            restarted = Enricher(client, scope="job:")
-            result = await restarted.enrich(older)
+    async with gateway_client(fleet) as (_, client):
+        assert isinstance(await Enricher(client, scope="job:").enrich(newer), ShopperInsight)
+        restarted = Enricher(client, scope="job:")
+        result = await restarted.enrich(older)
     assert isinstance(result, Superseded), result
     assert result.cause == "newer_prompt" and result.superseded_by == newer.request_id
     assert restarted.counts.superseded_upstream == 1
@@ -810,13 +815,11 @@ async def test_a_replayed_prompt_with_other_messages_under_the_same_id_is_a_call
     extended = first.model_copy(
         update={"messages": [*first.messages[:-1], {**first.messages[-1], "content": "one more event"}]}
     )
-    async with running_gateway(fleet.urls, "prefix_aware") as gw:
-        config = ClientConfig(endpoints=[gw.url], model="qwen2.5-32b-sim")
-        async with LLMClient(config) as client:
-            assert isinstance(await Enricher(client, scope="job:").enrich(first), ShopperInsight)
-            restarted = Enricher(client, scope="job:")
-            other = await restarted.enrich(extended)
-            same = await Enricher(client, scope="job:").enrich(first)
+    async with gateway_client(fleet) as (gw, client):
+        assert isinstance(await Enricher(client, scope="job:").enrich(first), ShopperInsight)
+        restarted = Enricher(client, scope="job:")
+        other = await restarted.enrich(extended)
+        same = await Enricher(client, scope="job:").enrich(first)
         async with http.get(gw.url + "/metrics") as r:
             text = await r.text()
     assert isinstance(other, ShopperInsight) and isinstance(same, ShopperInsight), (other, same)
