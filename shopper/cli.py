@@ -81,8 +81,17 @@ def stack_up_cmd(
     replicas: Annotated[int, typer.Option(help="LLM replicas")] = 3,
     time_scale: Annotated[float, typer.Option(help="simulator time scale; 1 = H100 32B timings")] = 0.05,
     partitions: int = 4,
+    gateway: Annotated[
+        bool | None,
+        typer.Option(
+            "--gateway/--no-gateway",
+            help="the routing gateway in front of the replicas, which the stream jobs call "
+            "[default: STACK_GATEWAY, else on]",
+        ),
+    ] = None,
 ) -> None:
     """Start what is not already reachable and write the addresses to the state file."""
+    chosen: dict[str, object] = {} if gateway is None else {"gateway": gateway}
     settings = StackSettings.model_validate(
         {
             "state_dir": state_dir,
@@ -90,6 +99,7 @@ def stack_up_cmd(
             "replicas": replicas,
             "time_scale": time_scale,
             "partitions": partitions,
+            **chosen,
         }
     )
     state = stack_up(settings)
