@@ -6,7 +6,9 @@ A component's field has two environment names, ``RUNNER_LLM__MODEL`` and the com
 
 from __future__ import annotations
 
+import hashlib
 import os
+import re
 from typing import Any, Literal
 
 from pydantic import Field, model_validator
@@ -22,6 +24,9 @@ from pipeline.topics import DLQ_TOPIC, EVENTS_TOPIC
 from prompt_assembly.processor import SessionConfig
 from runner.logs import LogFormat
 from sinks.config import SinkSettings
+
+_NOT_IN_TOPIC_NAMES = re.compile(r"[^A-Za-z0-9._-]")
+"""A character Kafka refuses in a topic name."""
 
 
 class RunnerSettings(BaseSettings):
@@ -124,8 +129,16 @@ class RunnerSettings(BaseSettings):
     @property
     def repartition_topic_name(self) -> str:
         """The repartition topic: ``repartition_topic``, or one named after the event topic and the
-        group (each group re-keys into its own, so one group's copies are never read by another)."""
-        return self.repartition_topic or f"{self.topic}.{self.group_id}.repartition"
+        group (each group re-keys into its own, so one group's copies are never read by another). A
+        group id may hold characters a topic name may not (Kafka takes any in a group id, and the demo's
+        holds the stack's ``:``): each becomes ``_``, and a digest of the whole id keeps two such
+        groups apart."""
+        if self.repartition_topic:
+            return self.repartition_topic
+        group = _NOT_IN_TOPIC_NAMES.sub("_", self.group_id)
+        if group != self.group_id:
+            group += "-" + hashlib.blake2b(self.group_id.encode(), digest_size=4).hexdigest()
+        return f"{self.topic}.{group}.repartition"
 
     @model_validator(mode="before")
     @classmethod

@@ -22,8 +22,9 @@ import pytest
 import redis.asyncio as aioredis
 from confluent_kafka import Consumer, KafkaError, Producer, TopicPartition
 
+from runner.config import RunnerSettings
 from runner.embedded import EmbeddedRunner
-from runner.repartition import REKEYED_FROM, header_names
+from runner.repartition import REKEYED_FROM, TOPIC_NAME, header_names
 from runner.session_store import RedisSessionStore
 from tests.conftest import Isolated
 from tests.fault_kit import RunnerLog, wait_until
@@ -165,3 +166,13 @@ def test_unkeyed_and_mis_keyed_events_reach_their_shoppers_one_session(isolated:
     assert partitions_by_key(copies) == {key: placed[key] for key in {key for key, _, _ in copies}}, (
         "a copy on another partition number than its shopper's keyed records"
     )
+
+
+def test_a_group_id_a_topic_name_cannot_hold_still_names_a_repartition_topic_of_its_own() -> None:
+    """Kafka takes any characters in a group id but only letters, digits, '.', '_' and '-' in a topic
+    name; the demo's group id holds the stack's ':'."""
+    groups = ("demo-stack-1:demo-2:", "demo-stack-1;demo-2;", "plain-group")
+    names = {RunnerSettings(group_id=group).repartition_topic_name for group in groups}
+    assert len(names) == len(groups) and all(TOPIC_NAME.fullmatch(name) for name in names), names
+    plain = RunnerSettings(group_id="plain-group", topic="shopper-events").repartition_topic_name
+    assert plain == "shopper-events.plain-group.repartition"
