@@ -757,11 +757,12 @@ def topic_end_offsets(bootstrap: str, topic: str) -> dict[int, int]:
     """Each partition's high watermark: where a group that has read everything has committed to."""
     from confluent_kafka import Consumer, TopicPartition
 
+    from pipeline.topic_ends import end_offset
+
     consumer = Consumer({"bootstrap.servers": bootstrap, "group.id": f"ends-{uuid.uuid4().hex[:8]}"})
     try:
         partitions = consumer.list_topics(topic, timeout=10).topics[topic].partitions
-        ends = {p: consumer.get_watermark_offsets(TopicPartition(topic, p), timeout=10) for p in partitions}
-        return {p: high for p, (_, high) in ends.items()}
+        return {p: end_offset(consumer, TopicPartition(topic, p), timeout_s=10) for p in partitions}
     finally:
         consumer.close()
 

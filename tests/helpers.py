@@ -17,6 +17,7 @@ import redis as sync_redis
 from aiohttp import web
 from confluent_kafka import Producer
 from prometheus_client.parser import text_string_to_metric_families
+from prometheus_client.samples import Sample
 
 from devstack.processes import free_port
 from prompt_assembly.events import MalformedEvent, parse_event
@@ -146,31 +147,33 @@ def dashboard_metric_names(dashboard: Path, name: re.Pattern[str]) -> set[str]:
     return {found for expr in exprs for found in name.findall(expr)}
 
 
+def _samples(url: str) -> list[Sample]:
+    """Every sample a Prometheus endpoint serves."""
+    with urllib.request.urlopen(url, timeout=10) as response:
+        text = response.read().decode()
+    return [sample for family in text_string_to_metric_families(text) for sample in family.samples]
+
+
 def prometheus_names(urls: list[str]) -> set[str]:
     """Every sample name served by those of ``urls`` that answer (Flink's reporter ports that no
     process took refuse)."""
     names: set[str] = set()
     for url in urls:
         try:
-            with urllib.request.urlopen(url, timeout=10) as response:
-                text = response.read().decode()
+            names |= {sample.name for sample in _samples(url)}
         except OSError:
             continue
-        names |= {s.name for family in text_string_to_metric_families(text) for s in family.samples}
     return names
 
 
 def prometheus_total(urls: list[str], name: str, **labels: str) -> float:
     """The sum over ``urls`` of the samples called ``name`` whose labels include ``labels``."""
-    total = 0.0
-    for url in urls:
-        with urllib.request.urlopen(url, timeout=10) as response:
-            text = response.read().decode()
-        for family in text_string_to_metric_families(text):
-            for sample in family.samples:
-                if sample.name == name and labels.items() <= sample.labels.items():
-                    total += sample.value
-    return total
+    return sum(
+        sample.value
+        for url in urls
+        for sample in _samples(url)
+        if sample.name == name and labels.items() <= sample.labels.items()
+    )
 
 
 def viewed_prompt(
