@@ -231,7 +231,7 @@ def read_topic_placed(
                 left = sorted({tp.partition for tp in partitions} - at_end)
                 raise TimeoutError(
                     f"{topic}: read {len(values)} records (expected at least {expect}) but partitions "
-                    f"{left} not to their end in {timeout_s:.0f} s"
+                    f"{left} not to their end in {timeout_s:.0f} s ({_where_stuck(consumer, topic, left)})"
                 )
             message = consumer.poll(0.3)
             if message is None:
@@ -255,3 +255,15 @@ def read_topic_placed(
         return values
     finally:
         consumer.close()
+
+
+def _where_stuck(consumer: Consumer, topic: str, partitions: list[int]) -> str:
+    """Per partition left, how far the read got against the partition's end: with ``read_committed`` a
+    position held below the end says a transaction there is still open (never committed or aborted)."""
+    stuck = []
+    for partition in partitions:
+        tp = TopicPartition(topic, partition)
+        (position,) = consumer.position([tp])
+        end = end_offset(consumer, tp)
+        stuck.append(f"partition {partition}: read to offset {position.offset}, end {end}")
+    return "; ".join(stuck)
