@@ -368,9 +368,11 @@ class Reader:
     ledger_answers: int = 0
     ledger_orphans: int = 0
     """Answers recorded in the ledger whose ``request_id`` has no stored result."""
+    trimmed_events: int = 0
+    """Valid events a stored result names as trimmed before any prompt took them (the session's token
+    or event budget cut a hot shopper's log head: ``trimmed_event_ids``)."""
     uncovered: list[str] = field(default_factory=list)
-    """Valid events in no stored result. A clean run has some too: the session's token budget trims a
-    hot shopper's log head before a prompt took those events (``SessionConfig.max_log_tokens``)."""
+    """Valid events no stored result names, as prompted or as trimmed: events lost."""
     result_ids: list[str] = field(default_factory=list, repr=False)
 
     @property
@@ -386,7 +388,9 @@ def read_back(state: StackState, job: Job, stream: Stream) -> Reader:
     by_id: dict[str, dict[str, Any]] = {}
     for record in records:
         by_id.setdefault(str(record["request_id"]), record)
-    covered = {str(e) for r in by_id.values() for e in r.get("new_event_ids") or []}
+    prompted = {str(e) for r in by_id.values() for e in r.get("new_event_ids") or []}
+    trimmed = {str(e) for r in by_id.values() for e in r.get("trimmed_event_ids") or []}
+    covered = prompted | trimmed
     kinds = [str(r.get("kind")) for r in by_id.values()]
     client = sync_redis.Redis.from_url(state.redis_url, decode_responses=True)
     answer = f"{job.prefix}answer:"
@@ -401,6 +405,7 @@ def read_back(state: StackState, job: Job, stream: Stream) -> Reader:
         replayed=sum(1 for r in by_id.values() if r.get("replayed")),
         s3_duplicates=len(records) - len(by_id),
         uncovered_events=len(stream.valid_ids - covered),
+        trimmed_events=len(stream.valid_ids & trimmed),
         dead_letters=len(dead),
         malformed=stream.malformed,
         ledger_answers=len(ledger),
@@ -604,7 +609,8 @@ def describe_run(run: Run) -> str:
         f"  {run.scenario} {run.policy} #{run.repeat} {'killed' if run.killed else 'clean'}:{kill} "
         f"calls {run.calls:.0f} (aborted {run.aborted:.0f}), results {r.results} = insights {r.insights} "
         f"+ superseded {r.superseded} + errors {r.errors}, replayed {r.replayed}, "
-        f"uncovered events {r.uncovered_events}, dead letters {r.dead_letters}/{r.malformed}, "
+        f"uncovered events {r.uncovered_events} (named as trimmed {r.trimmed_events}), "
+        f"dead letters {r.dead_letters}/{r.malformed}, "
         f"ledger orphans {r.ledger_orphans}, {run.seconds:.1f} s; by request_id: sent {run.by_id.sent}, "
         f"sent again {run.by_id.sent_again} {run.by_id.again_by_fate}, "
         f"in flight at the kill {run.by_id.in_flight_at_kill}, ids not in the clean run "

@@ -380,6 +380,8 @@ class EnrichPrompts(AsyncFunction):
             message=f"no result within the async operator's {self.settings.async_io.timeout_ms} ms",
             attempts=0,
             new_event_ids=prompt.new_event_ids,
+            trimmed_event_ids=prompt.trimmed_event_ids,
+            trimmed_events=prompt.trimmed_events,
             last_event_ts=prompt.last_event_ts,
             produced_at=time.time(),
         )

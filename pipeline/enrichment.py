@@ -294,6 +294,8 @@ def _about(prompt: PromptRequest) -> dict[str, Any]:
         "seq": prompt.seq,
         "reason": prompt.reason,
         "new_event_ids": prompt.new_event_ids,
+        "trimmed_event_ids": prompt.trimmed_event_ids,
+        "trimmed_events": prompt.trimmed_events,
         "last_event_ts": prompt.last_event_ts,
     }
 

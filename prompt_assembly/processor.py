@@ -116,6 +116,8 @@ class SessionProcessor:
             messages=build_messages(session.shopper_id, lines),
             event_count=len(lines),
             new_event_ids=new_event_ids,
+            trimmed_event_ids=list(session.unprompted_trimmed_ids),
+            trimmed_events=session.unprompted_trimmed,
             last_event_ts=session.last_event_ts,
             prompt_tokens=head + log_tokens + TASK_TOKENS,
             shared_prefix_tokens=shared,

@@ -40,6 +40,12 @@ class PromptRequest(BaseModel):
     """Ids of the events this prompt is the first of its session to include, in log order: with the
     earlier versions' lists they name every event behind an answer (bounded by
     ``SessionConfig.max_events``)."""
+    trimmed_event_ids: list[str] = Field(default_factory=list)
+    """Ids of the session's events trimmed from its log (token or event budget) since the previous
+    prompt before any prompt took them: with ``new_event_ids`` every event of the session is named by
+    some version, in a prompt or as trimmed (bounded by ``SessionConfig.remember_trimmed_ids``)."""
+    trimmed_events: int = 0
+    """How many such events there were (all of them, where the ids are bounded)."""
     last_event_ts: float
     """Event time of the newest event in the prompt; freshness is measured from it."""
     prompt_tokens: int
@@ -70,6 +76,8 @@ class ShopperInsight(BaseModel):
     usage: Usage
     event_count: int
     new_event_ids: list[str] = Field(default_factory=list)
+    trimmed_event_ids: list[str] = Field(default_factory=list)
+    trimmed_events: int = 0
     last_event_ts: float
     ttft_ms: float
     latency_ms: float
@@ -96,6 +104,8 @@ class EnrichmentError(BaseModel):
     message: str
     attempts: int
     new_event_ids: list[str] = Field(default_factory=list)
+    trimmed_event_ids: list[str] = Field(default_factory=list)
+    trimmed_events: int = 0
     last_event_ts: float
     produced_at: float
     raw_answer: str | None = None
@@ -124,6 +134,8 @@ class Superseded(BaseModel):
     cancelled_in_flight: bool = False
     """True when its request had already been sent and was cancelled (the HTTP request closed)."""
     new_event_ids: list[str] = Field(default_factory=list)
+    trimmed_event_ids: list[str] = Field(default_factory=list)
+    trimmed_events: int = 0
     last_event_ts: float
     produced_at: float
 

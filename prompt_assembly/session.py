@@ -147,6 +147,12 @@ class ShopperSession:
     last_log_tokens: int = 0
     """Tokens of the last prompt up to the end of its activity log (its reusable prefix)."""
     trimmed_since_prompt: bool = False
+    unprompted_trimmed_ids: list[str] = field(default_factory=list)
+    """Events trimmed from the log before any prompt took them, since the last prompt (the newest
+    ``remember_ids`` of them): the next prompt names them, so every event is accounted for."""
+    unprompted_trimmed: int = 0
+    """How many events were trimmed before any prompt took them since the last prompt (all of them,
+    where ``unprompted_trimmed_ids`` keeps a bounded number)."""
     newest_ts: float = 0.0
     _ids: set[str] = field(default_factory=set)
     _appended: list[SessionEntry] = field(default_factory=list)
@@ -192,15 +198,20 @@ class ShopperSession:
         return True
 
     def trim_head(self, count: int, remember_ids: int) -> None:
-        """Drop the ``count`` oldest entries, remembering their ids for deduplication."""
+        """Drop the ``count`` oldest entries, remembering their ids for deduplication, and those no
+        prompt has taken for the next prompt to name (``unprompted_trimmed_ids``)."""
         if count <= 0:
             return
         dropped, self.entries = self.entries[:count], self.entries[count:]
         for entry in dropped:
             self._ids.discard(entry.event.event_id)
             self.trimmed_ids.append(entry.event.event_id)
+            if entry.segment >= self.seq:  # no prompt has taken it
+                self.unprompted_trimmed += 1
+                self.unprompted_trimmed_ids.append(entry.event.event_id)
         while len(self.trimmed_ids) > remember_ids:
             self.trimmed_ids.popleft()
+        del self.unprompted_trimmed_ids[: max(0, len(self.unprompted_trimmed_ids) - remember_ids)]
         self._ids.update(self.trimmed_ids)
         self.newest_ts = max((e.event.ts for e in self.entries), default=0.0)
         self.trimmed_since_prompt = True
@@ -212,6 +223,8 @@ class ShopperSession:
         self.pending = None
         self.last_log_tokens = last_log_tokens
         self.trimmed_since_prompt = False
+        self.unprompted_trimmed_ids = []
+        self.unprompted_trimmed = 0
 
     # ---- persistence ---------------------------------------------------------------------------
     def header(self) -> dict[str, Any]:
@@ -225,6 +238,8 @@ class ShopperSession:
             "trimmed_ids": list(self.trimmed_ids),
             "last_log_tokens": self.last_log_tokens,
             "trimmed_since_prompt": self.trimmed_since_prompt,
+            "unprompted_trimmed_ids": self.unprompted_trimmed_ids,
+            "unprompted_trimmed": self.unprompted_trimmed,
         }
 
     @property
@@ -267,6 +282,8 @@ class ShopperSession:
             trimmed_ids=deque(header.get("trimmed_ids", [])),
             last_log_tokens=header.get("last_log_tokens", 0),
             trimmed_since_prompt=header.get("trimmed_since_prompt", False),
+            unprompted_trimmed_ids=list(header.get("unprompted_trimmed_ids", [])),
+            unprompted_trimmed=header.get("unprompted_trimmed", 0),
         )
         session.newest_ts = max((e.event.ts for e in parsed), default=0.0)
         session._ids = {e.event.event_id for e in parsed} | set(session.trimmed_ids)

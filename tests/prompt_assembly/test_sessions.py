@@ -211,3 +211,48 @@ def test_every_event_is_in_the_session_or_a_duplicate(steps: list[tuple[str, flo
     assert kept.isdisjoint(trimmed)
     assert kept | trimmed == {e.event_id for e in seen}
     assert all(session.has_seen(ev.event_id) for ev in seen)
+
+
+gaps = st.one_of(st.floats(0.1, 2.0), st.floats(20.0, 40.0))
+"""Mostly a burst (no pause fires), now and then a pause."""
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    st.lists(st.tuples(kinds, gaps), min_size=40, max_size=160),
+    st.integers(0, 159),
+    st.sampled_from([(8, 4000), (400, 200)]),
+)
+def test_every_event_is_named_by_one_prompt_as_new_or_as_trimmed(
+    steps: list[tuple[str, float]], restore_at: int, budgets: tuple[int, int]
+) -> None:
+    """An event the log trims before any prompt took it (by the event or the token budget) is named by
+    the next prompt's ``trimmed_event_ids``, across a restore from the stored session: so over a
+    session's prompts every accepted event is named exactly once, and none is lost without a trace."""
+    max_events, max_log_tokens = budgets
+    config = SessionConfig(max_events=max_events, max_log_tokens=max_log_tokens, trim_to_fraction=0.5)
+    processor = SessionProcessor(config)
+    session = processor.new_session("s1")
+    ts, accepted, prompts = 1_000_000.0, [], []
+    for n, (kind, gap) in enumerate(steps):
+        if n == restore_at:
+            session = ShopperSession.from_json(session.to_json())
+        ts += gap
+        ev = event(kind, ts, title=f"Item {n}")
+        applied = processor.apply(session, ev)
+        accepted.append(ev.event_id)
+        prompts += applied.prompts
+    prompts += processor.flush(session)
+    named = [i for p in prompts for i in [*p.new_event_ids, *p.trimmed_event_ids]]
+    assert sorted(named) == sorted(accepted), "every event named once, as prompted or as trimmed"
+    assert all(p.trimmed_events == len(p.trimmed_event_ids) for p in prompts)  # under the id bound here
+
+
+def test_a_burst_over_the_budget_is_named_as_trimmed_by_the_next_prompt() -> None:
+    processor = SessionProcessor(SessionConfig(max_events=30, trim_to_fraction=0.5))
+    session = processor.new_session("s1")
+    burst = [event("view", 1000 + n / 10) for n in range(40)]  # 40 views, no pause between them
+    prompts = [p for ev in burst for p in processor.apply(session, ev).prompts] + processor.flush(session)
+    (prompt,) = prompts
+    assert prompt.trimmed_events == len(prompt.trimmed_event_ids) > 0
+    assert prompt.trimmed_event_ids + prompt.new_event_ids == [ev.event_id for ev in burst]
