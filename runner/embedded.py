@@ -118,6 +118,8 @@ class EmbeddedRunner:
         self.assignment = Assignment()
         self.ingest = Ingest(self)
         self.prompts = PromptFlight(self)
+        self._lag: dict[int, int] = {}
+        """Records behind per assigned partition, as ``_measure_lag`` last measured them."""
         self.triggers = TriggerLoop(self)
         self.commits = Committer(self)
         self.handover = RebalanceHandover(self)
@@ -207,6 +209,7 @@ class EmbeddedRunner:
                 asyncio.create_task(self.commits.run(), name="committer"),
                 asyncio.create_task(self.triggers.run(), name="timers"),
                 asyncio.create_task(self._progress(), name="progress"),
+                asyncio.create_task(self._measure_lag(), name="lag"),
             ]
             try:
                 with streaming_gc():  # the per-event objects live on: see runner.gc_tuning
@@ -320,15 +323,28 @@ class EmbeddedRunner:
         return 0 if checkpoint is None else checkpoint.session_resets
 
     def lag_by_partition(self) -> dict[int, int]:
-        """Per assigned partition number, from the watermarks the consumer last saw (no broker round
-        trip): the event topic's and the repartition topic's partition of that number together."""
-        lag: dict[int, int] = {}
-        assignment = list(self.assignment.partitions)
-        for topic in {tp.topic for tp in assignment}:
-            owned = [tp for tp in assignment if tp.topic == topic]
-            for partition, behind in cached_lag_by_partition(self.consumer, owned).items():
-                lag[partition] = lag.get(partition, 0) + behind
-        return lag
+        """Per assigned partition number, as ``_measure_lag`` last measured it: the event topic's and
+        the repartition topic's partition of that number together. Never a consumer call: while a
+        synchronous commit waits on an unreachable coordinator, librdkafka's Python consumer blocks
+        every other call on it (``position``, ``assignment`` alike), and a call here would freeze the
+        event loop, ``/metrics`` and every timer with it for as long as the broker is away."""
+        owned = set(self.assigned_partitions())
+        return {p: behind for p, behind in self._lag.items() if p in owned}
+
+    async def _measure_lag(self) -> None:
+        """Every progress interval, the lag from the watermarks the consumer last saw (no broker round
+        trip), measured on a thread: one measurement at a time, and a blocked one only delays the
+        next (the last one stands meanwhile)."""
+        while True:
+            assignment = list(self.assignment.partitions)
+            lag: dict[int, int] = {}
+            for topic in {tp.topic for tp in assignment}:
+                owned = [tp for tp in assignment if tp.topic == topic]
+                measured = await asyncio.to_thread(cached_lag_by_partition, self.consumer, owned)
+                for partition, behind in measured.items():
+                    lag[partition] = lag.get(partition, 0) + behind
+            self._lag = lag
+            await asyncio.sleep(min(1.0, self.settings.progress_interval_s))
 
     def cached_lag(self) -> int | None:
         """Lag from the watermarks the consumer last saw (no broker round trip)."""

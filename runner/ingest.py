@@ -71,7 +71,7 @@ class Ingest:
         """Poll until stopping (or, with ``until_drained``, caught up)."""
         runner, s = self.runner, self.settings
         while not runner.stopping:
-            self._apply_backpressure()
+            await self._apply_backpressure()
             try:
                 messages = await asyncio.to_thread(
                     runner.consumer.consume, s.batch_max_events, s.poll_timeout_s
@@ -251,7 +251,7 @@ class Ingest:
         if task.done():
             return task.result()
         paused = list(runner.assignment.partitions)
-        runner.consumer.pause(paused)
+        await asyncio.to_thread(runner.consumer.pause, paused)  # off the loop: see _apply_backpressure
         try:
             while not task.done():
                 # A paused partition's fetched records are dropped and fetched again on resume, so a
@@ -265,10 +265,13 @@ class Ingest:
                 task.cancel()
             current = runner.assignment.partitions  # a rebalance meanwhile resumed its own
             if not self.paused and current:
-                runner.consumer.resume(current)
+                await asyncio.to_thread(runner.consumer.resume, current)
         return task.result()
 
-    def _apply_backpressure(self) -> None:
+    async def _apply_backpressure(self) -> None:
+        """Pause or resume reading by the prompts in flight. The consumer calls go on a thread: while
+        a synchronous commit waits on an unreachable coordinator, librdkafka's Python consumer blocks
+        every other call on it, and on the loop one would freeze the runner until the broker is back."""
         runner = self.runner
         limit = self.settings.max_in_flight_prompts
         partitions = runner.assignment.partitions
@@ -277,11 +280,11 @@ class Ingest:
         waiting = min(runner.enricher.gate.waiting, self.settings.max_waiting_prompts)
         pressure = runner.prompts.in_flight - waiting
         if not self.paused and pressure >= limit and partitions:
-            runner.consumer.pause(partitions)
+            await asyncio.to_thread(runner.consumer.pause, partitions)
             self.paused = True
             runner.stats.paused_times += 1
         elif self.paused and pressure <= limit // 2:
-            runner.consumer.resume(partitions)
+            await asyncio.to_thread(runner.consumer.resume, partitions)
             self.paused = False
 
     async def _caught_up(self) -> bool:

@@ -188,7 +188,10 @@ def test_the_grafana_dashboard_asks_only_for_metrics_the_runner_exports(isolated
             assert status == 200
             exported.update(parse(text)[1])
 
-    asyncio.run(while_running(runner, lambda: acct.consumed == len(records) and acct.insights > 0, check))
+    def busy() -> bool:  # traffic seen, and the lag measured (a task does, off the loop, once a second)
+        return acct.consumed == len(records) and acct.insights > 0 and bool(runner.lag_by_partition())
+
+    asyncio.run(while_running(runner, busy, check))
     used = dashboard_metric_names(DASHBOARD, METRIC_NAME)
     assert used - exported == set(), (
         f"the dashboard asks for metrics the runner does not export: {used - exported}"
