@@ -50,7 +50,7 @@ from collections.abc import Awaitable, Callable
 from typing import TypeVar
 
 import redis.asyncio as aioredis
-from confluent_kafka import Consumer, Producer
+from confluent_kafka import Consumer, KafkaException, Producer
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
@@ -332,18 +332,21 @@ class EmbeddedRunner:
         return {p: behind for p, behind in self._lag.items() if p in owned}
 
     async def _measure_lag(self) -> None:
-        """Every progress interval, the lag from the watermarks the consumer last saw (no broker round
-        trip), measured on a thread: one measurement at a time, and a blocked one only delays the
-        next (the last one stands meanwhile)."""
+        """About once a second (each progress interval, where shorter), the lag from the watermarks the
+        consumer last saw (no broker round trip), measured on a thread: one measurement at a time, and
+        a blocked or failed one only delays the next (the last one stands meanwhile)."""
         while True:
             assignment = list(self.assignment.partitions)
             lag: dict[int, int] = {}
-            for topic in {tp.topic for tp in assignment}:
-                owned = [tp for tp in assignment if tp.topic == topic]
-                measured = await asyncio.to_thread(cached_lag_by_partition, self.consumer, owned)
-                for partition, behind in measured.items():
-                    lag[partition] = lag.get(partition, 0) + behind
-            self._lag = lag
+            try:
+                for topic in {tp.topic for tp in assignment}:
+                    owned = [tp for tp in assignment if tp.topic == topic]
+                    measured = await asyncio.to_thread(cached_lag_by_partition, self.consumer, owned)
+                    for partition, behind in measured.items():
+                        lag[partition] = lag.get(partition, 0) + behind
+                self._lag = lag
+            except KafkaException as exc:  # a partition revoked meanwhile: the next measurement has it
+                self.log(f"lag not measured: {exc}")
             await asyncio.sleep(min(1.0, self.settings.progress_interval_s))
 
     def cached_lag(self) -> int | None:
