@@ -108,7 +108,8 @@ class ProgressLine:
 
 def cached_lag_by_partition(consumer: Consumer, assignment: list[TopicPartition]) -> dict[int, int]:
     """Records behind the high watermark per assigned partition, from the watermarks the consumer
-    last saw (no broker round trip, so ``/metrics`` and the progress line never wait on a broker)."""
+    last saw (no broker round trip). Still a call on the consumer, which waits behind a synchronous
+    commit to an unreachable coordinator: call it on a thread (``EmbeddedRunner._measure_lag``)."""
     if not assignment:
         return {}
     lag = {}
