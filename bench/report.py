@@ -33,6 +33,7 @@ from bench.disagg import SLOS, RatePoint, SetupResult, goodput_text
 from bench.goodput_search import brackets_from_json, goodput_cell
 from bench.routing.report import aggregate_table, llama_table, load_results, sim_table
 from bench.routing.stats import Aggregate, RunResult, aggregate, ratio_ci
+from llm_client.routing.prefix_aware import PrefixAwareSettings
 from serving.simulator.hardware import GPUS
 
 BLOCK = re.compile(
@@ -505,18 +506,29 @@ def routing_scenario_targets(paths: Sequence[Path]) -> str:
 
 
 def routing_load_factor(paths: Sequence[Path]) -> str:
-    """The ``load_factor`` ablation: prefix_aware's runs of each file (the first run with the factor
-    changed, the second the sweep at the default), utilisation by utilisation, the default in bold."""
-    ablation, default = paths
-    factor = json.loads(json.loads(ablation.read_text())["args"]["prefix_aware_options"])["load_factor"]
-    runs = [(f"{factor:g}", r) for r in load_results([str(ablation)]) if r.policy == "prefix_aware"] + [
-        ("**1.5**", r) for r in load_results([str(default)]) if r.policy == "prefix_aware"
-    ]
+    """The ``load_factor`` ablation, utilisation by utilisation, the default in bold. One file: a sweep of
+    ``prefix_aware`` beside ``prefix_aware/load_factor=X`` (same trace and arrivals). Two files (how the
+    first ablation ran): prefix_aware's runs of the first, with the factor changed, and of the second, the
+    sweep at the default."""
+    default = f"**{PrefixAwareSettings().load_factor:g}**"
+    runs: list[tuple[str, RunResult]] = []
+    if len(paths) == 1:
+        for r in load_results([str(paths[0])]):
+            if r.policy == "prefix_aware":
+                runs.append((default, r))
+            elif r.policy.startswith("prefix_aware/load_factor="):
+                runs.append((r.policy.split("=", 1)[1], r))
+    else:
+        ablation, sweep = paths
+        factor = json.loads(json.loads(ablation.read_text())["args"]["prefix_aware_options"])["load_factor"]
+        runs = [(f"{factor:g}", r) for r in load_results([str(ablation)]) if r.policy == "prefix_aware"] + [
+            (default, r) for r in load_results([str(sweep)]) if r.policy == "prefix_aware"
+        ]
     lines = [
         "| util | load_factor | TTFT mean | TTFT p99 | server TTFT | prefill vs oracle | max/mean load |",
         "|---|---|---|---|---|---|---|",
     ]
-    for label, r in sorted(runs, key=lambda run: (run[1].utilisation, run[0].strip("*") != f"{factor:g}")):
+    for label, r in sorted(runs, key=lambda run: (run[1].utilisation, run[0] == default)):
         server = f"{r.server_ttft_mean_ms:,.0f}" if r.server_ttft_mean_ms is not None else "-"
         lines.append(
             f"| {r.utilisation:.0%} | {label} | {r.ttft_mean_ms:,.0f} | {r.ttft_p99_ms:,.0f} | {server} | "

@@ -36,7 +36,12 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     s.add_argument("--long-hot-factor", type=float, default=8.0)
     s.add_argument("--long-max-log-tokens", type=int, default=2400)
     s.add_argument("--evict-cache-blocks", type=int, default=1024, help="KV blocks per replica")
-    p.add_argument("--policies", default=",".join(POLICIES))
+    p.add_argument(
+        "--policies",
+        default=",".join(POLICIES),
+        help="comma list; prefix_aware/setting=value runs prefix_aware with that setting changed, beside "
+        "the others on the same trace (an ablation: prefix_aware,prefix_aware/load_factor=1.25)",
+    )
     p.add_argument("--utilisations", default="0.5,0.7,0.9")
     p.add_argument("--shoppers", type=int, default=200)
     p.add_argument("--replicas", type=int, default=8)

@@ -48,10 +48,16 @@ def client_config(
     """``policy`` is a policy name, ``prefix_aware_precise`` (prefix_aware following KV events) or
     ``prefix_aware_noguard`` (without the tail guards: hot-shopper spreading and the queue cap, as before
     they existed) or ``prefix_aware_spread`` (with hot-shopper spreading, off by default) or
-    ``prefix_aware_room`` (with ``kv_room_guard``, off by default); ``options``
+    ``prefix_aware_room`` (with ``kv_room_guard``, off by default), any of them followed by
+    ``/setting=value`` pieces (``prefix_aware/load_factor=1.25``: an ablation run beside the default in
+    one sweep, on the same trace and arrivals; values are JSON); ``options``
     are prefix_aware's settings (ignored for the others), passed as they are (a ``cobatch_window_s``
     there is wall time); ``time_scale`` is the replicas' (wall seconds per simulated second)."""
     settings: dict[str, Any] | None = None
+    policy, *pieces = policy.split("/")
+    overrides = {key: json.loads(value) for key, value in (piece.split("=", 1) for piece in pieces)}
+    if overrides and not policy.startswith("prefix_aware"):
+        raise ValueError(f"/setting=value applies to prefix_aware's settings, not to {policy}")
     if policy.startswith("prefix_aware"):
         # The co-batching window is engine time: a simulated second lasts time_scale wall seconds.
         window = PrefixAwareSettings().cobatch_window_s * time_scale
@@ -64,6 +70,7 @@ def client_config(
             settings["hot_key_spread"] = True
         if policy == "prefix_aware_room":
             settings["kv_room_guard"] = True
+        settings.update(overrides)
         policy = "prefix_aware"
     return ClientConfig.model_validate(
         {
