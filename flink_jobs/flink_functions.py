@@ -166,6 +166,7 @@ class ShopperSessionFunction(KeyedProcessFunction):
         self.prompts = group.counter("prompts_emitted")
         self.timer_prompts = group.counter("prompts_by_timer")
         self.flushed_prompts = group.counter("prompts_by_flush")
+        self.trimmed_unprompted = group.counter("events_trimmed_unprompted")
 
     def _load(self, shopper_id: str) -> ShopperSession:
         raw = self.state.value()
@@ -231,9 +232,15 @@ class ShopperSessionFunction(KeyedProcessFunction):
             return
         self.accepted.inc()
         self._save(session, ctx)
-        self.prompts.inc(len(applied.prompts))
+        self._count_emitted(applied.prompts)
         for prompt in applied.prompts:
             yield prompt.model_dump_json()
+
+    def _count_emitted(self, prompts: list[PromptRequest]) -> None:
+        self.prompts.inc(len(prompts))
+        trimmed = sum(prompt.trimmed_events for prompt in prompts)
+        if trimmed:
+            self.trimmed_unprompted.inc(trimmed)
 
     def on_timer(self, timestamp: int, ctx: KeyedProcessFunction.OnTimerContext) -> Iterable[str]:
         raw = self.state.value()
@@ -250,7 +257,7 @@ class ShopperSessionFunction(KeyedProcessFunction):
         if not prompts:
             return
         self._save(session, ctx)
-        self.prompts.inc(len(prompts))
+        self._count_emitted(prompts)
         for prompt in prompts:
             yield prompt.model_dump_json()
 

@@ -19,6 +19,10 @@ class Accounting:
     errors: int = 0
     superseded: int = 0
     """Prompts not answered on purpose (``prompt_assembly.records.Superseded``): latest wins, or stale."""
+    trimmed_unprompted: int = 0
+    """Accepted events the session's budget trimmed from its log before any prompt took them, as the
+    prompts sent name them (``PromptRequest.trimmed_events``). Not a loss: each is named by its
+    shopper's next result; a rising rate says the budget is too small for how often prompts fire."""
 
     @property
     def events_unaccounted(self) -> int:

@@ -109,6 +109,12 @@ class _StateCollector(Collector):
         )
         yield counter("events_duplicate", "Events dropped as duplicates", acct.duplicates)
         yield counter("prompts_emitted", "Prompt requests launched", acct.prompts)
+        yield counter(
+            "events_trimmed_unprompted",
+            "Accepted events the session's token or event budget trimmed before any prompt took them "
+            "(named in the next result's trimmed_event_ids)",
+            acct.trimmed_unprompted,
+        )
         yield counter("results_written", "Results stored (insights and errors)", acct.insights + acct.errors)
         yield counter("insights_written", "Insights stored", acct.insights)
         yield counter("errors_written", "Error records stored", acct.errors)

@@ -30,6 +30,7 @@ class PromptFlight:
         epoch.pending += 1
         self.in_flight += 1
         stats.accounting.prompts += 1
+        stats.accounting.trimmed_unprompted += prompt.trimmed_events
         stats.estimated_prompt_tokens += prompt.prompt_tokens
         stats.estimated_shared_tokens += prompt.shared_prefix_tokens
         if kafka_ts:

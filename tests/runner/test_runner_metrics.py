@@ -16,16 +16,19 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
+import orjson
 import pytest
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
 from devstack.synthetic import SyntheticStream
+from prompt_assembly.events import ProductSnapshot, ShopperEvent
 from prompt_assembly.records import ShopperInsight, Usage
 from prompt_assembly.understanding import ShopperUnderstanding
 from runner.dead_letters import REASON_CATEGORIES, reason_category
 from runner.embedded import EmbeddedRunner
 from runner.logs import LogFormat, line_logger
+from shopper.readback import list_s3_records
 from sinks.redis import RedisSignalSink
 from tests.conftest import Isolated
 from tests.helpers import dashboard_metric_names, expected_prompts, produce_records
@@ -170,6 +173,70 @@ def test_a_running_runner_serves_metrics_and_health_that_match_what_it_did(
     assert done and counts in done[-1]
     assert any(entry["msg"].startswith("rebalance: assigned") for entry in logged)
     assert all({"ts", "level", "logger", "msg"} <= set(entry) for entry in logged)
+
+
+def browse_bursts(shoppers: int, views: int) -> list[tuple[bytes, bytes, bool]]:
+    """Each shopper browses ``views`` products 50 ms apart (no pause long enough to prompt), more than
+    the session's default token budget holds, then adds one to the cart; stamped with the wall clock."""
+    now = time.time()
+    records = []
+    for s in range(shoppers):
+        shopper = f"burst-{s}"
+        for n in range(views + 1):
+            event = ShopperEvent(
+                event_id=f"{shopper}-{n}",
+                shopper_id=shopper,
+                type="view" if n < views else "add_to_cart",
+                ts=now + n * 0.05,
+                product=ProductSnapshot(
+                    product_id=f"p{n}",
+                    title=f"Glow-in-the-dark skeleton costume, size {n % 7}",
+                    category="Costumes",
+                    price=19.5 + n % 5,
+                    snippet="Kids loved it at the school parade",
+                ),
+            )
+            records.append((shopper.encode(), event.model_dump_json().encode(), False))
+    return records
+
+
+@pytest.mark.slow
+def test_events_trimmed_before_any_prompt_took_them_are_counted_and_named_by_the_results(
+    isolated: Isolated,
+) -> None:
+    """A browse burst over the session's default budget: the log trims events no prompt has taken. The
+    cart add's prompt names them (``trimmed_events``), the stored results carry them, and
+    ``/metrics`` counts exactly those, as the same processor run offline predicts."""
+    records = browse_bursts(shoppers=3, views=160)
+    produce_records(isolated.stack.kafka_bootstrap, isolated.topic, records)
+    expected = expected_prompts(records)
+    expected_trimmed = sum(prompt.trimmed_events for prompt in expected.values())
+    assert expected_trimmed > 0, "the bursts overflow the default budget"
+    runner = EmbeddedRunner(isolated.runner(until_drained=False, metrics_port=0), log=lambda _: None)
+    acct = runner.stats.accounting
+    scraped: list[str] = []
+
+    def stored() -> bool:
+        return (
+            acct.prompts == len(expected)
+            and runner.in_flight == 0
+            and runner.stats.last_commit_at is not None
+            and not runner.epochs
+        )
+
+    async def check(address: str) -> None:
+        async with aiohttp.ClientSession() as session:
+            status, text = await get(session, f"{address}/metrics")
+            assert status == 200
+            scraped.append(text)
+
+    asyncio.run(while_running(runner, stored, check))
+    samples, _ = parse(scraped[0])
+    assert value(samples, "shopper_events_trimmed_unprompted_total") == expected_trimmed
+    _, results = list_s3_records(isolated.sinks(), isolated.s3_prefix)
+    assert sum(int(r["trimmed_events"]) for r in results) == expected_trimmed
+    named = sorted(i for r in results for i in [*r["new_event_ids"], *r["trimmed_event_ids"]])
+    assert named == sorted(orjson.loads(v)["event_id"] for _, v, _ in records), "every event named once"
 
 
 @pytest.mark.slow
