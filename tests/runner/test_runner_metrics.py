@@ -178,7 +178,7 @@ def test_a_running_runner_serves_metrics_and_health_that_match_what_it_did(
 def browse_bursts(shoppers: int, views: int) -> list[tuple[bytes, bytes, bool]]:
     """Each shopper browses ``views`` products 50 ms apart (no pause long enough to prompt), more than
     the session's default token budget holds, then adds one to the cart; stamped with the wall clock."""
-    now = time.time()
+    start = time.time() - (views + 1) * 0.05  # the last event is stamped now
     records = []
     for s in range(shoppers):
         shopper = f"burst-{s}"
@@ -187,7 +187,7 @@ def browse_bursts(shoppers: int, views: int) -> list[tuple[bytes, bytes, bool]]:
                 event_id=f"{shopper}-{n}",
                 shopper_id=shopper,
                 type="view" if n < views else "add_to_cart",
-                ts=now + n * 0.05,
+                ts=start + n * 0.05,
                 product=ProductSnapshot(
                     product_id=f"p{n}",
                     title=f"Glow-in-the-dark skeleton costume, size {n % 7}",
