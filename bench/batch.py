@@ -376,7 +376,7 @@ def main() -> None:
     parser.add_argument("--records", type=int, default=30_000)
     parser.add_argument("--baseline-records", type=int, default=8_000)
     parser.add_argument("--replicas", type=int, default=3)
-    parser.add_argument("--time-scale", type=float, default=0.08)
+    parser.add_argument("--time-scale", type=float, default=0.25)
     parser.add_argument("--skip-kill", action="store_true")
     parser.add_argument("--quick", action="store_true", help="5,000 records, 2,000 for the maximum")
     parser.add_argument("--out", default="batch", help="results file stem under bench/results")

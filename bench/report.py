@@ -619,6 +619,22 @@ def batch_runs(paths: Sequence[Path]) -> str:
     return "\n".join(lines)
 
 
+def batch_kill(paths: Sequence[Path]) -> str:
+    """``python -m bench.batch``'s kill-and-resume run: records and calls done twice."""
+    (path,) = paths
+    kill = json.loads(path.read_text())["kill"]
+    lines = [
+        "| records | done at kill | kept (parts written) | records redone | redone % | calls needed | "
+        "calls spent | extra calls | extra % |",
+        "|---|---|---|---|---|---|---|---|---|",
+        f"| {kill['records']:,} | {kill['done_at_kill']:,} | {kill['kept_at_kill']:,} | "
+        f"{kill['records_redone']:,} | **{kill['records_redone_pct']:.2f}** | "
+        f"{kill['calls_needed']:,} | {kill['calls_spent']:,} | "
+        f"{kill['calls_redone']:,} | {kill['calls_redone_pct']:.2f} |",
+    ]
+    return "\n".join(lines)
+
+
 def _ms(value: float) -> str:
     """A latency in the precision it is read at: tenths under 100 ms, whole ms above."""
     return f"{value:.1f}" if value < 100 else f"{value:,.0f}"
@@ -700,6 +716,22 @@ def capacity_splits(paths: Sequence[Path]) -> str:
     return "\n".join(lines)
 
 
+def capacity_parts(paths: Sequence[Path]) -> str:
+    """One ``python -m bench.capacity`` run, part of the day by part of the day."""
+    (path,) = paths
+    lines = [
+        "| part of day | rt req/s | rt replicas | rt p99 ms | degraded % | batch records/s |",
+        "|---|---|---|---|---|---|",
+    ]
+    for part in json.loads(path.read_text())["parts"]:
+        lines.append(
+            f"| {part['part']} | {part['rt_rps']:.1f} | "
+            f"{part['rt_replicas_min']}-{part['rt_replicas_max']} | {part['rt_p99_ms']:.0f} | "
+            f"{part['degraded_pct']:.2f} | {part['batch_records_per_s']:.1f} |"
+        )
+    return "\n".join(lines)
+
+
 # ---- the simulator's fidelity ------------------------------------------------------------------------------
 def fidelity(paths: Sequence[Path]) -> str:
     """``python -m bench.fidelity``: simulated output throughput against TensorRT-LLM's published
@@ -744,6 +776,8 @@ RENDERERS: dict[str, Callable[[Sequence[Path]], str]] = {
     "routing_targets": routing_targets,
     "routing_server_side": routing_server_side,
     "routing_load_factor": routing_load_factor,
+    "batch_kill": batch_kill,
+    "capacity_parts": capacity_parts,
     "regions_surge": regions_surge,
     "regions_lost": regions_lost,
     "batch_runs": batch_runs,

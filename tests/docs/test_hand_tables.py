@@ -78,58 +78,6 @@ def mismatches(written: str, expected: Cell) -> str | None:
 
 
 # ---- the expected cells, one function per table ---------------------------------------------------------
-def batch_runs(payloads: Sequence[dict[str, Any]]) -> list[list[Cell]]:
-    (batch,) = payloads
-    return [
-        [
-            None,
-            None,
-            run["records"],
-            run["calls"],
-            run["wall_s"],
-            run["calls_per_s"],
-            run["steady_calls_per_s"],
-            run["records_per_s"],
-            run["gpu_busy_pct"],
-        ]
-        for run in [*batch["fixed_runs"], batch["adaptive"]]
-    ]
-
-
-def batch_kill(payloads: Sequence[dict[str, Any]]) -> list[list[Cell]]:
-    (batch,) = payloads
-    kill = batch["kill"]
-    keys = (
-        "records", "done_at_kill", "kept_at_kill", "records_redone", "records_redone_pct", "calls_needed",
-        "calls_spent", "calls_redone", "calls_redone_pct",
-    )  # fmt: skip
-    return [[kill[key] for key in keys]]
-
-
-def capacity_splits(payloads: Sequence[dict[str, Any]]) -> list[list[Cell]]:
-    rows: list[list[Cell]] = []
-    for run in payloads:
-        replicas: Cell = None if run["mode"] == "shifting" else run["rt_replicas_min"]
-        late: Cell = (run["late"], run["requests"]) if run["mode"] == "shifting" else run["late"]
-        rows.append([None, replicas, run["rt_p99_ms"], run["degraded_pct"], late, run["batch_records"]])
-    return rows
-
-
-def capacity_parts(payloads: Sequence[dict[str, Any]]) -> list[list[Cell]]:
-    (shifting,) = payloads
-    return [
-        [
-            None,
-            part["rt_rps"],
-            (part["rt_replicas_min"], part["rt_replicas_max"]),
-            part["rt_p99_ms"],
-            part["degraded_pct"],
-            part["batch_records_per_s"],
-        ]
-        for part in shifting["parts"]
-    ]
-
-
 def realtime_pair(payloads: Sequence[dict[str, Any]]) -> list[list[Cell]]:
     before, after = payloads
     rows: list[list[Cell]] = []
@@ -246,15 +194,6 @@ def roofline_steps(payloads: Sequence[dict[str, Any]]) -> list[list[Cell]]:
 
 
 HAND_TABLES = [
-    HandTable("docs/batch.md", "| run | concurrency | records |", ("batch.json",), batch_runs),
-    HandTable("docs/batch.md", "| records | done at kill |", ("batch.json",), batch_kill),
-    HandTable(
-        "docs/capacity.md",
-        "| split | real-time replicas |",
-        ("capacity.json", "capacity_static_5.json", "capacity_static_3.json"),
-        capacity_splits,
-    ),
-    HandTable("docs/capacity.md", "| part of day |", ("capacity.json",), capacity_parts),
     HandTable(
         "docs/realtime.md",
         "| phase | service | requests | errors | refused (late) |",
