@@ -129,8 +129,8 @@ def produce_paced(
 
 
 def runs_python_workers(pgid: int) -> bool:
-    """Whether process group ``pgid`` (a TaskManager's JVM) has a Python worker in it: only a TaskManager
-    that runs a subtask of the job starts one (``/proc``; Linux only)."""
+    """Whether process group ``pgid`` (a TaskManager: its restart loop, JVM and workers) has a Python
+    worker in it: only a TaskManager that runs a subtask of the job starts one (``/proc``; Linux only)."""
     for stat in Path("/proc").glob("[0-9]*/stat"):
         try:
             fields = stat.read_text().rsplit(")", 1)[1].split()

@@ -210,12 +210,42 @@ def flink_env(home: Path) -> dict[str, str]:
     }
 
 
+TASKMANAGER_SUPERVISOR = """
+child=
+trap 'kill -TERM "$child" 2>/dev/null; wait "$child"; exit 143' TERM INT
+while :; do
+    "$0" start-foreground &
+    child=$!
+    wait "$child"
+    status=$?
+    echo "$(date '+%F %T') TaskManager exited with status $status; restarting in $1 s" >&2
+    sleep "$1"
+done
+"""
+"""Runs ``taskmanager.sh start-foreground`` and starts it again whenever it exits, as Kubernetes restarts
+a TaskManager's pod. The Kafka connector from PyPI (4.0.1) can take a healthy TaskManager down while a
+job fails over: closing a sink writer force-closes its producer, the sends still in flight fail, and the
+writer rethrows them from its cleanup, which Flink treats as fatal to the process (fixed upstream in
+FLINK-38790, in no jar on PyPI). Unsupervised, one lost TaskManager then leaves the cluster without the
+slots to restart the job. A SIGTERM stops the TaskManager and the loop; a SIGKILL of the process group
+(a lost machine) takes both."""
+
+TASKMANAGER_RESTART_DELAY_S = 2
+
+
 def start_taskmanager(state: FlinkClusterState, name: str = "flink-taskmanager") -> ManagedProcess:
-    """Start one more TaskManager (also what a recovery test does after killing one)."""
+    """Start one more TaskManager under a restart loop (``TASKMANAGER_SUPERVISOR``); a recovery test
+    also calls it to replace one whose process group it killed."""
     home = Path(state.flink_home)
     process = spawn(
         name,
-        [str(home / "bin" / "taskmanager.sh"), "start-foreground"],
+        [
+            "bash",
+            "-c",
+            TASKMANAGER_SUPERVISOR,
+            str(home / "bin" / "taskmanager.sh"),
+            str(TASKMANAGER_RESTART_DELAY_S),
+        ],
         0,
         home / "log",
         env=flink_env(home),
@@ -427,7 +457,46 @@ class FlinkRest:
             if job["state"] == "RUNNING" and all(v["status"] == "RUNNING" for v in job["vertices"]):
                 return
             time.sleep(0.5)
-        raise TimeoutError(f"job {job_id} not running within {timeout_s} s")
+        raise TimeoutError(f"job {job_id} not running within {timeout_s} s; {self.diagnosis(job_id)}")
+
+    def diagnosis(self, job_id: str) -> str:
+        """One line on why a job may be stuck: its state, the cluster's TaskManagers and free slots, the
+        other unfinished jobs, and the newest failure's cause (what a CI log must carry, the cluster's
+        own logs staying on the CI machine)."""
+        try:
+            overview = self.get("/overview")
+            job = self.get(f"/jobs/{job_id}")
+            others = [j["id"][:8] for j in self.unfinished_jobs() if j["id"] != job_id]
+            entries = self.get(f"/jobs/{job_id}/exceptions").get("exceptionHistory", {}).get("entries", [])
+        except (OSError, KeyError, ValueError) as error:
+            return f"no diagnosis: {error!r}"
+        newest = "none"
+        if entries:
+            cause = f"{entries[0].get('exceptionName', '')}: {str(entries[0].get('stacktrace', ''))[:300]}"
+            newest = " ".join(cause.split())
+        return (
+            f"job {job['state']}, {overview.get('taskmanagers')} TaskManager(s), slots "
+            f"{overview.get('slots-available')}/{overview.get('slots-total')} free, other unfinished jobs "
+            f"{others or 'none'}, {len(entries)} failure(s), newest: {newest}"
+        )
+
+    def unfinished_jobs(self) -> list[dict[str, str]]:
+        """Every job not yet in a terminal state (``/jobs`` lists ``id`` and ``status``)."""
+        terminal = {"FINISHED", "CANCELED", "FAILED"}
+        return [j for j in self.get("/jobs")["jobs"] if j["status"] not in terminal]
+
+    def cancel_unfinished(self, timeout_s: float = 60.0) -> list[str]:
+        """Cancel every unfinished job and wait until each has ended; returns their ids. A test that
+        failed mid-job leaves its job holding slots, and the next test's job would wait for them."""
+        cancelled = [j["id"] for j in self.unfinished_jobs()]
+        for job_id in cancelled:
+            try:
+                self.cancel(job_id)
+            except OSError:
+                continue  # ended between the listing and the cancel
+        for job_id in cancelled:
+            self.wait_for_state(job_id, {"CANCELED", "FINISHED", "FAILED"}, timeout_s=timeout_s)
+        return cancelled
 
     def completed_checkpoints(self, job_id: str) -> int:
         return int(self.get(f"/jobs/{job_id}/checkpoints")["counts"]["completed"])

@@ -148,3 +148,28 @@ def flink_cluster(stack: StackState, stack_dir: Path) -> Iterator[object]:
         yield state
     finally:
         cluster_down(stack_dir)
+
+
+@pytest.fixture(autouse=True)
+def _no_flink_job_outlives_its_test(request: pytest.FixtureRequest) -> Iterator[None]:
+    """After a test that used the Flink cluster: cancel any job it left running (a test that fails
+    mid-job leaves it holding slots) and bring back a lost TaskManager's slots, so one failure stays
+    one failure and does not starve the next tests' jobs."""
+    yield
+    if "flink_cluster" not in request.fixturenames:
+        return
+    from devstack.flink_cluster import FlinkClusterSettings, FlinkRest, save_cluster, start_taskmanager
+
+    cluster, stack_dir = request.getfixturevalue("flink_cluster"), request.getfixturevalue("stack_dir")
+    rest = FlinkRest(cluster.web_url)
+    rest.cancel_unfinished()
+    settings = FlinkClusterSettings()
+    slots = settings.taskmanagers * settings.task_slots
+    try:
+        rest.wait_for_slots(slots, timeout_s=30)  # a replacement TaskManager may still be registering
+    except TimeoutError:
+        registered = int(rest.get("/overview")["taskmanagers"])
+        for n in range(registered, settings.taskmanagers):
+            start_taskmanager(cluster, name=f"flink-taskmanager-restored-{n + 1}")
+        save_cluster(stack_dir, cluster)
+        rest.wait_for_slots(slots, timeout_s=settings.start_timeout_s)

@@ -14,6 +14,8 @@ from pathlib import Path
 
 import pytest
 
+from devstack.processes import ManagedProcess, alive
+
 FLINK_LOG_LINES = 60
 """The newest matching lines kept, over all the cluster's logs."""
 
@@ -29,8 +31,28 @@ def pytest_runtest_makereport(
     report = yield
     cluster = getattr(item, "funcargs", {}).get("flink_cluster")
     if report.when == "call" and report.failed and cluster is not None:
-        report.sections.append(("Flink logs (sink, commits, warnings)", flink_log_excerpt(cluster.log_dir)))
+        text = f"{process_summary(cluster.processes)}\n{flink_log_excerpt(cluster.log_dir)}"
+        report.sections.append(("Flink processes, then logs (sink, commits, warnings)", text))
     return report
+
+
+def process_summary(processes: list[ManagedProcess]) -> str:
+    """One line per cluster process, first in the report (a CI log keeps the head of a section): alive
+    or not; for a TaskManager, how often its loop restarted it and whether it registered since; its
+    output's last line. So a TaskManager that never came back after a kill is named as such."""
+    lines = []
+    for process in processes:
+        log = Path(process.log)
+        text = log.read_text(errors="replace") if log.exists() else ""
+        last = (text.strip().splitlines() or ["(no output)"])[-1][:200]
+        state = "alive" if alive(process.pid) else "dead"
+        if "taskmanager" in process.name:
+            since_restart = text.rsplit("TaskManager exited with status", 1)[-1]
+            registered = "Successful registration at resource manager" in since_restart
+            restarts = text.count("TaskManager exited with status")
+            state += f", {restarts} restart(s), {'registered' if registered else 'NOT registered'}"
+        lines.append(f"{process.name} (pid {process.pid}): {state}; last line: {last}")
+    return "\n".join(lines)
 
 
 def flink_log_excerpt(log_dir: Path, lines: int = FLINK_LOG_LINES) -> str:

@@ -80,7 +80,7 @@ def wait_committed(
         state = rest.job_state(job_id)
         assert state in {"RUNNING", "RESTARTING", "INITIALIZING", "CREATED"}, f"job is {state}"
         time.sleep(1.0)
-    raise TimeoutError(f"group {group} committed {seen}, produced up to {ends}")
+    raise TimeoutError(f"group {group} committed {seen}, produced up to {ends}; {rest.diagnosis(job_id)}")
 
 
 def read_all(bootstrap: str, topic: str, *, expect: int = 0) -> list[bytes]:

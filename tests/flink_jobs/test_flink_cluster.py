@@ -15,7 +15,9 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -175,6 +177,31 @@ def test_taskmanager_killed_mid_stream_restarts_from_checkpoint(
         (d.partition, d.offset) for d in dead
     }  # at-least-once: a replayed dead letter is the same bytes at the same position
     assert len(malformed) == sum(1 for _, v in first + second if v is not None and not _valid(v))
+
+
+def test_a_taskmanager_that_exits_on_its_own_is_started_again(flink_cluster: FlinkClusterState) -> None:
+    """The cluster's restart loop (``devstack.flink_cluster.TASKMANAGER_SUPERVISOR``), as Kubernetes
+    restarts a pod: a TaskManager JVM that dies alone (a crash, or the Kafka connector's cleanup that
+    takes a healthy TaskManager down during a failover) is started again and registers its slot, so
+    the cluster keeps the slots a job needs to restart; the loop itself lives on."""
+    rest = FlinkRest(flink_cluster.web_url)
+    before = {tm["id"] for tm in rest.get("/taskmanagers")["taskmanagers"]}
+    supervisor = next(
+        p for p in flink_cluster.processes if p.name.startswith("flink-taskmanager") and alive(p.pid)
+    )
+    children = subprocess.run(["pgrep", "-P", str(supervisor.pid)], capture_output=True, text=True)
+    jvm = int(children.stdout.split()[0])
+    os.kill(jvm, signal.SIGKILL)
+    deadline = time.monotonic() + 180
+    now = before
+    while time.monotonic() < deadline:
+        now = {tm["id"] for tm in rest.get("/taskmanagers")["taskmanagers"]}
+        if len(now) == len(before) and len(before - now) == 1:
+            break
+        time.sleep(0.5)
+    assert len(now) == len(before) and len(before - now) == 1, f"TaskManagers before {before}, now {now}"
+    assert alive(supervisor.pid), "the restart loop died with its TaskManager"
+    assert "TaskManager exited with status 137" in Path(supervisor.log).read_text(errors="replace")
 
 
 def _valid(value: bytes) -> bool:
