@@ -4,6 +4,7 @@ fixed-latency OpenAI-compatible endpoint (a tiny aiohttp server in this process)
     .venv/bin/python bench/flink_async.py                  # the table in docs/flink.md
     .venv/bin/python bench/flink_async.py --quick          # two rows, as a smoke test
     .venv/bin/python bench/flink_async.py --defaults       # the job's current defaults, 200 ms and 1 s calls
+    .venv/bin/python bench/flink_async.py --defaults --paced-load 0.5,0.7,0.9   # freshness near the ceiling
 
 The table it prints goes to ``bench/results/flink_async.json`` (``flink_async_defaults.json`` with
 ``--defaults``, or ``--out``) with the machine and load average; ``docs/`` renders it from there.
@@ -305,15 +306,20 @@ SETTINGS = [
 ]
 
 
-def job_default_settings() -> list[Setting]:
+def job_default_settings(bundle_times_ms: list[int] | None = None) -> list[Setting]:
     """The job's EnrichPrompts at the job's current defaults (bundle time and size from
-    ``AsyncSettings``, no Flink-level timeout), at 200 ms and 1 s calls: the ceiling ratio to keep."""
+    ``AsyncSettings``, no Flink-level timeout), at 200 ms and 1 s calls: the ceiling ratio to keep.
+    ``bundle_times_ms`` replaces the default bundle time with each of those in turn."""
     defaults = AsyncSettings()
-    label = f"job defaults (bundle {defaults.bundle_time_ms} ms)"
-    return [
-        Setting(label, "http", 0.2, 50, defaults.bundle_time_ms, defaults.bundle_size, timeout_ms=0),
-        Setting(label, "http", 1.0, 250, defaults.bundle_time_ms, defaults.bundle_size, timeout_ms=0),
-    ]
+    settings = []
+    for bundle_ms in bundle_times_ms or [defaults.bundle_time_ms]:
+        what = "job defaults" if bundle_ms == defaults.bundle_time_ms else "job defaults but"
+        label = f"{what} (bundle {bundle_ms} ms)"
+        settings += [
+            Setting(label, "http", 0.2, 50, bundle_ms, defaults.bundle_size, timeout_ms=0),
+            Setting(label, "http", 1.0, 250, bundle_ms, defaults.bundle_size, timeout_ms=0),
+        ]
+    return settings
 
 
 CPU_BOUND_ABOVE = 1000.0
@@ -323,12 +329,17 @@ CPU_BOUND_ABOVE = 1000.0
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--seconds", type=float, default=8.0, help="saturated run length at the ceiling")
-    parser.add_argument("--paced-load", type=float, default=0.7, help="offered load in paced runs / ceiling")
+    parser.add_argument(
+        "--paced-load",
+        default="0.7",
+        help="offered load in paced runs / ceiling; several (0.5,0.7,0.9) give a row each",
+    )
     parser.add_argument("--paced-seconds", type=float, default=6.0)
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--only", help="run settings whose label contains this")
     parser.add_argument("--rows", help="comma-separated indices into SETTINGS")
     parser.add_argument("--defaults", action="store_true", help="only the two rows at the job's defaults")
+    parser.add_argument("--bundle-ms", help="with --defaults: these bundle times (100,250,500) instead")
     parser.add_argument("--out", help="results file name under bench/results (default: by the rows run)")
     args = parser.parse_args()
     load_before = list(os.getloadavg())
@@ -340,7 +351,9 @@ def main() -> int:
     if args.rows:
         settings = [SETTINGS[int(i)] for i in args.rows.split(",")]
     if args.defaults:
-        settings = job_default_settings()
+        settings = job_default_settings(
+            [int(x) for x in args.bundle_ms.split(",")] if args.bundle_ms else None
+        )
     header = (
         f"machine: {platform.machine()}, {os.cpu_count()} cores (shared), "
         f"Python {platform.python_version()}, "
@@ -348,10 +361,11 @@ def main() -> int:
         f"load average {os.getloadavg()[0]:.1f} / {os.getloadavg()[1]:.1f}"
     )
     print(header)
+    loads = [float(x) for x in str(args.paced_load).split(",")]
     lines = [
-        "| call | latency | capacity | setting | ceiling/s | saturated events/s | ratio | paced at /s "
-        "| added p50 ms | added p99 ms |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "| call | latency | capacity | setting | ceiling/s | saturated events/s | ratio | paced load "
+        "| paced at /s | added p50 ms | added p99 ms |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     print("\n".join(lines))
     notes = []
@@ -364,17 +378,29 @@ def main() -> int:
             f"| {setting.call} | {setting.latency_s * 1000:.0f} ms | {setting.capacity} | {setting.label} "
             f"| {setting.ceiling:,.0f} | {saturated['rate']:,.0f} | {ratio:.2f} |"
         )
-        paced: dict[str, float] = {"errors": 0}
+        paced_errors = 0
         if setting.ceiling > CPU_BOUND_ABOVE and setting.paced_rate is None:
-            row += " - | - | - |"
+            row += " - | - | - | - |"
+            lines.append(row)
+            print(row, flush=True)
         else:
-            paced_rate = setting.paced_rate or args.paced_load * setting.ceiling
-            paced = run_once(setting, url, int(max(200, paced_rate * args.paced_seconds)), paced_rate)
-            row += f" {paced_rate:,.0f} | {paced['p50']:,.0f} | {paced['p99']:,.0f} |"
-        lines.append(row)
-        print(row, flush=True)
-        if saturated["errors"] or paced["errors"]:
-            note = f"{setting.label}: errors, saturated {saturated['errors']}, paced {paced['errors']}"
+            # a fixed paced rate (the harness floor) is one row; otherwise a row per offered load
+            for index, load in enumerate([None] if setting.paced_rate else loads):
+                paced_rate = setting.paced_rate or (load or 0.0) * setting.ceiling
+                paced = run_once(setting, url, int(max(200, paced_rate * args.paced_seconds)), paced_rate)
+                paced_errors += int(paced["errors"])
+                shown_load = f"{paced_rate / setting.ceiling:.2f}"
+                paced_cells = (
+                    f" {shown_load} | {paced_rate:,.0f} | {paced['p50']:,.0f} | {paced['p99']:,.0f} |"
+                )
+                if index:  # the saturated run is the setting's first row only
+                    row = f"| {setting.call} | {setting.latency_s * 1000:.0f} ms | {setting.capacity} | " + (
+                        f"{setting.label} | {setting.ceiling:,.0f} | | |"
+                    )
+                lines.append(row + paced_cells)
+                print(row + paced_cells, flush=True)
+        if saturated["errors"] or paced_errors:
+            note = f"{setting.label}: errors, saturated {saturated['errors']}, paced {paced_errors}"
             notes.append(note)
             print(f"  ({note})", flush=True)
     load_end = os.getloadavg()

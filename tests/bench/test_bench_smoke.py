@@ -116,9 +116,9 @@ SMOKE_RUNS = (
     # not a benchmark, but docs/ shows it: the docs' generated tables checked against their results
     SmokeRun("report", ("-m", "bench.report"), prints=": ok"),
     SmokeRun("tansu_fetch", ("-m", "bench.tansu_fetch", "--seconds", "4", "--waits", "100")),
-    # docs/ shows the script form; one row: the job's EnrichPrompts over HTTP at its defaults
+    # docs/ shows the script form; one setting: the job's EnrichPrompts over HTTP, paced at two loads
     SmokeRun("flink_async", ("bench/flink_async.py", "--rows", "17", "--seconds", "1",
-                             "--paced-seconds", "1"), ("flink_async.json",)),
+                             "--paced-seconds", "1", "--paced-load", "0.5,0.9"), ("flink_async.json",)),
     # a standalone Flink cluster (two TaskManagers): a small backlog through the job, then the runner; and
     # the recovery run, its TaskManager killed after the first checkpoint. Each waits out a job submission
     # (`flink run` compiles the plan in a JVM and Python: 35-50 s here), so they get a longer guard. The
