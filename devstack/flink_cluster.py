@@ -445,7 +445,8 @@ class FlinkRest:
             if state in {"FAILED", "CANCELED"} and state not in states:
                 raise FlinkJobFailed(f"job {job_id} is {state}: {self.get(f'/jobs/{job_id}/exceptions')}")
             time.sleep(0.5)
-        raise TimeoutError(f"job {job_id} still {state} after {timeout_s} s (wanted {sorted(states)})")
+        why = self.diagnosis(job_id)
+        raise TimeoutError(f"job {job_id} still {state} after {timeout_s} s (wanted {sorted(states)}); {why}")
 
     def wait_running(self, job_id: str, timeout_s: float = 180.0) -> None:
         """Until every task of the job is RUNNING (the job itself is RUNNING before its tasks are)."""
@@ -520,4 +521,4 @@ class FlinkRest:
                     raise FlinkJobFailed(f"stop-with-savepoint failed: {operation['failure-cause']}")
                 return str(operation["location"])
             time.sleep(0.5)
-        raise TimeoutError(f"savepoint of {job_id} not done within {timeout_s} s")
+        raise TimeoutError(f"savepoint of {job_id} not done within {timeout_s} s; {self.diagnosis(job_id)}")
