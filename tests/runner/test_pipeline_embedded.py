@@ -138,8 +138,17 @@ def test_a_replica_killed_mid_run_loses_no_result(isolated: Isolated, tmp_path: 
             victim_endpoint = next(e for e in runner.client.endpoints if e.url.endswith(f":{port}"))
             # The victim is taking real traffic and holds calls when it dies. It runs at its peers'
             # speed: a slower one is drained as degraded at 20 answers, and then holds nothing to lose.
-            while victim_endpoint.served < 20 or victim_endpoint.outstanding < 2:
-                await asyncio.sleep(0.005)
+            # A call lasts ~0.1 s here, so an answer may already sit in the socket when the kill lands
+            # (a CI run lost every held call that way and retried none): the victim is frozen first,
+            # the answers it had written are read, and it dies holding what it never answered.
+            while True:
+                while victim_endpoint.served < 20 or victim_endpoint.outstanding < 2:
+                    await asyncio.sleep(0.005)
+                os.killpg(victim.pid, signal.SIGSTOP)
+                await asyncio.sleep(0.5)
+                if victim_endpoint.outstanding >= 1:
+                    break
+                os.killpg(victim.pid, signal.SIGCONT)  # everything it held was already answered
         os.killpg(victim.pid, signal.SIGKILL)
         await task
 
