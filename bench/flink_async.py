@@ -374,31 +374,28 @@ def main() -> int:
         n_sat = int(max(500, min(setting.ceiling, CPU_BOUND_ABOVE) * args.seconds))
         saturated = run_once(setting, url, n_sat, 0.0)
         ratio = saturated["rate"] / setting.ceiling
-        row = (
+        prefix = (
             f"| {setting.call} | {setting.latency_s * 1000:.0f} ms | {setting.capacity} | {setting.label} "
-            f"| {setting.ceiling:,.0f} | {saturated['rate']:,.0f} | {ratio:.2f} |"
+            f"| {setting.ceiling:,.0f} |"
         )
+        row = f"{prefix} {saturated['rate']:,.0f} | {ratio:.2f} |"
         paced_errors = 0
         if setting.ceiling > CPU_BOUND_ABOVE and setting.paced_rate is None:
-            row += " - | - | - | - |"
-            lines.append(row)
-            print(row, flush=True)
+            lines.append(row + " - | - | - | - |")
+            print(lines[-1], flush=True)
         else:
-            # a fixed paced rate (the harness floor) is one row; otherwise a row per offered load
-            for index, load in enumerate([None] if setting.paced_rate else loads):
-                paced_rate = setting.paced_rate or (load or 0.0) * setting.ceiling
+            # a fixed paced rate (the harness floor) is one row; otherwise a row per offered load, the
+            # saturated run shown on the first only
+            rates = [setting.paced_rate] if setting.paced_rate else [x * setting.ceiling for x in loads]
+            for paced_rate in rates:
                 paced = run_once(setting, url, int(max(200, paced_rate * args.paced_seconds)), paced_rate)
                 paced_errors += int(paced["errors"])
-                shown_load = f"{paced_rate / setting.ceiling:.2f}"
-                paced_cells = (
-                    f" {shown_load} | {paced_rate:,.0f} | {paced['p50']:,.0f} | {paced['p99']:,.0f} |"
+                lines.append(
+                    f"{row} {paced_rate / setting.ceiling:.2f} | {paced_rate:,.0f} | {paced['p50']:,.0f} "
+                    f"| {paced['p99']:,.0f} |"
                 )
-                if index:  # the saturated run is the setting's first row only
-                    row = f"| {setting.call} | {setting.latency_s * 1000:.0f} ms | {setting.capacity} | " + (
-                        f"{setting.label} | {setting.ceiling:,.0f} | | |"
-                    )
-                lines.append(row + paced_cells)
-                print(row + paced_cells, flush=True)
+                print(lines[-1], flush=True)
+                row = f"{prefix} | |"
         if saturated["errors"] or paced_errors:
             note = f"{setting.label}: errors, saturated {saturated['errors']}, paced {paced_errors}"
             notes.append(note)
