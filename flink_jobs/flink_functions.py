@@ -390,6 +390,7 @@ class EnrichPrompts(AsyncFunction):
             trimmed_event_ids=prompt.trimmed_event_ids,
             trimmed_events=prompt.trimmed_events,
             last_event_ts=prompt.last_event_ts,
+            due_ts=prompt.due_ts,
             produced_at=time.time(),
         )
         return [error.model_dump_json()]

@@ -297,6 +297,7 @@ def _about(prompt: PromptRequest) -> dict[str, Any]:
         "trimmed_event_ids": prompt.trimmed_event_ids,
         "trimmed_events": prompt.trimmed_events,
         "last_event_ts": prompt.last_event_ts,
+        "due_ts": prompt.due_ts,
     }
 
 

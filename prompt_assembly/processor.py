@@ -60,14 +60,14 @@ class SessionProcessor:
         prompts: list[PromptRequest] = []
         pending = session.pending
         if pending is not None and event.ts >= pending.due_ts:
-            prompts.append(self._emit(session, pending.reason))
+            prompts.append(self._emit(session, pending.reason, pending.due_ts))
         session.add(event, raw)
         if len(session.entries) > self.config.max_events:
             keep = int(self.config.max_events * self.config.trim_to_fraction)
             session.trim_head(len(session.entries) - keep, self.config.remember_trimmed_ids)
         session.pending = self.config.triggers.next_pending(session, event)
         if session.pending.due_ts <= event.ts:
-            prompts.append(self._emit(session, session.pending.reason))
+            prompts.append(self._emit(session, session.pending.reason, event.ts))
         return Applied("accepted", prompts)
 
     def fire_pending(self, session: ShopperSession, due_ts: float) -> list[PromptRequest]:
@@ -76,14 +76,14 @@ class SessionProcessor:
         pending = session.pending
         if pending is None or pending.due_ts > due_ts:
             return []
-        return [self._emit(session, pending.reason)]
+        return [self._emit(session, pending.reason, pending.due_ts)]
 
     def flush(self, session: ShopperSession) -> list[PromptRequest]:
         """End of a bounded input: the pending trigger fires now, whatever its due time."""
         pending = session.pending
-        return [] if pending is None else [self._emit(session, pending.reason)]
+        return [] if pending is None else [self._emit(session, pending.reason, pending.due_ts)]
 
-    def _emit(self, session: ShopperSession, reason: TriggerReason) -> PromptRequest:
+    def _emit(self, session: ShopperSession, reason: TriggerReason, due_ts: float) -> PromptRequest:
         for entry in session.entries:
             if entry.line is None:
                 entry.line = render_event(entry.event)
@@ -119,6 +119,7 @@ class SessionProcessor:
             trimmed_event_ids=list(session.unprompted_trimmed_ids),
             trimmed_events=session.unprompted_trimmed,
             last_event_ts=session.last_event_ts,
+            due_ts=due_ts,
             prompt_tokens=head + log_tokens + TASK_TOKENS,
             shared_prefix_tokens=shared,
         )

@@ -48,6 +48,11 @@ class PromptRequest(BaseModel):
     """How many such events there were (all of them, where the ids are bounded)."""
     last_event_ts: float
     """Event time of the newest event in the prompt; freshness is measured from it."""
+    due_ts: float = 0.0
+    """Event time at which the prompt became due: the triggering event's time, or the pending trigger's
+    due time (a browse pause, a rate-limited cart add) however late its timer fired. Freshness from
+    it tells the trigger policy's own wait (a pause's quiet period) apart from the pipeline's. 0 for
+    prompts made before the field existed."""
     prompt_tokens: int
     """Estimate with the project tokenizer (the server's own count comes back in usage)."""
     shared_prefix_tokens: int
@@ -79,6 +84,8 @@ class ShopperInsight(BaseModel):
     trimmed_event_ids: list[str] = Field(default_factory=list)
     trimmed_events: int = 0
     last_event_ts: float
+    due_ts: float = 0.0
+    """The prompt's ``due_ts``: event time at which it became due."""
     ttft_ms: float
     latency_ms: float
     attempts: int
@@ -107,6 +114,8 @@ class EnrichmentError(BaseModel):
     trimmed_event_ids: list[str] = Field(default_factory=list)
     trimmed_events: int = 0
     last_event_ts: float
+    due_ts: float = 0.0
+    """The prompt's ``due_ts``: event time at which it became due."""
     produced_at: float
     raw_answer: str | None = None
 
@@ -137,6 +146,8 @@ class Superseded(BaseModel):
     trimmed_event_ids: list[str] = Field(default_factory=list)
     trimmed_events: int = 0
     last_event_ts: float
+    due_ts: float = 0.0
+    """The prompt's ``due_ts``: event time at which it became due."""
     produced_at: float
 
 

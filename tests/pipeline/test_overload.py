@@ -122,6 +122,8 @@ async def test_newer_prompt_supersedes_one_waiting_for_admission() -> None:
     assert not superseded.cancelled_in_flight
     assert isinstance(result, ShopperInsight) and result.request_id == newer.request_id
     assert result.admission_wait_ms > 0  # it waited for the slot the test held
+    # each result says when its prompt became due: what freshness from due is measured from
+    assert (superseded.due_ts, result.due_ts) == (older.due_ts, newer.due_ts) and older.due_ts < newer.due_ts
     assert requests_received(metrics) == 1  # the older prompt never reached the replica
     assert enrich.counts.superseded_queued == 1
 

@@ -85,6 +85,27 @@ def test_rate_limit_defers_a_cart_add_and_keeps_its_reason() -> None:
     assert [p.reason for p in fired] == ["add_to_cart"] and session.pending is None
 
 
+def test_a_prompt_says_when_it_became_due_whoever_fired_it() -> None:
+    """``due_ts`` is the event time a prompt became due: the triggering event's, or the pending
+    trigger's due time whether its timer fired it (late or not), a later event did, or a drain."""
+    processor = SessionProcessor(
+        SessionConfig(triggers=TriggerPolicy(quiet_period_s=20, min_prompt_interval_s=10))
+    )
+    session = processor.new_session("s1")
+    [cart] = processor.apply(session, event("add_to_cart", 100)).prompts
+    assert cart.due_ts == 100
+    assert processor.apply(session, event("add_to_cart", 103)).prompts == []  # rate-limited to 110
+    [deferred] = processor.fire_pending(session, due_ts=111.5)  # its timer fired 1.5 s late
+    assert deferred.due_ts == 110 and deferred.reason == "add_to_cart"
+    processor.apply(session, event("view", 115))  # a browse pause due at 135
+    [pause, cart_again] = processor.apply(session, event("add_to_cart", 150)).prompts
+    assert (pause.reason, pause.due_ts) == ("browse_pause", 135)
+    assert (cart_again.reason, cart_again.due_ts) == ("add_to_cart", 150)
+    processor.apply(session, event("view", 160))
+    [drained] = processor.flush(session)
+    assert (drained.reason, drained.due_ts) == ("browse_pause", 180)
+
+
 def test_stale_timer_does_not_fire_early() -> None:
     processor = SessionProcessor(SessionConfig(triggers=TriggerPolicy(quiet_period_s=20)))
     session = processor.new_session("s1")
