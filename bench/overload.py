@@ -47,9 +47,13 @@ import os
 import pickle
 import random
 import statistics
+import tempfile
 import time
 import urllib.request
+import uuid
 from collections import defaultdict
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -73,7 +77,13 @@ from pipeline.enrichment import EnrichmentSettings
 from pipeline.overload import OverloadPolicy, OverloadSettings
 from prompt_assembly.events import parse_event
 from prompt_assembly.processor import SessionConfig, SessionProcessor
-from prompt_assembly.records import EnrichmentResult, PromptRequest, ShopperInsight, Superseded
+from prompt_assembly.records import (
+    EnrichmentResult,
+    PromptRequest,
+    ShopperInsight,
+    Superseded,
+    parse_result,
+)
 from prompt_assembly.session import ShopperSession
 from runner.embedded import EmbeddedRunner
 from runner.prompt_flight import PromptFlight
@@ -277,6 +287,9 @@ class Run:
     """Times the runner paused its partitions: prompts in flight past ``max_in_flight_prompts``."""
     cores_busy: float = 0.0
     """Cores this whole machine kept busy over the run (``machine_busy_seconds``): other work included."""
+    landed_after_window: tuple[int, int] = (0, 0)
+    """Uncached prompt and decode tokens of insights landed for prompts due after the window (the Flink
+    run waits for them, and they are not in ``stored``): landed, so not wasted."""
 
 
 async def run_once(
@@ -340,6 +353,128 @@ async def run_once(
     run.accounting = stats.accounting.as_dict()
     run.paused_times = stats.paused_times
     run.overload_counts = runner.enricher.counts.as_dict()
+    run.load_average = (load_before, os.getloadavg()[0])
+    run.cores_busy = (machine_busy_seconds() - busy_before) / (time.monotonic() - wall_before)
+    return run
+
+
+# ---- the Flink job ----------------------------------------------------------------------------------
+def run_once_flink(
+    state: StackState,
+    flink_dir: Path,
+    cluster: Any,
+    policy: OverloadSettings,
+    rate: float,
+    seconds: float,
+    *,
+    shoppers: int,
+    seed: int,
+    grace_s: float,
+    label: str,
+) -> Run:
+    """One policy at one rate on the Flink job (``flink_jobs.near_realtime``, its live defaults: wall-clock
+    timers, the same session settings as the runner's run) on a local cluster: a fresh job, topics and
+    Redis prefix, the replicas' caches emptied, the stream produced for ``seconds``; then every record
+    committed and the replicas quiet past a browse pause and a rate limit, so every pending trigger has
+    fired and every prompt has its result, then the job cancelled.
+
+    The job keeps no prompt flight, so the run is read from its results (every one goes to S3): a
+    prompt's trigger instant is its ``due_ts`` (event time = the wall clock at send here), its result's
+    instant ``produced_at`` (the Redis write follows in the same operator), and the prompt's start at
+    the enrichment is ``produced_at`` less the admission wait and the model's latency. The freshness
+    figures take the prompts due by the end of production plus ``grace_s``, as the runner's stop does;
+    the accounting takes them all, and names the valid events no result names (none should be)."""
+    from bench.flink_kit import bench_job, wait_committed
+    from bench.kill_repay import topic_end_offsets, wait_replicas_idle
+    from devstack.flink_cluster import FlinkRest, submit
+    from devstack.stack import sink_settings
+    from flink_jobs.flink_config import NearRealtimeSettings
+    from shopper.readback import list_s3_records
+
+    tag = uuid.uuid4().hex[:8]
+    settings = bench_job(state, flink_dir, tag, {}, live=False)
+    fields = NearRealtimeSettings.model_fields
+    live = {name: fields[name].default for name in ("wall_clock_timers", "flush_on_drain")}
+    settings = settings.model_copy(
+        update={**live, "enrichment": settings.enrichment.model_copy(update={"overload": policy})}
+    )
+    reset_caches(state)
+    before = engine_totals(state)
+    run = Run(label, rate, seconds)
+    load_before, busy_before, wall_before = os.getloadavg()[0], machine_busy_seconds(), time.monotonic()
+    rest = FlinkRest(cluster.web_url)
+    job = submit(cluster, settings, config_path=flink_dir / "flink" / f"overload-{tag}.json")
+    topic = settings.kafka.events_topic
+    try:
+        rest.wait_running(job.job_id)
+        time.sleep(2)
+        run.started = time.time()
+        produce_paced(state.kafka_bootstrap, topic, rate, seconds, shoppers, seed, run.sent)
+        stop_at = time.monotonic()
+        ends = topic_end_offsets(state.kafka_bootstrap, topic)
+        wait_committed(state.kafka_bootstrap, settings.kafka.group_id, topic, ends, 900)
+        triggers = settings.session.triggers
+        wait_replicas_idle(
+            state.llm_endpoints, quiet_s=triggers.quiet_period_s + triggers.min_prompt_interval_s + 5
+        )
+        run.drain_s = time.monotonic() - stop_at
+    finally:
+        rest.cancel(job.job_id)
+    after = engine_totals(state)
+    run.engine = {name: after[name] - before.get(name, 0) for name in after}
+    sinks = sink_settings(
+        state, redis_key_prefix=settings.sinks.redis_key_prefix, s3_prefix=settings.sinks.s3_prefix
+    )
+    _, records = list_s3_records(sinks, sinks.s3_prefix)
+    results: dict[str, EnrichmentResult] = {}
+    for record in records:
+        results.setdefault(str(record["request_id"]), parse_result(orjson.dumps(record)))
+    counted: dict[str, int] = defaultdict(int)
+    named: set[str] = set()
+    cutoff = run.started + seconds + grace_s
+    for rid, result in results.items():
+        counted[result.kind] += 1
+        named.update(result.new_event_ids, result.trimmed_event_ids)
+        if result.due_ts > cutoff:
+            if isinstance(result, ShopperInsight):
+                usage = result.usage
+                prefill, decode = run.landed_after_window
+                run.landed_after_window = (
+                    prefill + usage.prompt_tokens - usage.cached_tokens,
+                    decode + max(0, usage.completion_tokens - 1),
+                )
+            continue
+        stored = Stored(result.kind, result.produced_at)
+        started_at = result.produced_at
+        if isinstance(result, ShopperInsight):
+            stored.prompt_tokens = result.usage.prompt_tokens
+            stored.cached_tokens = result.usage.cached_tokens
+            stored.completion_tokens = result.usage.completion_tokens
+            stored.enricher_ms = result.admission_wait_ms + result.latency_ms
+            stored.admission_wait_ms = result.admission_wait_ms
+            stored.ttft_ms = result.ttft_ms
+            stored.latency_ms = result.latency_ms
+            started_at -= stored.enricher_ms / 1000
+        elif isinstance(result, Superseded):
+            stored.cause = result.cause
+            stored.cancelled_in_flight = result.cancelled_in_flight
+        run.stored[rid] = stored
+        run.launched[rid] = Launched(
+            result.shopper_id,
+            (result.session_epoch, result.seq),
+            result.reason,
+            started_at,
+            result.due_ts,
+            result.new_event_ids[-1] if result.new_event_ids else None,
+        )
+    run.accounting = {
+        "consumed": sum(ends.values()),
+        "prompts": len(results),
+        "insights": counted["insight"],
+        "errors": counted["error"],
+        "superseded": counted["superseded"],
+        "events_unnamed": len(set(run.sent) - named),
+    }
     run.load_average = (load_before, os.getloadavg()[0])
     run.cores_busy = (machine_busy_seconds() - busy_before) / (time.monotonic() - wall_before)
     return run
@@ -448,6 +583,8 @@ def summarise(run: Run, age_samples: int, capacity_prompts_s: float | None) -> d
         kind["enricher"].append(stored.enricher_ms / 1000)
         prefill += stored.prompt_tokens - stored.cached_tokens
         decode += max(0, stored.completion_tokens - 1)  # the first token comes out of the prefill pass
+    prefill += run.landed_after_window[0]
+    decode += run.landed_after_window[1]
     acct = run.accounting
     insights = max(1, acct["insights"])
     where = where_time_goes(run)
@@ -585,6 +722,13 @@ def _s(value: float | None) -> str:
     return "-" if value is None else f"{value:.1f}"
 
 
+def _unaccounted_cell(accounting: dict[str, int]) -> str:
+    """The runner counts prompts without a result; the Flink job's run counts events no result names."""
+    if "prompts_unaccounted" in accounting:
+        return str(accounting["prompts_unaccounted"])
+    return f"{accounting['events_unnamed']} events"
+
+
 def _rate_cell(row: dict[str, Any]) -> str:
     load = row["load_vs_capacity"]
     return f"{row['multiple']:g}x ({row['rate']:.0f}/s; {'-' if load is None else f'{load:.1f}'})"
@@ -604,7 +748,7 @@ def tables(rows: list[dict[str, Any]]) -> str:
                 f"{s['queued']} / {s['cancelled_in_flight']} / {s['stale']}"
                 + (f" ({s['stale_purchase_cart']})" if s.get("stale_purchase_cart") else ""),
                 r["accounting"]["errors"],
-                r["accounting"]["prompts_unaccounted"],
+                _unaccounted_cell(r["accounting"]),
                 f"{_s(f['p50'])} / {_s(f['p99'])}",
                 f"{_s(f['first_third_p99'])} → {_s(f['last_third_p99'])}",
                 f"{_s(a['p50'])} / {_s(a['p99'])}",
@@ -746,22 +890,73 @@ async def bench(args: argparse.Namespace) -> dict[str, Any]:
             )
             capacity = capacity_from(probe)
         print(f"capacity: {json.dumps(capacity)}", flush=True)
-        rows = []
-        for multiple in multiples:
-            target = capacity["prompts_per_s"] * multiple
-            shoppers = await asyncio.to_thread(
-                shoppers_for, target, args.per_shopper, args.seconds, args.seed
+        with flink_cluster(args.engine == "flink") as cluster:
+            rows = await runs(state, cluster, args, arms, multiples, capacity)
+    result = {
+        "machine": machine(),
+        "engine": args.engine,
+        "command": "python -m bench.overload " + " ".join(args.argv),
+        "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items() if k != "argv"},
+        "capacity": capacity,
+        "freshness_target_s": OverloadSettings().freshness_target_s,
+        "rows": rows,
+    }
+    return report(result)
+
+
+@contextmanager
+def flink_cluster(wanted: bool) -> Iterator[tuple[Path, Any] | None]:
+    """A local Flink cluster of one TaskManager (the job at parallelism 1) for the Flink runs."""
+    if not wanted:
+        yield None
+        return
+    from devstack.flink_cluster import FlinkClusterSettings, cluster_down, cluster_up
+
+    flink_dir = Path(tempfile.mkdtemp(prefix="bench-overload-flink-"))
+    cluster = cluster_up(flink_dir, FlinkClusterSettings(taskmanagers=1))
+    try:
+        yield flink_dir, cluster
+    finally:
+        cluster_down(flink_dir)
+
+
+async def runs(
+    state: StackState,
+    cluster: tuple[Path, Any] | None,
+    args: argparse.Namespace,
+    arms: list[str],
+    multiples: list[float],
+    capacity: dict[str, Any],
+) -> list[dict[str, Any]]:
+    """Every arm at every multiple of the capacity, on the runner or (``cluster``) the Flink job."""
+    rows = []
+    for multiple in multiples:
+        target = capacity["prompts_per_s"] * multiple
+        shoppers = await asyncio.to_thread(shoppers_for, target, args.per_shopper, args.seconds, args.seed)
+        rate = shoppers * args.per_shopper
+        for arm in arms:
+            label = f"{arm}@{multiple:g}x"
+            print(
+                f"run {label}: {rate:.1f} events/s of {shoppers} shoppers for {args.seconds:g} s",
+                flush=True,
             )
-            rate = shoppers * args.per_shopper
-            for arm in arms:
-                label = f"{arm}@{multiple:g}x"
-                print(
-                    f"run {label}: {rate:.1f} events/s of {shoppers} shoppers for {args.seconds:g} s",
-                    flush=True,
+            policy = arm_settings(arm)
+            if args.per_replica_in_flight is not None:
+                policy.per_replica_in_flight = args.per_replica_in_flight
+            if cluster is not None:
+                run = await asyncio.to_thread(
+                    run_once_flink,
+                    state,
+                    *cluster,
+                    policy,
+                    rate,
+                    args.seconds,
+                    shoppers=shoppers,
+                    seed=args.seed,
+                    grace_s=args.grace,
+                    label=label,
                 )
-                policy = arm_settings(arm)
-                if args.per_replica_in_flight is not None:
-                    policy.per_replica_in_flight = args.per_replica_in_flight
+            else:
                 run = await run_once(
                     state,
                     policy,
@@ -774,23 +969,15 @@ async def bench(args: argparse.Namespace) -> dict[str, Any]:
                     consume_all_s=args.consume_all,
                     max_in_flight_prompts=None if policy.policy == "fifo" else args.max_in_flight_prompts,
                 )
-                if args.raw_dir is not None:
-                    args.raw_dir.mkdir(parents=True, exist_ok=True)
-                    (args.raw_dir / f"{label.replace('/', '+')}.pickle").write_bytes(pickle.dumps(run))
-                row = summarise(run, args.age_samples, capacity["prompts_per_s"])
-                row.update(arm=arm, multiple=multiple, shoppers=shoppers, target_prompts_per_s=target)
-                rows.append(row)
-                brief = {k: row[k] for k in ("accounting", "freshness_s", "prompts_due_per_s")}
-                print(f"  {label}: {json.dumps(brief)}", flush=True)
-    result = {
-        "machine": machine(),
-        "command": "python -m bench.overload " + " ".join(args.argv),
-        "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items() if k != "argv"},
-        "capacity": capacity,
-        "freshness_target_s": OverloadSettings().freshness_target_s,
-        "rows": rows,
-    }
-    return report(result)
+            if args.raw_dir is not None:
+                args.raw_dir.mkdir(parents=True, exist_ok=True)
+                (args.raw_dir / f"{label.replace('/', '+')}.pickle").write_bytes(pickle.dumps(run))
+            row = summarise(run, args.age_samples, capacity["prompts_per_s"])
+            row.update(arm=arm, multiple=multiple, shoppers=shoppers, target_prompts_per_s=target)
+            rows.append(row)
+            brief = {k: row[k] for k in ("accounting", "freshness_s", "prompts_due_per_s")}
+            print(f"  {label}: {json.dumps(brief)}", flush=True)
+    return rows
 
 
 def report(result: dict[str, Any]) -> dict[str, Any]:
@@ -822,6 +1009,13 @@ def main(argv: list[str] | None = None) -> None:
         help="events/s of one shopper on average (Zipf-skewed): a rate is more shoppers, not faster ones",
     )
     parser.add_argument("--replicas", type=int, default=REPLICAS)
+    parser.add_argument(
+        "--engine",
+        choices=("runner", "flink"),
+        default="runner",
+        help="the stream job driven: the embedded runner, or the Flink job on a local cluster (the "
+        "capacity probe always runs the runner: it measures the fleet)",
+    )
     parser.add_argument("--seed", type=int, default=2)
     parser.add_argument("--grace", type=float, default=5.0, help="seconds after production before the stop")
     parser.add_argument("--age-samples", type=int, default=200, help="random instants for the signal age")

@@ -113,6 +113,12 @@ SMOKE_RUNS = (
     SmokeRun("overload", ("-m", "bench.overload", "--seconds", "6", "--rates", "1", "--probe-seconds", "10",
                           "--probe-shoppers", "300", "--grace", "2", "--age-samples", "10"),
              ("overload.json",)),
+    # the Flink job's form: a given capacity, one arm at 1x on a one-TaskManager cluster; it waits out
+    # a job submission and, after the stream, a browse pause and a rate limit (every pending trigger fires)
+    SmokeRun("overload_flink", ("-m", "bench.overload", "--engine", "flink", "--replicas", "1", "--capacity",
+                                "2", "--seconds", "6", "--rates", "1", "--arms", "latest_wins_priority",
+                                "--grace", "2", "--age-samples", "10", "--out", "overload_flink.json"),
+             ("overload_flink.json",), hang_guard_s=600),
     # not a benchmark, but docs/ shows it: the docs' generated tables checked against their results
     SmokeRun("report", ("-m", "bench.report"), prints=": ok"),
     SmokeRun("tansu_fetch", ("-m", "bench.tansu_fetch", "--seconds", "4", "--waits", "100")),
