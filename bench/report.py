@@ -642,16 +642,16 @@ def _ms(value: float) -> str:
 
 def realtime_pairs(paths: Sequence[Path]) -> str:
     """``python -m bench.realtime`` before and after, phase by phase: refusals, late answers, overhead
-    and the service's CPU per request."""
-    before_path, after_path = paths
-    before, after = (json.loads(p.read_text()) for p in (before_path, after_path))
+    and the service's CPU per request. One file: that run alone (service "this tree")."""
+    runs = [json.loads(p.read_text()) for p in paths]
+    names = ("before", "after") if len(runs) == 2 else ("this tree",)
     lines = [
         "| phase | service | refused (429) | late answers | overhead p50 / p99 ms | service CPU ms/req |",
         "|---|---|---|---|---|---|",
     ]
-    for old, new in zip(before["phases"], after["phases"], strict=True):
-        label = f"{old['offered_rps']:.0f} req/s" + (" (2×)" if "2x" in old["phase"] else "")
-        for name, phase in (("before", old), ("after", new)):
+    for phases in zip(*(run["phases"] for run in runs), strict=True):
+        label = f"{phases[0]['offered_rps']:.0f} req/s" + (" (2×)" if "2x" in phases[0]["phase"] else "")
+        for name, phase in zip(names, phases, strict=True):
             refused = str(phase["refused"]) if phase["refused"] else "-"
             late = f"{phase['late']:,} of {phase['requests']:,} ({phase['late'] / phase['requests']:.1%})"
             lines.append(
