@@ -126,6 +126,23 @@ class Stored:
     """Request sent -> first token: the wait at the replica (KV memory, a batch slot) and the prefill."""
     latency_ms: float = 0.0
 
+    @classmethod
+    def of(cls, result: EnrichmentResult, stored_at: float) -> Stored:
+        """What a result says of its prompt's fate, tokens and timings, stored at ``stored_at``."""
+        stored = cls(result.kind, stored_at)
+        if isinstance(result, ShopperInsight):
+            stored.prompt_tokens = result.usage.prompt_tokens
+            stored.cached_tokens = result.usage.cached_tokens
+            stored.completion_tokens = result.usage.completion_tokens
+            stored.enricher_ms = result.admission_wait_ms + result.latency_ms
+            stored.admission_wait_ms = result.admission_wait_ms
+            stored.ttft_ms = result.ttft_ms
+            stored.latency_ms = result.latency_ms
+        elif isinstance(result, Superseded):
+            stored.cause = result.cause
+            stored.cancelled_in_flight = result.cancelled_in_flight
+        return stored
+
 
 class RecordingFlight(PromptFlight):
     """The runner's prompt flight, noting when each prompt became due and when its result was stored
@@ -150,19 +167,7 @@ class RecordingFlight(PromptFlight):
 
     async def _store_result(self, result: EnrichmentResult) -> None:
         await super()._store_result(result)
-        stored = Stored(result.kind, time.time())
-        if isinstance(result, ShopperInsight):
-            stored.prompt_tokens = result.usage.prompt_tokens
-            stored.cached_tokens = result.usage.cached_tokens
-            stored.completion_tokens = result.usage.completion_tokens
-            stored.enricher_ms = result.admission_wait_ms + result.latency_ms
-            stored.admission_wait_ms = result.admission_wait_ms
-            stored.ttft_ms = result.ttft_ms
-            stored.latency_ms = result.latency_ms
-        elif isinstance(result, Superseded):
-            stored.cause = result.cause
-            stored.cancelled_in_flight = result.cancelled_in_flight
-        self.stored[result.request_id] = stored
+        self.stored[result.request_id] = Stored.of(result, time.time())
 
 
 # ---- the stream ----------------------------------------------------------------------------------------
@@ -444,21 +449,8 @@ def run_once_flink(
                     decode + max(0, usage.completion_tokens - 1),
                 )
             continue
-        stored = Stored(result.kind, result.produced_at)
-        started_at = result.produced_at
-        if isinstance(result, ShopperInsight):
-            stored.prompt_tokens = result.usage.prompt_tokens
-            stored.cached_tokens = result.usage.cached_tokens
-            stored.completion_tokens = result.usage.completion_tokens
-            stored.enricher_ms = result.admission_wait_ms + result.latency_ms
-            stored.admission_wait_ms = result.admission_wait_ms
-            stored.ttft_ms = result.ttft_ms
-            stored.latency_ms = result.latency_ms
-            started_at -= stored.enricher_ms / 1000
-        elif isinstance(result, Superseded):
-            stored.cause = result.cause
-            stored.cancelled_in_flight = result.cancelled_in_flight
-        run.stored[rid] = stored
+        stored = run.stored[rid] = Stored.of(result, result.produced_at)
+        started_at = result.produced_at - stored.enricher_ms / 1000
         run.launched[rid] = Launched(
             result.shopper_id,
             (result.session_epoch, result.seq),
