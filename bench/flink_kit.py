@@ -111,6 +111,14 @@ def bench_job(
     return apply_variant(settings, knobs)
 
 
+def with_live_defaults(settings: NearRealtimeSettings) -> NearRealtimeSettings:
+    """``settings`` with the job's own defaults for a live stream (wall-clock timers on, nothing fired at
+    a drain), where ``bench_job(live=False)`` makes prompts depend on event order alone."""
+    fields = NearRealtimeSettings.model_fields
+    live = {name: fields[name].default for name in ("wall_clock_timers", "flush_on_drain")}
+    return settings.model_copy(update=live)
+
+
 def cart_event(tag: str, n: int, shopper: str, now: float) -> bytes:
     """An ``add_to_cart`` (a prompt at once with the rate limit off) stamped ``now``."""
     event = {

@@ -811,17 +811,14 @@ def flink_run(
     a gateway of this run's own (as the stack's job does its stack's; no answer kept from another run)."""
     from confluent_kafka import Producer
 
-    from bench.flink_kit import bench_job, wait_committed
+    from bench.flink_kit import bench_job, wait_committed, with_live_defaults
     from bench.flink_recovery import kill_taskmanager, watch_restart
     from devstack.flink_cluster import FlinkRest, submit
-    from flink_jobs.flink_config import NearRealtimeSettings
 
     tag = uuid.uuid4().hex[:8]
     settings = bench_job(state, state_dir, tag, {}, live=False)
-    if rate is not None:  # the job's own defaults for a live stream
-        fields = NearRealtimeSettings.model_fields
-        live = {name: fields[name].default for name in ("wall_clock_timers", "flush_on_drain")}
-        settings = settings.model_copy(update=live)
+    if rate is not None:
+        settings = with_live_defaults(settings)
     router: subprocess.Popen[str] | None = None
     gateway_counts: dict[str, float] = {}
     if gateway:

@@ -126,6 +126,12 @@ class Stored:
     """Request sent -> first token: the wait at the replica (KV memory, a batch slot) and the prefill."""
     latency_ms: float = 0.0
 
+    @property
+    def landed_tokens(self) -> tuple[int, int]:
+        """An insight's own prefill (its uncached prompt) and decode (its completion after the first
+        token, which the prefill pass produces): what landed, so not wasted."""
+        return self.prompt_tokens - self.cached_tokens, max(0, self.completion_tokens - 1)
+
     @classmethod
     def of(cls, result: EnrichmentResult, stored_at: float) -> Stored:
         """What a result says of its prompt's fate, tokens and timings, stored at ``stored_at``."""
@@ -389,19 +395,16 @@ def run_once_flink(
     the enrichment is ``produced_at`` less the admission wait and the model's latency. The freshness
     figures take the prompts due by the end of production plus ``grace_s``, as the runner's stop does;
     the accounting takes them all, and names the valid events no result names (none should be)."""
-    from bench.flink_kit import bench_job, wait_committed
+    from bench.flink_kit import bench_job, wait_committed, with_live_defaults
     from bench.kill_repay import topic_end_offsets, wait_replicas_idle
     from devstack.flink_cluster import FlinkRest, submit
     from devstack.stack import sink_settings
-    from flink_jobs.flink_config import NearRealtimeSettings
     from shopper.readback import list_s3_records
 
     tag = uuid.uuid4().hex[:8]
-    settings = bench_job(state, flink_dir, tag, {}, live=False)
-    fields = NearRealtimeSettings.model_fields
-    live = {name: fields[name].default for name in ("wall_clock_timers", "flush_on_drain")}
+    settings = with_live_defaults(bench_job(state, flink_dir, tag, {}, live=False))
     settings = settings.model_copy(
-        update={**live, "enrichment": settings.enrichment.model_copy(update={"overload": policy})}
+        update={"enrichment": settings.enrichment.model_copy(update={"overload": policy})}
     )
     reset_caches(state)
     before = engine_totals(state)
@@ -440,16 +443,13 @@ def run_once_flink(
     for rid, result in results.items():
         counted[result.kind] += 1
         named.update(result.new_event_ids, result.trimmed_event_ids)
+        stored = Stored.of(result, result.produced_at)
         if result.due_ts > cutoff:
             if isinstance(result, ShopperInsight):
-                usage = result.usage
-                prefill, decode = run.landed_after_window
-                run.landed_after_window = (
-                    prefill + usage.prompt_tokens - usage.cached_tokens,
-                    decode + max(0, usage.completion_tokens - 1),
-                )
+                (prefill, decode), (more_prefill, more_decode) = run.landed_after_window, stored.landed_tokens
+                run.landed_after_window = (prefill + more_prefill, decode + more_decode)
             continue
-        stored = run.stored[rid] = Stored.of(result, result.produced_at)
+        run.stored[rid] = stored
         started_at = result.produced_at - stored.enricher_ms / 1000
         run.launched[rid] = Launched(
             result.shopper_id,
@@ -573,8 +573,9 @@ def summarise(run: Run, age_samples: int, capacity_prompts_s: float | None) -> d
             kind["kafka"].append(stored.stored_at - newest)
         kind["due"].append(age)
         kind["enricher"].append(stored.enricher_ms / 1000)
-        prefill += stored.prompt_tokens - stored.cached_tokens
-        decode += max(0, stored.completion_tokens - 1)  # the first token comes out of the prefill pass
+        landed_prefill, landed_decode = stored.landed_tokens
+        prefill += landed_prefill
+        decode += landed_decode
     prefill += run.landed_after_window[0]
     decode += run.landed_after_window[1]
     acct = run.accounting
