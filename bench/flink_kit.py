@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import orjson
@@ -17,11 +19,13 @@ from confluent_kafka.admin import AdminClient, NewTopic  # type: ignore[attr-def
 from devstack.flink_cluster import (
     job_settings,
 )
+from devstack.runner_thread import RunnerThread
 from devstack.stack import StackState, sink_settings
 from flink_jobs.flink_config import CheckpointSettings, KafkaSettings, NearRealtimeSettings
 from llm_client.config import ClientConfig
 from prompt_assembly.processor import SessionConfig
 from prompt_assembly.triggers import TriggerPolicy
+from runner.config import RunnerSettings
 
 WARMUP_S = 15.0
 
@@ -117,6 +121,37 @@ def with_live_defaults(settings: NearRealtimeSettings) -> NearRealtimeSettings:
     fields = NearRealtimeSettings.model_fields
     live = {name: fields[name].default for name in ("wall_clock_timers", "flush_on_drain")}
     return settings.model_copy(update=live)
+
+
+@contextmanager
+def prompts_stage(
+    stack: StackState, settings: NearRealtimeSettings, log: Callable[[str], None]
+) -> Iterator[NearRealtimeSettings]:
+    """The job's enrichment as a stage of its own: a prompts topic (as many partitions as the event
+    topic), and a runner with input 'prompts' on it (the job's LLM, enrichment and sink settings) in a
+    thread until the block ends; yields the job's settings with ``prompts_topic`` set. The runner then
+    stops as a SIGTERM stops it: in-flight prompts finish, one last durable point and commit."""
+    topic = f"{settings.kafka.events_topic}-prompts"
+    admin = AdminClient({"bootstrap.servers": stack.kafka_bootstrap})
+    for future in admin.create_topics([NewTopic(topic, 4, 1)]).values():
+        future.result(timeout=10)
+    enrich = RunnerThread(
+        RunnerSettings(
+            bootstrap_servers=stack.kafka_bootstrap,
+            group_id=f"{settings.kafka.group_id}-enrich",
+            topic=topic,
+            input="prompts",
+            progress_interval_s=10,
+            llm=settings.llm,
+            enrichment=settings.enrichment,
+            sinks=settings.sinks,
+        ),
+        log=log,
+    ).start()
+    try:
+        yield settings.model_copy(update={"prompts_topic": topic})
+    finally:
+        enrich.stop()
 
 
 def cart_event(tag: str, n: int, shopper: str, now: float) -> bytes:

@@ -41,6 +41,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import bisect
+import contextlib
 import heapq
 import json
 import os
@@ -382,6 +383,7 @@ def run_once_flink(
     seed: int,
     grace_s: float,
     label: str,
+    via_prompts_topic: bool = False,
 ) -> Run:
     """One policy at one rate on the Flink job (``flink_jobs.near_realtime``, its live defaults: wall-clock
     timers, the same session settings as the runner's run) on a local cluster: a fresh job, topics and
@@ -394,8 +396,11 @@ def run_once_flink(
     instant ``produced_at`` (the Redis write follows in the same operator), and the prompt's start at
     the enrichment is ``produced_at`` less the admission wait and the model's latency. The freshness
     figures take the prompts due by the end of production plus ``grace_s``, as the runner's stop does;
-    the accounting takes them all, and names the valid events no result names (none should be)."""
-    from bench.flink_kit import bench_job, wait_committed, with_live_defaults
+    the accounting takes them all, and names the valid events no result names (none should be).
+
+    ``via_prompts_topic``: the job ends at its session stage (``prompts_topic``) and a runner with input
+    'prompts' enriches (``bench.flink_kit.prompts_stage``), stopped after the job is cancelled."""
+    from bench.flink_kit import bench_job, prompts_stage, wait_committed, with_live_defaults
     from bench.kill_repay import topic_end_offsets, wait_replicas_idle
     from devstack.flink_cluster import FlinkRest, submit
     from devstack.stack import sink_settings
@@ -411,23 +416,28 @@ def run_once_flink(
     run = Run(label, rate, seconds)
     load_before, busy_before, wall_before = os.getloadavg()[0], machine_busy_seconds(), time.monotonic()
     rest = FlinkRest(cluster.web_url)
-    job = submit(cluster, settings, config_path=flink_dir / "flink" / f"overload-{tag}.json")
     topic = settings.kafka.events_topic
-    try:
-        rest.wait_running(job.job_id)
-        time.sleep(2)
-        run.started = time.time()
-        produce_paced(state.kafka_bootstrap, topic, rate, seconds, shoppers, seed, run.sent)
-        stop_at = time.monotonic()
-        ends = topic_end_offsets(state.kafka_bootstrap, topic)
-        wait_committed(state.kafka_bootstrap, settings.kafka.group_id, topic, ends, 900)
-        triggers = settings.session.triggers
-        wait_replicas_idle(
-            state.llm_endpoints, quiet_s=triggers.quiet_period_s + triggers.min_prompt_interval_s + 5
-        )
-        run.drain_s = time.monotonic() - stop_at
-    finally:
-        rest.cancel(job.job_id)
+    with contextlib.ExitStack() as stages:
+        if via_prompts_topic:
+            settings = stages.enter_context(
+                prompts_stage(state, settings, lambda line: print(f"    {label}: {line}", flush=True))
+            )
+        job = submit(cluster, settings, config_path=flink_dir / "flink" / f"overload-{tag}.json")
+        try:
+            rest.wait_running(job.job_id)
+            time.sleep(2)
+            run.started = time.time()
+            produce_paced(state.kafka_bootstrap, topic, rate, seconds, shoppers, seed, run.sent)
+            stop_at = time.monotonic()
+            ends = topic_end_offsets(state.kafka_bootstrap, topic)
+            wait_committed(state.kafka_bootstrap, settings.kafka.group_id, topic, ends, 900)
+            triggers = settings.session.triggers
+            wait_replicas_idle(
+                state.llm_endpoints, quiet_s=triggers.quiet_period_s + triggers.min_prompt_interval_s + 5
+            )
+            run.drain_s = time.monotonic() - stop_at
+        finally:
+            rest.cancel(job.job_id)
     after = engine_totals(state)
     run.engine = {name: after[name] - before.get(name, 0) for name in after}
     sinks = sink_settings(
@@ -887,7 +897,7 @@ async def bench(args: argparse.Namespace) -> dict[str, Any]:
             rows = await runs(state, cluster, args, arms, multiples, capacity)
     result = {
         "machine": machine(),
-        "engine": args.engine,
+        "engine": args.engine + (" (prompts topic)" if args.prompts_topic else ""),
         "command": "python -m bench.overload " + " ".join(args.argv),
         "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items() if k != "argv"},
         "capacity": capacity,
@@ -948,6 +958,7 @@ async def runs(
                     seed=args.seed,
                     grace_s=args.grace,
                     label=label,
+                    via_prompts_topic=args.prompts_topic,
                 )
             else:
                 run = await run_once(
@@ -1008,6 +1019,12 @@ def main(argv: list[str] | None = None) -> None:
         default="runner",
         help="the stream job driven: the embedded runner, or the Flink job on a local cluster (the "
         "capacity probe always runs the runner: it measures the fleet)",
+    )
+    parser.add_argument(
+        "--prompts-topic",
+        action="store_true",
+        help="with --engine flink: the job ends at its session stage (prompts_topic) and a runner with "
+        "input 'prompts' enriches what it sends there",
     )
     parser.add_argument("--seed", type=int, default=2)
     parser.add_argument("--grace", type=float, default=5.0, help="seconds after production before the stop")

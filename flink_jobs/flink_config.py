@@ -190,6 +190,13 @@ class NearRealtimeSettings(BaseSettings):
         "on sinks.insights_topic, the others are written from the async stage; () = none (benchmarks)",
     )
     sink_retry: SinkRetry = Field(default_factory=SinkRetry, description="the runner's policy, shared")
+    prompts_topic: str | None = Field(
+        None,
+        description="end the job at its session stage: each prompt goes, keyed by shopper id, to this topic "
+        "(at least once, as it is made), and a runner with input 'prompts' on it enriches and stores "
+        "(latest wins, the gate and the answer ledger, with no Beam bundle on the call's path; "
+        "docs/flink.md, 'Prompts topic'). None: the job's own async stage enriches",
+    )
 
     @model_validator(mode="before")
     @classmethod

@@ -346,12 +346,8 @@ def kafka_sink(settings: NearRealtimeSettings, topic: str, *, exactly_once: bool
     return builder.build()
 
 
-INSIGHTS_TABLE = "shopper_insights_sink"
-RESULTS_VIEW = "shopper_results"
-
-
-def insights_sink_ddl(settings: NearRealtimeSettings, topic: str, *, exactly_once: bool) -> str:
-    """``CREATE TEMPORARY TABLE`` of the insights topic: each result's JSON as the value and its
+def keyed_sink_ddl(settings: NearRealtimeSettings, table: str, topic: str, *, exactly_once: bool) -> str:
+    """``CREATE TEMPORARY TABLE`` ``table`` on ``topic``: each record's JSON as the value and its
     ``shopper_id`` as the key (both ``raw``: UTF-8 bytes, what the runner's Kafka sink writes), placed by
     Kafka's default partitioner (murmur2 of the key). Exactly-once uses Kafka transactions committed on
     checkpoints, as ``kafka_sink`` does."""
@@ -373,27 +369,28 @@ def insights_sink_ddl(settings: NearRealtimeSettings, topic: str, *, exactly_onc
         options[f"properties.{key}"] = value
     with_clause = ",\n  ".join(f"{_sql_string(k)} = {_sql_string(v)}" for k, v in options.items())
     return (
-        f"CREATE TEMPORARY TABLE {INSIGHTS_TABLE} (\n"
+        f"CREATE TEMPORARY TABLE {table} (\n"
         "  `shopper_id` STRING,\n"
         "  `value` STRING\n"
         f") WITH (\n  {with_clause}\n)"
     )
 
 
-def sink_insights_keyed(
-    t_env: Any, results: Any, settings: NearRealtimeSettings, topic: str, *, exactly_once: bool
+def sink_keyed_by_shopper(
+    t_env: Any, records: Any, settings: NearRealtimeSettings, topic: str, *, exactly_once: bool, name: str
 ) -> None:
-    """Results (a DataStream of result JSON strings) onto ``topic`` keyed by shopper id, as the runner
-    keys them: per-shopper partitioning for readers, and a key a compacted topic accepts.
+    """``records`` (a DataStream of JSON strings, each with a ``shopper_id``) onto ``topic`` keyed by
+    shopper id, as the runner keys them: per-shopper partitioning for readers (a prompts topic's
+    enrichment needs a shopper's prompts on one consumer, for latest wins), and a key a compacted
+    topic accepts. ``name`` names the temporary table and view (one pair per sink in a job).
 
     Why the Table API: PyFlink's DataStream ``KafkaRecordSerializationSchema`` serializes the whole
     element as the key, with no projection to a field. The key is read on the JVM (``JSON_VALUE``), as
     the source's is, and the insert is attached to the DataStream job (``attach_as_datastream``), so it
     runs in the same job and checkpoints."""
-    t_env.execute_sql(insights_sink_ddl(settings, topic, exactly_once=exactly_once))
-    t_env.create_temporary_view(RESULTS_VIEW, t_env.from_data_stream(results))
+    table, view = f"{name}_sink", f"{name}_records"
+    t_env.execute_sql(keyed_sink_ddl(settings, table, topic, exactly_once=exactly_once))
+    t_env.create_temporary_view(view, t_env.from_data_stream(records))
     statements = t_env.create_statement_set()
-    statements.add_insert_sql(
-        f"INSERT INTO {INSIGHTS_TABLE} SELECT JSON_VALUE(f0, '$.shopper_id'), f0 FROM {RESULTS_VIEW}"
-    )
+    statements.add_insert_sql(f"INSERT INTO {table} SELECT JSON_VALUE(f0, '$.shopper_id'), f0 FROM {view}")
     statements.attach_as_datastream()

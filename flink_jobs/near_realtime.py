@@ -11,6 +11,10 @@ Topology (one chain per stage; JSON strings between operators)::
       -> Kafka table sink(shopper-insights) keyed by shopper id (JSON_VALUE on the JVM), exactly-once,
                                             explicit transaction timeout (optional)
 
+With ``prompts_topic`` the job ends at the session stage: its prompts go, keyed by shopper id, to that
+topic (at least once, sent as they are made), and a runner with ``input`` 'prompts' enriches and stores
+them, with no bundle and no drain on the call's path (docs/flink.md, "Prompts topic").
+
 Run it on a cluster with ``flink run -py flink_jobs/near_realtime.py --config job.yaml``, or locally in
 the MiniCluster on a bounded sample with ``python -m devstack.flink_local``. Tests call
 ``run_bounded(events, settings)``: the same topology with the Kafka source and sinks swapped for a
@@ -131,9 +135,12 @@ def async_stage(stream: Any) -> Iterator[None]:
 @dataclass
 class Pipeline:
     results: Any
-    """DataStream[str] of EnrichmentResult JSON, after they are durable in Redis and S3."""
+    """DataStream[str] of EnrichmentResult JSON, after they are durable in Redis and S3; None with
+    ``prompts_topic`` (the job then ends at its session stage)."""
     dlq: Any
     """DataStream[str] of DLQ JSON records."""
+    prompts: Any = None
+    """With ``prompts_topic``: DataStream[str] of PromptRequest JSON, for that topic."""
 
 
 def build_pipeline(
@@ -167,6 +174,8 @@ def build_pipeline(
         .uid("shopper-sessions")
     )
     dlq = prompts.get_side_output(DLQ_TAG)
+    if settings.prompts_topic:
+        return Pipeline(results=None, dlq=dlq, prompts=prompts)
     with async_stage(prompts):
         return _async_stages(prompts, dlq, settings, settings_json)
 
@@ -244,7 +253,7 @@ def run_kafka(
         kafka_connector_jars,
         kafka_sink,
         kafka_source_rows,
-        sink_insights_keyed,
+        sink_keyed_by_shopper,
         table_environment,
     )
 
@@ -263,9 +272,23 @@ def run_kafka(
     pipeline.dlq.sink_to(kafka_sink(settings, settings.kafka.dlq_topic, exactly_once=False)).name(
         "kafka dlq"
     ).uid("kafka-dlq")
-    if settings.insights_topic:
-        sink_insights_keyed(
-            t_env, pipeline.results, settings, settings.insights_topic, exactly_once=exactly_once
+    if pipeline.prompts is not None:  # prompts_topic: a runner with input 'prompts' enriches them
+        sink_keyed_by_shopper(
+            t_env,
+            pipeline.prompts,
+            settings,
+            settings.prompts_topic or "",
+            exactly_once=False,
+            name="prompts",
+        )
+    elif settings.insights_topic:
+        sink_keyed_by_shopper(
+            t_env,
+            pipeline.results,
+            settings,
+            settings.insights_topic,
+            exactly_once=exactly_once,
+            name="shopper_insights",
         )
     if detached:
         env.execute_async(settings.job_name)
@@ -287,7 +310,8 @@ def run_bounded(
     *,
     processing_time_timers: bool = False,
 ) -> BoundedRun:
-    """The job's topology on a bounded in-memory input, in the local MiniCluster.
+    """The job's topology on a bounded in-memory input, in the local MiniCluster (with
+    ``prompts_topic``, ``results`` holds the prompts the job would send there).
 
     Every session's pending trigger fires at the end (final watermark), so every accepted event is in
     some prompt. Redis and S3 are written through the sinks as in production; the results and DLQ
@@ -318,7 +342,8 @@ def run_bounded(
     # One collect sink for both streams; dead letters carry their format tag.
     from pipeline.dead_letter import is_dead_letter
 
-    with pipeline.results.union(pipeline.dlq).execute_and_collect(settings.job_name) as records:
+    made = pipeline.results if pipeline.prompts is None else pipeline.prompts  # prompts_topic: the prompts
+    with made.union(pipeline.dlq).execute_and_collect(settings.job_name) as records:
         for record in records:
             (run.dlq if is_dead_letter(record) else run.results).append(record)
     run.seconds = time.monotonic() - started

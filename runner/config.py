@@ -41,6 +41,12 @@ class RunnerSettings(BaseSettings):
     )
     group_id: str = "shopper-understanding"
     topic: str = EVENTS_TOPIC
+    input: Literal["events", "prompts"] = Field(
+        "events",
+        description="what ``topic`` holds: shopper events (the whole pipeline), or prompts a session "
+        "stage made elsewhere (the Flink job with ``prompts_topic``), keyed by shopper id, which this "
+        "runner only enriches and stores (runner.prompt_intake)",
+    )
     dlq_topic: str = DLQ_TOPIC
     batch_max_events: int = Field(2000, ge=1, description="events per poll (one epoch)")
     poll_timeout_s: float = Field(0.05, gt=0)

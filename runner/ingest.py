@@ -21,6 +21,7 @@ from prompt_assembly.events import MalformedEvent, ShopperEvent, parse_events
 from runner.consumer_errors import UNKNOWN_TOPIC, UnknownTopicWatch, classify, consumer_failed, topic_missing
 from runner.epochs import Epoch
 from runner.errors import ConsumerFailed, SessionStoreUnavailable
+from runner.prompt_intake import launch_prompts
 from runner.repartition import misplaced
 from runner.session_store import cache_stored
 
@@ -161,8 +162,12 @@ class Ingest:
         (``prompt_assembly.events.parse_events``), the rejected and misplaced records sent on, the
         missing sessions loaded in one round trip, then every event applied in partition order. The
         counts are added once per poll. Per record, only what must be per record stays: the gate, the
-        session step, and the offset."""
+        session step, and the offset. A runner whose input is prompts launches them as they are
+        (``runner.prompt_intake``)."""
         runner = self.runner
+        if self.settings.input == "prompts":
+            await launch_prompts(runner, messages)
+            return
         acct = runner.stats.accounting
         sessions = runner.sessions
         epoch = Epoch(lease=runner.assignment.lease)  # read after the poll: its records' assignment

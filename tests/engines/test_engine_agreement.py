@@ -32,9 +32,7 @@ Prometheus reporter serves."""
 
 from __future__ import annotations
 
-import asyncio
 import re
-import threading
 import time
 from pathlib import Path
 from typing import Any, cast
@@ -45,13 +43,11 @@ import redis as sync_redis
 from confluent_kafka.admin import AdminClient, NewTopic  # type: ignore[attr-defined]
 
 from devstack.flink_cluster import FlinkClusterState, FlinkRest
+from devstack.runner_thread import RunnerThread
 from devstack.stack import StackState
 from devstack.synthetic import SyntheticStream
 from pipeline.dead_letter import DeadLetter
 from prompt_assembly.events import MalformedEvent, parse_event
-from runner.config import RunnerSettings
-from runner.embedded import EmbeddedRunner
-from runner.progress import RunnerStats
 from shopper.readback import list_s3_records, read_topic_placed
 from tests.conftest import Isolated
 from tests.flink_kit import (
@@ -250,40 +246,7 @@ def unkeyed_records() -> list[tuple[bytes | None, bytes | None]]:
     ]
 
 
-class RunnerAlongside:
-    """The embedded runner on its own thread and event loop while the Flink job runs; ``stop`` asks it
-    to stop (it then waits for its prompts and commits) and returns its stats."""
-
-    def __init__(self, settings: RunnerSettings) -> None:
-        self.runner = EmbeddedRunner(settings, log=lambda _: None)
-        self.loop = asyncio.new_event_loop()
-        self.stats: RunnerStats | None = None
-        self.error: BaseException | None = None
-        self.thread = threading.Thread(target=self._run, name="embedded-runner", daemon=True)
-
-    def _run(self) -> None:
-        try:
-            self.stats = self.loop.run_until_complete(self.runner.run())
-        except BaseException as exc:
-            self.error = exc
-        finally:
-            self.loop.close()
-
-    def start(self) -> RunnerAlongside:
-        self.thread.start()
-        return self
-
-    def stop(self) -> RunnerStats:
-        if not self.loop.is_closed():
-            self.loop.call_soon_threadsafe(self.runner.request_stop)
-        self.thread.join(STORED_WITHIN_S)
-        if self.error is not None:
-            raise self.error
-        assert self.stats is not None, "the runner did not stop"
-        return self.stats
-
-
-def wait_stored(isolated: Isolated, s3_prefix: str, expected: set[str], runner: RunnerAlongside) -> None:
+def wait_stored(isolated: Isolated, s3_prefix: str, expected: set[str], runner: RunnerThread) -> None:
     """Until S3 under ``s3_prefix`` holds a result for every expected prompt (and no other)."""
     deadline = time.monotonic() + STORED_WITHIN_S
     found: set[str] = set()
@@ -343,7 +306,7 @@ def test_flink_cluster_and_embedded_runner_write_the_same_results(
         until_drained=False,
         timer_wall_per_event_s=RUNNER_WALL_PER_EVENT_S,
     )
-    runner = RunnerAlongside(runner_settings).start()
+    runner = RunnerThread(runner_settings).start()
     try:
         ends = produce(stack.kafka_bootstrap, isolated.topic, records_in)
         job = run_job(flink_cluster, settings, stack_dir)
@@ -438,7 +401,7 @@ def test_flink_cluster_and_embedded_runner_write_the_same_results(
 
 
 def wait_runner_committed(
-    bootstrap: str, group: str, topic: str, ends: dict[int, int], runner: RunnerAlongside
+    bootstrap: str, group: str, topic: str, ends: dict[int, int], runner: RunnerThread
 ) -> None:
     """Until the runner's group has committed every produced record."""
     deadline = time.monotonic() + STORED_WITHIN_S

@@ -41,6 +41,7 @@ import redis as sync_redis
 from confluent_kafka.admin import AdminClient, NewTopic  # type: ignore[attr-defined]
 
 from devstack.flink_cluster import FlinkClusterState, FlinkRest
+from devstack.runner_thread import RunnerThread
 from devstack.stack import StackState
 from prompt_assembly.records import PromptRequest
 from runner.config import RunnerSettings
@@ -49,7 +50,6 @@ from sinks.keys import RedisKeys
 from tests.conftest import Isolated
 from tests.engines.test_engine_agreement import (
     RUNNER_WALL_PER_EVENT_S,
-    RunnerAlongside,
     cart_add,
     records,
     topic_results,
@@ -155,7 +155,7 @@ def wait_counted(rest: FlinkRest, job_id: str, resets: int) -> list[int]:
     return counts
 
 
-def wait_runner_counted(runner: RunnerAlongside, resets: int) -> int:
+def wait_runner_counted(runner: RunnerThread, resets: int) -> int:
     """The runner's ``session_resets`` once it reaches ``resets`` (a result can be in S3, flushed by a
     durable point, a moment before its Redis write returns); whatever it is at the deadline otherwise."""
     deadline = time.monotonic() + COUNTED_WITHIN_S
@@ -166,7 +166,7 @@ def wait_runner_counted(runner: RunnerAlongside, resets: int) -> int:
     return counted
 
 
-def on_loop(runner: RunnerAlongside, read: Callable[[], T]) -> T:
+def on_loop(runner: RunnerThread, read: Callable[[], T]) -> T:
     """``read()`` on the running runner's own loop: its ``session_resets`` and ``/metrics`` are read
     while it runs (its checkpoint, which counts the resets, goes when it stops)."""
     loop = runner.runner.loop
@@ -212,7 +212,7 @@ def test_a_lost_session_state_resets_the_shopper_alike_on_both_engines(
     before: list[Record] = []
     expected_before: dict[str, PromptRequest] = {}
     ends: dict[int, int] = {}
-    runner = RunnerAlongside(runner_settings).start()
+    runner = RunnerThread(runner_settings).start()
     stats: list[RunnerStats] = []
     try:
         job = run_job(flink_cluster, settings, stack_dir)
@@ -238,7 +238,7 @@ def test_a_lost_session_state_resets_the_shopper_alike_on_both_engines(
         shoppers = sorted({p.shopper_id for p in expected_before.values()})
         assert lose_runner_sessions(stack.redis_url, isolated.prefix, shoppers) == 2 * len(shoppers)
         job = run_job(flink_cluster, settings, stack_dir)
-        runner = RunnerAlongside(runner_settings).start()
+        runner = RunnerThread(runner_settings).start()
 
         now = time.time()
         after: list[Record] = [
