@@ -120,10 +120,10 @@ SMOKE_RUNS = (
                                 "--grace", "2", "--age-samples", "10", "--out", "overload_flink.json"),
              ("overload_flink.json",), hang_guard_s=600),
     # the same with the job's prompts topic, enriched by a runner with input 'prompts'
-    SmokeRun("overload_flink_prompts_topic", ("-m", "bench.overload", "--engine", "flink", "--prompts-topic",
-                                              "--replicas", "1", "--capacity", "2", "--seconds", "6", "--rates",
-                                              "1", "--arms", "latest_wins_priority", "--grace", "2",
-                                              "--age-samples", "10", "--out", "overload_flink_pt.json"),
+    SmokeRun("overload_flink_prompts_topic",
+             ("-m", "bench.overload", "--engine", "flink", "--prompts-topic", "--replicas", "1", "--capacity",
+              "2", "--seconds", "6", "--rates", "1", "--arms", "latest_wins_priority", "--grace", "2",
+              "--age-samples", "10", "--out", "overload_flink_pt.json"),
              ("overload_flink_pt.json",), hang_guard_s=600),
     # not a benchmark, but docs/ shows it: the docs' generated tables checked against their results
     SmokeRun("report", ("-m", "bench.report"), prints=": ok"),
