@@ -2,7 +2,8 @@
 LLM calls counted at the replicas against a clean run of the same stream.
 
     .venv/bin/python -m bench.kill_repay [--events 4000] [--shoppers 150] [--repeats 3]
-        [--scenarios backlog,paced,gateway,gateway_paced,flink,flink_gateway,flink_gateway_paced]
+        [--scenarios backlog,paced,gateway,gateway_paced,flink,flink_prompts,flink_gateway,
+                     flink_gateway_paced]
         [--flink-rate R] [--policies default,fifo]
         [--kill-at 0.4] [--rate R] [--tree OTHER_TREE] [--name kill_repay]
 
@@ -48,6 +49,7 @@ of an older commit) for a before/after.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import contextvars
 import inspect
 import json
@@ -799,6 +801,7 @@ def flink_run(
     kill_at_calls: float | None,
     gateway: bool = False,
     rate: float | None = None,
+    prompts_topic: bool = False,
 ) -> Run:
     """The backlog through the Flink job at its defaults (``bench.flink_kit.bench_job``: prompts from
     event order alone), until the group has committed every record and the replicas are idle. ``rate``:
@@ -808,10 +811,12 @@ def flink_run(
     rate limit together, so the last shoppers' pending triggers have fired. Killed:
     the TaskManager's process group SIGKILLed once the replicas have received ``kill_at_calls`` calls
     and a new one started at once (``bench.flink_recovery.kill_taskmanager``). ``gateway``: the job calls
-    a gateway of this run's own (as the stack's job does its stack's; no answer kept from another run)."""
+    a gateway of this run's own (as the stack's job does its stack's; no answer kept from another run).
+    ``prompts_topic``: the job ends at its session stage and a runner with input 'prompts' in this
+    process enriches (``bench.flink_kit.prompts_stage``), so the kill takes the sessions, not the calls."""
     from confluent_kafka import Producer
 
-    from bench.flink_kit import bench_job, wait_committed, with_live_defaults
+    from bench.flink_kit import bench_job, prompts_stage, wait_committed, with_live_defaults
     from bench.flink_recovery import kill_taskmanager, watch_restart
     from devstack.flink_cluster import FlinkRest, submit
 
@@ -850,42 +855,47 @@ def flink_run(
     reset_caches(state.llm_endpoints)
     before = Replicas.read(state.llm_endpoints)
     started = time.monotonic()
-    job = submit(cluster, settings, config_path=state_dir / "flink" / f"kill-repay-{tag}.json")
-    at_kill: dict[str, float] = {}
-    calls_before_kill = 0.0
-    try:
-        rest.wait_running(job.job_id)
-        if live_producer is not None:
-            live_producer.start()
-        if kill_at_calls is not None:
-            while Replicas.read(state.llm_endpoints).minus(before).requests < kill_at_calls:
-                time.sleep(0.05)
-            replicas = Replicas.read(state.llm_endpoints)
-            killed = kill_taskmanager(cluster, state_dir)
-            at_kill = {
-                "seconds": time.monotonic() - started,
-                "replicas_running": replicas.running,
-                "replicas_waiting": replicas.waiting,
-                "llm_in_flight": replicas.running + replicas.waiting,
-            }
-            time.sleep(KILL_WAIT_S)
-            calls_before_kill = Replicas.read(state.llm_endpoints).minus(before).requests
-            at_kill["restart_s"] = watch_restart(rest, job.job_id, killed) - killed
-        if live_producer is not None:
-            live_producer.join()
-            ends = topic_end_offsets(state.kafka_bootstrap, topic)
-        wait_committed(state.kafka_bootstrap, settings.kafka.group_id, topic, ends, 900)
-        triggers = settings.session.triggers
-        wait_replicas_idle(
-            state.llm_endpoints,
-            quiet_s=3.0 if rate is None else triggers.quiet_period_s + triggers.min_prompt_interval_s + 5.0,
-        )
-    finally:
-        rest.cancel(job.job_id)
-        if router is not None:
-            gateway_counts = idempotent_outcomes(settings.llm.endpoints[0])
-            os.killpg(router.pid, signal.SIGTERM)
-            router.wait(30)
+    with contextlib.ExitStack() as stages:
+        if prompts_topic:
+            settings = stages.enter_context(prompts_stage(state, settings, lambda _: None))
+        job = submit(cluster, settings, config_path=state_dir / "flink" / f"kill-repay-{tag}.json")
+        at_kill: dict[str, float] = {}
+        calls_before_kill = 0.0
+        try:
+            rest.wait_running(job.job_id)
+            if live_producer is not None:
+                live_producer.start()
+            if kill_at_calls is not None:
+                while Replicas.read(state.llm_endpoints).minus(before).requests < kill_at_calls:
+                    time.sleep(0.05)
+                replicas = Replicas.read(state.llm_endpoints)
+                killed = kill_taskmanager(cluster, state_dir)
+                at_kill = {
+                    "seconds": time.monotonic() - started,
+                    "replicas_running": replicas.running,
+                    "replicas_waiting": replicas.waiting,
+                    "llm_in_flight": replicas.running + replicas.waiting,
+                }
+                time.sleep(KILL_WAIT_S)
+                calls_before_kill = Replicas.read(state.llm_endpoints).minus(before).requests
+                at_kill["restart_s"] = watch_restart(rest, job.job_id, killed) - killed
+            if live_producer is not None:
+                live_producer.join()
+                ends = topic_end_offsets(state.kafka_bootstrap, topic)
+            wait_committed(state.kafka_bootstrap, settings.kafka.group_id, topic, ends, 900)
+            triggers = settings.session.triggers
+            wait_replicas_idle(
+                state.llm_endpoints,
+                quiet_s=3.0
+                if rate is None
+                else triggers.quiet_period_s + triggers.min_prompt_interval_s + 5.0,
+            )
+        finally:
+            rest.cancel(job.job_id)
+            if router is not None:
+                gateway_counts = idempotent_outcomes(settings.llm.endpoints[0])
+                os.killpg(router.pid, signal.SIGTERM)
+                router.wait(30)
     spent = Replicas.read(state.llm_endpoints).minus(before)
     reader_job = Job(
         state_dir=str(state_dir),
@@ -899,7 +909,8 @@ def flink_run(
     )
     reader = read_back(state, reader_job, stream)
     return Run(
-        scenario=("flink_gateway" if gateway else "flink") + ("_paced" if rate is not None else ""),
+        scenario=("flink_gateway" if gateway else "flink_prompts" if prompts_topic else "flink")
+        + ("_paced" if rate is not None else ""),
         policy=settings.enrichment.overload.policy,
         repeat=repeat,
         killed=kill_at_calls is not None,
@@ -926,6 +937,7 @@ def flink_pairs(
     kill_at: float,
     gateway: bool = False,
     rate: float | None = None,
+    prompts_topic: bool = False,
 ) -> list[Pair]:
     from devstack.flink_cluster import FlinkClusterSettings, cluster_down, cluster_up
 
@@ -945,6 +957,7 @@ def flink_pairs(
                 kill_at_calls=None,
                 gateway=gateway,
                 rate=rate,
+                prompts_topic=prompts_topic,
             )
             print(describe_run(clean), flush=True)
             killed = flink_run(
@@ -958,6 +971,7 @@ def flink_pairs(
                 kill_at_calls=max(1.0, kill_at * clean.calls),
                 gateway=gateway,
                 rate=rate,
+                prompts_topic=prompts_topic,
             )
             print(describe_run(killed), flush=True)
             pairs.append(Pair(clean, killed))
@@ -1058,6 +1072,7 @@ def main() -> None:
         help="comma-separated: backlog, paced, gateway (the backlog through shopper router serve), "
         "gateway_paced (the paced stream through it; needs --rate), "
         "flink (the backlog through the Flink job on a local cluster, a TaskManager killed), "
+        "flink_prompts (the same with the job's prompts topic, enriched by a runner with input 'prompts'), "
         "flink_gateway (the same through a gateway of each run's own), flink_gateway_paced (the "
         "stream sent at --flink-rate to the job at its live defaults, through a gateway of each run's own)",
     )
@@ -1198,6 +1213,7 @@ def main() -> None:
                 )
             flink_arms = {  # scenario: (through a gateway, paced at, label)
                 "flink": (False, None, f"Flink, backlog {args.events}"),
+                "flink_prompts": (False, None, f"Flink with a prompts topic, backlog {args.events}"),
                 "flink_gateway": (True, None, f"Flink via the gateway, backlog {args.events}"),
                 "flink_gateway_paced": (
                     True,
@@ -1220,6 +1236,7 @@ def main() -> None:
                     kill_at=args.kill_at,
                     gateway=through_gateway,
                     rate=flink_rate,
+                    prompts_topic=scenario == "flink_prompts",
                 )
                 arms.append((f"{label}, TaskManager killed, {flink[0].clean.policy}", flink))
             for name, pairs in arms:

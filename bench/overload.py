@@ -834,11 +834,15 @@ def targets(rows: list[dict[str, Any]], target_s: float) -> list[str]:
         if one and two and one["freshness_s"]["p99"] and two["freshness_s"]["p99"]:
             ratio = two["freshness_s"]["p99"] / one["freshness_s"]["p99"]
             f2 = two["freshness_s"]
-            growth = (f2["last_third_p99"] or 0) / max(1e-9, f2["first_third_p99"] or 0)
+            if f2["last_third_p99"] is None:  # nothing landed late in the window: worse than growing
+                growth_cell = "no signal landed in the last third (NOT met)"
+            else:
+                growth = f2["last_third_p99"] / max(1e-9, f2["first_third_p99"] or 0)
+                verdict = "not growing" if growth <= GROWTH_LIMIT else "GROWING"
+                growth_cell = f"{growth:.2f} ({verdict}, ≤ {GROWTH_LIMIT})"
             parts.append(
                 f"2x p99 ÷ 1x p99 = {ratio:.2f} ({'met' if ratio <= 1.5 else 'NOT met'}, ≤ 1.5); "
-                f"2x p99 last ÷ first third = {growth:.2f} "
-                f"({'not growing' if growth <= GROWTH_LIMIT else 'GROWING'}, ≤ {GROWTH_LIMIT})"
+                f"2x p99 last ÷ first third = {growth_cell}"
             )
         worst = max(r["tokens"]["wasted_share"] for r in rows if r["arm"] == arm)
         parts.append(f"wasted tokens at most {worst:.1%} ({'met' if worst <= 0.05 else 'NOT met'}, ≤ 5%)")
