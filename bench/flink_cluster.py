@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import os
 import tempfile
 import time
@@ -54,6 +55,7 @@ from bench.flink_kit import (
     cart_event,
     describe,
     parse_variant,
+    prompts_stage,
     wait_committed,
 )
 from devstack.flink_cluster import (
@@ -65,6 +67,7 @@ from devstack.flink_cluster import (
 )
 from devstack.stack import StackSettings, StackState, sink_settings, stack_down, stack_up
 from devstack.synthetic import SyntheticStream
+from flink_jobs.flink_config import NearRealtimeSettings
 from llm_client.config import ClientConfig
 from runner.config import RunnerSettings
 from runner.embedded import EmbeddedRunner
@@ -74,8 +77,28 @@ from shopper.readback import list_s3_records
 def freshness(
     stack: StackState, state_dir: Path, spec: str, rate: float, seconds: float
 ) -> tuple[list[object], str]:
+    """Every event a prompt at ``rate`` for ``seconds``: the time each signal took beyond the model call.
+    The knob ``prompts_topic=on`` runs the job with its prompts topic, enriched by a runner with input
+    'prompts' in this process (``bench.flink_kit.prompts_stage``)."""
     tag = uuid.uuid4().hex[:8]
-    settings = bench_job(stack, state_dir, tag, parse_variant(spec), live=True)
+    knobs = parse_variant(spec)
+    via_prompts_topic = knobs.pop("prompts_topic", None) is not None
+    with contextlib.ExitStack() as stages:
+        settings = bench_job(stack, state_dir, tag, knobs, live=True)
+        if via_prompts_topic:
+            settings = stages.enter_context(prompts_stage(stack, settings, lambda _: None))
+        return _freshness(stack, state_dir, spec, settings, tag, rate, seconds)
+
+
+def _freshness(
+    stack: StackState,
+    state_dir: Path,
+    spec: str,
+    settings: NearRealtimeSettings,
+    tag: str,
+    rate: float,
+    seconds: float,
+) -> tuple[list[object], str]:
     topic = settings.kafka.events_topic
     cluster = cluster_up(state_dir)
     rest = FlinkRest(cluster.web_url)
@@ -84,10 +107,11 @@ def freshness(
         rest.wait_running(job.job_id)
     except (TimeoutError, RuntimeError) as exc:
         rest.cancel(job.job_id)
-        return [spec, "failed to start", str(exc)[:60], *["-"] * 8], describe(settings)
+        return [spec, "failed to start", str(exc)[:60], *["-"] * 9], describe(settings)
     shoppers = max(1, int(rate * 4))  # each shopper acts every ~4 s
     taskmanagers = [p.pid for p in cluster.processes if p.name.startswith("flink-taskmanager")]
     cpu_before = sum(process_group_cpu_seconds(pid) for pid in taskmanagers)
+    machine_before = machine_busy_seconds()
     producer = Producer({"bootstrap.servers": stack.kafka_bootstrap, "linger.ms": 0})
     with SignalPoller(stack.redis_url, settings.sinks.redis_key_prefix) as poller:
         started = time.time()
@@ -99,9 +123,9 @@ def freshness(
             producer.poll(0)
         producer.flush(10)
         time.sleep(10)
-    cores_busy = (sum(process_group_cpu_seconds(pid) for pid in taskmanagers) - cpu_before) / (
-        time.time() - started
-    )
+    wall = time.time() - started
+    cores_busy = (sum(process_group_cpu_seconds(pid) for pid in taskmanagers) - cpu_before) / wall
+    machine_busy = (machine_busy_seconds() - machine_before) / wall
     rest.cancel(job.job_id)
     _, records = list_s3_records(settings.sinks, settings.sinks.s3_prefix)
     calls = {
@@ -129,6 +153,7 @@ def freshness(
         f"{percentile(added, 0.5):.0f}",
         f"{percentile(added, 0.99):.0f}",
         f"{cores_busy:.2f}",
+        f"{machine_busy:.2f}",
     ]
     return row, describe(settings)
 
@@ -261,6 +286,7 @@ def main() -> None:
                         "added p50 ms",
                         "added p99 ms",
                         "TM cores busy",
+                        "machine cores busy",
                     ],
                     rows,
                 )

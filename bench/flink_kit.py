@@ -38,8 +38,10 @@ KNOBS: dict[str, tuple[str | None, str]] = {
     "checkpoint_ms": ("checkpoint", "interval_ms"),
     "session_stage_mode": (None, "session_stage_mode"),
     "parallelism": (None, "parallelism"),
+    "prompts_topic": (None, "prompts_topic"),
 }
-"""Variant keys -> (settings section, field) of ``NearRealtimeSettings``."""
+"""Variant keys -> (settings section, field) of ``NearRealtimeSettings``. ``prompts_topic=on`` is read by
+``bench.flink_cluster.freshness``, which runs the job with a prompts topic of its own (``prompts_stage``)."""
 
 
 Knobs = dict[str, int | str]
@@ -74,6 +76,7 @@ def describe(settings: NearRealtimeSettings) -> str:
         f"buffer timeout {settings.buffer_timeout_ms} ms, "
         f"checkpoint every {settings.checkpoint.interval_ms} ms, capacity {settings.async_io.capacity}, "
         f"session stage in {settings.session_stage_mode} mode, parallelism {settings.parallelism}"
+        + (", enriched by a runner from a prompts topic" if settings.prompts_topic else "")
     )
 
 
