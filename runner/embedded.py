@@ -123,7 +123,9 @@ class EmbeddedRunner:
         self.triggers = TriggerLoop(self)
         self.commits = Committer(self)
         self.handover = RebalanceHandover(self)
-        self._progress_line = ProgressLine(self.stats)
+        self._progress_line = ProgressLine(
+            self.stats, consumed="events" if settings.input == "events" else "records"
+        )
         self._stopping = asyncio.Event()
         self._failed: BaseException | None = None
         self.loop: asyncio.AbstractEventLoop | None = None

@@ -54,8 +54,10 @@ class RunnerStats:
 class ProgressLine:
     """Formats the periodic progress line (events/s since the previous line, lag, DLQ, prompts...)."""
 
-    def __init__(self, stats: RunnerStats) -> None:
+    def __init__(self, stats: RunnerStats, *, consumed: str = "events") -> None:
+        """``consumed``: what a consumed record is called (a prompts runner reads records of prompts)."""
         self.stats = stats
+        self.consumed = consumed
         self._last_consumed = 0
         self._last_at = time.monotonic()
 
@@ -80,7 +82,7 @@ class ProgressLine:
         rate = (acct.consumed - self._last_consumed) / max(1e-9, now - self._last_at)
         self._last_consumed, self._last_at = acct.consumed, now
         line = (
-            f"[{'done' if final else 'progress'}] events {acct.consumed} ({rate:,.0f}/s) "
+            f"[{'done' if final else 'progress'}] {self.consumed} {acct.consumed} ({rate:,.0f}/s) "
             f"lag {'-' if lag is None else lag} dlq {acct.dead_lettered} dup {acct.duplicates} "
             f"prompts {acct.prompts} in-flight {in_flight} insights {acct.insights} "
             f"errors {acct.errors} superseded {acct.superseded} cache-hit {stats.cache_hit_ratio:.0%} "
