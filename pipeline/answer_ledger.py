@@ -18,9 +18,15 @@ Writes are batched the same way (one pipeline per loop turn), so a burst of answ
 round trip rather than one connection each.
 
 Only insights are recorded: an error or a superseded prompt cost little or nothing, and asking again
-on replay is what a person would want. Each key expires after ``SinkSettings.answer_ttl_s``, so the
-ledger is bounded by the prompt rate times that TTL. Redis being away never stops the stream: a failed
-read asks the model (the pre-ledger behaviour), a failed write loses only the saving; both are counted.
+on replay is what a person would want, unless the shopper has a newer answer by now. So the same read
+also takes the version of the shopper's signal (``lookup``: the newest answer any process stored, the
+Redis sink keeps it newer-wins): a replayed prompt older than that is superseded without a call, where
+before it was sent once more (its shopper's newer prompt had superseded it before the crash, and after
+the replay nothing newer was waiting to do it again).
+
+Each key expires after ``SinkSettings.answer_ttl_s``, so the ledger is bounded by the prompt rate
+times that TTL. Redis being away never stops the stream: a failed read asks the model (the pre-ledger
+behaviour), a failed write loses only the saving; both are counted.
 """
 
 from __future__ import annotations
@@ -32,7 +38,7 @@ import redis.asyncio as aioredis
 from pydantic import ValidationError
 from redis.exceptions import RedisError
 
-from prompt_assembly.records import ShopperInsight
+from prompt_assembly.records import PromptRequest, ShopperInsight
 from sinks.config import SinkSettings
 from sinks.keys import RedisKeys
 
@@ -53,7 +59,18 @@ class LedgerCounts:
     """Round trips that wrote it (each for every ``record`` asked in one loop turn)."""
 
 
-_Waiting = list[tuple[str, "asyncio.Future[bytes | None]"]]
+@dataclass(frozen=True, slots=True)
+class Recorded:
+    """What the ledger knows of a prompt: its recorded answer, and its shopper's newest stored one."""
+
+    answer: ShopperInsight | None
+    newest_answered: tuple[int, int] | None
+    """``(session_epoch, seq)`` of the shopper's signal in Redis; None when there is none (or it was
+    not asked: ``recorded``)."""
+
+
+_Read = tuple[bytes | None, tuple[int, int] | None]
+_Waiting = list[tuple[str, str | None, "asyncio.Future[_Read]"]]
 _Writing = list[tuple[str, bytes, "asyncio.Future[None]"]]
 
 
@@ -76,26 +93,34 @@ class AnswerLedger:
         return cls(client, RedisKeys(settings.redis_key_prefix), settings.answer_ttl_s)
 
     async def recorded(self, request_id: str) -> ShopperInsight | None:
-        """The answer recorded for ``request_id``, or None (also when Redis cannot be read). Read in
-        one batch with every other ``recorded`` of this loop turn (see the module's docstring)."""
-        future: asyncio.Future[bytes | None] = asyncio.get_running_loop().create_future()
+        """The answer recorded for ``request_id``, or None (also when Redis cannot be read)."""
+        return (await self._lookup(request_id, None)).answer
+
+    async def lookup(self, prompt: PromptRequest) -> Recorded:
+        """The answer recorded for ``prompt`` and the version of its shopper's signal (neither, when
+        Redis cannot be read). Read in one batch with every other read of this loop turn (see the
+        module's docstring)."""
+        return await self._lookup(prompt.request_id, prompt.shopper_id)
+
+    async def _lookup(self, request_id: str, shopper_id: str | None) -> Recorded:
+        future: asyncio.Future[_Read] = asyncio.get_running_loop().create_future()
         if not self._waiting:  # its first step, a loop turn from now, takes every read asked by then
             self._hold(asyncio.get_running_loop().create_task(self._read_waiting()))
-        self._waiting.append((request_id, future))
+        self._waiting.append((request_id, shopper_id, future))
         try:
-            raw = await future
+            raw, newest = await future
         except RedisError:
             self.counts.read_failures += 1
-            return None
+            return Recorded(None, None)
         if raw is None:
-            return None
+            return Recorded(None, newest)
         try:
             insight = ShopperInsight.model_validate_json(raw)
         except ValidationError:  # written by another version of the record: ask the model again
             self.counts.read_failures += 1
-            return None
+            return Recorded(None, newest)
         self.counts.found += 1
-        return insight
+        return Recorded(insight, newest)
 
     async def _read_waiting(self) -> None:
         batch, self._waiting = self._waiting, []
@@ -106,23 +131,31 @@ class AnswerLedger:
         task.add_done_callback(self._tasks.discard)
 
     async def _read(self, batch: _Waiting) -> None:
-        """One round trip for ``batch``; each waiter gets its value, or the error, in the order asked
-        (a waiter cancelled meanwhile is skipped)."""
-        outcome: list[bytes | None] | BaseException
+        """One round trip for ``batch``: the answers by ``MGET``, each asked shopper's signal version by
+        ``HMGET``; each waiter gets its values, or the error, in the order asked (a waiter cancelled
+        meanwhile is skipped)."""
+        outcome: list[_Read] | BaseException
         try:
             pipe = self.redis.pipeline(transaction=False)
             for start in range(0, len(batch), MAX_KEYS_PER_MGET):
-                pipe.mget([self.keys.answer(rid) for rid, _ in batch[start : start + MAX_KEYS_PER_MGET]])
-            outcome = [value for values in await pipe.execute() for value in values]
+                pipe.mget([self.keys.answer(rid) for rid, _, _ in batch[start : start + MAX_KEYS_PER_MGET]])
+            shoppers = list(dict.fromkeys(sid for _, sid, _ in batch if sid is not None))
+            for sid in shoppers:
+                pipe.hmget(self.keys.signals(sid), ["session_epoch", "seq"])
+            replies = await pipe.execute()
+            chunks = -(-len(batch) // MAX_KEYS_PER_MGET)
+            answers = [value for values in replies[:chunks] for value in values]
+            versions = dict(zip(shoppers, map(_version, replies[chunks:]), strict=True))
+            outcome = [(answers[i], versions.get(sid or "")) for i, (_, sid, _) in enumerate(batch)]
             self.counts.read_batches += 1
         except RedisError as exc:
             outcome = exc
         except BaseException as exc:  # cancelled (the loop is closing): no waiter is left hanging
-            for _, future in batch:
+            for _, _, future in batch:
                 if not future.done():
                     future.cancel()
             raise exc
-        for i, (_, future) in enumerate(batch):
+        for i, (_, _, future) in enumerate(batch):
             if future.done():
                 continue
             if isinstance(outcome, BaseException):
@@ -160,3 +193,15 @@ class AnswerLedger:
             for _, _, future in batch:
                 if not future.done():
                     future.set_result(None)
+
+
+def _version(fields: list[bytes | None]) -> tuple[int, int] | None:
+    """``(session_epoch, seq)`` from a signal's ``HMGET``; None when there is no signal (or it does not
+    read as a version: then nothing is superseded on its word)."""
+    epoch, seq = fields
+    if seq is None:
+        return None
+    try:
+        return int(epoch or 0), int(seq)
+    except ValueError:
+        return None

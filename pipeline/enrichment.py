@@ -101,10 +101,14 @@ class Enricher:
     async def enrich(self, prompt: PromptRequest) -> EnrichmentResult:
         """Exactly one result for ``prompt``; raises only when the caller's own task is cancelled."""
         if self.ledger is not None:
-            recorded = await self.ledger.recorded(prompt.request_id)
-            if recorded is not None:
+            known = await self.ledger.lookup(prompt)
+            if known.answer is not None:
                 self.counts.skipped_answered += 1
-                return recorded.model_copy(update={"replayed": True})
+                return known.answer.model_copy(update={"replayed": True})
+            newest = known.newest_answered
+            if newest is not None and newest > (prompt.session_epoch, prompt.seq):  # a replay, outrun
+                self.counts.superseded_answered += 1
+                return _superseded(prompt, "newer_prompt", request_id(prompt.shopper_id, *newest))
         if not self.settings.overload.latest_wins:
             return await self._answer(prompt)
         arrival, displaced, claim = self.claims.arrive(prompt)

@@ -120,6 +120,10 @@ class OverloadCounts:
     superseded_upstream: int = 0
     """Refused by a gateway in front of the replicas (409) that had seen the shopper's newer prompt: a
     replay after a crash re-sends prompts the dead process had already superseded there."""
+    superseded_answered: int = 0
+    """Older than the shopper's newest stored answer (the signal's version, read with the answer
+    ledger): a replay of a prompt whose newer sibling was answered before the crash, superseded
+    without a call."""
 
     def as_dict(self) -> dict[str, int]:
         return asdict(self)

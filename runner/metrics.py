@@ -174,7 +174,7 @@ class _StateCollector(Collector):
                 f"{PREFIX}_prompts_not_sent",
                 "Prompts answered without a model call of their own, by cause (docs/overload.md): "
                 "superseded_queued, cancelled_in_flight, dropped_stale, skipped_answered, joined, "
-                "superseded_upstream",
+                "superseded_upstream, superseded_answered",
                 labels=["cause"],
             )
             for cause, count in enrichment.counts.as_dict().items():

@@ -76,3 +76,31 @@ async def test_with_the_ledger_off_a_replayed_prompt_is_paid_again(sinks: SinkSe
             assert isinstance(result, ShopperInsight) and not result.replayed
         metrics = await sim_metrics(sim)
     assert requests_received(metrics) == 2
+
+
+async def test_a_replayed_prompt_older_than_the_stored_answer_is_superseded_without_a_call(
+    sinks: SinkSettings,
+) -> None:
+    """A shopper's older prompt, superseded before a crash by the newer one whose answer is stored,
+    comes back in the replay with nothing newer waiting: the signal's version supersedes it unsent."""
+    shopper = Shopper("s-outrun")
+    older, newer = shopper.cart(), shopper.cart()
+    async with running_simulator(time_scale=0.01) as sim:
+        async with LLMClient(client_config(sim.url)) as client:
+            ledger = AnswerLedger.from_settings(sinks)
+            answered = await Enricher(client, ledger=ledger).enrich(newer)
+            sink = RedisSignalSink(sinks)
+            await sink.write([answered])  # what the engine's sink does with it
+            await sink.close()
+            paid = requests_received(await sim_metrics(sim))
+            enricher = Enricher(client, ledger=ledger)  # the restarted process
+            replayed_older = await enricher.enrich(older)
+            replayed_newer = await enricher.enrich(newer)
+            await ledger.redis.aclose()
+        metrics = await sim_metrics(sim)
+    assert isinstance(answered, ShopperInsight) and paid == 1
+    assert isinstance(replayed_older, Superseded), replayed_older
+    assert replayed_older.cause == "newer_prompt" and replayed_older.superseded_by == newer.request_id
+    assert isinstance(replayed_newer, ShopperInsight) and replayed_newer.replayed
+    assert requests_received(metrics) == paid  # neither replay reached the replica
+    assert enricher.counts.superseded_answered == 1 and enricher.counts.skipped_answered == 1
