@@ -256,7 +256,7 @@ def _parse(raw: bytes | bytearray | memoryview | None) -> ShopperEvent:
     try:
         return _EVENT.validate_json(bytes(raw))
     except ValidationError as exc:
-        raise MalformedEvent(_describe(exc)) from None
+        raise MalformedEvent(describe_validation_error(exc)) from None
 
 
 # ---- the fast tier: a msgspec mirror of the schema above (keep the two in step) ------------------
@@ -389,7 +389,9 @@ def _built(cls: type[_M], values: dict[str, Any], fields_set: set[str]) -> _M:
     return model
 
 
-def _describe(exc: ValidationError) -> str:
+def describe_validation_error(exc: ValidationError) -> str:
+    """A dead letter's reason for a record its model refused: the first error, where it is, and how
+    many more (the event gate's, and the prompts runner's for a record that is not a prompt)."""
     errors = exc.errors(include_url=False, include_input=False)
     first = errors[0]
     where = ".".join(str(p) for p in first["loc"]) or "<root>"

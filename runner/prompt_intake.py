@@ -16,19 +16,12 @@ from typing import TYPE_CHECKING
 from confluent_kafka import Message
 from pydantic import ValidationError
 
+from prompt_assembly.events import describe_validation_error
 from prompt_assembly.records import PromptRequest
 from runner.epochs import Epoch
 
 if TYPE_CHECKING:
     from runner.embedded import EmbeddedRunner
-
-
-def _reason(error: ValidationError | ValueError) -> str:
-    if isinstance(error, ValidationError):
-        first = error.errors()[0]
-        where = ".".join(str(part) for part in first["loc"]) or "record"
-        return f"not a prompt: {where}: {first['msg']}"
-    return f"not a prompt: {error}"
 
 
 async def launch_prompts(runner: EmbeddedRunner, messages: list[Message]) -> None:
@@ -45,11 +38,12 @@ async def launch_prompts(runner: EmbeddedRunner, messages: list[Message]) -> Non
         value = message.value()
         try:
             if value is None:
-                raise ValueError("the record has no value")
+                raise ValueError("empty message (null value)")
             prompt = PromptRequest.model_validate_json(value)
-        except (ValidationError, ValueError) as error:
+        except ValueError as error:  # a pydantic ValidationError is one
+            why = describe_validation_error(error) if isinstance(error, ValidationError) else str(error)
             acct.dead_lettered += 1
-            await runner.dead_letters.publish(message, _reason(error))
+            await runner.dead_letters.publish(message, f"not a prompt: {why}")
             continue
         acct.accepted += 1
         launch(prompt, epoch, prompt.due_ts or None)

@@ -32,7 +32,7 @@ def _reference(raw: bytes) -> ShopperEvent | str:
     try:
         return events._EVENT.validate_json(raw)
     except pydantic.ValidationError as exc:
-        return events._describe(exc)
+        return events.describe_validation_error(exc)
 
 
 def _assert_same_as_pydantic(raw: bytes) -> None:
