@@ -80,11 +80,16 @@ def describe(settings: NearRealtimeSettings) -> str:
     )
 
 
-def make_topics(stack: StackState, tag: str) -> tuple[str, str, str]:
-    names = (f"bench-ev-{tag}", f"bench-dlq-{tag}", f"bench-ins-{tag}")
+def create_topics(stack: StackState, names: tuple[str, ...]) -> None:
+    """``names`` on the stack's broker, 4 partitions each (the job's event topic and those beside it)."""
     admin = AdminClient({"bootstrap.servers": stack.kafka_bootstrap})
     for future in admin.create_topics([NewTopic(n, 4, 1) for n in names]).values():
         future.result(timeout=10)
+
+
+def make_topics(stack: StackState, tag: str) -> tuple[str, str, str]:
+    names = (f"bench-ev-{tag}", f"bench-dlq-{tag}", f"bench-ins-{tag}")
+    create_topics(stack, names)
     return names
 
 
@@ -135,9 +140,7 @@ def prompts_stage(
     thread until the block ends; yields the job's settings with ``prompts_topic`` set. The runner then
     stops as a SIGTERM stops it: in-flight prompts finish, one last durable point and commit."""
     topic = f"{settings.kafka.events_topic}-prompts"
-    admin = AdminClient({"bootstrap.servers": stack.kafka_bootstrap})
-    for future in admin.create_topics([NewTopic(topic, 4, 1)]).values():
-        future.result(timeout=10)
+    create_topics(stack, (topic,))
     enrich = RunnerThread(
         RunnerSettings(
             bootstrap_servers=stack.kafka_bootstrap,

@@ -146,7 +146,9 @@ class AnswerLedger:
             chunks = -(-len(batch) // MAX_KEYS_PER_MGET)
             answers = [value for values in replies[:chunks] for value in values]
             versions = dict(zip(shoppers, map(_version, replies[chunks:]), strict=True))
-            outcome = [(answers[i], versions.get(sid or "")) for i, (_, sid, _) in enumerate(batch)]
+            outcome = [
+                (answers[i], None if sid is None else versions[sid]) for i, (_, sid, _) in enumerate(batch)
+            ]
             self.counts.read_batches += 1
         except RedisError as exc:
             outcome = exc

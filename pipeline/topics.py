@@ -10,7 +10,3 @@ DLQ_TOPIC = "shopper-events-dlq"
 
 INSIGHTS_TOPIC = "shopper-insights"
 """Results (insights and error records) as JSON, for consumers other than Redis and S3 (Flink only)."""
-
-PROMPTS_TOPIC = "shopper-prompts"
-"""Prompts (``PromptRequest`` JSON) keyed by ``shopper_id``, where the Flink job's session stage hands
-them to a runner that only enriches (``prompts_topic``; ``RunnerSettings.input`` 'prompts')."""
