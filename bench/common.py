@@ -8,7 +8,7 @@ import os
 import platform
 import tempfile
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -64,6 +64,16 @@ def machine() -> str:
     mem_gib = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
     python = platform.python_version()
     return f"{platform.machine()}, {os.cpu_count()} cores ({cpu}), {mem_gib:.0f} GiB, Python {python}"
+
+
+def create_topics(bootstrap: str, names: Iterable[str], partitions: int = 4) -> None:
+    """New topics on the broker at ``bootstrap`` (one replica each, as every local broker here has);
+    raises if one exists or cannot be made, so that a run never reads a topic an earlier one filled."""
+    from confluent_kafka.admin import AdminClient, NewTopic  # type: ignore[attr-defined]
+
+    admin = AdminClient({"bootstrap.servers": bootstrap})
+    for future in admin.create_topics([NewTopic(name, partitions, 1) for name in names]).values():
+        future.result(timeout=10)
 
 
 @contextmanager

@@ -4,6 +4,8 @@ on one machine.
 
     .venv/bin/python -m bench.flink_cluster [--rate 10] [--seconds 45]
         [--variants "default;bundle_time_ms=200"] [--backlog 1500]
+    .venv/bin/python -m bench.flink_cluster --loads 0.5,0.7,0.9 [--ceiling-events 6000] [--own-ceiling]
+        --variants "default;prompts_topic=on"
     .venv/bin/python -m bench.flink_recovery [--rate 10] [--seconds 120] [--kill-after 40]
 
 Freshness: every event is an ``add_to_cart`` stamped with the wall clock when it is produced (its
@@ -14,6 +16,12 @@ time - the LLM call's own ``latency_ms`` (from the S3 record): what the engine a
 LLM call: "to call" = the call's start (``produced_at - latency_ms``) - the event's time (Kafka fetch,
 the keyed session stage's bundle, the exchange, the async stage's bundle), "write" = Redis
 ``updated_at`` - the call's end. The first 15 s are warm-up.
+
+Near the ceiling (``--loads``): each variant's ceiling first, ``--ceiling-events`` add-to-carts of as
+many shoppers in the topic before the job starts, nothing dropped as stale: prompts landed per second
+between the 10th and 90th percentile of the Redis writes. Then the freshness stream above at each load
+x the first variant's ceiling (``--own-ceiling``: x each variant's own), with the share of the offered
+prompts whose signal landed. The prompts topic's runner then runs as a process of its own, as deployed.
 
 A variant is the job's defaults with some knobs changed (``KNOBS``), e.g. ``bundle_time_ms=200,
 fetch_max_wait_ms=500``; ``default`` changes nothing. Throughput: the same synthetic backlog through
@@ -34,6 +42,7 @@ import os
 import tempfile
 import time
 import uuid
+from collections.abc import Iterator
 from pathlib import Path
 
 from confluent_kafka import Producer
@@ -74,20 +83,112 @@ from runner.embedded import EmbeddedRunner
 from shopper.readback import list_s3_records
 
 
-def freshness(
-    stack: StackState, state_dir: Path, spec: str, rate: float, seconds: float
-) -> tuple[list[object], str]:
-    """Every event a prompt at ``rate`` for ``seconds``: the time each signal took beyond the model call.
-    The knob ``prompts_topic=on`` runs the job with its prompts topic, enriched by a runner with input
-    'prompts' in this process (``bench.flink_kit.prompts_stage``)."""
+@contextlib.contextmanager
+def variant_job(
+    stack: StackState, state_dir: Path, spec: str, *, enrich_process: bool, saturated: bool = False
+) -> Iterator[tuple[str, NearRealtimeSettings]]:
+    """``(tag, settings)`` of a live job of the variant ``spec`` on topics of its own. The knob
+    ``prompts_topic=on`` ends the job at its session stage, with a runner with input 'prompts' enriching
+    (``bench.flink_kit.prompts_stage``) until the block ends: in this process, or with ``enrich_process``
+    in a process of its own (its log in ``state_dir``). ``saturated``: nothing is dropped as stale
+    (``urgent_max_wait_s`` off), so that a backlog counts the throughput, not the gate's policy."""
     tag = uuid.uuid4().hex[:8]
     knobs = parse_variant(spec)
     via_prompts_topic = knobs.pop("prompts_topic", None) is not None
-    with contextlib.ExitStack() as stages:
-        settings = bench_job(stack, state_dir, tag, knobs, live=True)
-        if via_prompts_topic:
-            settings = stages.enter_context(prompts_stage(stack, settings, lambda _: None))
-        return _freshness(stack, state_dir, spec, settings, tag, rate, seconds)
+    settings = bench_job(stack, state_dir, tag, knobs, live=True)
+    if saturated:
+        overload = settings.enrichment.overload.model_copy(update={"urgent_max_wait_s": None})
+        enrichment = settings.enrichment.model_copy(update={"overload": overload})
+        settings = settings.model_copy(update={"enrichment": enrichment})
+    if not via_prompts_topic:
+        yield tag, settings
+        return
+    log = state_dir / f"enrich-{tag}.log" if enrich_process else None
+    with prompts_stage(stack, settings, lambda _: None, process_log=log) as enriched:
+        yield tag, enriched
+
+
+def freshness(
+    stack: StackState,
+    state_dir: Path,
+    spec: str,
+    rate: float,
+    seconds: float,
+    *,
+    enrich_process: bool = False,
+    poll_s: float = 0.05,
+) -> tuple[list[object], str]:
+    """Every event a prompt at ``rate`` for ``seconds``: the time each signal took beyond the model call,
+    at the variant's defaults (``variant_job``). ``poll_s``: how often every shopper's signal is read (a
+    write carries its own time, so this only has to be shorter than a shopper's time between events,
+    about 4 s)."""
+    with variant_job(stack, state_dir, spec, enrich_process=enrich_process) as (tag, settings):
+        return _freshness(stack, state_dir, spec, settings, tag, rate, seconds, poll_s)
+
+
+def ceiling(stack: StackState, state_dir: Path, spec: str, events: int) -> tuple[float, str]:
+    """What the variant moves saturated, every event a prompt: ``events`` add-to-carts, one per shopper
+    (so latest wins supersedes none), all in the topic before the job starts; prompts landed per second
+    between the 10th and the 90th percentile of the signals' Redis writes (start-up and tail left out).
+    Nothing is dropped as stale here (``variant_job(saturated=True)``); the prompts topic's runner runs as
+    a process of its own."""
+    with variant_job(stack, state_dir, spec, enrich_process=True, saturated=True) as (tag, settings):
+        producer = Producer({"bootstrap.servers": stack.kafka_bootstrap, "linger.ms": 5})
+        now = time.time()
+        for n in range(events):
+            shopper = f"shopper-{n:06d}"
+            producer.produce(
+                settings.kafka.events_topic,
+                key=shopper.encode(),
+                value=cart_event(tag, n, shopper, now),
+                timestamp=int(now * 1000),
+            )
+            producer.poll(0)
+        producer.flush(30)
+        cluster = cluster_up(state_dir)
+        rest = FlinkRest(cluster.web_url)
+        job = submit(cluster, settings, config_path=state_dir / "flink" / f"bench-{tag}.json")
+        with SignalPoller(stack.redis_url, settings.sinks.redis_key_prefix, interval_s=0.5) as poller:
+            rest.wait_running(job.job_id)
+            landed, quiet_since = 0, time.monotonic()
+            while len(poller.seen) < events and time.monotonic() - quiet_since < 60:
+                time.sleep(1)
+                if len(poller.seen) > landed:
+                    landed, quiet_since = len(poller.seen), time.monotonic()
+        rest.cancel(job.job_id)
+    writes = sorted(written for written, _ in poller.seen.values())
+    if len(writes) < events * 0.9:
+        raise RuntimeError(f"{spec}: only {len(writes)} of {events} signals landed")
+    first, last = writes[len(writes) // 10], writes[len(writes) * 9 // 10]
+    return (len(writes) * 0.8) / (last - first), describe(settings)
+
+
+def near_ceiling(
+    stack: StackState,
+    state_dir: Path,
+    spec: str,
+    events: int,
+    loads: list[float],
+    seconds: float,
+    reference: float | None,
+) -> tuple[float, list[list[object]], str]:
+    """The variant's own ceiling (``ceiling``), then freshness paced at each of ``loads`` x ``reference``
+    prompts/s (the first variant's ceiling, so that every variant meets the same rates), or x its own
+    ceiling where ``reference`` is None: its ceiling, and one row per load with the share of the
+    offered prompts (after the warm-up) whose signal landed (the rest were superseded by the shopper's
+    next prompt, or dropped as stale)."""
+    top, described = ceiling(stack, state_dir, spec, events)
+    print(f"{spec}: ceiling {top:.0f} prompts/s; {load_average()}", flush=True)
+    rows: list[list[object]] = []
+    for load in loads:
+        rate = load * (reference or top)
+        row, _ = freshness(stack, state_dir, spec, rate, seconds, enrich_process=True, poll_s=0.5)
+        offered = rate * (seconds - WARMUP_S)
+        measured = row[2]
+        landed = f"{float(measured) / offered:.2f}" if isinstance(measured, int) else "-"
+        rows.append([spec, f"{top:.0f}", f"{load:g}", f"{rate:.0f}", landed, *row[8:12]])
+        print(f"  {rows[-1]}; {load_average()}", flush=True)
+    return top, rows, described
 
 
 def _freshness(
@@ -98,6 +199,7 @@ def _freshness(
     tag: str,
     rate: float,
     seconds: float,
+    poll_s: float,
 ) -> tuple[list[object], str]:
     topic = settings.kafka.events_topic
     cluster = cluster_up(state_dir)
@@ -113,7 +215,7 @@ def _freshness(
     cpu_before = sum(process_group_cpu_seconds(pid) for pid in taskmanagers)
     machine_before = machine_busy_seconds()
     producer = Producer({"bootstrap.servers": stack.kafka_bootstrap, "linger.ms": 0})
-    with SignalPoller(stack.redis_url, settings.sinks.redis_key_prefix) as poller:
+    with SignalPoller(stack.redis_url, settings.sinks.redis_key_prefix, interval_s=poll_s) as poller:
         started = time.time()
         for n in paced(rate, seconds):
             shopper = f"shopper-{n % shoppers:04d}"
@@ -242,6 +344,17 @@ def main() -> None:
     parser.add_argument("--bundles", help="shorthand: ','-separated bundle_time_ms variants")
     parser.add_argument("--backlog", type=int, default=0, help="throughput comparison; 0 = skip")
     parser.add_argument("--parallelism", default="1", help="throughput: ','-separated job parallelisms")
+    parser.add_argument(
+        "--loads",
+        help="','-separated fractions of the first variant's ceiling (each variant's is measured first, "
+        "on --ceiling-events) to pace the freshness stream at, e.g. 0.5,0.7,0.9; replaces the --rate run",
+    )
+    parser.add_argument("--ceiling-events", type=int, default=6000, help="the saturated run's events")
+    parser.add_argument(
+        "--own-ceiling",
+        action="store_true",
+        help="--loads of each variant's own ceiling, instead of the first variant's (the same rates for all)",
+    )
     parser.add_argument("--out", default="flink_cluster.json", help="results file name under bench/results")
     args = parser.parse_args()
     variants = (
@@ -261,13 +374,37 @@ def main() -> None:
         rows: list[list[object]] = []
         loads = [load_average()]
         described = {}
-        for spec in variants if args.seconds > 0 else []:
+        near: list[list[object]] = []
+        reference: float | None = None
+        for spec in variants if args.loads else []:
+            top, variant_rows, described[spec] = near_ceiling(
+                stack, state_dir, spec, args.ceiling_events, [float(x) for x in args.loads.split(",")],
+                args.seconds, None if args.own_ceiling else reference,
+            )  # fmt: skip
+            reference = reference or top
+            near += variant_rows
+            loads.append(load_average())
+        for spec in variants if args.seconds > 0 and not args.loads else []:
             row, settings = freshness(stack, state_dir, spec, args.rate, args.seconds)
             rows.append(row)
             described[spec] = settings
             loads.append(load_average())
             print(f"{spec}: {settings}; {loads[-1]}\n  {row}", flush=True)
         tables = []
+        if near:
+            tables.append(
+                f"Near the ceiling ({args.ceiling_events:,} prompts saturated, then paced for "
+                f"{args.seconds:g} s at each load of "
+                + ("each variant's own ceiling" if args.own_ceiling else "the first variant's ceiling")
+                + f", first {WARMUP_S:g} s excluded; the prompts topic's runner a process of its own):"
+            )
+            tables.append(
+                print_table(
+                    ["variant", "ceiling prompts/s", "load", "offered prompts/s", "landed ÷ offered",
+                     "added p50 ms", "added p99 ms", "TM cores busy", "machine cores busy"],
+                    near,
+                )
+            )  # fmt: skip
         if rows:
             tables.append(
                 f"Freshness at {args.rate:g} events/s for {args.seconds:g} s, first {WARMUP_S:g} s excluded:"

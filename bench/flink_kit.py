@@ -5,8 +5,13 @@ imports the other."""
 
 from __future__ import annotations
 
+import pickle
+import signal
+import subprocess
+import sys
 import threading
 import time
+import uuid
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -14,8 +19,9 @@ from pathlib import Path
 import orjson
 import redis as sync_redis
 from confluent_kafka import Consumer, TopicPartition
-from confluent_kafka.admin import AdminClient, NewTopic  # type: ignore[attr-defined]
 
+from bench.common import create_topics
+from bench.fleet import wait_replicas_idle
 from devstack.flink_cluster import (
     job_settings,
 )
@@ -23,11 +29,13 @@ from devstack.runner_thread import RunnerThread
 from devstack.stack import StackState, sink_settings
 from flink_jobs.flink_config import CheckpointSettings, KafkaSettings, NearRealtimeSettings
 from llm_client.config import ClientConfig
+from pipeline.topic_ends import end_offset
 from prompt_assembly.processor import SessionConfig
 from prompt_assembly.triggers import TriggerPolicy
 from runner.config import RunnerSettings
 
 WARMUP_S = 15.0
+REPO = Path(__file__).resolve().parents[1]
 
 KNOBS: dict[str, tuple[str | None, str]] = {
     "bundle_time_ms": ("async_io", "bundle_time_ms"),
@@ -80,16 +88,9 @@ def describe(settings: NearRealtimeSettings) -> str:
     )
 
 
-def create_topics(stack: StackState, names: tuple[str, ...]) -> None:
-    """``names`` on the stack's broker, 4 partitions each (the job's event topic and those beside it)."""
-    admin = AdminClient({"bootstrap.servers": stack.kafka_bootstrap})
-    for future in admin.create_topics([NewTopic(n, 4, 1) for n in names]).values():
-        future.result(timeout=10)
-
-
 def make_topics(stack: StackState, tag: str) -> tuple[str, str, str]:
     names = (f"bench-ev-{tag}", f"bench-dlq-{tag}", f"bench-ins-{tag}")
-    create_topics(stack, names)
+    create_topics(stack.kafka_bootstrap, names)
     return names
 
 
@@ -133,31 +134,50 @@ def with_live_defaults(settings: NearRealtimeSettings) -> NearRealtimeSettings:
 
 @contextmanager
 def prompts_stage(
-    stack: StackState, settings: NearRealtimeSettings, log: Callable[[str], None]
+    stack: StackState,
+    settings: NearRealtimeSettings,
+    log: Callable[[str], None],
+    *,
+    process_log: Path | None = None,
 ) -> Iterator[NearRealtimeSettings]:
     """The job's enrichment as a stage of its own: a prompts topic (as many partitions as the event
-    topic), and a runner with input 'prompts' on it (the job's LLM, enrichment and sink settings) in a
-    thread until the block ends; yields the job's settings with ``prompts_topic`` set. The runner then
-    stops as a SIGTERM stops it: in-flight prompts finish, one last durable point and commit."""
+    topic), and a runner with input 'prompts' on it (the job's LLM, enrichment and sink settings) until
+    the block ends; yields the job's settings with ``prompts_topic`` set. The runner runs in a thread of
+    this process, or, with ``process_log``, as a process of its own (``bench.enrich_process``, its log
+    there), as it is deployed. Either way it then stops as a SIGTERM stops it: in-flight prompts finish,
+    one last durable point and commit."""
     topic = f"{settings.kafka.events_topic}-prompts"
-    create_topics(stack, (topic,))
-    enrich = RunnerThread(
-        RunnerSettings(
-            bootstrap_servers=stack.kafka_bootstrap,
-            group_id=f"{settings.kafka.group_id}-enrich",
-            topic=topic,
-            input="prompts",
-            progress_interval_s=10,
-            llm=settings.llm,
-            enrichment=settings.enrichment,
-            sinks=settings.sinks,
-        ),
-        log=log,
-    ).start()
-    try:
-        yield settings.model_copy(update={"prompts_topic": topic})
-    finally:
-        enrich.stop()
+    create_topics(stack.kafka_bootstrap, [topic])
+    runner = RunnerSettings(
+        bootstrap_servers=stack.kafka_bootstrap,
+        group_id=f"{settings.kafka.group_id}-enrich",
+        topic=topic,
+        input="prompts",
+        progress_interval_s=10,
+        llm=settings.llm,
+        enrichment=settings.enrichment,
+        sinks=settings.sinks,
+    )
+    if process_log is None:
+        enrich = RunnerThread(runner, log=log).start()
+        try:
+            yield settings.model_copy(update={"prompts_topic": topic})
+        finally:
+            enrich.stop()
+        return
+    with process_log.open("ab") as stderr:
+        child = subprocess.Popen(
+            [sys.executable, "-m", "bench.enrich_process"], stdin=subprocess.PIPE, stderr=stderr, cwd=REPO
+        )
+        assert child.stdin is not None
+        child.stdin.write(pickle.dumps(runner))
+        child.stdin.close()
+        try:
+            yield settings.model_copy(update={"prompts_topic": topic})
+        finally:
+            child.send_signal(signal.SIGTERM)
+            if child.wait(240) != 0:
+                raise RuntimeError(f"the prompts runner exited {child.returncode}; see {process_log}")
 
 
 def cart_event(tag: str, n: int, shopper: str, now: float) -> bytes:
@@ -213,6 +233,32 @@ class SignalPoller:
                 if request_id and request_id not in self.seen:
                     self.seen[request_id] = (float(updated_at or 0), float(event_ts or 0))
         client.close()
+
+
+def topic_end_offsets(bootstrap: str, topic: str) -> dict[int, int]:
+    """Each partition's high watermark: where a group that has read everything has committed to."""
+    consumer = Consumer({"bootstrap.servers": bootstrap, "group.id": f"ends-{uuid.uuid4().hex[:8]}"})
+    try:
+        partitions = consumer.list_topics(topic, timeout=10).topics[topic].partitions
+        return {p: end_offset(consumer, TopicPartition(topic, p), timeout_s=10) for p in partitions}
+    finally:
+        consumer.close()
+
+
+def drained(
+    stack: StackState, settings: NearRealtimeSettings, *, live: bool, timeout_s: float = 900
+) -> dict[int, int]:
+    """The end of a run of the job on a stream that is all in its topic: until the job's group has
+    committed every record (a completed checkpoint covers them) and then the replicas are quiet. With
+    ``live`` (wall-clock timers), quiet for longer than a browse pause and a rate limit together, so
+    that the last shoppers' pending triggers have fired and been answered. Returns the end offsets."""
+    topic = settings.kafka.events_topic
+    ends = topic_end_offsets(stack.kafka_bootstrap, topic)
+    wait_committed(stack.kafka_bootstrap, settings.kafka.group_id, topic, ends, timeout_s)
+    triggers = settings.session.triggers
+    quiet_s = triggers.quiet_period_s + triggers.min_prompt_interval_s + 5.0 if live else 3.0
+    wait_replicas_idle(stack.llm_endpoints, quiet_s=quiet_s)
+    return ends
 
 
 def wait_committed(bootstrap: str, group: str, topic: str, ends: dict[int, int], timeout_s: float) -> None:

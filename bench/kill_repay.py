@@ -2,8 +2,8 @@
 LLM calls counted at the replicas against a clean run of the same stream.
 
     .venv/bin/python -m bench.kill_repay [--events 4000] [--shoppers 150] [--repeats 3]
-        [--scenarios backlog,paced,gateway,gateway_paced,flink,flink_prompts,flink_gateway,
-                     flink_gateway_paced]
+        [--scenarios backlog,paced,gateway,gateway_paced,flink,flink_prompts,flink_prompts_paced,
+                     flink_gateway,flink_gateway_paced]
         [--flink-rate R] [--policies default,fifo]
         [--kill-at 0.4] [--rate R] [--tree OTHER_TREE] [--name kill_repay]
 
@@ -61,16 +61,13 @@ import sys
 import tempfile
 import threading
 import time
-import urllib.request
 import uuid
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from confluent_kafka.admin import AdminClient, NewTopic  # type: ignore[attr-defined]
-from prometheus_client.parser import text_string_to_metric_families
-
-from bench.common import REPO, machine, paced, print_table, results_dir
+from bench.common import REPO, create_topics, machine, paced, print_table, results_dir
+from bench.fleet import Replicas, reset_caches, scrape
 from devstack.processes import free_port
 from devstack.stack import StackSettings, StackState, load_state, sink_settings, stack_down, stack_up
 from devstack.synthetic import SyntheticStream
@@ -217,59 +214,6 @@ def child() -> None:
 
 
 # ---- the parent --------------------------------------------------------------------------------------
-def scrape(url: str) -> dict[str, float]:
-    """A Prometheus endpoint: sample name (with labels) -> value; empty when it does not answer."""
-    try:
-        with urllib.request.urlopen(url, timeout=2) as response:
-            text = response.read().decode()
-    except OSError:
-        return {}
-    values: dict[str, float] = {}
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            labels = ",".join(f"{k}={v}" for k, v in sorted(sample.labels.items()))
-            values[f"{sample.name}{{{labels}}}" if labels else sample.name] = sample.value
-    return values
-
-
-@dataclass
-class Replicas:
-    """The calls every replica received, and what it runs now, from its ``/metrics``."""
-
-    requests: float = 0.0
-    aborted: float = 0.0
-    running: float = 0.0
-    waiting: float = 0.0
-
-    @classmethod
-    def read(cls, endpoints: list[str]) -> Replicas:
-        total = cls()
-        for endpoint in endpoints:
-            m = scrape(f"{endpoint}/metrics")
-            total.requests += sum(v for k, v in m.items() if k.startswith("sim_requests_total"))
-            total.aborted += m.get("sim_request_errors_total{reason=aborted}", 0.0)
-            total.running += m.get("sim_num_requests_running", 0.0)
-            total.waiting += m.get("sim_num_requests_waiting", 0.0)
-        return total
-
-    def minus(self, before: Replicas) -> Replicas:
-        return Replicas(self.requests - before.requests, self.aborted - before.aborted)
-
-
-def reset_caches(endpoints: list[str]) -> None:
-    """Every replica starts each run with an empty prefix cache, so no run is faster for an earlier one."""
-    for endpoint in endpoints:
-        request = urllib.request.Request(f"{endpoint}/admin/reset_cache", data=b"", method="POST")
-        with urllib.request.urlopen(request, timeout=5):
-            pass
-
-
-def create_topics(bootstrap: str, names: list[str], partitions: int) -> None:
-    admin = AdminClient({"bootstrap.servers": bootstrap})
-    for future in admin.create_topics([NewTopic(n, partitions, 1) for n in names]).values():
-        future.result(10)
-
-
 def idempotent_outcomes(gateway_url: str) -> dict[str, float]:
     """The gateway's calls with an ``Idempotency-Key`` by outcome (``joined``, ``reused``, ...)."""
     return {
@@ -530,7 +474,7 @@ def one_run(
         idempotency_key=gateway,
         endpoints=endpoints,
     )
-    create_topics(state.kafka_bootstrap, [job.dlq, job.insights], 4)
+    create_topics(state.kafka_bootstrap, [job.dlq, job.insights])
     reset_caches(state.llm_endpoints)
     log = logs / f"{name}.log"
     before = Replicas.read(state.llm_endpoints)
@@ -667,7 +611,7 @@ class Pair:
 
 def backlog_stream(state: StackState, events: int, shoppers: int, seed: int) -> Stream:
     topic = f"kr-ev-{uuid.uuid4().hex[:8]}"
-    create_topics(state.kafka_bootstrap, [topic], 4)
+    create_topics(state.kafka_bootstrap, [topic])
     produce(
         state.kafka_bootstrap,
         topic,
@@ -707,7 +651,7 @@ def paced_stream(
 ) -> tuple[Stream, threading.Thread]:
     """A topic of its own, and the producer thread that fills it at ``rate`` (started by the run)."""
     topic = f"kr-ev-{uuid.uuid4().hex[:8]}"
-    create_topics(state.kafka_bootstrap, [topic], 4)
+    create_topics(state.kafka_bootstrap, [topic])
     producer = threading.Thread(
         target=produce_live,
         args=(state.kafka_bootstrap, topic, events, shoppers, seed, rate),
@@ -761,34 +705,6 @@ def pair(
 
 
 # ---- the Flink job: a TaskManager killed ---------------------------------------------------------------
-def topic_end_offsets(bootstrap: str, topic: str) -> dict[int, int]:
-    """Each partition's high watermark: where a group that has read everything has committed to."""
-    from confluent_kafka import Consumer, TopicPartition
-
-    from pipeline.topic_ends import end_offset
-
-    consumer = Consumer({"bootstrap.servers": bootstrap, "group.id": f"ends-{uuid.uuid4().hex[:8]}"})
-    try:
-        partitions = consumer.list_topics(topic, timeout=10).topics[topic].partitions
-        return {p: end_offset(consumer, TopicPartition(topic, p), timeout_s=10) for p in partitions}
-    finally:
-        consumer.close()
-
-
-def wait_replicas_idle(endpoints: list[str], quiet_s: float = 3.0, timeout_s: float = 300.0) -> None:
-    """Until no replica runs or queues a request and none arrived for ``quiet_s``."""
-    deadline = time.monotonic() + timeout_s
-    last, since = -1.0, time.monotonic()
-    while time.monotonic() < deadline:
-        now = Replicas.read(endpoints)
-        if now.requests != last or now.running or now.waiting:
-            last, since = now.requests, time.monotonic()
-        elif time.monotonic() - since >= quiet_s:
-            return
-        time.sleep(0.2)
-    raise TimeoutError(f"replicas still busy {timeout_s} s after the job committed its input")
-
-
 def flink_run(
     state: StackState,
     state_dir: Path,
@@ -816,7 +732,7 @@ def flink_run(
     process enriches (``bench.flink_kit.prompts_stage``), so the kill takes the sessions, not the calls."""
     from confluent_kafka import Producer
 
-    from bench.flink_kit import bench_job, prompts_stage, wait_committed, with_live_defaults
+    from bench.flink_kit import bench_job, drained, prompts_stage, with_live_defaults
     from bench.flink_recovery import kill_taskmanager, watch_restart
     from devstack.flink_cluster import FlinkRest, submit
 
@@ -831,17 +747,12 @@ def flink_run(
         settings = settings.model_copy(update={"llm": settings.llm.model_copy(update={"endpoints": [url]})})
     topic = settings.kafka.events_topic
     seed = SEED + repeat
-    ends: dict[int, int] = {}
-
-    def delivered(error: object, message: Any) -> None:
-        ends[message.partition()] = max(ends.get(message.partition(), 0), message.offset() + 1)
-
     live_producer: threading.Thread | None = None
     if rate is None:
         producer = Producer({"bootstrap.servers": state.kafka_bootstrap, "linger.ms": 5})
         stream_of = SyntheticStream(shoppers=shoppers, seed=seed, malformed_rate=MALFORMED_RATE)
         for key, value, _ in stream_of.take(events):
-            producer.produce(topic, key=key, value=value, on_delivery=delivered)
+            producer.produce(topic, key=key, value=value)
         producer.flush(30)
     else:
         live_producer = threading.Thread(
@@ -881,15 +792,7 @@ def flink_run(
                 at_kill["restart_s"] = watch_restart(rest, job.job_id, killed) - killed
             if live_producer is not None:
                 live_producer.join()
-                ends = topic_end_offsets(state.kafka_bootstrap, topic)
-            wait_committed(state.kafka_bootstrap, settings.kafka.group_id, topic, ends, 900)
-            triggers = settings.session.triggers
-            wait_replicas_idle(
-                state.llm_endpoints,
-                quiet_s=3.0
-                if rate is None
-                else triggers.quiet_period_s + triggers.min_prompt_interval_s + 5.0,
-            )
+            drained(state, settings, live=rate is not None)
         finally:
             rest.cancel(job.job_id)
             if router is not None:
@@ -1073,6 +976,7 @@ def main() -> None:
         "gateway_paced (the paced stream through it; needs --rate), "
         "flink (the backlog through the Flink job on a local cluster, a TaskManager killed), "
         "flink_prompts (the same with the job's prompts topic, enriched by a runner with input 'prompts'), "
+        "flink_prompts_paced (that, the stream sent at --flink-rate to the job at its live defaults), "
         "flink_gateway (the same through a gateway of each run's own), flink_gateway_paced (the "
         "stream sent at --flink-rate to the job at its live defaults, through a gateway of each run's own)",
     )
@@ -1085,7 +989,8 @@ def main() -> None:
         "--flink-rate",
         type=float,
         default=None,
-        help="events/s of flink_gateway_paced: the Flink job's 1x (the rate its clean backlog runs drain at)",
+        help="events/s of the flink_*_paced scenarios: the Flink job's 1x (the rate its clean backlog runs "
+        "drain at)",
     )
     parser.add_argument("--name", default="kill_repay", help="results file: bench/results/<name>.json")
     parser.add_argument(
@@ -1214,6 +1119,11 @@ def main() -> None:
             flink_arms = {  # scenario: (through a gateway, paced at, label)
                 "flink": (False, None, f"Flink, backlog {args.events}"),
                 "flink_prompts": (False, None, f"Flink with a prompts topic, backlog {args.events}"),
+                "flink_prompts_paced": (
+                    False,
+                    args.flink_rate,
+                    f"Flink with a prompts topic, paced 1x ({args.flink_rate or 0:.0f} events/s)",
+                ),
                 "flink_gateway": (True, None, f"Flink via the gateway, backlog {args.events}"),
                 "flink_gateway_paced": (
                     True,
@@ -1236,7 +1146,7 @@ def main() -> None:
                     kill_at=args.kill_at,
                     gateway=through_gateway,
                     rate=flink_rate,
-                    prompts_topic=scenario == "flink_prompts",
+                    prompts_topic=scenario.startswith("flink_prompts"),
                 )
                 arms.append((f"{label}, TaskManager killed, {flink[0].clean.policy}", flink))
             for name, pairs in arms:

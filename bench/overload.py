@@ -71,6 +71,7 @@ from bench.common import (
     results_dir,
     temporary_stack,
 )
+from bench.fleet import reset_caches
 from bench.runner import create_topic, settings_for
 from devstack.stack import StackState
 from devstack.synthetic import SyntheticStream
@@ -269,12 +270,6 @@ def engine_totals(state: StackState) -> dict[str, float]:
     return dict(totals)
 
 
-def reset_caches(state: StackState) -> None:
-    """Every run starts from empty prefix caches (the runs share shoppers and events)."""
-    for url in state.llm_endpoints:
-        _http(f"{url.rstrip('/')}/admin/reset_cache", "POST")
-
-
 # ---- one run ----------------------------------------------------------------------------------------
 @dataclass
 class Run:
@@ -321,7 +316,7 @@ async def run_once(
     emptied, the stream produced for ``seconds``, then ``grace_s`` more and a draining stop.
     ``consume_all_s``: before that, wait (at most this long) until the runner has read every event sent,
     so that no trigger of the window is left unread when it stops."""
-    reset_caches(state)
+    reset_caches(state.llm_endpoints)
     before = engine_totals(state)
     topic = create_topic(state.kafka_bootstrap)
     settings = settings_for(state, topic, SessionConfig(), until_drained=False)
@@ -400,8 +395,7 @@ def run_once_flink(
 
     ``via_prompts_topic``: the job ends at its session stage (``prompts_topic``) and a runner with input
     'prompts' enriches (``bench.flink_kit.prompts_stage``), stopped after the job is cancelled."""
-    from bench.flink_kit import bench_job, prompts_stage, wait_committed, with_live_defaults
-    from bench.kill_repay import topic_end_offsets, wait_replicas_idle
+    from bench.flink_kit import bench_job, drained, prompts_stage, with_live_defaults
     from devstack.flink_cluster import FlinkRest, submit
     from devstack.stack import sink_settings
     from shopper.readback import list_s3_records
@@ -411,7 +405,7 @@ def run_once_flink(
     settings = settings.model_copy(
         update={"enrichment": settings.enrichment.model_copy(update={"overload": policy})}
     )
-    reset_caches(state)
+    reset_caches(state.llm_endpoints)
     before = engine_totals(state)
     run = Run(label, rate, seconds)
     load_before, busy_before, wall_before = os.getloadavg()[0], machine_busy_seconds(), time.monotonic()
@@ -429,12 +423,7 @@ def run_once_flink(
             run.started = time.time()
             produce_paced(state.kafka_bootstrap, topic, rate, seconds, shoppers, seed, run.sent)
             stop_at = time.monotonic()
-            ends = topic_end_offsets(state.kafka_bootstrap, topic)
-            wait_committed(state.kafka_bootstrap, settings.kafka.group_id, topic, ends, 900)
-            triggers = settings.session.triggers
-            wait_replicas_idle(
-                state.llm_endpoints, quiet_s=triggers.quiet_period_s + triggers.min_prompt_interval_s + 5
-            )
+            ends = drained(state, settings, live=True)
             run.drain_s = time.monotonic() - stop_at
         finally:
             rest.cancel(job.job_id)

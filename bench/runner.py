@@ -35,7 +35,7 @@ import uuid
 from pathlib import Path
 from typing import Any
 
-from bench.common import REPO, machine, percentile, print_table, results_dir, temporary_stack
+from bench.common import REPO, create_topics, machine, percentile, print_table, results_dir, temporary_stack
 from devstack.stack import StackState, sink_settings
 from llm_client.config import ClientConfig
 from prompt_assembly.processor import SessionConfig
@@ -227,12 +227,9 @@ def settings_for(
 
 
 def create_topic(bootstrap: str, partitions: int = 4) -> str:
-    from confluent_kafka.admin import AdminClient, NewTopic  # type: ignore[attr-defined]
-
+    """A new topic with a name of its own."""
     name = f"bench-{uuid.uuid4().hex[:8]}"
-    admin = AdminClient({"bootstrap.servers": bootstrap})
-    for future in admin.create_topics([NewTopic(name, partitions, 1)]).values():
-        future.result(10)
+    create_topics(bootstrap, [name], partitions)
     return name
 
 

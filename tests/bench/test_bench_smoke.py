@@ -137,6 +137,12 @@ SMOKE_RUNS = (
     # recovery benchmark broke once unnoticed (it expected one TaskManager after the cluster got two).
     SmokeRun("flink_cluster", ("-m", "bench.flink_cluster", "--seconds", "0", "--backlog", "100"),
              ("flink_cluster.json",), hang_guard_s=600),
+    # near each variant's own ceiling: a saturated run, then one paced load, the prompts topic's runner a
+    # process of its own (bench.enrich_process)
+    SmokeRun("flink_cluster_near_ceiling", ("-m", "bench.flink_cluster", "--loads", "0.5", "--ceiling-events",
+                                             "300", "--seconds", "18", "--variants", "prompts_topic=on",
+                                             "--out", "flink_near.json"),
+             ("flink_near.json",), hang_guard_s=600),
     SmokeRun("flink_recovery", ("-m", "bench.flink_recovery", "--rate", "5", "--seconds", "20",
                                 "--kill-after", "12"), ("flink_recovery.json",), hang_guard_s=600),
     # the backlog arm through a gateway (the stack's default path), one repeat: a clean run, then one
