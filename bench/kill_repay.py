@@ -62,6 +62,7 @@ import tempfile
 import threading
 import time
 import uuid
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -182,6 +183,19 @@ class CallLog(Enricher):
         if self.ledger is not None and isinstance(result, ShopperInsight):
             self._note("recorded", prompt.request_id)
         return result
+
+
+@contextlib.contextmanager
+def calls_logged(path: Path) -> Iterator[None]:
+    """Every runner this process starts inside the block logs its calls to ``path`` (``CallLog``)."""
+    import runner.embedded as embedded
+
+    CallLog.path, CallLog.idempotency_key = str(path), False
+    embedded.Enricher = CallLog  # type: ignore[attr-defined]
+    try:
+        yield
+    finally:
+        embedded.Enricher = Enricher  # type: ignore[attr-defined]
 
 
 def child() -> None:
@@ -381,6 +395,9 @@ class Calls:
 
 
 def read_calls(path: Path, killed_pid: int | None, clean: set[str] | None) -> Calls:
+    """``path``'s calls. With ``killed_pid`` a request_id is sent again when the killed process and the
+    restarted one both sent it; without (one process that was never killed, as the runner beside a
+    Flink job with a prompts topic), when that process sent it more than once."""
     fate: dict[str, str] = {}
     first: set[str] = set()
     second: set[str] = set()
@@ -391,6 +408,8 @@ def read_calls(path: Path, killed_pid: int | None, clean: set[str] | None) -> Ca
             mine = int(pid) == killed_pid
             if what == "sent":
                 sent += 1
+                if killed_pid is None and request_id in second:
+                    first.add(request_id)  # sent before: this call repeats it
                 (first if mine else second).add(request_id)
                 if mine:
                     fate[request_id] = "in_flight"
@@ -400,6 +419,8 @@ def read_calls(path: Path, killed_pid: int | None, clean: set[str] | None) -> Ca
                 elif what in {"recorded", "cancelled", "error"}:
                     fate[request_id] = what
     again = first & second
+    if killed_pid is None:
+        fate = {request_id: "sent_twice" for request_id in again}
     by_fate: dict[str, int] = {}
     for request_id in again:
         by_fate[fate[request_id]] = by_fate.get(fate[request_id], 0) + 1
@@ -718,6 +739,7 @@ def flink_run(
     gateway: bool = False,
     rate: float | None = None,
     prompts_topic: bool = False,
+    clean_ids: set[str] | None = None,
 ) -> Run:
     """The backlog through the Flink job at its defaults (``bench.flink_kit.bench_job``: prompts from
     event order alone), until the group has committed every record and the replicas are idle. ``rate``:
@@ -729,7 +751,9 @@ def flink_run(
     and a new one started at once (``bench.flink_recovery.kill_taskmanager``). ``gateway``: the job calls
     a gateway of this run's own (as the stack's job does its stack's; no answer kept from another run).
     ``prompts_topic``: the job ends at its session stage and a runner with input 'prompts' in this
-    process enriches (``bench.flink_kit.prompts_stage``), so the kill takes the sessions, not the calls."""
+    process enriches (``bench.flink_kit.prompts_stage``), so the kill takes the sessions, not the calls;
+    that runner logs its calls (``calls_logged``), and ``clean_ids`` (the clean run's) tells which
+    request_ids only the killed run sent."""
     from confluent_kafka import Producer
 
     from bench.flink_kit import bench_job, drained, prompts_stage, with_live_defaults
@@ -766,8 +790,10 @@ def flink_run(
     reset_caches(state.llm_endpoints)
     before = Replicas.read(state.llm_endpoints)
     started = time.monotonic()
+    calls_log = logs / f"flink-{repeat}-{tag}.calls"
     with contextlib.ExitStack() as stages:
         if prompts_topic:
+            stages.enter_context(calls_logged(calls_log))
             settings = stages.enter_context(prompts_stage(state, settings, lambda _: None))
         job = submit(cluster, settings, config_path=state_dir / "flink" / f"kill-repay-{tag}.json")
         at_kill: dict[str, float] = {}
@@ -825,6 +851,7 @@ def flink_run(
         seconds=time.monotonic() - started,
         calls_before_kill=calls_before_kill,
         at_kill=at_kill,
+        by_id=read_calls(calls_log, None, clean_ids) if prompts_topic else Calls(),
         gateway=gateway_counts,
     )
 
@@ -875,6 +902,7 @@ def flink_pairs(
                 gateway=gateway,
                 rate=rate,
                 prompts_topic=prompts_topic,
+                clean_ids=clean.by_id.ids,
             )
             print(describe_run(killed), flush=True)
             pairs.append(Pair(clean, killed))
