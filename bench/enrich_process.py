@@ -2,7 +2,7 @@
 settings arrive pickled on stdin (pickled, so that secrets travel as they are), it runs until SIGTERM,
 which stops it as it stops ``shopper run`` (in-flight prompts finish, one last durable point and commit).
 
-Used by ``bench.flink_kit.prompts_stage(process=True)``, where a runner on a thread of the benchmark's
+Used by ``bench.flink_kit.prompts_stage(process_log=...)``, where a runner on a thread of the benchmark's
 own process would share its interpreter lock with the benchmark's producer and poller."""
 
 from __future__ import annotations

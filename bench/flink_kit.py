@@ -49,7 +49,8 @@ KNOBS: dict[str, tuple[str | None, str]] = {
     "prompts_topic": (None, "prompts_topic"),
 }
 """Variant keys -> (settings section, field) of ``NearRealtimeSettings``. ``prompts_topic=on`` is read by
-``bench.flink_cluster.freshness``, which runs the job with a prompts topic of its own (``prompts_stage``)."""
+``bench.flink_cluster.variant_job``, which runs the job with a prompts topic of its own
+(``prompts_stage``)."""
 
 
 Knobs = dict[str, int | str]
@@ -176,7 +177,12 @@ def prompts_stage(
             yield settings.model_copy(update={"prompts_topic": topic})
         finally:
             child.send_signal(signal.SIGTERM)
-            if child.wait(240) != 0:
+            try:
+                child.wait(240)
+            except subprocess.TimeoutExpired:
+                child.kill()
+                raise
+            if child.returncode != 0:
                 raise RuntimeError(f"the prompts runner exited {child.returncode}; see {process_log}")
 
 
