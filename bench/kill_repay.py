@@ -419,11 +419,10 @@ def read_calls(path: Path, killed_pid: int | None, clean: set[str] | None) -> Ca
                 elif what in {"recorded", "cancelled", "error"}:
                     fate[request_id] = what
     again = first & second
-    if killed_pid is None:
-        fate = {request_id: "sent_twice" for request_id in again}
     by_fate: dict[str, int] = {}
-    for request_id in again:
-        by_fate[fate[request_id]] = by_fate.get(fate[request_id], 0) + 1
+    for request_id in again:  # without a killed process no call has a fate: it was just sent twice
+        what = fate.get(request_id, "sent_twice")
+        by_fate[what] = by_fate.get(what, 0) + 1
     ids = first | second
     return Calls(
         sent=sent,
