@@ -186,11 +186,12 @@ class CallLog(Enricher):
 
 
 @contextlib.contextmanager
-def calls_logged(path: Path) -> Iterator[None]:
-    """Every runner this process starts inside the block logs its calls to ``path`` (``CallLog``)."""
+def calls_logged(path: Path, *, idempotency_key: bool = False) -> Iterator[None]:
+    """Every runner this process starts inside the block logs its calls to ``path`` (``CallLog``);
+    ``idempotency_key``: each call carries its request_id as the key."""
     import runner.embedded as embedded
 
-    CallLog.path, CallLog.idempotency_key = str(path), False
+    CallLog.path, CallLog.idempotency_key = str(path), idempotency_key
     embedded.Enricher = CallLog  # type: ignore[attr-defined]
     try:
         yield
@@ -206,11 +207,9 @@ def child() -> None:
 
     job = Job(**json.loads(sys.stdin.read()))
     settings = runner_settings(load_state(Path(job.state_dir)), job)
-    CallLog.path = job.calls_log
-    CallLog.idempotency_key = job.idempotency_key
-    embedded.Enricher = CallLog  # type: ignore[attr-defined]  # every Enricher the runner makes logs its calls
-    runner = embedded.EmbeddedRunner(settings, log=lambda line: print(line, file=sys.stderr, flush=True))
-    stats = asyncio.run(runner.run())
+    with calls_logged(Path(job.calls_log), idempotency_key=job.idempotency_key):
+        runner = embedded.EmbeddedRunner(settings, log=lambda line: print(line, file=sys.stderr, flush=True))
+        stats = asyncio.run(runner.run())
     ended = time.monotonic()
     enricher = runner.enricher
     ledger = enricher.ledger
