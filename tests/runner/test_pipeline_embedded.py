@@ -193,7 +193,12 @@ def _runner_env(isolated: Isolated, **extra: str) -> dict[str, str]:
 
 def test_runner_killed_mid_stream_resumes_with_no_loss_and_no_regression(isolated: Isolated) -> None:
     """On the stack's default path, through its gateway: the calls the killed runner had in flight
-    finish there, and the restarted runner's repeats of them join or reuse them (never paid twice)."""
+    finish there, and the restarted runner's repeats of them join or reuse them (never paid twice).
+
+    The kill lands once the runner has read the whole stream and still has calls at the gateway: those
+    calls are their shoppers' newest prompts, so the replay sends them again (a kill earlier in the
+    stream would have the replayed newer events supersede the repeats before they are sent, which
+    also pays nothing twice, but leaves nothing for the gateway to join)."""
     records = SyntheticStream(shoppers=60, seed=33, malformed_rate=0.01).take(3000)
     produce_records(isolated.stack.kafka_bootstrap, isolated.topic, records)
     expected = expected_prompts(records)
@@ -203,25 +208,27 @@ def test_runner_killed_mid_stream_resumes_with_no_loss_and_no_regression(isolate
     spared_before = prometheus_total(gateway_metrics, "gateway_idempotent_total")
     calls_before = prometheus_total(replica_metrics, "sim_requests_total")
     command = [sys.executable, "-m", "shopper", "run", "--no-from-stack", "--group-id", isolated.group]
+    runner_port = free_port()
+    runner_metrics = [f"http://127.0.0.1:{runner_port}/metrics"]
 
     first = subprocess.Popen(
         command,
-        env=_runner_env(isolated),
+        env=_runner_env(isolated, RUNNER_METRICS_PORT=str(runner_port)),
         stdout=subprocess.DEVNULL,
         stderr=subprocess.PIPE,
         start_new_session=True,
     )
     try:
         deadline = time.monotonic() + 60
-        while len(redis_seqs(isolated)) < 10:  # some results are stored, many prompts still to go
+        while not _read_all_with_calls_at_gateway(runner_metrics, gateway_metrics, len(records)):
             assert first.poll() is None, first.stderr.read().decode() if first.stderr else ""
-            assert time.monotonic() < deadline, "first runner made no progress"
-            time.sleep(0.05)
+            assert time.monotonic() < deadline, "the first runner never held calls after reading the stream"
+            time.sleep(0.01)
         before_kill = redis_seqs(isolated)
     finally:
         os.killpg(first.pid, signal.SIGKILL)
         first.wait()
-    assert sum(before_kill.values()) < len(expected), "the kill must land mid-stream"
+    assert before_kill != final_seq_by_shopper(expected), "the kill must land before every answer is stored"
 
     second = subprocess.run(
         [*command, "--until-drained"], env=_runner_env(isolated), capture_output=True, timeout=240
@@ -238,6 +245,17 @@ def test_runner_killed_mid_stream_resumes_with_no_loss_and_no_regression(isolate
     assert_results_hold(isolated, expected)
     dlq = read_dlq(isolated.stack.kafka_bootstrap, isolated.dlq_topic)
     assert len({d["offset"] for d in dlq}) == sum(m for *_, m in records)
+
+
+def _read_all_with_calls_at_gateway(runner: list[str], gateway: list[str], records: int) -> bool:
+    """The runner has consumed all ``records`` and holds prompts, and the gateway has keyed calls in
+    flight (the runner's metrics server may not be up yet: not read yet, then)."""
+    try:
+        read = prometheus_total(runner, "shopper_events_in_total")
+        holding = prometheus_total(runner, "shopper_prompts_in_flight")
+    except OSError:
+        return False
+    return read >= records and holding > 0 and prometheus_total(gateway, "gateway_idempotent_in_flight") > 0
 
 
 def test_two_worker_processes_share_the_stream_and_account_for_everything(
