@@ -22,6 +22,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from batch.errors import BatchError
 from batch.understanding import ProductUnderstanding
+from prompt_assembly.validation import first_problem
 
 PRODUCT_UNDERSTANDING_URL: Final = "/v1/product-understanding"
 
@@ -93,9 +94,8 @@ def parse_line(line: int, raw: bytes) -> ProductRecord:
     try:
         parsed = BatchInputLine.model_validate(data)
     except ValidationError as exc:
-        first = exc.errors()[0]
-        where = ".".join(str(p) for p in first["loc"]) or "line"
-        raise BadRecord("invalid", f"{where}: {first['msg']}", custom_id) from None
+        where, message = first_problem(exc)
+        raise BadRecord("invalid", f"{where or 'line'}: {message}", custom_id) from None
     body = parsed.body
     parts = [body.text.strip()] + [f"Review: {r.strip()}" for r in body.reviews if r.strip()]
     document = "\n\n".join(p for p in parts if p)

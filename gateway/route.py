@@ -30,6 +30,7 @@ from pydantic import BaseModel, ConfigDict, ValidationError
 from llm_client.routing import RouteRequest
 from prompt_assembly.errors import ShopperError
 from prompt_assembly.tokens import messages_text
+from prompt_assembly.validation import first_problem
 
 CHARS_PER_TOKEN = 4
 """The client's own prompt-size estimate (``LLMClient.chat``): load accounting, not billing."""
@@ -104,9 +105,8 @@ def route_for(
     try:
         view = RoutingView.model_validate(document)
     except ValidationError as exc:
-        first = exc.errors()[0]
-        param = ".".join(str(p) for p in first["loc"]) or None
-        raise InvalidRequest(f"{param}: {first['msg']}", param) from None
+        param, message = first_problem(exc)
+        raise InvalidRequest(f"{param}: {message}", param) from None
     key = headers.get(key_header) or view.user or f"anonymous-{uuid.uuid4().hex}"
     text = view.prompt_text()
     max_tokens = view.max_completion_tokens or view.max_tokens or default_max_tokens

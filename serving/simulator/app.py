@@ -21,6 +21,7 @@ import orjson
 from aiohttp import web
 from pydantic import BaseModel, ValidationError
 
+from prompt_assembly.validation import first_problem
 from serving.simulator.admin import add_admin_routes
 from serving.simulator.answers import Answer
 from serving.simulator.bad_answers import bad_answer_response
@@ -88,9 +89,8 @@ async def _parse(request: web.Request, model: type[RequestModel]) -> RequestMode
     try:
         return model.model_validate(raw)
     except ValidationError as exc:
-        first = exc.errors()[0]
-        param = ".".join(str(p) for p in first["loc"]) or None
-        return error_response(f"{param}: {first['msg']}", 400, "invalid_request_error", param)
+        param, message = first_problem(exc)
+        return error_response(f"{param}: {message}", 400, "invalid_request_error", param)
 
 
 async def _chat_completions(request: web.Request) -> web.StreamResponse:
