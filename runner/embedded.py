@@ -34,7 +34,8 @@ Processing guarantees:
   ``revoke_timeout_s`` (past it they are handed over uncommitted and the next owner replays them);
   the pending triggers of assigned partitions are re-armed from the store, never for a partition
   revoked meanwhile;
-- SIGTERM drains: no new polls, in-flight prompts finish, one last durable point and commit;
+- SIGTERM drains: no new records (the partitions paused, the consumer polling on so that it stays in
+  the group), in-flight prompts finish, one last durable point and commit;
 - a consumer error no retry can fix (a fatal error, a refused login or TLS handshake, a topic that
   stays unknown past ``unknown_topic_grace_s``) stops the runner with ``runner.errors.ConsumerFailed``;
   a broker that is away is waited for (``runner.consumer_errors``).
@@ -242,9 +243,15 @@ class EmbeddedRunner:
         prompts, make everything durable and commit."""
         if self.settings.until_drained and self._failed is None:
             self.triggers.fire_all()
-        await self.prompts.wait_all()
+        if self._failed is not None:  # the consumer may be what failed: no poll, nothing committed
+            await self.prompts.wait_all()
+            return
+        # Polling on, the partitions paused, while the prompts finish: a drain that outlasts
+        # max.poll.interval.ms (a slow fleet, a store that is down) left the group, and its last
+        # commit then failed, so a restart replayed all it had just made durable.
+        await self.ingest.polling_while(self.prompts.wait_all())
         if self._failed is None:
-            await self.commits.commit_durable()
+            await self.ingest.polling_while(self.commits.commit_durable())
 
     def request_stop(self) -> None:
         self._stopping.set()

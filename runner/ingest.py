@@ -204,7 +204,7 @@ class Ingest:
         missing = sessions.missing(shoppers)
         if missing:
             with sessions.pinned(shoppers):  # a durable point during the load must not evict them
-                loaded = await self._polling_while(
+                loaded = await self.polling_while(
                     runner.retrying(lambda: runner.store.load_many(missing), "session load")
                 )
                 if runner.assignment.lease != epoch.lease:
@@ -244,7 +244,7 @@ class Ingest:
         sessions.place_many(touched)
         runner.close_epoch(epoch, set(touched))  # from here on the epoch keeps them (busy)
 
-    async def _polling_while(self, wait: Awaitable[T]) -> T:
+    async def polling_while(self, wait: Awaitable[T]) -> T:
         """``wait`` (a load that may wait out a Redis outage under ``sink_retry``), polling on all the
         while with the assigned partitions paused: a poll then returns no record, but it keeps this
         member in the group (``max.poll.interval.ms``; a member that stopped polling for the minute a
