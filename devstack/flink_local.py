@@ -19,6 +19,7 @@ import orjson
 from devstack.processes import free_port
 from flink_jobs.flink_config import NearRealtimeSettings
 from serving.simulator.launch import simulator_replicas
+from serving.simulator.trtllm_options import AGGREGATED_YAML
 from sinks.keys import RedisKeys
 
 READY_TIMEOUT_S = 30.0
@@ -91,7 +92,8 @@ def local_run(settings: NearRealtimeSettings, args: argparse.Namespace) -> int:
     with contextlib.ExitStack() as stack:
         llm = settings.llm
         if args.replicas > 0:
-            urls = stack.enter_context(simulator_replicas(args.replicas))
+            shipped = ("--extra-llm-api-options", str(AGGREGATED_YAML))  # as the stack's replicas
+            urls = stack.enter_context(simulator_replicas(args.replicas, extra=shipped))
             llm = llm.model_copy(update={"endpoints": urls})
         sinks = settings.sinks
         if sinks.redis_key_prefix == "su:":  # the production namespace: keep local runs apart

@@ -29,7 +29,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Literal, cast
 
-from pydantic import Field
+from pydantic import Field, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from devstack.errors import StackError
@@ -46,6 +46,7 @@ from devstack.processes import (
 from pipeline.redaction import mask_url, redact
 from pipeline.topics import DLQ_TOPIC, EVENTS_TOPIC, INSIGHTS_TOPIC
 from serving.simulator.launch import simulator_argv
+from serving.simulator.trtllm_options import AGGREGATED_YAML
 from sinks.config import SinkSettings
 
 MOTO_CREDENTIALS = ("testing", "testing")
@@ -59,6 +60,19 @@ class StackSettings(BaseSettings):
     llm: Literal["sim", "llama"] = "sim"
     replicas: int = Field(3, ge=1, le=16)
     time_scale: float = Field(0.05, ge=0, description="simulator time scale (1 = H100 32B timings)")
+    replica_options: Path | None = Field(
+        AGGREGATED_YAML,
+        description="the trtllm-serve options file each simulated replica runs with: the one we ship by "
+        "default, so the stack serves as our deployment does (chunked prefill on, its KV share); none: "
+        "trtllm-serve's own defaults",
+    )
+    context_replicas: int = Field(
+        0,
+        ge=0,
+        description="simulator only: P/D disaggregation, this many of the replicas are context (prefill) "
+        "servers and the others generation (decode) servers, each on its serving/trtllm/disagg options "
+        "file, and the gateway routes with pd_aware (docs/disaggregation.md); 0: aggregated replicas",
+    )
     partitions: int = Field(4, ge=1)
     kafka_bootstrap: str | None = Field(None, description="use this broker instead of starting Tansu")
     redis_url: str | None = Field(None, description="use this Redis instead of 127.0.0.1:6379 / a new one")
@@ -71,6 +85,14 @@ class StackSettings(BaseSettings):
         "prompts through it: it outlives a job that crashes, so a replayed prompt joins or reuses the "
         "call it repeats instead of paying for it again",
     )
+
+    @model_validator(mode="after")
+    def _disaggregation_fits(self) -> StackSettings:
+        if self.context_replicas and (self.llm != "sim" or self.llm_endpoints):
+            raise ValueError("context_replicas: P/D needs the stack's own simulated replicas")
+        if self.context_replicas and self.context_replicas >= self.replicas:
+            raise ValueError(f"context_replicas ({self.context_replicas}) leaves no generation replica")
+        return self
 
 
 @dataclass
@@ -91,6 +113,8 @@ class StackState:
     after ``stack_down`` unless they are deleted."""
     gateway_url: str | None = None
     """The routing gateway the stack started in front of ``llm_endpoints`` (None: none started)."""
+    context_endpoints: list[str] = field(default_factory=list)
+    """P/D: the context (prefill) servers; ``llm_endpoints`` are then the generation servers."""
     processes: list[ManagedProcess] = field(default_factory=list)
 
     @property
@@ -166,13 +190,14 @@ def stack_up(settings: StackSettings) -> StackState:
         redis_url, redis_shared = (settings.redis_url, True) if settings.redis_url else _redis(logs, started)
         s3 = settings.s3_endpoint_url if settings.s3_endpoint_url else _start_moto(logs, started)
         _create_bucket(s3, settings.s3_bucket, None if settings.s3_endpoint_url else MOTO_CREDENTIALS)
+        contexts: list[str] = []
         if settings.llm_endpoints:
             endpoints, model = list(settings.llm_endpoints), "default"
         elif settings.llm == "llama":
             endpoints, model = _start_llama(settings, logs, started)
         else:
-            endpoints, model = _start_simulators(settings, logs, started)
-        gateway = _start_gateway(endpoints, model, logs, started) if settings.gateway else None
+            endpoints, contexts, model = _start_simulators(settings, logs, started)
+        gateway = _start_gateway(endpoints, contexts, model, logs, started) if settings.gateway else None
     except BaseException:
         for process in reversed(started):
             stop(process)
@@ -191,6 +216,7 @@ def stack_up(settings: StackSettings) -> StackState:
         redis_key_prefix=f"stack-{uuid.uuid4().hex[:8]}:",
         redis_shared=redis_shared,
         gateway_url=gateway,
+        context_endpoints=contexts,
         processes=started,
     )
     write_private(state_file(settings.state_dir), state.to_json())
@@ -329,19 +355,34 @@ def _create_bucket(endpoint: str | None, bucket: str, credentials: tuple[str, st
 
 def _start_simulators(
     settings: StackSettings, logs: Path, started: list[ManagedProcess]
-) -> tuple[list[str], str]:
-    endpoints = []
+) -> tuple[list[str], list[str], str]:
+    """The simulated replicas; returns the aggregated (or, with ``context_replicas``, generation)
+    servers, the context servers, and the model name."""
+    endpoints: list[str] = []
+    contexts: list[str] = []
     batch = []
     for i in range(settings.replicas):
         port = free_port()
-        argv = simulator_argv(port=port, replica_id=f"sim-{i}", time_scale=settings.time_scale)
+        options = _replica_options(settings, i)
+        argv = simulator_argv(port=port, replica_id=f"sim-{i}", time_scale=settings.time_scale, extra=options)
         process = spawn(f"sim-{i}", argv, port, logs)
         started.append(process)
         batch.append(process)
-        endpoints.append(f"http://127.0.0.1:{port}")
+        (contexts if i < settings.context_replicas else endpoints).append(f"http://127.0.0.1:{port}")
     for process in batch:
         wait_for_http(process, timeout_s=60)
-    return endpoints, "qwen2.5-32b-sim"
+    return endpoints, contexts, "qwen2.5-32b-sim"
+
+
+def _replica_options(settings: StackSettings, i: int) -> tuple[str, ...]:
+    """Replica ``i``'s options file (and role, under P/D) as simulator flags."""
+    if settings.context_replicas:
+        role, short = ("context", "ctx") if i < settings.context_replicas else ("generation", "gen")
+        options = AGGREGATED_YAML.parent / "disagg" / f"{short}_extra_llm_api_options.yaml"
+        return ("--role", role, "--extra-llm-api-options", str(options))
+    if settings.replica_options is None:
+        return ()
+    return ("--extra-llm-api-options", str(settings.replica_options))
 
 
 def _start_llama(settings: StackSettings, logs: Path, started: list[ManagedProcess]) -> tuple[list[str], str]:
@@ -360,14 +401,20 @@ def _start_llama(settings: StackSettings, logs: Path, started: list[ManagedProce
     return endpoints, "gemma-3-270m"
 
 
-def _start_gateway(endpoints: list[str], model: str, logs: Path, started: list[ManagedProcess]) -> str:
+def _start_gateway(
+    endpoints: list[str], contexts: list[str], model: str, logs: Path, started: list[ManagedProcess]
+) -> str:
     """``shopper router serve`` in front of ``endpoints`` at its defaults (``GATEWAY_*`` and ``LLM_*``
-    from the environment apply); returns its URL once its ``/health`` answers (a replica routable)."""
+    from the environment apply; with ``contexts``, P/D routing over both pools); returns its URL once
+    its ``/health`` answers (a replica routable)."""
     port = free_port()
     argv = [sys.executable, "-m", "shopper", "router", "serve", "--host", "127.0.0.1", "--port", str(port)]
     for endpoint in endpoints:
         argv += ["--endpoint", endpoint]
-    process = spawn("gateway", argv, port, logs, env={"LLM_MODEL": model})
+    env = {"LLM_MODEL": model}
+    if contexts:
+        env.update(LLM_POLICY="pd_aware", LLM_CONTEXT_ENDPOINTS=json.dumps(contexts))
+    process = spawn("gateway", argv, port, logs, env=env)
     started.append(process)
     wait_for_http(process, timeout_s=60)
     return f"http://127.0.0.1:{port}"

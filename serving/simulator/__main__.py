@@ -21,6 +21,7 @@ from aiohttp import web
 
 from serving.simulator.app import create_app
 from serving.simulator.config import SimulatorConfig
+from serving.simulator.trtllm_options import simulator_settings
 
 
 def parse_args(argv: Sequence[str] | None = None) -> SimulatorConfig:
@@ -65,6 +66,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     config = parse_args(argv)
     # One line: the settings, and how the GPU's memory sized the KV cache (whatever the override).
     effective = {**config.model_dump(mode="json"), "kv_memory": asdict(config.kv_memory())}
+    if config.extra_llm_api_options is not None:  # what the options file says that changes nothing here
+        effective["ignored_trtllm_options"] = simulator_settings(config.extra_llm_api_options)[1]
     print(json.dumps(effective, sort_keys=True), flush=True)
     with contextlib.suppress(KeyboardInterrupt):
         asyncio.run(serve(config))

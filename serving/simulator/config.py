@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import Field, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
@@ -12,6 +12,7 @@ from serving.simulator.bad_answers import BadAnswer
 from serving.simulator.cost_model import CostModelKind, MixedBatchCost
 from serving.simulator.engine import CapacityPolicy, ChunkingPolicy
 from serving.simulator.hardware import MODELS, GpuKind, KvCacheDtype, KvMemory, WeightDtype, kv_memory
+from serving.simulator.trtllm_options import simulator_settings
 
 # The repository lives next to a ``shared/`` folder on the development machines; CI clones may not have
 # it, so a copy of the same calibration file ships inside the package (see ``resolved_calibration_path``).
@@ -196,6 +197,21 @@ class SimulatorConfig(BaseSettings):
         description="a stream writes at most one chunk per this many wall seconds (first and last chunk "
         "excepted), so fast time scales do not cost one write per token",
     )
+
+    extra_llm_api_options: Path | None = Field(
+        default=None,
+        description="a trtllm-serve --extra_llm_api_options YAML (serving/trtllm/aggregated.yaml is ours): "
+        "the options it sets that the simulator models become its settings; flags and SIM_* win",
+    )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _from_trtllm_options(cls, data: Any) -> Any:
+        """Fill what the options file sets and nothing set explicitly already does."""
+        if not isinstance(data, dict) or not data.get("extra_llm_api_options"):
+            return data
+        settings, _ = simulator_settings(Path(data["extra_llm_api_options"]))
+        return {**settings, **data}
 
     @model_validator(mode="after")
     def _size_from_hardware(self) -> SimulatorConfig:

@@ -109,12 +109,15 @@ async def _drain(stream: asyncio.StreamReader) -> None:
 
 
 @contextlib.contextmanager
-def simulator_replicas(count: int, *, time_scale: float = 0.01) -> Iterator[list[str]]:
-    """``count`` replicas for synchronous callers (the local Flink job); yields their base URLs."""
+def simulator_replicas(
+    count: int, *, time_scale: float = 0.01, extra: Sequence[str] = ()
+) -> Iterator[list[str]]:
+    """``count`` replicas for synchronous callers (the local Flink job); yields their base URLs.
+    ``extra``: any other CLI flags (``--extra-llm-api-options``...)."""
     procs: list[subprocess.Popen[str]] = []
     try:
         for i in range(count):
-            argv = simulator_argv(replica_id=f"r{i}", time_scale=time_scale)
+            argv = simulator_argv(replica_id=f"r{i}", time_scale=time_scale, extra=extra)
             procs.append(
                 subprocess.Popen(
                     argv, cwd=REPO_ROOT, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True
