@@ -18,6 +18,11 @@ def scrape(url: str) -> dict[str, float]:
             text = response.read().decode()
     except OSError:
         return {}
+    return flat_samples(text)
+
+
+def flat_samples(text: str) -> dict[str, float]:
+    """Prometheus text: sample name (with its labels, sorted, as ``name{k=v,...}``) -> value."""
     values: dict[str, float] = {}
     for family in text_string_to_metric_families(text):
         for sample in family.samples:

@@ -14,8 +14,8 @@ import asyncio
 from collections.abc import Awaitable, Callable
 
 import aiohttp
-from prometheus_client.parser import text_string_to_metric_families
 
+from bench.fleet import flat_samples
 from llm_client import ClientConfig, LLMClient
 from llm_client.config import HealthSettings, RetrySettings, Timeouts
 from pipeline.admission import Rank
@@ -82,13 +82,7 @@ class Shopper:
 async def sim_metrics(sim: RunningSimulator) -> dict[str, float]:
     """The replica's /metrics over HTTP: sample name (with labels) -> value."""
     async with aiohttp.ClientSession() as http, http.get(f"{sim.url}/metrics") as response:
-        text = await response.text()
-    values: dict[str, float] = {}
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            labels = ",".join(f"{k}={v}" for k, v in sorted(sample.labels.items()))
-            values[f"{sample.name}{{{labels}}}" if labels else sample.name] = sample.value
-    return values
+        return flat_samples(await response.text())
 
 
 def requests_received(metrics: dict[str, float]) -> float:
