@@ -89,6 +89,8 @@ from prompt_assembly.records import (
 from prompt_assembly.session import ShopperSession
 from runner.embedded import EmbeddedRunner
 from runner.prompt_flight import PromptFlight
+from serving.simulator.config import SimulatorConfig
+from serving.simulator.trtllm_options import AGGREGATED_YAML, simulator_settings
 
 if TYPE_CHECKING:
     from runner.epochs import Epoch
@@ -261,12 +263,19 @@ def _http(url: str, method: str = "GET") -> dict[str, Any]:
         return dict(json.loads(response.read()))
 
 
+ANSWER_COUNTS = {"served", "aborted"}
+"""Engine counters of answers: under P/D a context server's count its context steps, not answers."""
+
+
 def engine_totals(state: StackState) -> dict[str, float]:
-    """The replicas' engine counters summed (``/admin/stats``)."""
+    """The replicas' engine counters summed (``/admin/stats``); under P/D the tokens and iterations of
+    both pools, and the answers of the generation servers."""
     totals: dict[str, float] = defaultdict(float)
-    for url in state.llm_endpoints:
+    for url in [*state.llm_endpoints, *state.context_endpoints]:
+        context = url in state.context_endpoints
         for name, value in _http(f"{url.rstrip('/')}/admin/stats")["engine"].items():
-            totals[name] += value
+            if not (context and name in ANSWER_COUNTS):
+                totals[name] += value
     return dict(totals)
 
 
@@ -316,7 +325,7 @@ async def run_once(
     emptied, the stream produced for ``seconds``, then ``grace_s`` more and a draining stop.
     ``consume_all_s``: before that, wait (at most this long) until the runner has read every event sent,
     so that no trigger of the window is left unread when it stops."""
-    reset_caches(state.llm_endpoints)
+    reset_caches([*state.llm_endpoints, *state.context_endpoints])
     before = engine_totals(state)
     topic = create_topic(state.kafka_bootstrap)
     settings = settings_for(state, topic, SessionConfig(), until_drained=False)
@@ -405,7 +414,7 @@ def run_once_flink(
     settings = settings.model_copy(
         update={"enrichment": settings.enrichment.model_copy(update={"overload": policy})}
     )
-    reset_caches(state.llm_endpoints)
+    reset_caches([*state.llm_endpoints, *state.context_endpoints])
     before = engine_totals(state)
     run = Run(label, rate, seconds)
     load_before, busy_before, wall_before = os.getloadavg()[0], machine_busy_seconds(), time.monotonic()
@@ -864,7 +873,23 @@ async def bench(args: argparse.Namespace) -> dict[str, Any]:
         arm_settings(arm)  # a typo fails before the stack starts
     multiples = [float(m) for m in args.rates.split(",")]
     print(f"machine: {machine()}; load average {os.getloadavg()[0]:.2f}", flush=True)
-    with temporary_stack(replicas=args.replicas, time_scale=1.0) as state:
+    options: dict[str, Any] = {"shipped": {}, "none": {"replica_options": None}}.get(
+        args.replica_options, {"replica_options": Path(args.replica_options)}
+    )
+    replica_settings = fleet_settings(options.get("replica_options", AGGREGATED_YAML))
+    fleet = {"shipped": "serving/trtllm/aggregated.yaml", "none": "trtllm-serve defaults"}.get(
+        args.replica_options, args.replica_options
+    )
+    if args.context_replicas:
+        options["context_replicas"] = args.context_replicas
+        fleet = (
+            f"P/D: {args.context_replicas} context + {args.replicas - args.context_replicas} generation "
+            "(serving/trtllm/disagg)"
+        )
+        replica_settings = {"disaggregated": fleet}
+    simulator_env = [f"{k}={v}" for k, v in sorted(os.environ.items()) if k.startswith("SIM_")]
+    fleet = " + ".join([fleet, *simulator_env])
+    with temporary_stack(replicas=args.replicas, time_scale=1.0, **options) as state:
         if args.capacity:
             capacity: dict[str, Any] = {"prompts_per_s": args.capacity, "given": True}
         else:
@@ -891,13 +916,26 @@ async def bench(args: argparse.Namespace) -> dict[str, Any]:
     result = {
         "machine": machine(),
         "engine": args.engine + (" (prompts topic)" if args.prompts_topic else ""),
-        "command": "python -m bench.overload " + " ".join(args.argv),
+        # The replicas inherit SIM_* settings, which win over the options file: part of the command.
+        "command": " ".join([*simulator_env, "python -m bench.overload", *args.argv]),
         "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items() if k != "argv"},
         "capacity": capacity,
+        "fleet": fleet,
+        "replica_settings": replica_settings,
         "freshness_target_s": OverloadSettings().freshness_target_s,
         "rows": rows,
     }
     return report(result)
+
+
+def fleet_settings(options: Path | None) -> dict[str, Any]:
+    """The simulator settings the replicas run with besides their defaults: those of the options file,
+    then the ``SIM_*`` variables they inherit (which win), so that a results file says what it measured."""
+    settings: dict[str, Any] = {} if options is None else simulator_settings(options)[0]
+    for name in SimulatorConfig.model_fields:
+        if (value := os.environ.get(f"SIM_{name.upper()}")) is not None:
+            settings[name] = value
+    return settings
 
 
 @contextmanager
@@ -1018,6 +1056,19 @@ def main(argv: list[str] | None = None) -> None:
         action="store_true",
         help="with --engine flink: the job ends at its session stage (prompts_topic) and a runner with "
         "input 'prompts' enriches what it sends there",
+    )
+    parser.add_argument(
+        "--replica-options",
+        default="shipped",
+        help="the trtllm-serve options file the simulated replicas run with; 'shipped' (the stack's "
+        "default): serving/trtllm/aggregated.yaml; 'none': trtllm-serve's own defaults (no chunked prefill)",
+    )
+    parser.add_argument(
+        "--context-replicas",
+        type=int,
+        default=0,
+        help="P/D disaggregation: this many of --replicas are context servers, the rest generation "
+        "servers, on serving/trtllm/disagg's options, behind a gateway routing with pd_aware",
     )
     parser.add_argument("--seed", type=int, default=2)
     parser.add_argument("--grace", type=float, default=5.0, help="seconds after production before the stop")

@@ -732,6 +732,39 @@ def capacity_parts(paths: Sequence[Path]) -> str:
     return "\n".join(lines)
 
 
+# ---- overload on fleets of other serving options ----------------------------------------------------
+def overload_fleets(paths: Sequence[Path]) -> str:
+    """``python -m bench.overload`` on fleets of other serving options (its ``fleet``), rate by rate:
+    capacity, what landed, and where purchase and cart answers spend their time."""
+    lines = [
+        "| replicas | arm | capacity (1x) prompts/s | rate | landed "
+        "| landed p99 s | purchase+cart p99 from due s | purchase+cart decode mean / p99 s "
+        "| ms per iteration | tokens per insight |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for path in paths:
+        run = json.loads(path.read_text())
+        label = run["fleet"]
+        for row in run["rows"]:
+            urgent = [
+                row["by_kind"][k]["from_due_p99"] for k in ("purchase", "add_to_cart") if k in row["by_kind"]
+            ]
+            decode = row["where_time_goes_s"]["purchase_cart"]["decode"]
+            engine = row["tokens"]["engine"]
+            tokens = row["accounting"]["insights"] and (
+                (row["tokens"]["landed_prefill"] + row["tokens"]["landed_decode"])
+                / row["accounting"]["insights"]
+            )
+            lines.append(
+                f"| {label} | `{row['arm']}` | {run['capacity']['prompts_per_s']:.1f} | "
+                f"{row['multiple']:g}x | {row['accounting']['insights']:,} | "
+                f"{row['freshness_s']['p99']:.1f} | {max(urgent):.1f} | "
+                f"{decode['mean']:.1f} / {decode['p99']:.1f} | "
+                f"{engine['busy_ms'] / engine['iterations']:.0f} | {tokens:.0f} |"
+            )
+    return "\n".join(lines)
+
+
 # ---- the simulator's fidelity ------------------------------------------------------------------------------
 def fidelity(paths: Sequence[Path]) -> str:
     """``python -m bench.fidelity``: simulated output throughput against TensorRT-LLM's published
@@ -761,6 +794,7 @@ def fidelity(paths: Sequence[Path]) -> str:
 
 RENDERERS: dict[str, Callable[[Sequence[Path]], str]] = {
     "printed_table": printed_table,
+    "overload_fleets": overload_fleets,
     "routing_sim": routing_sim,
     "routing_sim_summary": routing_sim_summary,
     "routing_scenarios": routing_scenarios,

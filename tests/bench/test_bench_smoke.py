@@ -113,6 +113,12 @@ SMOKE_RUNS = (
     SmokeRun("overload", ("-m", "bench.overload", "--seconds", "6", "--rates", "1", "--probe-seconds", "10",
                           "--probe-shoppers", "300", "--grace", "2", "--age-samples", "10"),
              ("overload.json",)),
+    # on a P/D fleet (one context and one generation replica behind a pd_aware gateway), a given capacity
+    SmokeRun("overload_pd", ("-m", "bench.overload", "--replicas", "2", "--context-replicas", "1",
+                             "--capacity", "2", "--seconds", "6", "--rates", "1", "--arms",
+                             "latest_wins_priority", "--grace", "2", "--age-samples", "10",
+                             "--out", "overload_pd.json"),
+             ("overload_pd.json",)),
     # the Flink job's form: a given capacity, one arm at 1x on a one-TaskManager cluster; it waits out
     # a job submission and, after the stream, a browse pause and a rate limit (every pending trigger fires)
     SmokeRun("overload_flink", ("-m", "bench.overload", "--engine", "flink", "--replicas", "1", "--capacity",
