@@ -90,7 +90,7 @@ from prompt_assembly.session import ShopperSession
 from runner.embedded import EmbeddedRunner
 from runner.prompt_flight import PromptFlight
 from serving.simulator.config import SimulatorConfig
-from serving.simulator.trtllm_options import AGGREGATED_YAML, simulator_settings
+from serving.simulator.trtllm_options import AGGREGATED_YAML
 
 if TYPE_CHECKING:
     from runner.epochs import Epoch
@@ -928,13 +928,16 @@ async def bench(args: argparse.Namespace) -> dict[str, Any]:
     return report(result)
 
 
+DERIVED = {"extra_llm_api_options", "cache_capacity_blocks", "max_seq_len"}
+"""Simulator settings a replica fills from the others (the file, the GPU's memory, the model)."""
+
+
 def fleet_settings(options: Path | None) -> dict[str, Any]:
-    """The simulator settings the replicas run with besides their defaults: those of the options file,
-    then the ``SIM_*`` variables they inherit (which win), so that a results file says what it measured."""
-    settings: dict[str, Any] = {} if options is None else simulator_settings(options)[0]
-    for name in SimulatorConfig.model_fields:
-        if (value := os.environ.get(f"SIM_{name.upper()}")) is not None:
-            settings[name] = value
+    """The simulator settings the replicas run with besides their defaults, read as a replica reads
+    them (the options file, then the ``SIM_*`` variables they inherit), so a results file says what it
+    measured."""
+    config = SimulatorConfig(extra_llm_api_options=options)
+    settings: dict[str, Any] = config.model_dump(mode="json", exclude_defaults=True, exclude=DERIVED)
     return settings
 
 
