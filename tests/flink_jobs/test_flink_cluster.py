@@ -6,9 +6,10 @@ run``), two TaskManagers of one slot each, so a job at parallelism 2 runs one su
   accounted for, the insights topic read with ``read_committed`` holds exactly one result per prompt
   (where the broker hides aborted transactions), and no Redis signal went back;
 - rescaling: stop with a savepoint at parallelism 1 while triggers are pending, resume at 2, stop with a
-  savepoint again, resume at 1, events arriving between each: nothing lost, nothing twice, and every
-  shopper's prompts exactly those the pure processor computes over the whole stream (so each session
-  kept its history and its pending trigger across both moves of its key group).
+  savepoint again, resume at 1, events arriving between each: nothing lost, nothing twice in S3 (and on
+  the insights topic where the broker hides aborted transactions), and every shopper's prompts exactly
+  those the pure processor computes over the whole stream (so each session kept its history and its
+  pending trigger across both moves of its key group).
 """
 
 from __future__ import annotations
@@ -215,7 +216,11 @@ def _valid(value: bytes) -> bool:
 
 
 def test_rescale_1_to_2_to_1_through_savepoints_loses_and_repeats_nothing(
-    isolated: Isolated, stack: StackState, stack_dir: Path, flink_cluster: FlinkClusterState
+    isolated: Isolated,
+    stack: StackState,
+    stack_dir: Path,
+    flink_cluster: FlinkClusterState,
+    broker_hides_aborted: bool,
 ) -> None:
     parts = [_records(7, 150), _records(8, 150), _records(9, 150)]
     topics = flink_topics(isolated)
@@ -242,9 +247,15 @@ def test_rescale_1_to_2_to_1_through_savepoints_loses_and_repeats_nothing(
             drain(flink_cluster, job.job_id, stack_dir)
 
     records = [r for part in parts for r in part]
-    s3_ids, insights = _check_results(isolated, stack, prefix, s3_prefix, topics.insights, records)
+    # Exactly once in the insights topic where the broker can show it (Kafka). On Tansu a read_committed
+    # reader hides nothing and stops at a transaction left open (docs/flink.md, "Tansu"): one fresh-clone
+    # run's read stalled after this test's moves, so there the topic is read as served.
+    s3_ids, insights = _check_results(
+        isolated, stack, prefix, s3_prefix, topics.insights, records, exactly_once=broker_hides_aborted
+    )
     assert len(s3_ids) == len(set(s3_ids)), "a result was written to S3 twice"
-    assert len(insights) == len(set(insights))
+    if broker_hides_aborted:
+        assert len(insights) == len(set(insights))
 
 
 def _busy_taskmanagers(rest: FlinkRest, job_id: str) -> int:
