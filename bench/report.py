@@ -34,6 +34,7 @@ from bench.goodput_search import brackets_from_json, goodput_cell
 from bench.routing.report import aggregate_table, llama_table, load_results, sim_table
 from bench.routing.stats import Aggregate, RunResult, aggregate, ratio_ci
 from llm_client.routing.prefix_aware import PrefixAwareSettings
+from serving.simulator.config import SimulatorConfig
 from serving.simulator.hardware import GPUS
 
 BLOCK = re.compile(
@@ -737,14 +738,14 @@ def overload_fleets(paths: Sequence[Path]) -> str:
     """``python -m bench.overload`` on fleets of other serving options (its ``fleet``), rate by rate:
     capacity, what landed, and where purchase and cart answers spend their time."""
     lines = [
-        "| replicas | arm | capacity (1x) prompts/s | rate | landed "
+        "| replicas | KV share | arm | capacity (1x) prompts/s | rate | landed "
         "| landed p99 s | purchase+cart p99 from due s | purchase+cart decode mean / p99 s "
         "| ms per iteration | tokens per insight |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for path in paths:
         run = json.loads(path.read_text())
-        label = run["fleet"]
+        label, share = run["fleet"], _kv_share(run["replica_settings"])
         for row in run["rows"]:
             urgent = [
                 row["by_kind"][k]["from_due_p99"] for k in ("purchase", "add_to_cart") if k in row["by_kind"]
@@ -756,13 +757,22 @@ def overload_fleets(paths: Sequence[Path]) -> str:
                 / row["accounting"]["insights"]
             )
             lines.append(
-                f"| {label} | `{row['arm']}` | {run['capacity']['prompts_per_s']:.1f} | "
+                f"| {label} | {share} | `{row['arm']}` | {run['capacity']['prompts_per_s']:.1f} | "
                 f"{row['multiple']:g}x | {row['accounting']['insights']:,} | "
                 f"{row['freshness_s']['p99']:.1f} | {max(urgent):.1f} | "
                 f"{decode['mean']:.1f} / {decode['p99']:.1f} | "
                 f"{engine['busy_ms'] / engine['iterations']:.0f} | {tokens:.0f} |"
             )
     return "\n".join(lines)
+
+
+def _kv_share(replica_settings: dict[str, Any]) -> str:
+    """The replicas' ``free_gpu_memory_fraction`` as the run recorded it (settings equal to the
+    simulator's defaults are left out of a results file); per role under P/D, whose files set their own."""
+    if "disaggregated" in replica_settings:
+        return "per role"
+    default = SimulatorConfig.model_fields["free_gpu_memory_fraction"].default
+    return f"{replica_settings.get('free_gpu_memory_fraction', default):g}"
 
 
 # ---- the simulator's fidelity ------------------------------------------------------------------------------

@@ -27,8 +27,9 @@ def test_the_shipped_file_turns_on_what_trtllm_serve_would() -> None:
     assert config.free_gpu_memory_fraction == kv["free_gpu_memory_fraction"]
     assert config.kv_event_buffer_max_size == kv["event_buffer_max_size"] > 0
     assert config.block_size == kv["tokens_per_block"] == PdAwareSettings().decode.block_size
-    # A smaller KV share than trtllm's default 0.9 leaves fewer blocks, as on the GPU.
-    assert config.cache_capacity_blocks < SimulatorConfig().cache_capacity_blocks
+    # The file's KV share sizes the cache, as on the GPU.
+    by_share = SimulatorConfig(free_gpu_memory_fraction=kv["free_gpu_memory_fraction"])
+    assert config.cache_capacity_blocks == by_share.cache_capacity_blocks
 
 
 def test_options_it_does_not_model_are_named_not_guessed() -> None:
@@ -40,11 +41,14 @@ def test_options_it_does_not_model_are_named_not_guessed() -> None:
 
 
 def test_flags_and_environment_win_over_the_file(monkeypatch: pytest.MonkeyPatch) -> None:
+    default_blocks = SimulatorConfig().cache_capacity_blocks
     monkeypatch.setenv("SIM_FREE_GPU_MEMORY_FRACTION", "0.5")
     config = parse_args(
         ["--extra-llm-api-options", str(AGGREGATED_YAML), "--enable-chunked-prefill", "false"]
     )
     assert (config.enable_chunked_prefill, config.free_gpu_memory_fraction) == (False, 0.5)
+    # A smaller KV share than trtllm's default 0.9 leaves fewer blocks, as on the GPU.
+    assert config.cache_capacity_blocks < default_blocks
     assert config.kv_event_buffer_max_size == 16384  # from the file, which nothing overrode
 
 
