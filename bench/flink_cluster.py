@@ -77,7 +77,6 @@ from devstack.flink_cluster import (
 from devstack.stack import StackSettings, StackState, sink_settings, stack_down, stack_up
 from devstack.synthetic import SyntheticStream
 from flink_jobs.flink_config import NearRealtimeSettings
-from llm_client.config import ClientConfig
 from runner.config import RunnerSettings
 from runner.embedded import EmbeddedRunner
 from shopper.readback import list_s3_records
@@ -296,7 +295,7 @@ def throughput(
         topic=topic,
         dlq_topic=f"bench-dlq-{tag}",
         until_drained=True,
-        llm=ClientConfig(endpoints=stack.llm_endpoints, model=stack.model),
+        llm=stack.replica_client(),
         sinks=sink_settings(
             stack,
             redis_key_prefix=f"bench-runner-{tag}:",

@@ -28,7 +28,6 @@ from devstack.flink_cluster import (
 from devstack.runner_thread import RunnerThread
 from devstack.stack import StackState, sink_settings
 from flink_jobs.flink_config import CheckpointSettings, KafkaSettings, NearRealtimeSettings
-from llm_client.config import ClientConfig
 from pipeline.topic_ends import end_offset
 from prompt_assembly.processor import SessionConfig
 from prompt_assembly.triggers import TriggerPolicy
@@ -114,7 +113,7 @@ def bench_job(
             transactional_id_prefix=f"bench-{tag}",
         ),
         checkpoint=CheckpointSettings(directory=(state_dir / "flink" / "checkpoints").resolve().as_uri()),
-        llm=ClientConfig(endpoints=stack.llm_endpoints, model=stack.model),
+        llm=stack.replica_client(),
         session=SessionConfig(triggers=TriggerPolicy(min_prompt_interval_s=0.0)) if live else SessionConfig(),
         sinks=sink_settings(
             stack, redis_key_prefix=prefix, s3_prefix=prefix.rstrip(":"), insights_topic=insights

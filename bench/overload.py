@@ -269,13 +269,16 @@ ANSWER_COUNTS = {"served", "aborted"}
 
 def engine_totals(state: StackState) -> dict[str, float]:
     """The replicas' engine counters summed (``/admin/stats``); under P/D the tokens and iterations of
-    both pools, and the answers of the generation servers."""
+    both pools, and the answers of the generation servers, and each pool's own sums too
+    (``context.NAME``, ``generation.NAME``: whether the decode servers also prefilled)."""
     totals: dict[str, float] = defaultdict(float)
     for url in [*state.llm_endpoints, *state.context_endpoints]:
         context = url in state.context_endpoints
         for name, value in _http(f"{url.rstrip('/')}/admin/stats")["engine"].items():
             if not (context and name in ANSWER_COUNTS):
                 totals[name] += value
+            if state.context_endpoints:
+                totals[f"{'context' if context else 'generation'}.{name}"] += value
     return dict(totals)
 
 

@@ -37,7 +37,6 @@ from typing import Any
 
 from bench.common import REPO, create_topics, machine, percentile, print_table, results_dir, temporary_stack
 from devstack.stack import StackState, sink_settings
-from llm_client.config import ClientConfig
 from prompt_assembly.processor import SessionConfig
 from prompt_assembly.triggers import TriggerPolicy
 from runner.config import RunnerSettings
@@ -221,7 +220,7 @@ def settings_for(
         until_drained=until_drained,
         progress_interval_s=10,
         session=session,
-        llm=ClientConfig(endpoints=state.llm_endpoints, model=state.model, max_in_flight=256),
+        llm=state.replica_client(max_in_flight=256),
         sinks=sink_settings(state, redis_key_prefix=f"bench-{tag}:", s3_prefix=f"bench-{tag}"),
     )
 

@@ -43,6 +43,7 @@ from devstack.processes import (
     wait_for_http,
     wait_for_port,
 )
+from llm_client.config import ClientConfig
 from pipeline.redaction import mask_url, redact
 from pipeline.topics import DLQ_TOPIC, EVENTS_TOPIC, INSIGHTS_TOPIC
 from serving.simulator.launch import simulator_argv
@@ -122,6 +123,15 @@ class StackState:
         """Where the stream jobs (the runner, the Flink job, the demo) send prompts: the gateway when the
         stack has one, else the replicas themselves. Batch and real time call the replicas directly."""
         return [self.gateway_url] if self.gateway_url else list(self.llm_endpoints)
+
+    def replica_client(self, **settings: Any) -> ClientConfig:
+        """A client of the replicas themselves, for a job that routes on its own (the benchmarks'):
+        under P/D the generation servers with the context servers behind ``pd_aware``, so prefills go
+        where a P/D fleet does them. Given only the generation servers, a client would prefill every
+        prompt on them and leave the context servers idle. ``settings``: other ``ClientConfig`` fields."""
+        if self.context_endpoints:
+            settings = {"context_endpoints": self.context_endpoints, "policy": "pd_aware", **settings}
+        return ClientConfig(endpoints=self.llm_endpoints, model=self.model, **settings)
 
     def to_json(self) -> str:
         """Everything, secrets in clear: for the state file (``write_private``), never for printing."""

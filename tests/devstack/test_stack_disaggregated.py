@@ -8,6 +8,7 @@ the gateway start here.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import urllib.request
 from pathlib import Path
@@ -17,6 +18,8 @@ import pytest
 from pydantic import ValidationError
 
 from devstack.stack import StackSettings, StackState, stack_down, stack_up
+from llm_client import LLMClient
+from llm_client.models import Completion
 
 
 def _stats(url: str) -> dict[str, Any]:
@@ -35,6 +38,13 @@ def _chat(url: str, content: str) -> dict[str, Any]:
     with urllib.request.urlopen(request, timeout=30) as response:
         answer: dict[str, Any] = json.loads(response.read())
     return answer
+
+
+async def _chat_replicas(state: StackState, content: str) -> Completion:
+    """As the benchmarks' jobs call the fleet: their own client of the replicas, no gateway."""
+    async with LLMClient(state.replica_client()) as client:
+        messages = [{"role": "user", "content": content}]
+        return await client.chat(messages, routing_key="shopper-2", max_tokens=16)
 
 
 def _settings(stack: StackState, state_dir: Path, **overrides: Any) -> StackSettings:
@@ -65,6 +75,12 @@ def test_a_disaggregated_stack_prefills_on_a_context_server_and_decodes_on_a_gen
         decoded = sum(_stats(url)["decode_tokens"] for url in state.llm_endpoints)
         assert decoded >= answer["usage"]["completion_tokens"] - 1  # the first token came from the prefill
         assert _stats(context)["decode_tokens"] == 0
+
+        before = _stats(context)["prefill_tokens_computed"]
+        direct = asyncio.run(_chat_replicas(state, "the shopper browsed " + "hiking boots and gloves " * 300))
+        assert direct.text
+        prefilled = _stats(context)["prefill_tokens_computed"] - before
+        assert prefilled > 1000, "a job's own client prefills on the context server too"
     finally:
         stack_down(tmp_path / "pd")
 
