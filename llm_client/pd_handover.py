@@ -13,7 +13,9 @@ answered it.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Mapping
+from dataclasses import replace
 from typing import Any
 
 import orjson
@@ -64,6 +66,7 @@ class PdHandover:
         plan = self._plan(decode, route)
         if plan is None:  # no P/D, or the policy prefills this one where it is decoded
             return await self.exchange.completion(decode, path, body, route, validate, headers)
+        started = time.perf_counter()
         policy, context, step = plan
         prefill_body = {
             **body,
@@ -80,11 +83,14 @@ class PdHandover:
         if params is not None:
             generate_body = {**body, "disaggregated_params": {**params, "request_type": "generation_only"}}
             try:
-                return await self.exchange.completion(decode, path, generate_body, route, validate, headers)
+                answer = await self.exchange.completion(decode, path, generate_body, route, validate, headers)
             except KvCacheGone:
                 pass
+            else:
+                return timed_from(started, answer)
         policy.redone_locally()
-        return await self.exchange.completion(decode, path, body, route, validate, headers)
+        answer = await self.exchange.completion(decode, path, body, route, validate, headers)
+        return timed_from(started, answer)
 
     # ---- pass-through (``LLMClient.forward``) --------------------------------------------------------
     async def forwarded(
@@ -172,3 +178,13 @@ class PdHandover:
         if gone and isinstance(self.fleet.policy, PdAwarePolicy):
             self.fleet.policy.redone_locally()
         return None
+
+
+def timed_from(started: float, answer: Completion) -> Completion:
+    """``answer`` (the decode server's step) timed from ``started`` (``time.perf_counter`` when the
+    context step began), as its caller waited for it: its time to first token and latency include the
+    context step, and any queue there. Timed from the decode step alone, a P/D call looked a prefill
+    faster than it was, and an admission limit that watches the time to first token
+    (``pipeline.admission_limit``) never saw the context servers queue."""
+    before_ms = max(0.0, (time.perf_counter() - started) * 1000.0 - answer.latency_ms)
+    return replace(answer, ttft_ms=answer.ttft_ms + before_ms, latency_ms=answer.latency_ms + before_ms)

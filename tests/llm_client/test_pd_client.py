@@ -81,6 +81,23 @@ async def test_a_cold_prompt_is_prefilled_remotely_and_the_next_one_locally() ->
         assert second.cached_tokens > 0.8 * second.prompt_tokens
 
 
+async def test_a_two_step_call_is_timed_from_its_context_step() -> None:
+    """The caller waited for the prefill on the context server too: the answer's time to first token
+    and latency include it (an admission limit watching the first token must see that queue)."""
+    async with (
+        running_simulator(role="context", time_scale=1.0) as ctx,
+        running_simulator(role="generation", time_scale=1.0) as gen,
+        LLMClient(pd_config(gen.url, ctx.url)) as client,
+    ):
+        answer = await client.chat(messages(words(3000)), routing_key="s1", max_tokens=8)
+        (prefill,) = await perf(ctx.url)
+        timing = prefill["perf_metrics"]["timing_metrics"]
+        context_ms = (timing["last_token_time"] - timing["arrival_time"]) * 1000
+        assert context_ms > 100, "a cold 3,000-token prefill of a 32B model takes a few hundred ms"
+        assert answer.ttft_ms >= context_ms
+        assert answer.latency_ms >= answer.ttft_ms
+
+
 async def test_blocks_gone_by_the_pull_mean_a_local_prefill() -> None:
     async with (
         # the context replica releases a prompt's blocks 1 µs after its first token: gone by the pull
