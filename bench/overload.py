@@ -72,7 +72,7 @@ from bench.common import (
     temporary_stack,
 )
 from bench.fleet import reset_caches
-from bench.runner import create_topic, settings_for
+from bench.runner import create_topic, settings_for, until_assigned
 from devstack.stack import StackState
 from devstack.synthetic import SyntheticStream
 from pipeline.enrichment import EnrichmentSettings
@@ -353,7 +353,7 @@ async def run_once(
             await asyncio.sleep(2)
 
     task = asyncio.create_task(runner.run())
-    await asyncio.sleep(2)
+    await until_assigned(runner, task)
     tracer = asyncio.create_task(trace())
     run.started = time.time()
     await asyncio.to_thread(produce)
