@@ -739,9 +739,9 @@ def overload_fleets(paths: Sequence[Path]) -> str:
     capacity, what landed, and where purchase and cart answers spend their time."""
     lines = [
         "| replicas | KV share | arm | capacity (1x) prompts/s | rate | landed "
-        "| landed p99 s | purchase+cart p99 from due s | purchase+cart decode mean / p99 s "
-        "| ms per iteration | tokens per insight |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "| landed p99 s | purchase+cart p99 from due s | purchase+cart first token mean / p99 s "
+        "| purchase+cart decode mean / p99 s | ms per iteration | tokens per insight |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for path in paths:
         run = json.loads(path.read_text())
@@ -750,6 +750,7 @@ def overload_fleets(paths: Sequence[Path]) -> str:
             urgent = [
                 row["by_kind"][k]["from_due_p99"] for k in ("purchase", "add_to_cart") if k in row["by_kind"]
             ]
+            first = row["where_time_goes_s"]["purchase_cart"]["replica_ttft"]
             decode = row["where_time_goes_s"]["purchase_cart"]["decode"]
             engine = row["tokens"]["engine"]
             tokens = row["accounting"]["insights"] and (
@@ -760,10 +761,22 @@ def overload_fleets(paths: Sequence[Path]) -> str:
                 f"| {label} | {share} | `{row['arm']}` | {run['capacity']['prompts_per_s']:.1f} | "
                 f"{row['multiple']:g}x | {row['accounting']['insights']:,} | "
                 f"{row['freshness_s']['p99']:.1f} | {max(urgent):.1f} | "
-                f"{decode['mean']:.1f} / {decode['p99']:.1f} | "
-                f"{engine['busy_ms'] / engine['iterations']:.0f} | {tokens:.0f} |"
+                f"{first['mean']:.1f} / {first['p99']:.1f} | {decode['mean']:.1f} / {decode['p99']:.1f} | "
+                f"{_ms_per_iteration(engine)} | {tokens:.0f} |"
             )
     return "\n".join(lines)
+
+
+def _ms_per_iteration(engine: dict[str, float]) -> str:
+    """The replicas' busy time over their iterations; under P/D per pool, where the results have them
+    (a context server's iteration is a batch of prefills, a generation server's mostly a decode step)."""
+    if "generation.iterations" in engine:
+        pools = [("ctx", "context"), ("gen", "generation")]
+        return " / ".join(
+            f"{short} {engine[f'{pool}.busy_ms'] / max(1.0, engine[f'{pool}.iterations']):.0f}"
+            for short, pool in pools
+        )
+    return f"{engine['busy_ms'] / engine['iterations']:.0f}"
 
 
 def _kv_share(replica_settings: dict[str, Any]) -> str:
