@@ -131,7 +131,9 @@ def runner_settings(state: StackState, job: Job) -> RunnerSettings:
         dlq_topic=job.dlq,
         until_drained=True,
         metrics_port=job.metrics_port,
-        llm=ClientConfig(endpoints=job.endpoints or state.llm_endpoints, model=state.model),
+        llm=state.replica_client()
+        if job.endpoints is None
+        else ClientConfig(endpoints=job.endpoints, model=state.model),
         enrichment=enrichment,
         sinks=sink_settings(
             state, redis_key_prefix=job.prefix, s3_prefix=job.prefix.rstrip(":"), insights_topic=job.insights
