@@ -179,6 +179,9 @@ class JobRun:
             while not self.finished:
                 if reader.done() and not self.stopping and (exc := reader.exception()) is not None:
                     self.stop(f"reading the input failed: {exc!r}")
+                elif (stalled := self.stalled()) is not None:
+                    log.error("job %s: %s", self.job_id, stalled)
+                    self.stop(stalled)
                 await asyncio.sleep(0.05)
         finally:
             reader.cancel()
@@ -188,6 +191,17 @@ class JobRun:
             with contextlib.suppress(asyncio.CancelledError):
                 await checkpoints
         return await self._finalise()
+
+    def stalled(self) -> str | None:
+        """Why the job can never finish, or None. Every open record has a call ready or in flight
+        (its calls are queued when it is read, a follow-up is queued before its answer's call ends):
+        open records with neither mean a call ended without an outcome. Without this check such a job
+        waits for ever; with it, the job stops with a reason and resumes from its shards."""
+        if self.stopping or not self.works or self.ready or self.in_flight:
+            return None
+        lines = sorted(self.works)
+        shown = ", ".join(map(str, lines[:5])) + (" ..." if len(lines) > 5 else "")
+        return f"internal error: {len(lines)} record(s) (lines {shown}) have no call ready or in flight"
 
     def stop(self, why: str) -> None:
         """Stop dispatching; in-flight calls finish and complete shards are still written."""

@@ -74,6 +74,7 @@ class BatchWorker:
         pending = list(job_ids) if job_ids is not None else None
         self.pool.start()
         dispatcher = asyncio.create_task(self._dispatch(), name="batch-dispatch")
+        dispatcher.add_done_callback(self._dispatcher_ended)
         try:
             while not self._interrupted:
                 await self._start_jobs(pending, results)
@@ -93,6 +94,17 @@ class BatchWorker:
                 await dispatcher
             await self.pool.stop()
         return results
+
+    def _dispatcher_ended(self, dispatcher: asyncio.Task[None]) -> None:
+        """A dispatcher that fails dispatches nothing more: stop every job loudly, and start no other,
+        instead of leaving their ready calls waiting for ever."""
+        if dispatcher.cancelled() or (exc := dispatcher.exception()) is None:
+            return
+        log.error("the dispatcher failed", exc_info=exc)
+        self._interrupted = True
+        for job in self.active.values():
+            job.stop(f"internal error: the dispatcher failed: {exc!r}")
+        self._job_finished.set()
 
     async def _start_jobs(self, pending: list[str] | None, results: list[JobManifest]) -> None:
         room = self.settings.max_running_jobs - len(self.active)
@@ -182,7 +194,7 @@ class BatchWorker:
             call = job.take()
             job.in_flight += 1
             pool.call_started()
-            task = asyncio.create_task(self._call(job, call))
+            task = asyncio.create_task(self._call(job, call), name=f"call-{job.job_id}-{call.line}")
             self._tasks.add(task)
             task.add_done_callback(self._tasks.discard)
 

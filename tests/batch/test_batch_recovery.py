@@ -205,3 +205,29 @@ async def test_a_line_over_the_cap_is_an_oversized_error_row(stack: StackState, 
     (error,) = errors
     assert error["line"] == at and error["error"]["reason"] == "oversized"
     assert str(len(huge)) in error["error"]["message"] and "max_line_bytes" in error["error"]["message"]
+
+
+async def test_a_call_that_ends_without_an_outcome_stops_the_job_instead_of_hanging(
+    stack: StackState, isolated: Isolated
+) -> None:
+    """A call cancelled from outside the job (a cancellation leaked by a library, say) leaves its
+    record with no call ready or in flight. The job stops with an internal error naming its lines,
+    and resumes later from its shards, instead of waiting for ever."""
+    settings = _settings()
+    sinks = isolated.sinks()
+    lines = list(synthetic_product_lines(4, seed=13, long_share=0.0, bad_share=0.0))
+    base = f"s3://{sinks.s3_bucket}/{isolated.s3_prefix}"
+    async with open_batch(settings, sinks, _llm(stack, settings)) as runtime:
+        await _upload(runtime.store, f"{base}/in.jsonl", lines)
+        job = await submit_job(runtime.store, f"{base}/in.jsonl", f"{base}/out")
+        running = asyncio.create_task(_run(runtime, [job.job_id]))
+        calls: list[asyncio.Task[Any]] = []
+        async with asyncio.timeout(30):
+            while not calls:
+                await asyncio.sleep(0.005)
+                calls = [t for t in asyncio.all_tasks() if t.get_name().startswith(f"call-{job.job_id}-")]
+        for call in calls:
+            call.cancel()
+        final = (await asyncio.wait_for(running, 60))[job.job_id]
+    assert final.state == "failed"
+    assert final.message is not None and "no call ready or in flight" in final.message, final.message
