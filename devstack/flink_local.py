@@ -18,7 +18,7 @@ import orjson
 
 from devstack.processes import free_port
 from flink_jobs.flink_config import NearRealtimeSettings
-from serving.simulator.launch import simulator_replicas
+from serving.simulator.launch import options_flags, simulator_replicas
 from serving.simulator.trtllm_options import AGGREGATED_YAML
 from sinks.keys import RedisKeys
 
@@ -92,7 +92,7 @@ def local_run(settings: NearRealtimeSettings, args: argparse.Namespace) -> int:
     with contextlib.ExitStack() as stack:
         llm = settings.llm
         if args.replicas > 0:
-            shipped = ("--extra-llm-api-options", str(AGGREGATED_YAML))  # as the stack's replicas
+            shipped = options_flags(AGGREGATED_YAML)  # as the stack's replicas
             urls = stack.enter_context(simulator_replicas(args.replicas, extra=shipped))
             llm = llm.model_copy(update={"endpoints": urls})
         sinks = settings.sinks

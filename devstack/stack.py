@@ -46,7 +46,7 @@ from devstack.processes import (
 from llm_client.config import ClientConfig
 from pipeline.redaction import mask_url, redact
 from pipeline.topics import DLQ_TOPIC, EVENTS_TOPIC, INSIGHTS_TOPIC
-from serving.simulator.launch import simulator_argv
+from serving.simulator.launch import options_flags, simulator_argv
 from serving.simulator.trtllm_options import AGGREGATED_YAML
 from sinks.config import SinkSettings
 
@@ -388,11 +388,8 @@ def _replica_options(settings: StackSettings, i: int) -> tuple[str, ...]:
     """Replica ``i``'s options file (and role, under P/D) as simulator flags."""
     if settings.context_replicas:
         role, short = ("context", "ctx") if i < settings.context_replicas else ("generation", "gen")
-        options = AGGREGATED_YAML.parent / "disagg" / f"{short}_extra_llm_api_options.yaml"
-        return ("--role", role, "--extra-llm-api-options", str(options))
-    if settings.replica_options is None:
-        return ()
-    return ("--extra-llm-api-options", str(settings.replica_options))
+        return options_flags(AGGREGATED_YAML.parent / "disagg" / f"{short}_extra_llm_api_options.yaml", role)
+    return options_flags(settings.replica_options)
 
 
 def _start_llama(settings: StackSettings, logs: Path, started: list[ManagedProcess]) -> tuple[list[str], str]:

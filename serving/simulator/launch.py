@@ -33,6 +33,13 @@ def simulator_argv(
     return [*argv, *extra]
 
 
+def options_flags(options: Path | None, role: str | None = None) -> tuple[str, ...]:
+    """A replica's ``trtllm-serve`` options file, and its P/D role if any, as simulator flags (the
+    names ``trtllm-serve`` takes), or none for the simulator's own defaults."""
+    flags = ("--role", role) if role is not None else ()
+    return flags if options is None else (*flags, "--extra-llm-api-options", str(options))
+
+
 def _ready_url(line: str) -> str | None:
     return line.split()[1].strip() if line.startswith("READY ") else None
 
