@@ -151,7 +151,10 @@ async def _generate(
     if job.prompt_tokens == 0:
         metrics.errors.labels("bad_request").inc()
         return error_response("prompt is empty", 400, "invalid_request_error", "prompt")
-    too_long = oversize_refusal(replica.config, job.prompt_tokens, job.max_new_tokens)
+    gen_only = request_type == "generation_only"
+    too_long = oversize_refusal(
+        replica.config, job.prompt_tokens, job.max_new_tokens, generation_only=gen_only
+    )
     if too_long is not None:
         metrics.errors.labels("bad_request").inc()
         return error_response(too_long, 400, "invalid_request_error", "prompt")
@@ -205,11 +208,14 @@ async def _generate(
     )
 
 
-def oversize_refusal(config: SimulatorConfig, prompt_tokens: int, max_tokens: int) -> str | None:
+def oversize_refusal(
+    config: SimulatorConfig, prompt_tokens: int, max_tokens: int, *, generation_only: bool = False
+) -> str | None:
     """Why trtllm-serve would refuse this prompt outright (a 400, never a queue): without chunked prefill
-    a prompt must fit in one iteration's ``max_num_tokens``, and prompt + ``max_tokens`` must fit in
-    ``max_seq_len``. The messages are TensorRT-LLM's (``LLM._check_arguments``)."""
-    if not config.enable_chunked_prefill and prompt_tokens > config.max_num_tokens:
+    a prompt must fit in one iteration's ``max_num_tokens`` (unless it is ``generation_only``: its KV
+    cache comes from a context server, nothing of it is prefilled here), and prompt + ``max_tokens``
+    must fit in ``max_seq_len``. The rules and messages are TensorRT-LLM's (``LLM._check_arguments``)."""
+    if not config.enable_chunked_prefill and not generation_only and prompt_tokens > config.max_num_tokens:
         return (
             f"The sum of prompt length ({prompt_tokens}) and query length (0) should not exceed "
             f"max_num_tokens ({config.max_num_tokens})"

@@ -166,6 +166,28 @@ async def test_context_replica_answers_the_first_token_and_the_generation_replic
             assert status == 200 and reply["usage"]["completion_tokens"] == 3
 
 
+async def test_a_generation_replica_decodes_a_prompt_longer_than_its_iteration_without_chunking(
+    http: aiohttp.ClientSession,
+) -> None:
+    """TensorRT-LLM refuses a prompt longer than ``max_num_tokens`` without chunked prefill, but not a
+    ``generation_only`` one (``LLM._check_arguments`` skips gen-only requests): its KV cache comes from the
+    context server. A generation replica refusing it threw away the context step (every such prompt of a
+    P/D run with max_num_tokens 2048 became an error). Prefilling the same prompt there is still refused."""
+    body = _body(_prompt("longer-than-an-iteration", 300), 8)
+    chunked = {"enable_chunked_prefill": True, "max_num_tokens": 128}
+    async with (
+        running_simulator(role="context", time_scale=0.0, **chunked) as ctx,
+        running_simulator(role="generation", time_scale=0.0, max_num_tokens=128) as gen,
+    ):
+        assert not gen.replica.config.enable_chunked_prefill
+        ctx_reply = await _context(http, ctx, body)
+        status, reply = await post_json(http, f"{gen.url}/v1/completions", _generation_body(body, ctx_reply))
+        assert status == 200, reply
+        assert reply["usage"]["completion_tokens"] == 8
+        status, reply = await post_json(http, f"{gen.url}/v1/completions", body)
+        assert status == 400 and "should not exceed max_num_tokens (128)" in reply["error"]["message"]
+
+
 def test_every_role_holds_running_blocks_by_default_and_the_old_engine_stays_an_option() -> None:
     for role in ("aggregated", "context", "generation"):
         limits = engine_limits(SimulatorConfig(role=role))
