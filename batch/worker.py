@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import uuid
 from collections.abc import Callable, Sequence
@@ -197,6 +198,9 @@ class BatchWorker:
             task = asyncio.create_task(self._call(job, call), name=f"call-{job.job_id}-{call.line}")
             self._tasks.add(task)
             task.add_done_callback(self._tasks.discard)
+            # A done callback, not a ``finally`` in ``_call``: a task cancelled before it first runs
+            # never enters its body, and its slot would stay counted for ever.
+            task.add_done_callback(functools.partial(self._call_ended, job))
 
     async def _call(self, job: JobRun, call: LLMCall) -> None:
         try:
@@ -204,7 +208,8 @@ class BatchWorker:
         except Exception as exc:  # a bug must stop the job loudly, not hang it
             log.exception("job %s: call failed unexpectedly", job.job_id)
             job.stop(f"internal error: {exc!r}")
-        finally:
-            job.in_flight -= 1
-            self.pool.call_finished()
-            self._wake.set()
+
+    def _call_ended(self, job: JobRun, _: asyncio.Task[None]) -> None:
+        job.in_flight -= 1
+        self.pool.call_finished()
+        self._wake.set()
