@@ -76,7 +76,8 @@ class JobLease:
         started = time.monotonic()
         remaining = self._held_until - started
         try:
-            renewed = await asyncio.wait_for(self.refresh(), timeout=max(remaining, 0.0))
+            async with asyncio.timeout(max(remaining, 0.0)):
+                renewed = await self.refresh()
         except (RedisError, OSError, TimeoutError) as exc:
             if time.monotonic() < self._held_until:
                 return True

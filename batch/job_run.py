@@ -93,6 +93,7 @@ class JobRun:
         self._committing = 0
         """Records in shards being written (between the book and the manifest)."""
         self._dirty = False
+        self._closing = False
         self._rate_samples: deque[tuple[float, int]] = deque(maxlen=32)
         self._response_format = product_response_format() if settings.guided_json else None
 
@@ -184,6 +185,7 @@ class JobRun:
                     self.stop(stalled)
                 await asyncio.sleep(0.05)
         finally:
+            self._closing = True  # ends the checkpoint loop even if a library swallows its cancel
             reader.cancel()
             checkpoints.cancel()
             with contextlib.suppress(asyncio.CancelledError, Exception):
@@ -399,7 +401,7 @@ class JobRun:
 
     async def _checkpoints(self) -> None:
         interval = self.settings.checkpoint_interval_s
-        while True:
+        while not self._closing:
             await asyncio.sleep(interval)
             try:
                 await self.checkpoint()

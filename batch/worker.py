@@ -85,7 +85,8 @@ class BatchWorker:
                 # be held by another worker's lease, or new jobs may have been submitted).
                 self._job_finished.clear()
                 with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(self._job_finished.wait(), poll_s)
+                    async with asyncio.timeout(poll_s):
+                        await self._job_finished.wait()
             while self.active:
                 self._job_finished.clear()
                 await self._job_finished.wait()

@@ -271,7 +271,8 @@ class LlamaReplica:
             with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.killpg(process.pid, sig)
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(process.wait(), wait_s)
+                async with asyncio.timeout(wait_s):
+                    await process.wait()
                 return
 
     def _log_tail(self, lines: int = 20) -> str:

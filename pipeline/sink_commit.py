@@ -77,7 +77,8 @@ class SinkCommitter:
                 if not self._incoming:
                     self._wake.clear()
                     with contextlib.suppress(TimeoutError):
-                        await asyncio.wait_for(self._wake.wait(), timeout=self.idle_flush_s)
+                        async with asyncio.timeout(self.idle_flush_s):
+                            await self._wake.wait()
                 if self._incoming:
                     await self._write_batch()
                 idle = time.monotonic() - self._last_arrival >= self.idle_flush_s

@@ -50,7 +50,8 @@ class TimerQueue:
         self._wakeup.clear()
         sleep = min(longest_s, self._heap[0][0] - self._clock()) if self._heap else longest_s
         with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(self._wakeup.wait(), max(0.01, sleep))
+            async with asyncio.timeout(max(0.01, sleep)):
+                await self._wakeup.wait()
 
     def clear(self) -> None:
         self._heap.clear()

@@ -243,7 +243,8 @@ async def _await_answer(request: web.Request, replica: Replica, job: GenerationR
         return
     while not job.done.is_set():
         with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(job.done.wait(), poll)
+            async with asyncio.timeout(poll):
+                await job.done.wait()
         transport = request.transport
         if not job.done.is_set() and (transport is None or transport.is_closing()):
             replica.engine.abort(job)

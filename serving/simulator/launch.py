@@ -103,7 +103,8 @@ class SimulatorFleet:
                 process.terminate()
         for process in self.processes:
             try:
-                await asyncio.wait_for(process.wait(), 10)
+                async with asyncio.timeout(10):
+                    await process.wait()
             except TimeoutError:
                 process.kill()
                 await process.wait()

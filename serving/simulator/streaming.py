@@ -101,7 +101,8 @@ async def stream_tokens(
                 break
             if coalesce_s > 0:
                 with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(job.done.wait(), coalesce_s)
+                    async with asyncio.timeout(coalesce_s):
+                        await job.done.wait()
     except ConnectionError:  # the client went away: free its batch slot, nothing left to write to
         engine.abort(job)
     except asyncio.CancelledError:
