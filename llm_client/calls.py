@@ -72,9 +72,10 @@ class Calls:
                 finally:
                     self.in_flight -= 1
         except TimeoutError:
-            error = DeadlineExceeded(f"no answer within the {deadline:.3f} s deadline")
-            error.attempts = len(tried)
-            raise error from None
+            # Built by a function, not held in a local: a local of this frame would be reachable from
+            # the error's own traceback, a cycle that kept every caller's frame (the whole request)
+            # for the cyclic collector instead of freeing it at once.
+            raise _deadline_exceeded(deadline, len(tried)) from None
         except LLMError as exc:
             exc.attempts = len(tried)
             raise
@@ -138,3 +139,9 @@ class Calls:
         )
         refused.endpoint = error.endpoint
         return refused
+
+
+def _deadline_exceeded(deadline_s: float, attempts: int) -> DeadlineExceeded:
+    error = DeadlineExceeded(f"no answer within the {deadline_s:.3f} s deadline")
+    error.attempts = attempts
+    return error

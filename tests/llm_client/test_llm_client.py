@@ -5,7 +5,9 @@ ejection and re-admission, and answers that fail validation becoming error recor
 from __future__ import annotations
 
 import asyncio
+import gc
 import time
+import weakref
 
 import pytest
 from aiohttp import web
@@ -124,6 +126,34 @@ async def test_deadline_is_enforced_across_retries() -> None:
         with pytest.raises(DeadlineExceeded):
             await client.chat(MESSAGES, routing_key="s1", max_tokens=200, deadline_s=0.3)
         assert time.perf_counter() - started < 1.0
+
+
+class _CallerState:
+    """Something a caller holds in its frame while it waits for the model (a request, its candidates)."""
+
+
+async def test_a_call_cut_at_its_deadline_leaves_no_reference_cycle() -> None:
+    # A DeadlineExceeded reachable from its own traceback (it was once held in a local of the frame
+    # that raised it) keeps every caller's frame, and all they hold, until the cyclic collector runs:
+    # under a real-time service's load, most requests' objects, and collector pauses of 5-10 ms.
+    async def ask(client: LLMClient, state: _CallerState) -> bool:
+        try:
+            await client.chat(MESSAGES, routing_key="s1", max_tokens=200, deadline_s=0.2)
+        except DeadlineExceeded:
+            return True
+        return False
+
+    async with running_simulator(time_scale=1.0) as slow, LLMClient(config(slow.url)) as client:
+        gc.collect()
+        gc.disable()
+        try:
+            state = _CallerState()
+            held = weakref.ref(state)
+            assert await ask(client, state)
+            del state
+            assert held() is None, "the caller's frame is kept alive by a reference cycle"
+        finally:
+            gc.enable()
 
 
 async def test_bad_request_is_not_retried() -> None:
