@@ -95,7 +95,10 @@ class Calls:
         last_error: LLMError | None = None
         for number in range(1, self.config.retry.max_attempts + 1):
             if isinstance(last_error, InvalidAnswer) and number > 2:
-                raise last_error
+                try:
+                    raise last_error
+                finally:
+                    del last_error  # see below
             if number > 1:
                 wait_s = backoff_s(number - 2, self.config.retry, self._rng)
                 told_s = self._retry_after(last_error, tried)
@@ -118,9 +121,15 @@ class Calls:
             except LLMError as exc:
                 if not exc.retryable:
                     raise
-                last_error = exc
+                # Kept without its traceback, which runs through this frame: held in a local of the
+                # frame it names, the error would keep the frame, the route and the caller's frames
+                # alive in a reference cycle, for the cyclic collector (as the deadline's error did).
+                last_error = exc.with_traceback(None)
         assert last_error is not None
-        raise last_error
+        try:
+            raise last_error
+        finally:
+            del last_error  # raised from here, it names this frame again: not left in its locals
 
     def _retry_after(self, error: LLMError | None, tried: list[str]) -> float | None:
         """The wait ``error``'s server asked for, when the retry can only go back to a server already

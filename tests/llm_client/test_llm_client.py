@@ -15,7 +15,7 @@ from aiohttp import web
 from devstack.processes import free_port
 from llm_client import ClientConfig, LLMClient
 from llm_client.config import HealthSettings, RetrySettings, Timeouts
-from llm_client.errors import BadRequest, DeadlineExceeded, InvalidAnswer
+from llm_client.errors import BadRequest, DeadlineExceeded, InvalidAnswer, LLMError
 from pipeline.enrichment import Enricher, EnrichmentSettings, parse_understanding
 from prompt_assembly.processor import SessionProcessor
 from prompt_assembly.records import EnrichmentError, PromptRequest, ShopperInsight
@@ -151,6 +151,32 @@ async def test_a_call_cut_at_its_deadline_leaves_no_reference_cycle() -> None:
             held = weakref.ref(state)
             assert await ask(client, state)
             del state
+            assert held() is None, "the caller's frame is kept alive by a reference cycle"
+        finally:
+            gc.enable()
+
+
+async def test_a_call_that_fails_after_a_retry_leaves_no_reference_cycle() -> None:
+    async def ask(client: LLMClient, state: _CallerState) -> bool:
+        try:
+            await client.chat(MESSAGES, routing_key="s1", max_tokens=5, deadline_s=2)
+        except LLMError:
+            return True
+        return False
+
+    retry = RetrySettings(max_attempts=2, backoff_base_s=0.01)
+    async with (
+        running_simulator(time_scale=0.01, error_rate=1.0) as broken,
+        LLMClient(config(broken.url, retry=retry)) as client,
+    ):
+        gc.collect()
+        gc.disable()
+        try:
+            state = _CallerState()
+            held = weakref.ref(state)
+            assert await ask(client, state)
+            del state
+            assert client.retries >= 1
             assert held() is None, "the caller's frame is kept alive by a reference cycle"
         finally:
             gc.enable()
