@@ -104,6 +104,10 @@ class Flight:
         self._notify()
 
     def _task_done(self, task: asyncio.Task[None]) -> None:
+        # Not kept once done: a cancelled or failed task holds its exception, whose traceback holds the
+        # flight's frame, which holds this flight, so the task here would close a reference cycle and
+        # leave the whole call (its body, route and buffers) to the cyclic collector.
+        self.task = None
         if task.cancelled():
             self.end(answer=self.superseded or GatewayAnswer(499, "cancelled", "the call was stopped"))
         elif (exc := task.exception()) is not None:

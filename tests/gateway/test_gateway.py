@@ -8,6 +8,7 @@ serve`` as a process. Callers are plain aiohttp clients speaking OpenAI, as any 
 from __future__ import annotations
 
 import asyncio
+import gc
 import os
 import re
 import sys
@@ -25,6 +26,7 @@ from aiohttp import web
 from devstack.processes import free_port
 from gateway.app import CLIENT_KEY, create_app
 from gateway.config import GatewaySettings
+from gateway.flights import Flight
 from gateway.route import route_for
 from llm_client.answer_health import AnswerHealthSettings
 from llm_client.client import LLMClient
@@ -208,6 +210,28 @@ async def test_a_caller_that_goes_away_stops_the_replica(fleet: SimulatorFleet) 
             assert await _finished_tokens(probe, fleet.urls) == finished_before
         assert all(e.outstanding == 0 for e in gw.client.endpoints)
         assert gw.client.in_flight == 0
+
+
+async def test_a_call_whose_caller_went_away_leaves_no_reference_cycle(fleet: SimulatorFleet) -> None:
+    # A cancelled flight's task held its CancelledError, whose traceback held the flight's frame and so
+    # the flight, which held the task: every call a caller walked away from (its body, route and
+    # buffers) waited for the cyclic collector.
+    body = chat_body("a long answer nobody reads", max_tokens=600, ignore_eos=True, stream=True)
+    async with running_gateway(fleet.urls, "least_outstanding") as gw, aiohttp.ClientSession() as caller:
+        gc.collect()
+        gc.disable()
+        try:
+            async with caller.post(gw.url + "/v1/chat/completions", json=body) as r:
+                await r.content.readuntil(b"\n\n")
+                r.close()  # drop the connection mid-stream
+            async with asyncio.timeout(10):
+                while gw.client.in_flight:
+                    await asyncio.sleep(0.02)
+            await asyncio.sleep(0.1)  # the flight's task's done callbacks
+            left = [o for o in gc.get_objects() if isinstance(o, Flight)]
+            assert left == [], "a stopped flight is kept alive by a reference cycle"
+        finally:
+            gc.enable()
 
 
 async def test_the_policy_hears_of_the_first_token_while_the_answer_still_streams(
