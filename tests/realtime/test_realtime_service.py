@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import gc
 import json
 import time
 from collections.abc import AsyncIterator
@@ -21,6 +22,7 @@ from prompt_assembly.records import ShopperInsight, Usage
 from prompt_assembly.understanding import ShopperUnderstanding
 from realtime.client import MatchClient, MatchRejected, MatchUnavailable, SyncMatchClient
 from realtime.config import RealtimeSettings
+from realtime.models import MatchRequest
 from realtime.openapi import SPEC_PATH, openapi_spec
 from realtime.service import LoopLag, create_app, realtime_client_config
 from serving.simulator.testing import running_simulator
@@ -141,6 +143,32 @@ async def test_model_missing_the_deadline_gets_the_fallback_in_time(
                 "product_id": "KID-witch", "rank": 1, "score": body["ranked"][0]["score"],
                 "reason": "matches your interest in kids witch costumes", "source": "fallback",
             }  # fmt: skip
+
+
+async def test_a_request_whose_model_call_is_cut_leaves_nothing_for_the_collector(
+    isolated: Isolated, redis_client: Any
+) -> None:
+    # Under overload most model calls are cut at the deadline; each one left the whole request (its
+    # candidates, the fallback's rankings, the aiohttp call) in a reference cycle, and the service's
+    # collections took 5-10 ms (docs/realtime.md, "1 Dec 2026").
+    await _write_signals(isolated, redis_client)
+    async with running_simulator(time_scale=0.3) as slow, realtime_service(isolated, [slow.url]) as client:
+        request = {"shopper_id": "s1", "query": "", "candidates": CANDIDATES, "deadline_ms": 300}
+        await _post(client, request)  # warm: connections, the model-time window
+        await asyncio.sleep(0.2)  # past the start-up's loop lag, which admission counts
+        gc.collect()
+        gc.disable()
+        try:
+            for _ in range(10):  # a busy host's loop lag can refuse one (429) or skip the model
+                status, body, _ = await _post(client, request)
+                if status == 200 and body["llm_ms"] is not None:
+                    break
+                await asyncio.sleep(0.2)
+            assert status == 200 and body["degraded_reason"] == "deadline" and body["llm_ms"] is not None
+            left = [o for o in gc.get_objects() if isinstance(o, MatchRequest)]
+            assert left == [], "a cut request is kept alive by a reference cycle"
+        finally:
+            gc.enable()
 
 
 async def test_pool_down_answers_at_once_and_sheds_beyond_capacity(isolated: Isolated) -> None:
