@@ -40,21 +40,48 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 # TensorRT-LLM's default retention priority for reusable blocks.
 DEFAULT_PRIORITY = 35
 
 
+@dataclass(frozen=True, slots=True)
+class _StoredRun:
+    """A ``stored`` event as it came, serialised only when drained: the serialised form is a dict per
+    token (about 1,500 for one uncached shopper prompt), and most of a buffer's events are dropped
+    unread when nobody polls (every benchmark that runs no KV-event router), where building them was
+    a quarter of a replica's CPU."""
+
+    parent_hash: int | None
+    block_hashes: tuple[int, ...]
+    block_tokens: tuple[Sequence[int], ...]
+
+    def serialised(self) -> dict[str, Any]:
+        blocks = [
+            {
+                "type": "stored_block",
+                "block_hash": h,
+                "tokens": [{"type": "unique_token", "token_id": t, "token_extra_id": 0} for t in tokens],
+                "cache_level": 0,
+                "priority": DEFAULT_PRIORITY,
+            }
+            for h, tokens in zip(self.block_hashes, self.block_tokens, strict=True)
+        ]
+        return {"type": "stored", "parent_hash": self.parent_hash, "blocks": blocks}
+
+
 class KvEventBuffer:
-    """A bounded FIFO of serialised events with consecutive ids; the oldest drop first when full."""
+    """A bounded FIFO of events with consecutive ids; the oldest drop first when full. ``drain`` gives
+    them serialised."""
 
     def __init__(self, max_size: int, *, window_size: int, capacity_blocks: int) -> None:
         if max_size < 1:
             raise ValueError("max_size must be positive (0 disables events: do not build a buffer)")
         self.max_size = max_size
         self.window_size = window_size
-        self._events: deque[dict[str, Any]] = deque(maxlen=max_size)
+        self._events: deque[tuple[int, dict[str, Any] | _StoredRun]] = deque(maxlen=max_size)
         self._next_id = 0
         self.dropped = 0
         """Events lost because nobody drained the buffer in time (the consumer sees the id gap)."""
@@ -70,20 +97,13 @@ class KvEventBuffer:
     def stored(
         self, parent_hash: int | None, block_hashes: Sequence[int], block_tokens: Sequence[Sequence[int]]
     ) -> None:
-        """One run of new consecutive blocks; ``block_tokens[i]`` are block i's token ids."""
+        """One run of new consecutive blocks; ``block_tokens[i]`` are block i's token ids (kept until
+        drained: the caller does not change them afterwards)."""
         if not block_hashes:
             return
-        blocks = [
-            {
-                "type": "stored_block",
-                "block_hash": h,
-                "tokens": [{"type": "unique_token", "token_id": t, "token_extra_id": 0} for t in tokens],
-                "cache_level": 0,
-                "priority": DEFAULT_PRIORITY,
-            }
-            for h, tokens in zip(block_hashes, block_tokens, strict=True)
-        ]
-        self._append({"type": "stored", "parent_hash": parent_hash, "blocks": blocks})
+        if len(block_hashes) != len(block_tokens):
+            raise ValueError(f"{len(block_hashes)} block hashes for {len(block_tokens)} blocks of tokens")
+        self._append(_StoredRun(parent_hash, tuple(block_hashes), tuple(block_tokens)))
 
     def removed(self, block_hashes: Sequence[int]) -> None:
         if block_hashes:
@@ -93,13 +113,21 @@ class KvEventBuffer:
         self._append({"type": "cleared"})
 
     def drain(self) -> list[dict[str, Any]]:
-        """Every buffered event, oldest first; the buffer is empty afterwards (one poll, one copy)."""
-        events = list(self._events)
+        """Every buffered event, oldest first, serialised; the buffer is empty afterwards."""
+        window = self.window_size
+        events = [
+            {
+                "event_id": event_id,
+                "data": data.serialised() if isinstance(data, _StoredRun) else data,
+                "window_size": window,
+            }
+            for event_id, data in self._events
+        ]
         self._events.clear()
         return events
 
-    def _append(self, data: dict[str, Any]) -> None:
+    def _append(self, data: dict[str, Any] | _StoredRun) -> None:
         if len(self._events) == self.max_size:
             self.dropped += 1
-        self._events.append({"event_id": self._next_id, "data": data, "window_size": self.window_size})
+        self._events.append((self._next_id, data))
         self._next_id += 1
