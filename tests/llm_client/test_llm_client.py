@@ -8,6 +8,7 @@ import asyncio
 import gc
 import time
 import weakref
+from typing import Any
 
 import pytest
 from aiohttp import web
@@ -132,54 +133,45 @@ class _CallerState:
     """Something a caller holds in its frame while it waits for the model (a request, its candidates)."""
 
 
+async def _failed_call_frees_its_caller(client: LLMClient, error: type[LLMError], **call: Any) -> bool:
+    """Whether a caller's frame, and what it holds, is freed by reference counting alone once its call
+    failed with ``error``: the cyclic collector is off meanwhile."""
+
+    async def ask(state: _CallerState) -> None:
+        try:
+            await client.chat(MESSAGES, routing_key="s1", **call)
+        except error:
+            return
+        raise AssertionError(f"the call did not fail with {error.__name__}")
+
+    gc.collect()
+    gc.disable()
+    try:
+        state = _CallerState()
+        held = weakref.ref(state)
+        await ask(state)
+        del state
+        return held() is None
+    finally:
+        gc.enable()
+
+
 async def test_a_call_cut_at_its_deadline_leaves_no_reference_cycle() -> None:
     # A DeadlineExceeded reachable from its own traceback (it was once held in a local of the frame
     # that raised it) keeps every caller's frame, and all they hold, until the cyclic collector runs:
     # under a real-time service's load, most requests' objects, and collector pauses of 5-10 ms.
-    async def ask(client: LLMClient, state: _CallerState) -> bool:
-        try:
-            await client.chat(MESSAGES, routing_key="s1", max_tokens=200, deadline_s=0.2)
-        except DeadlineExceeded:
-            return True
-        return False
-
     async with running_simulator(time_scale=1.0) as slow, LLMClient(config(slow.url)) as client:
-        gc.collect()
-        gc.disable()
-        try:
-            state = _CallerState()
-            held = weakref.ref(state)
-            assert await ask(client, state)
-            del state
-            assert held() is None, "the caller's frame is kept alive by a reference cycle"
-        finally:
-            gc.enable()
+        assert await _failed_call_frees_its_caller(client, DeadlineExceeded, max_tokens=200, deadline_s=0.2)
 
 
 async def test_a_call_that_fails_after_a_retry_leaves_no_reference_cycle() -> None:
-    async def ask(client: LLMClient, state: _CallerState) -> bool:
-        try:
-            await client.chat(MESSAGES, routing_key="s1", max_tokens=5, deadline_s=2)
-        except LLMError:
-            return True
-        return False
-
     retry = RetrySettings(max_attempts=2, backoff_base_s=0.01)
     async with (
         running_simulator(time_scale=0.01, error_rate=1.0) as broken,
         LLMClient(config(broken.url, retry=retry)) as client,
     ):
-        gc.collect()
-        gc.disable()
-        try:
-            state = _CallerState()
-            held = weakref.ref(state)
-            assert await ask(client, state)
-            del state
-            assert client.retries >= 1
-            assert held() is None, "the caller's frame is kept alive by a reference cycle"
-        finally:
-            gc.enable()
+        assert await _failed_call_frees_its_caller(client, LLMError, max_tokens=5, deadline_s=2)
+        assert client.retries >= 1
 
 
 async def test_bad_request_is_not_retried() -> None:
