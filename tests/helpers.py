@@ -1,14 +1,15 @@
 """Test helpers: producing records, the offline oracle of what the pipeline must emit (and what must hold
-of it under latest wins, the default overload policy), and checking a Grafana dashboard against the
-metrics a real process serves."""
+of it under latest wins, the default overload policy), checking a Grafana dashboard against the
+metrics a real process serves, and running a step with the cyclic collector off."""
 
 from __future__ import annotations
 
+import gc
 import json
 import re
 import urllib.request
-from collections.abc import AsyncIterator, Iterable, Mapping
-from contextlib import asynccontextmanager
+from collections.abc import AsyncIterator, Iterable, Iterator, Mapping
+from contextlib import asynccontextmanager, contextmanager
 from pathlib import Path
 from typing import Any, cast
 
@@ -201,3 +202,15 @@ async def serving(app: web.Application) -> AsyncIterator[str]:
         yield f"http://127.0.0.1:{port}"
     finally:
         await runner.cleanup()
+
+
+@contextmanager
+def collector_off() -> Iterator[None]:
+    """The cyclic garbage collector off for the block (after one collection): what is still alive in it
+    was not freed by reference counting, so a reference cycle keeps it."""
+    gc.collect()
+    gc.disable()
+    try:
+        yield
+    finally:
+        gc.enable()

@@ -41,7 +41,7 @@ from prompt_assembly.prompt import build_messages
 from prompt_assembly.records import ShopperInsight, Superseded, request_id
 from serving.simulator.launch import REPO_ROOT, SimulatorFleet
 from serving.simulator.testing import running_simulator
-from tests.helpers import serving
+from tests.helpers import collector_off, serving
 from tests.llm_client.test_llm_client import a_prompt
 
 TIME_SCALE = "0.05"
@@ -218,9 +218,7 @@ async def test_a_call_whose_caller_went_away_leaves_no_reference_cycle(fleet: Si
     # buffers) waited for the cyclic collector.
     body = chat_body("a long answer nobody reads", max_tokens=600, ignore_eos=True, stream=True)
     async with running_gateway(fleet.urls, "least_outstanding") as gw, aiohttp.ClientSession() as caller:
-        gc.collect()
-        gc.disable()
-        try:
+        with collector_off():
             async with caller.post(gw.url + "/v1/chat/completions", json=body) as r:
                 await r.content.readuntil(b"\n\n")
                 r.close()  # drop the connection mid-stream
@@ -230,8 +228,6 @@ async def test_a_call_whose_caller_went_away_leaves_no_reference_cycle(fleet: Si
             await asyncio.sleep(0.1)  # the flight's task's done callbacks
             left = [o for o in gc.get_objects() if isinstance(o, Flight)]
             assert left == [], "a stopped flight is kept alive by a reference cycle"
-        finally:
-            gc.enable()
 
 
 async def test_the_policy_hears_of_the_first_token_while_the_answer_still_streams(

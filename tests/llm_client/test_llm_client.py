@@ -5,7 +5,6 @@ ejection and re-admission, and answers that fail validation becoming error recor
 from __future__ import annotations
 
 import asyncio
-import gc
 import time
 import weakref
 from typing import Any
@@ -21,6 +20,7 @@ from pipeline.enrichment import Enricher, EnrichmentSettings, parse_understandin
 from prompt_assembly.processor import SessionProcessor
 from prompt_assembly.records import EnrichmentError, PromptRequest, ShopperInsight
 from serving.simulator.testing import running_simulator
+from tests.helpers import collector_off
 from tests.prompt_assembly.test_sessions import event
 
 MESSAGES = [
@@ -144,16 +144,12 @@ async def _failed_call_frees_its_caller(client: LLMClient, error: type[LLMError]
             return
         raise AssertionError(f"the call did not fail with {error.__name__}")
 
-    gc.collect()
-    gc.disable()
-    try:
+    with collector_off():
         state = _CallerState()
         held = weakref.ref(state)
         await ask(state)
         del state
         return held() is None
-    finally:
-        gc.enable()
 
 
 async def test_a_call_cut_at_its_deadline_leaves_no_reference_cycle() -> None:

@@ -28,7 +28,7 @@ from realtime.service import LoopLag, create_app, realtime_client_config
 from serving.simulator.testing import running_simulator
 from sinks.redis import RedisSignalSink
 from tests.conftest import Isolated
-from tests.helpers import serving
+from tests.helpers import collector_off, serving
 from tests.realtime.service_kit import realtime_service
 
 CANDIDATES: list[dict[str, Any]] = [
@@ -156,9 +156,7 @@ async def test_a_request_whose_model_call_is_cut_leaves_nothing_for_the_collecto
         request = {"shopper_id": "s1", "query": "", "candidates": CANDIDATES, "deadline_ms": 300}
         await _post(client, request)  # warm: connections, the model-time window
         await asyncio.sleep(0.2)  # past the start-up's loop lag, which admission counts
-        gc.collect()
-        gc.disable()
-        try:
+        with collector_off():
             for _ in range(10):  # a busy host's loop lag can refuse one (429) or skip the model
                 status, body, _ = await _post(client, request)
                 if status == 200 and body["llm_ms"] is not None:
@@ -167,8 +165,6 @@ async def test_a_request_whose_model_call_is_cut_leaves_nothing_for_the_collecto
             assert status == 200 and body["degraded_reason"] == "deadline" and body["llm_ms"] is not None
             left = [o for o in gc.get_objects() if isinstance(o, MatchRequest)]
             assert left == [], "a cut request is kept alive by a reference cycle"
-        finally:
-            gc.enable()
 
 
 async def test_pool_down_answers_at_once_and_sheds_beyond_capacity(isolated: Isolated) -> None:
