@@ -95,10 +95,7 @@ class Calls:
         last_error: LLMError | None = None
         for number in range(1, self.config.retry.max_attempts + 1):
             if isinstance(last_error, InvalidAnswer) and number > 2:
-                try:
-                    raise last_error
-                finally:
-                    del last_error  # see below
+                break  # raised below
             if number > 1:
                 wait_s = backoff_s(number - 2, self.config.retry, self._rng)
                 told_s = self._retry_after(last_error, tried)
