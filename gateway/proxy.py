@@ -187,7 +187,9 @@ class OpenAIProxy:
                 status, kind = _error_status(exc)
                 flight.end(answer=GatewayAnswer(status, kind, str(exc), attempts=exc.attempts))
             else:
-                flight.end(error=exc)
+                # Kept without its traceback: that names this frame, which holds the flight, so the
+                # flight would hold itself in a reference cycle until the cyclic collector ran.
+                flight.end(error=exc.with_traceback(None))
             return
         flight.end(complete=True)
 

@@ -230,6 +230,35 @@ async def test_a_call_whose_caller_went_away_leaves_no_reference_cycle(fleet: Si
             assert left == [], "a stopped flight is kept alive by a reference cycle"
 
 
+async def test_an_answer_that_broke_off_mid_stream_leaves_no_reference_cycle() -> None:
+    # The flight kept the LLMError it broke off with, whose traceback held the flight's own frame and so
+    # the flight: every answer a replica cut off (its body, route and buffered chunks) waited for the
+    # cyclic collector.
+    body = chat_body("a long answer cut off", max_tokens=600, ignore_eos=True, stream=True)
+    async with (
+        SimulatorFleet(1, "--time-scale", TIME_SCALE) as sims,
+        running_gateway(sims.urls, "round_robin") as gw,
+        aiohttp.ClientSession() as caller,
+    ):
+        with collector_off():
+            async with caller.post(gw.url + "/v1/chat/completions", json=body) as r:
+                await r.content.readuntil(b"\n\n")
+                sims.kill(0)
+                with pytest.raises(aiohttp.ClientPayloadError):
+                    await r.content.read()
+            async with asyncio.timeout(10):
+                while gw.client.in_flight:
+                    await asyncio.sleep(0.02)
+            await asyncio.sleep(0.1)  # the flight's task's done callbacks
+            left = [o for o in gc.get_objects() if isinstance(o, Flight)]
+            assert left == [], "a flight that broke off is kept alive by a reference cycle"
+        async with caller.get(gw.url + "/metrics") as m:
+            assert (
+                metric(await m.text(), "gateway_broken_answers_total", replica=sims.urls[0].split("://")[1])
+                == 1
+            )
+
+
 async def test_the_policy_hears_of_the_first_token_while_the_answer_still_streams(
     fleet: SimulatorFleet,
 ) -> None:
