@@ -32,9 +32,30 @@ def count_tokens(text: str) -> int:
     return len(_PIECE.findall(text))
 
 
+class _PieceIds(dict[str, int]):
+    """Token string -> id, filled on first sight. A vocabulary of short pieces repeats endlessly, and
+    one C-level lookup per token is cheaper than encoding and hashing it again (``token_ids`` runs on
+    every prompt the router and the simulator see). Emptied past ``limit`` entries, so a stream of
+    unusual text cannot grow it without bound; the ids are a pure function of the piece either way."""
+
+    def __init__(self, limit: int) -> None:
+        super().__init__()
+        self.limit = limit
+
+    def __missing__(self, piece: str) -> int:
+        if len(self) >= self.limit:
+            self.clear()
+        value = self[piece] = xxhash.xxh32_intdigest(piece.encode())
+        return value
+
+
+_PIECE_IDS = _PieceIds(limit=1 << 18)
+
+
 def token_ids(text: str) -> list[int]:
-    """Stable 32-bit ids for the tokens of ``text`` (same string, same id, in every process)."""
-    return [xxhash.xxh32_intdigest(piece.encode()) for piece in _PIECE.findall(text)]
+    """Stable 32-bit ids for the tokens of ``text`` (same string, same id, in every process): the
+    xxh32 of each piece's UTF-8 bytes."""
+    return list(map(_PIECE_IDS.__getitem__, _PIECE.findall(text)))
 
 
 def chained_block_hashes(ids: Sequence[int], block_size: int) -> list[int]:

@@ -69,7 +69,6 @@ def plan_answer(
 ) -> Answer:
     """The answer to a prompt; same inputs, same answer."""
     seed = xxhash.xxh64_intdigest(prompt_text.encode())
-    rng = random.Random(seed)
     words = _candidate_words(last_user_text or prompt_text)
     kind = (response_format or {}).get("type", "text")
     if kind in ("json_schema", "json", "json_object"):
@@ -79,7 +78,8 @@ def plan_answer(
             pieces = tuple(tokenize(json.dumps(understanding, ensure_ascii=False)))
             if len(pieces) <= max_tokens:
                 return Answer("".join(pieces), pieces, len(pieces), "stop")
-        return _json_answer(schema, words, rng, max_tokens)
+        return _json_answer(schema, words, seed, max_tokens)
+    rng = random.Random(seed)
     natural = 40 + seed % 400
     target = max_tokens if ignore_eos else min(max(natural, min_tokens), max_tokens)
     finish: FinishReason = "length" if ignore_eos or max(natural, min_tokens) > max_tokens else "stop"
@@ -100,15 +100,15 @@ def _schema_of(response_format: Mapping[str, Any]) -> Mapping[str, Any] | None:
 
 
 def _json_answer(
-    schema: Mapping[str, Any] | None, words: Sequence[str], rng: random.Random, max_tokens: int
+    schema: Mapping[str, Any] | None, words: Sequence[str], seed: int, max_tokens: int
 ) -> Answer:
-    state = rng.getstate()
-    value = _SchemaFiller(schema, words, rng, minimal=False).fill()
+    # The minimal instance starts from the same random state as the full one: a generator seeded again
+    # (saving and restoring its 625-word state cost more than seeding).
+    value = _SchemaFiller(schema, words, random.Random(seed), minimal=False).fill()
     text = json.dumps(value, ensure_ascii=False)
     pieces = tokenize(text)
     if len(pieces) > max_tokens:
-        rng.setstate(state)
-        value = _SchemaFiller(schema, words, rng, minimal=True).fill()
+        value = _SchemaFiller(schema, words, random.Random(seed), minimal=True).fill()
         text = json.dumps(value, ensure_ascii=False)
         pieces = tokenize(text)
     return Answer(text, tuple(pieces), min(len(pieces), max_tokens), "stop")
@@ -120,7 +120,9 @@ def _candidate_words(text: str) -> list[str]:
     seen: set[str] = set()
     capitalised: list[str] = []
     others: list[str] = []
-    for word in _WORD.findall(text[-_WORD_WINDOW_CHARS:]):
+    # Each distinct word once, in order of first sight: a repeat would be skipped below anyway, and
+    # a log's tail repeats most of its words.
+    for word in dict.fromkeys(_WORD.findall(text, max(len(text) - _WORD_WINDOW_CHARS, 0))):
         word = word.strip("'-&")
         if len(word) < 3 or word in seen or word.lower() in _STOPWORDS:
             continue
