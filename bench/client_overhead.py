@@ -15,6 +15,11 @@ pair. Writes bench/results/client_overhead_cpu.json. To measure another commit's
 from a worktree of it (copy this file into its ``bench/`` when it is older than the mode:
 ``cp bench/client_overhead.py /tmp/old/bench/ && cd /tmp/old && python -m bench.client_overhead
 --cpu-rounds 6``).
+
+``--reconnect-rounds N`` prices a new connection: rounds of bare calls over kept-alive connections and
+over a new connection each call (``force_close``, what a call cut at its deadline leaves the next one),
+alternating (ABBA), CPU per call of this process and of the server process (``/proc``). Writes
+bench/results/client_reconnect_cpu.json.
 """
 
 from __future__ import annotations
@@ -200,9 +205,15 @@ def main() -> None:
     )
     parser.add_argument("--cpu-rounds", type=int, default=0, help="closed-loop CPU per call instead")
     parser.add_argument("--cpu-calls", type=int, default=3000, help="calls per path per CPU round")
+    parser.add_argument(
+        "--reconnect-rounds", type=int, default=0, help="CPU per call, kept-alive against new connections"
+    )
     args = parser.parse_args()
     if args.cpu_rounds:
         cpu_main(args.cpu_rounds, args.cpu_calls)
+        return
+    if args.reconnect_rounds:
+        reconnect_main(args.reconnect_rounds, args.cpu_calls)
         return
     port = free_port()
     proc = subprocess.Popen([sys.executable, "-c", SERVER, str(port)], start_new_session=True)
@@ -254,6 +265,104 @@ def cpu_main(rounds: int, calls: int) -> None:
                 "calls": calls,
                 "import_root": str(Path(llm_client_module.__file__).parent.parent),
                 "rounds": result,
+            },
+            indent=1,
+        )
+    )
+
+
+def _process_cpu_s(pid: int) -> float:
+    """User + system CPU seconds of process ``pid`` so far (``/proc/<pid>/stat``)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+async def reconnect_rounds(url: str, server_pid: int, rounds: int, calls: int) -> list[dict[str, float]]:
+    """Per round: CPU microseconds per bare call, client and server, kept-alive and new connections."""
+    body = {"model": "m", "messages": MESSAGES, "max_tokens": 1, "stream": False}
+
+    async def closed(fresh: bool, n: int, callers: int = 16) -> tuple[float, float]:
+        connector = aiohttp.TCPConnector(limit=0, force_close=fresh)
+        async with aiohttp.ClientSession(connector=connector) as session:
+            left = list(range(n))
+
+            async def caller() -> None:
+                while left:
+                    left.pop()
+                    async with session.post(url + "/v1/chat/completions", json=body) as r:
+                        json.loads(await r.read())
+
+            server_started, started = _process_cpu_s(server_pid), time.process_time()
+            await asyncio.gather(*(caller() for _ in range(callers)))
+            client_us = (time.process_time() - started) / n * 1e6
+            return client_us, (_process_cpu_s(server_pid) - server_started) / n * 1e6
+
+    await closed(False, calls // 10)
+    await closed(True, calls // 10)
+    out = []
+    for r in range(rounds):
+        order = (False, True) if r % 2 == 0 else (True, False)
+        measured = {fresh: await closed(fresh, calls) for fresh in order}
+        (kept_client, kept_server), (new_client, new_server) = measured[False], measured[True]
+        out.append(
+            {
+                "kept_alive_client_us": round(kept_client, 1),
+                "kept_alive_server_us": round(kept_server, 1),
+                "new_connection_client_us": round(new_client, 1),
+                "new_connection_server_us": round(new_server, 1),
+            }
+        )
+        print(
+            f"round {r + 1}: kept alive {kept_client:.0f} + {kept_server:.0f} us/call (client + server), "
+            f"new connection {new_client:.0f} + {new_server:.0f}",
+            flush=True,
+        )
+    return out
+
+
+def reconnect_main(rounds: int, calls: int) -> None:
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-c", SERVER, str(port)], start_new_session=True)
+    server = ManagedProcess("echo", proc.pid, port, "-")
+    load = os.getloadavg()[0]
+    try:
+        wait_for_port(server)
+        print(f"machine: {machine()}; closed loop, 16 callers, {calls} calls a round, load {load:.1f}")
+        result = asyncio.run(reconnect_rounds(f"http://127.0.0.1:{port}", proc.pid, rounds, calls))
+    finally:
+        stop(server)
+    rows = []
+    for side in ("client", "server"):
+        kept = sorted(r[f"kept_alive_{side}_us"] for r in result)
+        new = sorted(r[f"new_connection_{side}_us"] for r in result)
+        extra = sorted(r[f"new_connection_{side}_us"] - r[f"kept_alive_{side}_us"] for r in result)
+        rows.append(
+            [
+                side,
+                f"{kept[len(kept) // 2]:.0f} ({kept[0]:.0f}-{kept[-1]:.0f})",
+                f"{new[len(new) // 2]:.0f} ({new[0]:.0f}-{new[-1]:.0f})",
+                f"{extra[len(extra) // 2]:.0f} ({extra[0]:.0f}-{extra[-1]:.0f})",
+            ]
+        )
+    table = print_table(
+        [
+            "process: CPU us per call, median (range)",
+            "kept-alive connection",
+            "new connection each call",
+            "a new connection's cost",
+        ],
+        rows,
+    )
+    out = results_dir()
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "client_reconnect_cpu.json").write_text(
+        json.dumps(
+            {
+                "machine": machine(),
+                "load_average": [load, os.getloadavg()[0]],
+                "calls": calls,
+                "rounds": result,
+                "table": table,
             },
             indent=1,
         )
