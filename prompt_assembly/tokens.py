@@ -58,6 +58,17 @@ def token_ids(text: str) -> list[int]:
     return list(map(_PIECE_IDS.__getitem__, _PIECE.findall(text)))
 
 
+def pieces_from(text: str, start: int = 0) -> list[str]:
+    """The token strings of ``text`` from character ``start`` on, where ``start`` is where a token
+    begins (the end of the one before it): ``tokenize(text)`` from that token on."""
+    return _PIECE.findall(text, start)
+
+
+def piece_ids(pieces: Sequence[str]) -> list[int]:
+    """``token_ids`` of already split token strings."""
+    return list(map(_PIECE_IDS.__getitem__, pieces))
+
+
 def chained_block_hashes(ids: Sequence[int], block_size: int) -> list[int]:
     """Hash of each *full* block of ``block_size`` tokens, chained so that a block's hash names its
     whole prefix (as vLLM, SGLang and TensorRT-LLM's block reuse do): equal hashes at position i mean

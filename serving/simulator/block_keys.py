@@ -29,14 +29,18 @@ ENGINE_HASH_SEED = 0x5EED_7E27
 """Seed of the simulated engine's xxh3 block hash (any constant: it only has to differ from the router)."""
 
 
-def engine_block_hashes(ids: Sequence[int], block_size: int, cache_salt: str | None = None) -> list[int]:
+def engine_block_hashes(
+    ids: Sequence[int], block_size: int, cache_salt: str | None = None, *, known: Sequence[int] = ()
+) -> list[int]:
     """The engine's hash of each *full* block of ``ids``; equal hashes at position i mean equal prompts
-    (and equal salts) up to the end of block i. Prompts with different salts share no block."""
-    hashes: list[int] = []
-    parent = 0
+    (and equal salts) up to the end of block i. Prompts with different salts share no block.
+    ``known``: the hashes of the first blocks, already computed for a prompt with the same salt and the
+    same tokens up to their end; hashing goes on from there."""
+    hashes: list[int] = list(known)
+    parent = hashes[-1] if hashes else 0
     salt = cache_salt.encode() if cache_salt else b""
     salt = len(salt).to_bytes(4, "little") + salt if salt else b""
-    for start in range(0, len(ids) - block_size + 1, block_size):
+    for start in range(len(hashes) * block_size, len(ids) - block_size + 1, block_size):
         head = parent.to_bytes(8, "little") + (salt if start == 0 else b"")
         block = pack_token_ids(ids[start : start + block_size])
         parent = xxhash.xxh3_64_intdigest(head + block, ENGINE_HASH_SEED)

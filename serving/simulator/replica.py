@@ -20,10 +20,8 @@ from typing import Any
 
 from aiohttp import web
 
-from prompt_assembly.tokens import token_ids
 from serving.simulator.answers import Answer, plan_answer
 from serving.simulator.bad_answers import BAD_ANSWERS, BadAnswer
-from serving.simulator.block_keys import engine_block_hashes
 from serving.simulator.config import SimulatorConfig
 from serving.simulator.cost_model import CostModel, IterationCost, KvLink
 from serving.simulator.disagg import KV_CACHE_GONE, KvCacheGone, KvTransferFailed
@@ -33,6 +31,7 @@ from serving.simulator.kv_transfer import KvPuller, KvSender
 from serving.simulator.metrics import ReplicaMetrics
 from serving.simulator.perf_metrics import perf_record
 from serving.simulator.prefix_cache import BlockPrefixCache
+from serving.simulator.prompt_tokens import PromptTokenizer
 from serving.simulator.roofline import RooflineCost
 
 _log = logging.getLogger(__name__)
@@ -111,6 +110,7 @@ class Replica:
             else None
         )
         self.cache = BlockPrefixCache(config.cache_capacity_blocks, config.block_size, self.kv_events)
+        self.prompt_tokens = PromptTokenizer(config.block_size)
         self.knobs = EngineKnobs(time_scale=config.time_scale, slowdown=config.slowdown)
         self.engine = ContinuousBatchingEngine(
             self.cost,
@@ -173,8 +173,8 @@ class Replica:
         A request without ``max_tokens`` is answered within ``default_max_tokens`` (the synthetic answer
         needs a length) but books ``max_seq_len - prompt`` tokens of KV memory, as TensorRT-LLM deduces
         its ``max_tokens`` (``_deduce_max_tokens`` in ``tensorrt_llm/executor/base_worker.py``)."""
-        ids = token_ids(prompt_text)
-        hashes = engine_block_hashes(ids, self.config.block_size, cache_salt)
+        tokens = self.prompt_tokens.tokens(prompt_text, cache_salt)
+        ids, hashes = tokens.ids, tokens.block_hashes
         limit = max_tokens or self.config.default_max_tokens
         answer = plan_answer(
             prompt_text, last_user_text, limit, response_format, ignore_eos=ignore_eos, min_tokens=min_tokens
