@@ -58,10 +58,11 @@ def token_ids(text: str) -> list[int]:
     return list(map(_PIECE_IDS.__getitem__, _PIECE.findall(text)))
 
 
-def pieces_from(text: str, start: int = 0) -> list[str]:
-    """The token strings of ``text`` from character ``start`` on, where ``start`` is where a token
-    begins (the end of the one before it): ``tokenize(text)`` from that token on."""
-    return _PIECE.findall(text, start)
+def pieces_from(text: str, start: int = 0, end: int | None = None) -> list[str]:
+    """The token strings of ``text[start:end]``, where ``start`` is where a token begins (the end of the
+    one before it): ``tokenize(text)`` from that token on. Every character belongs to a token, so they
+    tile the span; the last may be cut short by ``end``, and every one that ends before it is whole."""
+    return _PIECE.findall(text, start) if end is None else _PIECE.findall(text, start, end)
 
 
 def piece_ids(pieces: Sequence[str]) -> list[int]:

@@ -16,10 +16,8 @@ chunks (salted with the request's cache salt), checked against the remembered te
 
 from __future__ import annotations
 
-from bisect import bisect_left
 from collections import OrderedDict
 from dataclasses import dataclass
-from itertools import accumulate
 
 import xxhash
 
@@ -78,11 +76,7 @@ class PromptTokenizer:
             ids = base.ids[:reused]
             cuts = list(base.cuts[:chunks])
             known = base.hashes[: reused // self.block_size]
-        pieces = pieces_from(text, offset)
-        ends = list(accumulate(map(len, pieces), initial=offset))  # ends[k]: where tail token k starts
-        for chunk in range(len(cuts), len(keys)):
-            before = bisect_left(ends, (chunk + 1) * CHUNK_CHARS, 1) - 1  # tail tokens ending before it
-            cuts.append((reused + before, ends[before]))
+        pieces = _pieces_and_cuts(text, offset, reused, cuts, len(keys))
         ids += piece_ids(pieces)
         hashes = engine_block_hashes(ids, self.block_size, cache_salt, known=known)
         self._remember(_Remembered(text, ids, tuple(cuts), hashes, keys))
@@ -124,6 +118,28 @@ class PromptTokenizer:
         for key in prompt.chunk_keys:
             if self._by_chunk.get(key) is prompt:
                 del self._by_chunk[key]
+
+
+def _pieces_and_cuts(
+    text: str, offset: int, reused: int, cuts: list[tuple[int, int]], chunks: int
+) -> list[str]:
+    """The token strings of ``text`` from ``offset`` (where a token starts) on, appending to ``cuts``
+    the cut of every whole chunk after the known ones. Split chunk by chunk: the tokens that reach the
+    chunk's end (the last may be cut short there) are split again with the next chunk, so what is kept
+    is the whole text's tokens, and each cut's count comes without a running sum over every token."""
+    pieces: list[str] = []
+    start = offset
+    for chunk in range(len(cuts), chunks):
+        end_of_chunk = (chunk + 1) * CHUNK_CHARS
+        window = pieces_from(text, start, end_of_chunk)  # tiles text[start:end_of_chunk]
+        end = end_of_chunk
+        while window and end >= end_of_chunk:
+            end -= len(window.pop())
+        pieces += window
+        start = end
+        cuts.append((reused + len(pieces), start))
+    pieces += pieces_from(text, start)
+    return pieces
 
 
 def _chunk_keys(text: str, cache_salt: str | None) -> tuple[int, ...]:
