@@ -70,15 +70,20 @@ def piece_ids(pieces: Sequence[str]) -> list[int]:
     return list(map(_PIECE_IDS.__getitem__, pieces))
 
 
-def chained_block_hashes(ids: Sequence[int], block_size: int) -> list[int]:
+def chained_block_hashes(
+    ids: Sequence[int], block_size: int, cache_salt: str | None = None, *, known: Sequence[int] = ()
+) -> list[int]:
     """Hash of each *full* block of ``block_size`` tokens, chained so that a block's hash names its
     whole prefix (as vLLM, SGLang and TensorRT-LLM's block reuse do): equal hashes at position i mean
     equal prompts up to the end of block i. These are the *router's* hashes; an engine has its own
     (the simulator's: ``serving.simulator.block_keys``), and a router following an engine's KV cache
-    events rebuilds these from the events' tokens with ``chain_block_hash``."""
-    hashes: list[int] = []
-    parent = 0
-    for start in range(0, len(ids) - block_size + 1, block_size):
+    events rebuilds these from the events' tokens with ``chain_block_hash``. ``cache_salt`` is not
+    hashed (a router's view of a block is its tokens; taken so that this is a
+    ``prefix_tokens.BlockHasher``); ``known``: the hashes of the first blocks, already computed for the
+    same tokens, to go on from."""
+    hashes: list[int] = list(known)
+    parent = hashes[-1] if hashes else ROOT_PARENT
+    for start in range(len(hashes) * block_size, len(ids) - block_size + 1, block_size):
         parent = chain_block_hash(parent, ids[start : start + block_size])
         hashes.append(parent)
     return hashes

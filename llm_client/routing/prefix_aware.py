@@ -68,7 +68,8 @@ from llm_client.kv_events import EngineBlockMap
 from llm_client.routing.base import NO_FEEDBACK, Feedback, RouteOutcome, RouteRequest
 from llm_client.routing.queued_prefills import QueuedPrefills
 from llm_client.routing.session_affinity import rendezvous_order
-from prompt_assembly.tokens import chained_block_hashes, token_ids
+from prompt_assembly.prefix_tokens import PromptTokenizer
+from prompt_assembly.tokens import chained_block_hashes
 
 log = logging.getLogger(__name__)
 
@@ -166,6 +167,10 @@ class PrefixAwareSettings(BaseModel):
     block_size: int = Field(
         32, ge=1, description="tokens per hashed block; must equal the engine's KV block size "
         "(tokens_per_block in TensorRT-LLM, --block-size in vLLM, the simulator's block_size)"
+    )  # fmt: skip
+    remembered_prompts: int = Field(
+        256, ge=1, description="recent prompts whose tokens and block hashes a request's prompt may "
+        "start from (prompt_assembly.prefix_tokens; about 50 KB each for a 4k-token prompt)"
     )  # fmt: skip
     prefill_weight: float = Field(
         1.0, ge=0, description="cost of one uncached prompt token, in the unit of load (prompt-token "
@@ -372,6 +377,12 @@ class PrefixAwarePolicy:
         """Replicas' KV capacity in tokens as their ``created`` events announced it (precise mode)."""
         self._traffic_share: dict[str, float] = {}
         """Each replica's recent share of the routed requests (EWMA over decisions; sums to about 1)."""
+        self._prompt_tokens = PromptTokenizer(
+            settings.block_size, chained_block_hashes, settings.remembered_prompts
+        )
+        """Each request's block hashes from the longest prefix of a recent prompt on: a shopper's prompts
+        extend one another, and tokenising a 3k-token prompt from scratch was this policy's largest cost
+        a request."""
         self.stats = PrefixAwareStats()
 
     @property
@@ -389,7 +400,7 @@ class PrefixAwarePolicy:
         """The prompt's chained block hashes, computed once per request (kept in ``request.memo``)."""
         hashes = request.memo.get(_HASHES)
         if hashes is None:
-            hashes = chained_block_hashes(token_ids(request.prompt_text), self.block_size)
+            hashes = self._prompt_tokens.tokens(request.prompt_text).block_hashes
             request.memo[_HASHES] = hashes
         return hashes  # type: ignore[return-value]
 

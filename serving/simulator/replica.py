@@ -20,8 +20,10 @@ from typing import Any
 
 from aiohttp import web
 
+from prompt_assembly.prefix_tokens import PromptTokenizer
 from serving.simulator.answers import Answer, plan_answer
 from serving.simulator.bad_answers import BAD_ANSWERS, BadAnswer
+from serving.simulator.block_keys import engine_block_hashes
 from serving.simulator.config import SimulatorConfig
 from serving.simulator.cost_model import CostModel, IterationCost, KvLink
 from serving.simulator.disagg import KV_CACHE_GONE, KvCacheGone, KvTransferFailed
@@ -31,7 +33,6 @@ from serving.simulator.kv_transfer import KvPuller, KvSender
 from serving.simulator.metrics import ReplicaMetrics
 from serving.simulator.perf_metrics import perf_record
 from serving.simulator.prefix_cache import BlockPrefixCache
-from serving.simulator.prompt_tokens import PromptTokenizer
 from serving.simulator.roofline import RooflineCost
 
 _log = logging.getLogger(__name__)
@@ -110,7 +111,7 @@ class Replica:
             else None
         )
         self.cache = BlockPrefixCache(config.cache_capacity_blocks, config.block_size, self.kv_events)
-        self.prompt_tokens = PromptTokenizer(config.block_size)
+        self.prompt_tokens = PromptTokenizer(config.block_size, engine_block_hashes)
         self.knobs = EngineKnobs(time_scale=config.time_scale, slowdown=config.slowdown)
         self.engine = ContinuousBatchingEngine(
             self.cost,

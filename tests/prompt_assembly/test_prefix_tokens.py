@@ -1,12 +1,19 @@
-"""The replica's prefix-reusing front end gives exactly the ids and block hashes of the whole prompt."""
+"""Tokenising from a remembered prefix gives exactly the ids and block hashes of the whole prompt, for the
+simulated engine's hashes and the router's."""
 
 from __future__ import annotations
 
 import random
 
-from prompt_assembly.tokens import token_ids
+import pytest
+
+from prompt_assembly.prefix_tokens import CHUNK_CHARS, BlockHasher, PromptTokenizer
+from prompt_assembly.tokens import chained_block_hashes, token_ids
 from serving.simulator.block_keys import engine_block_hashes
-from serving.simulator.prompt_tokens import CHUNK_CHARS, PromptTokenizer
+
+HASHERS = pytest.mark.parametrize(
+    "hasher", [engine_block_hashes, chained_block_hashes], ids=["engine", "router"]
+)
 
 # Runs of letters, digits, spaces and other whitespace, and characters of several UTF-8 widths: the
 # tokens whose extent depends on the next character are what a reused prefix must not cut wrongly.
@@ -18,14 +25,17 @@ def _text(rnd: random.Random, n: int) -> str:
     return "".join(rnd.choice(_PIECES) for _ in range(n))
 
 
-def _expected(text: str, block_size: int, salt: str | None) -> tuple[list[int], list[int]]:
+def _expected(
+    text: str, block_size: int, salt: str | None, hasher: BlockHasher = engine_block_hashes
+) -> tuple[list[int], list[int]]:
     ids = token_ids(text)
-    return ids, engine_block_hashes(ids, block_size, salt)
+    return ids, hasher(ids, block_size, salt)
 
 
-def test_every_prompt_gets_the_ids_and_hashes_of_its_whole_text() -> None:
+@HASHERS
+def test_every_prompt_gets_the_ids_and_hashes_of_its_whole_text(hasher: BlockHasher) -> None:
     rnd = random.Random(7)
-    tokenizer = PromptTokenizer(block_size=8, capacity=16)
+    tokenizer = PromptTokenizer(block_size=8, hash_blocks=hasher, capacity=16)
     sessions = [_text(rnd, 400) for _ in range(6)]
     reused = 0
     for _ in range(600):
@@ -47,13 +57,13 @@ def test_every_prompt_gets_the_ids_and_hashes_of_its_whole_text() -> None:
         sessions[i] = text
         salt = rnd.choice([None, None, "tenant-a"])
         got = tokenizer.tokens(text, salt)
-        assert (got.ids, got.block_hashes) == _expected(text, 8, salt)
+        assert (got.ids, got.block_hashes) == _expected(text, 8, salt, hasher)
         reused += got.reused_tokens
     assert reused > 0  # the prefixes were found, not only recomputed
 
 
 def test_a_prompt_extending_the_last_one_reuses_its_tokens() -> None:
-    tokenizer = PromptTokenizer(block_size=32)
+    tokenizer = PromptTokenizer(block_size=32, hash_blocks=engine_block_hashes)
     system = "You describe shoppers.\n" * 200
     first = tokenizer.tokens(system + "- viewed a pirate hat\n")
     second = tokenizer.tokens(system + "- viewed a pirate hat\n- added a parrot to cart\n")
@@ -65,7 +75,7 @@ def test_a_prompt_extending_the_last_one_reuses_its_tokens() -> None:
 
 
 def test_prompts_with_another_salt_share_nothing() -> None:
-    tokenizer = PromptTokenizer(block_size=32)
+    tokenizer = PromptTokenizer(block_size=32, hash_blocks=engine_block_hashes)
     text = "You describe shoppers.\n" * 200
     tokenizer.tokens(text, "tenant-a")
     other = tokenizer.tokens(text, "tenant-b")
@@ -74,7 +84,7 @@ def test_prompts_with_another_salt_share_nothing() -> None:
 
 
 def test_it_remembers_at_most_its_capacity() -> None:
-    tokenizer = PromptTokenizer(block_size=32, capacity=3)
+    tokenizer = PromptTokenizer(block_size=32, hash_blocks=engine_block_hashes, capacity=3)
     rnd = random.Random(3)
     for _ in range(10):
         tokenizer.tokens(_text(rnd, 600))

@@ -1,11 +1,13 @@
-"""A replica's tokenising and block hashing, reusing what it computed for an earlier prompt's prefix.
+"""Tokenising and block hashing a prompt from the longest prefix remembered from earlier prompts.
 
 A shopper's prompts extend one another (the system prompt, then the activity log with the newest events
 last), and every real-time prompt starts with the same system prompt. Tokenising and hashing a 3k-token
-prompt from scratch was most of a simulated replica's CPU per request, so each replica remembers its
-recent prompts and, for a new one, reuses the token ids and block hashes of the longest remembered text
-prefix, computing only the rest. The result is exactly ``token_ids`` and ``engine_block_hashes`` of the
-whole text (``tests/serving/test_simulator_prompt_tokens.py``); this only changes how long it takes.
+prompt from scratch was most of a simulated replica's CPU per request, and it is what the router's
+``prefix_aware`` policy does for every request too. So each of them keeps a ``PromptTokenizer`` that
+remembers its recent prompts and, for a new one, reuses the token ids and block hashes of the longest
+remembered text prefix, computing only the rest. The result is exactly ``token_ids`` and the block
+hasher's hashes of the whole text (``tests/prompt_assembly/test_prefix_tokens.py``); this only changes
+how long it takes.
 
 Why a token is safe to reuse: the tokenizer's pattern (``prompt_assembly.tokens``) matches left to right,
 and a match over ``text[s:e]`` is decided by the characters up to and including ``text[e]`` (the one
@@ -17,15 +19,26 @@ chunks (salted with the request's cache salt), checked against the remembered te
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 import xxhash
 
 from prompt_assembly.tokens import piece_ids, pieces_from
-from serving.simulator.block_keys import engine_block_hashes
 
 CHUNK_CHARS = 512
 """Prefix granularity: a remembered prompt is found by its text up to a multiple of this."""
+
+
+class BlockHasher(Protocol):
+    """The hash of each full block of ``ids`` (``known``: those of the first blocks, already computed
+    for the same salt and tokens): ``chained_block_hashes`` for a router, the engine's own in the
+    simulator (``serving.simulator.block_keys.engine_block_hashes``)."""
+
+    def __call__(
+        self, ids: Sequence[int], block_size: int, cache_salt: str | None = None, *, known: Sequence[int] = ()
+    ) -> list[int]: ...
 
 
 @dataclass(frozen=True)
@@ -52,13 +65,14 @@ class PromptTokens:
 
 
 class PromptTokenizer:
-    """``token_ids`` and ``engine_block_hashes`` of a prompt, from the longest remembered prefix on.
+    """``token_ids`` and ``hash_blocks`` of a prompt, from the longest remembered prefix on.
 
-    One per replica (not shared: each replica remembers what it saw); ``capacity`` prompts are kept,
+    One per replica or routing policy (each remembers what it saw); ``capacity`` prompts are kept,
     least recently used dropped first (a 4k-token prompt takes about 50 KB here, its text included)."""
 
-    def __init__(self, block_size: int, capacity: int = 256) -> None:
+    def __init__(self, block_size: int, hash_blocks: BlockHasher, capacity: int = 256) -> None:
         self.block_size = block_size
+        self.hash_blocks = hash_blocks
         self.capacity = capacity
         self._prompts: OrderedDict[int, _Remembered] = OrderedDict()  # by its last chunk key
         self._by_chunk: dict[int, _Remembered] = {}
@@ -78,7 +92,7 @@ class PromptTokenizer:
             known = base.hashes[: reused // self.block_size]
         pieces = _pieces_and_cuts(text, offset, reused, cuts, len(keys))
         ids += piece_ids(pieces)
-        hashes = engine_block_hashes(ids, self.block_size, cache_salt, known=known)
+        hashes = self.hash_blocks(ids, self.block_size, cache_salt, known=known)
         self._remember(_Remembered(text, ids, tuple(cuts), hashes, keys))
         return PromptTokens(ids, hashes, reused)
 
