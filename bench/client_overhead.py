@@ -26,12 +26,13 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import subprocess
 import sys
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterator
 from pathlib import Path
 
 import aiohttp
@@ -237,7 +238,9 @@ def main() -> None:
     )
 
 
-def cpu_main(rounds: int, calls: int) -> None:
+@contextlib.contextmanager
+def _instant_answer_server(calls: int) -> Iterator[tuple[str, int, float]]:
+    """The instant-answer server in its own process: its URL, its pid, the load average at its start."""
     port = free_port()
     proc = subprocess.Popen([sys.executable, "-c", SERVER, str(port)], start_new_session=True)
     server = ManagedProcess("echo", proc.pid, port, "-")
@@ -245,9 +248,14 @@ def cpu_main(rounds: int, calls: int) -> None:
     try:
         wait_for_port(server)
         print(f"machine: {machine()}; closed loop, 16 callers, {calls} calls a round, load {load:.1f}")
-        result = asyncio.run(cpu_rounds(f"http://127.0.0.1:{port}", rounds, calls))
+        yield f"http://127.0.0.1:{port}", proc.pid, load
     finally:
         stop(server)
+
+
+def cpu_main(rounds: int, calls: int) -> None:
+    with _instant_answer_server(calls) as (url, _, load):
+        result = asyncio.run(cpu_rounds(url, rounds, calls))
     extra = [r["client_us"] - r["bare_us"] for r in result]
     ordered = sorted(extra)
     print(
@@ -321,16 +329,8 @@ async def reconnect_rounds(url: str, server_pid: int, rounds: int, calls: int) -
 
 
 def reconnect_main(rounds: int, calls: int) -> None:
-    port = free_port()
-    proc = subprocess.Popen([sys.executable, "-c", SERVER, str(port)], start_new_session=True)
-    server = ManagedProcess("echo", proc.pid, port, "-")
-    load = os.getloadavg()[0]
-    try:
-        wait_for_port(server)
-        print(f"machine: {machine()}; closed loop, 16 callers, {calls} calls a round, load {load:.1f}")
-        result = asyncio.run(reconnect_rounds(f"http://127.0.0.1:{port}", proc.pid, rounds, calls))
-    finally:
-        stop(server)
+    with _instant_answer_server(calls) as (url, pid, load):
+        result = asyncio.run(reconnect_rounds(url, pid, rounds, calls))
     rows = []
     for side in ("client", "server"):
         kept = sorted(r[f"kept_alive_{side}_us"] for r in result)
