@@ -56,7 +56,8 @@ class _Remembered:
 
 @dataclass(frozen=True)
 class PromptTokens:
-    """A prompt's token ids and the engine's hashes of its full blocks."""
+    """A prompt's token ids and the block hasher's hashes of its full blocks. Both lists are also what
+    the tokenizer remembers the prompt by: read them, never change them."""
 
     ids: list[int]
     block_hashes: list[int]
