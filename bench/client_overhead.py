@@ -38,7 +38,7 @@ from pathlib import Path
 import aiohttp
 
 import llm_client as llm_client_module
-from bench.common import machine, percentile, print_table, results_dir
+from bench.common import machine, percentile, print_table, process_cpu_seconds, results_dir, write_results
 from devstack.processes import ManagedProcess, free_port, stop, wait_for_port
 from llm_client import ClientConfig, LLMClient
 
@@ -263,26 +263,15 @@ def cpu_main(rounds: int, calls: int) -> None:
         f"median {ordered[len(ordered) // 2]:.0f} us, "
         f"range {ordered[0]:.0f}-{ordered[-1]:.0f} us"
     )
-    out = results_dir()
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "client_overhead_cpu.json").write_text(
-        json.dumps(
-            {
-                "machine": machine(),
-                "load_average": [load, os.getloadavg()[0]],
-                "calls": calls,
-                "import_root": str(Path(llm_client_module.__file__).parent.parent),
-                "rounds": result,
-            },
-            indent=1,
-        )
+    write_results(
+        "client_overhead_cpu.json",
+        {
+            "load_average": [load, os.getloadavg()[0]],
+            "calls": calls,
+            "import_root": str(Path(llm_client_module.__file__).parent.parent),
+            "rounds": result,
+        },
     )
-
-
-def _process_cpu_s(pid: int) -> float:
-    """User + system CPU seconds of process ``pid`` so far (``/proc/<pid>/stat``)."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 async def reconnect_rounds(url: str, server_pid: int, rounds: int, calls: int) -> list[dict[str, float]]:
@@ -300,10 +289,10 @@ async def reconnect_rounds(url: str, server_pid: int, rounds: int, calls: int) -
                     async with session.post(url + "/v1/chat/completions", json=body) as r:
                         json.loads(await r.read())
 
-            server_started, started = _process_cpu_s(server_pid), time.process_time()
+            server_started, started = process_cpu_seconds(server_pid), time.process_time()
             await asyncio.gather(*(caller() for _ in range(callers)))
             client_us = (time.process_time() - started) / n * 1e6
-            return client_us, (_process_cpu_s(server_pid) - server_started) / n * 1e6
+            return client_us, (process_cpu_seconds(server_pid) - server_started) / n * 1e6
 
     await closed(False, calls // 10)
     await closed(True, calls // 10)
@@ -353,19 +342,9 @@ def reconnect_main(rounds: int, calls: int) -> None:
         ],
         rows,
     )
-    out = results_dir()
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "client_reconnect_cpu.json").write_text(
-        json.dumps(
-            {
-                "machine": machine(),
-                "load_average": [load, os.getloadavg()[0]],
-                "calls": calls,
-                "rounds": result,
-                "table": table,
-            },
-            indent=1,
-        )
+    write_results(
+        "client_reconnect_cpu.json",
+        {"load_average": [load, os.getloadavg()[0]], "calls": calls, "rounds": result, "table": table},
     )
 
 

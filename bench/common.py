@@ -128,6 +128,12 @@ def machine_busy_seconds() -> float:
     return (user + nice + system + irq + softirq + steal) / os.sysconf("SC_CLK_TCK")
 
 
+def process_cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds of process ``pid`` so far, every thread (``/proc``; Linux only)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def process_group_cpu_seconds(pgid: int) -> float:
     """User + system CPU of every live process in process group ``pgid``, with what their exited,
     waited-for children used (``/proc``; Linux only): a Flink TaskManager's JVM and Python workers."""

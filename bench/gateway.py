@@ -27,13 +27,12 @@ import sys
 import time
 from collections.abc import Awaitable, Callable, Coroutine
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import aiohttp
 import orjson
 
-from bench.common import machine, percentile, print_table, results_dir
+from bench.common import machine, percentile, print_table, process_cpu_seconds, results_dir
 from llm_client import ClientConfig, LLMClient
 from prompt_assembly.prompt import build_messages
 from serving.simulator.launch import REPO_ROOT, SimulatorFleet
@@ -79,12 +78,6 @@ async def start_gateway(urls: list[str], policy: str) -> tuple[asyncio.subproces
                 raise RuntimeError(f"gateway exited with {await process.wait()} before READY")
             if line.startswith("READY "):
                 return process, line.split()[1]
-
-
-def cpu_seconds(pid: int) -> float:
-    """User + system CPU time of a process so far."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 async def open_loop(call: Call, rate: float, seconds: float, into: Samples) -> None:
@@ -212,9 +205,9 @@ async def _fixed_rate_policy(
 
             await open_loop(interleaved, args.rate, 2.0, Samples())  # warm: connections, imports, caches
             paths.offset = args.shoppers
-            cpu_before = cpu_seconds(gateway.pid)
+            cpu_before = process_cpu_seconds(gateway.pid)
             await _paced(record, args.rate, args.seconds)
-            gateway_cpu_s = cpu_seconds(gateway.pid) - cpu_before
+            gateway_cpu_s = process_cpu_seconds(gateway.pid) - cpu_before
     finally:
         gateway.terminate()
         await gateway.wait()
@@ -267,11 +260,11 @@ async def ceiling(args: argparse.Namespace) -> list[list[object]]:
                     gateway, paths.gateway_url = await start_gateway(fleet.urls, policy)
                     try:
                         await closed_loop(paths.via_gateway, args.concurrency, 1.0)  # warm
-                        cpu_before = cpu_seconds(gateway.pid)
+                        cpu_before = process_cpu_seconds(gateway.pid)
                         done, elapsed, s = await closed_loop(
                             paths.via_gateway, args.concurrency, args.seconds / 4
                         )
-                        cpu_us = (cpu_seconds(gateway.pid) - cpu_before) * 1e6 / max(1, done)
+                        cpu_us = (process_cpu_seconds(gateway.pid) - cpu_before) * 1e6 / max(1, done)
                         rows.append(_ceiling_row(policy, "gateway", done, elapsed, s, cpu_us))
                     finally:
                         gateway.terminate()

@@ -60,7 +60,15 @@ import aiohttp
 import orjson
 
 from batch.signals import ProductSignalWriter
-from bench.common import REPO, machine, percentile, print_table, results_dir, temporary_stack
+from bench.common import (
+    REPO,
+    machine,
+    percentile,
+    print_table,
+    process_cpu_seconds,
+    results_dir,
+    temporary_stack,
+)
 from devstack.stack import StackState, sink_settings
 from devstack.synthetic import build_catalog
 from prompt_assembly.records import ShopperInsight, Usage
@@ -78,19 +86,10 @@ INTERESTS = [
 ]
 
 
-_TICKS = os.sysconf("SC_CLK_TCK")
-
-
-def _cpu_s(pid: int) -> float:
-    """User + system CPU seconds of a process (Linux /proc)."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / _TICKS
-
-
 def _cpu_per_request(pids: dict[str, list[int]], before: dict[str, float], requests: int) -> dict[str, float]:
     """Milliseconds of CPU per request of each group of processes since ``before``."""
     return {
-        name: round(1000 * (sum(_cpu_s(p) for p in group) - before[name]) / max(requests, 1), 2)
+        name: round(1000 * (sum(process_cpu_seconds(p) for p in group) - before[name]) / max(requests, 1), 2)
         for name, group in pids.items()
     }
 
@@ -411,7 +410,7 @@ async def bench(args: argparse.Namespace) -> dict[str, Any]:
             }
             for i, (name, rate, seconds) in enumerate(phases):
                 print(f"{name}: {rate:.0f} req/s for {seconds:.0f} s", flush=True)
-                before = {k: sum(_cpu_s(p) for p in group) for k, group in pids.items()}
+                before = {k: sum(process_cpu_seconds(p) for p in group) for k, group in pids.items()}
                 counted = await _service_counters(url)
                 redis_errors = await _signal_errors(url)
                 samples = await open_loop(

@@ -55,7 +55,7 @@ _PIECE_IDS = _PieceIds(limit=1 << 18)
 def token_ids(text: str) -> list[int]:
     """Stable 32-bit ids for the tokens of ``text`` (same string, same id, in every process): the
     xxh32 of each piece's UTF-8 bytes."""
-    return list(map(_PIECE_IDS.__getitem__, _PIECE.findall(text)))
+    return piece_ids(_PIECE.findall(text))
 
 
 def pieces_from(text: str, start: int = 0, end: int | None = None) -> list[str]:
