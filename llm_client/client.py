@@ -42,6 +42,7 @@ from llm_client.answer_probes import AnswerProber, ProbeRequest
 from llm_client.answers import AnswerValidator
 from llm_client.calls import Calls
 from llm_client.config import ClientConfig
+from llm_client.cut_calls import CutCalls
 from llm_client.degradation import DegradationDetector
 from llm_client.endpoints import Endpoint
 from llm_client.errors import ConnectionFailed, InvalidAnswer, LLMError
@@ -136,6 +137,11 @@ class LLMClient:
     def retries(self) -> int:
         return self._calls.retries
 
+    @property
+    def cut_calls(self) -> CutCalls:
+        """Attempts read on after their caller left (``timeouts.cut_grace_s``), and what became of them."""
+        return self._exchange.cut_calls
+
     # ---- lifecycle -----------------------------------------------------------------------------
     async def __aenter__(self) -> LLMClient:
         await self.start()
@@ -178,6 +184,7 @@ class LLMClient:
                 await poller.stop()
         self.kv_events = self.context_kv_events = None
         await self._health.stop()
+        await self._exchange.cut_calls.close()
         if self._session is not None:
             await self._session.close()
             self._session = None

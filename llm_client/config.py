@@ -23,6 +23,13 @@ class Timeouts(BaseModel):
     connect_s: float = Field(1.0, gt=0, description="TCP connect to a replica")
     attempt_s: float = Field(30.0, gt=0, description="one attempt, first byte to last")
     deadline_s: float = Field(60.0, gt=0, description="whole request, retries included (default)")
+    cut_grace_s: float = Field(
+        0.0,
+        ge=0,
+        description="an attempt whose caller stopped waiting (its deadline) reads on in the background "
+        "for up to this long, so that its connection is kept instead of closed (llm_client.cut_calls); "
+        "0: closed at once, which tells the replica to stop (the stream engines' latest wins needs that)",
+    )
 
 
 class RetrySettings(BaseModel):

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import replace
 from typing import Any
 
@@ -21,6 +21,7 @@ import orjson
 from llm_client.answer_probes import AnswerProber, ProbeRequest
 from llm_client.answers import AnswerValidator, parse_body, read_body, read_stream, validated
 from llm_client.config import ClientConfig
+from llm_client.cut_calls import CutCalls
 from llm_client.endpoints import Endpoint
 from llm_client.errors import InvalidAnswer, LLMError
 from llm_client.fleet import Fleet
@@ -34,9 +35,16 @@ from llm_client.transport import SessionSource, header_value, mapped_transport_e
 
 class Exchange:
     def __init__(
-        self, config: ClientConfig, fleet: Fleet, session: SessionSource, prober: AnswerProber
+        self,
+        config: ClientConfig,
+        fleet: Fleet,
+        session: SessionSource,
+        prober: AnswerProber,
+        cut_calls: CutCalls | None = None,
     ) -> None:
         self.config = config
+        self.cut_calls = cut_calls or CutCalls(config.timeouts.cut_grace_s)
+        """Where an attempt its caller stopped waiting for reads on (``llm_client.cut_calls``)."""
         self.fleet = fleet
         self._session = session
         self.prober = prober
@@ -74,24 +82,11 @@ class Exchange:
         started = time.perf_counter()
         sent = {**(headers or {}), "x-session-id": header_value(route.key)}
         sent["Content-Type"] = "application/json"
-        limits = self.config.answer_limits
         try:
             with mapped_transport_errors(endpoint.name, self.config.timeouts.attempt_s):
-                # bytes straight from orjson: ``json=`` would decode them to str and aiohttp encode them
-                async with session.post(
-                    endpoint.url + path, data=orjson.dumps(body), headers=sent, timeout=self._timeout
-                ) as response:
-                    if response.status >= 400:
-                        await raise_for_status(response, endpoint)
-                    served_by = response.headers.get(SERVED_BY_HEADER)
-                    if (behind := fleet_size(response.headers)) is not None:
-                        endpoint.replicas_behind = behind
-                    if body.get("stream"):
-                        completion = await read_stream(response, limits, endpoint.name, started, prefill_done)
-                    else:
-                        completion = parse_body(
-                            await read_body(response, limits, endpoint.name), endpoint.name, started
-                        )
+                completion, served_by = await self.cut_calls.run(
+                    self._exchanged(session, endpoint, path, body, sent, started, prefill_done)
+                )
             if served_by is not None:  # through a gateway: the replica behind it that answered
                 completion = replace(completion, endpoint=served_by)
             if validate is not None:
@@ -130,3 +125,33 @@ class Exchange:
         )
         self.prober.answered_well(endpoint, ProbeRequest(path, body, validate))
         return completion
+
+    async def _exchanged(
+        self,
+        session: aiohttp.ClientSession,
+        endpoint: Endpoint,
+        path: str,
+        body: dict[str, Any],
+        headers: dict[str, str],
+        started: float,
+        prefill_done: Callable[[], None],
+    ) -> tuple[Completion, str | None]:
+        """The HTTP exchange: the answer and, through a gateway, the replica that served it. Read to
+        its end, so its connection goes back to the pool (``cut_calls`` may finish it after a cut)."""
+        limits = self.config.answer_limits
+        # bytes straight from orjson: ``json=`` would decode them to str and aiohttp encode them
+        async with session.post(
+            endpoint.url + path, data=orjson.dumps(body), headers=headers, timeout=self._timeout
+        ) as response:
+            if response.status >= 400:
+                await raise_for_status(response, endpoint)
+            served_by = response.headers.get(SERVED_BY_HEADER)
+            if (behind := fleet_size(response.headers)) is not None:
+                endpoint.replicas_behind = behind
+            if body.get("stream"):
+                completion = await read_stream(response, limits, endpoint.name, started, prefill_done)
+            else:
+                completion = parse_body(
+                    await read_body(response, limits, endpoint.name), endpoint.name, started
+                )
+        return completion, served_by

@@ -15,6 +15,8 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily
 from prometheus_client.registry import Collector
 
+from llm_client.cut_calls import CutCalls
+
 LATENCY_BUCKETS = (0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.15, 0.2, 0.25, 0.3, 0.4, 0.5, 1.0, 2.5)
 """Seconds; dense around the default 300 ms deadline."""
 
@@ -26,6 +28,26 @@ class _ProcessCpu(Collector):
         yield CounterMetricFamily(
             PROCESS_CPU, "CPU time of this process (user + system, all threads)", value=time.process_time()
         )
+
+
+class _CutCalls(Collector):
+    """``realtime_llm_cut_calls_total{outcome}``: model calls cut at their deadline that read on within
+    the client's grace (``llm_client.cut_calls``): ``kept`` (answered within it, connection kept),
+    ``closed`` (not, connection closed), ``failed``; read at scrape time from the client's counters."""
+
+    def __init__(self, cut_calls: CutCalls) -> None:
+        self.cut_calls = cut_calls
+
+    def collect(self) -> Iterator[CounterMetricFamily]:
+        family = CounterMetricFamily(
+            "realtime_llm_cut_calls",
+            "model calls cut at their deadline and read on within the grace, by how they ended",
+            labels=["outcome"],
+        )
+        c = self.cut_calls
+        for outcome, value in (("kept", c.kept), ("closed", c.closed), ("failed", c.failed)):
+            family.add_metric([outcome], value)
+        yield family
 
 
 class RealtimeMetrics:
@@ -59,3 +81,7 @@ class RealtimeMetrics:
             "realtime_signal_errors", "Redis reads that failed or timed out", registry=r
         )
         r.register(_ProcessCpu())
+
+    def watch_cut_calls(self, cut_calls: CutCalls) -> None:
+        """Export ``cut_calls``' counters (the service's model client)."""
+        self.registry.register(_CutCalls(cut_calls))

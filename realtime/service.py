@@ -56,6 +56,7 @@ def create_app(
     client = llm or LLMClient(llm_config or realtime_client_config(["http://127.0.0.1:8000"], "default"))
     store = redis or sinks.redis_client()
     app[SERVICE_KEY] = MatchService(settings, client, store, sinks.redis_key_prefix, metrics, LoadMeter())
+    metrics.watch_cut_calls(client.cut_calls)
 
     async def start(app: web.Application) -> None:
         app[SERVICE_KEY].lag.start()

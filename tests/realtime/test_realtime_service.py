@@ -145,6 +145,37 @@ async def test_model_missing_the_deadline_gets_the_fallback_in_time(
             }  # fmt: skip
 
 
+async def test_a_model_call_cut_at_its_deadline_is_read_to_its_end_and_its_connection_kept(
+    isolated: Isolated, redis_client: Any
+) -> None:
+    # The answer goes out at the deadline (the fallback); the model call reads on within the latency
+    # pool's grace (llm_pool.CUT_GRACE_S), so the replica finishes it (it would compute a call this
+    # short to its end anyway) and its connection serves the next call instead of being closed.
+    await _write_signals(isolated, redis_client)
+    async with running_simulator(time_scale=0.15) as sim, realtime_service(isolated, [sim.url]) as client:
+        request = {"shopper_id": "s1", "query": "", "candidates": CANDIDATES, "deadline_ms": 3000}
+        status, body, _ = await _post(client, request)  # the model's time for this call, uncut
+        assert status == 200 and body["degraded"] is False, body
+        model_ms = body["llm_ms"]
+        request["deadline_ms"] = max(40, int(model_ms * 0.75))  # cut shortly before its end
+        await asyncio.sleep(0.2)  # past the start-up's loop lag, which admission counts
+        for _ in range(10):  # a busy host's loop lag can refuse one (429) or skip the model
+            status, body, _ = await _post(client, request)
+            if status == 200 and body["llm_ms"] is not None:
+                break
+            await asyncio.sleep(0.2)
+        assert status == 200 and body["degraded_reason"] == "deadline" and body["llm_ms"] is not None, body
+        kept = 'realtime_llm_cut_calls_total{outcome="kept"} 1.0'
+        for _ in range(50):
+            metrics = await (await client.get("/metrics")).text()
+            if kept in metrics:
+                break
+            await asyncio.sleep(0.05)
+        assert kept in metrics, [line for line in metrics.splitlines() if "cut_calls" in line]
+        replica = await (await client.session.get(f"{sim.url}/metrics")).text()
+        assert 'reason="aborted"' not in replica, "the replica saw the call's client go away"
+
+
 async def test_a_request_whose_model_call_is_cut_leaves_nothing_for_the_collector(
     isolated: Isolated, redis_client: Any
 ) -> None:

@@ -1,0 +1,162 @@
+"""A call cut at its deadline, with and without a grace (``llm_client.cut_calls``), against a simulated
+replica over real HTTP. What is checked is what the replica and the kernel see: whether the replica
+finished the request or aborted it (its ``/metrics``), and which TCP connections the client holds to it
+(``/proc/net/tcp``): within the grace the cut call's connection is kept and the next call reuses it;
+without one, or past it, the connection is closed and the replica aborts the request."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import weakref
+from collections.abc import Callable
+from pathlib import Path
+
+import aiohttp
+import pytest
+
+from llm_client import ClientConfig, LLMClient
+from llm_client.config import HealthSettings, Timeouts
+from llm_client.errors import DeadlineExceeded
+from serving.simulator.testing import running_simulator
+from tests.helpers import collector_off
+
+MESSAGES = [
+    {"role": "system", "content": "You describe shoppers. " * 40},
+    {"role": "user", "content": "viewed hats"},
+]
+FAST = 0.1
+"""Simulator time scale at which a 200-token answer takes about 0.5 s on this machine."""
+SLOW = 1.0
+"""... and about 5 s."""
+
+
+def config(url: str, grace_s: float, *, stream: bool = False) -> ClientConfig:
+    return ClientConfig(
+        endpoints=[url],
+        stream=stream,
+        timeouts=Timeouts(connect_s=1, attempt_s=30, deadline_s=30, cut_grace_s=grace_s),
+        health=HealthSettings(interval_s=0.05),
+    )
+
+
+def client_ports(server_url: str) -> set[int]:
+    """Local ports of the established TCP connections to the server's port (IPv4 loopback)."""
+    server_port = int(server_url.rsplit(":", 1)[1])
+    ports: set[int] = set()
+    for line in Path("/proc/net/tcp").read_text().splitlines()[1:]:
+        fields = line.split()
+        local, remote, state = fields[1], fields[2], fields[3]
+        if state == "01" and int(remote.split(":")[1], 16) == server_port:
+            ports.add(int(local.split(":")[1], 16))
+    return ports
+
+
+async def aborted(server_url: str) -> float:
+    """The replica's count of requests it aborted because their client went away."""
+    async with aiohttp.ClientSession() as session, session.get(f"{server_url}/metrics") as response:
+        text = await response.text()
+    for line in text.splitlines():
+        if line.startswith("sim_request_errors_total") and 'reason="aborted"' in line:
+            return float(line.split()[-1])
+    return 0.0
+
+
+async def until(condition: Callable[[], bool], within_s: float) -> bool:
+    deadline = time.monotonic() + within_s
+    while time.monotonic() < deadline:
+        if condition():
+            return True
+        await asyncio.sleep(0.02)
+    return condition()
+
+
+async def cut(client: LLMClient, deadline_s: float = 0.15) -> None:
+    with pytest.raises(DeadlineExceeded):
+        await client.chat(MESSAGES, routing_key="s1", max_tokens=200, deadline_s=deadline_s)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_a_call_answered_within_the_grace_keeps_its_connection_for_the_next_call(stream: bool) -> None:
+    async with (
+        running_simulator(time_scale=FAST) as sim,
+        LLMClient(config(sim.url, grace_s=5.0, stream=stream)) as client,
+    ):
+        started = time.perf_counter()
+        await cut(client)
+        assert time.perf_counter() - started < 0.4, "the caller waited past its deadline"
+        assert client.cut_calls.reading == 1
+        assert await until(lambda: client.cut_calls.kept == 1, 5.0), vars(client.cut_calls)
+        kept = client_ports(sim.url)
+        assert len(kept) == 1, kept
+        assert await aborted(sim.url) == 0, "the replica saw the client go away"
+        await client.chat(MESSAGES, routing_key="s1", max_tokens=5)
+        assert client_ports(sim.url) == kept, "the next call opened a new connection"
+        assert (client.cut_calls.closed, client.cut_calls.failed, client.cut_calls.reading) == (0, 0, 0)
+
+
+async def test_without_a_grace_a_cut_call_closes_its_connection_and_the_replica_aborts_it() -> None:
+    async with running_simulator(time_scale=FAST) as sim, LLMClient(config(sim.url, grace_s=0.0)) as client:
+        await client.chat(MESSAGES, routing_key="s1", max_tokens=5)
+        first = client_ports(sim.url)
+        assert len(first) == 1
+        await cut(client)
+        assert await until(lambda: not client_ports(sim.url), 1.0), "the cut call's connection stayed open"
+        await client.chat(MESSAGES, routing_key="s1", max_tokens=5)
+        assert client_ports(sim.url).isdisjoint(first), "a closed connection was used again"
+        assert await aborted(sim.url) == 1
+        assert (client.cut_calls.kept, client.cut_calls.closed, client.cut_calls.reading) == (0, 0, 0)
+
+
+async def test_an_answer_slower_than_the_grace_is_cut_again_and_the_replica_aborts_it() -> None:
+    async with running_simulator(time_scale=SLOW) as sim, LLMClient(config(sim.url, grace_s=0.2)) as client:
+        await cut(client, deadline_s=0.3)
+        assert client.cut_calls.reading == 1
+        assert await until(lambda: client.cut_calls.closed == 1, 2.0), vars(client.cut_calls)
+        assert not client_ports(sim.url), "a connection outlived its grace"
+        # trtllm-serve, and the simulator, notice a gone client at their next poll (1 s at this scale)
+        assert await _aborted_within(sim.url, 3.0)
+        assert client.cut_calls.kept == 0
+
+
+async def _aborted_within(url: str, within_s: float) -> bool:
+    deadline = time.monotonic() + within_s
+    while time.monotonic() < deadline:
+        if await aborted(url) == 1:
+            return True
+        await asyncio.sleep(0.1)
+    return False
+
+
+async def test_closing_the_client_closes_the_calls_still_reading() -> None:
+    async with running_simulator(time_scale=SLOW) as sim:
+        client = LLMClient(config(sim.url, grace_s=30.0))
+        await client.start()
+        await cut(client, deadline_s=0.3)
+        assert client.cut_calls.reading == 1
+        await client.close()
+        assert (client.cut_calls.reading, client.cut_calls.closed) == (0, 1)
+        assert await until(lambda: not client_ports(sim.url), 1.0)
+        assert await _aborted_within(sim.url, 3.0)
+
+
+class _CallerState:
+    """Something a caller holds while it waits (a real-time request and its candidates)."""
+
+
+async def test_a_call_cut_within_a_grace_frees_its_caller_at_once() -> None:
+    # The exchange reading on must not hold the caller's frame: the caller's state is freed by
+    # reference counting as soon as it has its error, while the exchange is still reading.
+    async with running_simulator(time_scale=FAST) as sim, LLMClient(config(sim.url, grace_s=5.0)) as client:
+
+        async def ask(state: _CallerState) -> None:
+            await cut(client)
+
+        with collector_off():
+            state = _CallerState()
+            held = weakref.ref(state)
+            await ask(state)
+            del state
+            assert client.cut_calls.reading == 1
+            assert held() is None
+        assert await until(lambda: client.cut_calls.kept == 1, 5.0)
