@@ -51,7 +51,7 @@ import sys
 import time
 import urllib.request
 from collections import Counter
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -109,16 +109,26 @@ async def _service_counters(url: str) -> tuple[float, float] | None:
     return None if cpu is None else (cpu, handled)
 
 
-async def _signal_errors(url: str) -> float:
-    """The service's Redis reads that failed or timed out so far (each timed-out read also closes its
-    connection: the next read opens a new one)."""
+CONNECTION_COUNTERS = {
+    "signal_errors": "realtime_signal_errors_total",
+    "cut_kept": 'realtime_llm_cut_calls_total{outcome="kept"}',
+    "cut_closed": 'realtime_llm_cut_calls_total{outcome="closed"}',
+    "cut_closed_at_once": 'realtime_llm_cut_calls_total{outcome="closed_at_once"}',
+}
+"""What costs or saves a connection, from the service's ``/metrics``: a Redis read that failed or timed
+out (its connection closes; the next read opens a new one), and a model call cut at its deadline that
+was read to its end within the grace (connection kept) or closed (the next call opens a new one)."""
+
+
+async def _connection_counters(url: str) -> dict[str, float]:
     async with aiohttp.ClientSession() as session, session.get(url + "/metrics") as r:
         text = await r.text()
-    return sum(
-        float(line.rpartition(" ")[2])
-        for line in text.splitlines()
-        if line.startswith("realtime_signal_errors_total")
-    )
+    found: dict[str, float] = {}  # a counter the service does not export (an older one's) stays absent
+    for line in text.splitlines():
+        for key, prefix in CONNECTION_COUNTERS.items():
+            if line.startswith(prefix):
+                found[key] = found.get(key, 0.0) + float(line.rpartition(" ")[2])
+    return found
 
 
 def _service_cpu_ms(before: tuple[float, float] | None, after: tuple[float, float] | None) -> float | None:
@@ -382,11 +392,32 @@ async def _calibrate(
     return slowdown
 
 
+@contextlib.contextmanager
+def _replica_stack(args: argparse.Namespace) -> Iterator[StackState]:
+    """The throwaway stack, its replicas noticing a gone client every ``--replica-poll-s`` of wall time.
+
+    The time scale makes the simulated replicas answer a ranking call in about 150 ms (a model that
+    fast), but trtllm-serve's disconnect poll is a wall-clock second whatever the model's speed
+    (``docs/simulator.md``); scaled with the rest, it came every 30 ms here, so a call cut at its
+    deadline was abandoned about five times sooner than a real replica would."""
+    poll = str(args.replica_poll_s / args.time_scale) if args.time_scale > 0 else "0"
+    saved = os.environ.get("SIM_DISCONNECT_POLL_S")
+    os.environ["SIM_DISCONNECT_POLL_S"] = poll  # the replicas' processes read SIM_* as they start
+    try:
+        with temporary_stack(replicas=args.replicas, time_scale=args.time_scale) as stack:
+            yield stack
+    finally:
+        if saved is None:
+            os.environ.pop("SIM_DISCONNECT_POLL_S", None)
+        else:
+            os.environ["SIM_DISCONNECT_POLL_S"] = saved
+
+
 async def bench(args: argparse.Namespace) -> dict[str, Any]:
     prefix = f"bench-rt-{int(time.time())}:"
     load_before = os.getloadavg()
     results = []
-    with temporary_stack(replicas=args.replicas, time_scale=args.time_scale) as stack:
+    with _replica_stack(args) as stack:
         stack_dir = Path(stack.processes[0].log).parent.parent
         products = await _write_signals(stack, prefix, args.shoppers)
         service, url = await _start_service(
@@ -412,7 +443,7 @@ async def bench(args: argparse.Namespace) -> dict[str, Any]:
                 print(f"{name}: {rate:.0f} req/s for {seconds:.0f} s", flush=True)
                 before = {k: sum(process_cpu_seconds(p) for p in group) for k, group in pids.items()}
                 counted = await _service_counters(url)
-                redis_errors = await _signal_errors(url)
+                connections = await _connection_counters(url)
                 samples = await open_loop(
                     url, rate, seconds, args.deadline_ms, products, args.shoppers, seed=i + 1,
                     request_start=args.request_start,
@@ -420,7 +451,10 @@ async def bench(args: argparse.Namespace) -> dict[str, Any]:
                 summary = summarise(name, rate, samples)
                 summary["cpu_ms_per_request"] = _cpu_per_request(pids, before, len(samples))
                 summary["service_cpu_ms_per_request"] = _service_cpu_ms(counted, await _service_counters(url))
-                summary["signal_errors"] = round(await _signal_errors(url) - redis_errors)
+                # After the phase's cut calls have had their grace (the service's is 0.25 s).
+                await asyncio.sleep(1)
+                for key, value in (await _connection_counters(url)).items():
+                    summary[key] = round(value - connections.get(key, 0.0))
                 results.append(summary)
                 await asyncio.sleep(2)
         finally:
@@ -441,6 +475,7 @@ async def bench(args: argparse.Namespace) -> dict[str, Any]:
         "load_average_after": [round(x, 2) for x in os.getloadavg()],
         "replicas": args.replicas,
         "time_scale": args.time_scale,
+        "replica_poll_s": args.replica_poll_s,
         "slowdown": round(slowdown, 3),
         "llm_concurrency_per_replica": args.per_replica,
         "deadline_ms": args.deadline_ms,
@@ -594,7 +629,7 @@ async def equal_work(args: argparse.Namespace) -> dict[str, Any]:
     load_before = os.getloadavg()
     rounds: list[dict[str, Any]] = []
     profiles: dict[str, dict[str, float]] = {}
-    with temporary_stack(replicas=args.replicas, time_scale=args.time_scale) as stack:
+    with _replica_stack(args) as stack:
         stack_dir = Path(stack.processes[0].log).parent.parent
         products = await _write_signals(stack, prefix, args.shoppers)
         services: dict[str, tuple[Any, str]] = {}
@@ -671,6 +706,7 @@ async def equal_work(args: argparse.Namespace) -> dict[str, Any]:
         "load_average_after": [round(x, 2) for x in os.getloadavg()],
         "replicas": args.replicas,
         "time_scale": args.time_scale,
+        "replica_poll_s": args.replica_poll_s,
         "concurrency": args.concurrency,
         "round_requests": args.round_requests,
         "arms": summary,
@@ -740,7 +776,11 @@ def report(result: dict[str, Any]) -> None:
             f"{p.get('late_other', 0)}"
         )
         print(f"    CPU ms per request (/proc): {p['cpu_ms_per_request']}")
-        print(f"    Redis signal reads failed or timed out: {p.get('signal_errors')}")
+        print(
+            f"    Redis signal reads failed or timed out: {p.get('signal_errors')}; model calls cut at "
+            f"their deadline, read to the end within the grace {p.get('cut_kept')}, closed "
+            f"{p.get('cut_closed')}, closed at once {p.get('cut_closed_at_once')}"
+        )
 
 
 def main() -> None:
@@ -753,6 +793,13 @@ def main() -> None:
     parser.add_argument("--replicas", type=int, default=3)
     parser.add_argument("--per-replica", type=int, default=24, help="calls admitted per replica")
     parser.add_argument("--time-scale", type=float, default=0.03)
+    parser.add_argument(
+        "--replica-poll-s",
+        type=float,
+        default=1.0,
+        help="wall seconds between the replicas' disconnect polls (trtllm-serve's: 1; before 2 Dec 2026 "
+        "the bench scaled it with the time scale, 0.03)",
+    )
     parser.add_argument("--llm-ms", type=float, default=150.0)
     parser.add_argument("--deadline-ms", type=int, default=300)
     parser.add_argument("--shoppers", type=int, default=500)

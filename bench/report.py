@@ -662,6 +662,42 @@ def realtime_pairs(paths: Sequence[Path]) -> str:
     return "\n".join(lines)
 
 
+def realtime_runs(paths: Sequence[Path]) -> str:
+    """Several ``python -m bench.realtime`` runs in the order they ran, each named by its results file
+    (less the part every name shares): per phase, late answers, refusals, overhead, the CPU per
+    request of the service and of the replicas, and the model calls cut at their deadline that were
+    read to their end within the grace (connection kept), closed at its end, or closed at once (recent
+    cut calls had not finished within it)."""
+    stems = [p.stem for p in paths]
+    common = len(_common_prefix(stems))
+    lines = [
+        "| run | phase | refused (429) | late answers | overhead p50 / p99 ms | CPU ms/req: service / "
+        "replicas | cut calls kept / closed / closed at once |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for stem, path in zip(stems, paths, strict=True):
+        for phase in json.loads(path.read_text())["phases"]:
+            label = f"{phase['offered_rps']:.0f} req/s" + (" (2×)" if "2x" in phase["phase"] else "")
+            refused = str(phase["refused"]) if phase["refused"] else "-"
+            cpu = phase["cpu_ms_per_request"]
+            lines.append(
+                f"| {stem[common:] or stem} | {label} | {refused} | {phase['late']:,} | "
+                f"{_ms(phase['overhead_p50_ms'])} / {_ms(phase['overhead_p99_ms'])} | "
+                f"{cpu['service']:.2f} / {cpu['replicas']:.2f} | "
+                f"{phase.get('cut_kept', '-')} / {phase.get('cut_closed', '-')} / "
+                f"{phase.get('cut_closed_at_once', '-')} |"
+            )
+    return "\n".join(lines)
+
+
+def _common_prefix(names: Sequence[str]) -> str:
+    first, last = min(names), max(names)
+    size = 0
+    while size < min(len(first), len(last)) and first[size] == last[size]:
+        size += 1
+    return first[:size]
+
+
 def realtime_cpu(paths: Sequence[Path]) -> str:
     """``python -m bench.realtime --arm ...``: each service's CPU per request at equal work, and its
     ratio to the first service's in the same round (the only comparison the load average leaves)."""
@@ -839,6 +875,7 @@ RENDERERS: dict[str, Callable[[Sequence[Path]], str]] = {
     "regions_lost": regions_lost,
     "batch_runs": batch_runs,
     "realtime_pairs": realtime_pairs,
+    "realtime_runs": realtime_runs,
     "realtime_cpu": realtime_cpu,
     "realtime_profile": realtime_profile,
     "capacity_splits": capacity_splits,

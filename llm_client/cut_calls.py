@@ -11,6 +11,12 @@ at its deadline is computed to its end anyway. With a grace, the caller still ge
 grace, its connection is kept. Past the grace the task is cancelled and the connection closed, as
 without one.
 
+Reading on pays only while cut calls finish within the grace. On an overloaded fleet they do not (a
+cut call has seconds of queue ahead of it): each then holds its connection through the grace and is
+closed anyway, and the replica hears of the cut a grace later. So a cut call reads on only while at
+least half of the last ``RECENT`` that did finished within it; otherwise it is closed at once, except
+every ``PROBE_EVERY``-th, which reads on to find out whether the fleet has caught up.
+
 A grace of 0 (the default of ``ClientConfig``) closes at once: the stream engines cancel a superseded
 prompt to free the replica's slot for the shopper's newer one, and must keep doing so.
 """
@@ -19,10 +25,16 @@ from __future__ import annotations
 
 import asyncio
 import functools
+from collections import deque
 from collections.abc import Coroutine
 from typing import Any, TypeVar
 
 T = TypeVar("T")
+
+RECENT = 32
+"""Cut calls that read on whose outcome decides whether the next one does."""
+PROBE_EVERY = 8
+"""While reading on does not pay, one cut call in this many reads on all the same."""
 
 
 class CutCalls:
@@ -30,14 +42,19 @@ class CutCalls:
 
     Counters for ``/metrics``: ``kept`` (read to the end after the cut: the connection stays open),
     ``closed`` (cut again at the end of the grace, or the client closed: the connection was closed),
-    ``failed`` (ended with an error after the cut: nothing learned, the caller had left)."""
+    ``failed`` (ended with an error after the cut: nothing learned, the caller had left),
+    ``closed_at_once`` (not read on: recent cut calls did not finish within the grace)."""
 
     def __init__(self, grace_s: float) -> None:
         self.grace_s = grace_s
         self._reading: set[asyncio.Task[Any]] = set()
+        self._recent: deque[bool] = deque(maxlen=RECENT)
+        """Whether each of the last cut calls that read on finished within the grace."""
+        self._skipped = 0
         self.kept = 0
         self.closed = 0
         self.failed = 0
+        self.closed_at_once = 0
 
     @property
     def reading(self) -> int:
@@ -56,10 +73,22 @@ class CutCalls:
             self._read_on(task)
             raise
 
+    @property
+    def paying(self) -> bool:
+        """Whether at least half of the recent cut calls that read on finished within the grace."""
+        return 2 * sum(self._recent) >= len(self._recent)
+
     def _read_on(self, task: asyncio.Task[Any]) -> None:
         if task.done():
             self._ended(None, task)
             return
+        if not self.paying:
+            self._skipped += 1
+            if self._skipped % PROBE_EVERY:
+                task.cancel()  # closes its connection when it next runs, as without a grace
+                task.add_done_callback(_retrieved)
+                self.closed_at_once += 1
+                return
         self._reading.add(task)
         cut = asyncio.get_running_loop().call_later(self.grace_s, task.cancel)
         task.add_done_callback(functools.partial(self._ended, cut))
@@ -70,10 +99,12 @@ class CutCalls:
         self._reading.discard(task)
         if task.cancelled():
             self.closed += 1
+            self._recent.append(False)
         elif task.exception() is not None:  # retrieved, so asyncio does not log it as lost
             self.failed += 1
         else:
             self.kept += 1
+            self._recent.append(True)
 
     async def close(self) -> None:
         """Cancel every exchange still reading (their connections close) and wait for them."""
@@ -82,3 +113,8 @@ class CutCalls:
             task.cancel()
         if reading:
             await asyncio.gather(*reading, return_exceptions=True)
+
+
+def _retrieved(task: asyncio.Task[Any]) -> None:
+    if not task.cancelled():
+        task.exception()  # an error that raced the cancel: retrieved, so asyncio does not log it as lost

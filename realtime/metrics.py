@@ -33,7 +33,8 @@ class _ProcessCpu(Collector):
 class _CutCalls(Collector):
     """``realtime_llm_cut_calls_total{outcome}``: model calls cut at their deadline that read on within
     the client's grace (``llm_client.cut_calls``): ``kept`` (answered within it, connection kept),
-    ``closed`` (not, connection closed), ``failed``; read at scrape time from the client's counters."""
+    ``closed`` (not, connection closed), ``failed``, and those closed at once (``closed_at_once``: recent
+    cut calls had not finished within it); read at scrape time from the client's counters."""
 
     def __init__(self, cut_calls: CutCalls) -> None:
         self.cut_calls = cut_calls
@@ -45,7 +46,13 @@ class _CutCalls(Collector):
             labels=["outcome"],
         )
         c = self.cut_calls
-        for outcome, value in (("kept", c.kept), ("closed", c.closed), ("failed", c.failed)):
+        counts = (
+            ("kept", c.kept),
+            ("closed", c.closed),
+            ("failed", c.failed),
+            ("closed_at_once", c.closed_at_once),
+        )
+        for outcome, value in counts:
             family.add_metric([outcome], value)
         yield family
 

@@ -17,6 +17,7 @@ import pytest
 
 from llm_client import ClientConfig, LLMClient
 from llm_client.config import HealthSettings, Timeouts
+from llm_client.cut_calls import PROBE_EVERY
 from llm_client.errors import DeadlineExceeded
 from serving.simulator.testing import running_simulator
 from tests.helpers import collector_off
@@ -138,6 +139,20 @@ async def test_closing_the_client_closes_the_calls_still_reading() -> None:
         assert (client.cut_calls.reading, client.cut_calls.closed) == (0, 1)
         assert await until(lambda: not client_ports(sim.url), 1.0)
         assert await _aborted_within(sim.url, 3.0)
+
+
+async def test_while_cut_calls_outlive_the_grace_later_ones_close_at_once_but_for_a_probe() -> None:
+    async with running_simulator(time_scale=SLOW) as sim, LLMClient(config(sim.url, grace_s=0.05)) as client:
+        cuts = client.cut_calls
+        await cut(client, deadline_s=0.1)
+        assert await until(lambda: cuts.closed == 1, 2.0), vars(cuts)
+        assert not cuts.paying
+        for _ in range(PROBE_EVERY):
+            await cut(client, deadline_s=0.1)
+        assert cuts.closed_at_once == PROBE_EVERY - 1, vars(cuts)
+        assert await until(lambda: cuts.closed == 2, 2.0), "the probe did not read on"
+        assert cuts.kept == 0 and not cuts.paying
+        assert await until(lambda: not client_ports(sim.url), 1.0), "a cut call's connection stayed open"
 
 
 class _CallerState:
