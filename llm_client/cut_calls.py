@@ -15,7 +15,8 @@ Reading on pays only while cut calls finish within the grace. On an overloaded f
 cut call has seconds of queue ahead of it): each then holds its connection through the grace and is
 closed anyway, and the replica hears of the cut a grace later. So a cut call reads on only while at
 least half of the last ``RECENT`` that did finished within it; otherwise it is closed at once, except
-every ``PROBE_EVERY``-th, which reads on to find out whether the fleet has caught up.
+every ``PROBE_EVERY``-th and any that comes ``PROBE_INTERVAL_S`` after the last that read on, which read
+on to find out whether the fleet has caught up.
 
 A grace of 0 (the default of ``ClientConfig``) closes at once: the stream engines cancel a superseded
 prompt to free the replica's slot for the shopper's newer one, and must keep doing so.
@@ -25,6 +26,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import time
 from collections import deque
 from collections.abc import Coroutine
 from typing import Any, TypeVar
@@ -34,7 +36,10 @@ T = TypeVar("T")
 RECENT = 32
 """Cut calls that read on whose outcome decides whether the next one does."""
 PROBE_EVERY = 8
-"""While reading on does not pay, one cut call in this many reads on all the same."""
+"""While reading on does not pay, one cut call in this many reads on all the same ..."""
+PROBE_INTERVAL_S = 1.0
+"""... and so does one that comes this long after the last that read on: where few calls are cut (the
+fleet has caught up), the verdict of an overload past is soon found out."""
 
 
 class CutCalls:
@@ -51,6 +56,7 @@ class CutCalls:
         self._recent: deque[bool] = deque(maxlen=RECENT)
         """Whether each of the last cut calls that read on finished within the grace."""
         self._skipped = 0
+        self._last_read_on = float("-inf")
         self.kept = 0
         self.closed = 0
         self.failed = 0
@@ -61,17 +67,28 @@ class CutCalls:
         """Exchanges cut by their caller and still reading."""
         return len(self._reading)
 
-    async def run(self, exchange: Coroutine[Any, Any, T]) -> T:
-        """``exchange``'s result. Without a grace it runs in the caller's task, so a cancel closes its
-        connection at once; with one, in a task of its own that a cancel of the caller leaves reading."""
-        if self.grace_s <= 0:
+    async def run(self, exchange: Coroutine[Any, Any, T], *, read_on: bool = True) -> T:
+        """``exchange``'s result. Without a grace (or with ``read_on`` false: a P/D context step, whose
+        server would otherwise hold the prompt's KV blocks for a generation step that never comes) it
+        runs in the caller's task, so a cancel closes its connection at once; with one, in a task of its
+        own that a cancel of the caller leaves reading."""
+        if self.grace_s <= 0 or not read_on:
             return await exchange
         task = asyncio.ensure_future(exchange)
         try:
-            return await asyncio.shield(task)
+            # wait, not shield: shield's outer future would hold an error of the exchange a while longer
+            await asyncio.wait((task,))
         except asyncio.CancelledError:
             self._read_on(task)
+            del task
             raise
+        try:
+            return task.result()
+        finally:
+            # Raised from here, the exchange's error names this frame: holding the task, which holds
+            # that error, this frame would close a reference cycle that kept the caller's frames (the
+            # whole request) for the cyclic collector.
+            del task
 
     @property
     def paying(self) -> bool:
@@ -82,13 +99,15 @@ class CutCalls:
         if task.done():
             self._ended(None, task)
             return
+        now = time.monotonic()
         if not self.paying:
             self._skipped += 1
-            if self._skipped % PROBE_EVERY:
+            if self._skipped % PROBE_EVERY and now - self._last_read_on < PROBE_INTERVAL_S:
                 task.cancel()  # closes its connection when it next runs, as without a grace
                 task.add_done_callback(_retrieved)
                 self.closed_at_once += 1
                 return
+        self._last_read_on = now
         self._reading.add(task)
         cut = asyncio.get_running_loop().call_later(self.grace_s, task.cancel)
         task.add_done_callback(functools.partial(self._ended, cut))

@@ -61,8 +61,11 @@ class Exchange:
         route: RouteRequest,
         validate: AnswerValidator | None = None,
         headers: Mapping[str, str] | None = None,
+        *,
+        read_on_cut: bool = True,
     ) -> Completion:
-        """``headers``: extra request headers (``Idempotency-Key`` from ``LLMClient.chat``)."""
+        """``headers``: extra request headers (``Idempotency-Key`` from ``LLMClient.chat``);
+        ``read_on_cut``: cut by its caller, the attempt may read on within ``cut_calls``' grace."""
         session = self._session()
         policy = self.fleet.policy_of(endpoint)
         uncached = policy.estimate_uncached_tokens(route, endpoint)
@@ -85,7 +88,8 @@ class Exchange:
         try:
             with mapped_transport_errors(endpoint.name, self.config.timeouts.attempt_s):
                 completion, served_by = await self.cut_calls.run(
-                    self._exchanged(session, endpoint, path, body, sent, started, prefill_done)
+                    self._exchanged(session, endpoint, path, body, sent, started, prefill_done),
+                    read_on=read_on_cut,
                 )
             if served_by is not None:  # through a gateway: the replica behind it that answered
                 completion = replace(completion, endpoint=served_by)

@@ -76,7 +76,9 @@ class PdHandover:
         }
         prefill_body.pop("stream_options", None)
         try:
-            prefilled: Completion | None = await self.exchange.completion(context, path, prefill_body, step)
+            prefilled: Completion | None = await self.exchange.completion(
+                context, path, prefill_body, step, read_on_cut=False
+            )
         except LLMError:
             prefilled = None
         params = None if prefilled is None else prefilled.disaggregated_params
@@ -133,7 +135,9 @@ class PdHandover:
         prefill_body["disaggregated_params"] = {"request_type": "context_only"}
         prefill_body.pop("stream_options", None)
         try:
-            prefilled: Completion | None = await self.exchange.completion(context, path, prefill_body, step)
+            prefilled: Completion | None = await self.exchange.completion(
+                context, path, prefill_body, step, read_on_cut=False
+            )
         except LLMError:
             prefilled = None
         params = None if prefilled is None else prefilled.disaggregated_params

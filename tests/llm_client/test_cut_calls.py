@@ -15,10 +15,10 @@ from pathlib import Path
 import aiohttp
 import pytest
 
-from llm_client import ClientConfig, LLMClient
+from llm_client import ClientConfig, LLMClient, cut_calls
 from llm_client.config import HealthSettings, Timeouts
 from llm_client.cut_calls import PROBE_EVERY
-from llm_client.errors import DeadlineExceeded
+from llm_client.errors import BadRequest, DeadlineExceeded
 from serving.simulator.testing import running_simulator
 from tests.helpers import collector_off
 
@@ -83,10 +83,8 @@ async def test_a_call_answered_within_the_grace_keeps_its_connection_for_the_nex
         running_simulator(time_scale=FAST) as sim,
         LLMClient(config(sim.url, grace_s=5.0, stream=stream)) as client,
     ):
-        started = time.perf_counter()
         await cut(client)
-        assert time.perf_counter() - started < 0.4, "the caller waited past its deadline"
-        assert client.cut_calls.reading == 1
+        assert client.cut_calls.reading == 1, "the caller waited for the whole answer"
         assert await until(lambda: client.cut_calls.kept == 1, 5.0), vars(client.cut_calls)
         kept = client_ports(sim.url)
         assert len(kept) == 1, kept
@@ -105,7 +103,7 @@ async def test_without_a_grace_a_cut_call_closes_its_connection_and_the_replica_
         assert await until(lambda: not client_ports(sim.url), 1.0), "the cut call's connection stayed open"
         await client.chat(MESSAGES, routing_key="s1", max_tokens=5)
         assert client_ports(sim.url).isdisjoint(first), "a closed connection was used again"
-        assert await aborted(sim.url) == 1
+        assert await _aborted_within(sim.url, 3.0)
         assert (client.cut_calls.kept, client.cut_calls.closed, client.cut_calls.reading) == (0, 0, 0)
 
 
@@ -141,7 +139,10 @@ async def test_closing_the_client_closes_the_calls_still_reading() -> None:
         assert await _aborted_within(sim.url, 3.0)
 
 
-async def test_while_cut_calls_outlive_the_grace_later_ones_close_at_once_but_for_a_probe() -> None:
+async def test_while_cut_calls_outlive_the_grace_later_ones_close_at_once_but_for_a_probe(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(cut_calls, "PROBE_INTERVAL_S", 60.0)  # probes by count alone here
     async with running_simulator(time_scale=SLOW) as sim, LLMClient(config(sim.url, grace_s=0.05)) as client:
         cuts = client.cut_calls
         await cut(client, deadline_s=0.1)
@@ -153,6 +154,22 @@ async def test_while_cut_calls_outlive_the_grace_later_ones_close_at_once_but_fo
         assert await until(lambda: cuts.closed == 2, 2.0), "the probe did not read on"
         assert cuts.kept == 0 and not cuts.paying
         assert await until(lambda: not client_ports(sim.url), 1.0), "a cut call's connection stayed open"
+
+
+async def test_a_cut_call_long_after_the_last_that_read_on_reads_on_again(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Where few calls are cut, the count alone would take many cuts to find out the fleet caught up.
+    monkeypatch.setattr(cut_calls, "PROBE_INTERVAL_S", 0.3)
+    async with running_simulator(time_scale=SLOW) as sim, LLMClient(config(sim.url, grace_s=0.05)) as client:
+        cuts = client.cut_calls
+        await cut(client, deadline_s=0.1)
+        assert await until(lambda: cuts.closed == 1, 2.0), vars(cuts)
+        await cut(client, deadline_s=0.1)
+        assert cuts.closed_at_once == 1 and cuts.reading == 0
+        await asyncio.sleep(0.4)
+        await cut(client, deadline_s=0.1)
+        assert cuts.reading == 1 and cuts.closed_at_once == 1, vars(cuts)
 
 
 class _CallerState:
@@ -175,3 +192,23 @@ async def test_a_call_cut_within_a_grace_frees_its_caller_at_once() -> None:
             assert client.cut_calls.reading == 1
             assert held() is None
         assert await until(lambda: client.cut_calls.kept == 1, 5.0)
+
+
+async def test_a_call_that_fails_with_a_grace_frees_its_caller_at_once() -> None:
+    # The exchange's error is raised from the task it ran in: the frame that raises it must not keep
+    # that task, which holds the error, or the error's traceback closes a cycle over the caller's frames.
+    async with running_simulator(time_scale=FAST) as sim, LLMClient(config(sim.url, grace_s=5.0)) as client:
+
+        async def ask(state: _CallerState) -> None:
+            try:
+                await client.chat(MESSAGES, routing_key="s1", max_tokens=-5)
+            except BadRequest:
+                return
+            raise AssertionError("the replica took max_tokens=-5")
+
+        with collector_off():
+            state = _CallerState()
+            held = weakref.ref(state)
+            await ask(state)
+            del state
+            assert held() is None, "a failed call's error kept its caller's frame"
