@@ -145,6 +145,17 @@ async def test_model_missing_the_deadline_gets_the_fallback_in_time(
             }  # fmt: skip
 
 
+async def _post_until_the_model_is_cut(client: TestClient[Any, Any], request: dict[str, Any]) -> None:
+    """``request`` until an answer whose model call was cut at its deadline: a busy host's loop lag can
+    refuse one (429) or skip the model (no ``llm_ms``)."""
+    for _ in range(10):
+        status, body, _ = await _post(client, request)
+        if status == 200 and body["llm_ms"] is not None:
+            break
+        await asyncio.sleep(0.2)
+    assert status == 200 and body["degraded_reason"] == "deadline" and body["llm_ms"] is not None, body
+
+
 async def test_a_model_call_cut_at_its_deadline_is_read_to_its_end_and_its_connection_kept(
     isolated: Isolated, redis_client: Any
 ) -> None:
@@ -159,12 +170,7 @@ async def test_a_model_call_cut_at_its_deadline_is_read_to_its_end_and_its_conne
         model_ms = body["llm_ms"]
         request["deadline_ms"] = max(40, int(model_ms * 0.75))  # cut shortly before its end
         await asyncio.sleep(0.2)  # past the start-up's loop lag, which admission counts
-        for _ in range(10):  # a busy host's loop lag can refuse one (429) or skip the model
-            status, body, _ = await _post(client, request)
-            if status == 200 and body["llm_ms"] is not None:
-                break
-            await asyncio.sleep(0.2)
-        assert status == 200 and body["degraded_reason"] == "deadline" and body["llm_ms"] is not None, body
+        await _post_until_the_model_is_cut(client, request)
         kept = 'realtime_llm_cut_calls_total{outcome="kept"} 1.0'
         for _ in range(50):
             metrics = await (await client.get("/metrics")).text()
@@ -188,12 +194,7 @@ async def test_a_request_whose_model_call_is_cut_leaves_nothing_for_the_collecto
         await _post(client, request)  # warm: connections, the model-time window
         await asyncio.sleep(0.2)  # past the start-up's loop lag, which admission counts
         with collector_off():
-            for _ in range(10):  # a busy host's loop lag can refuse one (429) or skip the model
-                status, body, _ = await _post(client, request)
-                if status == 200 and body["llm_ms"] is not None:
-                    break
-                await asyncio.sleep(0.2)
-            assert status == 200 and body["degraded_reason"] == "deadline" and body["llm_ms"] is not None
+            await _post_until_the_model_is_cut(client, request)
             left = [o for o in gc.get_objects() if isinstance(o, MatchRequest)]
             assert left == [], "a cut request is kept alive by a reference cycle"
 
