@@ -399,7 +399,7 @@ def _replica_stack(args: argparse.Namespace) -> Iterator[StackState]:
     The time scale makes the simulated replicas answer a ranking call in about 150 ms (a model that
     fast), but trtllm-serve's disconnect poll is a wall-clock second whatever the model's speed
     (``docs/simulator.md``); scaled with the rest, it came every 30 ms here, so a call cut at its
-    deadline was abandoned about five times sooner than a real replica would."""
+    deadline was abandoned about 30 times sooner than a real replica would."""
     poll = str(args.replica_poll_s / args.time_scale) if args.time_scale > 0 else "0"
     saved = os.environ.get("SIM_DISCONNECT_POLL_S")
     os.environ["SIM_DISCONNECT_POLL_S"] = poll  # the replicas' processes read SIM_* as they start

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import random
 import re
 import statistics
@@ -669,7 +670,7 @@ def realtime_runs(paths: Sequence[Path]) -> str:
     read to their end within the grace (connection kept), closed at its end, or closed at once (recent
     cut calls had not finished within it)."""
     stems = [p.stem for p in paths]
-    common = len(_common_prefix(stems))
+    common = len(os.path.commonprefix(stems))  # noqa: RUF071 -- of names, character by character
     lines = [
         "| run | phase | refused (429) | late answers | overhead p50 / p99 ms | CPU ms/req: service / "
         "replicas | cut calls kept / closed / closed at once |",
@@ -688,14 +689,6 @@ def realtime_runs(paths: Sequence[Path]) -> str:
                 f"{phase.get('cut_closed_at_once', '-')} |"
             )
     return "\n".join(lines)
-
-
-def _common_prefix(names: Sequence[str]) -> str:
-    first, last = min(names), max(names)
-    size = 0
-    while size < min(len(first), len(last)) and first[size] == last[size]:
-        size += 1
-    return first[:size]
 
 
 def realtime_cpu(paths: Sequence[Path]) -> str:
