@@ -4,15 +4,17 @@ metrics a real process serves, and running a step with the cyclic collector off.
 
 from __future__ import annotations
 
+import asyncio
 import gc
 import json
 import re
 import urllib.request
-from collections.abc import AsyncIterator, Iterable, Iterator, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Iterator, Mapping
 from contextlib import asynccontextmanager, contextmanager
 from pathlib import Path
 from typing import Any, cast
 
+import aiohttp
 import orjson
 import redis as sync_redis
 from aiohttp import web
@@ -151,8 +153,15 @@ def dashboard_metric_names(dashboard: Path, name: re.Pattern[str]) -> set[str]:
 def _samples(url: str) -> list[Sample]:
     """Every sample a Prometheus endpoint serves."""
     with urllib.request.urlopen(url, timeout=10) as response:
-        text = response.read().decode()
+        return _parsed(response.read().decode())
+
+
+def _parsed(text: str) -> list[Sample]:
     return [sample for family in text_string_to_metric_families(text) for sample in family.samples]
+
+
+def _total(samples: Iterable[Sample], name: str, labels: Mapping[str, str]) -> float:
+    return sum(s.value for s in samples if s.name == name and labels.items() <= s.labels.items())
 
 
 def prometheus_names(urls: list[str]) -> set[str]:
@@ -169,12 +178,26 @@ def prometheus_names(urls: list[str]) -> set[str]:
 
 def prometheus_total(urls: list[str], name: str, **labels: str) -> float:
     """The sum over ``urls`` of the samples called ``name`` whose labels include ``labels``."""
-    return sum(
-        sample.value
-        for url in urls
-        for sample in _samples(url)
-        if sample.name == name and labels.items() <= sample.labels.items()
-    )
+    return sum(_total(_samples(url), name, labels) for url in urls)
+
+
+async def served_total(url: str, name: str, **labels: str) -> float:
+    """``prometheus_total`` of one endpoint, read without blocking the event loop: for a server that
+    runs on the test's own loop (``running_simulator``)."""
+    async with aiohttp.ClientSession() as http, http.get(url) as response:
+        return _total(_parsed(await response.text()), name, labels)
+
+
+async def until(
+    condition: Callable[[], Awaitable[bool]] | Callable[[], bool], within_s: float = 30.0
+) -> None:
+    """Until ``condition`` (plain or awaitable) holds; ``TimeoutError`` past ``within_s``."""
+    async with asyncio.timeout(within_s):
+        while True:
+            outcome = condition()
+            if outcome if isinstance(outcome, bool) else await outcome:
+                return
+            await asyncio.sleep(0.01)
 
 
 def viewed_prompt(

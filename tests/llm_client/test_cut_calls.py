@@ -7,12 +7,9 @@ without one, or past it, the connection is closed and the replica aborts the req
 from __future__ import annotations
 
 import asyncio
-import time
 import weakref
-from collections.abc import Callable
 from pathlib import Path
 
-import aiohttp
 import pytest
 
 from llm_client import ClientConfig, LLMClient, cut_calls
@@ -20,7 +17,7 @@ from llm_client.config import HealthSettings, Timeouts
 from llm_client.cut_calls import PROBE_EVERY
 from llm_client.errors import BadRequest, DeadlineExceeded
 from serving.simulator.testing import running_simulator
-from tests.helpers import collector_off
+from tests.helpers import collector_off, served_total, until
 
 MESSAGES = [
     {"role": "system", "content": "You describe shoppers. " * 40},
@@ -55,21 +52,16 @@ def client_ports(server_url: str) -> set[int]:
 
 async def aborted(server_url: str) -> float:
     """The replica's count of requests it aborted because their client went away."""
-    async with aiohttp.ClientSession() as session, session.get(f"{server_url}/metrics") as response:
-        text = await response.text()
-    for line in text.splitlines():
-        if line.startswith("sim_request_errors_total") and 'reason="aborted"' in line:
-            return float(line.split()[-1])
-    return 0.0
+    return await served_total(f"{server_url}/metrics", "sim_request_errors_total", reason="aborted")
 
 
-async def until(condition: Callable[[], bool], within_s: float) -> bool:
-    deadline = time.monotonic() + within_s
-    while time.monotonic() < deadline:
-        if condition():
-            return True
-        await asyncio.sleep(0.02)
-    return condition()
+async def aborted_once(server_url: str) -> None:
+    """Until the replica aborted the one request (at its next disconnect poll)."""
+
+    async def once() -> bool:
+        return await aborted(server_url) == 1
+
+    await until(once, 3.0)
 
 
 async def cut(client: LLMClient, deadline_s: float = 0.15) -> None:
@@ -85,7 +77,7 @@ async def test_a_call_answered_within_the_grace_keeps_its_connection_for_the_nex
     ):
         await cut(client)
         assert client.cut_calls.reading == 1, "the caller waited for the whole answer"
-        assert await until(lambda: client.cut_calls.kept == 1, 5.0), vars(client.cut_calls)
+        await until(lambda: client.cut_calls.kept == 1, 5.0)
         kept = client_ports(sim.url)
         assert len(kept) == 1, kept
         assert await aborted(sim.url) == 0, "the replica saw the client go away"
@@ -100,10 +92,10 @@ async def test_without_a_grace_a_cut_call_closes_its_connection_and_the_replica_
         first = client_ports(sim.url)
         assert len(first) == 1
         await cut(client)
-        assert await until(lambda: not client_ports(sim.url), 1.0), "the cut call's connection stayed open"
+        await until(lambda: not client_ports(sim.url), 1.0)
         await client.chat(MESSAGES, routing_key="s1", max_tokens=5)
         assert client_ports(sim.url).isdisjoint(first), "a closed connection was used again"
-        assert await _aborted_within(sim.url, 3.0)
+        await aborted_once(sim.url)
         assert (client.cut_calls.kept, client.cut_calls.closed, client.cut_calls.reading) == (0, 0, 0)
 
 
@@ -111,20 +103,11 @@ async def test_an_answer_slower_than_the_grace_is_cut_again_and_the_replica_abor
     async with running_simulator(time_scale=SLOW) as sim, LLMClient(config(sim.url, grace_s=0.2)) as client:
         await cut(client, deadline_s=0.3)
         assert client.cut_calls.reading == 1
-        assert await until(lambda: client.cut_calls.closed == 1, 2.0), vars(client.cut_calls)
+        await until(lambda: client.cut_calls.closed == 1, 2.0)
         assert not client_ports(sim.url), "a connection outlived its grace"
         # trtllm-serve, and the simulator, notice a gone client at their next poll (1 s at this scale)
-        assert await _aborted_within(sim.url, 3.0)
+        await aborted_once(sim.url)
         assert client.cut_calls.kept == 0
-
-
-async def _aborted_within(url: str, within_s: float) -> bool:
-    deadline = time.monotonic() + within_s
-    while time.monotonic() < deadline:
-        if await aborted(url) == 1:
-            return True
-        await asyncio.sleep(0.1)
-    return False
 
 
 async def test_closing_the_client_closes_the_calls_still_reading() -> None:
@@ -135,8 +118,8 @@ async def test_closing_the_client_closes_the_calls_still_reading() -> None:
         assert client.cut_calls.reading == 1
         await client.close()
         assert (client.cut_calls.reading, client.cut_calls.closed) == (0, 1)
-        assert await until(lambda: not client_ports(sim.url), 1.0)
-        assert await _aborted_within(sim.url, 3.0)
+        await until(lambda: not client_ports(sim.url), 1.0)
+        await aborted_once(sim.url)
 
 
 async def test_while_cut_calls_outlive_the_grace_later_ones_close_at_once_but_for_a_probe(
@@ -146,14 +129,14 @@ async def test_while_cut_calls_outlive_the_grace_later_ones_close_at_once_but_fo
     async with running_simulator(time_scale=SLOW) as sim, LLMClient(config(sim.url, grace_s=0.05)) as client:
         cuts = client.cut_calls
         await cut(client, deadline_s=0.1)
-        assert await until(lambda: cuts.closed == 1, 2.0), vars(cuts)
+        await until(lambda: cuts.closed == 1, 2.0)
         assert not cuts.paying
         for _ in range(PROBE_EVERY):
             await cut(client, deadline_s=0.1)
         assert cuts.closed_at_once == PROBE_EVERY - 1, vars(cuts)
-        assert await until(lambda: cuts.closed == 2, 2.0), "the probe did not read on"
+        await until(lambda: cuts.closed == 2, 2.0)
         assert cuts.kept == 0 and not cuts.paying
-        assert await until(lambda: not client_ports(sim.url), 1.0), "a cut call's connection stayed open"
+        await until(lambda: not client_ports(sim.url), 1.0)
 
 
 async def test_a_cut_call_long_after_the_last_that_read_on_reads_on_again(
@@ -164,7 +147,7 @@ async def test_a_cut_call_long_after_the_last_that_read_on_reads_on_again(
     async with running_simulator(time_scale=SLOW) as sim, LLMClient(config(sim.url, grace_s=0.05)) as client:
         cuts = client.cut_calls
         await cut(client, deadline_s=0.1)
-        assert await until(lambda: cuts.closed == 1, 2.0), vars(cuts)
+        await until(lambda: cuts.closed == 1, 2.0)
         await cut(client, deadline_s=0.1)
         assert cuts.closed_at_once == 1 and cuts.reading == 0
         await asyncio.sleep(0.4)
@@ -191,7 +174,7 @@ async def test_a_call_cut_within_a_grace_frees_its_caller_at_once() -> None:
             del state
             assert client.cut_calls.reading == 1
             assert held() is None
-        assert await until(lambda: client.cut_calls.kept == 1, 5.0)
+        await until(lambda: client.cut_calls.kept == 1, 5.0)
 
 
 async def test_a_call_that_fails_with_a_grace_frees_its_caller_at_once() -> None:

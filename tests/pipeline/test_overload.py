@@ -11,7 +11,6 @@ until the test lets go, so the order does not depend on timing."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable, Callable
 
 import aiohttp
 
@@ -24,6 +23,7 @@ from pipeline.overload import OverloadPolicy, OverloadSettings
 from prompt_assembly.processor import SessionProcessor
 from prompt_assembly.records import EnrichmentResult, PromptRequest, ShopperInsight, Superseded
 from serving.simulator.testing import RunningSimulator, running_simulator
+from tests.helpers import until
 from tests.prompt_assembly.test_sessions import event
 
 HELD: Rank = (-1, -1)
@@ -87,15 +87,6 @@ async def sim_metrics(sim: RunningSimulator) -> dict[str, float]:
 
 def requests_received(metrics: dict[str, float]) -> float:
     return sum(v for k, v in metrics.items() if k.startswith("sim_requests_total"))
-
-
-async def until(condition: Callable[[], Awaitable[bool]] | Callable[[], bool]) -> None:
-    async with asyncio.timeout(WAIT_S):
-        while True:
-            outcome = condition()
-            if outcome if isinstance(outcome, bool) else await outcome:
-                return
-            await asyncio.sleep(0.01)
 
 
 async def test_newer_prompt_supersedes_one_waiting_for_admission() -> None:
