@@ -12,7 +12,8 @@ from pipeline.enrichment import Enricher
 from prompt_assembly.records import ShopperInsight
 from serving.simulator.testing import running_simulator
 from tests.gateway.test_gateway import running_gateway
-from tests.pipeline.test_overload import Shopper, client_config, requests_received, sim_metrics, until
+from tests.helpers import until
+from tests.pipeline.test_overload import Shopper, client_config, requests_received, sim_metrics
 
 
 async def test_the_same_prompt_from_two_processes_is_paid_once_behind_the_gateway() -> None:
