@@ -5,7 +5,6 @@ imports the other."""
 
 from __future__ import annotations
 
-import pickle
 import signal
 import subprocess
 import sys
@@ -22,16 +21,16 @@ from confluent_kafka import Consumer, TopicPartition
 
 from bench.common import create_topics
 from bench.fleet import wait_replicas_idle
+from devstack.enrichment_stage import enrichment_settings
 from devstack.flink_cluster import (
     job_settings,
 )
 from devstack.runner_thread import RunnerThread
-from devstack.stack import StackState, sink_settings
+from devstack.stack import StackState, sink_settings, write_private
 from flink_jobs.flink_config import CheckpointSettings, KafkaSettings, NearRealtimeSettings
 from pipeline.topic_ends import end_offset
 from prompt_assembly.processor import SessionConfig
 from prompt_assembly.triggers import TriggerPolicy
-from runner.config import RunnerSettings
 
 WARMUP_S = 15.0
 REPO = Path(__file__).resolve().parents[1]
@@ -49,7 +48,9 @@ KNOBS: dict[str, tuple[str | None, str]] = {
 }
 """Variant keys -> (settings section, field) of ``NearRealtimeSettings``. ``prompts_topic=on`` is read by
 ``bench.flink_cluster.variant_job``, which runs the job with a prompts topic of its own
-(``prompts_stage``)."""
+(``prompts_stage``). The variant ``default`` is the job's own async stage (``bench_job``), as the results
+files name it: it was the job's default until the prompts topic became it, and ``prompts_topic=on`` is
+the job's default now (``docs/flink.md``, "Prompts topic")."""
 
 
 Knobs = dict[str, int | str]
@@ -120,6 +121,7 @@ def bench_job(
         ),
         wall_clock_timers=live,
         flush_on_drain=not live,
+        prompts_topic=None,  # the job's own async stage; prompts_stage hands it a prompts topic
     )
     return apply_variant(settings, knobs)
 
@@ -140,40 +142,31 @@ def prompts_stage(
     *,
     process_log: Path | None = None,
 ) -> Iterator[NearRealtimeSettings]:
-    """The job's enrichment as a stage of its own: a prompts topic (as many partitions as the event
-    topic), and a runner with input 'prompts' on it (the job's LLM, enrichment and sink settings) until
-    the block ends; yields the job's settings with ``prompts_topic`` set. The runner runs in a thread of
-    this process, or, with ``process_log``, as a process of its own (``bench.enrich_process``, its log
-    there), as it is deployed. Either way it then stops as a SIGTERM stops it: in-flight prompts finish,
-    one last durable point and commit."""
+    """The job's enrichment as a stage of its own, as the job runs by default: a prompts topic of this
+    run's (as many partitions as the event topic), and a runner with input 'prompts' on it with the
+    settings ``devstack.enrichment_stage`` derives from the job's, until the block ends; yields the
+    job's settings with ``prompts_topic`` set. The runner runs in a thread of this process, or, with
+    ``process_log``, as a process of its own (``python -m devstack.enrichment_stage``, as ``shopper
+    flink submit`` starts it; its log there). Either way it then stops as a SIGTERM stops it: in-flight
+    prompts finish, one last durable point and commit."""
     topic = f"{settings.kafka.events_topic}-prompts"
     create_topics(stack.kafka_bootstrap, [topic])
-    runner = RunnerSettings(
-        bootstrap_servers=stack.kafka_bootstrap,
-        group_id=f"{settings.kafka.group_id}-enrich",
-        topic=topic,
-        input="prompts",
-        progress_interval_s=10,
-        llm=settings.llm,
-        enrichment=settings.enrichment,
-        sinks=settings.sinks,
-    )
+    job = settings.model_copy(update={"prompts_topic": topic})
     if process_log is None:
-        enrich = RunnerThread(runner, log=log).start()
+        enrich = RunnerThread(enrichment_settings(job, progress_interval_s=10), log=log).start()
         try:
-            yield settings.model_copy(update={"prompts_topic": topic})
+            yield job
         finally:
             enrich.stop()
         return
+    config = process_log.with_suffix(".job.json")
+    write_private(config, job.to_json())
     with process_log.open("ab") as stderr:
         child = subprocess.Popen(
-            [sys.executable, "-m", "bench.enrich_process"], stdin=subprocess.PIPE, stderr=stderr, cwd=REPO
+            [sys.executable, "-m", "devstack.enrichment_stage", str(config)], stderr=stderr, cwd=REPO
         )
-        assert child.stdin is not None
-        child.stdin.write(pickle.dumps(runner))
-        child.stdin.close()
         try:
-            yield settings.model_copy(update={"prompts_topic": topic})
+            yield job
         finally:
             child.send_signal(signal.SIGTERM)
             try:

@@ -45,7 +45,7 @@ from devstack.processes import (
 )
 from llm_client.config import ClientConfig
 from pipeline.redaction import mask_url, redact
-from pipeline.topics import DLQ_TOPIC, EVENTS_TOPIC, INSIGHTS_TOPIC
+from pipeline.topics import DLQ_TOPIC, EVENTS_TOPIC, INSIGHTS_TOPIC, PROMPTS_TOPIC
 from serving.simulator.launch import options_flags, simulator_argv
 from serving.simulator.trtllm_options import AGGREGATED_YAML
 from sinks.config import SinkSettings
@@ -312,7 +312,7 @@ def _create_topics(bootstrap: str, partitions: int) -> None:
     from confluent_kafka.admin import AdminClient, NewTopic  # type: ignore[attr-defined]
 
     admin = AdminClient({"bootstrap.servers": bootstrap})
-    wanted = {EVENTS_TOPIC: partitions, DLQ_TOPIC: 1, INSIGHTS_TOPIC: partitions}
+    wanted = {EVENTS_TOPIC: partitions, DLQ_TOPIC: 1, INSIGHTS_TOPIC: partitions, PROMPTS_TOPIC: partitions}
     existing = admin.list_topics(timeout=10).topics
     new = [NewTopic(name, n, 1) for name, n in wanted.items() if name not in existing]
     if new:

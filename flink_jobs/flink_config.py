@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import orjson
-from pydantic import BaseModel, Field, SecretStr, ValidationError, model_validator
+from pydantic import BaseModel, Field, SecretStr, ValidationError, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from llm_client.config import ClientConfig
@@ -22,7 +22,7 @@ from pipeline.enrichment import EnrichmentSettings
 from pipeline.kafka_security import KafkaSecurity, configuration_error
 from pipeline.setting_names import refuse_settings_named_twice
 from pipeline.sink_retry import SinkRetry
-from pipeline.topics import DLQ_TOPIC, EVENTS_TOPIC
+from pipeline.topics import DLQ_TOPIC, EVENTS_TOPIC, PROMPTS_TOPIC
 from prompt_assembly.errors import ConfigurationError
 from prompt_assembly.processor import SessionConfig
 from sinks.config import SinkName, SinkSettings
@@ -191,12 +191,18 @@ class NearRealtimeSettings(BaseSettings):
     )
     sink_retry: SinkRetry = Field(default_factory=SinkRetry, description="the runner's policy, shared")
     prompts_topic: str | None = Field(
-        None,
+        PROMPTS_TOPIC,
         description="end the job at its session stage: each prompt goes, keyed by shopper id, to this topic "
         "(at least once, as it is made), and a runner with input 'prompts' on it enriches and stores "
         "(latest wins, the gate and the answer ledger, with no Beam bundle on the call's path; "
-        "docs/flink.md, 'Prompts topic'). None: the job's own async stage enriches",
+        "docs/flink.md, 'Prompts topic'). None or empty (FLINK_JOB_PROMPTS_TOPIC=''): the job's own "
+        "async stage enriches, one deployable, and the insights topic exactly once",
     )
+
+    @field_validator("prompts_topic", mode="before")
+    @classmethod
+    def _empty_is_the_async_stage(cls, value: Any) -> Any:
+        return None if value == "" else value
 
     @model_validator(mode="before")
     @classmethod

@@ -10,3 +10,7 @@ DLQ_TOPIC = "shopper-events-dlq"
 
 INSIGHTS_TOPIC = "shopper-insights"
 """Results (insights and error records) as JSON, for consumers other than Redis and S3 (Flink only)."""
+
+PROMPTS_TOPIC = "shopper-prompts"
+"""The Flink job's prompts (``PromptRequest`` JSON, keyed by ``shopper_id``), for the runner with input
+'prompts' that enriches them: the job's default hand-over (``NearRealtimeSettings.prompts_topic``)."""

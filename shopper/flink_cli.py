@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import time
 import uuid
+from collections.abc import Callable
 from pathlib import Path
 from typing import Annotated
 
@@ -14,6 +15,7 @@ import typer
 from confluent_kafka import Consumer, TopicPartition
 from rich.console import Console
 
+from devstack.enrichment_stage import running_enrichment, stop_enrichment, submit_with_enrichment
 from devstack.errors import FlinkJobFailed
 from devstack.flink_cluster import (
     FlinkRest,
@@ -23,8 +25,8 @@ from devstack.flink_cluster import (
     cluster_up,
     job_settings,
     load_cluster,
-    submit,
 )
+from devstack.processes import alive
 from devstack.stack import StackState, load_state
 from flink_jobs.flink_config import NearRealtimeSettings
 
@@ -41,13 +43,20 @@ def up(state_dir: StateDir = Path(".state")) -> None:
 
 @flink_app.command("down")
 def down(state_dir: StateDir = Path(".state")) -> None:
-    """Stop exactly the processes 'shopper flink up' started."""
-    typer.echo("stopped: " + (", ".join(cluster_down(state_dir)) or "nothing"))
+    """Stop exactly the processes 'shopper flink up' and 'submit' started: the enrichment runners first
+    (their in-flight prompts finish and are stored), then the cluster."""
+    stopped = stop_enrichment(state_dir) + cluster_down(state_dir)
+    typer.echo("stopped: " + (", ".join(stopped) or "nothing"))
 
 
 @flink_app.command("status")
 def status(state_dir: StateDir = Path(".state")) -> None:
-    typer.echo(json.dumps(cluster_status(state_dir), indent=2))
+    found = cluster_status(state_dir)
+    found["enrichment"] = {
+        f"{p.name} ({p.pid})": f"up, /metrics on 127.0.0.1:{p.port}" if alive(p.pid) else "DOWN"
+        for p in running_enrichment(state_dir)
+    }
+    typer.echo(json.dumps(found, indent=2))
 
 
 def stack_job_settings(state_dir: Path, config: Path | None = None) -> NearRealtimeSettings:
@@ -63,12 +72,21 @@ def submit_cmd(
     config: Annotated[Path | None, typer.Option(help="YAML/JSON NearRealtimeSettings overrides")] = None,
     savepoint: Annotated[str | None, typer.Option(help="resume from this savepoint")] = None,
 ) -> None:
-    """``flink run -d`` of flink_jobs/near_realtime.py with a config generated from the stack."""
+    """``flink run -d`` of flink_jobs/near_realtime.py with a config generated from the stack and, with
+    the job's prompts topic (the default), the runner that enriches its prompts, as a process beside it
+    ('shopper flink down' stops both)."""
     cluster = load_cluster(state_dir)
     settings = stack_job_settings(state_dir, config)
     path = cluster_dir(state_dir) / f"job-{uuid.uuid4().hex[:8]}.json"
-    job = submit(cluster, settings, config_path=path, savepoint=savepoint)
+    job, enrichment = submit_with_enrichment(
+        cluster, state_dir, settings, config_path=path, savepoint=savepoint
+    )
     typer.echo(f"job {job.job_id}\nweb UI {job.job_url}\nconfig {job.config}")
+    if enrichment is not None:
+        typer.echo(
+            f"enrichment runner on {settings.prompts_topic} (pid {enrichment.pid}); "
+            f"/metrics http://127.0.0.1:{enrichment.port}/metrics; log {enrichment.log}"
+        )
 
 
 def topic_ends(bootstrap: str, topic: str, idle_s: float = 2.0) -> dict[int, int]:
@@ -88,6 +106,25 @@ def topic_ends(bootstrap: str, topic: str, idle_s: float = 2.0) -> dict[int, int
                     ends[partition] = offset + 1
                 last = time.monotonic()
         return ends
+    finally:
+        consumer.close()
+
+
+def wait_group_committed(
+    bootstrap: str, group: str, topic: str, ends: dict[int, int], failed: Callable[[], str | None]
+) -> None:
+    """Until ``group`` has committed ``ends`` of ``topic`` (every record read and its results stored);
+    raises ``FlinkJobFailed`` with what ``failed`` says as soon as it says something."""
+    consumer = Consumer({"bootstrap.servers": bootstrap, "group.id": group})
+    try:
+        while True:
+            done = consumer.committed([TopicPartition(topic, p) for p in ends], timeout=10)
+            if all(tp.offset >= ends[tp.partition] for tp in done):
+                return
+            reason = failed()
+            if reason is not None:
+                raise FlinkJobFailed(reason)
+            time.sleep(1.0)
     finally:
         consumer.close()
 
@@ -134,25 +171,37 @@ def _run_on_flink(
             }
         )
         started = time.monotonic()
-        job = submit(cluster, settings, config_path=cluster_dir(state_dir) / "demo-job.json")
+        job, enrichment = submit_with_enrichment(
+            cluster, state_dir, settings, config_path=cluster_dir(state_dir) / "demo-job.json"
+        )
         console.print(f"job {job.job_id} submitted with flink run in {time.monotonic() - started:.0f} s")
-        ends = topic_ends(state.kafka_bootstrap, settings.kafka.events_topic)
+        if enrichment is not None:
+            console.print(
+                f"enrichment runner on {settings.prompts_topic}: /metrics on port {enrichment.port}"
+            )
         rest = FlinkRest(cluster.web_url)
-        consumer = Consumer({"bootstrap.servers": state.kafka_bootstrap, "group.id": settings.kafka.group_id})
-        try:
-            while True:
-                done = consumer.committed(
-                    [TopicPartition(settings.kafka.events_topic, p) for p in ends], timeout=10
-                )
-                if all(tp.offset >= ends[tp.partition] for tp in done):
-                    break
-                if rest.job_state(job.job_id) in {"FAILED", "CANCELED", "FINISHED"}:
-                    raise FlinkJobFailed(f"job {job.job_id} is {rest.job_state(job.job_id)}")
-                time.sleep(1.0)
-        finally:
-            consumer.close()
+
+        def job_failed() -> str | None:
+            state = rest.job_state(job.job_id)
+            return f"job {job.job_id} is {state}" if state in {"FAILED", "CANCELED", "FINISHED"} else None
+
+        events = settings.kafka.events_topic
+        ends = topic_ends(state.kafka_bootstrap, events)
+        wait_group_committed(state.kafka_bootstrap, settings.kafka.group_id, events, ends, job_failed)
         savepoint = (cluster_dir(state_dir) / "savepoints").resolve().as_uri()
         rest.stop_with_savepoint(job.job_id, savepoint, drain=True)
         console.print(f"every event consumed and checkpointed; drained in {time.monotonic() - started:.0f} s")
+        if enrichment is not None and settings.prompts_topic:
+
+            def runner_exited() -> str | None:
+                return (
+                    None if alive(enrichment.pid) else f"the enrichment runner exited; see {enrichment.log}"
+                )
+
+            prompts = topic_ends(state.kafka_bootstrap, settings.prompts_topic)
+            group = f"{settings.kafka.group_id}-enrich"
+            wait_group_committed(state.kafka_bootstrap, group, settings.prompts_topic, prompts, runner_exited)
+            console.print(f"every prompt answered and stored in {time.monotonic() - started:.0f} s")
     finally:
+        stop_enrichment(state_dir)
         cluster_down(state_dir)

@@ -18,16 +18,22 @@ from __future__ import annotations
 
 import time
 import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import orjson
 from confluent_kafka import Consumer, KafkaError, Message, Producer, TopicPartition
 from confluent_kafka.admin import AdminClient, NewTopic  # type: ignore[attr-defined]
 
+from devstack.enrichment_stage import enrichment_settings
 from devstack.flink_cluster import FlinkClusterState, FlinkRest, SubmittedJob, job_settings, submit
+from devstack.runner_thread import RunnerThread
 from devstack.stack import StackState
 from flink_jobs.flink_config import AsyncSettings, CheckpointSettings, KafkaSettings, NearRealtimeSettings
+from shopper.flink_cli import topic_ends
 from shopper.readback import read_topic
 from tests.conftest import Isolated
 
@@ -37,6 +43,7 @@ class FlinkTopics:
     events: str
     dlq: str
     insights: str
+    prompts: str
     group: str
 
 
@@ -90,15 +97,22 @@ def read_all(bootstrap: str, topic: str, *, expect: int = 0) -> list[bytes]:
 
 
 def flink_topics(isolated: Isolated, partitions: int = 4) -> FlinkTopics:
-    """The events topic is the isolated one; the job gets its own DLQ, insights topic and group."""
+    """The events topic is the isolated one; the job gets its own DLQ, insights and prompts topics and
+    group (the prompts topic with the events topic's partitions, as ``submit_with_enrichment`` makes it)."""
     topics = FlinkTopics(
         events=isolated.topic,
         dlq=f"flink-dlq-{isolated.tag}",
         insights=f"flink-insights-{isolated.tag}",
+        prompts=f"flink-prompts-{isolated.tag}",
         group=f"flink-{isolated.group}",
     )
     admin = AdminClient({"bootstrap.servers": isolated.stack.kafka_bootstrap})
-    for future in admin.create_topics([NewTopic(topics.dlq, 1, 1), NewTopic(topics.insights, 2, 1)]).values():
+    new = [
+        NewTopic(topics.dlq, 1, 1),
+        NewTopic(topics.insights, 2, 1),
+        NewTopic(topics.prompts, partitions, 1),
+    ]
+    for future in admin.create_topics(new).values():
         future.result(timeout=10)
     return topics
 
@@ -112,8 +126,11 @@ def cluster_job_settings(
     prefix: str,
     s3_prefix: str,
     wall_clock_timers: bool = True,
+    async_stage: bool = False,
 ) -> NearRealtimeSettings:
-    """The job's settings as ``shopper flink submit`` makes them, narrowed to this test's names."""
+    """The job's settings as ``shopper flink submit`` makes them, narrowed to this test's names: its
+    prompts go to this test's prompts topic, for ``enrichment_runner`` to answer, unless
+    ``async_stage`` says the job's own async stage enriches (``prompts_topic`` None)."""
     return job_settings(
         stack,
         state_dir,
@@ -136,7 +153,42 @@ def cluster_job_settings(
         ),
         wall_clock_timers=wall_clock_timers,
         flush_on_drain=True,
+        prompts_topic=None if async_stage else topics.prompts,
     )
+
+
+@contextmanager
+def enrichment_runner(
+    isolated: Isolated, settings: NearRealtimeSettings, **overrides: Any
+) -> Iterator[RunnerThread]:
+    """The runner that answers the job's prompts, with the settings ``shopper flink submit`` derives
+    from the job's (``devstack.enrichment_stage``), on a thread of the test's process until the block
+    ends; then stopped as SIGTERM stops it (its stats on ``.stats``). ``overrides``: RunnerSettings
+    fields (a metrics port, the commit interval the tests' runners use)."""
+    options: dict[str, Any] = {"commit_interval_s": 0.3, "progress_interval_s": 5.0, **overrides}
+    runner = RunnerThread(enrichment_settings(settings, **options)).start()
+    try:
+        yield runner
+    finally:
+        runner.stop()
+
+
+def wait_enriched(bootstrap: str, settings: NearRealtimeSettings, runner: RunnerThread) -> None:
+    """Until the job's enrichment runner has committed its prompts topic to the end (every prompt the job
+    sent is answered and stored): call it after the job is drained, before the runner is stopped."""
+    assert settings.prompts_topic, "the job has no enrichment runner"
+    topic = settings.prompts_topic
+    ends = topic_ends(bootstrap, topic)  # read, not asked (this module's docstring)
+    partitions = sorted(ends)
+    group, deadline = f"{settings.kafka.group_id}-enrich", time.monotonic() + 240
+    seen: dict[int, int] = {}
+    while time.monotonic() < deadline:
+        assert runner.error is None, runner.error
+        seen = committed(bootstrap, group, topic, partitions)
+        if all(seen.get(p, -1) >= end for p, end in ends.items()):
+            return
+        time.sleep(0.5)
+    raise TimeoutError(f"the enrichment runner committed {seen} of {topic}, which ends at {ends}")
 
 
 def run_job(

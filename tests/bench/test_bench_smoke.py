@@ -144,7 +144,7 @@ SMOKE_RUNS = (
     SmokeRun("flink_cluster", ("-m", "bench.flink_cluster", "--seconds", "0", "--backlog", "100"),
              ("flink_cluster.json",), hang_guard_s=600),
     # near each variant's own ceiling: a saturated run, then one paced load, the prompts topic's runner a
-    # process of its own (bench.enrich_process)
+    # process of its own (python -m devstack.enrichment_stage)
     SmokeRun("flink_cluster_near_ceiling", ("-m", "bench.flink_cluster", "--loads", "0.5", "--ceiling-events",
                                              "300", "--seconds", "18", "--variants", "prompts_topic=on",
                                              "--out", "flink_near.json"),

@@ -97,6 +97,38 @@ def test_the_submitter_runs_the_job_with_a_config_that_loads(compose: dict[str, 
     assert settings.kafka.transaction_timeout_ms <= broker_cap
 
 
+def test_the_enrichment_service_runs_what_submit_derives_from_the_job_config(
+    compose: dict[str, Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The job hands its prompts to a topic by default; the compose file's enrichment service must read
+    that topic and store where the job's config says, as ``shopper flink submit`` would run it."""
+    from devstack.enrichment_stage import enrichment_settings
+    from flink_jobs.flink_config import NearRealtimeSettings
+    from runner.config import RunnerSettings
+
+    command = compose["services"]["job-submitter"]["command"]
+    job = NearRealtimeSettings.load(ROOT / command[command.index("--config") + 1].removeprefix("/opt/app/"))
+    assert job.prompts_topic, "the compose job runs the default: a prompts topic"
+    derived = enrichment_settings(job)
+    service = compose["services"]["enrichment"]
+    for name, value in service["environment"].items():
+        monkeypatch.setenv(name, value)
+    deployed = RunnerSettings()
+    fields = ("bootstrap_servers", "input", "topic", "group_id", "dlq_topic")
+    assert {f: getattr(deployed, f) for f in fields} == {f: getattr(derived, f) for f in fields}
+    sink_fields = ("enabled", "insights_topic", "redis_url", "s3_endpoint_url", "s3_bucket", "s3_prefix")
+    assert deployed.sinks.model_dump(include=set(sink_fields)) == derived.sinks.model_dump(
+        include=set(sink_fields)
+    )
+    topics = compose["services"]["kafka-topics"]["command"][0]
+    assert f"{job.prompts_topic}:8" in topics and "shopper-events:8" in topics, (
+        "prompts: the events' partitions"
+    )
+    scraped = (ROOT / "docker/prometheus.yml").read_text()
+    port = service["environment"]["RUNNER_METRICS_PORT"]
+    assert f"enrichment:{port}" in scraped and f"{port}:{port}" in service["ports"]
+
+
 def test_the_producer_uses_the_shopper_cli(compose: dict[str, Any]) -> None:
     command = compose["services"]["producer"]["command"]
     assert command[:4] == ["shopper", "produce", "--bootstrap", "kafka:9092"]
@@ -152,3 +184,36 @@ def test_the_kubernetes_manifest_runs_this_job_with_these_settings(monkeypatch: 
     assert settings.llm.endpoints == json.loads(plain["FLINK_JOB_LLM__ENDPOINTS"])
     assert settings.sinks.redis_password is not None
     assert settings.sinks.redis_password.get_secret_value() == "from-a-secret"
+
+
+def test_the_kubernetes_enrichment_deployment_answers_the_jobs_prompts(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """deploy/kubernetes/enrichment-deployment.yaml beside the FlinkDeployment: it reads the prompts topic
+    the job writes, in the group, to the stores and with the LLM fleet the job's settings name."""
+    from devstack.enrichment_stage import enrichment_settings
+    from flink_jobs.flink_config import NearRealtimeSettings
+    from runner.config import RunnerSettings
+
+    flink = yaml.safe_load((ROOT / "deploy/kubernetes/flink-deployment.yaml").read_text())
+    args = flink["spec"]["job"]["args"]
+    for var in flink["spec"]["podTemplate"]["spec"]["containers"][0]["env"]:
+        monkeypatch.setenv(var["name"], var.get("value", "from-a-secret"))
+    derived = enrichment_settings(
+        NearRealtimeSettings.load(ROOT / args[args.index("--config") + 1].removeprefix("/opt/app/"))
+    )
+    manifest = yaml.safe_load((ROOT / "deploy/kubernetes/enrichment-deployment.yaml").read_text())
+    assert manifest["kind"] == "Deployment"
+    (container,) = manifest["spec"]["template"]["spec"]["containers"]
+    for var in container["env"]:
+        monkeypatch.setenv(var["name"], var.get("value", "from-a-secret"))
+    deployed = RunnerSettings()
+    fields = ("input", "topic", "group_id", "dlq_topic")
+    assert {f: getattr(deployed, f) for f in fields} == {f: getattr(derived, f) for f in fields}
+    sink_fields = {"enabled", "insights_topic", "s3_bucket", "s3_prefix"}
+    assert deployed.sinks.model_dump(include=sink_fields) == derived.sinks.model_dump(include=sink_fields)
+    assert deployed.llm.endpoints == derived.llm.endpoints and deployed.llm.policy == derived.llm.policy
+    assert deployed.sinks.redis_password is not None
+    port = str(deployed.metrics_port)
+    assert container["ports"][0]["containerPort"] == int(port)
+    assert manifest["spec"]["template"]["metadata"]["annotations"]["prometheus.io/port"] == port

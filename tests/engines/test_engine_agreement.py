@@ -1,16 +1,18 @@
 """The two engines agree: the same Kafka records through the job submitted with ``flink run`` to the
-standalone Flink cluster (at parallelism 2, a subtask on each of two TaskManagers) and through the
-embedded runner, both running at once with their production timer settings (Flink's
-``wall_clock_timers`` on, the runner's ``timer_wall_per_event_s`` 1.0) and the default overload policy
-(latest wins, by priority), agree on what latest wins leaves fixed: identical Redis signals (each
-shopper's newest answered version, in every field the events determine, which leaves out timings and the
-replica that answered), the same prompts with the same triggers in S3 and on the insights topic, the same
-answer wherever both engines answered a prompt, each engine's results passing the latest-wins oracle
-(``tests.helpers.assert_latest_wins``), and identical dead letters (byte for byte, partition, offset and
-the size limit's cut included). Which of a shopper's older prompts a newer one superseded depends on
-timing, so the split between insights and superseded results is not compared. Stored session entries
-are the same bytes too: Flink's keyed state cannot be read from Python, so that is checked on the state
-value the job builds (``tests/runner/test_session_store.py``).
+standalone Flink cluster (at parallelism 2, a subtask on each of two TaskManagers), with its prompts
+answered by the enrichment runner ``shopper flink submit`` derives from its settings (the default:
+``prompts_topic``, ``devstack.enrichment_stage``), and through the embedded runner, both running at once
+with their production timer settings (Flink's ``wall_clock_timers`` on, the runner's
+``timer_wall_per_event_s`` 1.0) and the default overload policy (latest wins, by priority), agree on what
+latest wins leaves fixed: identical Redis signals (each shopper's newest answered version, in every field
+the events determine, which leaves out timings and the replica that answered), the same prompts with the
+same triggers in S3 and on the insights topic, the same answer wherever both engines answered a prompt,
+each engine's results passing the latest-wins oracle (``tests.helpers.assert_latest_wins``), and
+identical dead letters (byte for byte, partition, offset and the size limit's cut included). Which of a
+shopper's older prompts a newer one superseded depends on timing, so the split between insights and
+superseded results is not compared. Stored session entries are the same bytes too: Flink's keyed state
+cannot be read from Python, so that is checked on the state value the job builds
+(``tests/runner/test_session_store.py``).
 
 The records: a replayed backlog (the synthetic stream, a year old, and one shopper's 100 views 3 s
 apart an hour ago, with the fractions of a millisecond of real clock values), malformed JSON, an
@@ -28,7 +30,7 @@ shopper, as the runner's.
 Both engines call the same session processor, client, sinks and dead-letter module; this test guards the
 shells and the connector path (Table API Kafka source with metadata columns, the keyed Table API insights
 sink). While the job runs, the compose stack's Flink dashboard is checked against what the cluster's
-Prometheus reporter serves."""
+Prometheus reporter and the enrichment runner's ``/metrics`` serve."""
 
 from __future__ import annotations
 
@@ -54,6 +56,7 @@ from tests.flink_kit import (
     cluster_job_settings,
     committed,
     drain,
+    enrichment_runner,
     flink_topics,
     produce,
     read_all,
@@ -76,6 +79,8 @@ pytestmark = [pytest.mark.flink, pytest.mark.slow]
 # which replica's cache happened to hold the prefix.
 FLINK_DASHBOARD = Path(__file__).resolve().parents[2] / "docker/grafana/dashboards/shopper-flink.json"
 FLINK_METRIC = re.compile(r"\bflink_[A-Za-z0-9_]+\b")
+RUNNER_METRIC = re.compile(r"\bshopper_[A-Za-z0-9_]+\b")
+"""The Flink dashboard's enrichment panels read the job's enrichment runner (its prompts topic)."""
 """The compose stack's Flink dashboard, checked against the metrics the standalone cluster's Prometheus
 reporter serves while the job runs (the runner's dashboard has its own check)."""
 
@@ -308,49 +313,61 @@ def test_flink_cluster_and_embedded_runner_write_the_same_results(
     )
     runner = RunnerThread(runner_settings).start()
     try:
-        ends = produce(stack.kafka_bootstrap, isolated.topic, records_in)
-        job = run_job(flink_cluster, settings, stack_dir)
-        rest = FlinkRest(flink_cluster.web_url)
-        wait_committed(stack.kafka_bootstrap, topics.group, topics.events, ends, rest, job.job_id)
-        wait_runner_committed(stack.kafka_bootstrap, isolated.group, isolated.topic, ends, runner)
-        # The backlog is read; a live shopper browses now and pauses.
-        live_at = time.time()
-        live: list[tuple[bytes | None, bytes | None]] = [
-            (b"s-live", view("s-live", n, live_at + n / 1000)) for n in range(LIVE_VIEWS)
-        ]
-        produce(stack.kafka_bootstrap, isolated.topic, live)
-        records_in += live
-        taken = [(k or b"", v, True) for k, v in records_in if v is not None and valid(v)]
-        expected = expected_prompts(taken)
-        backlog_prompts = [p for p in expected.values() if p.shopper_id == "s-backlog"]
-        assert [(p.reason, p.last_event_ts) for p in backlog_prompts] == [
-            ("browse_pause", orjson.loads(backlog[-1][1] or b"{}")["ts"])
-        ], "the backlog is one browse pause, after its last view"
-        assert [p.reason for p in expected.values() if p.shopper_id == "s-live"] == ["browse_pause"]
-        assert [p.reason for p in expected.values() if p.shopper_id == "s-future"] == ["add_to_cart"]
-        assert "add_to_cart" in [p.reason for p in expected.values() if p.shopper_id == "s-miskeyed"]
-        # Neither engine is drained or flushed before this: only their timers can fire the pauses.
-        wait_stored(isolated, flink_objects, set(expected), runner)
-        wait_stored(isolated, runner_objects, set(expected), runner)
+        with enrichment_runner(isolated, settings, metrics_port=0) as enrich:
+            ends = produce(stack.kafka_bootstrap, isolated.topic, records_in)
+            job = run_job(flink_cluster, settings, stack_dir)
+            rest = FlinkRest(flink_cluster.web_url)
+            wait_committed(stack.kafka_bootstrap, topics.group, topics.events, ends, rest, job.job_id)
+            wait_runner_committed(stack.kafka_bootstrap, isolated.group, isolated.topic, ends, runner)
+            # The backlog is read; a live shopper browses now and pauses.
+            live_at = time.time()
+            live: list[tuple[bytes | None, bytes | None]] = [
+                (b"s-live", view("s-live", n, live_at + n / 1000)) for n in range(LIVE_VIEWS)
+            ]
+            produce(stack.kafka_bootstrap, isolated.topic, live)
+            records_in += live
+            taken = [(k or b"", v, True) for k, v in records_in if v is not None and valid(v)]
+            expected = expected_prompts(taken)
+            backlog_prompts = [p for p in expected.values() if p.shopper_id == "s-backlog"]
+            assert [(p.reason, p.last_event_ts) for p in backlog_prompts] == [
+                ("browse_pause", orjson.loads(backlog[-1][1] or b"{}")["ts"])
+            ], "the backlog is one browse pause, after its last view"
+            assert [p.reason for p in expected.values() if p.shopper_id == "s-live"] == ["browse_pause"]
+            assert [p.reason for p in expected.values() if p.shopper_id == "s-future"] == ["add_to_cart"]
+            assert "add_to_cart" in [p.reason for p in expected.values() if p.shopper_id == "s-miskeyed"]
+            # Neither engine is drained or flushed before this: only their timers can fire the pauses.
+            wait_stored(isolated, flink_objects, set(expected), enrich)
+            wait_stored(isolated, runner_objects, set(expected), runner)
 
-        assert rest.job_state(job.job_id) == "RUNNING", "the job stopped on a bad record"
-        n_bad = sum(1 for _, v in records_in if v is None or not valid(v))
-        per_subtask = wait_dead_lettered_on_every_subtask(rest, job.job_id, n_bad)
-        n_unkeyed = sum(1 for _, v in records_in if shopper_id_of(v) is None)
-        assert max(per_subtask) < n_unkeyed, (
-            f"{n_unkeyed} records without a shopper id all went to one subtask: {per_subtask}"
-        )
-        exported = prometheus_names(flink_cluster.metrics_urls)
-        asked = dashboard_metric_names(FLINK_DASHBOARD, FLINK_METRIC)
-        shown = sorted(n for n in exported if any(w in n for w in ("shopper", "Checkpoint", "Restart")))
-        assert asked <= exported, (
-            f"the Flink dashboard asks for metrics the cluster does not export: {sorted(asked - exported)}; "
-            f"exported: {shown}"
-        )
-        drain(flink_cluster, job.job_id, stack_dir)
+            assert rest.job_state(job.job_id) == "RUNNING", "the job stopped on a bad record"
+            n_bad = sum(1 for _, v in records_in if v is None or not valid(v))
+            per_subtask = wait_dead_lettered_on_every_subtask(rest, job.job_id, n_bad)
+            n_unkeyed = sum(1 for _, v in records_in if shopper_id_of(v) is None)
+            assert max(per_subtask) < n_unkeyed, (
+                f"{n_unkeyed} records without a shopper id all went to one subtask: {per_subtask}"
+            )
+            exported = prometheus_names(flink_cluster.metrics_urls)
+            asked = dashboard_metric_names(FLINK_DASHBOARD, FLINK_METRIC)
+            shown = sorted(n for n in exported if any(w in n for w in ("shopper", "Checkpoint", "Restart")))
+            assert asked <= exported, (
+                "the Flink dashboard asks for metrics the cluster does not export: "
+                f"{sorted(asked - exported)}; exported: {shown}"
+            )
+            assert enrich.runner.ops is not None, "the enrichment runner serves /metrics"
+            enrichment_exports = prometheus_names([f"{enrich.runner.ops.address}/metrics"])
+            asked_of_runner = dashboard_metric_names(FLINK_DASHBOARD, RUNNER_METRIC)
+            assert asked_of_runner and asked_of_runner <= enrichment_exports, (
+                "the Flink dashboard asks the enrichment runner for metrics it does not export: "
+                f"{sorted(asked_of_runner - enrichment_exports)}"
+            )
+            drain(flink_cluster, job.job_id, stack_dir)
     finally:
         stats = runner.stop()
     acct = stats.accounting
+    assert enrich.stats is not None
+    enriched = enrich.stats.accounting
+    assert enriched.balanced and enriched.dead_lettered == 0, enriched.as_dict()
+    assert enriched.prompts == len(expected) == enriched.insights + enriched.errors + enriched.superseded
     assert acct.balanced and acct.prompts == len(expected) == acct.insights + acct.errors + acct.superseded
 
     embedded_signals = signals(stack.redis_url, isolated.prefix)

@@ -34,14 +34,22 @@ from tests.conftest import Isolated
 from tests.flink_kit import (
     cluster_job_settings,
     drain,
+    enrichment_runner,
     flink_topics,
     produce,
     read_all,
     request_ids,
     run_job,
     wait_committed,
+    wait_enriched,
 )
-from tests.helpers import assert_latest_wins, expected_prompts, final_seq_by_shopper, signal_versions
+from tests.helpers import (
+    assert_latest_wins,
+    expected_prompts,
+    final_seq_by_shopper,
+    prometheus_total,
+    signal_versions,
+)
 
 pytestmark = [pytest.mark.flink, pytest.mark.slow]
 
@@ -142,7 +150,14 @@ def test_taskmanager_killed_mid_stream_restarts_from_checkpoint(
     topics = flink_topics(isolated)
     prefix, s3_prefix = f"{isolated.prefix}flink:", f"{isolated.s3_prefix}-flink"
     settings = cluster_job_settings(  # parts arrive apart: prompts by event order (tests.flink_kit)
-        stack, stack_dir, isolated, topics, prefix=prefix, s3_prefix=s3_prefix, wall_clock_timers=False
+        stack,
+        stack_dir,
+        isolated,
+        topics,
+        prefix=prefix,
+        s3_prefix=s3_prefix,
+        wall_clock_timers=False,
+        async_stage=True,  # the job's own transactional enrichment; the default path: test_prompts_topic
     ).model_copy(update={"parallelism": 2})
     rest = FlinkRest(flink_cluster.web_url)
     with SignalWatcher(stack.redis_url, prefix) as watcher:
@@ -151,15 +166,7 @@ def test_taskmanager_killed_mid_stream_restarts_from_checkpoint(
         while rest.completed_checkpoints(job.job_id) < 1 or not watcher.highest:
             assert rest.job_state(job.job_id) == "RUNNING"
             threading.Event().wait(0.3)
-        taskmanagers = [
-            p for p in flink_cluster.processes if p.name.startswith("flink-taskmanager") and alive(p.pid)
-        ]
-        assert len(taskmanagers) == 2 and _busy_taskmanagers(rest, job.job_id) == 2
-        victim = taskmanagers[0]
-        os.killpg(victim.pid, signal.SIGKILL)  # the JVM and its Python workers, like a lost machine
-        flink_cluster.processes.remove(victim)
-        start_taskmanager(flink_cluster, name=f"{victim.name}-replaced")
-        save_cluster(stack_dir, flink_cluster)
+        _kill_a_taskmanager(flink_cluster, stack_dir, rest, job.job_id)
         more = produce(stack.kafka_bootstrap, topics.events, second)
         ends = {p: max(ends.get(p, 0), more.get(p, 0)) for p in {*ends, *more}}
         wait_committed(stack.kafka_bootstrap, topics.group, topics.events, ends, rest, job.job_id)
@@ -178,6 +185,75 @@ def test_taskmanager_killed_mid_stream_restarts_from_checkpoint(
         (d.partition, d.offset) for d in dead
     }  # at-least-once: a replayed dead letter is the same bytes at the same position
     assert len(malformed) == sum(1 for _, v in first + second if v is not None and not _valid(v))
+
+
+def _kill_a_taskmanager(
+    flink_cluster: FlinkClusterState, stack_dir: Path, rest: FlinkRest, job_id: str
+) -> None:
+    """SIGKILL the process group of one of the two TaskManagers that run ``job_id`` (the JVM and its
+    Python workers, like a lost machine) and start a replacement, as Kubernetes would."""
+    taskmanagers = [
+        p for p in flink_cluster.processes if p.name.startswith("flink-taskmanager") and alive(p.pid)
+    ]
+    assert len(taskmanagers) == 2 and _busy_taskmanagers(rest, job_id) == 2
+    victim = taskmanagers[0]
+    os.killpg(victim.pid, signal.SIGKILL)
+    flink_cluster.processes.remove(victim)
+    start_taskmanager(flink_cluster, name=f"{victim.name}-replaced")
+    save_cluster(stack_dir, flink_cluster)
+
+
+FIRST_CHECKPOINT_MS = 30_000
+"""The default-path kill test's checkpoint interval: long enough that the kill comes before the job's
+first checkpoint, so the restored job reads the stream from its start and sends every prompt again."""
+
+
+def test_a_taskmanager_killed_at_the_defaults_re_pays_no_call(
+    isolated: Isolated, stack: StackState, stack_dir: Path, flink_cluster: FlinkClusterState
+) -> None:
+    """At the defaults (the prompts topic) the LLM calls are in the enrichment runner, which a lost
+    TaskManager does not take. Killed before the job's first checkpoint, the restored job reads the
+    stream from its start and sends every prompt made before the kill again, with the same request_id;
+    the runner joins a copy still in flight or answers it from its answer ledger, so the replicas get
+    at most one call per prompt, every prompt is stored and no signal goes back."""
+    first, second = _records(10, 240), _records(11, 160)
+    topics = flink_topics(isolated)
+    prefix, s3_prefix = f"{isolated.prefix}flink:", f"{isolated.s3_prefix}-flink"
+    settings = cluster_job_settings(  # parts arrive apart: prompts by event order (tests.flink_kit)
+        stack, stack_dir, isolated, topics, prefix=prefix, s3_prefix=s3_prefix, wall_clock_timers=False
+    )
+    checkpoint = settings.checkpoint.model_copy(update={"interval_ms": FIRST_CHECKPOINT_MS})
+    settings = settings.model_copy(update={"parallelism": 2, "checkpoint": checkpoint})
+    replicas = [f"{endpoint}/metrics" for endpoint in stack.llm_endpoints]
+    calls_before = prometheus_total(replicas, "sim_requests_total")
+    rest = FlinkRest(flink_cluster.web_url)
+    with enrichment_runner(isolated, settings) as enrich, SignalWatcher(stack.redis_url, prefix) as watcher:
+        ends = produce(stack.kafka_bootstrap, topics.events, first)
+        job = run_job(flink_cluster, settings, stack_dir)
+        while not watcher.highest:
+            assert rest.job_state(job.job_id) == "RUNNING"
+            threading.Event().wait(0.2)
+        assert rest.completed_checkpoints(job.job_id) == 0, "a checkpoint came before the kill"
+        _kill_a_taskmanager(flink_cluster, stack_dir, rest, job.job_id)
+        more = produce(stack.kafka_bootstrap, topics.events, second)
+        ends = {p: max(ends.get(p, 0), more.get(p, 0)) for p in {*ends, *more}}
+        wait_committed(stack.kafka_bootstrap, topics.group, topics.events, ends, rest, job.job_id)
+        drain(flink_cluster, job.job_id, stack_dir)
+        wait_enriched(stack.kafka_bootstrap, settings, enrich)
+    calls = prometheus_total(replicas, "sim_requests_total") - calls_before
+    assert rest.get(f"/jobs/{job.job_id}/exceptions")["exceptionHistory"]["entries"], "no kill noticed"
+    assert not watcher.regressions, watcher.regressions
+    s3_ids, _ = _check_results(
+        isolated, stack, prefix, s3_prefix, topics.insights, first + second, exactly_once=False
+    )
+    prompts = len(set(s3_ids))
+    assert enrich.stats is not None
+    assert enrich.runner.enrichment is not None
+    acct, counts = enrich.stats.accounting, enrich.runner.enrichment.counts
+    assert acct.balanced, acct.as_dict()
+    assert acct.prompts > prompts, "the restored job sent no prompt again: the kill tested nothing"
+    assert calls <= prompts, f"{calls:g} calls for {prompts} prompts: a replayed prompt was paid again"
+    assert counts.skipped_answered + counts.joined + counts.superseded_answered >= acct.prompts - prompts
 
 
 def test_a_taskmanager_that_exits_on_its_own_is_started_again(flink_cluster: FlinkClusterState) -> None:
@@ -226,7 +302,14 @@ def test_rescale_1_to_2_to_1_through_savepoints_loses_and_repeats_nothing(
     topics = flink_topics(isolated)
     prefix, s3_prefix = f"{isolated.prefix}flink:", f"{isolated.s3_prefix}-flink"
     settings = cluster_job_settings(  # parts arrive apart: prompts by event order (tests.flink_kit)
-        stack, stack_dir, isolated, topics, prefix=prefix, s3_prefix=s3_prefix, wall_clock_timers=False
+        stack,
+        stack_dir,
+        isolated,
+        topics,
+        prefix=prefix,
+        s3_prefix=s3_prefix,
+        wall_clock_timers=False,
+        async_stage=True,  # the job's own transactional enrichment; the default path: test_prompts_topic
     )
     rest = FlinkRest(flink_cluster.web_url)
     savepoints = (stack_dir / "flink" / "savepoints").resolve().as_uri()

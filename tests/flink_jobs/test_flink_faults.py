@@ -132,7 +132,14 @@ def test_flink_job_redis_stopped_for_10_s_mid_stream(
         topics = flink_topics(isolated)
         prefix, s3_prefix = f"{isolated.prefix}flink:", f"{isolated.s3_prefix}-flink"
         settings = cluster_job_settings(  # parts arrive apart: prompts by event order (tests.flink_kit)
-            stack, stack_dir, isolated, topics, prefix=prefix, s3_prefix=s3_prefix, wall_clock_timers=False
+            stack,
+            stack_dir,
+            isolated,
+            topics,
+            prefix=prefix,
+            s3_prefix=s3_prefix,
+            wall_clock_timers=False,
+            async_stage=True,  # the job's own async stage under the fault (a prompts runner: tests/runner)
         )
         sinks = settings.sinks.model_copy(update={"redis_url": redis.url})
         settings = settings.model_copy(update={"sinks": sinks})
@@ -243,7 +250,14 @@ def test_flink_job_one_replica_of_two_sends_bad_answers(
         topics = flink_topics(isolated)
         prefix, s3_prefix = f"{isolated.prefix}flink:", f"{isolated.s3_prefix}-flink"
         settings = cluster_job_settings(  # parts arrive apart: prompts by event order (tests.flink_kit)
-            stack, stack_dir, isolated, topics, prefix=prefix, s3_prefix=s3_prefix, wall_clock_timers=False
+            stack,
+            stack_dir,
+            isolated,
+            topics,
+            prefix=prefix,
+            s3_prefix=s3_prefix,
+            wall_clock_timers=False,
+            async_stage=True,  # the job's own async stage under the fault (a prompts runner: tests/runner)
         )
         llm = settings.llm.model_copy(update={"endpoints": replicas.endpoints, "policy": "prefix_aware"})
         settings = settings.model_copy(update={"llm": llm})

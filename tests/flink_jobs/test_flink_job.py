@@ -60,6 +60,7 @@ def flink_run(tmp_path_factory: pytest.TempPathFactory, stack: StackState) -> It
     try:
         with simulator_replicas(2, time_scale=0.01) as urls, moto_s3() as s3_url:
             settings = NearRealtimeSettings(
+                prompts_topic=None,  # the whole job in one MiniCluster, its own async stage enriching
                 checkpoint=CheckpointSettings(
                     interval_ms=2_000, directory=tmp_path_factory.mktemp("ckpt").as_uri()
                 ),

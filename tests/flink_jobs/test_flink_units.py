@@ -290,7 +290,7 @@ def test_only_the_session_stage_follows_the_session_stage_mode(mode: str) -> Non
     from flink_jobs.flink_functions import shopper_key
     from flink_jobs.near_realtime import build_pipeline, create_environment
 
-    settings = NearRealtimeSettings(session_stage_mode=mode)
+    settings = NearRealtimeSettings(session_stage_mode=mode, prompts_topic=None)  # the async stage
     env = create_environment(settings, local=True)
     raw = env.from_collection(["e30="], type_info=Types.STRING())
     pipeline = build_pipeline(

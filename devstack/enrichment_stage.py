@@ -1,0 +1,162 @@
+"""The Flink job's enrichment stage: a runner with input 'prompts' on the job's prompts topic
+(``NearRealtimeSettings.prompts_topic``, on by default), with settings derived from the job's own.
+
+Why derived: the two deployables must agree on the Kafka cluster and its security, the LLM fleet, the
+enrichment policy (latest wins, priority, the answer ledger), the dead-letter topic and the sinks, or
+the job's prompts are answered into a store the ad servers do not read. ``shopper flink submit`` starts
+one beside each job it submits, as a process of its own (``python -m devstack.enrichment_stage
+JOB_CONFIG``, the job's own config file); ``shopper flink down`` stops it as SIGTERM stops
+``shopper run``: in-flight prompts finish, then one last durable point and commit. The compose file and
+the Kubernetes manifests run the same runner as ``shopper run`` with ``RUNNER_INPUT=prompts``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import sys
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+from devstack.flink_cluster import FlinkClusterState, SubmittedJob, cluster_dir, submit
+from devstack.processes import ManagedProcess, free_port, spawn, stop, wait_for_http
+from flink_jobs.flink_config import NearRealtimeSettings
+from pipeline.kafka_security import librdkafka_properties
+from prompt_assembly.errors import ConfigurationError
+from runner.config import RunnerSettings
+
+STOP_TIMEOUT_S = 120.0
+"""How long ``stop_enrichment`` lets a runner finish its in-flight prompts before it is killed (a
+killed one re-pays nothing: its prompts are read again and answered from the ledger)."""
+
+
+def enrichment_settings(job: NearRealtimeSettings, **overrides: Any) -> RunnerSettings:
+    """The runner that enriches ``job``'s prompts: the job's Kafka cluster and security, LLM,
+    enrichment, sink and dead-letter settings, in a consumer group of its own (``<job group>-enrich``).
+    ``overrides`` are ``RunnerSettings`` fields."""
+    if not job.prompts_topic:
+        raise ConfigurationError("the job has no prompts_topic: its own async stage enriches its prompts")
+    options: dict[str, Any] = {
+        "bootstrap_servers": job.kafka.bootstrap_servers,
+        "kafka_security": job.kafka.security,
+        "group_id": f"{job.kafka.group_id}-enrich",
+        "topic": job.prompts_topic,
+        "input": "prompts",
+        "dlq_topic": job.kafka.dlq_topic,
+        "dlq_max_original_bytes": job.dlq_max_original_bytes,
+        "sink_retry": job.sink_retry,
+        "llm": job.llm,
+        "enrichment": job.enrichment,
+        "sinks": job.sinks,
+    }
+    options.update(overrides)
+    return RunnerSettings(**options)
+
+
+def create_prompts_topic(job: NearRealtimeSettings) -> None:
+    """The job's prompts topic, unless it exists, with as many partitions as its events topic (so the
+    enrichment scales, as a consumer group, as far as the job's sources do)."""
+    from confluent_kafka.admin import AdminClient, NewTopic  # type: ignore[attr-defined]
+
+    if not job.prompts_topic:
+        return
+    config: dict[str, str | int | float | bool] = {
+        "bootstrap.servers": job.kafka.bootstrap_servers,
+        **librdkafka_properties(job.kafka.security),
+    }
+    admin = AdminClient(config)
+    topics = admin.list_topics(timeout=10).topics
+    if job.prompts_topic in topics:
+        return
+    events = topics.get(job.kafka.events_topic)
+    partitions = len(events.partitions) if events is not None and events.partitions else 1
+    admin.create_topics([NewTopic(job.prompts_topic, partitions, 1)])[job.prompts_topic].result(timeout=10)
+
+
+def enrichment_state_file(state_dir: Path) -> Path:
+    return cluster_dir(state_dir) / "enrichment.json"
+
+
+def running_enrichment(state_dir: Path) -> list[ManagedProcess]:
+    """The enrichment runners ``start_enrichment`` started and ``stop_enrichment`` has not stopped."""
+    path = enrichment_state_file(state_dir)
+    if not path.exists():
+        return []
+    return [ManagedProcess(**row) for row in json.loads(path.read_text())]
+
+
+def start_enrichment(state_dir: Path, config_path: Path) -> ManagedProcess:
+    """Start the enrichment runner of the job whose config ``submit`` wrote to ``config_path`` (it
+    holds the job's secrets, readable by its owner only, so this process reads it as the job does);
+    returns once its ``/health`` answers. Its ``/metrics`` is on the port it returns."""
+    port = free_port()
+    started = running_enrichment(state_dir)
+    process = spawn(
+        f"enrichment-runner-{len(started) + 1}",
+        [sys.executable, "-m", "devstack.enrichment_stage", str(config_path), "--metrics-port", str(port)],
+        port,
+        cluster_dir(state_dir) / "log",
+    )
+    try:
+        wait_for_http(process, "/health", timeout_s=60)
+    except BaseException:
+        stop(process)
+        raise
+    _save(state_dir, [*started, process])
+    return process
+
+
+def stop_enrichment(state_dir: Path, timeout_s: float = STOP_TIMEOUT_S) -> list[str]:
+    """SIGTERM every enrichment runner this state dir started (killed after ``timeout_s``); their names."""
+    processes = running_enrichment(state_dir)
+    for process in processes:
+        stop(process, timeout_s=timeout_s)
+    enrichment_state_file(state_dir).unlink(missing_ok=True)
+    return [p.name for p in processes]
+
+
+def submit_with_enrichment(
+    cluster: FlinkClusterState,
+    state_dir: Path,
+    settings: NearRealtimeSettings,
+    *,
+    config_path: Path,
+    savepoint: str | None = None,
+) -> tuple[SubmittedJob, ManagedProcess | None]:
+    """``flink run`` of the job and, when it has a prompts topic (the default), its enrichment runner
+    beside it; the runner is None when the job's own async stage enriches. The topic is made (unless the
+    stack made it) once ``flink run`` has accepted the job, which then still has to deploy its tasks:
+    seconds, against the milliseconds the topic takes, and its producer waits for the topic's metadata
+    in any case (``max.block.ms``)."""
+    job = submit(cluster, settings, config_path=config_path, savepoint=savepoint)
+    if not settings.prompts_topic:
+        return job, None
+    create_prompts_topic(settings)
+    return job, start_enrichment(state_dir, config_path)
+
+
+def _save(state_dir: Path, processes: list[ManagedProcess]) -> None:
+    path = enrichment_state_file(state_dir)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps([asdict(p) for p in processes]))
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Run the enrichment runner of the job configured in JOB_CONFIG until SIGTERM."""
+    from runner.embedded import EmbeddedRunner
+
+    parser = argparse.ArgumentParser(prog="python -m devstack.enrichment_stage", description=main.__doc__)
+    parser.add_argument(
+        "job_config", type=Path, help="the job's config JSON, as `shopper flink submit` writes it"
+    )
+    parser.add_argument("--metrics-port", type=int, default=None, help="/metrics and /health on this port")
+    args = parser.parse_args(argv)
+    job = NearRealtimeSettings.from_json(args.job_config.read_text())
+    settings = enrichment_settings(job, metrics_port=args.metrics_port)
+    asyncio.run(EmbeddedRunner(settings, log=lambda line: print(line, file=sys.stderr, flush=True)).run())
+
+
+if __name__ == "__main__":
+    main()
