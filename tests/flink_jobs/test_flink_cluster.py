@@ -203,9 +203,11 @@ def _kill_a_taskmanager(
     save_cluster(stack_dir, flink_cluster)
 
 
-FIRST_CHECKPOINT_MS = 30_000
-"""The default-path kill test's checkpoint interval: long enough that the kill comes before the job's
-first checkpoint, so the restored job reads the stream from its start and sends every prompt again."""
+FIRST_CHECKPOINT_AFTER_MS = 45_000
+"""The default-path kill test's pause between checkpoints, and so the least delay before the first:
+Flink starts its checkpoint scheduler after a random delay between that pause and the interval. The
+kill comes before it, so the restored job reads the stream from its start and sends every prompt
+again."""
 
 
 def test_a_taskmanager_killed_at_the_defaults_re_pays_no_call(
@@ -222,7 +224,8 @@ def test_a_taskmanager_killed_at_the_defaults_re_pays_no_call(
     settings = cluster_job_settings(  # parts arrive apart: prompts by event order (tests.flink_kit)
         stack, stack_dir, isolated, topics, prefix=prefix, s3_prefix=s3_prefix, wall_clock_timers=False
     )
-    checkpoint = settings.checkpoint.model_copy(update={"interval_ms": FIRST_CHECKPOINT_MS})
+    pause = {"interval_ms": FIRST_CHECKPOINT_AFTER_MS + 15_000, "min_pause_ms": FIRST_CHECKPOINT_AFTER_MS}
+    checkpoint = settings.checkpoint.model_copy(update=pause)
     settings = settings.model_copy(update={"parallelism": 2, "checkpoint": checkpoint})
     replicas = [f"{endpoint}/metrics" for endpoint in stack.llm_endpoints]
     calls_before = prometheus_total(replicas, "sim_requests_total")
