@@ -157,6 +157,31 @@ def cluster_job_settings(
     )
 
 
+def async_stage_job_settings(
+    stack: StackState,
+    state_dir: Path,
+    isolated: Isolated,
+    topics: FlinkTopics,
+    *,
+    prefix: str,
+    s3_prefix: str,
+) -> NearRealtimeSettings:
+    """``cluster_job_settings`` for the tests of the job's own async stage (``prompts_topic`` empty: its
+    calls, writes and exactly-once insights topic under a TaskManager kill, a rescale or a fault) whose
+    input arrives in parts: prompts by event order (``wall_clock_timers`` off, this module's docstring).
+    The default path's own kill test is ``test_a_taskmanager_killed_at_the_defaults_re_pays_no_call``."""
+    return cluster_job_settings(
+        stack,
+        state_dir,
+        isolated,
+        topics,
+        prefix=prefix,
+        s3_prefix=s3_prefix,
+        wall_clock_timers=False,
+        async_stage=True,
+    )
+
+
 @contextmanager
 def enrichment_runner(
     isolated: Isolated, settings: NearRealtimeSettings, **overrides: Any

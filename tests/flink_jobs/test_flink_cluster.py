@@ -32,6 +32,7 @@ from pipeline.dead_letter import DeadLetter
 from shopper.readback import list_s3_records, read_topic
 from tests.conftest import Isolated
 from tests.flink_kit import (
+    async_stage_job_settings,
     cluster_job_settings,
     drain,
     enrichment_runner,
@@ -149,15 +150,8 @@ def test_taskmanager_killed_mid_stream_restarts_from_checkpoint(
     first, second = _records(5, 240), _records(6, 160)
     topics = flink_topics(isolated)
     prefix, s3_prefix = f"{isolated.prefix}flink:", f"{isolated.s3_prefix}-flink"
-    settings = cluster_job_settings(  # parts arrive apart: prompts by event order (tests.flink_kit)
-        stack,
-        stack_dir,
-        isolated,
-        topics,
-        prefix=prefix,
-        s3_prefix=s3_prefix,
-        wall_clock_timers=False,
-        async_stage=True,  # the job's own transactional enrichment; the default path: test_prompts_topic
+    settings = async_stage_job_settings(
+        stack, stack_dir, isolated, topics, prefix=prefix, s3_prefix=s3_prefix
     ).model_copy(update={"parallelism": 2})
     rest = FlinkRest(flink_cluster.web_url)
     with SignalWatcher(stack.redis_url, prefix) as watcher:
@@ -304,15 +298,8 @@ def test_rescale_1_to_2_to_1_through_savepoints_loses_and_repeats_nothing(
     parts = [_records(7, 150), _records(8, 150), _records(9, 150)]
     topics = flink_topics(isolated)
     prefix, s3_prefix = f"{isolated.prefix}flink:", f"{isolated.s3_prefix}-flink"
-    settings = cluster_job_settings(  # parts arrive apart: prompts by event order (tests.flink_kit)
-        stack,
-        stack_dir,
-        isolated,
-        topics,
-        prefix=prefix,
-        s3_prefix=s3_prefix,
-        wall_clock_timers=False,
-        async_stage=True,  # the job's own transactional enrichment; the default path: test_prompts_topic
+    settings = async_stage_job_settings(
+        stack, stack_dir, isolated, topics, prefix=prefix, s3_prefix=s3_prefix
     )
     rest = FlinkRest(flink_cluster.web_url)
     savepoints = (stack_dir / "flink" / "savepoints").resolve().as_uri()

@@ -46,7 +46,7 @@ from tests.fault_kit import (
     stopping,
 )
 from tests.flink_kit import (
-    cluster_job_settings,
+    async_stage_job_settings,
     drain,
     flink_topics,
     produce,
@@ -131,15 +131,8 @@ def test_flink_job_redis_stopped_for_10_s_mid_stream(
         redis.start()
         topics = flink_topics(isolated)
         prefix, s3_prefix = f"{isolated.prefix}flink:", f"{isolated.s3_prefix}-flink"
-        settings = cluster_job_settings(  # parts arrive apart: prompts by event order (tests.flink_kit)
-            stack,
-            stack_dir,
-            isolated,
-            topics,
-            prefix=prefix,
-            s3_prefix=s3_prefix,
-            wall_clock_timers=False,
-            async_stage=True,  # the job's own async stage under the fault (a prompts runner: tests/runner)
+        settings = async_stage_job_settings(
+            stack, stack_dir, isolated, topics, prefix=prefix, s3_prefix=s3_prefix
         )
         sinks = settings.sinks.model_copy(update={"redis_url": redis.url})
         settings = settings.model_copy(update={"sinks": sinks})
@@ -249,15 +242,8 @@ def test_flink_job_one_replica_of_two_sends_bad_answers(
         replicas.start()
         topics = flink_topics(isolated)
         prefix, s3_prefix = f"{isolated.prefix}flink:", f"{isolated.s3_prefix}-flink"
-        settings = cluster_job_settings(  # parts arrive apart: prompts by event order (tests.flink_kit)
-            stack,
-            stack_dir,
-            isolated,
-            topics,
-            prefix=prefix,
-            s3_prefix=s3_prefix,
-            wall_clock_timers=False,
-            async_stage=True,  # the job's own async stage under the fault (a prompts runner: tests/runner)
+        settings = async_stage_job_settings(
+            stack, stack_dir, isolated, topics, prefix=prefix, s3_prefix=s3_prefix
         )
         llm = settings.llm.model_copy(update={"endpoints": replicas.endpoints, "policy": "prefix_aware"})
         settings = settings.model_copy(update={"llm": llm})

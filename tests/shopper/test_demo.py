@@ -27,3 +27,36 @@ def test_the_demo_runs_end_to_end_and_accounts_for_everything(tmp_path: Path) ->
     assert "all accounted for" in done.stdout
     assert "through the gateway" in done.stdout, "the runner calls the replicas through the stack's gateway"
     assert "stopped: " in done.stdout and "gateway" in done.stdout.rsplit("stopped: ", 1)[1]
+
+
+@pytest.mark.flink
+def test_the_flink_demo_runs_the_job_and_its_enrichment_runner_and_accounts_for_everything(
+    tmp_path: Path,
+) -> None:
+    """``shopper demo --engine flink``: a standalone cluster of its own, the job at its defaults (its
+    prompts handed to the enrichment runner ``submit`` starts beside it), a drain, and every prompt
+    stored before the runner is stopped; nothing of either left running."""
+    command = [
+        sys.executable,
+        "-m",
+        "shopper",
+        "demo",
+        "--engine",
+        "flink",
+        "--events",
+        "600",
+        "--shoppers",
+        "20",
+    ]
+    done = subprocess.run(
+        [*command, "--state-dir", str(tmp_path / "state")],
+        capture_output=True,
+        text=True,
+        timeout=540,
+        cwd=tmp_path,
+    )
+    assert done.returncode == 0, (done.stdout[-4000:], done.stderr[-4000:])
+    assert "enrichment runner on shopper-prompts" in done.stdout
+    assert "every prompt answered and stored" in done.stdout and "all accounted for" in done.stdout
+    left = subprocess.run(["pgrep", "-f", f"devstack.enrichment_stage {tmp_path}"], capture_output=True)
+    assert left.returncode == 1, f"an enrichment runner outlived the demo: {left.stdout!r}"
