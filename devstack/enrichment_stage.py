@@ -20,8 +20,10 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
+from devstack.errors import FlinkJobFailed
 from devstack.flink_cluster import FlinkClusterState, SubmittedJob, cluster_dir, submit
 from devstack.processes import ManagedProcess, free_port, spawn, stop, wait_for_http
+from devstack.stack import write_private
 from flink_jobs.flink_config import NearRealtimeSettings
 from pipeline.kafka_security import librdkafka_properties
 from prompt_assembly.errors import ConfigurationError
@@ -35,7 +37,8 @@ killed one re-pays nothing: its prompts are read again and answered from the led
 def enrichment_settings(job: NearRealtimeSettings, **overrides: Any) -> RunnerSettings:
     """The runner that enriches ``job``'s prompts: the job's Kafka cluster and security, LLM,
     enrichment, sink and dead-letter settings, in a consumer group of its own (``<job group>-enrich``).
-    ``overrides`` are ``RunnerSettings`` fields."""
+    The runner's other settings (its metrics host, log format, in-flight bounds) come from ``RUNNER_*``
+    as for ``shopper run``. ``overrides`` are ``RunnerSettings`` fields."""
     if not job.prompts_topic:
         raise ConfigurationError("the job has no prompts_topic: its own async stage enriches its prompts")
     options: dict[str, Any] = {
@@ -44,6 +47,7 @@ def enrichment_settings(job: NearRealtimeSettings, **overrides: Any) -> RunnerSe
         "group_id": f"{job.kafka.group_id}-enrich",
         "topic": job.prompts_topic,
         "input": "prompts",
+        "until_drained": False,  # a stage of a running job, never a batch that ends
         "dlq_topic": job.kafka.dlq_topic,
         "dlq_max_original_bytes": job.dlq_max_original_bytes,
         "sink_retry": job.sink_retry,
@@ -58,6 +62,7 @@ def enrichment_settings(job: NearRealtimeSettings, **overrides: Any) -> RunnerSe
 def create_prompts_topic(job: NearRealtimeSettings) -> None:
     """The job's prompts topic, unless it exists, with as many partitions as its events topic (so the
     enrichment scales, as a consumer group, as far as the job's sources do)."""
+    from confluent_kafka import KafkaError, KafkaException
     from confluent_kafka.admin import AdminClient, NewTopic  # type: ignore[attr-defined]
 
     if not job.prompts_topic:
@@ -72,7 +77,13 @@ def create_prompts_topic(job: NearRealtimeSettings) -> None:
         return
     events = topics.get(job.kafka.events_topic)
     partitions = len(events.partitions) if events is not None and events.partitions else 1
-    admin.create_topics([NewTopic(job.prompts_topic, partitions, 1)])[job.prompts_topic].result(timeout=10)
+    try:
+        admin.create_topics([NewTopic(job.prompts_topic, partitions, 1)])[job.prompts_topic].result(
+            timeout=10
+        )
+    except KafkaException as error:  # made meanwhile (a broker that creates topics on first use)
+        if error.args[0].code() != KafkaError.TOPIC_ALREADY_EXISTS:
+            raise
 
 
 def enrichment_state_file(state_dir: Path) -> Path:
@@ -87,24 +98,32 @@ def running_enrichment(state_dir: Path) -> list[ManagedProcess]:
     return [ManagedProcess(**row) for row in json.loads(path.read_text())]
 
 
-def start_enrichment(state_dir: Path, config_path: Path) -> ManagedProcess:
-    """Start the enrichment runner of the job whose config ``submit`` wrote to ``config_path`` (it
-    holds the job's secrets, readable by its owner only, so this process reads it as the job does);
-    returns once its ``/health`` answers. Its ``/metrics`` is on the port it returns."""
+def start_enrichment(state_dir: Path, job: NearRealtimeSettings, config_path: Path) -> ManagedProcess:
+    """Start the enrichment runner of ``job``, whose config ``submit`` wrote to ``config_path`` (it holds
+    the job's secrets, readable by its owner only, so the runner reads it as the job does); returns once
+    it is alive and serving (``/health/live``; ready only once it owns partitions). Its ``/metrics`` is on
+    the port it returns. A runner this state dir started for the same consumer group is stopped first
+    (a resubmitted job replaces its runner, settings and all); it is recorded before it is waited for,
+    so ``stop_enrichment`` finds it even if this process dies meanwhile."""
+    name = f"enrichment-{job.kafka.group_id}-enrich"
+    for previous in running_enrichment(state_dir):
+        if previous.name == name:
+            stop(previous, timeout_s=STOP_TIMEOUT_S)
+            _save(state_dir, [p for p in running_enrichment(state_dir) if p.pid != previous.pid])
     port = free_port()
-    started = running_enrichment(state_dir)
     process = spawn(
-        f"enrichment-runner-{len(started) + 1}",
+        name,
         [sys.executable, "-m", "devstack.enrichment_stage", str(config_path), "--metrics-port", str(port)],
         port,
         cluster_dir(state_dir) / "log",
     )
+    _save(state_dir, [*running_enrichment(state_dir), process])
     try:
-        wait_for_http(process, "/health", timeout_s=60)
+        wait_for_http(process, "/health/live", timeout_s=60)
     except BaseException:
         stop(process)
+        _save(state_dir, [p for p in running_enrichment(state_dir) if p.pid != process.pid])
         raise
-    _save(state_dir, [*started, process])
     return process
 
 
@@ -129,18 +148,26 @@ def submit_with_enrichment(
     beside it; the runner is None when the job's own async stage enriches. The topic is made (unless the
     stack made it) once ``flink run`` has accepted the job, which then still has to deploy its tasks:
     seconds, against the milliseconds the topic takes, and its producer waits for the topic's metadata
-    in any case (``max.block.ms``)."""
+    in any case (``max.block.ms``). If the runner cannot start, the job keeps running and its prompts
+    wait in their topic: the error says so, with the job's id and how to start the runner by hand."""
     job = submit(cluster, settings, config_path=config_path, savepoint=savepoint)
     if not settings.prompts_topic:
         return job, None
-    create_prompts_topic(settings)
-    return job, start_enrichment(state_dir, config_path)
+    try:
+        create_prompts_topic(settings)
+        return job, start_enrichment(state_dir, settings, config_path)
+    except Exception as error:
+        raise FlinkJobFailed(
+            f"job {job.job_id} runs, but its enrichment runner did not start ({error}); its prompts wait in "
+            f"{settings.prompts_topic}. Start it with `python -m devstack.enrichment_stage {config_path}`, "
+            "or cancel the job"
+        ) from error
 
 
 def _save(state_dir: Path, processes: list[ManagedProcess]) -> None:
     path = enrichment_state_file(state_dir)
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps([asdict(p) for p in processes]))
+    write_private(path, json.dumps([asdict(p) for p in processes]))  # whole, never half written
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -10,6 +10,7 @@ import logging
 import os
 import random
 import sys
+from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -100,7 +101,9 @@ def local_run(settings: NearRealtimeSettings, args: argparse.Namespace) -> int:
             sinks = sinks.model_copy(update={"redis_key_prefix": "flink-local:"})
         if sinks.s3_endpoint_url is None:
             sinks = sinks.model_copy(update={"s3_endpoint_url": stack.enter_context(moto_s3())})
-        settings = settings.model_copy(update={"llm": llm, "sinks": sinks})
+        # The whole job in one MiniCluster, its own async stage enriching: a bounded local run has no
+        # Kafka for a prompts topic and no enrichment runner beside it.
+        settings = settings.model_copy(update={"llm": llm, "sinks": sinks, "prompts_topic": None})
         _ensure_bucket(settings)
         print(
             f"local: {len(events)} events, replicas {settings.llm.endpoints}, S3 {sinks.s3_endpoint_url}, "
@@ -108,14 +111,19 @@ def local_run(settings: NearRealtimeSettings, args: argparse.Namespace) -> int:
             flush=True,
         )
         run = run_bounded(events, settings)
-        insights = sum(1 for r in run.results if orjson.loads(r)["kind"] == "insight")
+        results = [orjson.loads(r) for r in run.results]
+        kinds = Counter(str(r["kind"]) for r in results)
         print(
-            f"done in {run.seconds:.1f} s: {len(run.results)} results ({insights} insights, "
-            f"{len(run.results) - insights} errors), {len(run.dlq)} to the DLQ",
+            f"done in {run.seconds:.1f} s: {len(results)} results ({kinds['insight']} insights, "
+            f"{kinds['superseded']} superseded by the shopper's newer prompt, {kinds['error']} errors), "
+            f"{len(run.dlq)} to the DLQ",
             flush=True,
         )
         for record in run.dlq:
             print(f"  dlq: {orjson.loads(record)['reason']}")
+        for result in results:
+            if result["kind"] == "error":
+                print(f"  error: {result['request_id']}: {result['error_type']}: {result.get('message', '')}")
         print(f"  S3 objects: {_count_objects(settings)}; Redis signal keys: {_count_signals(settings)}")
     return 0
 

@@ -36,6 +36,7 @@ COPY batch ./batch
 COPY realtime ./realtime
 COPY scripts ./scripts
 COPY docker/flink-job.yaml ./docker/flink-job.yaml
+COPY deploy/kubernetes/flink-job.yaml ./deploy/kubernetes/flink-job.yaml
 RUN /opt/venv/bin/pip install --no-cache-dir ".[flink]"
 
 ARG MAVEN_MIRROR=https://repo.maven.apache.org/maven2

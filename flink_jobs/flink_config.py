@@ -202,7 +202,7 @@ class NearRealtimeSettings(BaseSettings):
     @field_validator("prompts_topic", mode="before")
     @classmethod
     def _empty_is_the_async_stage(cls, value: Any) -> Any:
-        return None if value == "" else value
+        return None if isinstance(value, str) and not value.strip() else value
 
     @model_validator(mode="before")
     @classmethod

@@ -1,6 +1,7 @@
 """The near-real-time shopper-understanding job on Flink (PyFlink 2.3, DataStream API).
 
-Topology (one chain per stage; JSON strings between operators)::
+Topology with its own async stage (``prompts_topic`` empty; one chain per stage; JSON strings between
+operators)::
 
     Kafka source (Table API: raw value + metadata; shopper id read by JSON_VALUE, keyed on the JVM)
       -> ShopperSessionFunction             gate (rejected -> DLQ side output -> KafkaSink), keyed
@@ -11,9 +12,10 @@ Topology (one chain per stage; JSON strings between operators)::
       -> Kafka table sink(shopper-insights) keyed by shopper id (JSON_VALUE on the JVM), exactly-once,
                                             explicit transaction timeout (optional)
 
-With ``prompts_topic`` the job ends at the session stage: its prompts go, keyed by shopper id, to that
-topic (at least once, sent as they are made), and a runner with ``input`` 'prompts' enriches and stores
-them, with no bundle and no drain on the call's path (docs/flink.md, "Prompts topic").
+By default (``prompts_topic``) the job ends at the session stage: its prompts go, keyed by shopper id, to
+that topic (at least once, sent as they are made), and a runner with ``input`` 'prompts' (the enrichment
+runner, ``devstack.enrichment_stage``) enriches and stores them, with no bundle and no drain on the
+call's path (docs/flink.md, "Prompts topic").
 
 Run it on a cluster with ``flink run -py flink_jobs/near_realtime.py --config job.yaml``, or locally in
 the MiniCluster on a bounded sample with ``python -m devstack.flink_local``. Tests call
@@ -247,7 +249,9 @@ def run_kafka(
     detached: bool = False,
     stop_at_latest: bool = False,
 ) -> None:
-    """The production job: Kafka in, DLQ and (optionally) insights out, Redis and S3 through the sinks.
+    """The production job: Kafka in, DLQ out, and either prompts out to ``prompts_topic`` (the default,
+    for the enrichment runner) or, with its own async stage, Redis and S3 through the sinks and
+    (optionally) the insights topic.
     ``stop_at_latest`` reads only what the topic holds now and then ends, flushing every pending trigger."""
     from flink_jobs.flink_connectors import (
         kafka_connector_jars,

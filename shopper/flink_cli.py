@@ -110,18 +110,33 @@ def topic_ends(bootstrap: str, topic: str, idle_s: float = 2.0) -> dict[int, int
         consumer.close()
 
 
+DEMO_WAIT_S = 600.0
+"""How long the demo waits for the job, then for its enrichment runner, to commit what was produced."""
+
+
 def wait_group_committed(
-    bootstrap: str, group: str, topic: str, ends: dict[int, int], failed: Callable[[], str | None]
+    bootstrap: str,
+    group: str,
+    topic: str,
+    ends: dict[int, int],
+    failed: Callable[[], str | None],
+    within_s: float = DEMO_WAIT_S,
 ) -> None:
     """Until ``group`` has committed ``ends`` of ``topic`` (every record read and its results stored);
-    raises ``FlinkJobFailed`` with what ``failed`` says as soon as it says something."""
+    raises ``FlinkJobFailed`` with what ``failed`` says as soon as it says something, or when
+    ``within_s`` has passed (a consumer alive but stuck: the replicas or a store down)."""
     consumer = Consumer({"bootstrap.servers": bootstrap, "group.id": group})
+    deadline = time.monotonic() + within_s
     try:
         while True:
             done = consumer.committed([TopicPartition(topic, p) for p in ends], timeout=10)
             if all(tp.offset >= ends[tp.partition] for tp in done):
                 return
-            reason = failed()
+            reason = failed() or (
+                f"{group} did not commit {topic} within {within_s:g} s"
+                if time.monotonic() > deadline
+                else None
+            )
             if reason is not None:
                 raise FlinkJobFailed(reason)
             time.sleep(1.0)

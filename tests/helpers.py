@@ -150,6 +150,16 @@ def dashboard_metric_names(dashboard: Path, name: re.Pattern[str]) -> set[str]:
     return {found for expr in exprs for found in name.findall(expr)}
 
 
+def unscoped_queries(dashboard: Path, name: re.Pattern[str], job: str) -> list[str]:
+    """The queries of a Grafana dashboard that read a metric matching ``name`` without the selector
+    ``{job="<job>"}``: two scrape jobs export the same names (the embedded runner and the Flink job's
+    enrichment runner), and an unscoped query would add them together."""
+    panels = json.loads(dashboard.read_text())["panels"]
+    exprs = [str(target["expr"]) for panel in panels for target in panel["targets"]]
+    scoped = re.compile(name.pattern + re.escape(f'{{job="{job}"}}'))
+    return [expr for expr in exprs if len(name.findall(expr)) != len(scoped.findall(expr))]
+
+
 def _samples(url: str) -> list[Sample]:
     """Every sample a Prometheus endpoint serves."""
     with urllib.request.urlopen(url, timeout=10) as response:

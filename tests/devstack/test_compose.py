@@ -13,6 +13,8 @@ import jsonschema
 import pytest
 import yaml
 
+from tests.helpers import unscoped_queries
+
 ROOT = Path(__file__).resolve().parents[2]
 SCHEMA = ROOT / "tests/data/compose_spec.json"
 _VAR = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)(?::?-([^}]*))?\}")
@@ -107,9 +109,11 @@ def test_the_enrichment_service_runs_what_submit_derives_from_the_job_config(
     from runner.config import RunnerSettings
 
     command = compose["services"]["job-submitter"]["command"]
-    job = NearRealtimeSettings.load(ROOT / command[command.index("--config") + 1].removeprefix("/opt/app/"))
-    assert job.prompts_topic, "the compose job runs the default: a prompts topic"
-    derived = enrichment_settings(job)
+    config = command[command.index("--config") + 1].removeprefix("/opt/app/")
+    assert NearRealtimeSettings.load(ROOT / config).prompts_topic, "the compose job runs the default"
+    for name, value in compose["x-flink-env"].items():  # what the job reads besides its config file
+        monkeypatch.setenv(name, value)
+    derived = enrichment_settings(NearRealtimeSettings.load(ROOT / config))
     service = compose["services"]["enrichment"]
     for name, value in service["environment"].items():
         monkeypatch.setenv(name, value)
@@ -120,13 +124,17 @@ def test_the_enrichment_service_runs_what_submit_derives_from_the_job_config(
     assert deployed.sinks.model_dump(include=set(sink_fields)) == derived.sinks.model_dump(
         include=set(sink_fields)
     )
+    assert (deployed.llm.endpoints, deployed.llm.model) == (derived.llm.endpoints, derived.llm.model)
     topics = compose["services"]["kafka-topics"]["command"][0]
-    assert f"{job.prompts_topic}:8" in topics and "shopper-events:8" in topics, (
-        "prompts: the events' partitions"
-    )
-    scraped = (ROOT / "docker/prometheus.yml").read_text()
+    assert f"{derived.topic}:8" in topics and "shopper-events:8" in topics, "prompts: the events' partitions"
     port = service["environment"]["RUNNER_METRICS_PORT"]
-    assert f"enrichment:{port}" in scraped and f"{port}:{port}" in service["ports"]
+    assert f"{port}:{port}" in service["ports"]
+    scrape = yaml.safe_load((ROOT / "docker/prometheus.yml").read_text())["scrape_configs"]
+    (job,) = [c["job_name"] for c in scrape if c["static_configs"][0]["targets"] == [f"enrichment:{port}"]]
+    # The Flink dashboard's enrichment panels read that scrape job alone (the embedded runner's has the
+    # same names); that it asks only for names the runner exports: tests/engines/test_engine_agreement.py.
+    dashboard = ROOT / "docker/grafana/dashboards/shopper-flink.json"
+    assert unscoped_queries(dashboard, re.compile(r"\bshopper_[A-Za-z0-9_]+\b"), job) == []
 
 
 def test_the_producer_uses_the_shopper_cli(compose: dict[str, Any]) -> None:
@@ -174,7 +182,10 @@ def test_the_kubernetes_manifest_runs_this_job_with_these_settings(monkeypatch: 
     args = job["args"]
     in_image = {args[i]: args[i + 1] for i in range(0, len(args) - 1, 2)}
     assert (ROOT / in_image["-py"].removeprefix("/opt/app/")).is_file()
-    assert (ROOT / in_image["--config"].removeprefix("/opt/app/")).is_file()
+    config = in_image["--config"].removeprefix("/opt/app/")
+    assert (ROOT / config).is_file() and f"COPY {config} ./{config}" in (
+        ROOT / "docker/flink.Dockerfile"
+    ).read_text()
     env = manifest["spec"]["podTemplate"]["spec"]["containers"][0]["env"]
     for var in env:
         monkeypatch.setenv(var["name"], var.get("value", "from-a-secret"))
@@ -208,9 +219,9 @@ def test_the_kubernetes_enrichment_deployment_answers_the_jobs_prompts(
     for var in container["env"]:
         monkeypatch.setenv(var["name"], var.get("value", "from-a-secret"))
     deployed = RunnerSettings()
-    fields = ("input", "topic", "group_id", "dlq_topic")
+    fields = ("bootstrap_servers", "input", "topic", "group_id", "dlq_topic")
     assert {f: getattr(deployed, f) for f in fields} == {f: getattr(derived, f) for f in fields}
-    sink_fields = {"enabled", "insights_topic", "s3_bucket", "s3_prefix"}
+    sink_fields = {"enabled", "insights_topic", "redis_url", "s3_endpoint_url", "s3_bucket", "s3_prefix"}
     assert deployed.sinks.model_dump(include=sink_fields) == derived.sinks.model_dump(include=sink_fields)
     assert deployed.llm.endpoints == derived.llm.endpoints and deployed.llm.policy == derived.llm.policy
     assert deployed.sinks.redis_password is not None

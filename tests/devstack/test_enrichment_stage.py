@@ -10,7 +10,10 @@ from pydantic import SecretStr
 from devstack.enrichment_stage import enrichment_settings
 from flink_jobs.flink_config import KafkaSettings, NearRealtimeSettings
 from llm_client.config import ClientConfig
+from pipeline.enrichment import EnrichmentSettings
 from pipeline.kafka_security import KafkaSecurity
+from pipeline.overload import OverloadSettings
+from pipeline.sink_retry import SinkRetry
 from pipeline.topics import PROMPTS_TOPIC
 from prompt_assembly.errors import ConfigurationError
 from sinks.config import SinkSettings
@@ -27,7 +30,10 @@ def test_the_job_hands_its_prompts_to_a_topic_by_default_and_empty_means_its_own
         enrichment_settings(job)
 
 
-def test_the_enrichment_runner_reads_stores_and_calls_as_the_job_says() -> None:
+def test_the_enrichment_runner_reads_stores_and_calls_as_the_job_says(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv("RUNNER_UNTIL_DRAINED", "true")  # the rest of RUNNER_* is the runner's own
     security = KafkaSecurity(
         protocol="SASL_SSL", sasl_mechanism="SCRAM-SHA-512", sasl_username="u", sasl_password=SecretStr("p")
     )
@@ -39,6 +45,8 @@ def test_the_enrichment_runner_reads_stores_and_calls_as_the_job_says() -> None:
         sinks=SinkSettings(redis_url="rediss://cache:6379/0", redis_key_prefix="p:", s3_prefix="x"),
         prompts_topic="job-prompts",
         dlq_max_original_bytes=1234,
+        enrichment=EnrichmentSettings(max_tokens=77, overload=OverloadSettings(policy="fifo")),
+        sink_retry=SinkRetry(max_wait_s=9.0),
     )
     runner = enrichment_settings(job, metrics_port=0)
     assert (runner.input, runner.topic, runner.group_id) == ("prompts", "job-prompts", "job-group-enrich")
@@ -51,4 +59,6 @@ def test_the_enrichment_runner_reads_stores_and_calls_as_the_job_says() -> None:
     assert runner.kafka_security.sasl_password is not None
     assert runner.kafka_security.sasl_password.get_secret_value() == "p"
     assert runner.llm == job.llm and runner.sinks == job.sinks and runner.enrichment == job.enrichment
-    assert runner.sink_retry == job.sink_retry and runner.metrics_port == 0
+    assert (runner.enrichment.max_tokens, runner.enrichment.overload.policy) == (77, "fifo")
+    assert runner.sink_retry.max_wait_s == 9.0 and runner.metrics_port == 0
+    assert not runner.until_drained, "a stage of a running job, never a batch that ends"

@@ -78,11 +78,11 @@ pytestmark = [pytest.mark.flink, pytest.mark.slow]
 # Fields that depend only on the events (and the deterministic stand-in model), not on timing or on
 # which replica's cache happened to hold the prefix.
 FLINK_DASHBOARD = Path(__file__).resolve().parents[2] / "docker/grafana/dashboards/shopper-flink.json"
+"""The compose stack's Flink dashboard, checked against the metrics the standalone cluster's Prometheus
+reporter serves while the job runs (the runner's dashboard has its own check)."""
 FLINK_METRIC = re.compile(r"\bflink_[A-Za-z0-9_]+\b")
 RUNNER_METRIC = re.compile(r"\bshopper_[A-Za-z0-9_]+\b")
 """The Flink dashboard's enrichment panels read the job's enrichment runner (its prompts topic)."""
-"""The compose stack's Flink dashboard, checked against the metrics the standalone cluster's Prometheus
-reporter serves while the job runs (the runner's dashboard has its own check)."""
 
 SIGNAL_FIELDS = (
     "seq",

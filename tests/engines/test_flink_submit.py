@@ -1,10 +1,12 @@
-"""What ``shopper flink submit`` and ``shopper flink down`` run (``devstack.enrichment_stage``): the job
+"""The code ``shopper flink submit`` runs (``devstack.enrichment_stage.submit_with_enrichment``): the job
 at its defaults on the standalone cluster and, beside it, its enrichment runner as a process of its own
 (``python -m devstack.enrichment_stage JOB_CONFIG``, settings derived from the job's config file), as
 the compose file and the Kubernetes manifests deploy the two. A shopper's cart add is answered into the
 store the job's settings name; the runner's ``/metrics`` counts it; ``stop_enrichment`` (the first step
-of ``shopper flink down``) stops the runner with SIGTERM, after which its group has committed the
-prompts topic to its end: nothing taken was left unstored."""
+of ``shopper flink down``, here after the job is cancelled, since the session's cluster stays up) stops
+the runner with SIGTERM, after which its group has committed the prompts topic to its end: nothing
+taken was left unstored. The CLI commands around it run in ``tests/shopper/test_demo.py`` (the Flink
+demo) and ``tests/security/test_security_cli_output.py``."""
 
 from __future__ import annotations
 

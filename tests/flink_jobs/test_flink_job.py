@@ -5,9 +5,14 @@ from __future__ import annotations
 
 import base64
 import gzip
+import os
+import re
+import subprocess
+import sys
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import orjson
@@ -28,6 +33,8 @@ from sinks.config import SinkSettings
 from tests.helpers import assert_latest_wins, expected_prompts, final_seq_by_shopper
 
 pytestmark = [pytest.mark.flink, pytest.mark.slow]
+
+ROOT = Path(__file__).resolve().parents[2]
 
 
 @dataclass
@@ -186,3 +193,34 @@ def test_s3_holds_every_result_once(flink_run: FlinkRun) -> None:
     ids = sorted(str(r["request_id"]) for r in flink_run.s3_records)
     assert ids == sorted(orjson.loads(r)["request_id"] for r in flink_run.run.results)
     assert all(key.startswith(flink_run.settings.sinks.s3_prefix + "/kind=") for key in flink_run.s3_keys)
+
+
+def test_the_documented_local_run_answers_the_sample_in_a_minicluster(stack: StackState) -> None:
+    """``python -m devstack.flink_local`` (README, docs/flink.md): the whole job in one MiniCluster over a
+    generated sample, with simulator replicas and a moto S3 of its own. It has no Kafka for a prompts
+    topic, so it runs the job's own async stage whatever the default; it once crashed reading the
+    default's prompt records as results."""
+    prefix = f"test-flink-local-{uuid.uuid4().hex[:8]}:"
+    env = {
+        **os.environ,
+        "FLINK_JOB_SINKS__REDIS_URL": stack.redis_url,
+        "FLINK_JOB_SINKS__REDIS_KEY_PREFIX": prefix,
+    }
+    command = [sys.executable, "-m", "devstack.flink_local", "--shoppers", "4", "--events-per-shopper", "6"]
+    try:
+        done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300, cwd=ROOT)
+    finally:
+        redis = sync_redis.Redis.from_url(stack.redis_url)
+        keys = list(redis.scan_iter(f"{prefix}*", count=1000))
+        if keys:
+            redis.delete(*keys)
+        redis.close()
+    assert done.returncode == 0, (done.stdout[-3000:], done.stderr[-3000:])
+    landed = re.search(
+        r"(\d+) results \((\d+) insights, (\d+) superseded [^,]*, (\d+) errors\), (\d+) to the DLQ",
+        done.stdout,
+    )
+    assert landed is not None, done.stdout[-3000:]
+    results, insights, superseded, errors, dead = map(int, landed.groups())
+    assert results == insights + superseded and insights > 0, done.stdout[-3000:]
+    assert errors == 0 and dead == 3, done.stdout[-3000:]

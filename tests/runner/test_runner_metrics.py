@@ -31,7 +31,7 @@ from runner.logs import LogFormat, line_logger
 from shopper.readback import list_s3_records
 from sinks.redis import RedisSignalSink
 from tests.conftest import Isolated
-from tests.helpers import dashboard_metric_names, expected_prompts, produce_records
+from tests.helpers import dashboard_metric_names, expected_prompts, produce_records, unscoped_queries
 
 ROOT = Path(__file__).resolve().parents[2]
 DASHBOARD = ROOT / "docker/grafana/dashboards/shopper-runner.json"
@@ -285,6 +285,8 @@ def test_the_dashboard_is_provisioned_in_the_compose_stack() -> None:
     runner_env = services["runner"]["environment"]
     assert scrape[0]["static_configs"][0]["targets"] == [f"runner:{runner_env['RUNNER_METRICS_PORT']}"]
     assert runner_env["RUNNER_METRICS_HOST"] == "0.0.0.0"
+    # The Flink job's enrichment runner exports the same names under another scrape job.
+    assert unscoped_queries(DASHBOARD, METRIC_NAME, scrape[0]["job_name"]) == []
 
 
 def test_reasons_fall_into_the_fixed_categories() -> None:

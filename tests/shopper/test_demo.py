@@ -11,6 +11,9 @@ from pathlib import Path
 
 import pytest
 
+from devstack.enrichment_stage import running_enrichment
+from devstack.flink_cluster import cluster_state_file
+
 pytestmark = pytest.mark.slow
 
 
@@ -58,5 +61,7 @@ def test_the_flink_demo_runs_the_job_and_its_enrichment_runner_and_accounts_for_
     assert done.returncode == 0, (done.stdout[-4000:], done.stderr[-4000:])
     assert "enrichment runner on shopper-prompts" in done.stdout
     assert "every prompt answered and stored" in done.stdout and "all accounted for" in done.stdout
-    left = subprocess.run(["pgrep", "-f", f"devstack.enrichment_stage {tmp_path}"], capture_output=True)
-    assert left.returncode == 1, f"an enrichment runner outlived the demo: {left.stdout!r}"
+    # The JobManager, the TaskManagers and the enrichment runner all run from the demo's state dir.
+    left = subprocess.run(["pgrep", "-af", str(tmp_path / "state")], capture_output=True, text=True)
+    assert left.returncode == 1, f"processes outlived the demo: {left.stdout}"
+    assert not cluster_state_file(tmp_path / "state").exists() and not running_enrichment(tmp_path / "state")
