@@ -18,7 +18,7 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from llm_client.config import ClientConfig
 from pipeline.dead_letter import DEFAULT_MAX_ORIGINAL_BYTES
-from pipeline.enrichment import EnrichmentSettings
+from pipeline.enrichment import EnrichmentSettings, refuse_reading_on_superseded
 from pipeline.kafka_security import KafkaSecurity, configuration_error
 from pipeline.setting_names import refuse_settings_named_twice
 from pipeline.sink_retry import SinkRetry
@@ -209,6 +209,11 @@ class NearRealtimeSettings(BaseSettings):
     def _one_name_per_setting(cls, data: Any) -> Any:
         refuse_settings_named_twice(os.environ, "FLINK_JOB_", {"llm": "LLM_", "sinks": "SINK_"})
         return data
+
+    @model_validator(mode="after")
+    def _superseded_calls_close(self) -> NearRealtimeSettings:
+        refuse_reading_on_superseded(self.llm, self.enrichment)
+        return self
 
     @model_validator(mode="after")
     def _parallelism_within_key_groups(self) -> NearRealtimeSettings:

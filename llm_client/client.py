@@ -131,7 +131,10 @@ class LLMClient:
 
     @property
     def in_flight(self) -> int:
-        return self._calls.in_flight
+        """Calls a replica is working on for this client: those a caller waits for, and those cut at
+        their caller's deadline that read on within their grace (``cut_calls``), which still hold a
+        replica's slot; load shedding (``realtime.matching``) and ``/metrics`` read it."""
+        return self._calls.in_flight + self._exchange.cut_calls.reading
 
     @property
     def retries(self) -> int:

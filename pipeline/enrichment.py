@@ -28,12 +28,14 @@ import orjson
 from pydantic import BaseModel, Field, ValidationError
 
 from llm_client.client import LLMClient
+from llm_client.config import ClientConfig
 from llm_client.errors import InvalidAnswer, LLMError, SupersededByNewer
 from pipeline.admission import BACKFILL_CLASS, AdmissionGate, Evicted
 from pipeline.admission_limit import AdaptiveAdmissionLimit
 from pipeline.answer_ledger import AnswerLedger
 from pipeline.latest_wins import Arrival, Claim, ShopperClaims
 from pipeline.overload import OverloadCounts, OverloadSettings, TokenCounts
+from prompt_assembly.errors import ConfigurationError
 from prompt_assembly.records import (
     EnrichmentError,
     EnrichmentResult,
@@ -57,6 +59,20 @@ class EnrichmentSettings(BaseModel):
         "engine provides one, and record each answer there as it arrives",
     )
     overload: OverloadSettings = Field(default_factory=OverloadSettings)
+
+
+def refuse_reading_on_superseded(llm: ClientConfig, enrichment: EnrichmentSettings) -> None:
+    """A stream engine closes a superseded prompt's call so that the replica frees its slot for the
+    shopper's newer prompt (``overload.cancel_in_flight``); a cut grace (``llm.timeouts.cut_grace_s``,
+    the real-time path's, ``llm_client.cut_calls``) would keep that call reading instead, holding the
+    slot through the grace. Raises ``ConfigurationError`` naming both settings, at start."""
+    overload = enrichment.overload
+    if llm.timeouts.cut_grace_s > 0 and overload.latest_wins and overload.cancel_in_flight:
+        raise ConfigurationError(
+            f"llm.timeouts.cut_grace_s is {llm.timeouts.cut_grace_s:g} s (LLM_TIMEOUTS__CUT_GRACE_S?): a "
+            "superseded prompt's call would read on instead of freeing its replica slot; set it to 0, or "
+            "enrichment.overload.cancel_in_flight to false"
+        )
 
 
 class Enricher:

@@ -16,7 +16,7 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from llm_client.config import ClientConfig
 from pipeline.dead_letter import DEFAULT_MAX_ORIGINAL_BYTES
-from pipeline.enrichment import EnrichmentSettings
+from pipeline.enrichment import EnrichmentSettings, refuse_reading_on_superseded
 from pipeline.kafka_security import KafkaSecurity
 from pipeline.setting_names import refuse_settings_named_twice
 from pipeline.sink_retry import SinkRetry
@@ -151,6 +151,11 @@ class RunnerSettings(BaseSettings):
     def _one_name_per_setting(cls, data: Any) -> Any:
         refuse_settings_named_twice(os.environ, "RUNNER_", COMPONENT_PREFIXES)
         return data
+
+    @model_validator(mode="after")
+    def _superseded_calls_close(self) -> RunnerSettings:
+        refuse_reading_on_superseded(self.llm, self.enrichment)
+        return self
 
 
 COMPONENT_PREFIXES = {"llm": "LLM_", "sinks": "SINK_"}

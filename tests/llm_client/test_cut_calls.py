@@ -77,7 +77,9 @@ async def test_a_call_answered_within_the_grace_keeps_its_connection_for_the_nex
     ):
         await cut(client)
         assert client.cut_calls.reading == 1, "the caller waited for the whole answer"
+        assert client.in_flight == 1, "a call reading on holds its replica's slot: it is in flight"
         await until(lambda: client.cut_calls.kept == 1, 5.0)
+        assert client.in_flight == 0
         kept = client_ports(sim.url)
         assert len(kept) == 1, kept
         assert await aborted(sim.url) == 0, "the replica saw the client go away"
