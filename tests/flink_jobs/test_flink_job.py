@@ -195,17 +195,27 @@ def test_s3_holds_every_result_once(flink_run: FlinkRun) -> None:
     assert all(key.startswith(flink_run.settings.sinks.s3_prefix + "/kind=") for key in flink_run.s3_keys)
 
 
+PYFLINK_WORKER_VARIABLES = frozenset(
+    {
+        "PYFLINK_GATEWAY_DISABLED",
+        "_PYFLINK_CONN_INFO_PATH",
+        "PYTHON_LOOPBACK_SERVER_ADDRESS",
+        "_PYTHON_WORKER_MEMORY_LIMIT",
+    }
+)
+"""What a MiniCluster run in this process (``flink_run``: its Python workers run here, over the loopback
+server) leaves in ``os.environ``. A child that inherits them takes itself for a Python worker and refuses
+to start a gateway of its own, which a user's shell never does."""
+
+
 def test_the_documented_local_run_answers_the_sample_in_a_minicluster(stack: StackState) -> None:
     """``python -m devstack.flink_local`` (README, docs/flink.md): the whole job in one MiniCluster over a
     generated sample, with simulator replicas and a moto S3 of its own. It has no Kafka for a prompts
     topic, so it runs the job's own async stage whatever the default; it once crashed reading the
     default's prompt records as results."""
     prefix = f"test-flink-local-{uuid.uuid4().hex[:8]}:"
-    env = {
-        **os.environ,
-        "FLINK_JOB_SINKS__REDIS_URL": stack.redis_url,
-        "FLINK_JOB_SINKS__REDIS_KEY_PREFIX": prefix,
-    }
+    env = {k: v for k, v in os.environ.items() if k not in PYFLINK_WORKER_VARIABLES}
+    env |= {"FLINK_JOB_SINKS__REDIS_URL": stack.redis_url, "FLINK_JOB_SINKS__REDIS_KEY_PREFIX": prefix}
     command = [sys.executable, "-m", "devstack.flink_local", "--shoppers", "4", "--events-per-shopper", "6"]
     try:
         done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300, cwd=ROOT)
