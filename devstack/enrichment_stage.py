@@ -34,6 +34,11 @@ STOP_TIMEOUT_S = 120.0
 killed one re-pays nothing: its prompts are read again and answered from the ledger)."""
 
 
+def enrichment_group(job: NearRealtimeSettings) -> str:
+    """The enrichment runner's consumer group: the job's own, suffixed (each reads a different topic)."""
+    return f"{job.kafka.group_id}-enrich"
+
+
 def enrichment_settings(job: NearRealtimeSettings, **overrides: Any) -> RunnerSettings:
     """The runner that enriches ``job``'s prompts: the job's Kafka cluster and security, LLM,
     enrichment, sink and dead-letter settings, in a consumer group of its own (``<job group>-enrich``).
@@ -44,7 +49,7 @@ def enrichment_settings(job: NearRealtimeSettings, **overrides: Any) -> RunnerSe
     options: dict[str, Any] = {
         "bootstrap_servers": job.kafka.bootstrap_servers,
         "kafka_security": job.kafka.security,
-        "group_id": f"{job.kafka.group_id}-enrich",
+        "group_id": enrichment_group(job),
         "topic": job.prompts_topic,
         "input": "prompts",
         "until_drained": False,  # a stage of a running job, never a batch that ends
@@ -105,7 +110,7 @@ def start_enrichment(state_dir: Path, job: NearRealtimeSettings, config_path: Pa
     the port it returns. A runner this state dir started for the same consumer group is stopped first
     (a resubmitted job replaces its runner, settings and all); it is recorded before it is waited for,
     so ``stop_enrichment`` finds it even if this process dies meanwhile."""
-    name = f"enrichment-{job.kafka.group_id}-enrich"
+    name = f"enrichment-{enrichment_group(job)}"
     for previous in running_enrichment(state_dir):
         if previous.name == name:
             stop(previous, timeout_s=STOP_TIMEOUT_S)

@@ -15,7 +15,12 @@ import typer
 from confluent_kafka import Consumer, TopicPartition
 from rich.console import Console
 
-from devstack.enrichment_stage import running_enrichment, stop_enrichment, submit_with_enrichment
+from devstack.enrichment_stage import (
+    enrichment_group,
+    running_enrichment,
+    stop_enrichment,
+    submit_with_enrichment,
+)
 from devstack.errors import FlinkJobFailed
 from devstack.flink_cluster import (
     FlinkRest,
@@ -125,7 +130,8 @@ def wait_group_committed(
     """Until ``group`` has committed ``ends`` of ``topic`` (every record read and its results stored);
     raises ``FlinkJobFailed`` with what ``failed`` says as soon as it says something, or when
     ``within_s`` has passed (a consumer alive but stuck: the replicas or a store down)."""
-    consumer = Consumer({"bootstrap.servers": bootstrap, "group.id": group})
+    # Reads the group's committed offsets only: it never joins the group, and never commits for it.
+    consumer = Consumer({"bootstrap.servers": bootstrap, "group.id": group, "enable.auto.commit": False})
     deadline = time.monotonic() + within_s
     try:
         while True:
@@ -214,7 +220,7 @@ def _run_on_flink(
                 )
 
             prompts = topic_ends(state.kafka_bootstrap, settings.prompts_topic)
-            group = f"{settings.kafka.group_id}-enrich"
+            group = enrichment_group(settings)
             wait_group_committed(state.kafka_bootstrap, group, settings.prompts_topic, prompts, runner_exited)
             console.print(f"every prompt answered and stored in {time.monotonic() - started:.0f} s")
     finally:

@@ -28,12 +28,12 @@ import orjson
 from confluent_kafka import Consumer, KafkaError, Message, Producer, TopicPartition
 from confluent_kafka.admin import AdminClient, NewTopic  # type: ignore[attr-defined]
 
-from devstack.enrichment_stage import enrichment_settings
+from devstack.enrichment_stage import enrichment_group, enrichment_settings
 from devstack.flink_cluster import FlinkClusterState, FlinkRest, SubmittedJob, job_settings, submit
 from devstack.runner_thread import RunnerThread
 from devstack.stack import StackState
 from flink_jobs.flink_config import AsyncSettings, CheckpointSettings, KafkaSettings, NearRealtimeSettings
-from shopper.flink_cli import topic_ends
+from shopper.flink_cli import topic_ends, wait_group_committed
 from shopper.readback import read_topic
 from tests.conftest import Isolated
 
@@ -200,20 +200,16 @@ def enrichment_runner(
 
 def wait_enriched(bootstrap: str, settings: NearRealtimeSettings, runner: RunnerThread) -> None:
     """Until the job's enrichment runner has committed its prompts topic to the end (every prompt the job
-    sent is answered and stored): call it after the job is drained, before the runner is stopped."""
+    sent is answered and stored), as the Flink demo waits for it: call it after the job is drained,
+    before the runner is stopped."""
     assert settings.prompts_topic, "the job has no enrichment runner"
     topic = settings.prompts_topic
     ends = topic_ends(bootstrap, topic)  # read, not asked (this module's docstring)
-    partitions = sorted(ends)
-    group, deadline = f"{settings.kafka.group_id}-enrich", time.monotonic() + 240
-    seen: dict[int, int] = {}
-    while time.monotonic() < deadline:
-        assert runner.error is None, runner.error
-        seen = committed(bootstrap, group, topic, partitions)
-        if all(seen.get(p, -1) >= end for p, end in ends.items()):
-            return
-        time.sleep(0.5)
-    raise TimeoutError(f"the enrichment runner committed {seen} of {topic}, which ends at {ends}")
+
+    def runner_failed() -> str | None:
+        return None if runner.error is None else f"the enrichment runner failed: {runner.error!r}"
+
+    wait_group_committed(bootstrap, enrichment_group(settings), topic, ends, runner_failed, within_s=240)
 
 
 def run_job(

@@ -16,7 +16,12 @@ from pathlib import Path
 
 import pytest
 
-from devstack.enrichment_stage import running_enrichment, stop_enrichment, submit_with_enrichment
+from devstack.enrichment_stage import (
+    enrichment_group,
+    running_enrichment,
+    stop_enrichment,
+    submit_with_enrichment,
+)
 from devstack.flink_cluster import FlinkClusterState, FlinkRest
 from devstack.processes import alive
 from devstack.stack import StackState
@@ -69,5 +74,5 @@ def test_submit_starts_the_enrichment_runner_and_down_stops_it_after_its_last_co
     assert "Traceback" not in Path(enrichment.log).read_text(errors="replace")
     ends = topic_ends(stack.kafka_bootstrap, topics.prompts)
     assert sum(ends.values()) >= 1, "the job sent no prompt to its topic"
-    group = f"{topics.group}-enrich"
+    group = enrichment_group(settings)
     assert committed(stack.kafka_bootstrap, group, topics.prompts, sorted(ends)) == ends

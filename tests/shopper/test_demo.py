@@ -17,15 +17,20 @@ from devstack.flink_cluster import cluster_state_file
 pytestmark = pytest.mark.slow
 
 
-def test_the_demo_runs_end_to_end_and_accounts_for_everything(tmp_path: Path) -> None:
-    command = [sys.executable, "-m", "shopper", "demo", "--events", "600", "--shoppers", "20"]
-    done = subprocess.run(
+def run_demo(tmp_path: Path, *options: str, timeout_s: float) -> subprocess.CompletedProcess[str]:
+    """``shopper demo`` on 600 events of 20 shoppers, with a stack (and a state dir) of its own."""
+    command = [sys.executable, "-m", "shopper", "demo", *options, "--events", "600", "--shoppers", "20"]
+    return subprocess.run(
         [*command, "--state-dir", str(tmp_path / "state")],
         capture_output=True,
         text=True,
-        timeout=300,
+        timeout=timeout_s,
         cwd=tmp_path,
     )
+
+
+def test_the_demo_runs_end_to_end_and_accounts_for_everything(tmp_path: Path) -> None:
+    done = run_demo(tmp_path, timeout_s=300)
     assert done.returncode == 0, (done.stdout[-4000:], done.stderr[-4000:])
     assert "all accounted for" in done.stdout
     assert "through the gateway" in done.stdout, "the runner calls the replicas through the stack's gateway"
@@ -39,25 +44,7 @@ def test_the_flink_demo_runs_the_job_and_its_enrichment_runner_and_accounts_for_
     """``shopper demo --engine flink``: a standalone cluster of its own, the job at its defaults (its
     prompts handed to the enrichment runner ``submit`` starts beside it), a drain, and every prompt
     stored before the runner is stopped; nothing of either left running."""
-    command = [
-        sys.executable,
-        "-m",
-        "shopper",
-        "demo",
-        "--engine",
-        "flink",
-        "--events",
-        "600",
-        "--shoppers",
-        "20",
-    ]
-    done = subprocess.run(
-        [*command, "--state-dir", str(tmp_path / "state")],
-        capture_output=True,
-        text=True,
-        timeout=540,
-        cwd=tmp_path,
-    )
+    done = run_demo(tmp_path, "--engine", "flink", timeout_s=540)
     assert done.returncode == 0, (done.stdout[-4000:], done.stderr[-4000:])
     assert "enrichment runner on shopper-prompts" in done.stdout
     assert "every prompt answered and stored" in done.stdout and "all accounted for" in done.stdout
