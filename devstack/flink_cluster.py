@@ -511,14 +511,27 @@ class FlinkRest:
         """``flink stop [--drain]``: a savepoint, then the job ends; returns the savepoint's path. With
         ``drain`` the sources first emit the final watermark (every pending trigger fires)."""
         trigger = self._call("POST", f"/jobs/{job_id}/stop", {"targetDirectory": directory, "drain": drain})
-        request_id = trigger["request-id"]
+        operation = self._wait_operation(job_id, f"savepoints/{trigger['request-id']}", timeout_s)
+        return str(operation["location"])
+
+    def trigger_checkpoint(self, job_id: str, *, timeout_s: float = 120.0) -> int:
+        """``flink checkpoint``: one checkpoint now, whatever the interval; returns its id once it
+        completed (the Kafka source commits its offsets when notified of it)."""
+        trigger = self._call("POST", f"/jobs/{job_id}/checkpoints", {"checkpointType": "CONFIGURED"})
+        operation = self._wait_operation(job_id, f"checkpoints/{trigger['request-id']}", timeout_s)
+        return int(operation["checkpointId"])
+
+    def _wait_operation(self, job_id: str, path: str, timeout_s: float) -> dict[str, Any]:
+        """Poll an asynchronous operation (a savepoint, a checkpoint) until it completed; its result."""
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
-            status = self.get(f"/jobs/{job_id}/savepoints/{request_id}")
+            status = self.get(f"/jobs/{job_id}/{path}")
             if status["status"]["id"] == "COMPLETED":
-                operation = status["operation"]
+                operation: dict[str, Any] = status["operation"]
                 if "failure-cause" in operation:
-                    raise FlinkJobFailed(f"stop-with-savepoint failed: {operation['failure-cause']}")
-                return str(operation["location"])
+                    raise FlinkJobFailed(
+                        f"{path.split('/')[0]} of {job_id} failed: {operation['failure-cause']}"
+                    )
+                return operation
             time.sleep(0.5)
-        raise TimeoutError(f"savepoint of {job_id} not done within {timeout_s} s; {self.diagnosis(job_id)}")
+        raise TimeoutError(f"{path} of {job_id} not done within {timeout_s} s; {self.diagnosis(job_id)}")

@@ -31,7 +31,7 @@ from flink_jobs.flink_config import NearRealtimeSettings
 from flink_jobs.flink_connectors import UNKEYED_PREFIX
 from flink_jobs.flink_metrics import OperatorStats
 from flink_jobs.loop_resources import LoopResources
-from flink_jobs.pause_timers import ArmedTimer, due_to_fire, rearm, wall_deadline_ms
+from flink_jobs.pause_timers import ArmedTimer, due_to_fire, rearm, restored_deadline_ms, wall_deadline_ms
 from pipeline.dead_letter import DEFAULT_MAX_ORIGINAL_BYTES, dead_letter
 from prompt_assembly.events import (
     DEFAULT_EVENT_TIME_WINDOW,
@@ -126,9 +126,10 @@ class ShopperSessionFunction(KeyedProcessFunction):
     Timers: one processing-time timer per shopper with a pending trigger, at a deadline relative to
     when its newest event was processed (``flink_jobs.pause_timers``: the runner's deadline, so a live
     browse pause fires once the quiet period has passed and a replayed backlog fires once per pause,
-    not once per event), and one event-time timer at ``FLUSH_TIMER_TS`` while a trigger is pending:
-    only the final watermark of a bounded input (or ``stop --drain``) reaches it, and it fires every
-    pending trigger (``flush``).
+    not once per event; a timer restored from a checkpoint waits its quiet period again after the
+    restart, so that the replay can move it), and one event-time timer at ``FLUSH_TIMER_TS`` while a
+    trigger is pending: only the final watermark of a bounded input (or ``stop --drain``) reaches it,
+    and it fires every pending trigger (``flush``).
     """
 
     def __init__(
@@ -166,6 +167,9 @@ class ShopperSessionFunction(KeyedProcessFunction):
         self.prompts = group.counter("prompts_emitted")
         self.timer_prompts = group.counter("prompts_by_timer")
         self.flushed_prompts = group.counter("prompts_by_flush")
+        self.restored_timers_deferred = group.counter("restored_timers_deferred")
+        self.started_ms: int | None = None
+        """Processing time of this run's first call: timers armed before it were restored."""
         self.trimmed_unprompted = group.counter("events_trimmed_unprompted")
 
     def _load(self, shopper_id: str) -> ShopperSession:
@@ -191,12 +195,17 @@ class ShopperSessionFunction(KeyedProcessFunction):
         raw = self.armed.value()
         return None if raw is None else ArmedTimer.from_state(raw)
 
+    def _now_ms(self, timers: Any) -> int:
+        now_ms: int = timers.current_processing_time()
+        if self.started_ms is None:
+            self.started_ms = now_ms
+        return now_ms
+
     def _arm(self, session: ShopperSession, timers: Any) -> None:
         assert session.pending is not None
-        deadline = wall_deadline_ms(
-            timers.current_processing_time(), session.pending.due_ts, session.last_event_ts, self.lateness_ms
-        )
-        change = rearm(self._armed(), session.pending.due_ts, deadline)
+        now_ms = self._now_ms(timers)
+        deadline = wall_deadline_ms(now_ms, session.pending.due_ts, session.last_event_ts, self.lateness_ms)
+        change = rearm(self._armed(), session.pending.due_ts, deadline, now_ms)
         if change.delete_ms is not None:
             timers.delete_processing_time_timer(change.delete_ms)
         if change.register_ms is not None:
@@ -211,6 +220,8 @@ class ShopperSessionFunction(KeyedProcessFunction):
 
     def process_element(self, value: Any, ctx: KeyedProcessFunction.Context) -> Iterable[Any]:
         self.records_in.inc()
+        if self.started_ms is None:
+            self._now_ms(ctx.timer_service())
         record = source_record(value, self.source_topic, self.base64_values)
         event = gate(record, self.dlq_max_original_bytes, self.processor.config.event_time)
         key = ctx.get_current_key()
@@ -251,7 +262,14 @@ class ShopperSessionFunction(KeyedProcessFunction):
             prompts = self.processor.flush(session)
             self.flushed_prompts.inc(len(prompts))
         else:
-            due_ts = due_to_fire(self._armed(), timestamp, self.lateness_ms)
+            armed = self._armed()
+            due_ts = due_to_fire(armed, timestamp, self.lateness_ms)
+            if (
+                armed is not None
+                and due_ts is not None
+                and self._deferred(session, armed, ctx.timer_service())
+            ):
+                return
             prompts = [] if due_ts is None else self.processor.fire_pending(session, due_ts)
             self.timer_prompts.inc(len(prompts))
         if not prompts:
@@ -260,6 +278,20 @@ class ShopperSessionFunction(KeyedProcessFunction):
         self._count_emitted(prompts)
         for prompt in prompts:
             yield prompt.model_dump_json()
+
+    def _deferred(self, session: ShopperSession, armed: ArmedTimer, timers: Any) -> bool:
+        """Re-arm a timer restored from a checkpoint that went off before its quiet period after the
+        restart was over (``pause_timers.restored_deadline_ms``); True when it was."""
+        now_ms = self._now_ms(timers)
+        assert self.started_ms is not None
+        wait_ms = wall_deadline_ms(0, armed.due_ts, session.last_event_ts, self.lateness_ms)
+        later = restored_deadline_ms(armed, now_ms, self.started_ms, wait_ms)
+        if later is None:
+            return False
+        timers.register_processing_time_timer(later)
+        self.armed.update(ArmedTimer(later, armed.due_ts, now_ms).to_state())
+        self.restored_timers_deferred.inc()
+        return True
 
 
 def event_id_repr(raw: bytes | None) -> str:

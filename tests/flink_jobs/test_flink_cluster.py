@@ -5,6 +5,9 @@ run``), two TaskManagers of one slot each, so a job at parallelism 2 runs one su
   machine): the job restarts from its last checkpoint on a new TaskManager; at the end every event is
   accounted for, the insights topic read with ``read_committed`` holds exactly one result per prompt
   (where the broker hides aborted transactions), and no Redis signal went back;
+- at the defaults (wall-clock timers), a TaskManager lost while a browse pause is pending in the last
+  checkpoint and the job back only after it was due: the restored timer waits for the replay, and the
+  shopper gets the prompt the run without the failure made, no extra one;
 - rescaling: stop with a savepoint at parallelism 1 while triggers are pending, resume at 2, stop with a
   savepoint again, resume at 1, events arriving between each: nothing lost, nothing twice in S3 (and on
   the insights topic where the broker hides aborted transactions), and every shopper's prompts exactly
@@ -21,6 +24,7 @@ import threading
 import time
 from pathlib import Path
 
+import orjson
 import pytest
 import redis as sync_redis
 
@@ -34,6 +38,7 @@ from tests.conftest import Isolated
 from tests.flink_kit import (
     async_stage_job_settings,
     cluster_job_settings,
+    committed,
     drain,
     enrichment_runner,
     flink_topics,
@@ -182,10 +187,11 @@ def test_taskmanager_killed_mid_stream_restarts_from_checkpoint(
 
 
 def _kill_a_taskmanager(
-    flink_cluster: FlinkClusterState, stack_dir: Path, rest: FlinkRest, job_id: str
-) -> None:
+    flink_cluster: FlinkClusterState, stack_dir: Path, rest: FlinkRest, job_id: str, *, replace: bool = True
+) -> str:
     """SIGKILL the process group of one of the two TaskManagers that run ``job_id`` (the JVM and its
-    Python workers, like a lost machine) and start a replacement, as Kubernetes would."""
+    Python workers, like a lost machine) and, with ``replace``, start a replacement, as Kubernetes
+    would; returns its name (for ``_replace`` when the caller starts it later)."""
     taskmanagers = [
         p for p in flink_cluster.processes if p.name.startswith("flink-taskmanager") and alive(p.pid)
     ]
@@ -193,7 +199,13 @@ def _kill_a_taskmanager(
     victim = taskmanagers[0]
     os.killpg(victim.pid, signal.SIGKILL)
     flink_cluster.processes.remove(victim)
-    start_taskmanager(flink_cluster, name=f"{victim.name}-replaced")
+    if replace:
+        _replace(flink_cluster, stack_dir, victim.name)
+    return victim.name
+
+
+def _replace(flink_cluster: FlinkClusterState, stack_dir: Path, name: str) -> None:
+    start_taskmanager(flink_cluster, name=f"{name}-replaced")
     save_cluster(stack_dir, flink_cluster)
 
 
@@ -251,6 +263,71 @@ def test_a_taskmanager_killed_at_the_defaults_re_pays_no_call(
     assert acct.prompts > prompts, "the restored job sent no prompt again: the kill tested nothing"
     assert calls <= prompts, f"{calls:g} calls for {prompts} prompts: a replayed prompt was paid again"
     assert counts.skipped_answered + counts.joined + counts.superseded_answered >= acct.prompts - prompts
+
+
+def _view(shopper_id: str, event_id: str) -> tuple[bytes, bytes]:
+    """A view stamped with the wall clock, as a live shopper's is."""
+    product = {"product_id": "p1", "title": "Trail shoe", "price": 90.0}
+    event = {
+        "event_id": event_id,
+        "shopper_id": shopper_id,
+        "type": "view",
+        "ts": time.time(),
+        "product": product,
+    }
+    return shopper_id.encode(), orjson.dumps(event)
+
+
+def _checkpoint_covering(
+    rest: FlinkRest, job_id: str, bootstrap: str, group: str, topic: str, ends: dict[int, int]
+) -> float:
+    """Trigger checkpoints until the job's group has committed ``ends`` (the source commits when told a
+    checkpoint completed, so a checkpoint then covers every record before them); returns when, on
+    ``time.monotonic``."""
+    deadline = time.monotonic() + 120
+    seen: dict[int, int] = {}
+    while time.monotonic() < deadline:
+        rest.trigger_checkpoint(job_id)
+        seen = committed(bootstrap, group, topic, sorted(ends))
+        if all(seen.get(p, -1) >= end for p, end in ends.items()):
+            return time.monotonic()
+        time.sleep(0.5)
+    raise TimeoutError(f"group {group} committed {seen}, produced up to {ends}; {rest.diagnosis(job_id)}")
+
+
+def test_a_restored_pause_timer_waits_for_the_replay(
+    isolated: Isolated, stack: StackState, stack_dir: Path, flink_cluster: FlinkClusterState
+) -> None:
+    """At the defaults (wall-clock timers, a 20 s browse pause): a shopper's pause is pending in a
+    checkpoint, their next view comes after it, and a TaskManager is lost before the pause is due. The
+    job comes back only once that due time has passed (the replacement starts late), so the restored
+    timer is overdue. Fired at once, as before, it made a prompt of the session as checkpointed, one the
+    run without the failure never made (the second view had moved the pause). Now it waits its quiet
+    period after the restart, the replayed view moves it, and the shopper gets the one prompt with both
+    views (``flink_jobs.pause_timers``)."""
+    topics = flink_topics(isolated)
+    prefix, s3_prefix = f"{isolated.prefix}flink:", f"{isolated.s3_prefix}-flink"
+    settings = cluster_job_settings(stack, stack_dir, isolated, topics, prefix=prefix, s3_prefix=s3_prefix)
+    quiet_s = settings.session.triggers.quiet_period_s
+    # Only the checkpoints this test triggers: none between the second view and the kill.
+    manual = settings.checkpoint.model_copy(update={"interval_ms": 3_600_000, "min_pause_ms": 1_800_000})
+    settings = settings.model_copy(update={"parallelism": 2, "checkpoint": manual})
+    rest, bootstrap, shopper = FlinkRest(flink_cluster.web_url), stack.kafka_bootstrap, f"{isolated.tag}-s"
+    job = run_job(flink_cluster, settings, stack_dir)
+    first = produce(bootstrap, topics.events, [_view(shopper, "v1")])
+    covered_at = _checkpoint_covering(rest, job.job_id, bootstrap, topics.group, topics.events, first)
+    second = produce(bootstrap, topics.events, [_view(shopper, "v2")])
+    victim = _kill_a_taskmanager(flink_cluster, stack_dir, rest, job.job_id, replace=False)
+    # The first view was processed before the checkpoint that covers it: its timer is due by then + quiet.
+    time.sleep(max(0.0, covered_at + quiet_s + 1.0 - time.monotonic()))
+    _replace(flink_cluster, stack_dir, victim)
+    while not rest.get(f"/jobs/{job.job_id}/exceptions")["exceptionHistory"]["entries"]:
+        time.sleep(0.5)
+    rest.wait_running(job.job_id)
+    _checkpoint_covering(rest, job.job_id, bootstrap, topics.group, topics.events, second)
+    drain(flink_cluster, job.job_id, stack_dir)
+    prompts = [orjson.loads(v) for v in read_all(bootstrap, topics.prompts, expect=1)]
+    assert [p["new_event_ids"] for p in prompts if p["shopper_id"] == shopper] == [["v1", "v2"]]
 
 
 def test_a_taskmanager_that_exits_on_its_own_is_started_again(flink_cluster: FlinkClusterState) -> None:

@@ -9,7 +9,7 @@ import orjson
 from hypothesis import given
 from hypothesis import strategies as st
 
-from flink_jobs.pause_timers import ArmedTimer, due_to_fire, rearm, wall_deadline_ms
+from flink_jobs.pause_timers import ArmedTimer, due_to_fire, rearm, restored_deadline_ms, wall_deadline_ms
 from prompt_assembly.events import parse_event
 from prompt_assembly.processor import SessionProcessor
 from prompt_assembly.session import ShopperSession
@@ -28,7 +28,7 @@ def _view(n: int, ts: float) -> bytes:
 def _arm(session: ShopperSession, now_ms: int, before: ArmedTimer | None) -> ArmedTimer:
     assert session.pending is not None
     deadline = wall_deadline_ms(now_ms, session.pending.due_ts, session.last_event_ts)
-    return rearm(before, session.pending.due_ts, deadline).armed
+    return rearm(before, session.pending.due_ts, deadline, now_ms).armed
 
 
 @given(st.floats(min_value=NOW, max_value=NOW + 86_400, allow_nan=False))
@@ -98,3 +98,57 @@ def test_a_timer_armed_by_the_previous_version_still_fires_its_trigger() -> None
     legacy_timer = int(session.pending.due_ts * 1000)
     due = due_to_fire(None, legacy_timer, 0)
     assert due is not None and len(processor.fire_pending(session, due)) == 1
+
+
+def test_the_state_keeps_when_a_timer_was_armed_and_reads_the_older_form() -> None:
+    armed = ArmedTimer(9_000, NOW + 20.000_37, 7_000)
+    assert ArmedTimer.from_state(armed.to_state()) == armed
+    assert ArmedTimer.from_state(f"9000 {NOW + 20!r}") == ArmedTimer(9_000, NOW + 20, None)
+
+
+def test_only_a_timer_armed_before_the_restart_waits_its_quiet_period_after_it() -> None:
+    started, wait = 100_000, 20_000
+    restored = ArmedTimer(50_000, NOW + 20, 30_000)
+    assert restored_deadline_ms(restored, started, started, wait) == started + wait
+    assert restored_deadline_ms(restored, started + wait, started, wait) is None  # its wait is over
+    older_state = ArmedTimer(50_000, NOW + 20, None)
+    assert restored_deadline_ms(older_state, started + 5, started, wait) == started + wait
+    assert restored_deadline_ms(ArmedTimer(120_000, NOW + 20, started), 120_000, started, wait) is None
+    assert restored_deadline_ms(restored, started, started, 0) is None  # due at once: fires at once
+
+
+def test_a_restored_timer_fires_what_the_run_without_the_failure_fired() -> None:
+    """The cluster case in one shopper (tests/flink_jobs/test_flink_cluster.py has it on Flink): the
+    first view's pause is pending in the checkpoint, the second view comes after it, and the job is back
+    only once the first pause was due. The restored timer waits its quiet period after the restart; the
+    replayed second view moves it, and the one prompt has both views, as in the run without a failure
+    (fired at once, the restored timer made a prompt of the first view alone as well)."""
+    quiet_ms = int(SessionProcessor().config.triggers.quiet_period_s * 1000)
+
+    def run(kill: bool) -> list[list[str]]:
+        processor = SessionProcessor()
+        session = processor.new_session("s")
+        read_ms = int(NOW * 1000)
+        processor.apply(session, parse_event(_view(1, NOW)))
+        armed = _arm(session, read_ms, None)
+        checkpoint = (ShopperSession.from_json(session.to_json()), armed)
+        fired: list[list[str]] = []
+        if kill:  # lost before the second view was read; back 30 s later, the first pause overdue
+            session, armed = checkpoint
+            started = read_ms + 30_000
+            later = restored_deadline_ms(
+                armed, started, started, armed.fires_at_ms - (armed.armed_at_ms or 0)
+            )
+            assert later == started + quiet_ms
+            armed = ArmedTimer(later, armed.due_ts, started)
+            read_ms = started + 50  # the replay reads the second view
+        else:
+            read_ms += 2_000
+        processor.apply(session, parse_event(_view(2, NOW + 2)))
+        armed = _arm(session, read_ms, armed)
+        due = due_to_fire(armed, armed.fires_at_ms, 0)
+        assert due is not None
+        fired += [p.new_event_ids for p in processor.fire_pending(session, due)]
+        return fired
+
+    assert run(kill=False) == run(kill=True) == [["e1", "e2"]]
