@@ -561,11 +561,17 @@ def where_time_goes(run: Run) -> dict[str, dict[str, dict[str, float | None]]]:
     }
 
 
+WINDOW_SLICES = 6
+"""The window's p99 is also given per sixth of it (``slices_p99``, by when the prompt became due): whether
+the last third's p99 above the first's is a climb that goes on or a queue filling once and holding."""
+
+
 def summarise(run: Run, age_samples: int, capacity_prompts_s: float | None) -> dict[str, Any]:
     end = run.started + run.seconds
     third = run.seconds / 3
     fresh: list[float] = []
     first, last = [], []
+    slices: list[list[float]] = [[] for _ in range(WINDOW_SLICES)]
     by_kind: dict[str, dict[str, list[float]]] = {k: {"kafka": [], "due": [], "enricher": []} for k in KINDS}
     prefill = decode = 0
     for rid, stored in run.stored.items():
@@ -574,6 +580,9 @@ def summarise(run: Run, age_samples: int, capacity_prompts_s: float | None) -> d
         launched = run.launched[rid]
         age = stored.stored_at - launched.trigger_at
         fresh.append(age)
+        at = int((launched.trigger_at - run.started) / run.seconds * WINDOW_SLICES)
+        if 0 <= at < WINDOW_SLICES:
+            slices[at].append(age)
         if launched.trigger_at < run.started + third:
             first.append(age)
         elif launched.trigger_at >= end - third:
@@ -625,6 +634,7 @@ def summarise(run: Run, age_samples: int, capacity_prompts_s: float | None) -> d
             "p99": _p(fresh, 0.99),
             "first_third_p99": _p(first, 0.99),
             "last_third_p99": _p(last, 0.99),
+            "slices_p99": [_p(values, 0.99) for values in slices],
         },
         "signal_age_s": {
             "samples": len(ages),

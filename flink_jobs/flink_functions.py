@@ -281,8 +281,11 @@ class ShopperSessionFunction(KeyedProcessFunction):
 
     def _deferred(self, session: ShopperSession, armed: ArmedTimer, timers: Any) -> bool:
         """Re-arm a timer restored from a checkpoint that went off before its quiet period after the
-        restart was over (``pause_timers.restored_deadline_ms``); True when it was."""
+        restart was over (``pause_timers.restored_deadline_ms``); True when it was. A timer whose
+        trigger is gone fires (nothing)."""
         now_ms = self._now_ms(timers)
+        if session.pending is None:
+            return False
         assert self.started_ms is not None
         wait_ms = wall_deadline_ms(0, armed.due_ts, session.last_event_ts, self.lateness_ms)
         later = restored_deadline_ms(armed, now_ms, self.started_ms, wait_ms)
