@@ -21,8 +21,9 @@ for a session as it stood at the checkpoint, which the run without the failure n
 event had moved its trigger (a TaskManager killed at 1x made 1.5-1.9% more calls than a clean run, none
 of them a repeat). A timer armed before this run of the job started therefore fires no earlier than its
 own wait after the start: the replayed events get the quiet period the live ones had, and the timer is
-moved by them as it would have been. The embedded runner needs none of this: it commits sessions and
-offsets together once a second, so its replay is a second long, not a checkpoint interval.
+moved by them as it would have been. The embedded runner does not do this: it commits sessions and
+offsets together once a second and restarts in seconds, so what it replays is seconds long, not a
+checkpoint interval and a TaskManager's replacement.
 """
 
 from __future__ import annotations
