@@ -562,8 +562,10 @@ def where_time_goes(run: Run) -> dict[str, dict[str, dict[str, float | None]]]:
 
 
 WINDOW_SLICES = 6
-"""The window's p99 is also given per sixth of it (``slices_p99``, by when the prompt became due): whether
-the last third's p99 above the first's is a climb that goes on or a queue filling once and holding."""
+"""The window's p50 and p99 are also given per sixth of it (``slices_p50``, ``slices_p99``, by when the
+prompt became due): whether the last third's p99 above the first's is a climb that goes on, a queue
+filling once and holding, or a few late answers (a sixth holds about a hundred, so its p99 is about its
+second worst)."""
 
 
 def summarise(run: Run, age_samples: int, capacity_prompts_s: float | None) -> dict[str, Any]:
@@ -634,6 +636,7 @@ def summarise(run: Run, age_samples: int, capacity_prompts_s: float | None) -> d
             "p99": _p(fresh, 0.99),
             "first_third_p99": _p(first, 0.99),
             "last_third_p99": _p(last, 0.99),
+            "slices_p50": [_p(values, 0.5) for values in slices],
             "slices_p99": [_p(values, 0.99) for values in slices],
         },
         "signal_age_s": {
