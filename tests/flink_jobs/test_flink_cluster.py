@@ -28,7 +28,13 @@ import orjson
 import pytest
 import redis as sync_redis
 
-from devstack.flink_cluster import FlinkClusterState, FlinkRest, save_cluster, start_taskmanager
+from devstack.errors import FlinkJobFailed
+from devstack.flink_cluster import (
+    FlinkClusterState,
+    FlinkRest,
+    save_cluster,
+    start_taskmanager,
+)
 from devstack.processes import alive
 from devstack.stack import StackState
 from devstack.synthetic import SyntheticStream
@@ -46,6 +52,7 @@ from tests.flink_kit import (
     read_all,
     request_ids,
     run_job,
+    subtask_counters,
     wait_committed,
     wait_enriched,
 )
@@ -283,11 +290,15 @@ def _checkpoint_covering(
 ) -> float:
     """Trigger checkpoints until the job's group has committed ``ends`` (the source commits when told a
     checkpoint completed, so a checkpoint then covers every record before them); returns when, on
-    ``time.monotonic``."""
+    ``time.monotonic``. A checkpoint declined (tasks of a restarted job still deploying) is tried again."""
     deadline = time.monotonic() + 120
     seen: dict[int, int] = {}
     while time.monotonic() < deadline:
-        rest.trigger_checkpoint(job_id)
+        try:
+            rest.trigger_checkpoint(job_id)
+        except (FlinkJobFailed, OSError):
+            time.sleep(1.0)
+            continue
         seen = committed(bootstrap, group, topic, sorted(ends))
         if all(seen.get(p, -1) >= end for p, end in ends.items()):
             return time.monotonic()
@@ -295,39 +306,58 @@ def _checkpoint_covering(
     raise TimeoutError(f"group {group} committed {seen}, produced up to {ends}; {rest.diagnosis(job_id)}")
 
 
+def _wait_counter(rest: FlinkRest, job_id: str, metric: str, at_least: int) -> None:
+    """Until the session operator's ``metric``, summed over its subtasks, reaches ``at_least``."""
+    deadline, counts = time.monotonic() + 120, [0]
+    while time.monotonic() < deadline:
+        counts = subtask_counters(rest, job_id, "shopper sessions", f"shopper.{metric}")
+        if sum(counts) >= at_least:
+            return
+        time.sleep(1.0)
+    raise TimeoutError(f"{metric} {counts}, waited for {at_least}; {rest.diagnosis(job_id)}")
+
+
 def test_a_restored_pause_timer_waits_for_the_replay(
     isolated: Isolated, stack: StackState, stack_dir: Path, flink_cluster: FlinkClusterState
 ) -> None:
-    """At the defaults (wall-clock timers, a 20 s browse pause): a shopper's pause is pending in a
-    checkpoint, their next view comes after it, and a TaskManager is lost before the pause is due. The
-    job comes back only once that due time has passed (the replacement starts late), so the restored
-    timer is overdue. Fired at once, as before, it made a prompt of the session as checkpointed, one the
-    run without the failure never made (the second view had moved the pause). Now it waits its quiet
-    period after the restart, the replayed view moves it, and the shopper gets the one prompt with both
-    views (``flink_jobs.pause_timers``)."""
+    """At the defaults (wall-clock timers, a 20 s browse pause): two shoppers' pauses are pending in a
+    checkpoint; one of them views again after it, and a TaskManager is lost before either pause is
+    due. The job comes back only once both were due (the replacement starts late), so both restored
+    timers are overdue. Fired at once, as before, the first made a prompt of the session as
+    checkpointed, one the run without the failure never made (the later view had moved the pause). Now
+    each waits its quiet period after the restart (``flink_jobs.pause_timers``): the replayed view moves
+    the first, which gives one prompt with both views; the second fires from its timer once its wait
+    is over (counted before the drain, whose flush would fire it too)."""
     topics = flink_topics(isolated)
     prefix, s3_prefix = f"{isolated.prefix}flink:", f"{isolated.s3_prefix}-flink"
     settings = cluster_job_settings(stack, stack_dir, isolated, topics, prefix=prefix, s3_prefix=s3_prefix)
     quiet_s = settings.session.triggers.quiet_period_s
-    # Only the checkpoints this test triggers: none between the second view and the kill.
+    # Only the checkpoints this test triggers (min pause holds back periodic ones, not these): none
+    # between the later view and the kill.
     manual = settings.checkpoint.model_copy(update={"interval_ms": 3_600_000, "min_pause_ms": 1_800_000})
     settings = settings.model_copy(update={"parallelism": 2, "checkpoint": manual})
-    rest, bootstrap, shopper = FlinkRest(flink_cluster.web_url), stack.kafka_bootstrap, f"{isolated.tag}-s"
+    rest, bootstrap = FlinkRest(flink_cluster.web_url), stack.kafka_bootstrap
+    moved, quiet = f"{isolated.tag}-moved", f"{isolated.tag}-quiet"
     job = run_job(flink_cluster, settings, stack_dir)
-    first = produce(bootstrap, topics.events, [_view(shopper, "v1")])
+    first = produce(bootstrap, topics.events, [_view(moved, "v1"), _view(quiet, "q1")])
     covered_at = _checkpoint_covering(rest, job.job_id, bootstrap, topics.group, topics.events, first)
-    second = produce(bootstrap, topics.events, [_view(shopper, "v2")])
+    second = produce(bootstrap, topics.events, [_view(moved, "v2")])
     victim = _kill_a_taskmanager(flink_cluster, stack_dir, rest, job.job_id, replace=False)
-    # The first view was processed before the checkpoint that covers it: its timer is due by then + quiet.
+    # Both first views were processed before the checkpoint that covers them: due by then + quiet.
     time.sleep(max(0.0, covered_at + quiet_s + 1.0 - time.monotonic()))
     _replace(flink_cluster, stack_dir, victim)
+    deadline = time.monotonic() + 60
     while not rest.get(f"/jobs/{job.job_id}/exceptions")["exceptionHistory"]["entries"]:
+        assert time.monotonic() < deadline, "the job never noticed the lost TaskManager"
         time.sleep(0.5)
     rest.wait_running(job.job_id)
     _checkpoint_covering(rest, job.job_id, bootstrap, topics.group, topics.events, second)
+    _wait_counter(rest, job.job_id, "restored_timers_deferred", 1)  # the quiet shopper's at least
+    _wait_counter(rest, job.job_id, "prompts_by_timer", 1)  # ... which then fired, a wait later
     drain(flink_cluster, job.job_id, stack_dir)
-    prompts = [orjson.loads(v) for v in read_all(bootstrap, topics.prompts, expect=1)]
-    assert [p["new_event_ids"] for p in prompts if p["shopper_id"] == shopper] == [["v1", "v2"]]
+    prompts = [orjson.loads(v) for v in read_all(bootstrap, topics.prompts, expect=2)]
+    fired = {sid: [p["new_event_ids"] for p in prompts if p["shopper_id"] == sid] for sid in (moved, quiet)}
+    assert fired == {moved: [["v1", "v2"]], quiet: [["q1"]]}
 
 
 def test_a_taskmanager_that_exits_on_its_own_is_started_again(flink_cluster: FlinkClusterState) -> None:
