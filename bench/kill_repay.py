@@ -349,8 +349,10 @@ def read_back(state: StackState, job: Job, stream: Stream) -> Reader:
     by_id: dict[str, dict[str, Any]] = {}
     for record in records:
         by_id.setdefault(str(record["request_id"]), record)
-    prompted = {str(e) for r in by_id.values() for e in r.get("new_event_ids") or []}
-    trimmed = {str(e) for r in by_id.values() for e in r.get("trimmed_event_ids") or []}
+    # Every stored result names its events, a second one of a request_id too: a restored Flink job can
+    # make one session version of other events (pipeline.enrichment._answers_same_events).
+    prompted = {str(e) for r in records for e in r.get("new_event_ids") or []}
+    trimmed = {str(e) for r in records for e in r.get("trimmed_event_ids") or []}
     covered = prompted | trimmed
     kinds = [str(r.get("kind")) for r in by_id.values()]
     client = sync_redis.Redis.from_url(state.redis_url, decode_responses=True)

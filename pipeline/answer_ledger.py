@@ -53,6 +53,9 @@ class LedgerCounts:
     found: int = 0
     read_failures: int = 0
     write_failures: int = 0
+    other_events: int = 0
+    """Answers found for a prompt's ``request_id`` that were for other events (``Enricher``: the
+    prompt is answered on its own, and its answer replaces the record)."""
     read_batches: int = 0
     """Round trips that read the ledger (each for every ``recorded`` asked in one loop turn)."""
     write_batches: int = 0

@@ -10,11 +10,13 @@ from llm_client import LLMClient
 from pipeline.accounting import Accounting
 from pipeline.answer_ledger import AnswerLedger
 from pipeline.enrichment import Enricher, EnrichmentSettings
-from prompt_assembly.records import ShopperInsight, Superseded, parse_result
+from prompt_assembly.processor import SessionProcessor
+from prompt_assembly.records import PromptRequest, ShopperInsight, Superseded, parse_result
 from serving.simulator.testing import running_simulator
 from sinks.config import SinkSettings
 from sinks.redis import RedisSignalSink
 from tests.pipeline.test_overload import Shopper, client_config, requests_received, sim_metrics
+from tests.prompt_assembly.test_sessions import event
 
 
 async def test_a_replayed_prompt_is_answered_from_the_ledger_without_a_call(sinks: SinkSettings) -> None:
@@ -104,3 +106,43 @@ async def test_a_replayed_prompt_older_than_the_stored_answer_is_superseded_with
     assert isinstance(replayed_newer, ShopperInsight) and replayed_newer.replayed
     assert requests_received(metrics) == paid  # neither replay reached the replica
     assert enricher.counts.superseded_answered == 1 and enricher.counts.skipped_answered == 1
+
+
+def _pause(shopper_id: str, *, view_again_after_s: float | None) -> PromptRequest:
+    """The browse pause of a shopper's first view, as a timer fires it; with ``view_again_after_s``, a
+    second view read first (within the quiet period, so it joins the same pause)."""
+    processor = SessionProcessor()
+    session = processor.new_session(shopper_id)
+    processor.apply(session, event("view", 1000.0, shopper=shopper_id))
+    if view_again_after_s is not None:
+        processor.apply(session, event("view", 1000.0 + view_again_after_s, shopper=shopper_id))
+    assert session.pending is not None
+    (prompt,) = processor.fire_pending(session, session.pending.due_ts)
+    return prompt
+
+
+async def test_the_same_version_of_other_events_is_answered_on_its_own(sinks: SinkSettings) -> None:
+    """A restored Flink job can make a session version of other events than the run before the failure:
+    its restored timer waits for the replay (``flink_jobs.pause_timers``), which may add a view the run
+    before had read only after that timer fired. Answered from the record, that view would be named by
+    no result; so the prompt is a call of its own, and its answer replaces the record."""
+    before_failure = _pause("s-other-events", view_again_after_s=None)
+    replayed = _pause("s-other-events", view_again_after_s=19.0)
+    assert replayed.request_id == before_failure.request_id
+    assert replayed.new_event_ids != before_failure.new_event_ids
+    async with running_simulator(time_scale=0.01) as sim:
+        async with LLMClient(client_config(sim.url)) as client:
+            ledger = AnswerLedger.from_settings(sinks)
+            await Enricher(client, ledger=ledger).enrich(before_failure)
+            enricher = Enricher(client, ledger=ledger)  # the restored job's runner
+            answer = await enricher.enrich(replayed)
+            recorded = await ledger.recorded(replayed.request_id)
+            again = await Enricher(client, ledger=ledger).enrich(replayed)  # and its own replay
+            await ledger.redis.aclose()
+        metrics = await sim_metrics(sim)
+    assert isinstance(answer, ShopperInsight) and not answer.replayed
+    assert answer.new_event_ids == replayed.new_event_ids
+    assert recorded is not None and recorded.new_event_ids == replayed.new_event_ids
+    assert isinstance(again, ShopperInsight) and again.replayed
+    assert requests_received(metrics) == 2
+    assert ledger.counts.other_events == 1 and enricher.counts.skipped_answered == 0
