@@ -151,7 +151,8 @@ def test_prefix_aware_costs_become_time_so_a_slow_replica_needs_half_the_queue()
             slo_ms=100_000,
             speed_alpha=1.0,
             first_token_floor_ms=0,
-        )
+        ),
+        clock=Clock(),  # the real clock let the learned speed decay between two lines on a loaded machine
     )
     probe = route(words(2000, "probe"), key="probe")
     assert p.choose(probe, [slow]) is slow
