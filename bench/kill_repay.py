@@ -350,7 +350,7 @@ def read_back(state: StackState, job: Job, stream: Stream) -> Reader:
     for record in records:
         by_id.setdefault(str(record["request_id"]), record)
     # Every stored result names its events, a second one of a request_id too: a restored Flink job can
-    # make one session version of other events (pipeline.enrichment._answers_same_events).
+    # make one session version of other events (pipeline.answer_ledger.AnswerLedger.lookup).
     prompted = {str(e) for r in records for e in r.get("new_event_ids") or []}
     trimmed = {str(e) for r in records for e in r.get("trimmed_event_ids") or []}
     covered = prompted | trimmed

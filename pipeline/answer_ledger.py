@@ -54,8 +54,8 @@ class LedgerCounts:
     read_failures: int = 0
     write_failures: int = 0
     other_events: int = 0
-    """Answers found for a prompt's ``request_id`` that were for other events (``Enricher``: the
-    prompt is answered on its own, and its answer replaces the record)."""
+    """Answers found under a prompt's ``request_id`` that were for other events (``lookup``): the prompt
+    is answered on its own, and its answer replaces the record."""
     read_batches: int = 0
     """Round trips that read the ledger (each for every ``recorded`` asked in one loop turn)."""
     write_batches: int = 0
@@ -102,8 +102,19 @@ class AnswerLedger:
     async def lookup(self, prompt: PromptRequest) -> Recorded:
         """The answer recorded for ``prompt`` and the version of its shopper's signal (neither, when
         Redis cannot be read). Read in one batch with every other read of this loop turn (see the
-        module's docstring)."""
-        return await self._lookup(prompt.request_id, prompt.shopper_id)
+        module's docstring). An answer recorded under its ``request_id`` for other events is not its
+        answer (``other_events``): a restored Flink job can make the same session version with an event
+        more, since its restored timer waits for the replay (``flink_jobs.pause_timers``), and reused,
+        that answer would leave the event named by no result. The prompt's own answer replaces it."""
+        known = await self._lookup(prompt.request_id, prompt.shopper_id)
+        answer = known.answer
+        if answer is None or (
+            answer.new_event_ids == prompt.new_event_ids
+            and answer.trimmed_event_ids == prompt.trimmed_event_ids
+        ):
+            return known
+        self.counts.other_events += 1
+        return Recorded(None, known.newest_answered)
 
     async def _lookup(self, request_id: str, shopper_id: str | None) -> Recorded:
         future: asyncio.Future[_Read] = asyncio.get_running_loop().create_future()

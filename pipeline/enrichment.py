@@ -118,11 +118,9 @@ class Enricher:
         """Exactly one result for ``prompt``; raises only when the caller's own task is cancelled."""
         if self.ledger is not None:
             known = await self.ledger.lookup(prompt)
-            if known.answer is not None and _answers_same_events(known.answer, prompt):
+            if known.answer is not None:
                 self.counts.skipped_answered += 1
                 return known.answer.model_copy(update={"replayed": True})
-            if known.answer is not None:  # the same version, other events: a prompt of its own
-                self.ledger.counts.other_events += 1
             newest = known.newest_answered
             if newest is not None and newest > (prompt.session_epoch, prompt.seq):  # a replay, outrun
                 self.counts.superseded_answered += 1
@@ -321,16 +319,6 @@ def _about(prompt: PromptRequest) -> dict[str, Any]:
         "last_event_ts": prompt.last_event_ts,
         "due_ts": prompt.due_ts,
     }
-
-
-def _answers_same_events(answer: ShopperInsight, prompt: PromptRequest) -> bool:
-    """Whether a recorded answer was for this prompt's events, not only its ``request_id``. A restored
-    Flink job can make the same session version of other events: its restored timer waits for the
-    replay (``flink_jobs.pause_timers``), which may add an event the run before the failure read only
-    after that timer had fired. Reusing the answer would leave that event named by no result."""
-    return (
-        answer.new_event_ids == prompt.new_event_ids and answer.trimmed_event_ids == prompt.trimmed_event_ids
-    )
 
 
 def _newer_request_id(prompt: PromptRequest, version: str) -> str | None:

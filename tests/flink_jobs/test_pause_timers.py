@@ -136,9 +136,8 @@ def test_a_restored_timer_fires_what_the_run_without_the_failure_fired() -> None
         if kill:  # lost before the second view was read; back 30 s later, the first pause overdue
             session, armed = checkpoint
             started = read_ms + 30_000
-            later = restored_deadline_ms(
-                armed, started, started, armed.fires_at_ms - (armed.armed_at_ms or 0)
-            )
+            wait_ms = wall_deadline_ms(0, armed.due_ts, session.last_event_ts)  # as the operator does
+            later = restored_deadline_ms(armed, started, started, wait_ms)
             assert later == started + quiet_ms
             armed = ArmedTimer(later, armed.due_ts, started)
             read_ms = started + 50  # the replay reads the second view
