@@ -522,16 +522,18 @@ class FlinkRest:
         return int(operation["checkpointId"])
 
     def _wait_operation(self, job_id: str, path: str, timeout_s: float) -> dict[str, Any]:
-        """Poll an asynchronous operation (a savepoint, a checkpoint) until it completed; its result."""
+        """Poll an asynchronous operation (a savepoint, a checkpoint) until it completed; its result, or
+        :class:`FlinkJobFailed` when it completed with a failure (a checkpoint declined while tasks of a
+        restarted job still deploy)."""
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             status = self.get(f"/jobs/{job_id}/{path}")
             if status["status"]["id"] == "COMPLETED":
                 operation: dict[str, Any] = status["operation"]
-                if "failure-cause" in operation:
-                    raise FlinkJobFailed(
-                        f"{path.split('/')[0]} of {job_id} failed: {operation['failure-cause']}"
-                    )
+                # A savepoint's result names it "failure-cause", a checkpoint's "failureCause".
+                cause = operation.get("failure-cause", operation.get("failureCause"))
+                if cause is not None:
+                    raise FlinkJobFailed(f"{path.split('/')[0]} of {job_id} failed: {cause}")
                 return operation
             time.sleep(0.5)
         raise TimeoutError(f"{path} of {job_id} not done within {timeout_s} s; {self.diagnosis(job_id)}")
