@@ -110,6 +110,13 @@ class IdempotencyStore:
         while self.bytes_kept > self.max_bytes:
             self._drop_oldest()
 
+    def clear(self) -> None:
+        """Forget every kept answer: the gateway is stopping. Its handlers can outlive it (aiohttp keeps
+        them in a module-level cache of built middleware chains), and through them this store; without
+        this, up to ``max_bytes`` of answers nobody can ask for again stayed in memory."""
+        self._kept.clear()
+        self.bytes_kept = 0
+
     def _expire(self) -> None:
         now = self._clock()
         while self._kept and next(iter(self._kept.values())).expires <= now:

@@ -274,10 +274,12 @@ class OpenAIProxy:
         return headers
 
     async def close(self) -> None:
-        """Stop the calls still running (kept-running ones too): the gateway is stopping."""
+        """Stop the calls still running (kept-running ones too) and drop the answers kept for
+        repeats: the gateway is stopping."""
         for task in list(self._flights):
             task.cancel()
         await asyncio.gather(*self._flights, return_exceptions=True)
+        self.idempotency.clear()
 
     def _route(self, body: bytes, headers: Mapping[str, str]) -> RouteRequest:
         """The policy's view of the body, with the prompt's block hashes already computed when the

@@ -219,10 +219,11 @@ async def test_a_call_whose_caller_went_away_leaves_no_reference_cycle(fleet: Si
     body = chat_body("a long answer nobody reads", max_tokens=600, ignore_eos=True, stream=True)
     async with running_gateway(fleet.urls, "least_outstanding") as gw, aiohttp.ClientSession() as caller:
         with collector_off():
+            before = _live_flights()
             async with caller.post(gw.url + "/v1/chat/completions", json=body) as r:
                 await r.content.readuntil(b"\n\n")
                 r.close()  # drop the connection mid-stream
-            assert await _flights_left_once_idle(gw) == [], (
+            assert await _flights_left_once_idle(gw, before) == [], (
                 "a stopped flight is kept alive by a reference cycle"
             )
 
@@ -238,12 +239,13 @@ async def test_an_answer_that_broke_off_mid_stream_leaves_no_reference_cycle() -
         aiohttp.ClientSession() as caller,
     ):
         with collector_off():
+            before = _live_flights()
             async with caller.post(gw.url + "/v1/chat/completions", json=body) as r:
                 await r.content.readuntil(b"\n\n")
                 sims.kill(0)
                 with pytest.raises(aiohttp.ClientPayloadError):
                     await r.content.read()
-            assert await _flights_left_once_idle(gw) == [], (
+            assert await _flights_left_once_idle(gw, before) == [], (
                 "a flight that broke off is kept alive by a reference cycle"
             )
         async with caller.get(gw.url + "/metrics") as m:
@@ -253,14 +255,35 @@ async def test_an_answer_that_broke_off_mid_stream_leaves_no_reference_cycle() -
             )
 
 
-async def _flights_left_once_idle(gw: Gateway) -> list[Flight]:
-    """The flights still alive once the gateway has no call in flight (with the collector off, only
-    those nothing but a reference cycle holds)."""
+async def test_a_stopped_gateway_keeps_no_answer_alive(fleet: SimulatorFleet) -> None:
+    # aiohttp caches each application's handlers in a module-level cache that outlives the application,
+    # and through the proxy's bound method its idempotency store: every answer kept for a repeat stayed
+    # in memory after the gateway stopped (found as another test's Flight in the reference-cycle tests).
+    body = chat_body("kept for a repeat", max_tokens=20)
+    before = _live_flights()
+    async with running_gateway(fleet.urls, "least_outstanding") as gw, aiohttp.ClientSession() as caller:
+        async with caller.post(
+            gw.url + "/v1/chat/completions", json=body, headers={"Idempotency-Key": uuid.uuid4().hex}
+        ) as r:
+            assert r.status == 200
+            await r.read()
+        assert [f for f in _live_flights() if f not in before], "the answer was not kept for a repeat"
+    gc.collect()
+    assert [f for f in _live_flights() if f not in before] == [], "a stopped gateway still holds answers"
+
+
+def _live_flights() -> list[Flight]:
+    return [o for o in gc.get_objects() if isinstance(o, Flight)]
+
+
+async def _flights_left_once_idle(gw: Gateway, before: list[Flight]) -> list[Flight]:
+    """The flights still alive once the gateway has no call in flight, of those not in ``before`` (with
+    the collector off, only those nothing but a reference cycle holds)."""
     async with asyncio.timeout(10):
         while gw.client.in_flight:
             await asyncio.sleep(0.02)
     await asyncio.sleep(0.1)  # the flight's task's done callbacks
-    return [o for o in gc.get_objects() if isinstance(o, Flight)]
+    return [f for f in _live_flights() if f not in before]
 
 
 async def test_the_policy_hears_of_the_first_token_while_the_answer_still_streams(
