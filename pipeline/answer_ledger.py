@@ -51,6 +51,7 @@ round trip), so a large poll never makes one huge command."""
 class LedgerCounts:
     recorded: int = 0
     found: int = 0
+    """Recorded answers a lookup returned (an answer for other events is ``other_events`` instead)."""
     read_failures: int = 0
     write_failures: int = 0
     other_events: int = 0
@@ -113,6 +114,7 @@ class AnswerLedger:
             and answer.trimmed_event_ids == prompt.trimmed_event_ids
         ):
             return known
+        self.counts.found -= 1  # found, but not this prompt's answer
         self.counts.other_events += 1
         return Recorded(None, known.newest_answered)
 

@@ -146,3 +146,4 @@ async def test_the_same_version_of_other_events_is_answered_on_its_own(sinks: Si
     assert isinstance(again, ShopperInsight) and again.replayed
     assert requests_received(metrics) == 2
     assert ledger.counts.other_events == 1 and enricher.counts.skipped_answered == 0
+    assert ledger.counts.found == 2, "found counts the answers returned: the record read back, its replay"
