@@ -65,6 +65,7 @@ class IdempotencyStore:
         self._flights: dict[str, tuple[bytes, Flight]] = {}
         self._kept: OrderedDict[str, _Kept] = OrderedDict()
         self.bytes_kept = 0
+        self._closed = False
 
     @property
     def in_flight(self) -> int:
@@ -100,6 +101,8 @@ class IdempotencyStore:
         if flying is None or flying[1] is not flight:
             return
         del self._flights[key]
+        if self._closed:
+            return  # the gateway stopped: nobody can ask for it again
         head = flight.head
         if not (flight.complete and isinstance(head, Head) and 200 <= head.status < 300):
             return  # an error or a broken answer: a repeat calls again
@@ -110,10 +113,13 @@ class IdempotencyStore:
         while self.bytes_kept > self.max_bytes:
             self._drop_oldest()
 
-    def clear(self) -> None:
-        """Forget every kept answer: the gateway is stopping. Its handlers can outlive it (aiohttp keeps
-        them in a module-level cache of built middleware chains), and through them this store; without
-        this, up to ``max_bytes`` of answers nobody can ask for again stayed in memory."""
+    def close(self) -> None:
+        """Forget every kept answer, and keep none from now on: the gateway is stopping. Its handlers
+        can outlive it (aiohttp keeps them in a module-level cache of built middleware chains), and
+        through them this store; without this, up to ``max_bytes`` of answers nobody can ask for again
+        stayed in memory. A call still ending (its request was being handled as the gateway stopped)
+        keeps nothing."""
+        self._closed = True
         self._kept.clear()
         self.bytes_kept = 0
 

@@ -279,7 +279,7 @@ class OpenAIProxy:
         for task in list(self._flights):
             task.cancel()
         await asyncio.gather(*self._flights, return_exceptions=True)
-        self.idempotency.clear()
+        self.idempotency.close()
 
     def _route(self, body: bytes, headers: Mapping[str, str]) -> RouteRequest:
         """The policy's view of the body, with the prompt's block hashes already computed when the

@@ -82,3 +82,15 @@ def test_a_key_stands_for_one_request() -> None:
     # The same document serialized otherwise is the same request.
     same = request_digest("POST", "/v1/chat/completions", b'{"messages":[],"model":"m"}')
     assert store.find("k", same) is not None
+
+
+def test_a_closed_store_forgets_its_answers_and_keeps_no_more() -> None:
+    store = IdempotencyStore(ttl_s=60, max_bytes=1024)
+    before, ending = answered(b'{"a": 1}'), answered(b'{"b": 2}')
+    store.track("before", DIGEST, before)
+    store.ended("before", before)
+    store.track("ending", DIGEST, ending)  # its request was being handled as the gateway stopped
+    store.close()
+    store.ended("ending", ending)
+    assert (store.kept, store.bytes_kept, store.in_flight) == (0, 0, 0)
+    assert store.find("before", DIGEST) is None and store.find("ending", DIGEST) is None
