@@ -168,8 +168,9 @@ class ShopperSessionFunction(KeyedProcessFunction):
         self.timer_prompts = group.counter("prompts_by_timer")
         self.flushed_prompts = group.counter("prompts_by_flush")
         self.restored_timers_deferred = group.counter("restored_timers_deferred")
-        self.started_ms: int | None = None
-        """Processing time of this run's first call: timers armed before it were restored."""
+        self.started_ms = int(time.time() * 1000)
+        """When this run of the subtask opened, on the clock its timer service reads (the wall clock in
+        milliseconds, in process and thread mode alike): timers armed before it were restored."""
         self.trimmed_unprompted = group.counter("events_trimmed_unprompted")
 
     def _load(self, shopper_id: str) -> ShopperSession:
@@ -196,10 +197,10 @@ class ShopperSessionFunction(KeyedProcessFunction):
         return None if raw is None else ArmedTimer.from_state(raw)
 
     def _now_ms(self, timers: Any) -> int:
+        """The processing time, never before this run opened: a timer armed in this run must not read
+        as restored after the wall clock stepped back."""
         now_ms: int = timers.current_processing_time()
-        if self.started_ms is None:
-            self.started_ms = now_ms
-        return now_ms
+        return max(now_ms, self.started_ms)
 
     def _arm(self, session: ShopperSession, timers: Any) -> None:
         assert session.pending is not None
@@ -220,8 +221,6 @@ class ShopperSessionFunction(KeyedProcessFunction):
 
     def process_element(self, value: Any, ctx: KeyedProcessFunction.Context) -> Iterable[Any]:
         self.records_in.inc()
-        if self.started_ms is None:
-            self._now_ms(ctx.timer_service())
         record = source_record(value, self.source_topic, self.base64_values)
         event = gate(record, self.dlq_max_original_bytes, self.processor.config.event_time)
         key = ctx.get_current_key()
@@ -286,7 +285,6 @@ class ShopperSessionFunction(KeyedProcessFunction):
         now_ms = self._now_ms(timers)
         if session.pending is None:
             return False
-        assert self.started_ms is not None
         wait_ms = wall_deadline_ms(0, armed.due_ts, session.last_event_ts, self.lateness_ms)
         later = restored_deadline_ms(armed, now_ms, self.started_ms, wait_ms)
         if later is None:

@@ -85,8 +85,9 @@ def rearm(before: ArmedTimer | None, due_ts: float, deadline_ms: int, now_ms: in
 def restored_deadline_ms(armed: ArmedTimer, now_ms: int, started_ms: int, wait_ms: int) -> int | None:
     """When a timer going off at ``now_ms`` should fire instead, if it was armed before this run of the
     job started at ``started_ms`` (restored from a checkpoint or savepoint): ``wait_ms`` after the
-    start, the wall wait it was armed with (see the module docstring). None: fire now, because it was
-    armed in this run, or its wait after the start is over."""
+    start (the caller passes the wait from the shopper's newest event to the due time: what the timer
+    was armed with, or less when a later event kept it; see the module docstring). None: fire now,
+    because it was armed in this run, or its wait after the start is over."""
     if armed.armed_at_ms is not None and armed.armed_at_ms >= started_ms:
         return None
     deadline = started_ms + wait_ms
