@@ -98,7 +98,10 @@ class AnswerLedger:
 
     async def recorded(self, request_id: str) -> ShopperInsight | None:
         """The answer recorded for ``request_id``, or None (also when Redis cannot be read)."""
-        return (await self._lookup(request_id, None)).answer
+        answer = (await self._lookup(request_id, None)).answer
+        if answer is not None:
+            self.counts.found += 1
+        return answer
 
     async def lookup(self, prompt: PromptRequest) -> Recorded:
         """The answer recorded for ``prompt`` and the version of its shopper's signal (neither, when
@@ -109,12 +112,14 @@ class AnswerLedger:
         that answer would leave the event named by no result. The prompt's own answer replaces it."""
         known = await self._lookup(prompt.request_id, prompt.shopper_id)
         answer = known.answer
-        if answer is None or (
+        if answer is None:
+            return known
+        if (
             answer.new_event_ids == prompt.new_event_ids
             and answer.trimmed_event_ids == prompt.trimmed_event_ids
         ):
+            self.counts.found += 1
             return known
-        self.counts.found -= 1  # found, but not this prompt's answer
         self.counts.other_events += 1
         return Recorded(None, known.newest_answered)
 
@@ -135,7 +140,6 @@ class AnswerLedger:
         except ValidationError:  # written by another version of the record: ask the model again
             self.counts.read_failures += 1
             return Recorded(None, newest)
-        self.counts.found += 1
         return Recorded(insight, newest)
 
     async def _read_waiting(self) -> None:
