@@ -35,6 +35,28 @@ STORE_WAIT_POLL_S = 0.5
 inside any ``max.poll.interval.ms``, and rare enough to cost nothing."""
 
 
+def read_poll(
+    messages: list[Message], topic: str, offsets: dict[tuple[str, int], int]
+) -> tuple[list[bytes | None], list[tuple[int, int]], list[int]]:
+    """A poll's values, timestamps and partitions in one pass, and into ``offsets`` the offset after
+    the last record of each (topic, partition) it holds. The runner reads the events topic and the
+    repartition topic, and is assigned partition p of both together: keyed by partition alone, one
+    topic's offset was left out of a poll that held both (``topic``: a record's when it names none)."""
+    values: list[bytes | None] = []
+    stamps: list[tuple[int, int]] = []
+    partitions: list[int] = []
+    last: dict[tuple[str, int], int] = {}  # (topic, partition) -> index of its last record
+    for i, message in enumerate(messages):
+        partition = message.partition() or 0
+        last[(message.topic() or topic, partition)] = i
+        values.append(message.value())
+        stamps.append(message.timestamp())
+        partitions.append(partition)
+    for topic_partition, i in last.items():
+        offsets[topic_partition] = (messages[i].offset() or 0) + 1
+    return values, stamps, partitions
+
+
 class Ingest:
     def __init__(self, runner: EmbeddedRunner) -> None:
         self.runner = runner
@@ -171,19 +193,7 @@ class Ingest:
         acct = runner.stats.accounting
         sessions = runner.sessions
         epoch = Epoch(lease=runner.assignment.lease)  # read after the poll: its records' assignment
-        values: list[bytes | None] = []
-        stamps: list[tuple[int, int]] = []
-        partitions: list[int] = []
-        last: dict[int, int] = {}  # partition -> index of its last record (the runner reads one topic)
-        for i, message in enumerate(messages):
-            partition = message.partition() or 0
-            last[partition] = i
-            values.append(message.value())
-            stamps.append(message.timestamp())
-            partitions.append(partition)
-        topic = self.settings.topic
-        for partition, i in last.items():
-            epoch.offsets[(messages[i].topic() or topic, partition)] = (messages[i].offset() or 0) + 1
+        values, stamps, partitions = read_poll(messages, self.settings.topic, epoch.offsets)
         acct.consumed += len(messages)
         times = [ms / 1000.0 if kind != 0 and ms > 0 else None for kind, ms in stamps]
         gated = parse_events(values, times, runner.event_window)

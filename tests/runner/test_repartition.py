@@ -48,13 +48,13 @@ def shopper_records(sid: str, start: float) -> list[tuple[bytes | None, bytes]]:
     return [(key, view(sid, start + i * VIEW_GAP_S)) for i, key in enumerate(keys)]
 
 
-Placed = list[tuple[bytes | None, int, list[str]]]
-"""(key, partition, header names) of each record of a topic."""
+Placed = list[tuple[bytes | None, int, list[str], int]]
+"""(key, partition, header names, offset) of each record of a topic."""
 
 
 def placed_records(bootstrap: str, topic: str, expect: int) -> Placed:
     """Every record on the topic (at least ``expect``, read to each partition's end, which a watermark
-    cannot tell on Tansu: its ListOffsets counts batches): key, partition and headers' names."""
+    cannot tell on Tansu: its ListOffsets counts batches): key, partition, headers' names and offset."""
     reader = Consumer(
         {
             "bootstrap.servers": bootstrap,
@@ -80,7 +80,7 @@ def placed_records(bootstrap: str, topic: str, expect: int) -> Placed:
                     at_end.add(partition)
                 continue
             at_end.discard(partition)
-            found.append((message.key(), partition, header_names(message)))
+            found.append((message.key(), partition, header_names(message), message.offset() or 0))
     finally:
         reader.close()
     return found
@@ -89,7 +89,7 @@ def placed_records(bootstrap: str, topic: str, expect: int) -> Placed:
 def partitions_by_key(placed: Placed) -> dict[bytes | None, set[int]]:
     """Every key, and the partitions holding records with it."""
     found: dict[bytes | None, set[int]] = {}
-    for key, partition, _ in placed:
+    for key, partition, *_ in placed:
         found.setdefault(key, set()).add(partition)
     return found
 
@@ -162,10 +162,32 @@ def test_unkeyed_and_mis_keyed_events_reach_their_shoppers_one_session(isolated:
     assert all(len(placed[sid.encode()]) == 1 for sid in sent), "a shopper's keyed records on two partitions"
     copies = placed_records(bootstrap, settings.repartition_topic_name, misplaced)
     assert len(copies) == misplaced
-    assert all(REKEYED_FROM in names for _, _, names in copies), "a copy that does not name its original"
-    assert partitions_by_key(copies) == {key: placed[key] for key in {key for key, _, _ in copies}}, (
+    assert all(REKEYED_FROM in names for _, _, names, _ in copies), "a copy that does not name its original"
+    assert partitions_by_key(copies) == {key: placed[key] for key in {key for key, *_ in copies}}, (
         "a copy on another partition number than its shopper's keyed records"
     )
+    # A poll holds partition p of both topics; each topic's offset is committed (they were once kept by
+    # partition number alone, so the topic read first in a poll was left behind).
+    for topic, read_back in ((isolated.topic, on_events), (settings.repartition_topic_name, copies)):
+        assert committed_offsets(bootstrap, isolated.group, topic) == next_offsets(read_back), topic
+
+
+def next_offsets(placed: Placed) -> dict[int, int]:
+    """Per partition, the offset after its last record (0 for an empty one)."""
+    ends = dict.fromkeys(range(PARTITIONS), 0)
+    for _, partition, _, offset in placed:
+        ends[partition] = max(ends[partition], offset + 1)
+    return ends
+
+
+def committed_offsets(bootstrap: str, group: str, topic: str) -> dict[int, int]:
+    """The group's committed offset per partition; a partition with nothing on it counts as 0."""
+    consumer = Consumer({"bootstrap.servers": bootstrap, "group.id": group, "enable.auto.commit": False})
+    try:
+        tps = consumer.committed([TopicPartition(topic, p) for p in range(PARTITIONS)], timeout=10)
+        return {tp.partition: max(tp.offset, 0) for tp in tps}
+    finally:
+        consumer.close()
 
 
 def test_a_group_id_a_topic_name_cannot_hold_still_names_a_repartition_topic_of_its_own() -> None:
