@@ -208,16 +208,17 @@ class EmbeddedRunner:
                 self.ops = OpsServer(self, self.metrics, host=s.metrics_host, port=s.metrics_port)
                 await self.ops.start()
                 self.log(f"metrics and health on {self.ops.address}")
+            timers = asyncio.create_task(self.triggers.run(), name="timers")
             workers = [
                 asyncio.create_task(self.commits.run(), name="committer"),
-                asyncio.create_task(self.triggers.run(), name="timers"),
+                timers,
                 asyncio.create_task(self._progress(), name="progress"),
                 asyncio.create_task(self._measure_lag(), name="lag"),
             ]
             try:
                 with streaming_gc():  # the per-event objects live on: see runner.gc_tuning
                     await self.ingest.run()
-                await self._drain()
+                await self._drain(timers)
             finally:
                 for worker in workers:
                     worker.cancel()
@@ -238,9 +239,16 @@ class EmbeddedRunner:
         self.log(self._render_progress(final=True))
         return self.stats
 
-    async def _drain(self) -> None:
+    async def _drain(self, timers: asyncio.Task[None]) -> None:
         """End of run: with ``until_drained`` fire every pending trigger first; then wait for all
-        prompts, make everything durable and commit."""
+        prompts, make everything durable and commit.
+
+        No timer fires once the drain begins: a prompt one launched during the last commit was neither
+        waited for nor stored, so the restart paid for it again. A trigger still pending stays in the
+        session store with its deadline, and the next owner of its partition fires it."""
+        timers.cancel()  # it awaits only between whole passes: no pass is left half done
+        with contextlib.suppress(asyncio.CancelledError):
+            await timers
         if self.settings.until_drained and self._failed is None:
             self.triggers.fire_all()
         if self._failed is not None:  # the consumer may be what failed: no poll, nothing committed
