@@ -72,6 +72,14 @@ def error_response(
     )
 
 
+def route_label(request: web.Request) -> str:
+    """The metrics' ``path`` label of a refused request: the route it matched (its template), or
+    ``unmatched``. The path itself is the caller's to choose: labelled by it, requests without a key
+    minted a series each (``/junk-0``, ``/junk-1``, ...) and grew ``/metrics`` without bound."""
+    resource = request.match_info.route.resource
+    return "unmatched" if resource is None else resource.canonical
+
+
 def caller_guard(settings: GatewaySettings, metrics: GatewayMetrics) -> Middleware:
     """An aiohttp middleware applying ``settings``' API key and body-size limit."""
     keys = BearerKeyCheck(settings.api_key)
@@ -80,7 +88,7 @@ def caller_guard(settings: GatewaySettings, metrics: GatewayMetrics) -> Middlewa
     limit = settings.max_body_bytes
 
     def too_large(request: web.Request, size: str) -> web.Response:
-        metrics.requests.labels(request.path, "413").inc()
+        metrics.requests.labels(route_label(request), "413").inc()
         return error_response(
             413,
             f"the body is {size}; the limit is {limit} bytes (GATEWAY_MAX_BODY_BYTES)",
@@ -93,14 +101,14 @@ def caller_guard(settings: GatewaySettings, metrics: GatewayMetrics) -> Middlewa
             return await handler(request)
         admin = request.path.startswith(ADMIN_PREFIX) or request.path == ADMIN_PREFIX.rstrip("/")
         if admin and not admin_keys.required:
-            metrics.requests.labels(request.path, "403").inc()
+            metrics.requests.labels(route_label(request), "403").inc()
             return error_response(
                 403,
                 "the admin routes are off: they need a key of their own (GATEWAY_ADMIN_API_KEY)",
                 "permission_error",
             )
         if not (admin_keys if admin else keys).accepts(request.headers.get("Authorization")):
-            metrics.requests.labels(request.path, "401").inc()
+            metrics.requests.labels(route_label(request), "401").inc()
             which = "admin key" if admin else "API key"
             return error_response(
                 401,

@@ -558,9 +558,14 @@ async def test_callers_need_the_api_key_when_one_is_set(
                 assert r.status == 200 and r.headers["x-replica-id"] in {"r0", "r1", "r2"}
         async with http.get(gw.url + "/health") as r:
             assert r.status == 200, "probes need no key"
+        for n in range(20):  # paths a caller without a key makes up: one label value, not a series each
+            async with http.get(f"{gw.url}/junk-{n}") as r:
+                assert r.status == 401
         async with http.get(gw.url + "/metrics") as r:
             text = await r.text()
         assert metric(text, "gateway_requests_total", path="/v1/chat/completions", status="401") == 5
+        assert metric(text, "gateway_requests_total", path="unmatched", status="401") == 20
+        assert "junk" not in text
     assert "s3cret-key" not in GatewaySettings(api_key="s3cret-key").model_dump_json()
 
 
