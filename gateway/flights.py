@@ -64,6 +64,9 @@ class Flight:
         """The replica broke off after its status line (nothing could be retried by then)."""
         self.superseded: GatewayAnswer | None = None
         """Set when a newer version of the session stopped this call: what its callers get."""
+        self.stopped: GatewayAnswer | None = None
+        """The gateway's answer for a call stopped after its status line came (its task cancelled as
+        the gateway shut down, or failed): what a caller still waiting for the whole answer gets."""
         self.task: asyncio.Task[None] | None = None
         self._callers = 0
         self._changed = asyncio.Event()
@@ -96,8 +99,11 @@ class Flight:
         """The call is over: read to its end, broken off (``error``), or answered by the gateway."""
         if self.ended:
             return
-        if answer is not None and self.head is None:
-            self.head = answer
+        if answer is not None:
+            if self.head is None:
+                self.head = answer
+            else:
+                self.stopped = answer
         self.complete = complete
         self.error = error
         self.stage = "ended"

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import time
 from collections.abc import Callable, Mapping
 
@@ -40,6 +41,7 @@ from llm_client.errors import (
     DeadlineExceeded,
     LLMError,
     NoHealthyEndpoint,
+    Overloaded,
     RetryBudgetExhausted,
 )
 from llm_client.gateway_headers import FLEET_SIZE_HEADER, SERVED_BY_HEADER, SUPERSEDED_BY_HEADER
@@ -184,8 +186,7 @@ class OpenAIProxy:
             return
         except LLMError as exc:
             if flight.head is None:
-                status, kind = _error_status(exc)
-                flight.end(answer=GatewayAnswer(status, kind, str(exc), attempts=exc.attempts))
+                flight.end(answer=_error_answer(exc))
             else:
                 # Kept without its traceback: that names this frame, which holds the flight, so the
                 # flight would hold itself in a reference cycle until the cyclic collector ran.
@@ -219,10 +220,10 @@ class OpenAIProxy:
                 if not flight.complete:
                     if flight.superseded is not None:
                         return self._gateway_answer(request, flight.superseded)
-                    error = flight.error
-                    assert error is not None
-                    status, kind = _error_status(error)
-                    return self._error(request, status, str(error), kind, attempts=error.attempts)
+                    if flight.error is None:  # stopped after its status line, not broken off
+                        stopped = flight.stopped or GatewayAnswer(499, "cancelled", "the call was stopped")
+                        return self._gateway_answer(request, stopped)
+                    return self._gateway_answer(request, _error_answer(flight.error))
                 response = web.Response(body=flight.body_bytes(), status=head.status, headers=headers)
         except ConnectionResetError:  # the caller went away (its call is stopped unless kept running)
             self.metrics.requests.labels(request.path, "caller_gone").inc()
@@ -320,8 +321,7 @@ class OpenAIProxy:
                     )
         except LLMError as exc:
             if response is None or not response.prepared:
-                status, kind = _error_status(exc)
-                return self._error(request, status, str(exc), kind, attempts=exc.attempts)
+                return self._gateway_answer(request, _error_answer(exc))
             # Bytes are already with the caller: end its connection without the stream's end.
             self.metrics.broken_streams.labels(exc.endpoint or "unknown").inc()
             log.warning("answer broke off mid-stream: %s", exc)
@@ -399,10 +399,25 @@ def _superseded(session: str, version: Version, when: str) -> GatewayAnswer:
     )
 
 
-def _error_status(exc: LLMError) -> tuple[int, str]:
-    """The gateway's own answer when no replica answered (OpenAI-style ``error.type``)."""
+def _error_answer(exc: LLMError) -> GatewayAnswer:
+    """The gateway's own answer when no replica answered (OpenAI-style ``error.type``).
+
+    Replicas that refused for load (429) are answered 429 with the longest ``Retry-After`` they asked
+    for: a 502 told an ``LLMClient`` in front of the gateway that the gateway had failed, and two of
+    those in a row ejected the gateway (a refusal counts against nobody's health). A retry budget
+    spent is a 503 with ``Retry-After`` as well: the gateway is alive and asks for a pause."""
+    message, attempts = str(exc), exc.attempts
     if isinstance(exc, DeadlineExceeded | AttemptTimeout):
-        return 504, "timeout"
-    if isinstance(exc, NoHealthyEndpoint | RetryBudgetExhausted):
-        return 503, "service_unavailable"
-    return 502, "bad_gateway"
+        return GatewayAnswer(504, "timeout", message, attempts=attempts)
+    if isinstance(exc, Overloaded):
+        wait_s = max(1, math.ceil(exc.retry_after_s or 1))
+        return GatewayAnswer(
+            429, "overloaded", message, attempts=attempts, headers={"Retry-After": str(wait_s)}
+        )
+    if isinstance(exc, RetryBudgetExhausted):
+        return GatewayAnswer(
+            503, "service_unavailable", message, attempts=attempts, headers={"Retry-After": "1"}
+        )
+    if isinstance(exc, NoHealthyEndpoint):
+        return GatewayAnswer(503, "service_unavailable", message, attempts=attempts)
+    return GatewayAnswer(502, "bad_gateway", message, attempts=attempts)

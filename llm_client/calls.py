@@ -35,6 +35,7 @@ from llm_client.errors import (
     EndpointUnavailable,
     InvalidAnswer,
     LLMError,
+    Overloaded,
     RetryBudgetExhausted,
 )
 from llm_client.fleet import Fleet
@@ -138,7 +139,10 @@ class Calls:
 
     @staticmethod
     def _refused_past_deadline(error: LLMError, told_s: float, left_s: float) -> EndpointUnavailable:
-        refused = EndpointUnavailable(
+        """The refusal raised when the wait the server asked for outlasts the deadline: a load refusal
+        (``Overloaded``) stays one, so nothing counts it against the server and a gateway answers it 429."""
+        kind = Overloaded if isinstance(error, Overloaded) else EndpointUnavailable
+        refused = kind(
             f"{error}; it asks for no retry before {told_s:g} s, past this call's deadline "
             f"({max(left_s, 0.0):.3f} s left)",
             retry_after_s=told_s,

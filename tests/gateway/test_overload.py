@@ -385,3 +385,26 @@ async def _equals(value: Awaitable[float], wanted: float) -> bool:
 
 async def _at_least(value: Awaitable[float], wanted: float) -> bool:
     return await value >= wanted
+
+
+async def test_a_gateway_behind_a_gateway_passes_its_refusal_on_as_429(
+    replica: str, http: aiohttp.ClientSession
+) -> None:
+    """A gateway whose replicas refuse for load (429 with ``Retry-After``; here another gateway, its
+    one slot held) answers 429 ``overloaded`` with ``Retry-After`` too: it answered 502, which a client
+    in front counts as the gateway failing (two in a row eject it), and the ``Retry-After`` was lost."""
+    bounds = {"high": 0.1, "normal": 0.1, "low": 0.1}
+    # The inner gateway asks for at least 1 s; the outer's deadline leaves less: refused at once.
+    async with (
+        running_gateway([replica], "round_robin", per_replica_in_flight=1, max_wait_s=bounds) as inner,
+        running_gateway([inner.url], "round_robin", deadline_s=0.5) as outer,
+    ):
+        async with SlotHolder(http, inner.url):
+            for _ in range(3):  # a refusal ejects nothing: the next one is refused the same way
+                status, headers, body = await post(http, outer.url, chat_body("cart add", **SHORT))
+                assert status == 429, body
+                assert body["error"]["type"] == "overloaded"
+                assert int(headers["Retry-After"]) >= 1
+        assert (await post(http, outer.url, chat_body("cart add", **SHORT)))[0] == 200
+        text = await scrape(http, outer.url)
+        assert metric(text, "gateway_requests_total", path=CHAT, status="429") == 3
