@@ -29,6 +29,7 @@ from llm_client.forwarding import Forwarder
 from llm_client.models import Completion
 from llm_client.passthrough import Forwarded
 from llm_client.routing import RouteRequest
+from llm_client.routing.base import prefill_observer
 from llm_client.routing.pd_aware import PdAwarePolicy
 from llm_client.status import ERROR_BODY_MAX_BYTES, KV_CACHE_GONE, KV_GONE_STATUSES
 from llm_client.transport import mapped_transport_errors
@@ -49,6 +50,17 @@ class PdHandover:
         routable = [c for c in self.fleet.context_endpoints if c.routable]
         plan = policy.context_for(route, decode, routable)
         return None if plan is None else (policy, *plan)
+
+    def _decode_never_sent(self, decode: Endpoint, route: RouteRequest) -> None:
+        """The call ended during its context step (cancelled: a newer version of its session, its
+        caller gone, its deadline), before any attempt on ``decode``: what choosing ``decode`` booked
+        there for this call is given back, as the end of an attempt gives it back. It stayed booked for
+        good: the shopper counted in flight on that replica (its cache hits ignored, the hot-key spread
+        pushing it off its cached replica) and the prompt held in the queued-prefill record."""
+        observer = prefill_observer(self.fleet.policy_of(decode))
+        if observer is not None:
+            observer.prefill_abandoned(route, decode)
+            observer.attempt_over(route, decode)
 
     # ---- parsed calls (``LLMClient.chat``) -----------------------------------------------------------
     async def completion(
@@ -81,6 +93,9 @@ class PdHandover:
             )
         except LLMError:
             prefilled = None
+        except BaseException:
+            self._decode_never_sent(decode, route)
+            raise
         params = None if prefilled is None else prefilled.disaggregated_params
         if params is not None:
             generate_body = {**body, "disaggregated_params": {**params, "request_type": "generation_only"}}
@@ -140,6 +155,9 @@ class PdHandover:
             )
         except LLMError:
             prefilled = None
+        except BaseException:
+            self._decode_never_sent(decode, route)
+            raise
         params = None if prefilled is None else prefilled.disaggregated_params
         if params is None:
             policy.redone_locally()

@@ -232,3 +232,38 @@ async def test_a_refused_handover_whose_body_breaks_off_gives_the_replicas_load_
             0,
             0,
         )
+
+
+@pytest.mark.parametrize("path", ["chat", "forward"])
+async def test_a_call_cancelled_during_its_context_step_gives_the_decode_booking_back(path: str) -> None:
+    """Cancelled while the context server prefills (a newer version of its session, the caller gone,
+    its deadline), the call never reaches its decode server: what choosing that server booked for it
+    (the shopper counted in flight there, its KV, the prompt in the queued-prefill record) stayed
+    booked for good, one prompt more each time."""
+    text = words(3000)
+    async with (
+        running_simulator(role="context", time_scale=1.0) as ctx,  # ~5.8k tokens: ~0.8 s
+        running_simulator(role="generation", time_scale=0.0) as gen,
+        LLMClient(pd_config(gen.url, ctx.url, max_local_prefill_tokens=0)) as client,
+    ):
+        policy = client.policy
+        assert isinstance(policy, PdAwarePolicy)
+        decode = policy.decode
+        for n in range(3):
+            if path == "chat":
+                call = asyncio.create_task(client.chat(messages(text), routing_key="s1", max_tokens=20))
+            else:
+                call = asyncio.create_task(forwarded(client, text))
+            async with asyncio.timeout(10):
+                while policy.stats.remote < n + 1:  # planned: the context step begins
+                    await asyncio.sleep(0.01)
+            await asyncio.sleep(0.2)  # inside the context step: its prefill takes ~0.8 s of wall time
+            assert not call.done()
+            call.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await call
+            assert decode._key_inflight == {}
+            assert decode._booked_kv == {}
+            assert len(decode._queued) == 0
+            (server,) = client.endpoints
+            assert (server.outstanding, server.outstanding_prefill_tokens) == (0, 0)
