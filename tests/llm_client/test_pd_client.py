@@ -250,10 +250,11 @@ async def test_a_call_cancelled_during_its_context_step_gives_the_decode_booking
         assert isinstance(policy, PdAwarePolicy)
         decode = policy.decode
         for n in range(3):
-            if path == "chat":
-                call = asyncio.create_task(client.chat(messages(text), routing_key="s1", max_tokens=20))
-            else:
-                call = asyncio.create_task(forwarded(client, text))
+            call: asyncio.Task[Any] = asyncio.create_task(
+                client.chat(messages(text), routing_key="s1", max_tokens=20)
+                if path == "chat"
+                else forwarded(client, text)
+            )
             async with asyncio.timeout(10):
                 while policy.stats.remote < n + 1:  # planned: the context step begins
                     await asyncio.sleep(0.01)
