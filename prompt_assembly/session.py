@@ -209,8 +209,8 @@ class ShopperSession:
             if entry.segment >= self.seq:  # no prompt has taken it
                 self.unprompted_trimmed += 1
                 self.unprompted_trimmed_ids.append(entry.event.event_id)
-        while len(self.trimmed_ids) > remember_ids:
-            self.trimmed_ids.popleft()
+        while len(self.trimmed_ids) > remember_ids:  # forgotten here, as a restored session forgets it
+            self._ids.discard(self.trimmed_ids.popleft())
         del self.unprompted_trimmed_ids[: max(0, len(self.unprompted_trimmed_ids) - remember_ids)]
         self._ids.update(self.trimmed_ids)
         self.newest_ts = max((e.event.ts for e in self.entries), default=0.0)

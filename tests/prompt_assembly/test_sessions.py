@@ -184,6 +184,22 @@ def test_budget_trims_in_large_steps_and_remembers_trimmed_ids() -> None:
     assert processor.apply(session, first).outcome == "duplicate"  # trimmed, still deduplicated
 
 
+def test_a_session_held_in_memory_forgets_the_ids_a_restored_one_forgets() -> None:
+    """Past ``remember_trimmed_ids``, a trimmed event's id is forgotten: by a session restored from
+    its stored header (the Flink job's, every event) and by the one the runner holds in memory alike.
+    The held one kept every id it had seen, so a replayed old event was a duplicate on one engine and
+    a new event on the other, and the held set grew for as long as the shopper browsed."""
+    processor = SessionProcessor(SessionConfig(max_events=40, trim_to_fraction=0.5, remember_trimmed_ids=30))
+    held = processor.new_session("s1")
+    for i in range(400):
+        processor.apply(held, event("view", 100 + i, event_id=f"v{i}"))
+    restored = ShopperSession.from_json(held.to_json())
+    for i in range(400):
+        assert held.has_seen(f"v{i}") == restored.has_seen(f"v{i}"), f"v{i}"
+    assert not held.has_seen("v0") and held.has_seen("v399")
+    assert len(held._ids) <= 40 + 30
+
+
 kinds = st.sampled_from(["view", "view", "view", "click", "search", "add_to_cart", "purchase"])
 
 
