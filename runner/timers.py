@@ -3,7 +3,7 @@
 A trigger's due time is in *event* time (the session decides it); the runner waits for it on the wall
 clock, ``timer_wall_per_event_s`` wall seconds per event second after the shopper's last event. Entries
 are never removed when a trigger moves or fires early: a stale entry pops later and
-``SessionProcessor.fire_pending`` ignores a ``due_ts`` that is no longer the pending one.
+``SessionProcessor.fire_armed`` ignores a ``due_ts`` that is not the pending one's.
 """
 
 from __future__ import annotations

@@ -64,7 +64,7 @@ class TriggerLoop:
                 session = runner.sessions.get(sid)
                 if session is None:
                     continue
-                prompts = runner.processor.fire_pending(session, due_ts)
+                prompts = runner.processor.fire_armed(session, due_ts)
                 for prompt in prompts:
                     runner.prompts.launch(prompt, epoch, None)
                 if prompts:

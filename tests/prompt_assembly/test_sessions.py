@@ -115,6 +115,32 @@ def test_stale_timer_does_not_fire_early() -> None:
     assert len(processor.fire_pending(session, due_ts=135)) == 1
 
 
+def test_an_armed_timer_fires_only_its_own_trigger() -> None:
+    """The runner's stale timer entries stay queued. A browse pause's entry (due 121) must not fire
+    the late cart add that replaced it (rate-limited, due 110) before that trigger's own entry: the
+    runner then prompted without the events that came before it, which the Flink job's prompt (its
+    stale timer deleted) held."""
+    processor = SessionProcessor(
+        SessionConfig(triggers=TriggerPolicy(quiet_period_s=20, min_prompt_interval_s=10))
+    )
+    session = processor.new_session("s1")
+    assert len(processor.apply(session, event("add_to_cart", 100)).prompts) == 1
+    processor.apply(session, event("view", 101))
+    assert session.pending is not None and session.pending.due_ts == 121  # the pause's entry: 121
+    processor.apply(session, event("add_to_cart", 102))  # delivered late, rate-limited
+    assert session.pending is not None and (session.pending.reason, session.pending.due_ts) == (
+        "add_to_cart",
+        110,
+    )
+    assert processor.fire_armed(session, due_ts=121) == [], "the pause's stale entry"
+    assert processor.fire_pending(session, due_ts=121) != [], "the Flink job's rule would fire it"
+    session = processor.new_session("s2")
+    processor.apply(session, event("add_to_cart", 100, shopper="s2"))
+    processor.apply(session, event("add_to_cart", 102, shopper="s2"))
+    [fired] = processor.fire_armed(session, due_ts=110)
+    assert fired.reason == "add_to_cart" and session.pending is None
+
+
 def test_a_late_browse_event_never_brings_the_pause_forward() -> None:
     """Views at t and t+gap, then one from before t arrives late: the browse pause still waits a whole
     quiet period after t+gap, and the shopper's next event inside that period fires nothing."""
