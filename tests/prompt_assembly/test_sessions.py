@@ -246,9 +246,12 @@ def test_prompts_are_prefix_stable_and_the_estimate_is_exact(steps: list[tuple[s
         assert later.seq == earlier.seq + 1
         actual = shared_tokens(earlier, later)
         assert later.shared_prefix_tokens <= actual
-        assert actual - later.shared_prefix_tokens <= 2  # framing tokens around the estimate
+        log = earlier.messages[1]["content"].rsplit("Task:", 1)[0]
+        if later.messages[1]["content"].startswith(log):  # no trim in between: the estimate is exact
+            assert actual - later.shared_prefix_tokens <= 2  # framing tokens around the estimate
+        # After a trim only the fixed head is claimed; a log of identical lines (the same product viewed
+        # again and again within a minute) can share more with the trimmed one by coincidence.
         if later.shared_prefix_tokens > 0.5 * earlier.prompt_tokens:
-            log = earlier.messages[1]["content"].rsplit("Task:", 1)[0]
             assert later.messages[1]["content"].startswith(log)
 
 
