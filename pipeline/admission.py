@@ -119,8 +119,9 @@ class AdmissionGate:
             raise  # (evicted just as it was cancelled: evict_oldest counted it already)
 
     def waiting_in(self, klass: int) -> int:
-        """Prompts of ``klass`` waiting now."""
-        return len(self._live(klass))
+        """Prompts of ``klass`` waiting now: not those cancelled between the queue's ends, whose entries
+        stay until reached (counted, a full backfill dropped a prompt it had room for)."""
+        return sum(not waiter.future.done() for waiter in self._live(klass))
 
     def evict_oldest(self, klass: int) -> None:
         """Let the longest-waiting prompt of ``klass`` go without a slot: its ``acquire`` raises

@@ -129,3 +129,22 @@ async def test_an_evicted_waiter_leaves_without_a_slot_and_the_next_one_gets_it(
     assert (gate.active, gate.waiting) == (1, 0)
     gate.evict_oldest(2)  # none waits: nothing happens
     assert (gate.active, gate.waiting) == (1, 0)
+
+
+async def test_a_waiter_cancelled_mid_queue_is_not_counted_as_waiting() -> None:
+    """A prompt displaced by its shopper's newer one while others of its class wait on both sides: its
+    entry stays until reached, but it no longer waits. Counted, a full backfill (``max_backfill``)
+    dropped a prompt it had room for."""
+    gate = AdmissionGate(lambda: 1, by_priority=True)
+    await gate.acquire((0, 0))
+    waiters = [asyncio.create_task(gate.acquire((2, i))) for i in range(3)]
+    await settle()
+    waiters[1].cancel()
+    await settle()
+    assert (gate.waiting, gate.waiting_in(2)) == (2, 2)
+    gate.evict_oldest(2)
+    await settle()
+    assert isinstance(waiters[0].exception(), Evicted)
+    assert (gate.waiting, gate.waiting_in(2)) == (1, 1), "the cancelled one is skipped, the last one stays"
+    gate.release()
+    await waiters[2]
