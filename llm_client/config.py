@@ -21,7 +21,12 @@ from prompt_assembly.errors import ConfigurationError
 
 class Timeouts(BaseModel):
     connect_s: float = Field(1.0, gt=0, description="TCP connect to a replica")
-    attempt_s: float = Field(30.0, gt=0, description="one attempt, first byte to last")
+    attempt_s: float = Field(
+        30.0,
+        gt=0,
+        description="one attempt, first byte to last; for a pass-through (the gateway's forward), the "
+        "longest stall: no byte for this long (its answer is passed on as it arrives)",
+    )
     deadline_s: float = Field(60.0, gt=0, description="whole request, retries included (default)")
     cut_grace_s: float = Field(
         0.0,

@@ -53,8 +53,12 @@ class Forwarder:
         if observer is not None:
             forwarded.on_release = lambda: observer.attempt_over(route, endpoint)
         forwarded.hold()
+        # The answer is passed on as it arrives, so ``attempt_s`` bounds a stall (no byte for that long),
+        # not the whole answer: as ``total`` it cut a healthy stream longer than ``attempt_s`` mid-answer
+        # and counted that against the replica (two in a row ejected it). The call's deadline
+        # (``Calls.call``) bounds the whole.
         timeout = aiohttp.ClientTimeout(
-            total=self.config.timeouts.attempt_s, sock_connect=self.config.timeouts.connect_s
+            total=None, sock_connect=self.config.timeouts.connect_s, sock_read=self.config.timeouts.attempt_s
         )
         try:
             with mapped_transport_errors(endpoint.name, self.config.timeouts.attempt_s):
