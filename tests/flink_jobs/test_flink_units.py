@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import json
 import subprocess
 import sys
 import time
@@ -327,3 +328,32 @@ def test_token_gauges_read_the_enrichers_counts_and_are_zero_before_it_starts() 
     assert gauge() == 700
     assert _token_gauge(operator, "landed_prefill")() == 600
     assert _token_gauge(operator, "not_landed_decode")() == 50  # (3.0 - 0.5) s at 50 ms a token
+
+
+def test_both_engines_refuse_a_non_finite_literal_with_one_reason() -> None:
+    """Python's ``json.dumps`` writes ``NaN`` for a float nan. Pydantic's parser took it in a field the
+    schema ignores, so the runner accepted the event; the Flink job read its key with ``JSON_VALUE``,
+    which refuses it, and dead-lettered it as a misplaced event. Now both gates refuse it as invalid
+    JSON, with the same reason."""
+    from flink_jobs.flink_functions import gate, source_record
+    from prompt_assembly.events import MalformedEvent, parse_events
+
+    event = {
+        "event_id": "e-nan",
+        "shopper_id": "s-1",
+        "type": "view",
+        "ts": 1_761_800_000.5,
+        "product": {"product_id": "p-1", "title": "Witch Costume", "price": 19.99},
+        "dwell_ms": float("nan"),
+    }
+    raw = json.dumps(event).encode()
+    assert b"NaN" in raw
+    letter = gate(source_record((raw, "events", 0, 1, 1_761_800_000_600), None, False))
+    assert isinstance(letter, str)
+    (refused,) = parse_events([raw], [1_761_800_000.6])
+    assert isinstance(refused, MalformedEvent)
+    assert (
+        orjson.loads(letter)["reason"]
+        == refused.reason
+        == "invalid JSON: NaN is not a JSON number (RFC 8259)"
+    )

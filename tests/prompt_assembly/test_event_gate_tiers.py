@@ -28,11 +28,15 @@ BASE: dict[str, Any] = {
 
 
 def _reference(raw: bytes) -> ShopperEvent | str:
-    """What pydantic alone says: the event, or the rejection reason."""
+    """What pydantic says (the event, or the rejection reason), and the one rule the gate adds:
+    ``NaN`` and ``Infinity`` are not JSON numbers (RFC 8259), wherever they are."""
     try:
-        return events._EVENT.validate_json(raw)
+        event = events._EVENT.validate_json(raw)
     except pydantic.ValidationError as exc:
         return events.describe_validation_error(exc)
+    literals: list[str] = []
+    json.loads(raw, parse_constant=literals.append)
+    return f"invalid JSON: {literals[0]} is not a JSON number (RFC 8259)" if literals else event
 
 
 def _assert_same_as_pydantic(raw: bytes) -> None:
