@@ -49,6 +49,7 @@ def enrichment_settings(job: NearRealtimeSettings, **overrides: Any) -> RunnerSe
     options: dict[str, Any] = {
         "bootstrap_servers": job.kafka.bootstrap_servers,
         "kafka_security": job.kafka.security,
+        "kafka_fetch_wait_max_ms": job.kafka.fetch_max_wait_ms,
         "group_id": enrichment_group(job),
         "topic": job.prompts_topic,
         "input": "prompts",

@@ -75,6 +75,13 @@ class RunnerSettings(BaseSettings):
         description="Tansu holds a group join for about half of this; librdkafka's 45 s default "
         "means a 23 s wait before the first message",
     )
+    kafka_fetch_wait_max_ms: int = Field(
+        100,
+        gt=0,
+        description="the consumer's fetch.wait.max.ms (librdkafka's default is 500). Tansu holds a fetch "
+        "this long instead of answering when data arrives, so each record waited up to it; on Kafka it "
+        "only bounds the idle fetch rate (as the Flink job's kafka.fetch_max_wait_ms)",
+    )
     rekey_partitioner: Literal[
         "consistent_random", "consistent", "murmur2_random", "murmur2", "fnv1a_random", "fnv1a"
     ] = Field(

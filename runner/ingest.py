@@ -83,6 +83,7 @@ class Ingest:
             "session.timeout.ms": s.kafka_session_timeout_ms,
             "heartbeat.interval.ms": max(250, s.kafka_session_timeout_ms // 6),
             "max.poll.interval.ms": max(s.kafka_max_poll_interval_ms, s.kafka_session_timeout_ms),
+            "fetch.wait.max.ms": s.kafka_fetch_wait_max_ms,
             "enable.partition.eof": False,
             "log.connection.close": False,
             "allow.auto.create.topics": False,  # a wrong topic name fails (ConsumerFailed), never creates one

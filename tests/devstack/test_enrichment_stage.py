@@ -39,7 +39,11 @@ def test_the_enrichment_runner_reads_stores_and_calls_as_the_job_says(
     )
     job = NearRealtimeSettings(
         kafka=KafkaSettings(
-            bootstrap_servers="b-1.msk:9096", dlq_topic="dead", group_id="job-group", security=security
+            bootstrap_servers="b-1.msk:9096",
+            dlq_topic="dead",
+            group_id="job-group",
+            security=security,
+            fetch_max_wait_ms=40,
         ),
         llm=ClientConfig(endpoints=["http://replica-a:8000", "http://replica-b:8000"], policy="prefix_aware"),
         sinks=SinkSettings(redis_url="rediss://cache:6379/0", redis_key_prefix="p:", s3_prefix="x"),
@@ -56,6 +60,7 @@ def test_the_enrichment_runner_reads_stores_and_calls_as_the_job_says(
         1234,
     )
     assert runner.kafka_security == security
+    assert runner.kafka_fetch_wait_max_ms == 40, "the job's tuned fetch wait, for a broker that holds fetches"
     assert runner.kafka_security.sasl_password is not None
     assert runner.kafka_security.sasl_password.get_secret_value() == "p"
     assert runner.llm == job.llm and runner.sinks == job.sinks and runner.enrichment == job.enrichment
