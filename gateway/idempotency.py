@@ -37,11 +37,13 @@ class KeyReused(ShopperError):
     """The key was sent before with another request: answered 422."""
 
 
-def request_digest(method: str, path: str, body: bytes | None) -> bytes:
+def request_digest(method: str, path: str, body: bytes | None, session: str = "") -> bytes:
     """What a key stands for: the same key must come with the same request. A JSON body is compared
     as its document (keys sorted, no spacing), so a restarted caller that serializes the same request
-    differently still repeats it."""
-    digest = hashlib.sha256(f"{method} {path}\n".encode())
+    differently still repeats it. ``session``: its session and version headers, as the gateway reads
+    them; a repeat joins or reuses the call it repeats before the session check, so another session
+    or version under the same key must not pass for a repeat (it would skip that check)."""
+    digest = hashlib.sha256(f"{method} {path}\n{session}\n".encode())
     try:
         canonical = orjson.dumps(orjson.loads(body or b"null"), option=orjson.OPT_SORT_KEYS)
     except orjson.JSONDecodeError:

@@ -91,7 +91,8 @@ class OpenAIProxy:
         except InvalidRequest as exc:
             return self._error(request, 400, str(exc), "invalid_request_error", exc.param)
         key = request.headers.get(IDEMPOTENCY_HEADER)
-        digest = b"" if key is None else request_digest("POST", request.path, body)
+        scope = "" if session is None else f"{session[0]}\n{version_text(session[1])}"
+        digest = b"" if key is None else request_digest("POST", request.path, body, scope)
         if key is not None:
             try:
                 found = self.idempotency.find(key, digest)

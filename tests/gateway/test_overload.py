@@ -313,10 +313,15 @@ async def test_a_killed_callers_call_finishes_and_its_repeat_joins_or_reuses_it(
         async with http.post(gw.url + CHAT, json=body, headers={"Idempotency-Key": "s9:0:4"}) as r:
             assert (r.status, r.headers["x-gateway-idempotent"]) == (200, "reused")
             assert await r.read() == first
-        # The same key with another request is the caller's bug, not a repeat.
+        # The same key with another request is the caller's bug, not a repeat; so is the same body
+        # under another session or version (it would skip the session's supersede check).
         other = chat_body("another prompt", **SHORT)
         async with http.post(gw.url + CHAT, json=other, headers={"Idempotency-Key": "s9:0:4"}) as r:
             assert r.status == 422
+        for version in ("1", "2"):
+            headers = {"Idempotency-Key": "s9:0:4", **session_headers("s9", version)}
+            async with http.post(gw.url + CHAT, json=body, headers=headers) as r:
+                assert r.status == 422, version
         text = await scrape(http, gw.url)
         assert (
             metric(text, "gateway_idempotent_total", outcome="joined")
