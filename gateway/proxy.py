@@ -403,15 +403,17 @@ def _superseded(session: str, version: Version, when: str) -> GatewayAnswer:
 def _error_answer(exc: LLMError) -> GatewayAnswer:
     """The gateway's own answer when no replica answered (OpenAI-style ``error.type``).
 
-    Replicas that refused for load (429) are answered 429 with the longest ``Retry-After`` they asked
-    for: a 502 told an ``LLMClient`` in front of the gateway that the gateway had failed, and two of
-    those in a row ejected the gateway (a refusal counts against nobody's health). A retry budget
-    spent is a 503 with ``Retry-After`` as well: the gateway is alive and asks for a pause."""
+    Replicas that refused for load (429) are answered 429 with the ``Retry-After`` the last of them
+    asked for, also when the retry budget ran out on their refusals: a 502 or 503 told an
+    ``LLMClient`` in front of the gateway that the gateway had failed, and two of those in a row ejected
+    the gateway (a refusal counts against nobody's health). A retry budget spent on failures is a 503
+    with ``Retry-After``: the gateway is alive and asks for a pause."""
     message, attempts = str(exc), exc.attempts
     if isinstance(exc, DeadlineExceeded | AttemptTimeout):
         return GatewayAnswer(504, "timeout", message, attempts=attempts)
-    if isinstance(exc, Overloaded):
-        wait_s = max(1, math.ceil(exc.retry_after_s or 1))
+    refusal = exc.__cause__ if isinstance(exc, RetryBudgetExhausted) else exc  # the budget ran out on 429s
+    if isinstance(refusal, Overloaded):
+        wait_s = max(1, math.ceil(refusal.retry_after_s or 1))
         return GatewayAnswer(
             429, "overloaded", message, attempts=attempts, headers={"Retry-After": str(wait_s)}
         )

@@ -107,7 +107,7 @@ class Calls:
                     wait_s = max(wait_s, told_s)
                 failover = isinstance(last_error, InvalidAnswer)  # away from a bad answer: see above
                 if not failover and not self._budget.try_spend():
-                    raise RetryBudgetExhausted(f"retry budget exhausted after: {last_error}")
+                    raise RetryBudgetExhausted(f"retry budget exhausted after: {last_error}") from last_error
                 self.retries += 1
                 await asyncio.sleep(wait_s)
             if not any(e.routable for e in self.fleet.endpoints):

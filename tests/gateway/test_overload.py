@@ -399,14 +399,17 @@ async def test_a_gateway_behind_a_gateway_passes_its_refusal_on_as_429(
     one slot held) answers 429 ``overloaded`` with ``Retry-After`` too: it answered 502, which a client
     in front counts as the gateway failing (two in a row eject it), and the ``Retry-After`` was lost."""
     bounds = {"high": 0.1, "normal": 0.1, "low": 0.1}
-    # The inner gateway asks for at least 1 s; the outer's deadline leaves less: refused at once.
+    # The inner gateway asks for at least 1 s. The first outer gateway's deadline leaves less (refused
+    # at once); the second has time to wait, but no retry budget (spent on the refusals).
+    no_budget = {"retry": {"max_attempts": 3, "backoff_base_s": 0.01, "budget_min_tokens": 0}}
     async with (
         running_gateway([replica], "round_robin", per_replica_in_flight=1, max_wait_s=bounds) as inner,
         running_gateway([inner.url], "round_robin", deadline_s=0.5) as outer,
+        running_gateway([inner.url], "round_robin", client=no_budget, deadline_s=20) as spent,
     ):
         async with SlotHolder(http, inner.url):
-            for _ in range(3):  # a refusal ejects nothing: the next one is refused the same way
-                status, headers, body = await post(http, outer.url, chat_body("cart add", **SHORT))
+            for gateway in (outer, outer, outer, spent, spent):  # a refusal ejects nothing: again alike
+                status, headers, body = await post(http, gateway.url, chat_body("cart add", **SHORT))
                 assert status == 429, body
                 assert body["error"]["type"] == "overloaded"
                 assert int(headers["Retry-After"]) >= 1
