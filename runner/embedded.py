@@ -247,8 +247,9 @@ class EmbeddedRunner:
         waited for nor stored, so the restart paid for it again. A trigger still pending stays in the
         session store with its deadline, and the next owner of its partition fires it."""
         timers.cancel()  # it awaits only between whole passes: no pass is left half done
-        with contextlib.suppress(asyncio.CancelledError):
-            await timers
+        await asyncio.wait([timers])
+        if not timers.cancelled() and (error := timers.exception()) is not None:
+            self.fail(error)  # it had died before: the runner fails, and commits nothing more
         if self.settings.until_drained and self._failed is None:
             self.triggers.fire_all()
         if self._failed is not None:  # the consumer may be what failed: no poll, nothing committed
