@@ -268,6 +268,9 @@ def _reject_non_finite_literals(raw: bytes | bytearray | memoryview) -> None:
     event's key with Flink's ``JSON_VALUE``, which refuses them: the same bytes were a dead letter there
     and an event here. Checked only where pydantic accepted (the fast tier's msgspec refuses them)."""
 
+    data = bytes(raw)
+    if b"NaN" not in data and b"Infinity" not in data:  # the common case: no second parse
+        return
     found: list[str] = []
 
     def note(literal: str) -> float:
@@ -275,7 +278,7 @@ def _reject_non_finite_literals(raw: bytes | bytearray | memoryview) -> None:
         return 0.0
 
     try:
-        json.loads(bytes(raw), parse_constant=note)
+        json.loads(data, parse_constant=note)
     except ValueError:  # pydantic accepted it: not expected, and not this check's to judge
         return
     if found:
