@@ -40,8 +40,8 @@ def enrichment_group(job: NearRealtimeSettings) -> str:
 
 
 def enrichment_settings(job: NearRealtimeSettings, **overrides: Any) -> RunnerSettings:
-    """The runner that enriches ``job``'s prompts: the job's Kafka cluster and security, LLM,
-    enrichment, sink and dead-letter settings, in a consumer group of its own (``<job group>-enrich``).
+    """The runner that enriches ``job``'s prompts: the job's Kafka cluster, security and fetch wait,
+    LLM, enrichment, sink and dead-letter settings, in a consumer group of its own (``<job group>-enrich``).
     The runner's other settings (its metrics host, log format, in-flight bounds) come from ``RUNNER_*``
     as for ``shopper run``. ``overrides`` are ``RunnerSettings`` fields."""
     if not job.prompts_topic:
@@ -49,7 +49,10 @@ def enrichment_settings(job: NearRealtimeSettings, **overrides: Any) -> RunnerSe
     options: dict[str, Any] = {
         "bootstrap_servers": job.kafka.bootstrap_servers,
         "kafka_security": job.kafka.security,
-        "kafka_fetch_wait_max_ms": job.kafka.fetch_max_wait_ms,
+        # the source's wait (its consumer_properties win over the field, as in the job's source)
+        "kafka_fetch_wait_max_ms": int(
+            job.kafka.consumer_properties.get("fetch.max.wait.ms", job.kafka.fetch_max_wait_ms)
+        ),
         "group_id": enrichment_group(job),
         "topic": job.prompts_topic,
         "input": "prompts",

@@ -61,6 +61,8 @@ def test_the_enrichment_runner_reads_stores_and_calls_as_the_job_says(
     )
     assert runner.kafka_security == security
     assert runner.kafka_fetch_wait_max_ms == 40, "the job's tuned fetch wait, for a broker that holds fetches"
+    job.kafka.consumer_properties = {"fetch.max.wait.ms": "25"}  # wins over the field, as in the source
+    assert enrichment_settings(job).kafka_fetch_wait_max_ms == 25
     assert runner.kafka_security.sasl_password is not None
     assert runner.kafka_security.sasl_password.get_secret_value() == "p"
     assert runner.llm == job.llm and runner.sinks == job.sinks and runner.enrichment == job.enrichment
