@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 import uuid
 
 import redis.asyncio as aioredis
 
-from batch.errors import JobStateError
+from batch.errors import JobNotFound, JobStateError
 from batch.manifest import TERMINAL_STATES, JobManifest, JobSpec
 from batch.storage import JobStore, S3Uri
 from sinks.keys import RedisKeys
@@ -29,9 +30,19 @@ async def submit_job(
     shard_records: int = 100,
     job_id: str | None = None,
 ) -> JobManifest:
-    """Register a job (state ``queued``); fails fast when the input does not exist."""
-    S3Uri.parse(output_uri)
+    """Register a job (state ``queued``); fails fast when the input does not exist, when ``job_id``
+    names a job already registered (its manifest would be replaced, its history lost), or when the
+    output already holds parts (two jobs writing one output overwrite each other's)."""
+    output = S3Uri.parse(output_uri.rstrip("/"))
     etag, size = await store.head(S3Uri.parse(input_uri))
+    if job_id is not None:
+        with contextlib.suppress(JobNotFound):
+            await store.read_manifest(job_id)
+            raise JobStateError(f"job {job_id} exists already; resume it, or submit under another id")
+    if await store.part_shards(output):
+        raise JobStateError(
+            f"{output} holds output parts already (another job's): give this job an output of its own"
+        )
     spec = JobSpec(
         job_id=job_id or new_job_id(),
         input_uri=input_uri,

@@ -158,7 +158,7 @@ class JobRun:
                 f"{etag}); submit a new job for the new input"
             )
         m.input_etag, m.input_bytes = etag, size
-        adopted = await self.store.written_shards(self.output, known=set(m.shards))
+        adopted = await self.store.written_shards(self.output, self.job_id, known=set(m.shards))
         for shard in sorted(adopted):
             # The part is written before the signals: a kill between the two left Redis without them.
             await self.signals.write(self.job_id, await self.store.read_jsonl(part_key(self.output, shard)))
@@ -387,7 +387,7 @@ class JobRun:
             for attempt in range(4):
                 try:
                     await self.store.write_shard(
-                        self.output, commit.shard, commit.rows, commit.errors, commit.counts
+                        self.output, commit.shard, commit.rows, commit.errors, commit.counts, self.job_id
                     )
                     await self.signals.write(self.job_id, commit.rows)
                     break

@@ -17,6 +17,7 @@ kill (after the last manifest checkpoint) is adopted on resume instead of redone
 from __future__ import annotations
 
 import contextlib
+import re
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
@@ -31,6 +32,8 @@ from batch.manifest import JobManifest, ShardCounts
 from sinks.config import SinkSettings
 
 _PART = "part-{:05d}.jsonl"
+_PART_NAME = re.compile(r"part-(\d+)\.jsonl")
+"""An output part's name (``_PART``); any other object under the output is not a part."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -188,36 +191,52 @@ class JobStore:
         rows: list[dict[str, Any]],
         errors: list[dict[str, Any]],
         counts: ShardCounts,
+        job_id: str,
     ) -> None:
-        """Errors part first, then the output part: a part's existence means the shard is complete."""
+        """Errors part first, then the output part: a part's existence means the shard is complete. The
+        part names its job (``written_shards`` adopts only a job's own parts)."""
         if errors:
             await self.put(errors_part_key(output, shard), encode_jsonl(errors), "application/x-ndjson")
-        meta = {"ok": str(counts.ok), "errors": str(counts.errors), "requests": str(counts.requests)}
+        meta = {
+            "ok": str(counts.ok),
+            "errors": str(counts.errors),
+            "requests": str(counts.requests),
+            "job": job_id,
+        }
         await self.put(part_key(output, shard), encode_jsonl(rows), "application/x-ndjson", meta)
 
-    async def written_shards(
-        self, output: S3Uri, known: set[int] | frozenset[int] = frozenset()
-    ) -> dict[int, ShardCounts]:
-        """Shards whose output part exists but are not in ``known``, with the counts from the part's
-        metadata."""
-        found: dict[int, ShardCounts] = {}
+    async def part_shards(self, output: S3Uri) -> list[tuple[int, str]]:
+        """(shard, key) of every output part under ``output`` (``part-NNNNN.jsonl``; other names
+        ignored)."""
+        found: list[tuple[int, str]] = []
         prefix = output.key.rstrip("/") + "/" if output.key else ""
         paginator = self.client.get_paginator("list_objects_v2")
         async for page in paginator.paginate(Bucket=output.bucket, Prefix=prefix + "part-", Delimiter="/"):
             for entry in page.get("Contents", []):
-                name = entry["Key"][len(prefix) :]
-                if not (name.startswith("part-") and name.endswith(".jsonl")):
-                    continue
-                shard = int(name[5:-6])
-                if shard in known:
-                    continue
-                head = await self.client.head_object(Bucket=output.bucket, Key=entry["Key"])
-                meta = head.get("Metadata", {})
-                found[shard] = ShardCounts(
-                    ok=int(meta.get("ok", 0)),
-                    errors=int(meta.get("errors", 0)),
-                    requests=int(meta.get("requests", 0)),
-                )
+                match = _PART_NAME.fullmatch(entry["Key"][len(prefix) :])
+                if match is not None:
+                    found.append((int(match.group(1)), entry["Key"]))
+        return found
+
+    async def written_shards(
+        self, output: S3Uri, job_id: str, known: set[int] | frozenset[int] = frozenset()
+    ) -> dict[int, ShardCounts]:
+        """Shards of ``job_id`` whose output part exists but are not in ``known``, with the counts from
+        the part's metadata. A part another job wrote (the same output given to two jobs) is never
+        taken as this job's: it took that job's answers as its own and skipped its own input's lines."""
+        found: dict[int, ShardCounts] = {}
+        for shard, key in await self.part_shards(output):
+            if shard in known:
+                continue
+            head = await self.client.head_object(Bucket=output.bucket, Key=key)
+            meta = head.get("Metadata", {})
+            if meta.get("job") != job_id:
+                continue
+            found[shard] = ShardCounts(
+                ok=int(meta.get("ok", 0)),
+                errors=int(meta.get("errors", 0)),
+                requests=int(meta.get("requests", 0)),
+            )
         return found
 
     async def read_jsonl(self, uri: S3Uri) -> list[dict[str, Any]]:

@@ -199,7 +199,7 @@ async def _kill_and_resume(
         done_at_kill = progress.get("done", 0) + progress.get("rate", 0.0) * age_s
         killed = await store.read_manifest(job_id)
         # What a resume keeps: checkpointed shards plus parts written after the last checkpoint.
-        written = await store.written_shards(S3Uri.parse(output))
+        written = await store.written_shards(S3Uri.parse(output), job_id)
         kept = sum(c.ok + c.errors for c in written.values())
         await prepare_resume(store, job_id)
     llm = batch_client_config(stack.llm_endpoints, stack.model, settings)

@@ -20,7 +20,7 @@ from batch.admin import cancel_job, prepare_resume, submit_job
 from batch.errors import JobStateError
 from batch.job_run import JobRun
 from batch.launch import BatchRuntime, open_batch
-from batch.manifest import JobManifest
+from batch.manifest import JobManifest, ShardCounts
 from batch.signals import ProductSignalWriter
 from batch.storage import S3Uri
 from batch.synthetic import synthetic_product_lines
@@ -145,10 +145,10 @@ async def test_a_worker_that_lost_its_lease_writes_nothing_over_the_new_holder(
 
         final = await a.run()
         stored = await runtime.store.read_manifest(job.job_id)
-        written = await runtime.store.written_shards(S3Uri.parse(job.spec.output_uri))
+        written = await runtime.store.part_shards(S3Uri.parse(job.spec.output_uri))
     assert "lost the lease" in (final.message or "")
     assert stored == theirs, "the new holder's manifest is left as it wrote it"
-    assert written == {}, "no part written after the lease was lost"
+    assert written == [], "no part written after the lease was lost"
 
 
 async def test_a_worker_that_cannot_renew_its_lease_stops_writing(
@@ -174,11 +174,11 @@ async def test_a_worker_that_cannot_renew_its_lease_stops_writing(
             finally:
                 await gone.aclose()
             stored = await runtime.store.read_manifest(job.job_id)
-            written = await runtime.store.written_shards(S3Uri.parse(job.spec.output_uri))
+            written = await runtime.store.part_shards(S3Uri.parse(job.spec.output_uri))
     finally:
         own.stop()
     assert "could not renew the lease" in (final.message or "")
-    assert written == {}, "no part written without the lease"
+    assert written == [], "no part written without the lease"
     assert stored == claimed, "the manifest stays as the claim wrote it: resumable once the lease expires"
 
 
@@ -231,3 +231,31 @@ async def test_a_call_that_ends_without_an_outcome_stops_the_job_instead_of_hang
         final = (await asyncio.wait_for(running, 60))[job.job_id]
     assert final.state == "failed"
     assert final.message is not None and "no call ready or in flight" in final.message, final.message
+
+
+async def test_an_output_another_job_wrote_is_refused_and_never_adopted(
+    stack: StackState, isolated: Isolated
+) -> None:
+    """A job claiming its work took every part under its output its manifest did not list as its own
+    finished shard: submitted with another job's output, it took that job's answers as its own and
+    skipped its own input's lines. Now such a submit is refused, as is a job id in use, and a part
+    another job wrote (two jobs racing for one output) is never adopted."""
+    settings = _settings()
+    async with open_batch(settings, isolated.sinks(), _llm(stack, settings)) as runtime:
+        first = await _submit_blank_lines(runtime, isolated, shards=1, name="first")
+        assert (await _run(runtime, [first.job_id]))[first.job_id].state == "succeeded"
+        other = await _submit_blank_lines(runtime, isolated, shards=1, name="other")
+        with pytest.raises(JobStateError, match="output parts already"):
+            await submit_job(runtime.store, other.spec.input_uri, first.spec.output_uri)
+        with pytest.raises(JobStateError, match="exists already"):
+            await submit_job(
+                runtime.store, other.spec.input_uri, f"{other.spec.output_uri}-2", job_id=first.job_id
+            )
+        assert (await runtime.store.read_manifest(first.job_id)).state == "succeeded", "its manifest is kept"
+
+        output = S3Uri.parse(other.spec.output_uri)
+        await runtime.store.write_shard(output, 0, [{"line": 0}], [], ShardCounts(ok=1), first.job_id)
+        assert await runtime.store.written_shards(output, other.job_id) == {}
+        final = (await _run(runtime, [other.job_id]))[other.job_id]
+    assert final.state == "succeeded", final.message
+    assert final.shards[0].errors == settings.shard_records, "its own blank lines, not the other job's part"
