@@ -38,7 +38,10 @@ class MatchRequest(BaseModel):
         "", description="search or page context; may be empty"
     )
     candidates: Annotated[list[Candidate], Field(min_length=1, max_length=MAX_CANDIDATES)]
-    deadline_ms: Annotated[int, Field(ge=MIN_DEADLINE_MS, le=MAX_DEADLINE_MS)] | None = Field(
+    # Strict: a JSON integer only. Admission reads the deadline before validation and takes only an
+    # integer; a lenient field read "50" or 50.0 as 50, so admission judged one deadline and the match
+    # kept another (a late answer where a 429 was due, or a refusal of a request with time to spare).
+    deadline_ms: Annotated[int, Field(ge=MIN_DEADLINE_MS, le=MAX_DEADLINE_MS, strict=True)] | None = Field(
         None, description="answer within this many ms of arrival (default: the service's, 300)"
     )
 

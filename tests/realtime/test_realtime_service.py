@@ -235,6 +235,9 @@ async def test_pool_down_answers_at_once_and_sheds_beyond_capacity(isolated: Iso
         ({"data": b"{not json", "headers": {"Content-Type": "application/json"}}, 400, "invalid_json"),
         ({"json": {"shopper_id": "s", "candidates": []}}, 422, "validation_error"),
         ({"json": {"shopper_id": "s", "candidates": ["a"], "extra": 1}}, 422, "validation_error"),
+        # a deadline admission would not read (it takes a JSON integer only): one deadline for both
+        ({"json": {"shopper_id": "s", "candidates": ["a"], "deadline_ms": "50"}}, 422, "validation_error"),
+        ({"json": {"shopper_id": "s", "candidates": ["a"], "deadline_ms": 50.0}}, 422, "validation_error"),
         ({"data": b"shopper=s", "headers": {"Content-Type": "text/plain"}}, 415, "unsupported_media_type"),
         ({"data": b"x" * 300_000, "headers": {"Content-Type": "application/json"}}, 413, "payload_too_large"),
     ],
@@ -248,7 +251,7 @@ async def test_bad_requests_get_clear_4xx(
         assert response.status == status
         assert body["error"]["type"] == error_type and body["error"]["message"]
         if status == 422:
-            assert body["error"]["details"][0]["loc"] in ("candidates", "extra")
+            assert body["error"]["details"][0]["loc"] in ("candidates", "extra", "deadline_ms")
         missing = await client.get("/v1/nothing")
         assert missing.status == 404 and (await missing.json())["error"]["type"] == "not_found"
 
