@@ -17,6 +17,7 @@ kill (after the last manifest checkpoint) is adopted on resume instead of redone
 from __future__ import annotations
 
 import contextlib
+import logging
 import re
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -25,11 +26,14 @@ from typing import Any
 import orjson
 from aiobotocore.session import get_session
 from botocore.exceptions import ClientError
+from pydantic import ValidationError
 
 from batch.errors import InvalidUri, JobNotFound
 from batch.lines import LineSplitter, OversizedLine
 from batch.manifest import JobManifest, ShardCounts
 from sinks.config import SinkSettings
+
+log = logging.getLogger(__name__)
 
 _PART = "part-{:05d}.jsonl"
 _PART_NAME = re.compile(r"part-(\d+)\.jsonl")
@@ -126,8 +130,12 @@ class JobStore:
         async for page in paginator.paginate(Bucket=self.jobs_root.bucket, Prefix=prefix, Delimiter="/"):
             for entry in page.get("CommonPrefixes", []):
                 job_id = entry["Prefix"][len(prefix) :].rstrip("/")
-                with contextlib.suppress(JobNotFound):
+                try:
                     manifests.append(await self.read_manifest(job_id))
+                except JobNotFound:
+                    continue
+                except ValidationError as exc:  # one unreadable manifest must not hide every other job
+                    log.error("batch job %s: its manifest is not readable, skipped: %s", job_id, exc)
         return sorted(manifests, key=lambda m: m.spec.submitted_at)
 
     # ---- cancellation -----------------------------------------------------------------------------

@@ -115,10 +115,13 @@ class BatchWorker:
         if pending is not None:
             candidates = [await self.store.read_manifest(j) for j in pending if j not in self.active]
         else:
+            try:
+                listed = await self.store.list_manifests()
+            except Exception as exc:  # S3 down a moment: look again at the next poll, jobs run on
+                log.warning("could not list the batch jobs (%r); looking again in a moment", exc)
+                return
             candidates = [
-                m
-                for m in await self.store.list_manifests()
-                if m.state in ("queued", "running") and m.job_id not in self.active
+                m for m in listed if m.state in ("queued", "running") and m.job_id not in self.active
             ]
         order = start_order(
             [JobDemand(m.job_id, m.spec.priority, m.spec.submitted_at, 0, 0) for m in candidates]
@@ -158,6 +161,15 @@ class BatchWorker:
                 if pending is not None:
                     pending.remove(manifest.job_id)
                 results.append(manifest)
+                continue
+            except Exception as exc:
+                if pending is not None:  # the jobs asked for by name: their error is the answer
+                    raise
+                # Following every job: S3 or Redis refused this claim (its lease was given back).
+                # Started jobs run on, and this one is tried again at the next poll.
+                log.warning(
+                    "job %s could not start (%r); trying again at the next poll", manifest.job_id, exc
+                )
                 continue
             if pending is not None:
                 pending.remove(manifest.job_id)

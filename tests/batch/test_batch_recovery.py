@@ -259,3 +259,18 @@ async def test_an_output_another_job_wrote_is_refused_and_never_adopted(
         final = (await _run(runtime, [other.job_id]))[other.job_id]
     assert final.state == "succeeded", final.message
     assert final.shards[0].errors == settings.shard_records, "its own blank lines, not the other job's part"
+
+
+async def test_a_worker_listing_the_queue_skips_a_manifest_it_cannot_read(
+    stack: StackState, isolated: Isolated
+) -> None:
+    """One manifest that does not validate (another version's, a hand edit) made every listing fail,
+    and the worker following the queue died with it, its running jobs stopped unfinished. Now that one
+    job is skipped and the others run."""
+    settings = _settings().model_copy(update={"jobs_prefix": f"jobs-{isolated.tag}"})
+    async with open_batch(settings, isolated.sinks(), _llm(stack, settings)) as runtime:
+        job = await _submit_blank_lines(runtime, isolated, shards=1)
+        broken = runtime.store.job_dir("broken-job").child("manifest.json")
+        await runtime.store.put(broken, b'{"spec": "not a manifest"}', "application/json")
+        (final,) = await runtime.worker().run()
+    assert final.job_id == job.job_id and final.state == "succeeded", final.message
