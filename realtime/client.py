@@ -11,6 +11,7 @@ admission (429 ``overloaded``: ``MatchOverloaded``, with the ``Retry-After`` to 
 from __future__ import annotations
 
 import http.client
+import time
 from collections.abc import Sequence
 from typing import Any
 from urllib.parse import urlsplit
@@ -162,13 +163,20 @@ class SyncMatchClient:
         deadline_ms: int | None = None,
     ) -> MatchResponse:
         timeout = ((deadline_ms or self.default_deadline_ms) + self.slack_ms) / 1000
+        give_up_at = time.monotonic() + timeout
         body = _body(shopper_id, query, candidates, deadline_ms)
         for attempt in range(2):  # a kept-alive connection the server closed is reopened once
+            left = give_up_at - time.monotonic()
+            if left <= 0:
+                raise MatchUnavailable(
+                    f"no answer from {self.host}:{self.port} within {timeout * 1000:.0f} ms"
+                )
+            reused = self._conn is not None and self._conn.sock is not None
             if self._conn is None:
-                self._conn = http.client.HTTPConnection(self.host, self.port, timeout=timeout)
-            self._conn.timeout = timeout
+                self._conn = http.client.HTTPConnection(self.host, self.port, timeout=left)
+            self._conn.timeout = left
             if self._conn.sock is not None:
-                self._conn.sock.settimeout(timeout)
+                self._conn.sock.settimeout(left)
             try:
                 self._conn.request(
                     "POST", "/v1/match", body=body, headers={"Content-Type": "application/json"}
@@ -178,7 +186,10 @@ class SyncMatchClient:
                 return _parse(response.status, raw, response.getheader("Retry-After"))
             except (http.client.RemoteDisconnected, ConnectionResetError, BrokenPipeError):
                 self.close()
-                if attempt == 1:
+                # Only a kept-alive connection the server had closed is worth one more try, and only
+                # within the time left: a request dropped on a new connection (the service died under
+                # it) sent again answered long past deadline + slack.
+                if attempt == 1 or not reused:
                     raise MatchUnavailable(f"connection to {self.host}:{self.port} dropped") from None
             except (TimeoutError, OSError, http.client.HTTPException) as exc:
                 self.close()
