@@ -202,9 +202,14 @@ class JobStore:
         job_id: str,
     ) -> None:
         """Errors part first, then the output part: a part's existence means the shard is complete. The
-        part names its job (``written_shards`` adopts only a job's own parts)."""
+        part names its job (``written_shards`` adopts only a job's own parts). A shard with no errors
+        removes an errors part an earlier try left (killed before its output part, then redone): it
+        would list as failed a line the output part answers."""
+        errors_key = errors_part_key(output, shard)
         if errors:
-            await self.put(errors_part_key(output, shard), encode_jsonl(errors), "application/x-ndjson")
+            await self.put(errors_key, encode_jsonl(errors), "application/x-ndjson")
+        else:
+            await self.client.delete_object(Bucket=errors_key.bucket, Key=errors_key.key)
         meta = {
             "ok": str(counts.ok),
             "errors": str(counts.errors),

@@ -22,7 +22,7 @@ from batch.job_run import JobRun
 from batch.launch import BatchRuntime, open_batch
 from batch.manifest import JobManifest, ShardCounts
 from batch.signals import ProductSignalWriter
-from batch.storage import S3Uri
+from batch.storage import JobStore, S3Uri, errors_part_key, part_key
 from batch.synthetic import synthetic_product_lines
 from devstack.stack import StackState
 from sinks.keys import RedisKeys
@@ -274,3 +274,20 @@ async def test_a_worker_listing_the_queue_skips_a_manifest_it_cannot_read(
         await runtime.store.put(broken, b'{"spec": "not a manifest"}', "application/json")
         (final,) = await runtime.worker().run()
     assert final.job_id == job.job_id and final.state == "succeeded", final.message
+
+
+async def test_a_shard_redone_without_errors_removes_the_errors_part_of_its_first_try(
+    stack: StackState, isolated: Isolated
+) -> None:
+    """A kill between a shard's errors part and its output part, then a resume that answers the line:
+    the old errors part listed as failed a line the output part answers. Against the stack's S3."""
+    settings = _settings()
+    sinks = isolated.sinks()
+    output = S3Uri.parse(f"s3://{sinks.s3_bucket}/{isolated.s3_prefix}/redone-out")
+    async with JobStore(sinks, settings.jobs_prefix) as store:
+        failed = [{"line": 5, "error": {"reason": "llm_failed"}}]
+        await store.write_shard(output, 0, [], failed, ShardCounts(errors=1), "job-1")
+        assert await store.exists(errors_part_key(output, 0))
+        await store.write_shard(output, 0, [{"line": 5}], [], ShardCounts(ok=1), "job-1")
+        assert not await store.exists(errors_part_key(output, 0))
+        assert await store.read_jsonl(part_key(output, 0)) == [{"line": 5}]
