@@ -24,7 +24,6 @@ from typing import TYPE_CHECKING
 from confluent_kafka import TopicPartition
 
 from runner.epochs import merged_offsets
-from runner.trigger_loop import saved_deadlines
 
 if TYPE_CHECKING:
     from runner.embedded import EmbeddedRunner
@@ -91,9 +90,11 @@ class Committer:
         if not ready:
             return lease, []
         deltas = [d for epoch in ready for d in epoch.deltas]
-        deadlines = saved_deadlines(
-            deltas, runner.sessions.get, runner.triggers.wall_deadline, runner.timers.now()
-        )
+        deadlines = {}
+        for delta in deltas:
+            session = runner.sessions.get(delta.shopper_id)
+            if session is not None and session.pending is not None:
+                deadlines[delta.shopper_id] = runner.triggers.wall_deadline(session)
 
         async def save() -> int:
             if runner.assignment.lease != lease:  # handed over while the sinks flushed

@@ -9,41 +9,13 @@ deadline, ``timer_wall_per_event_s`` wall seconds per event second after the sho
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING
 
 from prompt_assembly.session import ShopperSession
 from runner.epochs import Epoch
-from runner.session_store import SessionDelta
 
 if TYPE_CHECKING:
     from runner.embedded import EmbeddedRunner
-
-
-def saved_deadlines(
-    deltas: Iterable[SessionDelta],
-    session_of: Callable[[str], ShopperSession | None],
-    wall_deadline: Callable[[ShopperSession], float],
-    now: float,
-) -> dict[str, float]:
-    """The wall deadline stored beside each header a save writes (the store arms a shopper's timer only
-    where its saved header has a pending trigger).
-
-    The live session's deadline where it still has a trigger pending. Where the saved header has one
-    but the live session does not, the trigger fired in an epoch that is not durable yet (its prompt
-    in flight): the timer stays, due ``now``, so a crash before that epoch is durable fires it again at
-    the restart (the answer ledger finds its answer if it came back), and the next save clears it.
-    Taking the live session alone removed that timer while the header said pending: after a crash a
-    quiet shopper's pause never fired again, since no event comes to re-arm it."""
-    saved = {delta.shopper_id: delta.changes.header for delta in deltas}  # each shopper's last header
-    deadlines: dict[str, float] = {}
-    for shopper_id, header in saved.items():
-        session = session_of(shopper_id)
-        if session is not None and session.pending is not None:
-            deadlines[shopper_id] = wall_deadline(session)
-        elif header.get("pending") is not None:
-            deadlines[shopper_id] = now
-    return deadlines
 
 
 class TriggerLoop:

@@ -15,7 +15,6 @@ from prompt_assembly.events import parse_event
 from prompt_assembly.processor import SessionConfig, SessionProcessor
 from prompt_assembly.session import ShopperSession
 from runner.session_store import RedisSessionStore, SessionDelta, merge_deltas
-from runner.trigger_loop import saved_deadlines
 
 
 def _stored_view(session: ShopperSession) -> tuple[list[bytes], dict[str, Any]]:
@@ -71,41 +70,6 @@ async def test_timers_follow_pending_triggers(redis_client: Any) -> None:
         processor.flush(sessions[cleared])  # the pending trigger fires: no timer any more
         await store.save([SessionDelta(cleared, 2, sessions[cleared].take_changes())], {})
         assert dict(await store.timers(2)) == {k: v for k, v in armed.items() if k != cleared}
-    finally:
-        keys = [key async for key in redis_client.scan_iter(f"{store.keys.prefix}*")]
-        if keys:
-            await redis_client.delete(*keys)
-
-
-async def test_a_pause_fired_in_an_epoch_not_yet_durable_keeps_its_stored_timer(redis_client: Any) -> None:
-    """Epoch 1 left a browse pause pending; the timer fired it in epoch 2, whose prompt is still in
-    flight, when epoch 1 alone is made durable. The saved header says pending, so the stored timer must
-    stay (due now): a crash before epoch 2 is durable restores that header, and only the stored timer
-    fires it again for a shopper who sends nothing more. Epoch 2's save then clears it."""
-    store = RedisSessionStore(redis_client, f"test-store-{uuid.uuid4().hex[:8]}:")
-    processor = SessionProcessor()
-    try:
-        session = processor.new_session("quiet")
-        for _, value, _ in SyntheticStream(shoppers=1, seed=5).take(40):
-            processor.apply(session, parse_event(value), value)
-            if session.pending is not None and session.pending.reason == "browse_pause":
-                break
-        assert session.pending is not None and session.pending.reason == "browse_pause"
-        epoch_1 = SessionDelta("quiet", 1, session.take_changes())
-        assert processor.fire_pending(session, session.pending.due_ts), "the pause fires a prompt"
-        epoch_2 = SessionDelta("quiet", 1, session.take_changes())
-
-        def never(_: ShopperSession) -> float:
-            raise AssertionError("no live pending trigger to take a deadline from")
-
-        deadlines = saved_deadlines([epoch_1], {"quiet": session}.get, never, now=1234.5)
-        await store.save([epoch_1], deadlines)
-        assert await store.timers(1) == [("quiet", 1234.5)]
-        restored = (await store.load_many(["quiet"]))["quiet"]
-        assert restored.pending is not None and restored.pending.reason == "browse_pause"
-
-        await store.save([epoch_2], saved_deadlines([epoch_2], {"quiet": session}.get, never, now=1300.0))
-        assert await store.timers(1) == []
     finally:
         keys = [key async for key in redis_client.scan_iter(f"{store.keys.prefix}*")]
         if keys:
