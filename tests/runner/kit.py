@@ -2,9 +2,15 @@
 
 from __future__ import annotations
 
+import asyncio
 import uuid
 
+from llm_client.config import Timeouts
 from prompt_assembly.events import EventType, ProductSnapshot, ShopperEvent
+from runner.embedded import EmbeddedRunner
+from serving.simulator.testing import running_simulator
+from tests.conftest import Isolated
+from tests.fault_kit import RunnerLog, wait_until
 
 
 def cart_add(shopper_id: str, ts: float, key: bytes | None = None) -> tuple[bytes, bytes, bool]:
@@ -30,3 +36,34 @@ def shopper_record(
         product=ProductSnapshot(product_id="p-1", title="Trail shoe", price=89.0),
     )
     return shopper_id.encode() if key is None else key, event.to_json(), False
+
+
+async def stop_while_answers_wait(
+    isolated: Isolated,
+    log: RunnerLog,
+    *,
+    records: int,
+    in_flight: int,
+    answer_delay_ms: int,
+    timeouts: Timeouts,
+    **settings: object,
+) -> EmbeddedRunner:
+    """A runner (never until drained) against one simulator replica whose answers start
+    ``answer_delay_ms`` late: once it has consumed ``records`` and has ``in_flight`` prompts at the
+    replica, it is stopped, and its drain waited for. ``settings``: more ``RunnerSettings`` fields."""
+    async with running_simulator(time_scale=0.01, network_rtt_ms=answer_delay_ms) as sim:
+        llm = isolated.llm(endpoints=[sim.url], timeouts=timeouts)
+        runner = EmbeddedRunner(isolated.runner(llm=llm, until_drained=False, **settings), log=log)
+        task = asyncio.create_task(runner.run())
+        try:
+            await wait_until(
+                lambda: runner.stats.accounting.consumed == records and runner.in_flight == in_flight,
+                "every record applied, the prompts at the replica",
+            )
+            runner.request_stop()  # the drain now waits the answers out
+            await asyncio.wait_for(task, answer_delay_ms / 1000 + 60)
+        finally:
+            runner.request_stop()
+            if not task.done():
+                await task
+        return runner

@@ -16,12 +16,10 @@ import time
 import pytest
 
 from llm_client.config import Timeouts
-from runner.embedded import EmbeddedRunner
-from serving.simulator.testing import running_simulator
 from tests.conftest import Isolated
-from tests.fault_kit import RunnerLog, wait_until
+from tests.fault_kit import RunnerLog
 from tests.helpers import produce_records
-from tests.runner.kit import cart_add
+from tests.runner.kit import cart_add, stop_while_answers_wait
 from tests.runner.test_revoked_commits import committed
 
 pytestmark = pytest.mark.slow
@@ -39,31 +37,18 @@ def test_a_drain_longer_than_the_poll_interval_stays_in_the_group_and_commits(is
     records = [cart_add(f"shopper-{i:02d}", now) for i in range(SHOPPERS)]
     produce_records(isolated.stack.kafka_bootstrap, isolated.topic, records)
 
-    async def scenario() -> EmbeddedRunner:
-        async with running_simulator(time_scale=0.01, network_rtt_ms=ANSWER_DELAY_MS) as sim:
-            llm = isolated.llm(
-                endpoints=[sim.url], timeouts=Timeouts(connect_s=2, attempt_s=60, deadline_s=90)
-            )
-            settings = isolated.runner(
-                llm=llm, until_drained=False, kafka_max_poll_interval_ms=MAX_POLL_INTERVAL_MS
-            )
-            runner = EmbeddedRunner(settings, log=log)
-            task = asyncio.create_task(runner.run())
-            try:
-                await wait_until(
-                    lambda: runner.stats.accounting.consumed == len(records) and runner.in_flight == SHOPPERS,
-                    "every prompt at the replica",
-                )
-                runner.request_stop()  # the drain now waits the answers out: longer than the interval
-                await asyncio.wait_for(task, ANSWER_DELAY_MS / 1000 + 60)
-            finally:
-                runner.request_stop()
-                if not task.done():
-                    await task
-            return runner
-
     try:
-        runner = asyncio.run(scenario())
+        runner = asyncio.run(
+            stop_while_answers_wait(
+                isolated,
+                log,
+                records=len(records),
+                in_flight=SHOPPERS,
+                answer_delay_ms=ANSWER_DELAY_MS,
+                timeouts=Timeouts(connect_s=2, attempt_s=60, deadline_s=90),
+                kafka_max_poll_interval_ms=MAX_POLL_INTERVAL_MS,
+            )
+        )
     except BaseException:
         print(f"---- the runner's log ----\n{log.render()}", flush=True)
         raise

@@ -15,13 +15,11 @@ import pytest
 import redis.asyncio as aioredis
 
 from llm_client.config import Timeouts
-from runner.embedded import EmbeddedRunner
 from runner.session_store import RedisSessionStore
-from serving.simulator.testing import running_simulator
 from tests.conftest import Isolated
-from tests.fault_kit import RunnerLog, wait_until
+from tests.fault_kit import RunnerLog
 from tests.helpers import produce_records
-from tests.runner.kit import cart_add, shopper_record
+from tests.runner.kit import cart_add, shopper_record, stop_while_answers_wait
 
 pytestmark = pytest.mark.slow
 
@@ -37,31 +35,18 @@ def test_a_browse_pause_due_during_the_drain_stays_pending_in_the_store(isolated
     records = [cart_add("buyer", now), shopper_record("browser", now, "view")]
     produce_records(isolated.stack.kafka_bootstrap, isolated.topic, records)
 
-    async def scenario() -> EmbeddedRunner:
-        async with running_simulator(time_scale=0.01, network_rtt_ms=ANSWER_DELAY_MS) as sim:
-            llm = isolated.llm(
-                endpoints=[sim.url], timeouts=Timeouts(connect_s=2, attempt_s=30, deadline_s=60)
-            )
-            settings = isolated.runner(
-                llm=llm, until_drained=False, timer_wall_per_event_s=TIMER_WALL_PER_EVENT_S
-            )
-            runner = EmbeddedRunner(settings, log=log)
-            task = asyncio.create_task(runner.run())
-            try:
-                await wait_until(
-                    lambda: runner.stats.accounting.consumed == len(records) and runner.in_flight == 1,
-                    "both events applied, the cart add's prompt at the replica",
-                )
-                runner.request_stop()
-                await asyncio.wait_for(task, ANSWER_DELAY_MS / 1000 + 60)
-            finally:
-                runner.request_stop()
-                if not task.done():
-                    await task
-            return runner
-
     try:
-        runner = asyncio.run(scenario())
+        runner = asyncio.run(
+            stop_while_answers_wait(
+                isolated,
+                log,
+                records=len(records),
+                in_flight=1,  # the cart add's prompt
+                answer_delay_ms=ANSWER_DELAY_MS,
+                timeouts=Timeouts(connect_s=2, attempt_s=30, deadline_s=60),
+                timer_wall_per_event_s=TIMER_WALL_PER_EVENT_S,
+            )
+        )
     except BaseException:
         print(f"---- the runner's log ----\n{log.render()}", flush=True)
         raise
