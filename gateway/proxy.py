@@ -180,6 +180,12 @@ class OpenAIProxy:
                     flight.answer_head(Head(answer.status, self._answer_headers(answer), streaming))
                     async for chunk in answer.chunks():
                         flight.append(chunk)
+                        if answer.tap.done:
+                            # Whole for its callers at ``[DONE]``, before the replica closes the stream:
+                            # a caller reads to ``[DONE]`` and may send its next request at once, and
+                            # the same session's next version superseded (cancelled) a call not ended
+                            # yet, so its answer was paid for and not kept for a repeat.
+                            flight.end(complete=True)
         except Refused as exc:
             flight.end(
                 answer=GatewayAnswer(429, "overloaded", str(exc), headers={"Retry-After": exc.retry_after})

@@ -25,6 +25,7 @@ from llm_client.errors import AnswerTooLarge
 from llm_client.transport import mapped_transport_errors
 
 _INTERESTING = (b'"usage"', b'"timings"', b'"error"')
+_DONE_LINE_MAX = 16  # ``data: [DONE]`` with room for spacing and a line end
 
 
 @dataclass(slots=True)
@@ -41,6 +42,8 @@ class UsageTap:
     usage: dict[str, Any] | None = None
     timings: dict[str, Any] | None = None
     error: str | None = None
+    done: bool = False
+    """A stream's ``data: [DONE]`` line was read: the answer is whole, whatever comes after it."""
     _lines: LineSplitter | None = None
     _body: list[bytes] = field(default_factory=list)
 
@@ -56,7 +59,11 @@ class UsageTap:
         if self._lines is None:
             self._lines = LineSplitter(self.max_line_bytes)
         for line in self._lines.feed(data):
-            if line is not None and line.startswith(b"data:") and any(word in line for word in _INTERESTING):
+            if line is None or not line.startswith(b"data:"):
+                continue
+            if len(line) <= _DONE_LINE_MAX and line[5:].strip() == b"[DONE]":
+                self.done = True
+            elif any(word in line for word in _INTERESTING):
                 self._read(line[5:].strip())
 
     def finish(self) -> None:

@@ -905,3 +905,57 @@ async def test_a_replayed_prompt_with_other_messages_under_the_same_id_is_a_call
             text = await r.text()
     assert isinstance(other, ShopperInsight) and isinstance(same, ShopperInsight), (other, same)
     assert metric(text, "gateway_idempotent_total", outcome="reused") == 1
+
+
+@asynccontextmanager
+async def replica_closing_late(linger_s: float) -> AsyncIterator[tuple[str, list[str]]]:
+    """A replica that streams an answer to its ``data: [DONE]`` and holds the stream open ``linger_s``
+    more before closing it (a busy server, a proxy that closes late); yields its URL and the session
+    header of each call it got."""
+    calls: list[str] = []
+
+    async def chat(request: web.Request) -> web.StreamResponse:
+        await request.read()
+        calls.append(request.headers.get("x-session-id", ""))
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await response.prepare(request)
+        chunk = {"object": "chat.completion.chunk", "choices": [{"index": 0, "delta": {"content": "ok"}}]}
+        await response.write(b"data: " + orjson.dumps(chunk) + b"\n\ndata: [DONE]\n\n")
+        await asyncio.sleep(linger_s)
+        return response
+
+    async def health(request: web.Request) -> web.Response:
+        return web.Response(text="ok")
+
+    app = web.Application()
+    app.router.add_post("/v1/chat/completions", chat)
+    app.router.add_get("/health", health)
+    async with serving(app) as url:
+        yield url, calls
+
+
+async def test_an_answer_read_to_its_done_line_is_not_superseded_by_the_sessions_next_call(
+    http: aiohttp.ClientSession,
+) -> None:
+    """A caller reads a stream to ``data: [DONE]`` and sends its next request at once, while the replica
+    has not closed the stream yet. The same session's next call (here the same version under another
+    key, as a replay that rebuilt a timer-fired prompt sends) superseded the first call, still open, and
+    cancelled it: its answer, already with its caller, was not kept, so a repeat of its key paid for
+    it again (found by the project's CI, where the replica's close came late)."""
+    async with replica_closing_late(1.0) as (url, calls), running_gateway([url], "session_affinity") as gw:
+
+        async def call(key: str) -> str | None:
+            headers = {"x-session-id": "s-1", "x-session-version": "3.7", "Idempotency-Key": key}
+            body = chat_body("hi", stream=True)
+            async with http.post(gw.url + "/v1/chat/completions", json=body, headers=headers) as r:
+                assert r.status == 200, await r.text()
+                async for line in r.content:
+                    if line.strip() == b"data: [DONE]":
+                        break
+                return r.headers.get("x-gateway-idempotent")
+
+        assert await call("first") is None
+        assert await call("replayed-other-messages") is None
+        await asyncio.sleep(1.5)  # both streams closed
+        assert await call("first") == "reused"
+    assert calls == ["s-1", "s-1"], "the repeat of the first key was answered from its kept answer"
