@@ -92,8 +92,8 @@ class S3InsightSink:
 
     async def write(self, results: Sequence[EnrichmentResult]) -> None:
         """Buffer ``results``. Never fails: a full buffer is flushed opportunistically, and a failed
-        flush leaves everything buffered for the next ``flush`` (which the engines retry and wait for
-        before they commit), so a retried ``write`` can never buffer a record twice."""
+        flush leaves what it did not write buffered for the next ``flush`` (which the engines retry and
+        wait for before they commit), so a retried ``write`` can never buffer a record twice."""
         if results and self._oldest is None:
             self._oldest = self._clock()
         self._buffer.extend(results)
@@ -110,15 +110,30 @@ class S3InsightSink:
             groups: dict[str, list[EnrichmentResult]] = defaultdict(list)
             for record in batch:
                 groups[partition_of(record, self.settings.s3_prefix)].append(record)
+            written: set[str] = set()
             try:
-                await asyncio.gather(*(self._put(part, records) for part, records in groups.items()))
-            except BaseException:
-                # Nothing is lost: the batch goes back in front and the caller's commit waits.
-                self._buffer[:0] = batch
-                self._oldest = self._clock()
+                outcomes = await asyncio.gather(
+                    *(self._put(part, records, written) for part, records in groups.items()),
+                    return_exceptions=True,
+                )
+            except BaseException:  # cancelled: gather has stopped every put by now
+                self._give_back(groups, written)
                 raise
+            error = next((outcome for outcome in outcomes if isinstance(outcome, BaseException)), None)
+            if error is not None:
+                self._give_back(groups, written)
+                raise error
 
-    async def _put(self, partition: str, records: list[EnrichmentResult]) -> None:
+    def _give_back(self, groups: dict[str, list[EnrichmentResult]], written: set[str]) -> None:
+        """Nothing is lost: the partitions not written go back in front, and the caller's commit waits
+        for a flush. Only those: a written partition given back was written again by the next flush,
+        with more records under another key, so its records stood in two objects."""
+        unwritten = [record for part, records in groups.items() if part not in written for record in records]
+        self._buffer[:0] = unwritten
+        if self._buffer:
+            self._oldest = self._clock()
+
+    async def _put(self, partition: str, records: list[EnrichmentResult], written: set[str]) -> None:
         records.sort(key=lambda r: r.request_id)
         key = object_key(partition, records)
         await self._client.put_object(
@@ -128,6 +143,7 @@ class S3InsightSink:
             ContentType="application/x-ndjson",
             ContentEncoding="gzip",
         )
+        written.add(partition)
         self.keys_written.append(key)
         self.records_written += len(records)
 

@@ -6,9 +6,15 @@ from __future__ import annotations
 import asyncio
 import gzip
 import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 
+import aiohttp
 import boto3
 import orjson
+import pytest
+from aiohttp import web
+from botocore.exceptions import ClientError
 
 from prompt_assembly.records import EnrichmentError, ShopperInsight, Usage
 from prompt_assembly.understanding import ShopperUnderstanding
@@ -16,6 +22,7 @@ from shopper.readback import read_signals, signal_age
 from sinks.redis import RedisSignalSink
 from sinks.s3 import S3InsightSink
 from tests.conftest import Isolated
+from tests.helpers import serving
 
 
 def insight(
@@ -170,3 +177,51 @@ async def test_a_signal_read_back_says_how_old_it_is(isolated: Isolated) -> None
     [row] = await read_signals(settings.redis_url, ["s-age"], 1, prefix=settings.redis_key_prefix)
     event_age, write_age = (float(part) for part in signal_age(row, written + 10.0).split(" / "))
     assert 39.0 <= event_age <= 40.5 and 9.0 <= write_age <= 10.5
+
+
+@asynccontextmanager
+async def s3_denying_a_prefix(endpoint: str, denied: str) -> AsyncIterator[tuple[str, dict[str, bool]]]:
+    """The S3 endpoint behind a proxy that answers a PUT under a key holding ``denied`` with S3's
+    ``403 AccessDenied`` while ``state["deny"]`` (a bucket policy denying one prefix, lifted later);
+    everything else passes through unchanged."""
+    state = {"deny": True}
+    denial = b"<Error><Code>AccessDenied</Code><Message>Access Denied</Message></Error>"
+
+    async def forward(request: web.Request) -> web.StreamResponse:
+        if request.method == "PUT" and denied in request.path and state["deny"]:
+            return web.Response(status=403, body=denial, content_type="application/xml")
+        headers = {k: v for k, v in request.headers.items() if k.lower() != "host"}
+        async with session.request(
+            request.method, endpoint + request.path_qs, headers=headers, data=await request.read()
+        ) as upstream:
+            body = await upstream.read()
+            kept = {k: v for k, v in upstream.headers.items() if k.lower() in ("content-type", "etag")}
+            return web.Response(status=upstream.status, body=body, headers=kept)
+
+    app = web.Application(handler_args={"auto_decompress": False})  # bodies pass as they were sent
+    app.router.add_route("*", "/{tail:.*}", forward)
+    async with aiohttp.ClientSession(auto_decompress=False) as session, serving(app) as url:
+        yield url, state
+
+
+async def test_a_flush_that_wrote_some_partitions_gives_back_only_the_others(isolated: Isolated) -> None:
+    """One partition's PUT refused, another's written: only the refused one goes back to the buffer.
+    The whole batch went back, so the next flush wrote the written partition's records again with
+    the records that came since, under another key: two objects held the same results."""
+    settings = isolated.sinks()
+    assert settings.s3_endpoint_url is not None
+    async with s3_denying_a_prefix(settings.s3_endpoint_url, "/kind=error/") as (url, state):
+        sink = S3InsightSink(settings.model_copy(update={"s3_endpoint_url": url}))
+        await sink.ensure_bucket()
+        try:
+            await sink.write([insight("a", 1), error("c", 1)])
+            with pytest.raises(ClientError, match="AccessDenied"):
+                await sink.flush()
+            assert sink.buffered == 1, "only the refused partition waits for the next flush"
+            await sink.write([insight("a", 2)])
+            state["deny"] = False
+            await sink.flush()
+        finally:
+            await sink.close()
+    ids = [str(row["request_id"]) for rows in s3_objects(isolated).values() for row in rows]
+    assert sorted(ids) == ["a:1", "a:2", "c:1"], "each result in one object"
