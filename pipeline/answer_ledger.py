@@ -26,12 +26,14 @@ the replay nothing newer was waiting to do it again).
 
 Each key expires after ``SinkSettings.answer_ttl_s``, so the ledger is bounded by the prompt rate
 times that TTL. Redis being away never stops the stream: a failed read asks the model (the pre-ledger
-behaviour), a failed write loses only the saving; both are counted.
+behaviour), a failed write loses only the saving; both are counted. Any other error its client raises
+is met the same way, and logged with its traceback: only the loop closing cancels a waiting read.
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 from dataclasses import dataclass
 
 import redis.asyncio as aioredis
@@ -41,6 +43,8 @@ from redis.exceptions import RedisError
 from prompt_assembly.records import PromptRequest, ShopperInsight
 from sinks.config import SinkSettings
 from sinks.keys import RedisKeys
+
+log = logging.getLogger(__name__)
 
 MAX_KEYS_PER_MGET = 512
 """One batch's keys go to Redis as ``MGET`` commands of at most this many keys, in one pipeline (one
@@ -130,7 +134,7 @@ class AnswerLedger:
         self._waiting.append((request_id, shopper_id, future))
         try:
             raw, newest = await future
-        except RedisError:
+        except Exception:  # Redis away, or its client failed: ask the model (``_read`` logged it)
             self.counts.read_failures += 1
             return Recorded(None, None)
         if raw is None:
@@ -170,7 +174,8 @@ class AnswerLedger:
                 (answers[i], None if sid is None else versions[sid]) for i, (_, sid, _) in enumerate(batch)
             ]
             self.counts.read_batches += 1
-        except RedisError as exc:
+        except Exception as exc:  # each waiter asks the model; only the loop closing cancels them
+            _log_failure("read", exc)
             outcome = exc
         except BaseException as exc:  # cancelled (the loop is closing): no waiter is left hanging
             for _, _, future in batch:
@@ -209,12 +214,22 @@ class AnswerLedger:
             await pipe.execute()
             self.counts.recorded += len(batch)
             self.counts.write_batches += 1
-        except RedisError:
+        except Exception as exc:
+            _log_failure("write", exc)
             self.counts.write_failures += len(batch)
         finally:
             for _, _, future in batch:
                 if not future.done():
                     future.set_result(None)
+
+
+def _log_failure(what: str, exc: Exception) -> None:
+    """Redis away is expected (counted, and the stream goes on); anything else its client raised is a
+    fault to find, so it is logged with its traceback, though the stream goes on the same way."""
+    if isinstance(exc, RedisError):
+        log.warning("answer ledger %s failed: %s", what, exc)
+    else:
+        log.error("answer ledger %s failed", what, exc_info=exc)
 
 
 def _version(fields: list[bytes | None]) -> tuple[int, int] | None:

@@ -82,3 +82,24 @@ async def test_a_burst_of_answers_is_recorded_in_one_round_trip(sinks: SinkSetti
     assert ledger.counts.write_batches == 1 and ledger.counts.recorded == SHOPPERS
     assert ledger.counts.read_batches == 1 and ledger.counts.found == SHOPPERS
     assert all(0 < ttl <= sinks.answer_ttl_s for ttl in ttls)
+
+
+async def test_a_read_its_redis_client_fails_asks_the_model_not_cancelling(sinks: SinkSettings) -> None:
+    """A shared client that decodes replies (``decode_responses=True``) meets a key that holds bytes
+    that are not UTF-8 (written by other software): it raises ``UnicodeDecodeError``, not a
+    ``RedisError``. Every read of that batch is a read failure and asks the model, as with Redis away;
+    the batch's waiters were cancelled instead, so an enrichment step raised ``CancelledError`` with
+    nothing stopping it."""
+    shoppers = [Shopper("s-ledger-undecodable"), Shopper("s-ledger-neighbour")]
+    prompts = [shopper.cart() for shopper in shoppers]
+    plain = AnswerLedger.from_settings(sinks)
+    await plain.redis.set(plain.keys.answer(prompts[0].request_id), b"\xff\xfe", ex=60)
+    await plain.redis.aclose()
+    decoding = sinks.redis_client(decode_responses=True)
+    ledger = AnswerLedger.from_settings(sinks, redis=decoding)
+    async with running_simulator(time_scale=0.01) as sim, LLMClient(client_config(sim.url)) as client:
+        enricher = Enricher(client, ledger=ledger)
+        results = await asyncio.gather(*(enricher.enrich(p) for p in prompts))
+    await decoding.aclose()
+    assert all(isinstance(result, ShopperInsight) and not result.replayed for result in results), results
+    assert ledger.counts.read_failures == 2
