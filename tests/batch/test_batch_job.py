@@ -14,6 +14,7 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
+import aiohttp
 import orjson
 import pytest
 
@@ -26,6 +27,7 @@ from batch.manifest import JobManifest
 from batch.storage import JobStore, S3Uri
 from batch.synthetic import synthetic_product_lines
 from devstack.stack import StackState
+from serving.simulator.testing import running_simulator
 from sinks.keys import RedisKeys
 from tests.conftest import Isolated
 
@@ -251,3 +253,39 @@ async def test_interrupted_worker_leaves_the_job_queued_for_any_worker(
         assert final.job_id == job.job_id and final.state == "succeeded" and final.runs == 2
         rows, errors = await _all_rows(runtime.store, final)
         assert sorted(r["line"] for r in rows + errors) == list(range(600))
+
+
+async def test_a_call_that_fails_while_the_job_stops_is_tried_by_the_resumed_job(isolated: Isolated) -> None:
+    """Calls in flight when a worker is interrupted finish; one that fails then (here past its deadline,
+    at a replica that slowed down) is not written off as ``llm_failed`` while tries are left: its
+    line stays open, so its shard is not written, and the resumed job answers it. It was an error row
+    that completed its shard, and a resume never tried it again."""
+    settings = _settings(shard_records=20, call_deadline_s=1.5, call_attempts=2)
+    sinks = isolated.sinks()
+    base = f"s3://{sinks.s3_bucket}/{isolated.s3_prefix}"
+    lines = list(synthetic_product_lines(20, seed=12, long_share=0, bad_share=0))
+    async with running_simulator(time_scale=0.02) as sim:
+        llm = batch_client_config([sim.url], "qwen2.5-32b-sim", settings, health={"interval_s": 0.2})
+        async with open_batch(settings, sinks, llm, fixed_limit=20) as runtime:
+            await _upload(runtime.store, f"{base}/in.jsonl", lines)
+            job = await submit_job(runtime.store, f"{base}/in.jsonl", f"{base}/out")
+            await _simulator_config(sim.url, slowdown=1000.0)  # every call now runs past its deadline
+            worker = runtime.worker()
+            running = asyncio.create_task(worker.run([job.job_id]))
+            while job.job_id not in worker.active or worker.active[job.job_id].in_flight < 20:
+                await asyncio.sleep(0.02)
+            worker.interrupt()
+            (interrupted,) = await running
+    assert interrupted.state == "queued" and not interrupted.shards, interrupted
+    async with running_simulator(time_scale=0.02) as sim:  # the slowed replica is replaced
+        llm = batch_client_config([sim.url], "qwen2.5-32b-sim", settings, health={"interval_s": 0.2})
+        async with open_batch(settings, sinks, llm) as runtime:
+            resumed = (await _run(runtime, [job.job_id]))[job.job_id]
+            rows, errors = await _all_rows(runtime.store, resumed)
+    assert resumed.state == "succeeded" and resumed.runs == 2, resumed
+    assert errors == [] and sorted(r["line"] for r in rows) == list(range(20))
+
+
+async def _simulator_config(url: str, **faults: float) -> None:
+    async with aiohttp.ClientSession() as http, http.post(url + "/admin/config", json=faults) as r:
+        assert r.status == 200, await r.text()
