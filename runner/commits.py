@@ -90,16 +90,11 @@ class Committer:
         if not ready:
             return lease, []
         deltas = [d for epoch in ready for d in epoch.deltas]
-        deadlines = {}
-        for delta in deltas:
-            session = runner.sessions.get(delta.shopper_id)
-            if session is not None and session.pending is not None:
-                deadlines[delta.shopper_id] = runner.triggers.wall_deadline(session)
 
         async def save() -> int:
             if runner.assignment.lease != lease:  # handed over while the sinks flushed
                 return 0
-            return await runner.store.save(deltas, deadlines)
+            return await runner.store.save(deltas)
 
         await runner.checkpoint.make_durable(save_state=save)
         runner.sessions.evict(runner.epochs.shoppers_in_flight())

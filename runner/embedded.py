@@ -280,9 +280,12 @@ class EmbeddedRunner:
         for sid in touched:
             session = sessions[sid]
             sessions.touch(sid)
-            epoch.deltas.append(SessionDelta(sid, sessions.partition_of(sid), session.take_changes()))
-            if session.pending is not None:
-                self.timers.arm(sid, session.pending.due_ts, self.triggers.wall_deadline(session))
+            pending = session.pending
+            deadline = None if pending is None else self.triggers.wall_deadline(session)
+            changes = session.take_changes()
+            epoch.deltas.append(SessionDelta(sid, sessions.partition_of(sid), changes, deadline))
+            if pending is not None and deadline is not None:
+                self.timers.arm(sid, pending.due_ts, deadline)
         self.epochs.append(epoch)
 
     async def retrying(self, load: Callable[[], Awaitable[T]], what: str) -> T:

@@ -170,4 +170,10 @@ class RebalanceHandover:
                 session = runner.sessions.get(sid)
                 if session is not None and session.pending is not None:
                     runner.sessions.place(sid, partition)
-                    runner.timers.arm(sid, session.pending.due_ts, wall)
+                    # No earlier than its own wait from now: the replay from the committed offsets
+                    # brings the shopper's newer events first, and they move or clear the trigger as
+                    # they did before the restart (a stale entry is ignored when it pops). Fired at
+                    # once, a passed deadline prompted for the session as the save left it: a pause
+                    # an event had cleared since, or one without the events that came before it fired.
+                    held = max(wall, runner.triggers.wall_deadline(session))
+                    runner.timers.arm(sid, session.pending.due_ts, held)

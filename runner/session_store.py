@@ -33,6 +33,11 @@ class SessionDelta:
     shopper_id: str
     partition: int
     changes: SessionChanges
+    wall_deadline: float | None = None
+    """The wall deadline of the trigger pending after this epoch (None: none pending). Taken when the
+    epoch closes, with its header, so a save stores the timer of the header it stores: taken from the
+    live session at save time instead, a pause a timer fired in a later epoch (not yet durable) lost
+    its stored timer while the saved header still said pending, and a crash then left it unfired."""
 
 
 @dataclass(slots=True)
@@ -41,6 +46,7 @@ class _MergedDelta:
 
     partition: int
     header: dict[str, object]
+    wall_deadline: float | None = None
     rewrite: bool = False
     entries: list[SessionEntry] = field(default_factory=list)
 
@@ -52,6 +58,7 @@ class _MergedDelta:
         else:
             self.entries.extend(changes.appended)
         self.header = changes.header
+        self.wall_deadline = delta.wall_deadline
         self.partition = delta.partition
 
 
@@ -216,10 +223,10 @@ class RedisSessionStore:
             for (shopper_id, header), entries in zip(found, logs, strict=True)
         }
 
-    async def save(self, deltas: Iterable[SessionDelta], wall_deadlines: dict[str, float]) -> int:
-        """Apply deltas in order (one script call, one round trip, all or nothing). ``wall_deadlines``
-        gives the timer deadline of each shopper with a pending trigger after these deltas. Returns the
-        number of shoppers written."""
+    async def save(self, deltas: Iterable[SessionDelta]) -> int:
+        """Apply deltas in order (one script call, one round trip, all or nothing), each shopper's
+        timer following its last delta (``SessionDelta.wall_deadline``). Returns the number of
+        shoppers written."""
         merged = merge_deltas(deltas)
         if not merged:
             return 0
@@ -230,7 +237,7 @@ class RedisSessionStore:
             timer_at = timer_keys.get(net.partition)
             if timer_at is None:
                 timer_at = timer_keys[net.partition] = len(keys) + len(timer_keys) + 1
-            deadline = wall_deadlines.get(sid)
+            deadline = net.wall_deadline
             arm = deadline is not None and net.header.get("pending") is not None
             args += [
                 "r" if net.rewrite else "a",

@@ -67,10 +67,10 @@ def test_a_rearm_that_fails_fails_the_runner(isolated: Isolated) -> None:
     assert runner.stats.commits == 0
 
 
-def seed_pending_sessions(redis_url: str, prefix: str) -> dict[str, int]:
+def seed_pending_sessions(redis_url: str, prefix: str, deadline: float | None = None) -> dict[str, int]:
     """Sessions with a pending trigger in every partition, saved with their timers as a previous
-    owner would have (wall deadlines far ahead: nothing fires during the test). Returns shopper ->
-    partition."""
+    owner would have (``deadline``, by default far ahead: nothing fires during the test). Returns
+    shopper -> partition."""
     processor = SessionProcessor()
     sessions: dict[str, ShopperSession] = {}
     for _, value, _ in SyntheticStream(shoppers=24, seed=17).take(200):
@@ -84,8 +84,9 @@ def seed_pending_sessions(redis_url: str, prefix: str) -> dict[str, int]:
     async def save() -> None:
         client = aioredis.Redis.from_url(redis_url)
         store = RedisSessionStore(client, prefix)
-        deltas = [SessionDelta(sid, p, sessions[sid].take_changes()) for sid, p in partition_of.items()]
-        await store.save(deltas, {sid: time.time() + 1e6 for sid in partition_of})
+        wall = time.time() + 1e6 if deadline is None else deadline
+        deltas = [SessionDelta(sid, p, sessions[sid].take_changes(), wall) for sid, p in partition_of.items()]
+        await store.save(deltas)
         await client.aclose()
 
     asyncio.run(save())
@@ -184,3 +185,36 @@ def test_a_rearm_overtaken_by_a_revoke_arms_nothing_for_the_revoked_partitions(
     assert {partition_of[sid] for sid in armed} == owned, f"timers armed for {armed}, owning {owned}"
     assert {armed[sid] for sid in armed} == owned
     assert {partition_of[sid] for sid in held} <= owned, "sessions held for partitions owned elsewhere"
+
+
+def test_a_restored_timer_waits_its_own_quiet_period_from_the_restart(isolated: Isolated) -> None:
+    """Stored timers whose deadlines passed while no runner owned their partitions (a crash, a slow
+    handover) are re-armed no earlier than their own wait from the re-arm, as the Flink job does: the
+    replay from the committed offsets first brings the shoppers' newer events, which move or clear
+    the triggers as they did before. Fired at once, such a timer prompted for a session as the save
+    left it (a pause an event had cleared since: an extra prompt a clean run never made)."""
+    passed = time.time() - 600
+    partition_of = seed_pending_sessions(isolated.stack.redis_url, isolated.prefix, deadline=passed)
+    settings = isolated.runner(until_drained=False)
+    runner = EmbeddedRunner(settings, log=lambda _: None)
+
+    async def scenario() -> tuple[float, dict[str, float], dict[str, float]]:
+        started = time.time()
+        task = asyncio.create_task(runner.run())
+        try:
+            await wait_for(lambda: set(partition_of) <= set(runner.sessions.partition_map), "the re-arm")
+            waits = {}
+            for sid in partition_of:
+                session = runner.sessions[sid]
+                assert session.pending is not None, f"{sid}'s trigger fired at once"
+                quiet_s = session.pending.due_ts - session.last_event_ts
+                waits[sid] = quiet_s * settings.timer_wall_per_event_s
+            return started, waits, runner.timers.deadlines()
+        finally:
+            runner.request_stop()
+            await task
+
+    started, waits, deadlines = asyncio.run(scenario())
+    assert set(deadlines) == set(partition_of)
+    for sid, wait in waits.items():
+        assert deadlines[sid] >= started + wait, (sid, deadlines[sid] - started, wait)

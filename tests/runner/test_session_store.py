@@ -38,9 +38,9 @@ async def test_many_epochs_merged_per_save_restore_the_same_sessions(redis_clien
                 touched.add(event.shopper_id)
             pending_saves += [SessionDelta(sid, 0, sessions[sid].take_changes()) for sid in touched]
             if epoch_start % 180 == 120:  # every third epoch: one save of three epochs' deltas
-                await store.save(pending_saves, {})
+                await store.save(pending_saves)
                 pending_saves = []
-        await store.save(pending_saves, {})
+        await store.save(pending_saves)
         assert any(session.arrivals > 12 for session in sessions.values()), "trims must have happened"
         loaded = await store.load_many([*sessions, "nobody"])
         assert set(loaded) == set(sessions)
@@ -63,13 +63,44 @@ async def test_timers_follow_pending_triggers(redis_client: Any) -> None:
             session = sessions.setdefault(event.shopper_id, processor.new_session(event.shopper_id))
             processor.apply(session, event, value)
         armed = {sid: 1000.0 + i for i, sid in enumerate(sessions) if sessions[sid].pending is not None}
-        deltas = [SessionDelta(sid, 2, s.take_changes()) for sid, s in sessions.items()]
-        await store.save(deltas, armed)
+        deltas = [SessionDelta(sid, 2, s.take_changes(), armed.get(sid)) for sid, s in sessions.items()]
+        await store.save(deltas)
         assert dict(await store.timers(2)) == armed
         cleared = next(iter(armed))
         processor.flush(sessions[cleared])  # the pending trigger fires: no timer any more
-        await store.save([SessionDelta(cleared, 2, sessions[cleared].take_changes())], {})
+        await store.save([SessionDelta(cleared, 2, sessions[cleared].take_changes())])
         assert dict(await store.timers(2)) == {k: v for k, v in armed.items() if k != cleared}
+    finally:
+        keys = [key async for key in redis_client.scan_iter(f"{store.keys.prefix}*")]
+        if keys:
+            await redis_client.delete(*keys)
+
+
+async def test_a_save_stores_the_timer_of_the_header_it_stores(redis_client: Any) -> None:
+    """Epoch 1 left a browse pause pending; the timer fired it in epoch 2, whose prompt is still in
+    flight, when epoch 1 alone is made durable. The saved header says pending, so its timer is stored
+    with it (the deadline epoch 1 armed): a crash before epoch 2 is durable restores that header, and
+    only the stored timer fires it again for a shopper who sends nothing more. Taken from the live
+    session (nothing pending by then), the timer was removed. Epoch 2's save then clears it."""
+    store = RedisSessionStore(redis_client, f"test-store-{uuid.uuid4().hex[:8]}:")
+    processor = SessionProcessor()
+    try:
+        session = processor.new_session("quiet")
+        for _, value, _ in SyntheticStream(shoppers=1, seed=5).take(40):
+            processor.apply(session, parse_event(value), value)
+            if session.pending is not None and session.pending.reason == "browse_pause":
+                break
+        assert session.pending is not None and session.pending.reason == "browse_pause"
+        epoch_1 = SessionDelta("quiet", 1, session.take_changes(), wall_deadline=1234.5)
+        assert processor.fire_pending(session, session.pending.due_ts), "the pause fires a prompt"
+        epoch_2 = SessionDelta("quiet", 1, session.take_changes(), wall_deadline=None)
+        await store.save([epoch_1])
+        assert await store.timers(1) == [("quiet", 1234.5)]
+        restored = (await store.load_many(["quiet"]))["quiet"]
+        assert restored.pending is not None and restored.pending.reason == "browse_pause"
+        await store.save([epoch_2])
+        assert await store.timers(1) == []
+        assert merge_deltas([epoch_1, epoch_2])["quiet"].wall_deadline is None
     finally:
         keys = [key async for key in redis_client.scan_iter(f"{store.keys.prefix}*")]
         if keys:
@@ -111,7 +142,7 @@ async def test_the_flink_state_value_holds_the_same_entry_bytes_as_the_runner_st
             sid = event.shopper_id
             session = runner_sessions.setdefault(sid, processor.new_session(sid))
             processor.apply(session, event, value)
-            await store.save([SessionDelta(sid, 0, session.take_changes())], {})
+            await store.save([SessionDelta(sid, 0, session.take_changes())])
             in_flink = ShopperSession.from_json(flink_state[sid]) if sid in flink_state else None
             in_flink = in_flink or processor.new_session(sid)
             processor.apply(in_flink, event, value)
