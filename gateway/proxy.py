@@ -3,7 +3,8 @@
 Guarantees:
 - the replica receives the caller's body unchanged, plus the routing key as ``x-session-id``;
 - the caller receives the replica's status, content type and body unchanged; a stream is written on
-  chunk by chunk as the replica's chunks arrive (no buffering of a streamed answer);
+  chunk by chunk as the replica's chunks arrive (no buffering of a streamed answer), and ends at its
+  ``data: [DONE]``: the replica's connection is not read further;
 - failures before the answer starts (refused connection, timeout, 5xx, 429, a replica dying before its
   status line, which for a non-streamed answer comes with the whole body) are retried on another
   replica by the LLM client, under its retry budget and deadline; when none succeeds the caller gets an

@@ -158,9 +158,12 @@ class Forwarded:
         return self.response.headers
 
     async def chunks(self) -> AsyncIterator[bytes]:
-        """The body as it arrives, unchanged. A replica that breaks off, stalls past the attempt timeout
-        or sends more than ``max_bytes`` raises ``ConnectionFailed``, ``AttemptTimeout`` or
-        ``AnswerTooLarge`` (nothing can be retried by then); the bytes before it were passed on."""
+        """The body as it arrives, unchanged, up to a stream's ``data: [DONE]`` (the read that holds it
+        is the last: the answer is whole, and waiting for the replica to close held the caller's
+        slot and its load, and blamed the replica for a stall or a reset after its answer). A replica
+        that breaks off, stalls past the attempt timeout or sends more than ``max_bytes`` raises
+        ``ConnectionFailed``, ``AttemptTimeout`` or ``AnswerTooLarge`` (nothing can be retried by
+        then); the bytes before it were passed on."""
         assert self.response is not None
         streaming = self.response.content_type == "text/event-stream"
         self.tap = UsageTap(streaming=streaming, max_line_bytes=self.max_line_bytes)
@@ -177,6 +180,8 @@ class Forwarded:
                     )
                 self.tap.feed(data)
                 yield data
+                if self.tap.done:
+                    break
         self.tap.finish()
         self.finished_ms = (time.perf_counter() - self.started) * 1000
 
