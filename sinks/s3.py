@@ -106,7 +106,8 @@ class S3InsightSink:
             if not self._buffer:
                 return
             await self.start()
-            batch, self._buffer, self._oldest = self._buffer, [], None
+            batch, batch_oldest = self._buffer, self._oldest
+            self._buffer, self._oldest = [], None
             groups: dict[str, list[EnrichmentResult]] = defaultdict(list)
             for record in batch:
                 groups[partition_of(record, self.settings.s3_prefix)].append(record)
@@ -117,21 +118,24 @@ class S3InsightSink:
                     return_exceptions=True,
                 )
             except BaseException:  # cancelled: gather has stopped every put by now
-                self._give_back(groups, written)
+                self._give_back(groups, written, batch_oldest)
                 raise
             error = next((outcome for outcome in outcomes if isinstance(outcome, BaseException)), None)
             if error is not None:
-                self._give_back(groups, written)
+                self._give_back(groups, written, batch_oldest)
                 raise error
 
-    def _give_back(self, groups: dict[str, list[EnrichmentResult]], written: set[str]) -> None:
+    def _give_back(
+        self, groups: dict[str, list[EnrichmentResult]], written: set[str], oldest: float | None
+    ) -> None:
         """Nothing is lost: the partitions not written go back in front, and the caller's commit waits
         for a flush. Only those: a written partition given back was written again by the next flush,
         with more records under another key, so its records stood in two objects."""
         unwritten = [record for part, records in groups.items() if part not in written for record in records]
         self._buffer[:0] = unwritten
-        if self._buffer:
-            self._oldest = self._clock()
+        if unwritten:  # as old as the batch they came with, or as what was buffered meanwhile
+            ages = [t for t in (oldest, self._oldest) if t is not None]
+            self._oldest = min(ages) if ages else self._clock()
 
     async def _put(self, partition: str, records: list[EnrichmentResult], written: set[str]) -> None:
         records.sort(key=lambda r: r.request_id)
