@@ -224,10 +224,11 @@ class AnswerLedger:
 
 
 def _log_failure(what: str, exc: Exception) -> None:
-    """Redis away is expected (counted, and the stream goes on); anything else its client raised is a
-    fault to find, so it is logged with its traceback, though the stream goes on the same way."""
+    """Redis away is expected (counted, and the stream goes on; a batch forms every loop turn, so a
+    line each would flood the log); anything else its client raised is a fault to find, so it is
+    logged with its traceback, though the stream goes on the same way."""
     if isinstance(exc, RedisError):
-        log.warning("answer ledger %s failed: %s", what, exc)
+        log.debug("answer ledger %s failed: %s", what, exc)
     else:
         log.error("answer ledger %s failed", what, exc_info=exc)
 
