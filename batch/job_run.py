@@ -345,12 +345,12 @@ class JobRun:
         work = self.works.get(call.line)
         if work is None:
             return
+        if retry and self.stopping:
+            # Left open, not tried again now: its shard stays unwritten and the resumed job tries it.
+            # Written off as failed here, it completed its shard with an error row that a resume never
+            # redoes, though a stop's failures are often the stop's own (replicas going too).
+            return
         if retry and call.attempt + 1 < self.settings.call_attempts:
-            if self.stopping:
-                # Left open, not tried again now: its shard stays unwritten and the resumed job tries
-                # it. Written off as failed here, it completed its shard with an error row that a
-                # resume never redoes (a stop's failures are often the stop's own: replicas going too).
-                return
             call.attempt += 1
             self.ready.append(call)
             self._wake.set()
