@@ -170,10 +170,13 @@ class RebalanceHandover:
                 session = runner.sessions.get(sid)
                 if session is not None and session.pending is not None:
                     runner.sessions.place(sid, partition)
-                    # No earlier than its own wait from now: the replay from the committed offsets
-                    # brings the shopper's newer events first, and they move or clear the trigger as
-                    # they did before the restart (a stale entry is ignored when it pops). Fired at
-                    # once, a passed deadline prompted for the session as the save left it: a pause
-                    # an event had cleared since, or one without the events that came before it fired.
-                    held = max(wall, runner.triggers.wall_deadline(session))
+                    # A deadline that passed while nobody owned the partition fires no earlier than
+                    # its own wait from now: the replay from the committed offsets brings the
+                    # shopper's newer events first, and they move or clear the trigger as they did
+                    # before the restart (a stale entry is ignored when it pops). Fired at once, it
+                    # prompted for the session as the save left it: a pause an event had cleared
+                    # since, or one without the events that came before it fired. A deadline still
+                    # ahead is kept (a clean handover moves no pause).
+                    now = runner.timers.now()
+                    held = wall if wall > now else runner.triggers.wall_deadline(session)
                     runner.timers.arm(sid, session.pending.due_ts, held)

@@ -1,9 +1,9 @@
 """Shopper sessions in Redis, for the embedded runner (the Flink job keeps them in keyed state).
 
-Layout per shopper: ``{p}session:{id}:h`` (JSON header) and ``{p}session:{id}:log`` (a list of
-entries, append-only except after a trim, when it is rewritten). Pending triggers are mirrored in
-``{p}timers:{partition}`` (sorted set: shopper -> trigger due time in event seconds, plus the wall
-deadline in the header) so that a restarted runner re-arms them. Deltas are applied in epoch order,
+Layout per shopper: ``{p}session:{id}:h`` (JSON header, the pending trigger's reason and event-time
+due time among it) and ``{p}session:{id}:log`` (a list of entries, append-only except after a trim,
+when it is rewritten). Pending triggers are mirrored in ``{p}timers:{partition}`` (sorted set:
+shopper -> wall deadline) so that a restarted runner re-arms them. Deltas are applied in epoch order,
 only after the results of those epochs are durable.
 
 Round trips (what the ingest profile in ``docs/benchmarks.md`` asked for): a save is one Lua script
@@ -34,7 +34,8 @@ class SessionDelta:
     partition: int
     changes: SessionChanges
     wall_deadline: float | None = None
-    """The wall deadline of the trigger pending after this epoch (None: none pending). Taken when the
+    """The wall deadline of the trigger pending after this epoch (None: none pending; with a pending
+    header, None removes its stored timer, so the runner always sets it). Taken when the
     epoch closes, with its header, so a save stores the timer of the header it stores: taken from the
     live session at save time instead, a pause a timer fired in a later epoch (not yet durable) lost
     its stored timer while the saved header still said pending, and a crash then left it unfired."""
