@@ -393,8 +393,20 @@ class Calls:
     in_flight_at_kill: int = 0
     """Calls the killed process had started and not ended."""
     only_killed_run: int = 0
-    """Distinct ``request_id``s sent in this run and never in the clean run of the same stream."""
+    """Distinct prompts sent in this run and never in the clean run of the same stream, by shopper and
+    ``seq`` (``_by_shopper_seq``)."""
     ids: set[str] = field(default_factory=set, repr=False)
+
+
+def _by_shopper_seq(request_ids: set[str]) -> set[tuple[str, str]]:
+    """``shopper:epoch:seq`` ids as (shopper, seq): a paced stream stamps its events when they are
+    sent, so each run's session epochs (its first events' times) differ, and compared whole every id
+    of a paced run was one the clean run never sent."""
+    pairs = set()
+    for request_id in request_ids:
+        shopper, _, seq = request_id.rsplit(":", 2)
+        pairs.add((shopper, seq))
+    return pairs
 
 
 def read_calls(path: Path, killed_pid: int | None, clean: set[str] | None) -> Calls:
@@ -432,7 +444,7 @@ def read_calls(path: Path, killed_pid: int | None, clean: set[str] | None) -> Ca
         sent_again=len(again),
         again_by_fate=by_fate,
         in_flight_at_kill=sum(1 for f in fate.values() if f == "in_flight"),
-        only_killed_run=0 if clean is None else len(ids - clean),
+        only_killed_run=0 if clean is None else len(_by_shopper_seq(ids) - _by_shopper_seq(clean)),
         ids=ids,
     )
 
@@ -980,7 +992,7 @@ CAUSES = (
     ("again_answered_unrecorded", "answered, not yet in the ledger"),
     ("again_recorded", "in the ledger"),
     ("again_cancelled", "cancelled by a newer prompt before the kill"),
-    ("other_prompts", "request_ids sent that the clean run never sent"),
+    ("other_prompts", "prompts sent that the clean run never sent (shopper, seq)"),
     ("ledger_orphans", "ledger orphans"),
     ("new_ids", "results under ids the clean run lacks"),
     ("lost_events", "events lost"),
