@@ -13,7 +13,7 @@ import os
 import re
 import sys
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import Any
@@ -770,6 +770,22 @@ def sid(key: str) -> dict[str, str]:
     return {"x-session-id": key}
 
 
+@asynccontextmanager
+async def replica_answering(
+    chat: Callable[[web.Request], Awaitable[web.StreamResponse]],
+) -> AsyncIterator[str]:
+    """A replica of a test's own: ``chat`` answers the chat route, and its health check passes."""
+
+    async def health(request: web.Request) -> web.Response:
+        return web.Response(text="ok")
+
+    app = web.Application()
+    app.router.add_post("/v1/chat/completions", chat)
+    app.router.add_get("/health", health)
+    async with serving(app) as url:
+        yield url
+
+
 SERVED_MODEL = "qwen-served"
 
 
@@ -788,14 +804,7 @@ async def model_checking_replica() -> AsyncIterator[tuple[str, dict[str, bool]]]
         answer = {"model": SERVED_MODEL, "choices": [{"message": {"content": text}, "finish_reason": "stop"}]}
         return web.json_response(answer)
 
-    app = web.Application()
-    app.router.add_post("/v1/chat/completions", chat)
-
-    async def health(request: web.Request) -> web.Response:
-        return web.Response(text="ok")
-
-    app.router.add_get("/health", health)
-    async with serving(app) as url:
+    async with replica_answering(chat) as url:
         yield url, state
 
 
@@ -924,13 +933,7 @@ async def replica_closing_late(linger_s: float) -> AsyncIterator[tuple[str, list
         await asyncio.sleep(linger_s)
         return response
 
-    async def health(request: web.Request) -> web.Response:
-        return web.Response(text="ok")
-
-    app = web.Application()
-    app.router.add_post("/v1/chat/completions", chat)
-    app.router.add_get("/health", health)
-    async with serving(app) as url:
+    async with replica_answering(chat) as url:
         yield url, calls
 
 
