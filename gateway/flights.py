@@ -89,8 +89,6 @@ class Flight:
         self._notify()
 
     def append(self, chunk: bytes) -> None:
-        if self.ended:
-            return  # bytes after the stream's end (``[DONE]``) or after the call stopped: nobody's
         self.chunks.append(chunk)
         self.size += len(chunk)
         self._notify()

@@ -179,14 +179,12 @@ class OpenAIProxy:
                 ) as answer:
                     streaming = answer.headers.get("content-type", "").startswith("text/event-stream")
                     flight.answer_head(Head(answer.status, self._answer_headers(answer), streaming))
+                    # Read up to ``[DONE]`` only (``Forwarded.chunks``), so the call ends with its
+                    # answer, not when the replica closes: a caller reads to ``[DONE]`` and may send
+                    # its next request at once, and the same session's next version superseded a call
+                    # not ended yet, so its answer was paid for and not kept for a repeat.
                     async for chunk in answer.chunks():
                         flight.append(chunk)
-                        if answer.tap.done:
-                            # Whole for its callers at ``[DONE]``, before the replica closes the stream:
-                            # a caller reads to ``[DONE]`` and may send its next request at once, and
-                            # the same session's next version superseded (cancelled) a call not ended
-                            # yet, so its answer was paid for and not kept for a repeat.
-                            flight.end(complete=True)
         except Refused as exc:
             flight.end(
                 answer=GatewayAnswer(429, "overloaded", str(exc), headers={"Retry-After": exc.retry_after})
