@@ -280,12 +280,12 @@ class EmbeddedRunner:
         for sid in touched:
             session = sessions[sid]
             sessions.touch(sid)
-            pending = session.pending
-            deadline = None if pending is None else self.triggers.wall_deadline(session)
+            deadline = None
+            if session.pending is not None:
+                deadline = self.triggers.wall_deadline(session)
+                self.timers.arm(sid, session.pending.due_ts, deadline)
             changes = session.take_changes()
             epoch.deltas.append(SessionDelta(sid, sessions.partition_of(sid), changes, deadline))
-            if pending is not None and deadline is not None:
-                self.timers.arm(sid, pending.due_ts, deadline)
         self.epochs.append(epoch)
 
     async def retrying(self, load: Callable[[], Awaitable[T]], what: str) -> T:

@@ -38,11 +38,8 @@ class TimerQueue:
 
     def deadlines(self) -> dict[str, float]:
         """The latest deadline armed for each shopper (what a restart re-armed, for inspection)."""
-        latest: dict[str, tuple[int, float]] = {}
-        for deadline, seq, shopper_id, _ in self._heap:
-            if seq > latest.get(shopper_id, (-1, 0.0))[0]:
-                latest[shopper_id] = (seq, deadline)
-        return {shopper_id: deadline for shopper_id, (_, deadline) in latest.items()}
+        in_arming_order = sorted(self._heap, key=lambda entry: entry[1])  # later entries overwrite
+        return {shopper_id: deadline for deadline, _, shopper_id, _ in in_arming_order}
 
     def pop_due(self) -> list[tuple[str, float]]:
         """(shopper, due event time) of every entry whose deadline has passed, earliest first."""

@@ -30,10 +30,10 @@ from tests.gateway.test_gateway import TIME_SCALE, chat_body, metric, running_ga
 
 CHAT = "/v1/chat/completions"
 LONG = {"max_tokens": 600, "ignore_eos": True}
+"""A 600-token answer: over a second at the test's time scale, long enough to act while it runs."""
 HOLD = {"max_tokens": 3000, "ignore_eos": True}
 """A slot holder's stream: about 5.6 s at this time scale, where a ``LONG`` one (1.2 s) could end, and
 free its slot, while a loaded machine was still between a test's steps."""
-"""A 600-token answer: over a second at the test's time scale, long enough to act while it runs."""
 SHORT = {"max_tokens": 8}
 PATIENT = {"high": 60.0, "normal": 60.0, "low": 60.0}
 """Wait bounds no request reaches in these tests, unless a test sets its own."""
