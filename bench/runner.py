@@ -157,7 +157,7 @@ for _ in range(job["repeats"]):
                 if cache is not None and applied.outcome == "accepted" and session.entries[-1].event is event:
                     cache(session.entries[-1])  # where the tree's ingest encodes it (runner.ingest)
                 touched.add(event.shopper_id)
-            deltas += [S.SessionDelta(sid, 0, sessions[sid].take_changes()) for sid in touched]
+            deltas += [S.SessionDelta(sid, 0, sessions[sid].take_changes(), None) for sid in touched]
         clock("session step: apply (+ stored event, this tree), take_changes per poll", started)
         started = time.thread_time()
         for net in S.merge_deltas(deltas).values():

@@ -33,9 +33,9 @@ class SessionDelta:
     shopper_id: str
     partition: int
     changes: SessionChanges
-    wall_deadline: float | None = None
+    wall_deadline: float | None
     """The wall deadline of the trigger pending after this epoch (None: none pending; with a pending
-    header, None removes its stored timer, so the runner always sets it). Taken when the
+    header, None removes its stored timer, so it has no default: every caller says which). Taken when the
     epoch closes, with its header, so a save stores the timer of the header it stores: taken from the
     live session at save time instead, a pause a timer fired in a later epoch (not yet durable) lost
     its stored timer while the saved header still said pending, and a crash then left it unfired."""

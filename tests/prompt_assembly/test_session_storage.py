@@ -71,7 +71,7 @@ async def test_the_runners_redis_log_holds_no_ignored_field(redis_client: Any) -
         for i in range(3):
             raw = record(f"e-{i}", 1_764_000_000.0 + i, **IGNORED)
             processor.apply(session, parse_event(raw), raw)
-        await store.save([SessionDelta("s-1", 0, session.take_changes())])
+        await store.save([SessionDelta("s-1", 0, session.take_changes(), None)])
         stored: list[bytes] = await redis_client.lrange(store.keys.session_log("s-1"), 0, -1)
         assert len(stored) == len(session.entries)
         for entry in stored:

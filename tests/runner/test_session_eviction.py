@@ -40,7 +40,7 @@ def test_eviction_skips_busy_sessions_and_brings_the_cache_to_its_bound() -> Non
     sids = list(runner.sessions)
     in_flight = sids[:60]  # the oldest: their deltas are in an epoch whose prompts are still running
     epoch = Epoch(pending=1)
-    epoch.deltas = [SessionDelta(sid, 0, runner.sessions[sid].take_changes()) for sid in in_flight]
+    epoch.deltas = [SessionDelta(sid, 0, runner.sessions[sid].take_changes(), None) for sid in in_flight]
     runner.epochs.append(epoch)
     waiting = sids[60:80]  # a pending trigger: their timers need them in memory
     for sid in waiting:

@@ -36,7 +36,7 @@ async def test_many_epochs_merged_per_save_restore_the_same_sessions(redis_clien
                 session = sessions.setdefault(event.shopper_id, processor.new_session(event.shopper_id))
                 processor.apply(session, event, value if i % 2 else None)  # with and without raw JSON
                 touched.add(event.shopper_id)
-            pending_saves += [SessionDelta(sid, 0, sessions[sid].take_changes()) for sid in touched]
+            pending_saves += [SessionDelta(sid, 0, sessions[sid].take_changes(), None) for sid in touched]
             if epoch_start % 180 == 120:  # every third epoch: one save of three epochs' deltas
                 await store.save(pending_saves)
                 pending_saves = []
@@ -68,7 +68,7 @@ async def test_timers_follow_pending_triggers(redis_client: Any) -> None:
         assert dict(await store.timers(2)) == armed
         cleared = next(iter(armed))
         processor.flush(sessions[cleared])  # the pending trigger fires: no timer any more
-        await store.save([SessionDelta(cleared, 2, sessions[cleared].take_changes())])
+        await store.save([SessionDelta(cleared, 2, sessions[cleared].take_changes(), None)])
         assert dict(await store.timers(2)) == {k: v for k, v in armed.items() if k != cleared}
     finally:
         keys = [key async for key in redis_client.scan_iter(f"{store.keys.prefix}*")]
@@ -113,7 +113,7 @@ def test_merged_deltas_keep_the_last_rewrite_and_what_came_after() -> None:
     deltas: list[SessionDelta] = []
     for _, value, _ in SyntheticStream(shoppers=1, seed=1).take(9):
         processor.apply(session, parse_event(value), value)
-        deltas.append(SessionDelta("s", len(deltas) % 3, session.take_changes()))
+        deltas.append(SessionDelta("s", len(deltas) % 3, session.take_changes(), None))
     net = merge_deltas(deltas)["s"]
     assert net.rewrite and net.header == deltas[-1].changes.header and net.partition == deltas[-1].partition
     last_rewrite = max(i for i, d in enumerate(deltas) if d.changes.rewrite is not None)
@@ -142,7 +142,7 @@ async def test_the_flink_state_value_holds_the_same_entry_bytes_as_the_runner_st
             sid = event.shopper_id
             session = runner_sessions.setdefault(sid, processor.new_session(sid))
             processor.apply(session, event, value)
-            await store.save([SessionDelta(sid, 0, session.take_changes())])
+            await store.save([SessionDelta(sid, 0, session.take_changes(), None)])
             in_flink = ShopperSession.from_json(flink_state[sid]) if sid in flink_state else None
             in_flink = in_flink or processor.new_session(sid)
             processor.apply(in_flink, event, value)
