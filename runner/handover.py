@@ -168,15 +168,20 @@ class RebalanceHandover:
             runner.sessions.adopt(loaded)
             for sid, wall in timers:
                 session = runner.sessions.get(sid)
-                if session is not None and session.pending is not None:
-                    runner.sessions.place(sid, partition)
-                    # A deadline that passed while nobody owned the partition fires no earlier than
-                    # its own wait from now: the replay from the committed offsets brings the
-                    # shopper's newer events first, and they move or clear the trigger as they did
-                    # before the restart (a stale entry is ignored when it pops). Fired at once, it
-                    # prompted for the session as the save left it: a pause an event had cleared
-                    # since, or one without the events that came before it fired. A deadline still
-                    # ahead is kept (a clean handover moves no pause).
-                    now = runner.timers.now()
-                    held = wall if wall > now else runner.triggers.wall_deadline(session)
-                    runner.timers.arm(sid, session.pending.due_ts, held)
+                if session is None or session.pending is None or session is not loaded.get(sid):
+                    # Not this load's copy: ingest loaded the shopper first (or meanwhile) and
+                    # applied events, and its ``close_epoch`` armed the trigger pending now. The stored
+                    # deadline belongs to an older trigger: armed with the newer due time, it fired that
+                    # pause before its quiet period had passed.
+                    continue
+                runner.sessions.place(sid, partition)
+                # A deadline that passed while nobody owned the partition fires no earlier than
+                # its own wait from now: the replay from the committed offsets brings the
+                # shopper's newer events first, and they move or clear the trigger as they did
+                # before the restart (a stale entry is ignored when it pops). Fired at once, it
+                # prompted for the session as the save left it: a pause an event had cleared
+                # since, or one without the events that came before it fired. A deadline still
+                # ahead is kept (a clean handover moves no pause).
+                now = runner.timers.now()
+                held = wall if wall > now else runner.triggers.wall_deadline(session)
+                runner.timers.arm(sid, session.pending.due_ts, held)

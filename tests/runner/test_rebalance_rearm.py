@@ -25,10 +25,11 @@ from confluent_kafka import Consumer, TopicPartition
 
 from devstack.synthetic import SyntheticStream
 from pipeline.sink_retry import SinkRetry
-from prompt_assembly.events import parse_event
+from prompt_assembly.events import ShopperEvent, parse_event
 from prompt_assembly.processor import SessionProcessor
 from prompt_assembly.session import ShopperSession
 from runner.embedded import EmbeddedRunner
+from runner.epochs import Epoch
 from runner.session_store import RedisSessionStore, SessionDelta
 from sinks.keys import RedisKeys
 from tests.conftest import Isolated
@@ -218,3 +219,48 @@ def test_a_restored_timer_waits_its_own_quiet_period_from_the_restart(isolated: 
     assert set(deadlines) == set(partition_of)
     for sid, wait in waits.items():
         assert deadlines[sid] >= started + wait, (sid, deadlines[sid] - started, wait)
+
+
+def test_a_rearm_leaves_a_trigger_that_ingest_armed_first_to_its_own_deadline(isolated: Isolated) -> None:
+    """Ingest can load a shopper of a newly assigned partition, apply a newer event and arm that
+    event's pause before the re-arm reaches the partition (it loads one partition after another).
+    The stored deadline belongs to the older pause: armed with the newer pause's due time, it fired
+    that pause before its quiet period had passed, a prompt the clean run never made. The re-arm now
+    arms only the sessions it loaded itself."""
+    shopper, partition = "s-rearm-race", 0
+    product = {"product_id": "p1", "title": "Witch Hat", "price": 9.5}
+    first_ts = time.time() - 60
+
+    def view(n: int, ts: float) -> ShopperEvent:
+        return ShopperEvent.model_validate(
+            {"event_id": f"v{n}", "shopper_id": shopper, "type": "view", "ts": ts, "product": product}
+        )
+
+    settings = isolated.runner(until_drained=False)
+    runner = EmbeddedRunner(settings, log=lambda _: None)
+
+    async def scenario() -> tuple[float, dict[str, float]]:
+        client = aioredis.Redis.from_url(isolated.stack.redis_url)
+        store = RedisSessionStore(client, isolated.prefix)
+        try:
+            # The previous owner's save: the first view's pause, due on the wall clock in 0.5 s.
+            stored = runner.processor.new_session(shopper)
+            runner.processor.apply(stored, view(1, first_ts))
+            assert stored.pending is not None
+            stored_wall = runner.timers.now() + 0.5
+            await store.save([SessionDelta(shopper, partition, stored.take_changes(), stored_wall)])
+            runner.store = store
+            # Ingest's poll: the shopper loaded, a newer view applied, its own pause armed.
+            runner.sessions.adopt(await store.load_many([shopper]))
+            runner.processor.apply(runner.sessions[shopper], view(2, first_ts + 5))
+            runner.sessions.place_many({shopper: partition})
+            runner.close_epoch(Epoch(lease=runner.assignment.lease), {shopper})
+            own = runner.timers.deadlines()[shopper]
+            assert own > stored_wall
+            await runner.handover._rearm(runner.assignment.generation, [partition])
+            return own, runner.timers.deadlines()
+        finally:
+            await client.aclose()
+
+    own, deadlines = asyncio.run(scenario())
+    assert deadlines == {shopper: own}, f"the stored deadline armed for the newer pause: {deadlines}"
