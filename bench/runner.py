@@ -121,6 +121,8 @@ def clock(name, started):
     out.setdefault(name, []).append((time.thread_time() - started) / len(values) * 1e6)
 if not job["collector"]:
     gc.disable()
+# A tree since 8f743ff names each delta's timer (None: the step below serialises no timer); older ones cannot.
+no_timer = (None,) if "wall_deadline" in getattr(S.SessionDelta, "__dataclass_fields__", {}) else ()
 for _ in range(job["repeats"]):
     with streaming_gc():
         started = time.thread_time()
@@ -157,7 +159,7 @@ for _ in range(job["repeats"]):
                 if cache is not None and applied.outcome == "accepted" and session.entries[-1].event is event:
                     cache(session.entries[-1])  # where the tree's ingest encodes it (runner.ingest)
                 touched.add(event.shopper_id)
-            deltas += [S.SessionDelta(sid, 0, sessions[sid].take_changes(), None) for sid in touched]
+            deltas += [S.SessionDelta(sid, 0, sessions[sid].take_changes(), *no_timer) for sid in touched]
         clock("session step: apply (+ stored event, this tree), take_changes per poll", started)
         started = time.thread_time()
         for net in S.merge_deltas(deltas).values():
