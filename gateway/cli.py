@@ -28,7 +28,8 @@ def serve_cmd(
     policy: Annotated[
         str | None,
         typer.Option(
-            help="round_robin, least_outstanding, session_affinity or prefix_aware [default: LLM_POLICY]"
+            help="round_robin, least_outstanding, session_affinity, prefix_aware, pd_aware or predicted_ttft "
+            "[default: LLM_POLICY or prefix_aware]"
         ),
     ] = None,
     port: Annotated[

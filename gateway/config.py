@@ -67,7 +67,7 @@ class GatewaySettings(BaseSettings):
         None, gt=0, description="whole request, retries and streaming included; default: LLM timeouts"
     )
 
-    # ---- overload (docs/gateway.md, "Overload, supersede, idempotency") ----------------------------
+    # ---- overload (docs/gateway.md, "Overload, supersede, never pay twice") ------------------------
     per_replica_in_flight: int = Field(
         DEFAULT_PER_REPLICA_IN_FLIGHT,
         ge=1,

@@ -238,7 +238,7 @@ def run(
         str | None, typer.Option(help="consumer group [default: RUNNER_GROUP_ID or shopper-understanding]")
     ] = None,
     policy: Annotated[
-        str | None, typer.Option(help="routing policy [default: RUNNER_LLM__POLICY or session_affinity]")
+        str | None, typer.Option(help="routing policy [default: RUNNER_LLM__POLICY or prefix_aware]")
     ] = None,
     from_stack: Annotated[bool, typer.Option(help="take addresses from the stack state file")] = True,
     state_dir: StateDir = Path(".state"),
