@@ -34,7 +34,9 @@ URGENT_CLASS = 0
 
 BACKFILL_CLASS = 2
 """Prompts past their class's wait budget (``OverloadSettings.past_budget``): admitted only when no
-prompt within its budget waits."""
+prompt within its budget waits, and oldest first even while a queue stands. All are past their budget
+already; served newest first, a trickle of newer ones kept the oldest waiting, its epoch uncommitted
+and its sessions pinned, for as long as the trickle lasted."""
 
 Rank = tuple[int, int]
 
@@ -154,7 +156,8 @@ class AdmissionGate:
             if not queue:
                 continue
             standing = (
-                self.lifo_after_s is not None
+                klass != BACKFILL_CLASS
+                and self.lifo_after_s is not None
                 and len(queue) > 1
                 and self._clock() - queue[0].enqueued_at > self.lifo_after_s
             )

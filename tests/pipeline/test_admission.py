@@ -104,6 +104,32 @@ async def test_a_standing_queue_is_served_newest_first_within_its_class() -> Non
     assert await admitted_order(lifo_after_s=None) == [2, 3, 4, 1]
 
 
+async def test_the_backfill_is_served_oldest_first_even_while_its_queue_stands() -> None:
+    """Backfilled prompts are all past their wait budget. Served newest first once their queue stood,
+    a trickle of newer ones kept the oldest waiting (its epoch uncommitted, its sessions pinned) for as
+    long as the trickle lasted."""
+    clock = Clock()
+    gate = AdmissionGate(lambda: 1, by_priority=True, lifo_after_s=1.0, clock=clock)
+    await gate.acquire((0, 0))
+    order: list[str] = []
+
+    async def one(name: str) -> None:
+        await gate.acquire(gate.backfill_rank())
+        order.append(name)
+
+    tasks = [asyncio.create_task(one("oldest"))]
+    await settle()
+    for n in range(3):  # each turn: a newer backfilled prompt, then a slot comes free
+        clock.now += 2.0
+        tasks.append(asyncio.create_task(one(f"newer {n}")))
+        await settle()
+        gate.release()
+        await settle()
+    assert order == ["oldest", "newer 0", "newer 1"]
+    gate.release()
+    await asyncio.gather(*tasks)
+
+
 async def test_an_evicted_waiter_leaves_without_a_slot_and_the_next_one_gets_it() -> None:
     """``evict_oldest`` lets the longest-waiting prompt of a class go (its ``acquire`` raises
     ``Evicted``); it holds nothing, counts no longer as waiting, and a released slot goes on to the
