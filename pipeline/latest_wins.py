@@ -48,7 +48,9 @@ class Claim:
         """``newer`` replaces this claim: stop its work unless its answer is in, or it is in flight
         and in-flight calls are let finish. True when its work was cancelled."""
         self.superseded_by = newer.request_id
-        if self.answered or self.task is None or (self.in_flight and not cancel_in_flight):
+        if self.answered or self.task is None or self.task.done():
+            return False  # a task already done (dropped as stale, say) is not cancelled: not counted again
+        if self.in_flight and not cancel_in_flight:
             return False
         self.cancelled_in_flight = self.in_flight
         self.task.cancel()

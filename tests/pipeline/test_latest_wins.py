@@ -4,6 +4,9 @@ the newest, the one already held, or older."""
 
 from __future__ import annotations
 
+import asyncio
+from typing import Any
+
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -54,3 +57,21 @@ def test_a_claim_left_is_forgotten_unless_a_newer_one_holds() -> None:
     assert claims.arrive(prompt("a", 0, 2))[0] is Arrival.SAME
     claims.leave(second)
     assert len(claims) == 0
+
+
+async def test_a_claim_whose_work_already_ended_is_not_counted_as_displaced() -> None:
+    """A prompt dropped as stale ends its work (its task returns) a loop turn before its owner leaves
+    the claim; a newer prompt arriving in between displaced it all the same, and the enricher counted
+    one prompt both as dropped stale and as superseded while queued."""
+
+    async def dropped_as_stale() -> Any:
+        return None
+
+    claims = ShopperClaims()
+    _, _, older = claims.arrive(prompt("a", 1, 1))
+    older.task = asyncio.create_task(dropped_as_stale())
+    await older.task
+    arrival, displaced, _ = claims.arrive(prompt("a", 1, 2))
+    assert arrival is Arrival.NEWEST and displaced is older
+    assert not older.displace(prompt("a", 1, 2), cancel_in_flight=True)
+    assert not older.task.cancelled()
