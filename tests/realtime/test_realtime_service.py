@@ -130,11 +130,13 @@ async def test_model_missing_the_deadline_gets_the_fallback_in_time(
     async with running_simulator(time_scale=0.3) as slow, realtime_service(isolated, [slow.url]) as client:
         model_ms = await _direct_call_ms(slow.url)  # what waiting for the model would have cost
         for deadline_ms in (150, 300):
-            status, body, took_ms = await _post(
-                client,
-                {"shopper_id": "s1", "query": "", "candidates": CANDIDATES, "deadline_ms": deadline_ms},
-            )
-            assert status == 200
+            request = {"shopper_id": "s1", "query": "", "candidates": CANDIDATES, "deadline_ms": deadline_ms}
+            for _ in range(10):  # a busy host's loop lag can refuse one at once (429), by design
+                status, body, took_ms = await _post(client, request)
+                if status != 429:
+                    break
+                await asyncio.sleep(0.2)
+            assert status == 200, body
             assert body["degraded"] is True and body["degraded_reason"] == "deadline"
             assert body["llm_ms"] < model_ms and took_ms < model_ms, (
                 "gave up on the model, did not wait it out"
