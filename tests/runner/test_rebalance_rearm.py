@@ -25,7 +25,7 @@ from confluent_kafka import Consumer, TopicPartition
 
 from devstack.synthetic import SyntheticStream
 from pipeline.sink_retry import SinkRetry
-from prompt_assembly.events import ShopperEvent, parse_event
+from prompt_assembly.events import parse_event
 from prompt_assembly.processor import SessionProcessor
 from prompt_assembly.session import ShopperSession
 from runner.embedded import EmbeddedRunner
@@ -34,6 +34,7 @@ from runner.session_store import RedisSessionStore, SessionDelta
 from sinks.keys import RedisKeys
 from tests.conftest import Isolated
 from tests.fault_kit import OwnRedis
+from tests.prompt_assembly.test_sessions import event
 
 pytestmark = pytest.mark.slow
 
@@ -228,14 +229,7 @@ def test_a_rearm_leaves_a_trigger_that_ingest_armed_first_to_its_own_deadline(is
     that pause before its quiet period had passed, a prompt the clean run never made. The re-arm now
     arms only the sessions it loaded itself."""
     shopper, partition = "s-rearm-race", 0
-    product = {"product_id": "p1", "title": "Witch Hat", "price": 9.5}
     first_ts = time.time() - 60
-
-    def view(n: int, ts: float) -> ShopperEvent:
-        return ShopperEvent.model_validate(
-            {"event_id": f"v{n}", "shopper_id": shopper, "type": "view", "ts": ts, "product": product}
-        )
-
     settings = isolated.runner(until_drained=False)
     runner = EmbeddedRunner(settings, log=lambda _: None)
 
@@ -245,14 +239,14 @@ def test_a_rearm_leaves_a_trigger_that_ingest_armed_first_to_its_own_deadline(is
         try:
             # The previous owner's save: the first view's pause, due on the wall clock in 0.5 s.
             stored = runner.processor.new_session(shopper)
-            runner.processor.apply(stored, view(1, first_ts))
+            runner.processor.apply(stored, event("view", first_ts, shopper))
             assert stored.pending is not None
             stored_wall = runner.timers.now() + 0.5
             await store.save([SessionDelta(shopper, partition, stored.take_changes(), stored_wall)])
             runner.store = store
             # Ingest's poll: the shopper loaded, a newer view applied, its own pause armed.
             runner.sessions.adopt(await store.load_many([shopper]))
-            runner.processor.apply(runner.sessions[shopper], view(2, first_ts + 5))
+            runner.processor.apply(runner.sessions[shopper], event("view", first_ts + 5, shopper))
             runner.sessions.place_many({shopper: partition})
             runner.close_epoch(Epoch(lease=runner.assignment.lease), {shopper})
             own = runner.timers.deadlines()[shopper]
