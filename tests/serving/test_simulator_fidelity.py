@@ -1,9 +1,13 @@
 """At time_scale 1, the simulator's cost model gives the H100 calibration within 10%, and latencies
 seen over real HTTP are never earlier than the model says, nor more than twice it.
 
-HTTP and front-end overhead (JSON, tokenising and hashing the prompt, the event loop) is measured with
-the same requests against a replica at time_scale 0, whose GPU time is zero, and subtracted. Each figure
-is the best of three runs (after a warm-up), since a loaded machine only ever adds delay. The wall clock
+"Never early" is checked on the raw latency the client sees: a simulator that waits its modelled time
+cannot answer before it, so no subtraction is needed there. For "not twice", HTTP and front-end overhead
+(JSON, tokenising and hashing the prompt, the event loop) is measured with the same requests against a
+replica at time_scale 0, whose GPU time is zero, and subtracted. Subtracting it from the lower bound
+too was wrong: the two minima come from different requests, and on fresh-clone CI the instant replica's
+best overhead exceeded the timed replica's own by 1-2 ms, so a correct simulator read as "early". Each
+figure is the best of three runs (after a warm-up), since a loaded machine only ever adds delay. The wall clock
 is held to the model only loosely above: asyncio's sleeps overshoot by up to 10% on some VMs (measured
 6-12 ms on a 100 ms sleep), and a comparison within 10% failed on such a machine with nothing else
 running. How close the wall clock comes is a benchmark's figure (``python -m bench.fidelity``); what
@@ -12,7 +16,6 @@ this test guards is a simulator that answers early or waits twice.
 
 from __future__ import annotations
 
-import itertools
 import json
 import random
 import statistics
@@ -34,6 +37,9 @@ CALIBRATION = {  # qwen2.5-32b rows of h100_prefill_decode.json
     "suffix_4096+256": 61.10492706298828,
     "decode_b1": 54.24476623535156,
 }
+
+
+CLOCK_ROUNDING_MS = 0.1  # the report rounds to 0.1 ms
 
 
 def _words(n: int, rng: random.Random) -> str:
@@ -98,14 +104,18 @@ async def test_latencies_match_calibration(servers: tuple[RunningSimulator, Runn
 
         times = await _chunk_times(http, timed.url, _words(64, rng), 21)
         assert len(times) == 21  # one token per chunk at time_scale 1
-        measured["decode_b1"] = statistics.median(b - a for a, b in itertools.pairwise(times))
+        # The mean step, first chunk to last: the replica keeps an absolute schedule, so a step after an
+        # overshot sleep is shorter by the overshoot, and any single interval (or their median) can read
+        # early while the run as a whole never does.
+        measured["decode_b1"] = (times[-1] - times[0]) / (len(times) - 1)
         overhead["decode_b1"] = 0.0  # intervals between chunks of one response carry no request overhead
 
     cost = timed.replica.cost
     modelled_ms = {
         **{f"cold_{n}": cost.prefill_ms(n) for n in (1024, 2048, 4096)},
         "suffix_4096+256": cost.prefill_ms(256, cached_tokens=4096),
-        "decode_b1": cost.decode_step_ms(1, 64 + 10),  # the 64-token prompt and the tokens so far
+        # 20 steps over the 64-token prompt and the tokens so far
+        "decode_b1": statistics.mean(cost.decode_step_ms(1, 64 + k) for k in range(20)),
     }
     report = {
         key: {
@@ -121,4 +131,5 @@ async def test_latencies_match_calibration(servers: tuple[RunningSimulator, Runn
     for key, row in report.items():
         modelled = modelled_ms[key]
         assert modelled == pytest.approx(row["calibration_ms"], rel=0.10), (key, modelled, row)
-        assert modelled - 1.0 <= row["simulated_ms"] <= 2 * modelled, (key, modelled, row)
+        assert row["raw_ms"] >= modelled - CLOCK_ROUNDING_MS, (key, modelled, row)  # never early
+        assert row["simulated_ms"] <= 2 * modelled, (key, modelled, row)  # never waits twice
