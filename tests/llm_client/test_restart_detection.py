@@ -45,7 +45,6 @@ def test_a_head_believed_only_because_other_prompts_were_routed_there_is_no_evid
 BLOCKER_SCALE = 1.0
 """Simulated H100 time: the blocker's prefill of a few thousand tokens holds the engine for most of a
 second, while the shoppers' prompts arrive and queue."""
-BLOCKER_HEAD_START_S = 0.1
 """How long the blocker is given to reach the replica first (in this process, on this loop)."""
 BURST = 20
 """Shoppers' first prompts waiting together in one replica's queue: more than one iteration's
@@ -72,7 +71,8 @@ async def test_a_burst_of_new_shoppers_finds_no_replica_restarted() -> None:
             "the head could look like a hit"
         )
         busy = asyncio.create_task(client.chat(blocker, routing_key="blocker", max_tokens=2))
-        await asyncio.sleep(BLOCKER_HEAD_START_S)  # sent and admitted: its prefill holds the engine
+        while replica.replica.engine.stats.iterations == 0:  # sent and admitted: its prefill holds the engine
+            await asyncio.sleep(0.005)
         completions = await asyncio.gather(
             *(
                 client.chat(

@@ -147,9 +147,10 @@ async def test_the_deadline_counts_from_the_callers_start(isolated: Isolated) ->
         )
         assert response.status == 200
         body = await response.json()
-        # The slow replica needs more than the 300 ms left: the model got only what was left.
+        # The slow replica needs more than the 300 ms left: the model got only what was left (plus the
+        # cut timer's overshoot on a busy host), not the whole 1,000 ms.
         assert body["degraded_reason"] == "deadline"
-        assert body["llm_ms"] < deadline_ms - age_ms
+        assert body["llm_ms"] < deadline_ms - age_ms + 100
 
 
 async def test_a_lagging_loop_refuses_what_it_can_no_longer_answer_in_time(

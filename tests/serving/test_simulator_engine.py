@@ -86,7 +86,8 @@ async def test_time_scale_controls_wall_time() -> None:
     start = loop.time()
     await _run_all(engine, [_request(0, tokens=1, prompt=4096)])
     expected = COST.prefill_ms(4096) / 1000 * 0.05
-    assert expected * 0.9 < loop.time() - start < expected + 0.05
+    # Ignoring time_scale would take 20x as long (~0.5 s): the upper bound leaves room for a stalled host.
+    assert expected * 0.9 < loop.time() - start < expected + 0.25
 
 
 # ---- chunked prefill --------------------------------------------------------------------------------

@@ -7,10 +7,10 @@ cannot answer before it, so no subtraction is needed there. For "not twice", HTT
 replica at time_scale 0, whose GPU time is zero, and subtracted. Subtracting it from the lower bound
 too was wrong: the two minima come from different requests, and on fresh-clone CI the instant replica's
 best overhead exceeded the timed replica's own by 1-2 ms, so a correct simulator read as "early". Each
-figure is the best of three runs (after a warm-up), since a loaded machine only ever adds delay. The wall clock
-is held to the model only loosely above: asyncio's sleeps overshoot by up to 10% on some VMs (measured
-6-12 ms on a 100 ms sleep), and a comparison within 10% failed on such a machine with nothing else
-running. How close the wall clock comes is a benchmark's figure (``python -m bench.fidelity``); what
+figure is the best of three runs (after a warm-up), since a loaded machine only ever adds delay. The
+wall clock is held to the model only loosely above: asyncio's sleeps overshoot by up to 10% on some VMs
+(measured 6-12 ms on a 100 ms sleep), and a comparison within 10% failed on such a machine with nothing
+else running. How close the wall clock comes is a benchmark's figure (``python -m bench.fidelity``); what
 this test guards is a simulator that answers early or waits twice.
 """
 
