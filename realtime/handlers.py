@@ -8,6 +8,7 @@ deadline-aware admission (429 ``overloaded`` with ``Retry-After``, before any ot
 from __future__ import annotations
 
 import asyncio
+import time
 
 import orjson
 from aiohttp import web
@@ -27,7 +28,7 @@ _JSON_TYPES = frozenset(("application/json", "application/octet-stream"))
 
 
 async def match(request: web.Request) -> web.Response:
-    arrived = asyncio.get_running_loop().time()
+    arrived = time.perf_counter()
     service = request.app[SERVICE_KEY]
     if request.content_type not in _JSON_TYPES:
         service.metrics.rejected.labels("unsupported_media_type").inc()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import time
 from collections import deque
 
 from capacity.background import BackgroundLoop
@@ -42,10 +43,9 @@ class LoopLag:
         await self._loop.stop()
 
     async def _measure(self) -> None:
-        loop = asyncio.get_running_loop()
-        while True:
-            started = loop.time()
+        while True:  # perf_counter: uvloop's loop.time() counts whole milliseconds
+            started = time.perf_counter()
             await asyncio.sleep(self.interval_s)
-            lag = max(loop.time() - started - self.interval_s, 0.0)
+            lag = max(time.perf_counter() - started - self.interval_s, 0.0)
             self._samples.append(lag)
             self._latest.append(lag)

@@ -135,8 +135,11 @@ class MatchService:
         return retry_after, why
 
     async def match(self, request: MatchRequest, arrived: float, waited_s: float = 0.0) -> MatchAnswer:
-        """The answer, before ``deadline_ms`` counted from ``arrived - waited_s`` (loop time)."""
-        loop = asyncio.get_running_loop()
+        """The answer, before ``deadline_ms`` counted from ``arrived - waited_s`` (``time.perf_counter``).
+
+        Times are read from ``perf_counter``, not the loop's clock: uvloop's ``loop.time()`` counts whole
+        milliseconds, so ``llm_ms``, ``elapsed_ms`` and the overhead histogram were whole milliseconds,
+        and an overhead read as a latency less ``llm_ms`` was off by up to 1 ms either way."""
         s = self.settings
         deadline_ms = request.deadline_ms or s.default_deadline_ms
         reserve_s = s.answer_reserve_ms / 1000 + min(self.lag.recent_s, s.max_lag_reserve_ms / 1000)
@@ -148,8 +151,9 @@ class MatchService:
         # cancelled read closes its connection, and under overload (half the reads late at 2x) every
         # next read then paid for a new connection and its handshake, which made the overload worse.
         read = asyncio.ensure_future(self.signals.read(request))
+        read_timeout_s = max(min(s.redis_timeout_ms / 1000, answer_by - time.perf_counter()), 0)
         try:
-            async with asyncio.timeout(max(min(s.redis_timeout_ms / 1000, answer_by - loop.time()), 0)):
+            async with asyncio.timeout(read_timeout_s):
                 shopper, products = await asyncio.shield(read)
         except TimeoutError:
             self._late_reads.add(read)  # finishes in the background; its connection goes back to the pool
@@ -162,7 +166,7 @@ class MatchService:
         ranked, llm_ms, model = fallback, None, None
         reason: DegradedReason | None = None
         routable = sum(1 for e in self.llm.endpoints if e.routable)
-        remaining = answer_by - loop.time()
+        remaining = answer_by - time.perf_counter()
         if routable == 0:
             reason = "llm_unavailable"
         elif self.llm.in_flight >= routable * s.llm_concurrency_per_replica:
@@ -170,15 +174,15 @@ class MatchService:
         elif remaining < max(self.model_time.current(time.monotonic()), _MIN_MODEL_S):
             reason = "deadline"  # it could not answer in time even at its fastest: not asked
         else:
-            started = loop.time()
+            started = time.perf_counter()
             ranked, reason, model = await self._ask(request, shopper, products, fallback, remaining)
-            llm_s = loop.time() - started
+            llm_s = time.perf_counter() - started
             llm_ms = llm_s * 1000
             self.metrics.llm.observe(llm_s)
             if model is not None:
                 self.model_time.observe(llm_s, time.monotonic())
 
-        elapsed_ms = (loop.time() - arrived) * 1000
+        elapsed_ms = (time.perf_counter() - arrived) * 1000
         own_s = max(elapsed_ms - (llm_ms or 0.0), 0.0) / 1000
         self.admission.own.observe(own_s, time.monotonic())
         m = self.metrics
