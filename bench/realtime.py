@@ -295,6 +295,9 @@ def summarise(name: str, rate: float, samples: list[Sample]) -> dict[str, Any]:
     overhead = [s.latency_ms - (s.llm_ms or 0.0) for s in ok]
     llm_ms = [s.llm_ms or 0.0 for s in answered_by_llm]
     llm_overhead = [s.latency_ms - (s.llm_ms or 0.0) for s in answered_by_llm]
+    # The same, inside the service's handler (its ``elapsed_ms``): what is left of the overhead is
+    # outside it, in HTTP parsing and writing on both ends, loopback, and the generator's own loop.
+    handler_overhead = [(s.elapsed_ms or 0.0) - (s.llm_ms or 0.0) for s in ok]
     span = max(s.scheduled for s in samples) - min(s.scheduled for s in samples)
     return {
         "phase": name,
@@ -318,6 +321,8 @@ def summarise(name: str, rate: float, samples: list[Sample]) -> dict[str, Any]:
         "llm_p99_ms": round(percentile(llm_ms, 0.99), 2) if llm_ms else None,
         "overhead_p50_ms": round(percentile(overhead, 0.5), 2),
         "overhead_p99_ms": round(percentile(overhead, 0.99), 2),
+        "handler_overhead_p50_ms": round(percentile(handler_overhead, 0.5), 2) if ok else None,
+        "handler_overhead_p99_ms": round(percentile(handler_overhead, 0.99), 2) if ok else None,
         "overhead_p99_llm_answers_ms": round(percentile(llm_overhead, 0.99), 2) if llm_overhead else None,
         "generator_lag_p99_ms": round(percentile([s.sent_lag_ms for s in samples], 0.99), 2),
     }  # fmt: skip

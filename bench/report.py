@@ -642,6 +642,12 @@ def _ms(value: float) -> str:
     return f"{value:.1f}" if value < 100 else f"{value:,.0f}"
 
 
+def _handler_ms(phase: dict[str, Any], quantile: str) -> str:
+    """The overhead spent inside the service's handler, or "-" in results from before it was kept."""
+    value = phase.get(f"handler_overhead_{quantile}_ms")
+    return "-" if value is None else _ms(value)
+
+
 def realtime_pairs(paths: Sequence[Path]) -> str:
     """``python -m bench.realtime`` before and after, phase by phase: refusals, late answers, overhead
     and the service's CPU per request. One file: that run alone (service "this tree")."""
@@ -665,16 +671,17 @@ def realtime_pairs(paths: Sequence[Path]) -> str:
 
 def realtime_runs(paths: Sequence[Path]) -> str:
     """Several ``python -m bench.realtime`` runs in the order they ran, each named by its results file
-    (less the part every name shares): per phase, late answers, refusals, overhead, the CPU per
+    (less the part every name shares): per phase, late answers, refusals, overhead (and how much of
+    it was inside the service's handler, its ``elapsed_ms`` less the model's time), the CPU per
     request of the service and of the replicas, and the model calls cut at their deadline that were
     read to their end within the grace (connection kept), closed at its end, or closed at once (recent
     cut calls had not finished within it)."""
     stems = [p.stem for p in paths]
     common = len(os.path.commonprefix(stems))  # noqa: RUF071 -- of names, character by character
     lines = [
-        "| run | phase | refused (429) | late answers | overhead p50 / p99 ms | CPU ms/req: service / "
-        "replicas | cut calls kept / closed / closed at once |",
-        "|---|---|---|---|---|---|---|",
+        "| run | phase | refused (429) | late answers | overhead p50 / p99 ms | of it in the handler p50 / "
+        "p99 ms | CPU ms/req: service / replicas | cut calls kept / closed / closed at once |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for stem, path in zip(stems, paths, strict=True):
         for phase in json.loads(path.read_text())["phases"]:
@@ -684,6 +691,7 @@ def realtime_runs(paths: Sequence[Path]) -> str:
             lines.append(
                 f"| {stem[common:] or stem} | {label} | {refused} | {phase['late']:,} | "
                 f"{_ms(phase['overhead_p50_ms'])} / {_ms(phase['overhead_p99_ms'])} | "
+                f"{_handler_ms(phase, 'p50')} / {_handler_ms(phase, 'p99')} | "
                 f"{cpu['service']:.2f} / {cpu['replicas']:.2f} | "
                 f"{phase.get('cut_kept', '-')} / {phase.get('cut_closed', '-')} / "
                 f"{phase.get('cut_closed_at_once', '-')} |"
