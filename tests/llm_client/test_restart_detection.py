@@ -18,7 +18,7 @@ from llm_client.routing.prefix_aware import PrefixAwarePolicy
 from prompt_assembly.prompt import head_tokens
 from prompt_assembly.tokens import count_tokens, messages_text
 from serving.simulator.testing import running_simulator
-from tests.helpers import viewed_prompt
+from tests.helpers import until, viewed_prompt
 from tests.llm_client.test_routing_prefix_aware import endpoints, shopper_prompt
 
 SHORT = 5
@@ -45,7 +45,6 @@ def test_a_head_believed_only_because_other_prompts_were_routed_there_is_no_evid
 BLOCKER_SCALE = 1.0
 """Simulated H100 time: the blocker's prefill of a few thousand tokens holds the engine for most of a
 second, while the shoppers' prompts arrive and queue."""
-"""How long the blocker is given to reach the replica first (in this process, on this loop)."""
 BURST = 20
 """Shoppers' first prompts waiting together in one replica's queue: more than one iteration's
 ``max_num_tokens`` (8192) of them, so the first iteration admits many at once."""
@@ -71,8 +70,8 @@ async def test_a_burst_of_new_shoppers_finds_no_replica_restarted() -> None:
             "the head could look like a hit"
         )
         busy = asyncio.create_task(client.chat(blocker, routing_key="blocker", max_tokens=2))
-        while replica.replica.engine.stats.iterations == 0:  # sent and admitted: its prefill holds the engine
-            await asyncio.sleep(0.005)
+        # sent and admitted: its prefill holds the engine
+        await until(lambda: replica.replica.engine.stats.iterations > 0)
         completions = await asyncio.gather(
             *(
                 client.chat(
