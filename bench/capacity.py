@@ -45,8 +45,9 @@ from batch.coordination import read_progress
 from batch.storage import JobStore, S3Uri
 from batch.synthetic import synthetic_product_lines
 from bench.common import REPO, machine, percentile, print_table, results_dir, temporary_stack
-from bench.realtime import Sample, _body, _calibrate, _drain, _write_signals
+from bench.realtime import Sample, _body, _calibrate, _write_signals
 from capacity.pool import PoolBoard, SharedPool
+from devstack.realtime_process import start_realtime_service
 from devstack.stack import sink_settings
 
 RESULTS = results_dir()
@@ -67,24 +68,6 @@ def share_at(hour: float) -> float:
     h = hour % 24
     i = int(h)
     return DAY[i] + (DAY[(i + 1) % 24] - DAY[i]) * (h - i)
-
-
-async def _start(argv: list[str], env: dict[str, str], ready: str | None) -> tuple[Any, str]:
-    process = await asyncio.create_subprocess_exec(
-        *argv, cwd=REPO, env=env, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT
-    )
-    assert process.stdout is not None
-    if ready is None:
-        return process, ""
-    said: list[str] = []  # what it printed, for the error if it never gets ready
-    async with asyncio.timeout(60):
-        while True:
-            line = (await process.stdout.readline()).decode()
-            if not line:
-                raise RuntimeError(f"{argv[3:5]} exited before {ready}:\n{''.join(said[-20:])}")
-            if line.startswith(ready):
-                return process, line.split()[1]
-            said.append(line)
 
 
 async def _day_traffic(
@@ -146,7 +129,6 @@ async def bench(args: argparse.Namespace) -> dict[str, Any]:
         redis = aioredis.Redis.from_url(stack.redis_url)
         board = PoolBoard(redis, prefix, SharedPool(POOL, stack.llm_endpoints))
         env = {
-            **os.environ,
             "SINK_REDIS_KEY_PREFIX": prefix,
             "REALTIME_LLM_CONCURRENCY_PER_REPLICA": str(args.per_replica),
             "BATCH_PER_REPLICA_BUDGET": str(args.batch_per_replica),
@@ -162,20 +144,22 @@ async def bench(args: argparse.Namespace) -> dict[str, Any]:
             "CAPACITY_LOAD_WINDOW_S": "3",
             "CAPACITY_HANDOFF_S": "1",
         }
-        python = [sys.executable, "-m", "shopper"]
         state = ["--state-dir", str(stack_dir)]
         if args.static is None:
-            serve = [*python, "realtime", "serve", "--port", "0", "--shift-capacity", POOL, *state]
+            serve = ["--shift-capacity", POOL, *state]
         else:
             await board.publish(args.static)  # a fixed split that nothing changes
-            serve = [*python, "realtime", "serve", "--port", "0", "--replicas", str(args.static), *state]
-        service, url = await _start(serve, env, "READY ")
-        drains = [asyncio.create_task(_drain(service.stdout))]
+            serve = ["--replicas", str(args.static), *state]
+        service = await start_realtime_service(serve, env, REPO)
+        url = service.url
         job_id = f"bench-capacity-{int(time.time())}"
-        submit = [*python, "batch", "submit", "--input", input_uri, "--output", f"s3://{sinks.s3_bucket}/bench-capacity/out",
+        submit = [sys.executable, "-m", "shopper", "batch", "submit", "--input", input_uri,
+                  "--output", f"s3://{sinks.s3_bucket}/bench-capacity/out",
                   "--job-id", job_id, "--follow-pool", POOL, *state]  # fmt: skip
-        worker, _ = await _start(submit, env, None)
-        drains.append(asyncio.create_task(_drain(worker.stdout)))
+        worker = await asyncio.create_subprocess_exec(  # its progress is read from Redis, not its output
+            *submit, cwd=REPO, env={**os.environ, **env},
+            stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.DEVNULL,
+        )  # fmt: skip
         try:
             slowdown = await _calibrate(url, stack, args.llm_ms, products, args.shoppers)
             print(f"replica slowdown {slowdown:.3f} for ~{args.llm_ms:.0f} ms ranking calls", flush=True)
@@ -202,14 +186,12 @@ async def bench(args: argparse.Namespace) -> dict[str, Any]:
             )
             sampler.cancel()
         finally:
-            for process in (worker, service):
-                if process.returncode is None:
-                    process.terminate()
-            for process in (worker, service):
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(process.wait(), 20)
-            for task in drains:
-                task.cancel()
+            if worker.returncode is None:
+                worker.terminate()
+            await service.stop(timeout_s=20)
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(20):
+                    await worker.wait()
             keys = [k async for k in redis.scan_iter(match=f"{prefix}*", count=1000)]
             if keys:
                 await redis.delete(*keys)

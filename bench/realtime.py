@@ -69,6 +69,7 @@ from bench.common import (
     results_dir,
     temporary_stack,
 )
+from devstack.realtime_process import RealtimeProcess, start_realtime_service
 from devstack.stack import StackState, sink_settings
 from devstack.synthetic import build_catalog
 from prompt_assembly.records import ShopperInsight, Usage
@@ -335,31 +336,16 @@ async def _start_service(
     per_replica: int,
     root: Path = REPO,
     extra_env: dict[str, str] | None = None,
-) -> tuple[Any, str]:
+) -> RealtimeProcess:
     """``shopper realtime serve`` from the checkout at ``root`` (another commit's, to compare), with
     ``extra_env`` (``REALTIME_*`` settings) on top of the bench's own."""
     env = {
-        **os.environ,
-        "PYTHONPATH": str(root),
         "SINK_REDIS_KEY_PREFIX": prefix,
         "REALTIME_LLM_CONCURRENCY_PER_REPLICA": str(per_replica),
         **(extra_env or {}),
     }
-    argv = [
-        sys.executable, "-m", "shopper", "realtime", "serve", "--port", "0", "--replicas", str(replicas),
-        "--state-dir", str(stack_dir),
-    ]  # fmt: skip
-    process = await asyncio.create_subprocess_exec(
-        *argv, cwd=root, env=env, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT
-    )
-    assert process.stdout is not None
-    async with asyncio.timeout(60):
-        while True:
-            line = (await process.stdout.readline()).decode()
-            if not line:
-                raise RuntimeError("the service exited before READY")
-            if line.startswith("READY "):
-                return process, line.split()[1]
+    args = ["--replicas", str(replicas), "--state-dir", str(stack_dir)]
+    return await start_realtime_service(args, env, root)
 
 
 def _set_slowdown(stack: StackState, slowdown: float) -> None:
@@ -425,10 +411,8 @@ async def bench(args: argparse.Namespace) -> dict[str, Any]:
     with _replica_stack(args) as stack:
         stack_dir = Path(stack.processes[0].log).parent.parent
         products = await _write_signals(stack, prefix, args.shoppers)
-        service, url = await _start_service(
-            stack_dir, prefix, args.replicas, args.per_replica, args.service_root
-        )
-        drain = asyncio.create_task(_drain(service.stdout))
+        service = await _start_service(stack_dir, prefix, args.replicas, args.per_replica, args.service_root)
+        url = service.url
         try:
             slowdown = await _calibrate(url, stack, args.llm_ms, products, args.shoppers)
             print(f"replica slowdown {slowdown:.3f} for ~{args.llm_ms:.0f} ms ranking calls", flush=True)
@@ -463,10 +447,7 @@ async def bench(args: argparse.Namespace) -> dict[str, Any]:
                 results.append(summary)
                 await asyncio.sleep(2)
         finally:
-            service.terminate()
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(service.wait(), 10)
-            drain.cancel()
+            await service.stop()
             with contextlib.suppress(Exception):
                 import redis as sync_redis
 
@@ -637,16 +618,14 @@ async def equal_work(args: argparse.Namespace) -> dict[str, Any]:
     with _replica_stack(args) as stack:
         stack_dir = Path(stack.processes[0].log).parent.parent
         products = await _write_signals(stack, prefix, args.shoppers)
-        services: dict[str, tuple[Any, str]] = {}
-        drains = []
+        services: dict[str, RealtimeProcess] = {}
         try:
             for arm in arms:
                 services[arm.label] = await _start_service(
                     stack_dir, prefix, args.replicas, args.per_replica, arm.root, arm.env
                 )
-                drains.append(asyncio.create_task(_drain(services[arm.label][0].stdout)))
             slowdown = await _calibrate(
-                services[arms[0].label][1], stack, args.llm_ms, products, args.shoppers
+                services[arms[0].label].url, stack, args.llm_ms, products, args.shoppers
             )
             print(f"replica slowdown {slowdown:.3f} for ~{args.llm_ms:.0f} ms ranking calls", flush=True)
             deadline_ms = 3000  # every request waits for the model: equal work
@@ -657,12 +636,12 @@ async def equal_work(args: argparse.Namespace) -> dict[str, Any]:
                 )
 
             for arm in arms:  # warm-up: connections, caches, the model-time window
-                await work(services[arm.label][1], 0)()
+                await work(services[arm.label].url, 0)()
             for r in range(args.rounds):
                 order = arms if r % 2 == 0 else arms[::-1]
                 row: dict[str, Any] = {"round": r + 1}
                 for arm in order:
-                    _, url = services[arm.label]
+                    url = services[arm.label].url
                     before = await _service_counters(url)
                     samples = await work(url, r + 1)()
                     row[arm.label] = _round_summary(
@@ -677,17 +656,13 @@ async def equal_work(args: argparse.Namespace) -> dict[str, Any]:
             if args.profile_dir is not None:  # after the timed rounds: profiling never disturbs them
                 args.profile_dir.mkdir(parents=True, exist_ok=True)
                 for arm in arms:
-                    process, url = services[arm.label]
+                    service = services[arm.label]
                     out = args.profile_dir / f"realtime-{arm.label}.collapsed.txt"
-                    _, profiles[arm.label] = await _profiled_round(process.pid, out, work(url, 99))
+                    _, profiles[arm.label] = await _profiled_round(service.pid, out, work(service.url, 99))
                     print(f"profiled {arm.label} -> {out}: {profiles[arm.label]}", flush=True)
         finally:
-            for process, _ in services.values():
-                process.terminate()
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(process.wait(), 10)
-            for drain in drains:
-                drain.cancel()
+            for service in services.values():
+                await service.stop()
     first = arms[0].label
     summary = {}
     for arm in arms:
@@ -746,11 +721,6 @@ def report_equal_work(result: dict[str, Any]) -> None:
         )
     for label, shares in result["profiles"].items():
         print(f"  profile {label}: " + ", ".join(f"{k} {v:.0%}" for k, v in shares.items()))
-
-
-async def _drain(stream: asyncio.StreamReader | None) -> None:
-    while stream is not None and await stream.readline():
-        pass
 
 
 def report(result: dict[str, Any]) -> None:

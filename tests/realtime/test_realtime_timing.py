@@ -5,40 +5,16 @@ finer than a millisecond. uvloop's ``loop.time()`` counts whole milliseconds; re
 
 from __future__ import annotations
 
-import asyncio
 import json
-import os
-import sys
-from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
 
 import aiohttp
 
+from devstack.realtime_process import realtime_service
 from devstack.stack import StackState
 from serving.simulator.testing import running_simulator
 from tests.conftest import Isolated
 
 REQUESTS = 6
-
-
-@asynccontextmanager
-async def served(env: dict[str, str]) -> AsyncIterator[str]:
-    """``shopper realtime serve`` with its defaults (uvloop included), until the block ends."""
-    command = [sys.executable, "-m", "shopper", "realtime", "serve", "--no-from-stack", "--port", "0"]
-    process = await asyncio.create_subprocess_exec(
-        *command, env={**os.environ, **env}, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT
-    )
-    assert process.stdout is not None
-    try:
-        async with asyncio.timeout(60):
-            line = ""
-            while not line.startswith("READY "):
-                line = (await process.stdout.readline()).decode()
-                assert line, "the service exited before READY"
-        yield line.split()[1]
-    finally:
-        process.terminate()
-        await process.wait()
 
 
 async def test_answers_carry_times_finer_than_a_millisecond(stack: StackState, isolated: Isolated) -> None:
@@ -48,11 +24,12 @@ async def test_answers_carry_times_finer_than_a_millisecond(stack: StackState, i
             "SINK_REDIS_KEY_PREFIX": isolated.prefix,
             "LLM_ENDPOINTS": json.dumps([replica.url]),
         }
-        async with served(env) as url, aiohttp.ClientSession() as http:
+        # With its defaults (uvloop included); ``--no-from-stack``: the addresses above, not a stack's.
+        async with realtime_service(["--no-from-stack"], env) as service, aiohttp.ClientSession() as http:
             answers = []
             for i in range(REQUESTS):
                 body = {"shopper_id": f"s{i}", "candidates": ["p1", "p2"], "deadline_ms": 5000}
-                async with http.post(f"{url}/v1/match", json=body) as response:
+                async with http.post(f"{service.url}/v1/match", json=body) as response:
                     assert response.status == 200, await response.text()
                     answers.append(await response.json())
     assert all(a["llm_ms"] is not None for a in answers), "every answer is the model's"

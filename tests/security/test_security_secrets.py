@@ -11,15 +11,16 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 from typing import cast
 
+import aiohttp
 import orjson
 import pytest
 import redis as sync_redis
 from pydantic import SecretStr
 
+from devstack.realtime_process import start_realtime_service
 from devstack.synthetic import SyntheticStream
 from llm_client.config import ClientConfig
 from pipeline.kafka_security import KafkaSecurity
@@ -219,14 +220,13 @@ def test_flink_job_prints_its_settings_without_secrets(tmp_path: Path) -> None:
     assert MASK in text and PLANT not in text
 
 
-def test_realtime_service_output_holds_no_secret(tmp_path: Path) -> None:
+async def test_realtime_service_output_holds_no_secret(tmp_path: Path) -> None:
     """``shopper realtime serve`` against a TLS Redis whose password is the planted secret (so the
     service really uses it), with the secret also as its API key and the LLM API key; a request is
     made with the key, the service is stopped, and all it printed is searched."""
     certs = make_certificates(tmp_path)
     with tls_redis(tmp_path, certs, PLANT, user="svc", user_password=PLANT) as port:
         env = {
-            **os.environ,
             "REALTIME_API_KEYS": json.dumps([PLANT]),
             "SINK_REDIS_URL": f"rediss://svc:{PLANT}@127.0.0.1:{port}/0",
             "SINK_REDIS_CA_FILE": str(certs.ca),
@@ -234,32 +234,18 @@ def test_realtime_service_output_holds_no_secret(tmp_path: Path) -> None:
             "LLM_ENDPOINTS": json.dumps(["http://127.0.0.1:9"]),  # no replica: answers are the fallback
             "LLM_SECURITY__API_KEY": PLANT,
         }
-        command = [sys.executable, "-m", "shopper", "realtime", "serve", "--no-from-stack", "--port", "0"]
-        process = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-        lines: list[str] = []
+        service = await start_realtime_service(["--no-from-stack"], env)
         try:
-            assert process.stdout is not None
-            deadline = time.monotonic() + 60
-            while not lines or not lines[-1].startswith("READY"):
-                line = process.stdout.readline().decode(errors="replace")
-                assert line or process.poll() is None, "".join(lines)
-                lines.append(line)
-                assert time.monotonic() < deadline, "".join(lines)
-            url = lines[-1].split()[1]
-            import urllib.request
-
             # A deadline with room: the service's admission refuses (429) what it cannot answer in
             # the default 300 ms, as a cold service on a loaded machine did once; not this test's point.
-            body = json.dumps({"shopper_id": "s1", "candidates": ["p1"], "deadline_ms": 5000}).encode()
-            request = urllib.request.Request(
-                f"{url}/v1/match", data=body, headers={"Content-Type": "application/json", "X-API-Key": PLANT}
-            )
-            with urllib.request.urlopen(request, timeout=10) as answer:
-                assert json.loads(answer.read())["signals"]["shopper"] is False  # Redis read, over TLS
-            with urllib.request.urlopen(f"{url}/health", timeout=10) as answer:
-                assert json.loads(answer.read())["redis"] == "ok"
+            body = {"shopper_id": "s1", "candidates": ["p1"], "deadline_ms": 5000}
+            timeout = aiohttp.ClientTimeout(total=10)
+            async with aiohttp.ClientSession(timeout=timeout) as http:
+                async with http.post(f"{service.url}/v1/match", json=body, headers={"X-API-Key": PLANT}) as r:
+                    assert r.status == 200, await r.text()
+                    assert (await r.json())["signals"]["shopper"] is False  # Redis read, over TLS
+                async with http.get(f"{service.url}/health") as r:
+                    assert (await r.json())["redis"] == "ok"
         finally:
-            process.send_signal(signal.SIGTERM)
-            rest, _ = process.communicate(timeout=30)
-        output = "".join(lines) + rest.decode(errors="replace")
+            output = await service.stop(timeout_s=30)
         assert MASK in output and PLANT not in output, output[-2000:]
