@@ -255,7 +255,6 @@ def summarise(
             }
         )
     held = [p["realtime"] for p in timeline if p["realtime"] is not None]
-    first, last = timeline[0], timeline[-1]
     return {
         "machine": machine(),
         "load_average_before": [round(x, 2) for x in load_before],
@@ -274,7 +273,8 @@ def summarise(
         "rt_p99_ms": round(percentile([s.latency_ms for s in samples], 0.99), 1),
         "rt_replicas_min": min(held),
         "rt_replicas_max": max(held),
-        "batch_records": (last["batch_done"] or 0) - (first["batch_done"] or 0),
+        # Between the first and the last sample that read the job's progress (a sample can find none).
+        "batch_records": done[-1][1] - done[0][1] if done else 0,
         "parts": parts,
         "buckets": buckets,
         "timeline": timeline,
