@@ -79,33 +79,14 @@ class PdHandover:
         if plan is None:  # no P/D, or the policy prefills this one where it is decoded
             return await self.exchange.completion(decode, path, body, route, validate, headers)
         started = time.perf_counter()
-        policy, context, step = plan
-        prefill_body = {
-            **body,
-            "stream": False,
-            "max_tokens": 1,
-            "disaggregated_params": {"request_type": "context_only"},
-        }
-        prefill_body.pop("stream_options", None)
-        try:
-            prefilled: Completion | None = await self.exchange.completion(
-                context, path, prefill_body, step, read_on_cut=False
-            )
-        except LLMError:
-            prefilled = None
-        except BaseException:
-            self._decode_never_sent(decode, route)
-            raise
-        params = None if prefilled is None else prefilled.disaggregated_params
-        if params is not None:
-            generate_body = {**body, "disaggregated_params": {**params, "request_type": "generation_only"}}
+        generate_body = await self._prefilled(decode, route, plan, path, body)
+        if generate_body is not None:
             try:
                 answer = await self.exchange.completion(decode, path, generate_body, route, validate, headers)
             except KvCacheGone:
-                pass
+                plan[0].redone_locally()
             else:
                 return timed_from(started, answer)
-        policy.redone_locally()
         answer = await self.exchange.completion(decode, path, body, route, validate, headers)
         return timed_from(started, answer)
 
@@ -139,15 +120,34 @@ class PdHandover:
         plan = self._plan(decode, route)
         if plan is None:
             return None
-        policy, context, step = plan
         try:
             parsed = orjson.loads(body)
         except orjson.JSONDecodeError:
             return None  # the replica answers a body it cannot read with its own 400
         if not isinstance(parsed, dict):
             return None
-        prefill_body = {**parsed, "stream": False, "max_tokens": 1}
-        prefill_body["disaggregated_params"] = {"request_type": "context_only"}
+        generation = await self._prefilled(decode, route, plan, path, parsed)
+        return None if generation is None else orjson.dumps(generation)
+
+    async def _prefilled(
+        self,
+        decode: Endpoint,
+        route: RouteRequest,
+        plan: tuple[PdAwarePolicy, Endpoint, RouteRequest],
+        path: str,
+        body: dict[str, Any],
+    ) -> dict[str, Any] | None:
+        """The context step: ``body`` prefilled (``context_only``, one token, not streamed) on the
+        plan's context server; returns the ``generation_only`` body for ``decode`` with that server's
+        ``disaggregated_params``, or None (counted as redone locally) when the step failed. Ended
+        otherwise (cancelled), it gives back what choosing ``decode`` booked."""
+        policy, context, step = plan
+        prefill_body = {
+            **body,
+            "stream": False,
+            "max_tokens": 1,
+            "disaggregated_params": {"request_type": "context_only"},
+        }
         prefill_body.pop("stream_options", None)
         try:
             prefilled: Completion | None = await self.exchange.completion(
@@ -162,8 +162,7 @@ class PdHandover:
         if params is None:
             policy.redone_locally()
             return None
-        generation = {**parsed, "disaggregated_params": {**params, "request_type": "generation_only"}}
-        return orjson.dumps(generation)
+        return {**body, "disaggregated_params": {**params, "request_type": "generation_only"}}
 
     async def _generation_step(
         self,
