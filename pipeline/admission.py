@@ -7,8 +7,10 @@ standing queue (``lifo_after_s``): while its oldest waiter has waited longer tha
 served newest first (adaptive LIFO, as Facebook's "Fail at Scale" pairs it with CoDel). A queue that
 stands means the fleet answers fewer than arrive; served oldest first, every prompt would then wait
 the whole queue and land late, whereas newest first lands most of them fresh and leaves the oldest to
-their wait budget (the caller drops them as stale: ``Enricher``). A hot shopper cannot starve new ones:
-with latest wins each shopper has at most one prompt waiting. Waiting is cancellable at any point
+their wait budget (the caller drops them as stale: ``Enricher``). With latest wins each shopper has at
+most one prompt waiting, so a hot shopper holds no more of the queue than a new one; but while a class
+is served newest first, a shopper's next trigger enters at the front, so a shopper who triggers often is
+answered more often than one who triggers once (docs/overload.md). Waiting is cancellable at any point
 without losing a slot.
 
 The limit is read at every admission, so it follows the fleet: when capacity shifting moves replicas
