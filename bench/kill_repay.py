@@ -1072,89 +1072,45 @@ def main() -> None:
     causes: list[list[object]] = []
     try:
         for policy in policies:
-            backlog: list[Pair] = []
             arms: list[tuple[str, list[Pair]]] = []
-            if "backlog" in scenarios or ("paced" in scenarios and not args.rate):
-                for repeat in range(args.repeats):
-                    backlog.append(
-                        pair(
-                            state,
-                            state_dir,
-                            logs,
-                            scenario="backlog",
-                            policy=policy,
-                            repeat=repeat,
-                            events=args.events,
-                            shoppers=args.shoppers,
-                            kill_at=args.kill_at,
-                            rate=None,
-                            tree=args.tree,
-                        )
-                    )
-                arms.append((f"backlog {args.events}, {backlog[0].clean.policy}", backlog))
-            if "paced" in scenarios:
-                rate = args.rate or capacity(backlog, args.events)
-                paced = [
+
+            def repeated(
+                scenario: str, rate: float | None, gateway: bool = False, policy: str | None = policy
+            ) -> list[Pair]:
+                """``--repeats`` clean and killed pairs of one runner scenario."""
+                return [
                     pair(
                         state,
                         state_dir,
                         logs,
-                        scenario="paced",
+                        scenario=scenario,
                         policy=policy,
                         repeat=repeat,
                         events=args.events,
                         shoppers=args.shoppers,
                         kill_at=args.kill_at,
                         rate=rate,
+                        gateway=gateway,
                         tree=args.tree,
                     )
                     for repeat in range(args.repeats)
                 ]
+
+            backlog: list[Pair] = []
+            if "backlog" in scenarios or ("paced" in scenarios and not args.rate):
+                backlog = repeated("backlog", None)
+                arms.append((f"backlog {args.events}, {backlog[0].clean.policy}", backlog))
+            if "paced" in scenarios:
+                rate = args.rate or capacity(backlog, args.events)
+                paced = repeated("paced", rate)
                 arms.append((f"paced 1x ({rate:.0f} events/s), {paced[0].clean.policy}", paced))
             if "gateway" in scenarios:
-                routed = [
-                    pair(
-                        state,
-                        state_dir,
-                        logs,
-                        scenario="gateway",
-                        policy=policy,
-                        repeat=repeat,
-                        events=args.events,
-                        shoppers=args.shoppers,
-                        kill_at=args.kill_at,
-                        rate=None,
-                        gateway=True,
-                        tree=args.tree,
-                    )
-                    for repeat in range(args.repeats)
-                ]
-                arms.append(
-                    (
-                        f"backlog {args.events} via the gateway, {routed[0].clean.policy}",
-                        routed,
-                    )
-                )
+                routed = repeated("gateway", None, gateway=True)
+                arms.append((f"backlog {args.events} via the gateway, {routed[0].clean.policy}", routed))
             if "gateway_paced" in scenarios:
                 if not args.rate:
                     raise SystemExit("gateway_paced needs --rate (the paced arm's 1x, measured)")
-                routed = [
-                    pair(
-                        state,
-                        state_dir,
-                        logs,
-                        scenario="gateway_paced",
-                        policy=policy,
-                        repeat=repeat,
-                        events=args.events,
-                        shoppers=args.shoppers,
-                        kill_at=args.kill_at,
-                        rate=args.rate,
-                        gateway=True,
-                        tree=args.tree,
-                    )
-                    for repeat in range(args.repeats)
-                ]
+                routed = repeated("gateway_paced", args.rate, gateway=True)
                 arms.append(
                     (f"paced 1x ({args.rate:.0f} events/s) via the gateway, {routed[0].clean.policy}", routed)
                 )
