@@ -47,7 +47,7 @@ from batch.synthetic import synthetic_product_lines
 from bench.common import REPO, machine, percentile, print_table, results_dir, temporary_stack
 from bench.realtime import Sample, _body, _calibrate, _write_signals
 from capacity.pool import PoolBoard, SharedPool
-from devstack.realtime_process import start_realtime_service
+from devstack.served_process import start_realtime_service
 from devstack.stack import sink_settings
 
 RESULTS = results_dir()

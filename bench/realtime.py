@@ -69,7 +69,7 @@ from bench.common import (
     results_dir,
     temporary_stack,
 )
-from devstack.realtime_process import RealtimeProcess, start_realtime_service
+from devstack.served_process import ServedProcess, start_realtime_service
 from devstack.stack import StackState, sink_settings
 from devstack.synthetic import build_catalog
 from prompt_assembly.records import ShopperInsight, Usage
@@ -336,7 +336,7 @@ async def _start_service(
     per_replica: int,
     root: Path = REPO,
     extra_env: dict[str, str] | None = None,
-) -> RealtimeProcess:
+) -> ServedProcess:
     """``shopper realtime serve`` from the checkout at ``root`` (another commit's, to compare), with
     ``extra_env`` (``REALTIME_*`` settings) on top of the bench's own."""
     env = {
@@ -618,7 +618,7 @@ async def equal_work(args: argparse.Namespace) -> dict[str, Any]:
     with _replica_stack(args) as stack:
         stack_dir = Path(stack.processes[0].log).parent.parent
         products = await _write_signals(stack, prefix, args.shoppers)
-        services: dict[str, RealtimeProcess] = {}
+        services: dict[str, ServedProcess] = {}
         try:
             for arm in arms:
                 services[arm.label] = await _start_service(

@@ -9,7 +9,7 @@ import json
 
 import aiohttp
 
-from devstack.realtime_process import realtime_service
+from devstack.served_process import realtime_service
 from devstack.stack import StackState
 from serving.simulator.testing import running_simulator
 from tests.conftest import Isolated

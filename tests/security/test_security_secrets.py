@@ -20,7 +20,7 @@ import pytest
 import redis as sync_redis
 from pydantic import SecretStr
 
-from devstack.realtime_process import start_realtime_service
+from devstack.served_process import start_realtime_service
 from devstack.synthetic import SyntheticStream
 from llm_client.config import ClientConfig
 from pipeline.kafka_security import KafkaSecurity
