@@ -33,6 +33,7 @@ import aiohttp
 import orjson
 
 from bench.common import machine, percentile, print_table, process_cpu_seconds, results_dir
+from devstack.served_process import ServedProcess, start_served
 from llm_client import ClientConfig, LLMClient
 from prompt_assembly.prompt import build_messages
 from serving.simulator.launch import REPO_ROOT, SimulatorFleet
@@ -62,22 +63,12 @@ def shopper_messages(i: int, shoppers: int, events: int, tag: str) -> tuple[str,
     return shopper, build_messages(shopper, lines)
 
 
-async def start_gateway(urls: list[str], policy: str) -> tuple[asyncio.subprocess.Process, str]:
+async def start_gateway(urls: list[str], policy: str) -> ServedProcess:
+    """``shopper router serve`` over ``urls`` with ``policy``, as callers run it: a process of its own."""
     argv = [sys.executable, "-m", "shopper", "router", "serve", "--port", "0", "--policy", policy]
     for url in urls:
         argv += ["--endpoint", url]
-    env = {**os.environ, "LLM_MAX_IN_FLIGHT": "4096"}
-    process = await asyncio.create_subprocess_exec(
-        *argv, cwd=REPO_ROOT, env=env, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT
-    )
-    assert process.stdout is not None
-    async with asyncio.timeout(60):
-        while True:
-            line = (await process.stdout.readline()).decode()
-            if not line:
-                raise RuntimeError(f"gateway exited with {await process.wait()} before READY")
-            if line.startswith("READY "):
-                return process, line.split()[1]
+    return await start_served(argv, {"LLM_MAX_IN_FLIGHT": "4096"}, REPO_ROOT)
 
 
 async def open_loop(call: Call, rate: float, seconds: float, into: Samples) -> None:
@@ -181,11 +172,11 @@ async def fixed_rate(args: argparse.Namespace) -> list[list[object]]:
 async def _fixed_rate_policy(
     args: argparse.Namespace, urls: list[str], session: aiohttp.ClientSession, policy: str
 ) -> list[list[object]]:
-    gateway, url = await start_gateway(urls, policy)
+    gateway = await start_gateway(urls, policy)
     try:
         config = ClientConfig(endpoints=urls, policy=policy, max_in_flight=4096)
         async with LLMClient(config) as client:
-            paths = Paths(client, session, url, args)
+            paths = Paths(client, session, gateway.url, args)
             calls = (paths.in_process, paths.via_gateway)
             results = (Samples(), Samples())
 
@@ -209,8 +200,7 @@ async def _fixed_rate_policy(
             await _paced(record, args.rate, args.seconds)
             gateway_cpu_s = process_cpu_seconds(gateway.pid) - cpu_before
     finally:
-        gateway.terminate()
-        await gateway.wait()
+        await gateway.stop()
     base = results[0]
     rows: list[list[object]] = []
     for name, s in zip(("in-process", "gateway"), results, strict=True):
@@ -257,7 +247,8 @@ async def ceiling(args: argparse.Namespace) -> list[list[object]]:
                     await closed_loop(paths.in_process, args.concurrency, 1.0)  # warm
                     done, elapsed, s = await closed_loop(paths.in_process, args.concurrency, args.seconds / 4)
                     rows.append(_ceiling_row(policy, "in-process", done, elapsed, s, float("nan")))
-                    gateway, paths.gateway_url = await start_gateway(fleet.urls, policy)
+                    gateway = await start_gateway(fleet.urls, policy)
+                    paths.gateway_url = gateway.url
                     try:
                         await closed_loop(paths.via_gateway, args.concurrency, 1.0)  # warm
                         cpu_before = process_cpu_seconds(gateway.pid)
@@ -267,8 +258,7 @@ async def ceiling(args: argparse.Namespace) -> list[list[object]]:
                         cpu_us = (process_cpu_seconds(gateway.pid) - cpu_before) * 1e6 / max(1, done)
                         rows.append(_ceiling_row(policy, "gateway", done, elapsed, s, cpu_us))
                     finally:
-                        gateway.terminate()
-                        await gateway.wait()
+                        await gateway.stop()
     return rows
 
 

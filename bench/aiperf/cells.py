@@ -21,6 +21,7 @@ from typing import Any
 
 from bench.aiperf.install import TOKENIZER_NAME, AiperfInstall
 from bench.common import REPO
+from devstack.served_process import start_served
 from serving.simulator.launch import SimulatorFleet
 
 MODEL = "qwen2.5-32b-sim"
@@ -28,7 +29,6 @@ MODEL = "qwen2.5-32b-sim"
 SESSION_HEADER = "x-session-id"
 """The header the gateway reads its shopper (routing) key from (``GATEWAY_SHOPPER_KEY_HEADER``'s
 default); aiperf puts one id per conversation in it."""
-READY_TIMEOUT_S = 60.0
 
 
 @dataclass(frozen=True)
@@ -97,32 +97,11 @@ async def gateway(urls: list[str], policy: str) -> AsyncIterator[str]:
     argv = [sys.executable, "-m", "shopper", "router", "serve", "--port", "0", "--policy", policy]
     for url in urls:
         argv += ["--endpoint", url]
-    process = await asyncio.create_subprocess_exec(
-        *argv, cwd=REPO, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT
-    )
-    assert process.stdout is not None
-    drain: asyncio.Task[None] | None = None
+    served = await start_served(argv, root=REPO)
     try:
-        async with asyncio.timeout(READY_TIMEOUT_S):
-            while True:
-                line = (await process.stdout.readline()).decode()
-                if not line:
-                    raise RuntimeError(f"gateway exited with {await process.wait()} before READY")
-                if line.startswith("READY "):
-                    break
-        drain = asyncio.create_task(_drain(process.stdout))  # a full pipe would stall the gateway
-        yield line.split()[1]
+        yield served.url
     finally:
-        if drain is not None:
-            drain.cancel()
-        if process.returncode is None:
-            process.terminate()
-        await process.wait()
-
-
-async def _drain(stream: asyncio.StreamReader) -> None:
-    while await stream.readline():
-        pass
+        await served.stop()
 
 
 async def run_cell(

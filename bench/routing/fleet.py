@@ -5,7 +5,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
 import random
 import signal
 import statistics
@@ -20,6 +19,7 @@ from bench.routing.consts import BLOCK, REPO
 from bench.trace import (
     TraceRequest,
 )
+from devstack.served_process import ServedProcess, start_served
 from llm_client import LLMClient
 from prompt_assembly.tokens import chained_block_hashes, messages_text, token_ids
 
@@ -31,51 +31,41 @@ class SimFleet:
     def __init__(self, n: int, time_scale: float, coalesce_s: float, extra: Sequence[str] = ()) -> None:
         self.n, self.time_scale, self.coalesce_s = n, time_scale, coalesce_s
         self.extra = list(extra)
-        self.processes: list[asyncio.subprocess.Process] = []
+        self.replicas: list[ServedProcess] = []
         self.urls: list[str] = []
-        self._drains: list[asyncio.Task[None]] = []
 
     async def __aenter__(self) -> SimFleet:
-        env = {**os.environ, "PYTHONPATH": str(REPO)}
-        for i in range(self.n):
-            argv = [
-                sys.executable,
-                "-m",
-                "serving.simulator",
-                "--port",
-                "0",
-                "--replica-id",
-                f"r{i}",
-                "--time-scale",
-                str(self.time_scale),
-                "--stream-coalesce-s",
-                str(self.coalesce_s),
-                "--seed",
-                str(i),
-                *self.extra,
-            ]
-            self.processes.append(
-                await asyncio.create_subprocess_exec(
-                    *argv, cwd=REPO, env=env, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT
-                )
-            )
-        for process in self.processes:
-            self.urls.append(await self._ready(process))
+        started = await asyncio.gather(
+            *(start_served(self._argv(i), root=REPO) for i in range(self.n)), return_exceptions=True
+        )
+        self.replicas = [r for r in started if isinstance(r, ServedProcess)]
+        failed = [r for r in started if isinstance(r, BaseException)]
+        if failed:
+            await self.__aexit__()
+            raise failed[0]
+        self.urls = [replica.url for replica in self.replicas]
         return self
 
-    async def _ready(self, process: asyncio.subprocess.Process) -> str:
-        assert process.stdout is not None
-        async with asyncio.timeout(60):
-            while True:
-                line = (await process.stdout.readline()).decode()
-                if not line:
-                    raise RuntimeError("a simulator exited before READY")
-                if line.startswith("READY "):
-                    self._drains.append(asyncio.create_task(_drain(process.stdout)))
-                    return line.split()[1]
+    def _argv(self, i: int) -> list[str]:
+        return [
+            sys.executable,
+            "-m",
+            "serving.simulator",
+            "--port",
+            "0",
+            "--replica-id",
+            f"r{i}",
+            "--time-scale",
+            str(self.time_scale),
+            "--stream-coalesce-s",
+            str(self.coalesce_s),
+            "--seed",
+            str(i),
+            *self.extra,
+        ]
 
     def kill(self, i: int) -> None:
-        self.processes[i].send_signal(signal.SIGKILL)
+        self.replicas[i].process.send_signal(signal.SIGKILL)
 
     async def reset_cache(self, i: int) -> None:
         """Empty one replica's KV cache, as a restart would (it reports ``cleared`` when events are on)."""
@@ -125,22 +115,7 @@ class SimFleet:
         return 1000.0 * total / count if count else None
 
     async def __aexit__(self, *exc: object) -> None:
-        for process in self.processes:
-            if process.returncode is None:
-                process.terminate()
-        for process in self.processes:
-            try:
-                await asyncio.wait_for(process.wait(), 10)
-            except TimeoutError:
-                process.kill()
-                await process.wait()
-        for task in self._drains:
-            task.cancel()
-
-
-async def _drain(stream: asyncio.StreamReader) -> None:
-    while await stream.readline():
-        pass
+        await asyncio.gather(*(replica.stop() for replica in self.replicas))
 
 
 async def _get_json(session: aiohttp.ClientSession, url: str) -> dict[str, Any] | None:

@@ -10,15 +10,14 @@ end.
 
 from __future__ import annotations
 
-import asyncio
 import json
-import signal
 from collections.abc import AsyncIterator
 
 import aiohttp
 import pytest
 
 from devstack.processes import free_port
+from devstack.served_process import start_served
 from llm_client import ClientConfig, LLMClient
 from llm_client.endpoints import Endpoint
 from llm_client.kv_events import KvCacheEvent, parse_events
@@ -184,7 +183,7 @@ async def test_precise_index_resyncs_after_a_replica_restart_and_counts_gaps() -
         port=port, extra=(*FAST, "--kv-event-buffer-max-size", "3", "--cache-capacity-blocks", "100")
     )
     policy = PrefixAwarePolicy(kv_events="precise", kv_events_poll_s=60)  # the test steps the poller
-    process = await _start(argv)
+    replica = await start_served(argv)
     try:
         url = f"http://127.0.0.1:{port}"
         async with LLMClient(precise_config([url]), policy) as client:
@@ -198,9 +197,8 @@ async def test_precise_index_resyncs_after_a_replica_restart_and_counts_gaps() -
             assert policy.stats.kv_gaps == 1  # the buffer kept the newest 3 events only
             assert policy.stats.kv_restarts == 0 and len(policy.index(home)) > 0
 
-            process.send_signal(signal.SIGTERM)
-            await process.wait()
-            process = await _start(argv)
+            await replica.stop()  # SIGTERM, as an operator restarts it
+            replica = await start_served(argv)
             await client.kv_events.poll_once()  # the new process: event 0, ``created``
             assert policy.stats.kv_restarts == 1
             assert len(policy.index(home)) == 0  # nothing is believed held on the restarted replica
@@ -210,9 +208,7 @@ async def test_precise_index_resyncs_after_a_replica_restart_and_counts_gaps() -
             head_only = policy.cached_tokens(route("g0", 40), home)  # the shared system prompt, no more
             assert head_only < 0.3 * route("g0", 40).prompt_tokens
     finally:
-        if process.returncode is None:
-            process.terminate()
-        await process.wait()
+        await replica.stop()
 
 
 async def test_precise_mode_learns_a_prompt_it_never_routed_from_the_events_tokens(
@@ -321,15 +317,3 @@ def test_blocks_that_cannot_be_rebuilt_are_not_indexed() -> None:
     assert index.confirmed_prefix(router) == 1  # block A is still held under the other salt
     _apply(policy, home, _event(5, {"type": "removed", "block_hashes": [11]}))
     assert len(index) == 0 and policy.stats.kv_blocks_removed == 2
-
-
-async def _start(argv: list[str]) -> asyncio.subprocess.Process:
-    process = await asyncio.create_subprocess_exec(
-        *argv, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.DEVNULL
-    )
-    assert process.stdout is not None
-    async with asyncio.timeout(60):
-        while not (await process.stdout.readline()).startswith(b"READY "):
-            if process.returncode is not None:
-                raise RuntimeError("simulator exited before READY")
-    return process
