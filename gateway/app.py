@@ -10,9 +10,6 @@ the replicas' state (health, load, the policy's cache knowledge); nothing is glo
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
-import signal
 from collections.abc import AsyncIterator
 
 import orjson
@@ -25,6 +22,7 @@ from gateway.metrics import CONTENT_TYPE, GatewayMetrics
 from gateway.proxy import OpenAIProxy
 from llm_client.client import LLMClient
 from llm_client.config import ClientConfig
+from serving.http_service import serve_until_stopped
 
 CLIENT_KEY = web.AppKey("client", LLMClient)
 METRICS_KEY = web.AppKey("metrics", GatewayMetrics)
@@ -81,18 +79,9 @@ async def _metrics(request: web.Request) -> web.Response:
 
 async def serve(settings: GatewaySettings, client_config: ClientConfig) -> None:
     """Listen on ``settings.host:port`` and print ``READY http://HOST:PORT`` (the real port when 0)."""
-    runner = web.AppRunner(create_app(settings, client_config), access_log=None)
-    await runner.setup()
-    try:
-        site = web.TCPSite(runner, settings.host, settings.port, reuse_port=settings.reuse_port or None)
-        await site.start()
-        port = next(a[1] for a in runner.addresses if isinstance(a, tuple))
-        print(f"READY http://{settings.host}:{port}", flush=True)
-        stop = asyncio.Event()
-        loop = asyncio.get_running_loop()
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            with contextlib.suppress(NotImplementedError):
-                loop.add_signal_handler(sig, stop.set)
-        await stop.wait()
-    finally:
-        await runner.cleanup()
+    await serve_until_stopped(
+        create_app(settings, client_config),
+        settings.host,
+        settings.port,
+        reuse_port=settings.reuse_port or None,
+    )

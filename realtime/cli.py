@@ -7,10 +7,8 @@ Addresses come from the embedded stack's state file unless ``--no-from-stack`` i
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import gc
 import json
-import signal
 from collections.abc import Coroutine
 from pathlib import Path
 from typing import Annotated, Any
@@ -89,9 +87,8 @@ def run_event_loop(main: Coroutine[Any, Any, None], kind: str) -> None:
 async def _serve(
     settings: object, llm: object, sinks: object, pool_name: str | None, capacity: object
 ) -> None:
-    from aiohttp import web
-
     from realtime.service import create_app
+    from serving.http_service import serve_until_stopped
 
     app = create_app(settings, llm_config=llm, sinks=sinks)  # type: ignore[arg-type]
     if pool_name:
@@ -99,26 +96,21 @@ async def _serve(
         from realtime.shifting import enable_capacity_shifting
 
         enable_capacity_shifting(app, SharedPool(pool_name, llm.endpoints), capacity)  # type: ignore[attr-defined,arg-type]
-    runner = web.AppRunner(app, access_log=None)
-    await runner.setup()
-    site = web.TCPSite(runner, settings.host, settings.port)  # type: ignore[attr-defined]
-    await site.start()
-    port = next(a[1] for a in runner.addresses if isinstance(a, tuple))
-    # Everything built so far (modules, settings, the app) lives as long as the process: frozen out of
-    # the collector, a full collection no longer walks it (the collector was ~6% of the CPU under load).
-    gc.collect()
-    gc.freeze()
-    print(f"event loop: {type(asyncio.get_running_loop()).__module__}", flush=True)
-    print(f"READY http://{settings.host}:{port}", flush=True)  # type: ignore[attr-defined]
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        with contextlib.suppress(NotImplementedError):
-            loop.add_signal_handler(sig, stop.set)
-    try:
-        await stop.wait()
-    finally:
-        await runner.cleanup()
+
+    def freeze_and_announce() -> None:
+        # Everything built so far (modules, settings, the app) lives as long as the process: frozen out
+        # of the collector, a full collection no longer walks it (the collector was ~6% of the CPU under
+        # load).
+        gc.collect()
+        gc.freeze()
+        print(f"event loop: {type(asyncio.get_running_loop()).__module__}", flush=True)
+
+    await serve_until_stopped(
+        app,
+        settings.host,  # type: ignore[attr-defined]
+        settings.port,  # type: ignore[attr-defined]
+        on_listening=freeze_and_announce,
+    )
 
 
 @realtime_app.command("openapi")

@@ -8,31 +8,15 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
-import signal
-
-from aiohttp import web
 
 from serving.disagg_router.app import create_app
 from serving.disagg_router.config import DisaggConfig
+from serving.http_service import serve_until_stopped
 
 
 async def serve(config: DisaggConfig, host: str, port: int, request_timeout_s: float) -> None:
     app = create_app(config, request_timeout_s=request_timeout_s)
-    runner = web.AppRunner(app, access_log=None, handler_cancellation=True)
-    await runner.setup()
-    site = web.TCPSite(runner, host, port)
-    await site.start()
-    bound = next((a[1] for a in runner.addresses if isinstance(a, tuple)), port)
-    print(f"READY http://{host}:{bound}", flush=True)
-    stop = asyncio.Event()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        with contextlib.suppress(NotImplementedError):
-            asyncio.get_running_loop().add_signal_handler(sig, stop.set)
-    try:
-        await stop.wait()
-    finally:
-        await runner.cleanup()
+    await serve_until_stopped(app, host, port, handler_cancellation=True)
 
 
 def main() -> None:

@@ -12,13 +12,11 @@ import argparse
 import asyncio
 import contextlib
 import json
-import signal
 import sys
 from collections.abc import Sequence
 from dataclasses import asdict
 
-from aiohttp import web
-
+from serving.http_service import serve_until_stopped
 from serving.simulator.app import create_app
 from serving.simulator.config import SimulatorConfig
 from serving.simulator.trtllm_options import simulator_settings
@@ -35,31 +33,9 @@ def parse_args(argv: Sequence[str] | None = None) -> SimulatorConfig:
 
 
 async def serve(config: SimulatorConfig) -> None:
-    app = create_app(config)
     # Like trtllm-serve, abandon a request whose client went away (its deadline passed) instead of
     # spending replica time on an answer nobody reads.
-    runner = web.AppRunner(app, access_log=None, handler_cancellation=True)
-    await runner.setup()
-    site = web.TCPSite(runner, config.host, config.port)
-    await site.start()
-    port = _bound_port(runner, config.port)
-    print(f"READY http://{config.host}:{port}", flush=True)
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        with contextlib.suppress(NotImplementedError):
-            loop.add_signal_handler(sig, stop.set)
-    try:
-        await stop.wait()
-    finally:
-        await runner.cleanup()
-
-
-def _bound_port(runner: web.AppRunner, configured: int) -> int:
-    for address in runner.addresses:
-        if isinstance(address, tuple) and len(address) >= 2:
-            return int(address[1])
-    return configured
+    await serve_until_stopped(create_app(config), config.host, config.port, handler_cancellation=True)
 
 
 def main(argv: Sequence[str] | None = None) -> None:
