@@ -9,8 +9,10 @@ Prompt layout, most stable first, so the server's prefix (KV) cache skips as muc
 A document that does not fit is cut into parts at token boundaries, preferring paragraph, line and
 sentence ends; every part is analysed alone (map) and the partial analyses are merged by the model
 (reduce), in a tree when they do not fit one prompt. Guarantees, checked by property tests: the parts
-concatenate back to the document exactly; every planned prompt fits ``context_tokens`` with its output
-budget; all prompts of one product share the system message and header token for token.
+concatenate back to the document as it is sent (an ordinary document exactly; site text that could
+close its data block or start a chat turn is made safe first); every planned prompt fits
+``context_tokens`` with its output budget; all prompts of one product share the system message and
+header token for token.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from pydantic import BaseModel, Field
 from batch.records import BadRecord, ProductRecord
 from batch.understanding import ProductUnderstanding
 from prompt_assembly.errors import ConfigurationError
+from prompt_assembly.prompt import block_text, inline_text
 from prompt_assembly.tokens import count_tokens, messages_text, tokenize
 
 ChatMessages = list[dict[str, str]]
@@ -71,16 +74,18 @@ class PromptBudget(BaseModel):
 
 
 def _data(text: str) -> str:
-    cleaned = text.replace("<data>", "(data)").replace("</data>", "(/data)")
-    return f"<data>{cleaned}</data>"
+    """Site text in its data block, unable to close it, start a chat turn or reorder what a reviewer
+    sees (``prompt_assembly.prompt.block_text``; the pipeline's prompts use the same rules)."""
+    return f"<data>{block_text(text)}</data>"
 
 
 def product_header(record: ProductRecord) -> str:
-    """The per-product part of every prompt; a pure function of the record."""
-    brand = f" by {_data(record.brand)}" if record.brand else ""
-    category = f", {record.category}" if record.category else ""
+    """The per-product part of every prompt; a pure function of the record. Each field stays on the
+    header's line."""
+    brand = f" by <data>{inline_text(record.brand)}</data>" if record.brand else ""
+    category = f", {inline_text(record.category)}" if record.category else ""
     price = f", ${record.price:.2f}" if record.price is not None else ""
-    title = _data(record.title.replace("\n", " ")) if record.title else "(untitled)"
+    title = f"<data>{inline_text(record.title)}</data>" if record.title else "(untitled)"
     return f"Product: {title}{brand}{category}{price}\n"
 
 
@@ -157,7 +162,9 @@ def plan_document(record: ProductRecord, budget: PromptBudget) -> DocumentPlan:
         )
     if not record.document:
         return DocumentPlan(header, ("",))
-    parts = split_text(record.document, room)
+    # Made safe before the split, so the parts are counted as they are sent (``_data`` leaves safe text
+    # unchanged), and they concatenate back to what is sent.
+    parts = split_text(block_text(record.document), room)
     if len(parts) > budget.max_parts:
         raise BadRecord(
             "oversized",

@@ -92,7 +92,13 @@ def inline_text(text: str) -> str:
     and chat-template tokens written without a bar become ``(start_of_turn)``, ``(/s)``, ``(INST)``.
     Ordinary text (letters, punctuation, ``&``, a lone ``<``) is unchanged, so prompts of normal
     products stay byte for byte what they were."""
-    if text.isprintable() and "<" not in text and "|" not in text and "[" not in text:
+    if (
+        text.isprintable()
+        and "<" not in text
+        and "|" not in text
+        and "[" not in text
+        and "\uff5c" not in text
+    ):
         return text  # the common case, checked in C: no control, separator or format character, no tag
     text = _LINE_BREAKS_AND_CONTROLS.sub(" ", text)
     text = _BIDI_CONTROLS.sub("", text)
@@ -103,6 +109,17 @@ def inline_text(text: str) -> str:
     while _WIDE_DELIMITERS.search(text):
         text = text.replace("<\uff5c", "< \uff5c").replace("\uff5c>", "\uff5c >")
     return text
+
+
+_ANY_LINE_BREAK = re.compile("\r\n|[\n\r\x0b\x0c\x1c-\x1e\x85\u2028\u2029]")
+"""Every character or pair that can end a line, to a model or a tokenizer."""
+
+
+def block_text(text: str) -> str:
+    """Untrusted text of many lines (a product document) made safe for one data block: each line as
+    :func:`inline_text` makes it, the lines joined by ``\\n`` whatever ended them. Ordinary text is
+    unchanged; so is text already made safe (it is idempotent)."""
+    return "\n".join(inline_text(line) for line in _ANY_LINE_BREAK.split(text))
 
 
 def _parenthesised(match: re.Match[str]) -> str:

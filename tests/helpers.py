@@ -29,6 +29,14 @@ from prompt_assembly.prompt import build_messages
 from prompt_assembly.records import PromptRequest
 from prompt_assembly.session import ShopperSession
 
+TEMPLATE_TOKENS = re.compile(
+    r"<\s*/?\s*(start_of_turn|end_of_turn|bos|eos|s|pad|unk|sys|think|tool_call)\s*>"
+    r"|<\||\|>|<\uff5c|\uff5c>|\[\s*/?\s*inst\s*\]|\[\s*(system_prompt|tool_calls|available_tools)\s*\]",
+    re.IGNORECASE,
+)
+"""Chat-template special tokens of the model families we serve or may (Gemma, ChatML/Qwen, Llama 2/3,
+Mistral, DeepSeek): text a server tokenizing with special tokens enabled turns into role markers."""
+
 
 def produce_records(bootstrap: str, topic: str, records: list[tuple[bytes, bytes, bool]]) -> None:
     producer = Producer({"bootstrap.servers": bootstrap, "linger.ms": 5, "log.connection.close": False})
