@@ -119,7 +119,9 @@ def map_messages(header: str, part: str, index: int, total: int) -> ChatMessages
 
 
 def partial_line(index: int, partial: ProductUnderstanding) -> str:
-    return f"- analysis {index + 1}: {partial.model_dump_json()}\n"
+    """A part's analysis on a line of the reduce prompt. The model wrote it after reading site text, so
+    it is made safe as site text is (``inline_text`` keeps ordinary JSON as it is)."""
+    return f"- analysis {index + 1}: {inline_text(partial.model_dump_json())}\n"
 
 
 def reduce_messages(header: str, partials: Sequence[ProductUnderstanding]) -> ChatMessages:

@@ -16,12 +16,15 @@ from hypothesis import strategies as st
 from batch.documents import (
     MAP_TASK,
     PRODUCT_SYSTEM_PROMPT,
+    REDUCE_TASK,
     PromptBudget,
     map_messages,
     plan_document,
     prompt_tokens,
+    reduce_messages,
 )
 from batch.records import ProductRecord
+from batch.understanding import ProductUnderstanding
 from prompt_assembly.events import ProductSnapshot, ShopperEvent
 from prompt_assembly.prompt import SYSTEM_PROMPT, TASK_LINE, build_messages, render_event, user_header
 from tests.helpers import TEMPLATE_TOKENS
@@ -165,6 +168,22 @@ def test_planted_product_text_stays_inside_its_data_block(attack: str) -> None:
 )
 def test_any_product_text_stays_contained(text: str) -> None:
     _assert_product_contained(text)
+
+
+@pytest.mark.parametrize("attack", ATTACKS)
+def test_a_part_analysis_carrying_planted_text_stays_on_its_line(attack: str) -> None:
+    """A map answer is the model's, written after reading site text: what the site planted may come back
+    in it, and it goes into the reduce prompt."""
+    planted = ProductUnderstanding(
+        segments=[attack[:60] or "s"], style=attack[:60], price_tier="mid", summary=attack[:200] or "s"
+    )
+    messages = reduce_messages("Product: <data>t</data>\n", [planted, planted])
+    user = messages[1]["content"]
+    assert user.count("\n- analysis ") == 2 and user.endswith(REDUCE_TASK)
+    assert user.count("<data>") == user.count("</data>") == 1
+    assert not TEMPLATE_TOKENS.search(user), f"a chat-template token: {user!r}"
+    for separator in ("\r", "\x0b", "\x0c", "\x85", "\u2028", "\u2029"):
+        assert separator not in user
 
 
 def test_an_ordinary_document_is_sent_unchanged() -> None:
