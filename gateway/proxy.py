@@ -34,7 +34,7 @@ from gateway.flights import Flight, GatewayAnswer, Head
 from gateway.idempotency import IDEMPOTENCY_HEADER, IdempotencyStore, KeyReused, request_digest
 from gateway.metrics import GatewayMetrics
 from gateway.overload import PRIORITY_CLASS, Admission, Refused
-from gateway.route import InvalidRequest, models_route, route_for
+from gateway.route import InvalidRequest, bounded_key, models_route, route_for
 from gateway.supersede import SessionClaims, Version, parse_version, version_text
 from llm_client.client import LLMClient
 from llm_client.errors import (
@@ -89,9 +89,9 @@ class OpenAIProxy:
                 route = self._route(body, request.headers)
             priority = self._priority(request.headers)
             session = self._session(request.headers)
+            key = bounded_key(request.headers.get(IDEMPOTENCY_HEADER), IDEMPOTENCY_HEADER)
         except InvalidRequest as exc:
             return self._error(request, 400, str(exc), "invalid_request_error", exc.param)
-        key = request.headers.get(IDEMPOTENCY_HEADER)
         scope = "" if session is None else f"{session[0]}\n{version_text(session[1])}"
         digest = b"" if key is None else request_digest("POST", request.path, body, scope)
         if key is not None:
@@ -140,7 +140,7 @@ class OpenAIProxy:
         text = headers.get(header)
         if text is None:
             return None
-        session = headers.get(self.settings.shopper_key_header)
+        session = bounded_key(headers.get(self.settings.shopper_key_header), self.settings.shopper_key_header)
         if not session:
             raise InvalidRequest(f"{header} needs the session in {self.settings.shopper_key_header}", header)
         return session, parse_version(text, header)

@@ -22,10 +22,10 @@ from __future__ import annotations
 
 import uuid
 from collections.abc import Mapping
-from typing import Any
+from typing import Annotated, Any
 
 import orjson
-from pydantic import BaseModel, ConfigDict, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from llm_client.routing import RouteRequest
 from prompt_assembly.errors import ShopperError
@@ -51,6 +51,15 @@ class InvalidRequest(ShopperError, ValueError):
         self.param = param
 
 
+MAX_KEY_CHARS = 256
+"""The longest routing key, session or ``Idempotency-Key`` a caller may send: the gateway keeps them
+(session claims, answers kept for a repeat, affinity), so their size is bounded as their number is."""
+MAX_DECODE_TOKENS = 1 << 20
+"""The largest ``max_tokens`` taken: load accounting adds it to a replica's outstanding decode work."""
+
+DecodeTokens = Annotated[int, Field(ge=1, le=MAX_DECODE_TOKENS)]
+
+
 class RoutingView(BaseModel):
     """The fields of a chat or completion request that routing reads; everything else is ignored
     here and passed on untouched."""
@@ -59,34 +68,50 @@ class RoutingView(BaseModel):
 
     messages: list[dict[str, Any]] | None = None
     prompt: str | list[Any] | None = None
-    user: str | None = None
-    max_tokens: int | None = None
-    max_completion_tokens: int | None = None
+    user: Annotated[str, Field(max_length=MAX_KEY_CHARS)] | None = None
+    max_tokens: DecodeTokens | None = None
+    max_completion_tokens: DecodeTokens | None = None
     stream: bool | None = None
 
     def prompt_text(self) -> str:
+        """The text the replica will cache, as routing hashes it. Only strings and token ids are read:
+        ``str()`` of a caller's nested JSON would recurse as deep as the caller nested it."""
         if self.messages is not None:
-            return messages_text(
-                [{"role": str(m.get("role", "user")), "content": _text(m)} for m in self.messages]
-            )
+            return messages_text([{"role": _role(m), "content": _text(m)} for m in self.messages])
         if isinstance(self.prompt, list):
-            return str(self.prompt[0]) if self.prompt else ""
+            return _first_prompt(self.prompt)
         return self.prompt or ""
+
+
+def _role(message: Mapping[str, Any]) -> str:
+    role = message.get("role", "user")
+    return role if isinstance(role, str) else ""
+
+
+def _first_prompt(prompt: list[Any]) -> str:
+    """A completion's first prompt: a string, or token ids (one list of them, or a batch of lists)."""
+    if not prompt:
+        return ""
+    first = prompt[0]
+    if isinstance(first, str):
+        return first
+    tokens = first if isinstance(first, list) else prompt
+    return " ".join(str(t) for t in tokens if isinstance(t, int))
 
 
 def _text(message: Mapping[str, Any]) -> str:
     content = message.get("content")
-    if content is None:
-        return ""
     if isinstance(content, str):
         return content
     if isinstance(content, list):
         return "".join(
-            str(part.get("text") or "")
+            text
             for part in content
-            if isinstance(part, dict) and part.get("type") == "text"
+            if isinstance(part, dict)
+            and part.get("type") == "text"
+            and isinstance(text := part.get("text"), str)
         )
-    return str(content)
+    return ""
 
 
 def route_for(
@@ -107,10 +132,17 @@ def route_for(
     except ValidationError as exc:
         param, message = first_problem(exc)
         raise InvalidRequest(f"{param}: {message}", param) from None
-    key = headers.get(key_header) or view.user or f"anonymous-{uuid.uuid4().hex}"
+    key = bounded_key(headers.get(key_header), key_header) or view.user or f"anonymous-{uuid.uuid4().hex}"
     text = view.prompt_text()
     max_tokens = view.max_completion_tokens or view.max_tokens or default_max_tokens
     return RouteRequest(key, text, len(text) // CHARS_PER_TOKEN, max_tokens)
+
+
+def bounded_key(value: str | None, header: str) -> str | None:
+    """A caller's key header as it came, or a 400 when it is longer than ``MAX_KEY_CHARS``."""
+    if value is not None and len(value) > MAX_KEY_CHARS:
+        raise InvalidRequest(f"{header} may be at most {MAX_KEY_CHARS} characters, not {len(value)}", header)
+    return value
 
 
 def models_route() -> RouteRequest:

@@ -16,6 +16,7 @@ arrives late, after a newer one was answered, is refused too.
 
 from __future__ import annotations
 
+import re
 from collections import OrderedDict
 from dataclasses import dataclass
 
@@ -25,13 +26,19 @@ from gateway.route import InvalidRequest
 Version = tuple[int, int]
 
 
+_VERSION = re.compile(r"(?:(\d{1,19})\.)?(\d{1,19})", re.ASCII)
+"""``N`` or ``EPOCH.N`` in ASCII digits (``str.isdigit`` takes ``²``, which ``int`` refuses), at most 19
+digits each (an epoch in milliseconds has 13; ``int`` refuses over 4,300)."""
+
+
 def parse_version(text: str, header: str) -> Version:
     """``N`` or ``EPOCH.N``, non-negative integers; anything else is a 400."""
-    parts = text.strip().split(".")
-    if len(parts) > 2 or not all(p.isdigit() for p in parts):
-        raise InvalidRequest(f"{header} must be N or EPOCH.N (non-negative integers), not {text!r}", header)
-    numbers = [int(p) for p in parts]
-    return (0, numbers[0]) if len(numbers) == 1 else (numbers[0], numbers[1])
+    match = _VERSION.fullmatch(text.strip())
+    if match is None:
+        shown = text if len(text) <= 60 else text[:60] + "..."
+        raise InvalidRequest(f"{header} must be N or EPOCH.N (non-negative integers), not {shown!r}", header)
+    epoch, seq = match.groups()
+    return (int(epoch) if epoch else 0, int(seq))
 
 
 def version_text(version: Version) -> str:

@@ -123,7 +123,11 @@ def usage_from_documents(usage: object, timings: object) -> tuple[int, int, int]
         return 0, 0, 0
 
 
-def _invalid(exc: msgspec.MsgspecError, raw: bytes, endpoint: str) -> InvalidAnswer:
+def _invalid(exc: msgspec.MsgspecError | RecursionError, raw: bytes, endpoint: str) -> InvalidAnswer:
+    if isinstance(exc, RecursionError):
+        return InvalidAnswer(
+            "answer is nested too deeply to decode", kind="wrong_shape", endpoint=endpoint, raw=_text(raw)
+        )
     if isinstance(exc, msgspec.ValidationError):
         return InvalidAnswer(
             f"answer has the wrong shape: {exc}", kind="wrong_shape", endpoint=endpoint, raw=_text(raw)
@@ -157,7 +161,7 @@ def parse_body(raw: bytes, endpoint: str, started: float) -> Completion:
     """A non-streamed chat (or text) completion."""
     try:
         body = _BODY.decode(raw)
-    except msgspec.MsgspecError as exc:
+    except (msgspec.MsgspecError, RecursionError) as exc:  # msgspec recurses on nesting ~1000 deep
         raise _invalid(exc, raw, endpoint) from None
     if not body.choices:
         raise InvalidAnswer("answer has no choices", kind="wrong_shape", endpoint=endpoint, raw=_text(raw))
@@ -290,7 +294,7 @@ async def read_stream(
     async for payload in sse_lines(response, limits, endpoint):
         try:
             chunk = _CHUNK.decode(payload)
-        except msgspec.MsgspecError as exc:
+        except (msgspec.MsgspecError, RecursionError) as exc:
             raise _invalid(exc, payload, endpoint) from None
         if chunk.error is not None:
             detail = _text(bytes(chunk.error))[:300]

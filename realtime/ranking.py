@@ -305,7 +305,7 @@ def parse_ranking(text: object, fallback: Sequence[Ranked], reason_max_chars: in
         raise InvalidRanking(f"answer holds no JSON object: {text[:120]!r}", "not_json")
     try:
         answer = _RANKING.decode(text[start : end + 1])
-    except msgspec.MsgspecError as exc:
+    except (msgspec.MsgspecError, RecursionError) as exc:  # msgspec recurses on nesting ~1000 deep
         raise InvalidRanking(f"answer is no ranking ({exc}): {text[:120]!r}") from None
     known = {r.product_id: r for r in fallback}
     chosen: list[tuple[str, str]] = []

@@ -10,6 +10,8 @@ so the client's limits, parsing and the answer-health quarantine are tested agai
 - ``not_json``: an HTML error page with status 200;
 - ``empty``: a 200 with no body at all;
 - ``not_understanding``: a well-formed completion whose text is not the JSON the caller asked for;
+- ``too_deep``: a completion with a field nested 1,000 deep, past what a recursive decoder takes
+  (msgspec raised ``RecursionError``, which no ``except`` for its own errors caught);
 - ``mixed``: each bad answer one of the above, drawn at random.
 
 Nothing is computed for a bad answer: the engine never sees the request, as with a replica whose
@@ -23,8 +25,12 @@ from typing import Literal
 import orjson
 from aiohttp import web
 
-BadAnswer = Literal["none", "huge", "wrong_types", "not_json", "empty", "not_understanding", "mixed"]
-BAD_ANSWERS: tuple[BadAnswer, ...] = ("huge", "wrong_types", "not_json", "empty", "not_understanding")
+BadAnswer = Literal[
+    "none", "huge", "wrong_types", "not_json", "empty", "not_understanding", "too_deep", "mixed"
+]
+BAD_ANSWERS: tuple[BadAnswer, ...] = (
+    "huge", "wrong_types", "not_json", "empty", "not_understanding", "too_deep"
+)  # fmt: skip
 
 _HUGE_BYTES = 6 * 1024 * 1024
 _REFUSAL = "I'm sorry, but I can't help with describing this shopper."
@@ -57,6 +63,8 @@ def bad_answer_body(kind: BadAnswer, *, stream: bool) -> tuple[bytes, str]:
     else:
         document = _completion(_REFUSAL, stream=stream)
     payload = orjson.dumps(document)
+    if kind == "too_deep":  # written by hand: orjson writes no deeper than 255
+        payload = payload[:-1] + b',"extra":' + b"[" * 1000 + b"]" * 1000 + b"}"
     if stream:
         return b"data: " + payload + b"\n\ndata: [DONE]\n\n", "text/event-stream"
     return payload, "application/json"

@@ -117,6 +117,52 @@ def metric(text: str, name: str, **labels: str) -> float:
     return 0.0
 
 
+_DEEP = b"[" * 1000 + b"]" * 1000
+"""Nesting orjson accepts (it stops at 1,024) and ``str()`` of which recursed past Python's limit."""
+
+
+@pytest.mark.parametrize(
+    ("body", "headers", "param"),
+    [
+        (b'{"model":"m","prompt":[' + _DEEP + b"]}", {}, None),
+        (b'{"model":"m","messages":[{"role":' + _DEEP + b',"content":"x"}]}', {}, None),
+        (b'{"model":"m","messages":[{"role":"user","content":' + _DEEP + b"}]}", {}, None),
+        (b'{"model":"m","prompt":"x","max_tokens":-1000000000}', {}, "max_tokens"),
+        (b'{"model":"m","prompt":"x","max_completion_tokens":1e18}', {}, "max_completion_tokens"),
+        (b'{"model":"m","prompt":"x"}', {"x-session-id": "s", "x-session-version": "9" * 5000}, None),
+        (b'{"model":"m","prompt":"x"}', {"x-session-id": "s", "x-session-version": "1.\u00b3"}, None),
+        (b'{"model":"m","prompt":"x"}', {"x-session-id": "s" * 257}, "x-session-id"),
+        (b'{"model":"m","prompt":"x"}', {"Idempotency-Key": "k" * 257}, "idempotency-key"),
+        (b'{"model":"m","prompt":"x","user":"' + b"u" * 257 + b'"}', {}, "user"),
+    ],
+    ids=["deep-prompt", "deep-role", "deep-content", "negative-max-tokens", "huge-max-tokens",
+         "version-5000-digits", "version-superscript", "long-session", "long-idempotency-key", "long-user"],
+)  # fmt: skip
+async def test_a_hostile_request_is_a_400_never_a_500(
+    fleet: SimulatorFleet,
+    http: aiohttp.ClientSession,
+    body: bytes,
+    headers: dict[str, str],
+    param: str | None,
+) -> None:
+    """Deep nesting that made routing's ``str()`` recurse (a 500): routing now reads only strings and
+    token ids, and the replica judges the body, as it would without a gateway. Token budgets that skewed
+    load accounting, session versions ``int`` refuses (a 500), and caller keys the gateway would keep
+    without bound: the caller's mistake, answered by the gateway itself, no replica called."""
+    headers = {k: v.encode().decode("unicode_escape") for k, v in headers.items()}
+    async with running_gateway(fleet.urls, "prefix_aware") as gw:
+        async with http.post(gw.url + "/v1/completions", data=body, headers=headers) as r:
+            assert r.status == 400, await r.text()
+            error = (await r.json())["error"]
+        if _DEEP in body:
+            assert r.headers["x-replica-id"] in {"r0", "r1", "r2"}
+        else:
+            assert "x-replica-id" not in r.headers
+            assert error["type"] == "invalid_request_error"
+        if param is not None:
+            assert error["param"].lower() == param
+
+
 async def test_requests_and_answers_pass_through_unchanged(
     fleet: SimulatorFleet, http: aiohttp.ClientSession
 ) -> None:
