@@ -9,6 +9,8 @@ from typing import Any
 
 import orjson
 from aiohttp import web
+from aiohttp.typedefs import Middleware
+from prometheus_client import Counter
 
 from realtime.models import ErrorDetail, ErrorInfo, ErrorResponse, ErrorType
 
@@ -43,23 +45,29 @@ def error_response(
     return json_response(body.model_dump(mode="json"), status, headers)
 
 
-@web.middleware
-async def errors_as_json(request: web.Request, handler: Handler) -> web.StreamResponse:
-    """aiohttp's own 4xx (no route, wrong method, body over ``client_max_size``) as JSON errors; and,
-    as the last line, any exception a handler lets through as a JSON 500 ``internal_error`` (the
-    traceback goes to the log, never to the caller). Failures the service expects (the model's, Redis')
-    never get here: they are degraded answers (``realtime.matching``)."""
-    try:
-        return await handler(request)
-    except web.HTTPException as exc:
-        if exc.status < 400:
-            raise
-        headers = {k: v for k, v in exc.headers.items() if k.lower() in ("allow", "retry-after")}
-        return error_response(
-            exc.status, _STATUS_TYPES.get(exc.status, "internal_error"), exc.reason, headers=headers
-        )
-    except (asyncio.CancelledError, ConnectionResetError):
-        raise  # the caller went away: nobody to answer
-    except Exception:
-        log.exception("unhandled error answering %s %s", request.method, request.path)
-        return error_response(500, "internal_error", "the service failed to answer this request")
+def errors_as_json(rejected: Counter) -> Middleware:
+    """aiohttp's own 4xx (no route, wrong method, body over ``client_max_size`` when it came chunked)
+    as JSON errors, counted in ``rejected`` by type as the service's own 4xx are; and, as the last line,
+    any exception a handler lets through as a JSON 500 ``internal_error`` (the traceback goes to the
+    log, never to the caller). Failures the service expects (the model's, Redis') never get here: they
+    are degraded answers (``realtime.matching``)."""
+
+    @web.middleware
+    async def middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
+        try:
+            return await handler(request)
+        except web.HTTPException as exc:
+            if exc.status < 400:
+                raise
+            error_type = _STATUS_TYPES.get(exc.status, "internal_error")
+            if exc.status < 500:
+                rejected.labels(error_type).inc()
+            headers = {k: v for k, v in exc.headers.items() if k.lower() in ("allow", "retry-after")}
+            return error_response(exc.status, error_type, exc.reason, headers=headers)
+        except (asyncio.CancelledError, ConnectionResetError):
+            raise  # the caller went away: nobody to answer
+        except Exception:
+            log.exception("unhandled error answering %s %s", request.method, request.path)
+            return error_response(500, "internal_error", "the service failed to answer this request")
+
+    return middleware

@@ -51,7 +51,7 @@ def create_app(
     metrics = RealtimeMetrics()
     app = web.Application(
         client_max_size=settings.max_body_bytes,
-        middlewares=[errors_as_json, security_guard(settings, metrics)],
+        middlewares=[errors_as_json(metrics.rejected), security_guard(settings, metrics)],
     )
     client = llm or LLMClient(llm_config or realtime_client_config(["http://127.0.0.1:8000"], "default"))
     store = redis or sinks.redis_client()

@@ -105,6 +105,11 @@ async def test_body_over_the_limit_is_refused_before_and_while_reading(secure_re
         )
         small = await client.post("/v1/match", json=BODY)
         assert small.status == 200
+        await _error(await client.get("/v1/nothing-here"), 404, "not_found")
+        metrics = await (await client.get("/metrics")).text()
+    # Both refusals counted, also the one aiohttp made itself while reading (it was not), and the 404.
+    assert 'realtime_rejected_total{type="payload_too_large"} 2.0' in metrics
+    assert 'realtime_rejected_total{type="not_found"} 1.0' in metrics
 
 
 async def test_rate_limit_per_key_with_retry_after(secure_redis: SinkSettings) -> None:
