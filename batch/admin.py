@@ -32,7 +32,9 @@ async def submit_job(
 ) -> JobManifest:
     """Register a job (state ``queued``); fails fast when the input does not exist, when ``job_id``
     names a job already registered (its manifest would be replaced, its history lost), or when the
-    output already holds parts (two jobs writing one output overwrite each other's)."""
+    output already holds parts or is another registered job's (two jobs writing one output overwrite
+    each other's parts; a job not started yet has none). Two submits at the same instant to one
+    output are not told apart: the registry is a listing of manifests, not a lock."""
     output = S3Uri.parse(output_uri.rstrip("/"))
     etag, size = await store.head(S3Uri.parse(input_uri))
     if job_id is not None:
@@ -43,6 +45,12 @@ async def submit_job(
         raise JobStateError(
             f"{output} holds output parts already (another job's): give this job an output of its own"
         )
+    for other in await store.list_manifests():
+        if other.spec.output_uri.rstrip("/") == str(output):
+            raise JobStateError(
+                f"{output} is the output of job {other.job_id} ({other.state}): resume that job, or give "
+                "this one an output of its own"
+            )
     spec = JobSpec(
         job_id=job_id or new_job_id(),
         input_uri=input_uri,

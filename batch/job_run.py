@@ -293,6 +293,8 @@ class JobRun:
 
     async def execute(self, call: LLMCall) -> None:
         """Make one call and feed its outcome back; never raises for a failed call."""
+        if call.line not in self.works:  # its record was written off through another of its calls
+            return
         loop = asyncio.get_running_loop()
         started = loop.time()
         try:
@@ -342,6 +344,7 @@ class JobRun:
             self._finish(call.line, row, error=False, requests=work.requests)
 
     def _on_failure(self, call: LLMCall, reason: ErrorReason, message: str, *, retry: bool = True) -> None:
+        self.requests_here += 1
         work = self.works.get(call.line)
         if work is None:
             return
@@ -352,6 +355,7 @@ class JobRun:
             return
         if retry and call.attempt + 1 < self.settings.call_attempts:
             call.attempt += 1
+            work.requests += 1  # a failed try is a call made too
             self.ready.append(call)
             self._wake.set()
             return
@@ -420,7 +424,11 @@ class JobRun:
         if self._dirty:
             self._dirty = False
             self.manifest.updated_at = time.time()
-            await self.store.write_manifest(self.manifest)
+            try:
+                await self.store.write_manifest(self.manifest)
+            except BaseException:
+                self._dirty = True  # written at the next checkpoint, not only after the next shard
+                raise
         if not self.stopping and await self.store.cancel_requested(self.job_id):
             log.info("job %s: cancellation requested", self.job_id)
             self.stop("cancelled")

@@ -22,6 +22,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from batch.errors import BatchError
 from batch.understanding import ProductUnderstanding
+from prompt_assembly.prompt import block_text, inline_text
 from prompt_assembly.validation import first_problem
 
 PRODUCT_UNDERSTANDING_URL: Final = "/v1/product-understanding"
@@ -77,6 +78,9 @@ class ProductRecord(BaseModel):
 
 
 _CUSTOM_ID = re.compile(rb'"custom_id"\s*:\s*"([^"\\]{1,200})"')
+_LONG_SPACE = re.compile(r"(\s{16})\s+")
+"""A run of whitespace past 16 characters, cut to its first 16: a real tokenizer pays for every one,
+the stand-in counts a run as one token, so megabytes of spaces passed the prompt budget."""
 
 
 def parse_line(line: int, raw: bytes) -> ProductRecord:
@@ -98,9 +102,9 @@ def parse_line(line: int, raw: bytes) -> ProductRecord:
         raise BadRecord("invalid", f"{where or 'line'}: {message}", custom_id) from None
     body = parsed.body
     parts = [body.text.strip()] + [f"Review: {r.strip()}" for r in body.reviews if r.strip()]
-    document = "\n\n".join(p for p in parts if p)
+    document = _LONG_SPACE.sub(r"\1", "\n\n".join(p for p in parts if p))
     title = body.title.strip()
-    if not title and not document:
+    if not inline_text(title).strip() and not block_text(document).strip():  # as the model would see them
         raise BadRecord("empty", "the product has neither a title nor any text", parsed.custom_id)
     return ProductRecord(
         line=line,

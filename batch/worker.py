@@ -127,7 +127,10 @@ class BatchWorker:
             [JobDemand(m.job_id, m.spec.priority, m.spec.submitted_at, 0, 0) for m in candidates]
         )
         by_id = {m.job_id: m for m in candidates}
-        for demand in order[:room]:
+        started = 0
+        for demand in order:  # all of them: a job another worker holds takes no room here
+            if started >= room or self._interrupted:
+                break
             manifest = by_id[demand.job_id]
             if manifest.state in TERMINAL_STATES and pending is not None:
                 pending.remove(manifest.job_id)
@@ -173,6 +176,9 @@ class BatchWorker:
                 continue
             if pending is not None:
                 pending.remove(manifest.job_id)
+            if self._interrupted:  # SIGINT while it was being claimed: it stops as the others did
+                job.stop("interrupted")
+            started += 1
             self.active[job.job_id] = job
             task = asyncio.create_task(self._run_job(job, results), name=f"job-{job.job_id}")
             self._tasks.add(task)

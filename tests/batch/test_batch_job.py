@@ -20,16 +20,18 @@ import pytest
 
 from batch.admin import cancel_job, prepare_resume, submit_job
 from batch.config import BatchSettings
-from batch.documents import PromptBudget
+from batch.documents import PromptBudget, plan_document
 from batch.errors import JobNotFound
 from batch.launch import BatchRuntime, batch_client_config, open_batch
 from batch.manifest import JobManifest
+from batch.records import parse_line
 from batch.storage import JobStore, S3Uri
 from batch.synthetic import synthetic_product_lines
 from devstack.stack import StackState
 from serving.simulator.testing import running_simulator
 from sinks.keys import RedisKeys
 from tests.conftest import Isolated
+from tests.helpers import served_total
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -289,3 +291,42 @@ async def test_a_call_that_fails_while_the_job_stops_is_tried_by_the_resumed_job
 async def _simulator_config(url: str, **faults: float) -> None:
     async with aiohttp.ClientSession() as http, http.post(url + "/admin/config", json=faults) as r:
         assert r.status == 200, await r.text()
+
+
+async def test_a_record_written_off_sends_none_of_its_other_calls(isolated: Isolated) -> None:
+    """A record of many parts whose first answer is unusable is written off at once; its other
+    parts' calls, queued behind it, were still sent and paid for. Counted at the replica."""
+    budget = PromptBudget(context_tokens=700, max_output_tokens=100, max_parts=16)
+    settings = _settings(budget=budget)
+    sinks = isolated.sinks()
+    base = f"s3://{sinks.s3_bucket}/{isolated.s3_prefix}"
+    record = {"custom_id": "long", "body": {"title": "Lantern", "text": "Warm light for the porch. " * 400}}
+    async with running_simulator(time_scale=0.01, bad_answer="not_understanding") as sim:
+        llm = batch_client_config([sim.url], "qwen2.5-32b-sim", settings, health={"interval_s": 0.2})
+        async with open_batch(settings, sinks, llm, fixed_limit=1) as runtime:
+            await _upload(runtime.store, f"{base}/in.jsonl", [orjson.dumps(record)])
+            job = await submit_job(runtime.store, f"{base}/in.jsonl", f"{base}/out")
+            final = (await _run(runtime, [job.job_id]))[job.job_id]
+            _, errors = await _all_rows(runtime.store, final)
+        bad_answers = await served_total(
+            sim.url + "/metrics", "sim_request_errors_total", reason="bad_answer"
+        )
+    assert [e["error"]["reason"] for e in errors] == ["invalid_answer"]
+    parts = len(plan_document(parse_line(0, orjson.dumps(record)), budget).parts)
+    assert parts >= 8 and 1 <= bad_answers <= 2, (parts, bad_answers)  # one call, its retry elsewhere at most
+
+
+async def test_every_try_of_a_failed_call_is_counted(isolated: Isolated) -> None:
+    """``requests`` counts map parts, reduces and retries: a call tried ``call_attempts`` times and
+    then written off counted once."""
+    settings = _settings(call_attempts=3)
+    sinks = isolated.sinks()
+    base = f"s3://{sinks.s3_bucket}/{isolated.s3_prefix}"
+    lines = list(synthetic_product_lines(1, seed=5, long_share=0, bad_share=0))
+    async with running_simulator(time_scale=0.01, error_rate=1.0) as sim:
+        llm = batch_client_config([sim.url], "qwen2.5-32b-sim", settings, health={"interval_s": 0.2})
+        async with open_batch(settings, sinks, llm, fixed_limit=1) as runtime:
+            await _upload(runtime.store, f"{base}/in.jsonl", lines)
+            job = await submit_job(runtime.store, f"{base}/in.jsonl", f"{base}/out")
+            final = (await _run(runtime, [job.job_id]))[job.job_id]
+    assert final.records_failed == 1 and final.requests == 3, final

@@ -50,6 +50,8 @@ def test_parse_line_builds_the_document_from_text_and_reviews() -> None:
         (orjson.dumps({"custom_id": "c1", "body": {"price": "free"}}), "invalid"),
         (orjson.dumps({"custom_id": "c1", "url": "/v1/chat/completions", "body": {}}), "invalid"),
         (orjson.dumps({"custom_id": "c1", "body": {"title": "  ", "text": ""}}), "empty"),
+        # nothing a model would see: a bidi override, control characters (they were sent, untitled)
+        (orjson.dumps({"custom_id": "c1", "body": {"title": "\u202e", "text": "\x00\u2028\x7f"}}), "empty"),
     ],
 )
 def test_bad_lines_say_why(raw: bytes, reason: str) -> None:
@@ -57,6 +59,13 @@ def test_bad_lines_say_why(raw: bytes, reason: str) -> None:
         parse_line(0, raw)
     assert caught.value.reason == reason
     assert caught.value.message
+
+
+def test_a_run_of_whitespace_is_cut_to_what_the_budget_counts() -> None:
+    """The stand-in tokenizer counts a run of whitespace as one token: five megabytes of spaces passed
+    the prompt budget as a short document, and a real server would refuse the prompt."""
+    record = parse_line(0, _line(text="Warm" + " " * 5_000_000 + "hat.\n\n\n\nSoft."))
+    assert record.document == "Warm" + " " * 16 + "hat.\n\n\n\nSoft."
 
 
 def test_unparseable_line_keeps_its_custom_id_when_readable() -> None:

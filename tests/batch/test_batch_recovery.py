@@ -291,3 +291,56 @@ async def test_a_shard_redone_without_errors_removes_the_errors_part_of_its_firs
         await store.write_shard(output, 0, [{"line": 5}], [], ShardCounts(ok=1), "job-1")
         assert not await store.exists(errors_part_key(output, 0))
         assert await store.read_jsonl(part_key(output, 0)) == [{"line": 5}]
+
+
+async def test_the_output_of_a_job_not_started_yet_is_refused(stack: StackState, isolated: Isolated) -> None:
+    """Only parts were looked for: a second job submitted to the output of a job still queued (no
+    parts yet) was accepted, and the two overwrote each other's parts and summary, each reporting
+    success."""
+    settings = _settings()
+    async with open_batch(settings, isolated.sinks(), _llm(stack, settings)) as runtime:
+        queued = await _submit_blank_lines(runtime, isolated, shards=1, name="queued")
+        with pytest.raises(JobStateError, match=f"output of job {queued.job_id} \\(queued\\)"):
+            await submit_job(runtime.store, queued.spec.input_uri, queued.spec.output_uri + "/")
+
+
+async def test_a_job_another_worker_holds_takes_no_room_here(stack: StackState, isolated: Isolated) -> None:
+    """With room for one job, a worker listing the queue tried the first job in start order, found it
+    held by another worker, and started nothing: the held job had taken the room. A plain ``shopper
+    batch worker`` then exited with a job still queued."""
+    settings = _settings(max_running_jobs=1).model_copy(update={"jobs_prefix": f"jobs-{isolated.tag}"})
+    async with open_batch(settings, isolated.sinks(), _llm(stack, settings)) as runtime:
+        held = await _submit_blank_lines(runtime, isolated, shards=1, name="held")
+        queued = await _submit_blank_lines(runtime, isolated, shards=1, name="queued")
+        other = _job_run(runtime, held, "another-worker")
+        assert await other.lease.acquire()  # another live worker runs it
+        try:
+            results = await runtime.worker().run()
+        finally:
+            await other.lease.release()
+    assert [(m.job_id, m.state) for m in results] == [(queued.job_id, "succeeded")]
+
+
+async def test_an_interrupt_while_a_job_is_claimed_stops_that_job_too(
+    stack: StackState, isolated: Isolated, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """SIGINT stopped the jobs already running; one whose claim was still awaiting S3 joined them
+    afterwards and ran to its end, and the worker with it. Here the interrupt comes as the claim's
+    last await returns."""
+    settings = _settings()
+    base = f"s3://{isolated.sinks().s3_bucket}/{isolated.s3_prefix}"
+    async with open_batch(settings, isolated.sinks(), _llm(stack, settings), fixed_limit=6) as runtime:
+        lines = list(synthetic_product_lines(600, seed=8, long_share=0))
+        await _upload(runtime.store, f"{base}/in.jsonl", lines)
+        job = await submit_job(runtime.store, f"{base}/in.jsonl", f"{base}/out")
+        worker = runtime.worker()
+        claim = JobRun.claim
+
+        async def claim_then_interrupted(self: JobRun) -> None:
+            await claim(self)
+            worker.interrupt()
+
+        monkeypatch.setattr(JobRun, "claim", claim_then_interrupted)
+        (result,) = await worker.run([job.job_id])
+    assert result.state == "queued" and "interrupted" in (result.message or ""), result
+    assert result.records_done < len(lines)
