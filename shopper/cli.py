@@ -299,7 +299,7 @@ def run(
 @app.command()
 def signals(
     shopper_id: Annotated[
-        list[str] | None, typer.Argument(help="shopper ids; none = the 10 most recent")
+        list[str] | None, typer.Argument(help="shopper ids; none = the 10 most recently written")
     ] = None,
     state_dir: StateDir = Path(".state"),
     limit: int = 10,
@@ -307,7 +307,7 @@ def signals(
     """Read shopper understanding back from Redis, as an ad server would (the stack's key prefix, or
     the one the environment sets: the prefix ``shopper run`` writes under)."""
     from devstack.stack import sink_settings
-    from shopper.readback import read_signals, signal_age
+    from shopper.readback import cell, read_signals, signal_age
 
     sinks = sink_settings(load_state(state_dir), base=read_runner_settings().sinks)
     rows = asyncio.run(read_signals(sinks.redis_url, shopper_id or [], limit, prefix=sinks.redis_key_prefix))
@@ -316,14 +316,14 @@ def signals(
     now = time.time()
     for row in rows:
         table.add_row(
-            row["shopper_id"],
-            row["seq"],
+            cell(row["shopper_id"]),
+            cell(row["seq"]),
             signal_age(row, now),
-            row["summary"],
-            ", ".join(json.loads(row["interests"])),
-            row["occasion"] or "-",
-            row["price_sensitivity"],
-            f"{row['cached_tokens']}/{row['prompt_tokens']}",
+            cell(row["summary"]),
+            cell(", ".join(json.loads(row["interests"]))),
+            cell(row["occasion"] or "-"),
+            cell(row["price_sensitivity"]),
+            cell(f"{row['cached_tokens']}/{row['prompt_tokens']}"),
         )
     console.print(table)
 

@@ -28,7 +28,7 @@ from pipeline.topics import DLQ_TOPIC, EVENTS_TOPIC
 from runner.config import RunnerSettings
 from runner.embedded import EmbeddedRunner
 from shopper.producer import produce
-from shopper.readback import describe_dead_letter, list_s3_records, read_dlq_values, read_signals
+from shopper.readback import cell, describe_dead_letter, list_s3_records, read_dlq_values, read_signals
 
 
 def run_demo(
@@ -107,12 +107,12 @@ def run_demo(
         )
         for row in rows:
             table.add_row(
-                row["shopper_id"],
-                row["seq"],
-                row["summary"],
-                row["occasion"] or "-",
-                row["price_sensitivity"],
-                f"{row['cached_tokens']}/{row['prompt_tokens']}",
+                cell(row["shopper_id"]),
+                cell(row["seq"]),
+                cell(row["summary"]),
+                cell(row["occasion"] or "-"),
+                cell(row["price_sensitivity"]),
+                cell(f"{row['cached_tokens']}/{row['prompt_tokens']}"),
             )
         console.print(table)
         if state.llm_kind == "sim":

@@ -160,12 +160,12 @@ def run_flink_demo_step(
 
     from devstack.stack import sink_settings
     from pipeline.topics import DLQ_TOPIC
-    from shopper.readback import list_s3_records, read_dlq_values, read_signals
+    from shopper.readback import cell, list_s3_records, read_dlq_values, read_signals
 
     console.rule("4. what landed")
     rows = asyncio.run(read_signals(state.redis_url, [], 8, prefix=prefix))
     for row in rows:
-        console.print(f"{row['shopper_id']}  v{row['seq']}  {row['summary']}")
+        console.print(cell(f"{row['shopper_id']}  v{row['seq']}  {row['summary']}"))
     keys, records = list_s3_records(sink_settings(state), s3_prefix)
     dlq = read_dlq_values(state.kafka_bootstrap, DLQ_TOPIC)
     console.print(f"S3: {len(keys)} objects, {len(records)} records; DLQ {DLQ_TOPIC}: {len(dlq)} records")

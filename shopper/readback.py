@@ -16,6 +16,7 @@ import boto3
 import orjson
 import redis.asyncio as aioredis
 from confluent_kafka import Consumer, KafkaError, TopicPartition
+from rich.text import Text
 
 from pipeline.kafka_security import KafkaSecurity, librdkafka_properties
 from pipeline.topic_ends import end_offset
@@ -29,6 +30,8 @@ READ_TO_END_TIMEOUT_S = 120.0
 async def read_signals(
     redis_url: str, shopper_ids: list[str], limit: int, prefix: str = "su:"
 ) -> list[dict[str, str]]:
+    """The signals of ``shopper_ids``, or with none given the ``limit`` most recently written (by
+    ``updated_at``: a ``seq`` starts again at 1 in every new session, so it says nothing of when)."""
     schema = RedisKeys(prefix)
     redis = aioredis.Redis.from_url(redis_url, decode_responses=True)
     try:
@@ -36,14 +39,21 @@ async def read_signals(
             keys = [key async for key in redis.scan_iter(match=schema.signals_pattern(), count=1000)]
             shopper_ids = [schema.shopper_of_signals(key) for key in keys]
         rows = []
-        for sid in shopper_ids:
-            row = await redis.hgetall(schema.signals(sid))
-            if row:
-                rows.append({"shopper_id": sid, **row})
-        rows.sort(key=lambda r: (-int(r["seq"]), r["shopper_id"]))
+        for start in range(0, len(shopper_ids), READ_BATCH):  # one round trip a batch, not a key
+            batch = shopper_ids[start : start + READ_BATCH]
+            async with redis.pipeline(transaction=False) as pipe:
+                for sid in batch:
+                    pipe.hgetall(schema.signals(sid))
+                found = await pipe.execute()
+            rows += [{"shopper_id": sid, **row} for sid, row in zip(batch, found, strict=True) if row]
+        rows.sort(key=lambda r: (-float(r.get("updated_at") or 0), r["shopper_id"]))
         return rows[:limit]
     finally:
         await redis.aclose()
+
+
+READ_BATCH = 500
+"""Signals read in one pipelined round trip."""
 
 
 def signal_age(row: dict[str, str], now: float) -> str:
@@ -146,7 +156,7 @@ def describe_dead_letter(value: bytes | None) -> tuple[str, str]:
         record, kind = None, "not JSON"
     if isinstance(record, dict) and isinstance(record.get("reason"), str):
         original = _cut(str(record.get("original")), MAX_SHOWN_ORIGINAL)
-        return _printable(record["reason"], MAX_SHOWN_REASON), repr(original)
+        return printable(record["reason"], MAX_SHOWN_REASON), repr(original)
     head = value[:MAX_SHOWN_ORIGINAL] + (b"..." if len(value) > MAX_SHOWN_ORIGINAL else b"")
     try:
         shown = repr(head.decode("utf-8"))
@@ -159,8 +169,20 @@ def _cut(text: str, limit: int) -> str:
     return text if len(text) <= limit else text[:limit] + "..."
 
 
-def _printable(text: str, limit: int) -> str:
+def printable(text: str, limit: int) -> str:
+    """``text`` cut to ``limit`` characters, each one a terminal cannot act on (ESC, the C1 controls,
+    a newline) shown as its escape: stored text comes from producers and the model."""
     return "".join(ch if ch.isprintable() else repr(ch)[1:-1] for ch in _cut(text, limit))
+
+
+MAX_SHOWN_CELL = 240
+"""Characters of one stored value shown in a table cell (a summary is at most 240)."""
+
+
+def cell(value: str) -> Text:
+    """A stored value as a table cell: never read as Rich markup (``[/]`` broke the whole table, and
+    ``[bold]`` was applied), and printable."""
+    return Text(printable(value, MAX_SHOWN_CELL))
 
 
 def read_topic(bootstrap: str, topic: str, *, expect: int = 0, read_committed: bool = True) -> list[bytes]:

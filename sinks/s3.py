@@ -33,7 +33,10 @@ def partition_of(result: EnrichmentResult, prefix: str) -> str:
 
 
 def object_key(partition: str, records: Sequence[EnrichmentResult]) -> str:
-    digest = xxhash.xxh64("\n".join(sorted(r.request_id for r in records)).encode()).hexdigest()
+    """The same records, the same key (a replay overwrites its own object, never adds one). The ids
+    are hashed as a JSON array: joined by newlines, a shopper id holding a newline made one record's
+    id read as two, and two different batches shared a key, the later object replacing the earlier."""
+    digest = xxhash.xxh64(orjson.dumps(sorted(r.request_id for r in records))).hexdigest()
     return f"{partition}/part-{digest}.jsonl.gz"
 
 

@@ -4,6 +4,7 @@ topic, a record that is no dead letter included, one bounded, escaped line each.
 
 from __future__ import annotations
 
+import asyncio
 import uuid
 from pathlib import Path
 from typing import Any
@@ -19,6 +20,9 @@ from pipeline.kafka_security import KafkaSecurity, librdkafka_properties
 from pipeline.topics import DLQ_TOPIC
 from shopper import producer, readback
 from shopper.cli import app
+from sinks.redis import RedisSignalSink
+from tests.conftest import Isolated
+from tests.runner.test_runner_metrics import older_session_insight
 from tests.security_kit import CLIENT_KEY_PASSWORD, make_certificates, tansu_behind_tls
 
 pytestmark = pytest.mark.timeout(300)
@@ -165,3 +169,32 @@ def test_produce_and_tail_dlq_over_mutual_tls(monkeypatch: pytest.MonkeyPatch, t
         tailed = runner.invoke(app, ["tail-dlq", "--bootstrap", bootstrap])
         assert tailed.exit_code == 0, f"{tailed.output}\n{tailed.exception!r}"
         assert "over-mutual-tls" in tailed.output and "1 dead letters shown" in tailed.output
+
+
+def test_signals_shows_stored_text_as_text(isolated: Isolated, tmp_path: Path) -> None:
+    """A shopper id comes from the events topic and a summary from the model: ``shopper signals``
+    passed both to Rich as markup (``[/]`` stopped the whole listing with a MarkupError, ``[bold]`` was
+    applied) and their escape sequences to the terminal."""
+    hostile = {"evil\x1b]0;owned\x07\x1b[2J": "\x1b[31mred\x1b[0m [bold]x[/bold]", "m1": "a [/] b"}
+    sink = RedisSignalSink(isolated.sinks())
+
+    async def seed() -> None:
+        insights = []
+        for shopper, summary in hostile.items():
+            insight = older_session_insight(shopper)
+            understanding = insight.understanding.model_copy(update={"summary": summary})
+            insights.append(insight.model_copy(update={"understanding": understanding, "text": summary}))
+        await sink.write(insights)
+        await sink.close()
+
+    asyncio.run(seed())
+    (tmp_path / "stack.json").write_text(isolated.stack.to_json())
+    result = CliRunner().invoke(
+        app,
+        ["signals", *hostile, "--state-dir", str(tmp_path)],
+        env={"RUNNER_SINKS__REDIS_KEY_PREFIX": isolated.prefix},
+    )
+    assert result.exit_code == 0, f"{result.output}\n{result.exception!r}"
+    assert "[/]" in result.output and "[bold]x[/bold]" in result.output, "shown as written"
+    assert not any(ch in result.output for ch in "\x1b\x07"), "escaped: nothing reaches the terminal"
+    assert "\\x1b" in result.output

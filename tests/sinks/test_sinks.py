@@ -150,6 +150,24 @@ async def test_s3_batches_are_partitioned_and_retried_flushes_overwrite(isolated
     assert any("/hour=04/" in key for key in again) and any("/hour=05/" in key for key in again)
 
 
+async def test_a_shopper_id_with_a_newline_never_shares_another_batchs_object(isolated: Isolated) -> None:
+    """A shopper id may hold a newline (the event schema allows any text): joined by newlines, the one
+    id ``"a:1\nb:1"`` read as the two ids ``a:1`` and ``b:1``, both flushes got one key, and the
+    second object replaced the first, its records gone from S3."""
+    sink = S3InsightSink(isolated.sinks())
+    await sink.ensure_bucket()
+    try:
+        await sink.write([insight("a", 1), insight("b", 1)])
+        await sink.flush()
+        crafted = insight("a:1\nb", 1)  # its request id: "a:1\nb:1"
+        await sink.write([crafted])
+        await sink.flush()
+        objects = s3_objects(isolated)
+    finally:
+        await sink.close()
+    assert len(objects) == 2 and sum(len(v) for v in objects.values()) == 3
+
+
 async def test_s3_flushes_by_size_and_reports_age(isolated: Isolated) -> None:
     sink = S3InsightSink(isolated.sinks().model_copy(update={"s3_max_records": 5, "s3_max_age_s": 0.1}))
     await sink.ensure_bucket()
@@ -177,6 +195,21 @@ async def test_a_signal_read_back_says_how_old_it_is(isolated: Isolated) -> None
     [row] = await read_signals(settings.redis_url, ["s-age"], 1, prefix=settings.redis_key_prefix)
     event_age, write_age = (float(part) for part in signal_age(row, written + 10.0).split(" / "))
     assert 39.0 <= event_age <= 40.5 and 9.0 <= write_age <= 10.5
+
+
+async def test_the_most_recent_signals_are_the_last_written(isolated: Isolated) -> None:
+    """``shopper signals`` with no ids: ranked by ``seq``, an old session's 7th answer came before a
+    shopper answered a moment ago in a session of its own (``seq`` 1)."""
+    settings = isolated.sinks()
+    sink = RedisSignalSink(settings)
+    try:
+        await sink.write([insight("s-stale", 7)])
+        await asyncio.sleep(0.01)
+        await sink.write([insight("s-fresh", 1)])
+    finally:
+        await sink.close()
+    rows = await read_signals(settings.redis_url, [], 2, prefix=settings.redis_key_prefix)
+    assert [r["shopper_id"] for r in rows] == ["s-fresh", "s-stale"]
 
 
 @asynccontextmanager
