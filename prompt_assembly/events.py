@@ -24,6 +24,7 @@ refused with a reason starting ``EVENT_TIME_REASON`` (dead-lettered and counted 
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Sequence
 from typing import Annotated, Any, Literal, TypeVar
 
@@ -213,7 +214,7 @@ def parse_events(
     append = out.append
     for raw, record_time in zip(raws, record_times, strict=True):
         event: ShopperEvent | None = None
-        if raw is not None and len(raw) <= MAX_EVENT_BYTES:
+        if raw is not None and len(raw) <= MAX_EVENT_BYTES and mirror_may_decide(raw):
             try:
                 event = _from_wire(decode(raw))
             except Exception:
@@ -340,11 +341,40 @@ def _fast_tier(raw: bytes | bytearray | memoryview) -> ShopperEvent | None:
     """The event, when the msgspec mirror accepts ``raw`` and the product-or-query rule holds; None
     (let pydantic decide) otherwise. Never raises: msgspec's errors, and its RecursionError on deep
     nesting, all mean "not here"."""
+    if not mirror_may_decide(raw):
+        return None
     try:
         wire = _decode_wire(raw)
     except Exception:
         return None
     return _from_wire(wire)
+
+
+MIRROR_MAX_BRACKETS = 200
+"""More ``[`` and ``{`` than this (pydantic refuses nesting past 200) and pydantic decides; an event this
+pipeline's producers write has a handful. Nesting that deep takes more than twice as many bytes, so
+shorter events are not counted at all."""
+_LONG_DIGITS = re.compile(rb"\d{4301}")
+"""A number longer than ``int()`` reads (4,300 digits): pydantic refuses it, even in a field it ignores."""
+
+
+def mirror_may_decide(raw: bytes | bytearray | memoryview) -> bool:
+    """Whether the msgspec mirror may decide ``raw``. It skips a field it does not know without
+    checking it, where pydantic checks every byte: invalid UTF-8 there, or a number past 4,300 digits,
+    or nesting past pydantic's limit, is accepted by the one and refused by the other. Nesting is also
+    where msgspec's own limit depends on how deep the caller's stack is, so the same bytes were an event
+    for ``parse_events`` and a rejection for ``parse_event``. Such bytes go to pydantic. The common
+    case (a few hundred ASCII bytes) costs a length and an ASCII check, in C."""
+    data = raw if isinstance(raw, bytes) else bytes(raw)
+    size = len(data)
+    if size > 2 * MIRROR_MAX_BRACKETS and data.count(b"{") + data.count(b"[") > MIRROR_MAX_BRACKETS:
+        return False
+    if not data.isascii():
+        try:
+            data.decode("utf-8")
+        except UnicodeDecodeError:
+            return False
+    return size <= 4300 or _LONG_DIGITS.search(data) is None
 
 
 def _from_wire(wire: _WireEvent) -> ShopperEvent | None:

@@ -238,7 +238,7 @@ class ShopperSession:
             "trimmed_ids": list(self.trimmed_ids),
             "last_log_tokens": self.last_log_tokens,
             "trimmed_since_prompt": self.trimmed_since_prompt,
-            "unprompted_trimmed_ids": self.unprompted_trimmed_ids,
+            "unprompted_trimmed_ids": list(self.unprompted_trimmed_ids),  # a copy: saved after later trims
             "unprompted_trimmed": self.unprompted_trimmed,
         }
 

@@ -96,6 +96,16 @@ EDGE_CASES = [
     _raw(BASE).replace(b"19.99", b"NaN"),
     _raw(BASE)[:-1] + b',"x":NaN}',
     _raw(BASE)[:-1] + b',"x":' + b"[" * 3000 + b"]" * 3000 + b"}",
+    # In a field the mirror skips unchecked, where pydantic checks every byte (the mirror accepted these):
+    _raw(BASE)[:-1] + b',"x":' + b"[" * 995 + b"]" * 995 + b"}",  # and msgspec's limit moved with the stack
+    _raw(BASE)[:-1] + b',"x":' + b"[" * 201 + b"]" * 201 + b"}",
+    _raw(BASE)[:-1] + b',"x":' + b"[" * 70 + b"]" * 70 + b"}",
+    _raw(BASE)[:-1] + b',"x":"\xff"}',
+    _raw(BASE)[:-1] + b',"x":"\xed\xa0\x80"}',
+    _raw(BASE)[:-1] + b',"x":"\xc0\xaf"}',
+    _raw(BASE)[:-1] + b',"x":' + b"9" * 5000 + b"}",
+    _raw(BASE)[:-1] + b',"x":' + b"9" * 4300 + b"}",
+    _raw(BASE)[:-1] + ',"x":"h\u00e9llo \U0001f600"}'.encode(),
     b"\xef\xbb\xbf" + _raw(BASE),
     b" \n" + _raw(BASE) + b" \n",
     _raw(BASE) + b"x",

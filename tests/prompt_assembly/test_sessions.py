@@ -226,6 +226,31 @@ def test_a_session_held_in_memory_forgets_the_ids_a_restored_one_forgets() -> No
     assert len(held._ids) <= 40 + 30
 
 
+def test_an_epochs_saved_header_is_the_session_as_the_epoch_closed() -> None:
+    """The runner takes an epoch's changes as it closes and saves them once the epoch is durable. The
+    header handed out then held the session's own list of trimmed ids, which later trims went on
+    filling: a restore from that save, replaying the later events, trimmed them again and its next
+    prompt named them twice."""
+    processor = SessionProcessor(SessionConfig(max_events=4, trim_to_fraction=0.5))
+    held = processor.new_session("s1")
+    for i in range(5):
+        processor.apply(held, event("view", 1000.0 + i, event_id=f"x{i}"))
+    closed = held.take_changes()
+    taken = list(closed.header["unprompted_trimmed_ids"])
+    later = [event("view", 1005.0 + i, event_id=f"x{i + 5}") for i in range(3)]
+    for e in later:
+        processor.apply(held, e)
+    assert closed.header["unprompted_trimmed_ids"] == taken, "the header as the epoch closed"
+    assert closed.rewrite is not None
+    restored = ShopperSession.restore(closed.header, [entry.to_json() for entry in closed.rewrite])
+    for e in later:  # the replay after a crash
+        processor.apply(restored, e)
+    (after_replay,) = processor.flush(restored)
+    (without_crash,) = processor.flush(held)
+    assert after_replay.trimmed_event_ids == without_crash.trimmed_event_ids
+    assert len(set(after_replay.trimmed_event_ids)) == len(after_replay.trimmed_event_ids)
+
+
 kinds = st.sampled_from(["view", "view", "view", "click", "search", "add_to_cart", "purchase"])
 
 
