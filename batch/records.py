@@ -78,9 +78,16 @@ class ProductRecord(BaseModel):
 
 
 _CUSTOM_ID = re.compile(rb'"custom_id"\s*:\s*"([^"\\]{1,200})"')
-_LONG_SPACE = re.compile(r"(\s{16})\s+")
-"""A run of whitespace past 16 characters, cut to its first 16: a real tokenizer pays for every one,
-the stand-in counts a run as one token, so megabytes of spaces passed the prompt budget."""
+_LONG_SPACE = re.compile(r"\s{17,}")
+"""A run of whitespace past 16 characters: a real tokenizer pays for every one, the stand-in counts a
+run as one token, so megabytes of spaces passed the prompt budget."""
+
+
+def _cut_space(run: re.Match[str]) -> str:
+    """The run's first 16 characters, and a line break if the rest held one (the next line stays a
+    line of its own)."""
+    text = run[0]
+    return text[:16] + ("\n" if "\n" in text[16:] else "")
 
 
 def parse_line(line: int, raw: bytes) -> ProductRecord:
@@ -102,7 +109,7 @@ def parse_line(line: int, raw: bytes) -> ProductRecord:
         raise BadRecord("invalid", f"{where or 'line'}: {message}", custom_id) from None
     body = parsed.body
     parts = [body.text.strip()] + [f"Review: {r.strip()}" for r in body.reviews if r.strip()]
-    document = _LONG_SPACE.sub(r"\1", "\n\n".join(p for p in parts if p))
+    document = _LONG_SPACE.sub(_cut_space, "\n\n".join(p for p in parts if p))
     title = body.title.strip()
     if not inline_text(title).strip() and not block_text(document).strip():  # as the model would see them
         raise BadRecord("empty", "the product has neither a title nor any text", parsed.custom_id)

@@ -117,9 +117,14 @@ _ANY_LINE_BREAK = re.compile("\r\n|[\n\r\x0b\x0c\x1c-\x1e\x85\u2028\u2029]")
 
 def block_text(text: str) -> str:
     """Untrusted text of many lines (a product document) made safe for one data block: each line as
-    :func:`inline_text` makes it, the lines joined by ``\\n`` whatever ended them. Ordinary text is
-    unchanged; so is text already made safe (it is idempotent)."""
-    return "\n".join(inline_text(line) for line in _ANY_LINE_BREAK.split(text))
+    :func:`inline_text` makes it, the lines joined by ``\\n`` whatever ended them (a ``\\r\\n`` becomes
+    ``\\n``, a tab a space), then the whole once more for a tag spelt across a line break (``<\\n/data>``,
+    which no single line shows). Ordinary text is unchanged; so is text already made safe."""
+    joined = "\n".join(inline_text(line) for line in _ANY_LINE_BREAK.split(text))
+    if "<" not in joined and "[" not in joined:
+        return joined
+    joined = _DATA_TAG.sub(lambda m: "(/data)" if m.group(1) else "(data)", joined)
+    return _TURN_TOKEN.sub(_parenthesised, joined)
 
 
 def _parenthesised(match: re.Match[str]) -> str:

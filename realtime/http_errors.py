@@ -60,7 +60,7 @@ def errors_as_json(rejected: Counter) -> Middleware:
             if exc.status < 400:
                 raise
             error_type = _STATUS_TYPES.get(exc.status, "internal_error")
-            if exc.status < 500:
+            if exc.status in _STATUS_TYPES:  # a 4xx of a type the API names (not one it cannot)
                 rejected.labels(error_type).inc()
             headers = {k: v for k, v in exc.headers.items() if k.lower() in ("allow", "retry-after")}
             return error_response(exc.status, error_type, exc.reason, headers=headers)

@@ -14,6 +14,7 @@ from typing import Annotated
 import typer
 from confluent_kafka import Consumer, TopicPartition
 from rich.console import Console
+from rich.text import Text
 
 from devstack.enrichment_stage import (
     enrichment_group,
@@ -165,7 +166,9 @@ def run_flink_demo_step(
     console.rule("4. what landed")
     rows = asyncio.run(read_signals(state.redis_url, [], 8, prefix=prefix))
     for row in rows:
-        console.print(cell(f"{row['shopper_id']}  v{row['seq']}  {row['summary']}"))
+        console.print(
+            Text.assemble(cell(row["shopper_id"]), "  v", cell(row["seq"]), "  ", cell(row["summary"]))
+        )
     keys, records = list_s3_records(sink_settings(state), s3_prefix)
     dlq = read_dlq_values(state.kafka_bootstrap, DLQ_TOPIC)
     console.print(f"S3: {len(keys)} objects, {len(records)} records; DLQ {DLQ_TOPIC}: {len(dlq)} records")

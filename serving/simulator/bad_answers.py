@@ -10,7 +10,7 @@ so the client's limits, parsing and the answer-health quarantine are tested agai
 - ``not_json``: an HTML error page with status 200;
 - ``empty``: a 200 with no body at all;
 - ``not_understanding``: a well-formed completion whose text is not the JSON the caller asked for;
-- ``too_deep``: a completion with a field nested 1,000 deep, past what a recursive decoder takes
+- ``too_deep``: a completion with a field nested 50,000 deep, past what a recursive decoder takes
   (msgspec raised ``RecursionError``, which no ``except`` for its own errors caught);
 - ``mixed``: each bad answer one of the above, drawn at random.
 
@@ -33,6 +33,8 @@ BAD_ANSWERS: tuple[BadAnswer, ...] = (
 )  # fmt: skip
 
 _HUGE_BYTES = 6 * 1024 * 1024
+TOO_DEEP = 50_000
+"""Past any recursion limit a decoder has: Python 3.11's 1,000 frames, and the C limit of later ones."""
 _REFUSAL = "I'm sorry, but I can't help with describing this shopper."
 
 
@@ -64,7 +66,7 @@ def bad_answer_body(kind: BadAnswer, *, stream: bool) -> tuple[bytes, str]:
         document = _completion(_REFUSAL, stream=stream)
     payload = orjson.dumps(document)
     if kind == "too_deep":  # written by hand: orjson writes no deeper than 255
-        payload = payload[:-1] + b',"extra":' + b"[" * 1000 + b"]" * 1000 + b"}"
+        payload = payload[:-1] + b',"extra":' + b"[" * TOO_DEEP + b"]" * TOO_DEEP + b"}"
     if stream:
         return b"data: " + payload + b"\n\ndata: [DONE]\n\n", "text/event-stream"
     return payload, "application/json"

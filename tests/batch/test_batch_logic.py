@@ -66,6 +66,8 @@ def test_a_run_of_whitespace_is_cut_to_what_the_budget_counts() -> None:
     the prompt budget as a short document, and a real server would refuse the prompt."""
     record = parse_line(0, _line(text="Warm" + " " * 5_000_000 + "hat.\n\n\n\nSoft."))
     assert record.document == "Warm" + " " * 16 + "hat.\n\n\n\nSoft."
+    chart = parse_line(0, _line(text="Size chart:" + " " * 20 + "\nS  M  L"))
+    assert chart.document == "Size chart:" + " " * 16 + "\nS  M  L", "a line cut stays a line of its own"
 
 
 def test_unparseable_line_keeps_its_custom_id_when_readable() -> None:

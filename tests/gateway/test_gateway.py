@@ -27,7 +27,8 @@ from devstack.processes import free_port
 from gateway.app import CLIENT_KEY, create_app
 from gateway.config import GatewaySettings
 from gateway.flights import Flight
-from gateway.route import route_for
+from gateway.route import InvalidRequest, route_for
+from gateway.supersede import parse_version
 from llm_client.answer_health import AnswerHealthSettings
 from llm_client.client import LLMClient
 from llm_client.config import ClientConfig
@@ -130,13 +131,12 @@ _DEEP = b"[" * 1000 + b"]" * 1000
         (b'{"model":"m","prompt":"x","max_tokens":-1000000000}', {}, "max_tokens"),
         (b'{"model":"m","prompt":"x","max_completion_tokens":1e18}', {}, "max_completion_tokens"),
         (b'{"model":"m","prompt":"x"}', {"x-session-id": "s", "x-session-version": "9" * 5000}, None),
-        (b'{"model":"m","prompt":"x"}', {"x-session-id": "s", "x-session-version": "1.\u00b3"}, None),
         (b'{"model":"m","prompt":"x"}', {"x-session-id": "s" * 257}, "x-session-id"),
         (b'{"model":"m","prompt":"x"}', {"Idempotency-Key": "k" * 257}, "idempotency-key"),
         (b'{"model":"m","prompt":"x","user":"' + b"u" * 257 + b'"}', {}, "user"),
     ],
     ids=["deep-prompt", "deep-role", "deep-content", "negative-max-tokens", "huge-max-tokens",
-         "version-5000-digits", "version-superscript", "long-session", "long-idempotency-key", "long-user"],
+         "version-5000-digits", "long-session", "long-idempotency-key", "long-user"],
 )  # fmt: skip
 async def test_a_hostile_request_is_a_400_never_a_500(
     fleet: SimulatorFleet,
@@ -149,7 +149,6 @@ async def test_a_hostile_request_is_a_400_never_a_500(
     token ids, and the replica judges the body, as it would without a gateway. Token budgets that skewed
     load accounting, session versions ``int`` refuses (a 500), and caller keys the gateway would keep
     without bound: the caller's mistake, answered by the gateway itself, no replica called."""
-    headers = {k: v.encode().decode("unicode_escape") for k, v in headers.items()}
     async with running_gateway(fleet.urls, "prefix_aware") as gw:
         async with http.post(gw.url + "/v1/completions", data=body, headers=headers) as r:
             assert r.status == 400, await r.text()
@@ -161,6 +160,15 @@ async def test_a_hostile_request_is_a_400_never_a_500(
             assert error["type"] == "invalid_request_error"
         if param is not None:
             assert error["param"].lower() == param
+
+
+@pytest.mark.parametrize("text", ["\u00b2", "1.\u00b3", "\u0663", "9" * 20, "1.2.3", "-1", "1.", ""])
+def test_a_session_version_int_would_refuse_is_refused_first(text: str) -> None:
+    """``str.isdigit`` takes a superscript or an Arabic-Indic digit, which ``int`` refuses: a caller
+    (or a proxy in front that decodes headers as UTF-8) got a 500. Only ASCII digits, 19 at most."""
+    with pytest.raises(InvalidRequest):
+        parse_version(text, "x-session-version")
+    assert parse_version(" 17.3 ", "x-session-version") == (17, 3) and parse_version("2", "h") == (0, 2)
 
 
 async def test_requests_and_answers_pass_through_unchanged(

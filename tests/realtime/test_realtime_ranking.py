@@ -19,6 +19,7 @@ from realtime.ranking import (
     ranking_messages,
     ranking_response_format,
 )
+from serving.simulator.bad_answers import TOO_DEEP
 from tests.helpers import TEMPLATE_TOKENS
 
 SHOPPER = ShopperProfile(
@@ -113,7 +114,9 @@ def test_model_order_wins_and_omissions_are_filled_from_the_fallback() -> None:
     assert [r.product_id for r in ranked] == ["spider", "witch", "paint"]
     assert [r.source for r in ranked] == ["llm", "fallback", "fallback"]
     assert ranked[0].reason == "big yard" and ranked[0].score == 1.0
-    deep = '{"x": ' + "[" * 1000 + "]" * 1000 + ', "ranking": [{"product_id": "spider", "reason": "r"}]}'
+    deep = (
+        '{"x": ' + "[" * TOO_DEEP + "]" * TOO_DEEP + ', "ranking": [{"product_id": "spider", "reason": "r"}]}'
+    )
     for bad in ("no json", '{"ranking": "x"}', '{"ranking": [{"product_id": "ghost"}]}', "[1]", deep):
         with pytest.raises(ValueError):  # InvalidRanking: the service falls back (deep: it was a 500)
             parse_ranking(bad, fallback)
