@@ -18,7 +18,7 @@ import re
 from typing import Annotated, Any, Final, Literal
 
 import orjson
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError
 
 from batch.errors import BatchError
 from batch.understanding import ProductUnderstanding
@@ -40,6 +40,13 @@ class BadRecord(BatchError):
         self.custom_id = custom_id
 
 
+def _no_bool(value: Any) -> Any:
+    """``true`` is no price: pydantic's lax mode read it as 1.0 (a string of digits stays a price)."""
+    if isinstance(value, bool):
+        raise ValueError("a number, not true or false")
+    return value
+
+
 class ProductBody(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
@@ -47,7 +54,7 @@ class ProductBody(BaseModel):
     title: Annotated[str, Field(max_length=1000)] = ""
     brand: Annotated[str, Field(max_length=200)] | None = None
     category: Annotated[str, Field(max_length=300)] | None = None
-    price: Annotated[float, Field(ge=0)] | None = None
+    price: Annotated[float, Field(ge=0), BeforeValidator(_no_bool)] | None = None
     text: str = ""
     reviews: list[str] = []
 

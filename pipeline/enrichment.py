@@ -352,8 +352,7 @@ def parse_understanding(text: str) -> ShopperUnderstanding:
     Raises ``InvalidAnswer`` (kind ``schema``)."""
     body = text.strip()
     if body.startswith("```"):
-        body = body.strip("`")
-        body = body.split("\n", 1)[1] if "\n" in body else body
+        body = body.strip("`")  # and its language tag, if any, is left before the first "{"
     start, end = body.find("{"), body.rfind("}")
     if start < 0 or end <= start:
         raise InvalidAnswer(f"answer holds no JSON object: {text[:120]!r}", kind="schema", raw=text)

@@ -213,7 +213,8 @@ class ShopperSession:
             self._ids.discard(self.trimmed_ids.popleft())
         del self.unprompted_trimmed_ids[: max(0, len(self.unprompted_trimmed_ids) - remember_ids)]
         self._ids.update(self.trimmed_ids)
-        self.newest_ts = max((e.event.ts for e in self.entries), default=0.0)
+        # ``newest_ts`` stays the newest event seen: the log is ordered by segment first, so late
+        # events can push the newest one out, and a quiet period counted from an older time ended early.
         self.trimmed_since_prompt = True
         self._rewrite = True
 
@@ -240,6 +241,7 @@ class ShopperSession:
             "trimmed_since_prompt": self.trimmed_since_prompt,
             "unprompted_trimmed_ids": list(self.unprompted_trimmed_ids),  # a copy: saved after later trims
             "unprompted_trimmed": self.unprompted_trimmed,
+            "newest_ts": self.newest_ts,
         }
 
     @property
@@ -285,7 +287,8 @@ class ShopperSession:
             unprompted_trimmed_ids=list(header.get("unprompted_trimmed_ids", [])),
             unprompted_trimmed=header.get("unprompted_trimmed", 0),
         )
-        session.newest_ts = max((e.event.ts for e in parsed), default=0.0)
+        newest_in_log = max((e.event.ts for e in parsed), default=0.0)
+        session.newest_ts = max(header.get("newest_ts", 0.0), newest_in_log)  # older headers lack it
         session._ids = {e.event.event_id for e in parsed} | set(session.trimmed_ids)
         session._rewrite = any(e.legacy for e in parsed)  # store the log again without ignored fields
         return session

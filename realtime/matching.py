@@ -238,6 +238,10 @@ class MatchService:
         finally:
             self.asking -= 1
         try:
-            return parse_ranking(completion.text, fallback, s.reason_max_chars), None, completion.model
+            return (
+                parse_ranking(completion.text, fallback, s.reason_max_chars, s.llm_top_k),
+                None,
+                completion.model,
+            )
         except InvalidAnswer:
             return fallback, "invalid_answer", completion.model

@@ -290,9 +290,12 @@ class _RankingAnswer(msgspec.Struct, frozen=True):
 _RANKING = msgspec.json.Decoder(_RankingAnswer)
 
 
-def parse_ranking(text: object, fallback: Sequence[Ranked], reason_max_chars: int = 80) -> list[Ranked]:
-    """The model's order for the candidates it named (unknown and repeated ids dropped), then every
-    candidate it left out in fallback order.
+def parse_ranking(
+    text: object, fallback: Sequence[Ranked], reason_max_chars: int = 80, top_k: int | None = None
+) -> list[Ranked]:
+    """The model's order for the first ``top_k`` candidates it named (unknown and repeated ids dropped;
+    the head it was asked for, which guided decoding holds it to and an unguided replica may not), then
+    every other candidate in fallback order.
 
     Raises ``InvalidRanking`` for anything else: text that is not a string or holds no JSON object, an
     object that is not ``{"ranking": [{"product_id": str, "reason": str}, ...]}`` (validated by
@@ -311,6 +314,8 @@ def parse_ranking(text: object, fallback: Sequence[Ranked], reason_max_chars: in
     chosen: list[tuple[str, str]] = []
     seen: set[str] = set()
     for pick in answer.ranking:
+        if top_k is not None and len(chosen) == top_k:
+            break
         pid = pick.product_id
         if pid in known and pid not in seen:
             seen.add(pid)

@@ -48,6 +48,7 @@ def test_parse_line_builds_the_document_from_text_and_reviews() -> None:
         (b"[1, 2]", "unparseable"),
         (b'{"body": {"title": "no id"}}', "invalid"),
         (orjson.dumps({"custom_id": "c1", "body": {"price": "free"}}), "invalid"),
+        (orjson.dumps({"custom_id": "c1", "body": {"title": "t", "price": True}}), "invalid"),  # read as $1
         (orjson.dumps({"custom_id": "c1", "url": "/v1/chat/completions", "body": {}}), "invalid"),
         (orjson.dumps({"custom_id": "c1", "body": {"title": "  ", "text": ""}}), "empty"),
         # nothing a model would see: a bidi override, control characters (they were sent, untitled)

@@ -227,6 +227,8 @@ def test_parse_understanding_tolerates_fences_and_rejects_garbage() -> None:
         '"price_sensitivity": "low", "summary": "Likes hats."}\n```'
     )
     assert parse_understanding(fenced).interests == ["hats"]
+    # The JSON on the fence's own line: the whole first line was dropped as the language tag.
+    assert parse_understanding("```" + fenced.removeprefix("```json\n")).interests == ["hats"]
     for bad in [
         "no json here",
         '{"interests": []}',

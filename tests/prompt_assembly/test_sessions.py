@@ -158,6 +158,28 @@ def test_a_late_browse_event_never_brings_the_pause_forward() -> None:
     assert processor.apply(session, event("view", inside)).prompts == []
 
 
+def test_late_events_that_trim_the_newest_one_never_bring_the_pause_forward() -> None:
+    """The log is ordered by segment first: late views, arriving after a cart add was prompted, can
+    push the newest event out of a small log. The pause was then counted from the newest event left,
+    and fired a quiet period early (its prompt older than the one before it); a restored session must
+    count from the same instant as the one held in memory."""
+    policy = TriggerPolicy()
+    quiet = policy.quiet_period_s
+    processor = SessionProcessor(SessionConfig(max_events=4, trim_to_fraction=0.5, triggers=policy))
+    session = processor.new_session("s1")
+    processor.apply(session, event("view", 1000.0))
+    (cart,) = processor.apply(session, event("add_to_cart", 1005.0)).prompts
+    for ts in (900.0, 901.0, 902.0):  # late: a device's offline batch
+        processor.apply(session, event("view", ts))
+    assert all(e.event.ts < 1005.0 for e in session.entries), "the trim took the newest event"
+    assert session.pending is not None and session.pending.due_ts == 1005.0 + quiet
+    restored = ShopperSession.from_json(session.to_json())
+    for held in (session, restored):
+        assert processor.fire_pending(held, due_ts=902.0 + quiet) == []
+        (pause,) = processor.fire_pending(held, due_ts=1005.0 + quiet)
+        assert pause.last_event_ts >= cart.last_event_ts
+
+
 def test_duplicates_are_ignored_and_reported() -> None:
     processor = SessionProcessor()
     session = processor.new_session("s1")

@@ -113,6 +113,13 @@ def test_model_order_wins_and_omissions_are_filled_from_the_fallback() -> None:
     ranked = parse_ranking("```json\n" + text + "\n```", fallback)
     assert [r.product_id for r in ranked] == ["spider", "witch", "paint"]
     assert [r.source for r in ranked] == ["llm", "fallback", "fallback"]
+    # An unguided replica may rank past the head it was asked for: only the head is the model's.
+    everything = orjson.dumps(
+        {"ranking": [{"product_id": p, "reason": "r"} for p in ("paint", "witch", "spider")]}
+    )
+    head = parse_ranking(everything.decode(), fallback, top_k=2)
+    assert [(r.product_id, r.source) for r in head][:2] == [("paint", "llm"), ("witch", "llm")]
+    assert head[2].product_id == "spider" and head[2].source != "llm"
     assert ranked[0].reason == "big yard" and ranked[0].score == 1.0
     deep = (
         '{"x": ' + "[" * TOO_DEEP + "]" * TOO_DEEP + ', "ranking": [{"product_id": "spider", "reason": "r"}]}'
