@@ -11,9 +11,8 @@ sentence ends; every part is analysed alone (map) and the partial analyses are m
 (reduce), in a tree when they do not fit one prompt. Guarantees, checked by property tests: the parts
 concatenate back to the document as it is sent (an ordinary document exactly, but for its line endings
 and tabs; site text that could close its data block or start a chat turn is made safe first); every
-planned prompt fits
-``context_tokens`` with its output budget; all prompts of one product share the system message and
-header token for token.
+planned prompt fits ``context_tokens`` with its output budget; all prompts of one product share the
+system message and header token for token.
 """
 
 from __future__ import annotations

@@ -140,7 +140,7 @@ class OpenAIProxy:
         text = headers.get(header)
         if text is None:
             return None
-        session = bounded_key(headers.get(self.settings.shopper_key_header), self.settings.shopper_key_header)
+        session = headers.get(self.settings.shopper_key_header)  # its length bounded by ``route_for``
         if not session:
             raise InvalidRequest(f"{header} needs the session in {self.settings.shopper_key_header}", header)
         return session, parse_version(text, header)

@@ -351,9 +351,7 @@ def parse_understanding(text: str) -> ShopperUnderstanding:
     """Validate a model answer; tolerates a fenced code block around the JSON (small models do that).
     Raises ``InvalidAnswer`` (kind ``schema``)."""
     body = text.strip()
-    if body.startswith("```"):
-        body = body.strip("`")  # and its language tag, if any, is left before the first "{"
-    start, end = body.find("{"), body.rfind("}")
+    start, end = body.find("{"), body.rfind("}")  # inside a fence, its tag and backticks lie outside
     if start < 0 or end <= start:
         raise InvalidAnswer(f"answer holds no JSON object: {text[:120]!r}", kind="schema", raw=text)
     try:

@@ -102,7 +102,7 @@ def inline_text(text: str) -> str:
         return text  # the common case, checked in C: no control, separator or format character, no tag
     text = _LINE_BREAKS_AND_CONTROLS.sub(" ", text)
     text = _BIDI_CONTROLS.sub("", text)
-    text = _DATA_TAG.sub(lambda m: "(/data)" if m.group(1) else "(data)", text)
+    text = _DATA_TAG.sub(_data_word, text)
     text = _TURN_TOKEN.sub(_parenthesised, text)
     while _TEMPLATE_DELIMITERS.search(text):  # "<|>" needs two passes: "< |>", then "< | >"
         text = text.replace("<|", "< |").replace("|>", "| >")
@@ -123,8 +123,12 @@ def block_text(text: str) -> str:
     joined = "\n".join(inline_text(line) for line in _ANY_LINE_BREAK.split(text))
     if "<" not in joined and "[" not in joined:
         return joined
-    joined = _DATA_TAG.sub(lambda m: "(/data)" if m.group(1) else "(data)", joined)
+    joined = _DATA_TAG.sub(_data_word, joined)
     return _TURN_TOKEN.sub(_parenthesised, joined)
+
+
+def _data_word(match: re.Match[str]) -> str:
+    return "(/data)" if match.group(1) else "(data)"
 
 
 def _parenthesised(match: re.Match[str]) -> str:

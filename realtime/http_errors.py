@@ -59,11 +59,11 @@ def errors_as_json(rejected: Counter) -> Middleware:
         except web.HTTPException as exc:
             if exc.status < 400:
                 raise
-            error_type = _STATUS_TYPES.get(exc.status, "internal_error")
-            if exc.status in _STATUS_TYPES:  # a 4xx of a type the API names (not one it cannot)
+            error_type = _STATUS_TYPES.get(exc.status)
+            if error_type is not None:  # a 4xx of a type the API names (not one it cannot)
                 rejected.labels(error_type).inc()
             headers = {k: v for k, v in exc.headers.items() if k.lower() in ("allow", "retry-after")}
-            return error_response(exc.status, error_type, exc.reason, headers=headers)
+            return error_response(exc.status, error_type or "internal_error", exc.reason, headers=headers)
         except (asyncio.CancelledError, ConnectionResetError):
             raise  # the caller went away: nobody to answer
         except Exception:
