@@ -13,6 +13,7 @@ from typing import Annotated, Any, Literal
 import orjson
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from llm_client.answer_text import json_object_text
 from llm_client.errors import InvalidAnswer
 
 PriceTier = Literal["budget", "mid", "premium"]
@@ -60,12 +61,11 @@ def parse_product_understanding(text: str) -> ProductUnderstanding:
     Raises ``InvalidAnswer`` (kind ``schema``) with the reason, which the job records for the product;
     the client calls it on every answer (``validate=``), so a bad one is tried once more elsewhere.
     """
-    body = text.strip()
-    start, end = body.find("{"), body.rfind("}")
-    if start < 0 or end <= start:
+    body = json_object_text(text)
+    if body is None:
         raise InvalidAnswer(f"answer holds no JSON object: {text[:120]!r}", kind="schema", raw=text)
     try:
-        return ProductUnderstanding.model_validate(orjson.loads(body[start : end + 1]))
+        return ProductUnderstanding.model_validate(orjson.loads(body))
     except (orjson.JSONDecodeError, ValidationError) as exc:
         message = f"answer is not a valid ProductUnderstanding: {exc}"
         raise InvalidAnswer(message, kind="schema", raw=text) from None

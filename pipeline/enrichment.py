@@ -27,6 +27,7 @@ from typing import Any
 import orjson
 from pydantic import BaseModel, Field, ValidationError
 
+from llm_client.answer_text import json_object_text
 from llm_client.client import LLMClient
 from llm_client.config import ClientConfig
 from llm_client.errors import InvalidAnswer, LLMError, SupersededByNewer
@@ -350,12 +351,11 @@ def _superseded(
 def parse_understanding(text: str) -> ShopperUnderstanding:
     """Validate a model answer; tolerates a fenced code block around the JSON (small models do that).
     Raises ``InvalidAnswer`` (kind ``schema``)."""
-    body = text.strip()
-    start, end = body.find("{"), body.rfind("}")  # inside a fence, its tag and backticks lie outside
-    if start < 0 or end <= start:
+    body = json_object_text(text)
+    if body is None:
         raise InvalidAnswer(f"answer holds no JSON object: {text[:120]!r}", kind="schema", raw=text)
     try:
-        return ShopperUnderstanding.model_validate(orjson.loads(body[start : end + 1]))
+        return ShopperUnderstanding.model_validate(orjson.loads(body))
     except (orjson.JSONDecodeError, ValidationError) as exc:
         message = f"answer is not a valid ShopperUnderstanding: {exc}"
         raise InvalidAnswer(message, kind="schema", raw=text) from None

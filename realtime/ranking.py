@@ -28,6 +28,7 @@ from typing import Any, ClassVar, Literal
 import msgspec
 import orjson
 
+from llm_client.answer_text import json_object_text
 from llm_client.errors import InvalidAnswer, InvalidAnswerKind
 from prompt_assembly.prompt import inline_text
 from realtime.models import Candidate
@@ -303,11 +304,11 @@ def parse_ranking(
     ranking naming none of the candidates."""
     if not isinstance(text, str):
         raise InvalidRanking(f"answer text is a {type(text).__name__}, not a string", "wrong_shape")
-    start, end = text.find("{"), text.rfind("}")
-    if start < 0 or end <= start:
+    body = json_object_text(text)
+    if body is None:
         raise InvalidRanking(f"answer holds no JSON object: {text[:120]!r}", "not_json")
     try:
-        answer = _RANKING.decode(text[start : end + 1])
+        answer = _RANKING.decode(body)
     except (msgspec.MsgspecError, RecursionError) as exc:  # msgspec recurses on nesting ~1000 deep
         raise InvalidRanking(f"answer is no ranking ({exc}): {text[:120]!r}") from None
     known = {r.product_id: r for r in fallback}

@@ -305,7 +305,8 @@ def signals(
     limit: int = 10,
 ) -> None:
     """Read shopper understanding back from Redis, as an ad server would (the stack's key prefix, or
-    the one the environment sets: the prefix ``shopper run`` writes under)."""
+    the one the environment sets: the prefix ``shopper run`` writes under). With no ids, every signal
+    key is scanned for its write time (memory stays bounded by ``--limit``): on a large Redis, name ids."""
     from devstack.stack import sink_settings
     from shopper.readback import cell, read_signals, signal_age
 

@@ -8,6 +8,7 @@ it can put anything there, and ``describe_dead_letter`` makes any record one bou
 from __future__ import annotations
 
 import gzip
+import heapq
 import time
 import uuid
 from typing import Any
@@ -36,8 +37,7 @@ async def read_signals(
     redis = aioredis.Redis.from_url(redis_url, decode_responses=True)
     try:
         if not shopper_ids:
-            keys = [key async for key in redis.scan_iter(match=schema.signals_pattern(), count=1000)]
-            shopper_ids = [schema.shopper_of_signals(key) for key in keys]
+            shopper_ids = await _most_recently_written(redis, schema, limit)
         rows = []
         for start in range(0, len(shopper_ids), READ_BATCH):  # one round trip a batch, not a key
             batch = shopper_ids[start : start + READ_BATCH]
@@ -46,10 +46,49 @@ async def read_signals(
                     pipe.hgetall(schema.signals(sid))
                 found = await pipe.execute()
             rows += [{"shopper_id": sid, **row} for sid, row in zip(batch, found, strict=True) if row]
-        rows.sort(key=lambda r: (-float(r.get("updated_at") or 0), r["shopper_id"]))
+        rows.sort(key=_newest_first)
         return rows[:limit]
     finally:
         await redis.aclose()
+
+
+def _newest_first(row: dict[str, str]) -> tuple[float, str]:
+    return -_written_at(row.get("updated_at")), row["shopper_id"]
+
+
+def _written_at(value: str | None) -> float:
+    try:
+        return float(value or 0)
+    except ValueError:  # a hand-written hash: ranked last, still shown when asked for by id
+        return 0.0
+
+
+async def _most_recently_written(redis: aioredis.Redis, schema: RedisKeys, limit: int) -> list[str]:
+    """The ids of the ``limit`` signals written last. There is no index by write time, so every key is
+    scanned, but only each one's ``updated_at`` is read (pipelined, a batch at a time) and only the best
+    ``limit`` are kept: memory is bounded by ``limit`` and the batch, not by the number of shoppers."""
+    best: list[dict[str, str]] = []
+
+    async def keep_best(keys: list[str]) -> list[dict[str, str]]:
+        async with redis.pipeline(transaction=False) as pipe:
+            for key in keys:
+                pipe.hget(key, "updated_at")
+            written = await pipe.execute()
+        seen = [
+            {"shopper_id": schema.shopper_of_signals(key), "updated_at": at}
+            for key, at in zip(keys, written, strict=True)
+            if at is not None
+        ]
+        return heapq.nsmallest(limit, best + seen, key=_newest_first)
+
+    keys: list[str] = []
+    async for key in redis.scan_iter(match=schema.signals_pattern(), count=1000):
+        keys.append(key)
+        if len(keys) == READ_BATCH:
+            best, keys = await keep_best(keys), []
+    if keys:
+        best = await keep_best(keys)
+    return [row["shopper_id"] for row in best]
 
 
 READ_BATCH = 500

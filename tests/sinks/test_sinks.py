@@ -18,7 +18,7 @@ from botocore.exceptions import ClientError
 
 from prompt_assembly.records import EnrichmentError, ShopperInsight, Usage
 from prompt_assembly.understanding import ShopperUnderstanding
-from shopper.readback import read_signals, signal_age
+from shopper.readback import READ_BATCH, read_signals, signal_age
 from sinks.redis import RedisSignalSink
 from sinks.s3 import S3InsightSink
 from tests.conftest import Isolated
@@ -210,6 +210,25 @@ async def test_the_most_recent_signals_are_the_last_written(isolated: Isolated) 
         await sink.close()
     rows = await read_signals(settings.redis_url, [], 2, prefix=settings.redis_key_prefix)
     assert [r["shopper_id"] for r in rows] == ["s-fresh", "s-stale"]
+
+
+async def test_the_most_recent_signals_are_found_among_many_batches_of_keys(isolated: Isolated) -> None:
+    """With no ids and more signals than one pipelined read (``READ_BATCH``), only the best ``limit`` are
+    kept from batch to batch: the last two written, newest first, wherever the scan meets them."""
+    settings = isolated.sinks()
+    sink = RedisSignalSink(settings)
+    try:
+        await sink.write([insight(f"s-old-{i:04d}", 1) for i in range(READ_BATCH * 2 + 7)])
+        for sid in ("s-second", "s-first"):
+            await asyncio.sleep(0.01)
+            await sink.write([insight(sid, 2)])
+    finally:
+        await sink.close()
+    rows = await read_signals(settings.redis_url, [], 2, prefix=settings.redis_key_prefix)
+    assert [r["shopper_id"] for r in rows] == ["s-first", "s-second"]
+    three = await read_signals(settings.redis_url, [], 3, prefix=settings.redis_key_prefix)
+    assert [r["shopper_id"] for r in three][:2] == ["s-first", "s-second"]
+    assert three[2]["shopper_id"].startswith("s-old-")
 
 
 @asynccontextmanager
