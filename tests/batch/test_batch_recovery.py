@@ -29,6 +29,7 @@ from sinks.keys import RedisKeys
 from tests.batch.test_batch_job import _all_rows, _llm, _run, _settings, _upload
 from tests.conftest import Isolated
 from tests.fault_kit import OwnRedis
+from tests.sinks.test_sinks import s3_denying_a_prefix
 
 
 def _job_run(runtime: BatchRuntime, manifest: JobManifest, worker_id: str, redis: Any = None) -> JobRun:
@@ -344,3 +345,33 @@ async def test_an_interrupt_while_a_job_is_claimed_stops_that_job_too(
         (result,) = await worker.run([job.job_id])
     assert result.state == "queued" and "interrupted" in (result.message or ""), result
     assert result.records_done < len(lines)
+
+
+async def test_a_manifest_write_that_failed_is_made_at_the_next_checkpoint(
+    stack: StackState, isolated: Isolated
+) -> None:
+    """A checkpoint whose manifest PUT S3 refuses leaves the shard it would have recorded to the next
+    checkpoint, not to the next shard: before, the job marked itself clean before the write, so a
+    refused write was never made again until another shard completed (and the last shard's never)."""
+    settings = _settings()
+    sinks = isolated.sinks()
+    assert sinks.s3_endpoint_url is not None
+    async with s3_denying_a_prefix(sinks.s3_endpoint_url, "/manifest.json") as (url, deny):
+        deny["deny"] = False
+        proxied = sinks.model_copy(update={"s3_endpoint_url": url})
+        async with open_batch(settings, proxied, _llm(stack, settings)) as runtime:
+            job = await _submit_blank_lines(runtime, isolated, shards=2)
+            run = _job_run(runtime, job, "worker-a")
+            await run.claim()
+            counts = ShardCounts(errors=settings.shard_records)
+            run.manifest.shards[0] = counts  # what committing shard 0 records, as _commit does
+            run._dirty = True
+            deny["deny"] = True
+            with pytest.raises(Exception, match="AccessDenied"):
+                await run.checkpoint()
+            assert (await runtime.store.read_manifest(job.job_id)).shards == {}
+            deny["deny"] = False
+            await run.checkpoint()
+            stored = await runtime.store.read_manifest(job.job_id)
+            await run.lease.release()
+    assert stored.shards == {0: counts}

@@ -248,6 +248,9 @@ async def s3_denying_a_prefix(endpoint: str, denied: str) -> AsyncIterator[tuple
         ) as upstream:
             body = await upstream.read()
             kept = {k: v for k, v in upstream.headers.items() if k.lower() in ("content-type", "etag")}
+            if request.method == "HEAD":  # no body to count: the object's own length, as S3 says it
+                kept["Content-Length"] = upstream.headers.get("Content-Length", "0")
+                return web.Response(status=upstream.status, headers=kept)
             return web.Response(status=upstream.status, body=body, headers=kept)
 
     app = web.Application(handler_args={"auto_decompress": False})  # bodies pass as they were sent
