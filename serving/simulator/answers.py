@@ -58,6 +58,16 @@ class Answer:
     finish_reason: FinishReason
 
 
+class UnfollowableSchema(ValueError):
+    """A ``response_format`` schema no answer can be built from (a wrong type for a keyword, a
+    reference to itself that every instance must follow): trtllm-serve's grammar compiler refuses such a
+    schema with a 400 before the request is queued, and so does the simulator."""
+
+
+_SCHEMA_FAILURES = (ValueError, TypeError, OverflowError, RecursionError, AttributeError, KeyError)
+"""What a schema with keywords of the wrong type or shape makes the filler raise."""
+
+
 def plan_answer(
     prompt_text: str,
     last_user_text: str,
@@ -78,7 +88,10 @@ def plan_answer(
             pieces = tuple(tokenize(json.dumps(understanding, ensure_ascii=False)))
             if len(pieces) <= max_tokens:
                 return Answer("".join(pieces), pieces, len(pieces), "stop")
-        return _json_answer(schema, words, seed, max_tokens)
+        try:
+            return _json_answer(schema, words, seed, max_tokens)
+        except _SCHEMA_FAILURES as exc:
+            raise UnfollowableSchema(f"response_format schema cannot be followed: {exc!r}"[:300]) from None
     rng = random.Random(seed)
     natural = 40 + seed % 400
     target = max_tokens if ignore_eos else min(max(natural, min_tokens), max_tokens)
@@ -104,14 +117,49 @@ def _json_answer(
 ) -> Answer:
     # The minimal instance starts from the same random state as the full one: a generator seeded again
     # (saving and restoring its 625-word state cost more than seeding).
-    value = _SchemaFiller(schema, words, random.Random(seed), minimal=False).fill()
-    text = json.dumps(value, ensure_ascii=False)
-    pieces = tokenize(text)
-    if len(pieces) > max_tokens:
-        value = _SchemaFiller(schema, words, random.Random(seed), minimal=True).fill()
+    room = _BuildRoom.for_answer(max_tokens)
+    try:
+        value = _SchemaFiller(schema, words, random.Random(seed), minimal=False, room=room).fill()
+        text = json.dumps(value, ensure_ascii=False)
+        pieces = tokenize(text)
+    except _TooLarge:
+        pieces = None
+    if pieces is None or len(pieces) > max_tokens:
+        room = _BuildRoom.for_answer(max_tokens)
+        try:
+            value = _SchemaFiller(schema, words, random.Random(seed), minimal=True, room=room).fill()
+        except _TooLarge:
+            raise UnfollowableSchema(
+                f"the smallest instance of the response_format schema is far longer than max_tokens "
+                f"({max_tokens}) holds"
+            ) from None
         text = json.dumps(value, ensure_ascii=False)
         pieces = tokenize(text)
     return Answer(text, tuple(pieces), min(len(pieces), max_tokens), "stop")
+
+
+class _TooLarge(Exception):
+    """The instance being built outgrew its ``_BuildRoom``."""
+
+
+class _BuildRoom:
+    """How much of an instance may be built for an answer of ``max_tokens``: a schema's ``minItems`` or
+    ``minLength`` may ask for more than any answer holds (300,000 items for 5 tokens), and building it
+    would hold the event loop for seconds. Well past what the answer can hold (an answer longer than
+    ``max_tokens`` is still built whole and its usage capped, as long as it stays in this room)."""
+
+    def __init__(self, values: int, chars: int) -> None:
+        self.values, self.chars = values, chars
+
+    @classmethod
+    def for_answer(cls, max_tokens: int) -> _BuildRoom:
+        return cls(values=4 * max_tokens + 256, chars=64 * max_tokens + 4096)
+
+    def take(self, values: int = 0, chars: int = 0) -> None:
+        self.values -= values
+        self.chars -= chars
+        if self.values < 0 or self.chars < 0:
+            raise _TooLarge
 
 
 def _candidate_words(text: str) -> list[str]:
@@ -154,12 +202,19 @@ class _SchemaFiller:
     """Builds one instance of a JSON schema from prompt words; ``minimal`` keeps it as small as valid."""
 
     def __init__(
-        self, root: Mapping[str, Any] | None, words: Sequence[str], rng: random.Random, *, minimal: bool
+        self,
+        root: Mapping[str, Any] | None,
+        words: Sequence[str],
+        rng: random.Random,
+        *,
+        minimal: bool,
+        room: _BuildRoom,
     ) -> None:
         self._root = root or {}
         self._words = words
         self._rng = rng
         self._minimal = minimal
+        self._room = room
 
     def fill(self) -> Any:
         if not self._root:
@@ -167,6 +222,7 @@ class _SchemaFiller:
         return self._value(self._root, depth=0, hint="")
 
     def _value(self, schema: Any, depth: int, hint: str) -> Any:
+        self._room.take(values=1)
         if schema is True or not isinstance(schema, Mapping):
             return self._phrase(1)
         schema = self._resolve(schema)
@@ -261,6 +317,7 @@ class _SchemaFiller:
 
     def _array(self, schema: Mapping[str, Any], depth: int, hint: str) -> list[Any]:
         lo = int(schema.get("minItems", 0))
+        self._room.take(values=lo)  # before a list of them is built
         hi = int(schema.get("maxItems", max(lo, 3)))
         prefix = list(schema.get("prefixItems", []))
         items = schema.get("items", {})
@@ -319,6 +376,7 @@ class _SchemaFiller:
         text = self._phrase(n_words)
         max_len = schema.get("maxLength")
         min_len = int(schema.get("minLength", 0))
+        self._room.take(chars=max(min_len, 0))
         if isinstance(max_len, int):
             text = text[:max_len].rstrip() or text[:max_len]
         if len(text) < min_len:

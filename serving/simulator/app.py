@@ -23,7 +23,7 @@ from pydantic import BaseModel, ValidationError
 
 from prompt_assembly.validation import first_problem
 from serving.simulator.admin import add_admin_routes
-from serving.simulator.answers import Answer
+from serving.simulator.answers import Answer, UnfollowableSchema
 from serving.simulator.bad_answers import bad_answer_response
 from serving.simulator.config import Role, SimulatorConfig
 from serving.simulator.disagg import KV_CACHE_GONE, KvCacheGone, OpaqueState, first_gen_token
@@ -138,16 +138,20 @@ async def _generate(
         metrics.errors.labels("bad_answer").inc()
         return bad_answer_response(bad, stream=body.stream)
     prompt_text = body.prompt_text()
-    job, answer = replica.prepare(
-        prompt_text,
-        body.last_user_text(),
-        max_tokens=body.token_limit(),
-        response_format=body.response_format_dict(),
-        cache_salt=body.cache_salt,
-        ignore_eos=body.ignore_eos,
-        min_tokens=body.min_tokens,
-        streaming=body.stream and request_type != "context_only",
-    )
+    try:
+        job, answer = replica.prepare(
+            prompt_text,
+            body.last_user_text(),
+            max_tokens=body.token_limit(),
+            response_format=body.response_format_dict(),
+            cache_salt=body.cache_salt,
+            ignore_eos=body.ignore_eos,
+            min_tokens=body.min_tokens,
+            streaming=body.stream and request_type != "context_only",
+        )
+    except UnfollowableSchema as exc:
+        metrics.errors.labels("bad_request").inc()
+        return error_response(str(exc), 400, "invalid_request_error", "response_format")
     if job.prompt_tokens == 0:
         metrics.errors.labels("bad_request").inc()
         return error_response("prompt is empty", 400, "invalid_request_error", "prompt")
@@ -198,7 +202,7 @@ async def _generate(
         await _await_answer(request, replica, job)
     finally:
         if not job.done.is_set():
-            _abort_at_next_poll(replica, job, started)
+            _settle_at_next_poll(replica, job, started, request_type)
     _account(replica, job, request_type)
     if job.error is not None:
         return error_response(job.error, job.error_status, job.error_type)
@@ -250,16 +254,23 @@ async def _await_answer(request: web.Request, replica: Replica, job: GenerationR
             replica.engine.abort(job)
 
 
-def _abort_at_next_poll(replica: Replica, job: GenerationRequest, started: float) -> None:
+def _settle_at_next_poll(replica: Replica, job: GenerationRequest, started: float, request_type: str) -> None:
     """The handler was cancelled (the server cancels handlers of closed connections): abort ``job`` at
-    the poll that would have noticed, not at once."""
+    the poll that would have noticed, not at once; if it finished before that poll, count it as served
+    (the engine served it, and no handler is left to count it)."""
+
+    def settle() -> None:
+        if job.done.is_set():
+            _account(replica, job, request_type)
+        else:
+            replica.engine.abort(job)
+
     poll = _poll_s(replica)
     loop = asyncio.get_running_loop()
     if poll <= 0:
-        replica.engine.abort(job)
+        settle()
         return
-    delay = poll - (loop.time() - started) % poll
-    loop.call_later(delay, replica.engine.abort, job)
+    loop.call_later(poll - (loop.time() - started) % poll, settle)
 
 
 def _role_refusal(role: Role, request_type: RequestType) -> str | None:

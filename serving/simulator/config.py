@@ -220,6 +220,12 @@ class SimulatorConfig(BaseSettings):
             self.cache_capacity_blocks = self.kv_memory().blocks
         if self.max_seq_len == 0:
             self.max_seq_len = MODELS[self.calibration_model].max_position_embeddings
+        if self.enable_chunked_prefill and self.max_num_tokens < self.block_size:
+            # Chunks are whole blocks: no prompt could ever be given one, and the engine would spin.
+            raise ValueError(
+                f"max_num_tokens ({self.max_num_tokens}) is below block_size ({self.block_size}): "
+                "with chunked prefill an iteration must hold at least one block of a prompt"
+            )
         return self
 
     def kv_memory(self) -> KvMemory:

@@ -365,7 +365,10 @@ class ContinuousBatchingEngine:
                     await asyncio.sleep(0)
                 if self._limits.chunked_prefill:
                     admitted = self._complete_chunks(chunks)
-                self._complete_iteration(admitted, decoding, self._now(), step_ms)
+                # Stamped at the instant the iteration was due, not when the sleep returned: a sleep's
+                # overshoot (about a millisecond of wall time) is not the model's, and divided by a
+                # small time scale it would add tens of simulated milliseconds to every first token.
+                self._complete_iteration(admitted, decoding, deadline, step_ms)
         except asyncio.CancelledError:
             raise
         except Exception as exc:  # a bug here must not leave HTTP handlers waiting forever

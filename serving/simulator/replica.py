@@ -176,7 +176,10 @@ class Replica:
         its ``max_tokens`` (``_deduce_max_tokens`` in ``tensorrt_llm/executor/base_worker.py``)."""
         tokens = self.prompt_tokens.tokens(prompt_text, cache_salt)
         ids, hashes = tokens.ids, tokens.block_hashes
-        limit = max_tokens or self.config.default_max_tokens
+        # An answer longer than max_seq_len leaves is refused (``oversize_refusal``) before it is
+        # served: planned only up to that, so a huge max_tokens or min_tokens costs no more to refuse.
+        room = max(self.config.max_seq_len - len(ids), 1)
+        limit = min(max_tokens or self.config.default_max_tokens, room)
         answer = plan_answer(
             prompt_text, last_user_text, limit, response_format, ignore_eos=ignore_eos, min_tokens=min_tokens
         )
