@@ -18,12 +18,15 @@ shopper's event reaches the member that owns the shopper's correctly keyed event
 Guarantees: the original's offset is committed only after the copy's delivery is acknowledged (the
 copies are delivered at every durable point, before the sessions are saved and the offsets committed:
 ``Deliveries``), so a crash replays the original and produces the copy again; the session drops the
-second copy as a duplicate (same ``event_id``). The copy keeps the original's value, headers and
-timestamp (so the event-time gate answers the same), names the original (``REKEYED_FROM``, never
-re-keyed again), and goes to the partition ``rekey_partitioner`` picks for the shopper id: the
-partitioner of the producers that key correctly (librdkafka's ``consistent_random`` for
-confluent-kafka, kcat and ``shopper produce``; ``murmur2_random`` for Java clients). The copy comes
-after the shopper's events read meanwhile: it is applied late, as a late event is
+second copy as a duplicate (same ``event_id``). The copy keeps the original's value and timestamp
+(so the event-time gate answers the same) and names the original in its one header (``REKEYED_FROM``,
+never re-keyed again). It does not copy the original's headers: nothing downstream reads them, and the
+gate bounds only the value, so a record with a megabyte of headers made a copy too large for the
+topic, which stopped the runner on that record at every restart. The copy goes to the partition
+``rekey_partitioner`` picks for the shopper id: the partitioner of the producers that key correctly
+(librdkafka's ``consistent_random`` for confluent-kafka, kcat and ``shopper produce``;
+``murmur2_random`` for Java clients). The copy comes after the shopper's events read meanwhile: it is
+applied late, as a late event is
 (``prompt_assembly.session``). Accounting: the original counts as ``rekeyed``
 (``shopper_events_rekeyed_total``), the copy, consumed from the repartition topic, as accepted or a
 duplicate, so every record consumed is accounted for once.
@@ -169,7 +172,7 @@ class Repartitioner:
         """Queue the copy of ``message`` keyed by its shopper id; never blocks the loop."""
         _, timestamp_ms = message.timestamp()
         origin = f"{message.topic()}:{message.partition()}:{message.offset()}".encode()
-        headers: list[tuple[str, Any]] = [*(message.headers() or ()), (REKEYED_FROM, origin)]
+        headers: list[tuple[str, Any]] = [(REKEYED_FROM, origin)]  # not the original's: see the module
         while True:
             try:
                 self.producer.produce(

@@ -198,3 +198,28 @@ def test_a_group_id_a_topic_name_cannot_hold_still_names_a_repartition_topic_of_
     assert len(names) == len(groups) and all(TOPIC_NAME.fullmatch(name) for name in names), names
     plain = RunnerSettings(group_id="plain-group", topic="shopper-events").repartition_topic_name
     assert plain == "shopper-events.plain-group.repartition"
+
+
+async def test_a_mis_keyed_event_with_a_megabyte_of_headers_is_re_keyed_and_applied(
+    isolated: Isolated,
+) -> None:
+    """The gate bounds a record's value, not its headers. The copy carried the original's headers plus
+    its own, so a mis-keyed event with 1 MB of them made a copy the producer refused (message too large):
+    the runner stopped, and stopped again on the same record at every restart. The copy now carries only
+    its own header; the event is applied and everything is accounted for."""
+    producer = Producer({"bootstrap.servers": isolated.stack.kafka_bootstrap, "message.max.bytes": 1_100_000})
+    start = time.time()
+    producer.produce(
+        isolated.topic,
+        key=b"not-the-shopper",
+        value=view("heavy-headers", start),
+        headers=[("trace", b"x" * 1_000_000)],
+    )
+    for i in range(3):
+        producer.produce(isolated.topic, key=b"light", value=view(f"light-{i}", start + i))
+    assert producer.flush(30) == 0
+    runner = EmbeddedRunner(isolated.runner(), log=RunnerLog())
+    stats = await asyncio.wait_for(runner.run(), 120)
+    acct = stats.accounting
+    assert acct.rekeyed == 4 and acct.accepted == 4 and acct.balanced, acct
+    assert stats.commits > 0
