@@ -158,7 +158,7 @@ class DegradationDetector:
         peers = [
             self.signals(e)
             for e in endpoints
-            if e is not endpoint and e.healthy and e.name not in drained and self._judged(e)
+            if e is not endpoint and _in_rotation(e, drained) and self._judged(e)
         ]
         if len(peers) < self.settings.min_peers:
             return None
@@ -178,7 +178,7 @@ class DegradationDetector:
         return None
 
     def _may_drain(self, endpoints: Sequence[Endpoint], drained: set[str]) -> bool:
-        routable = sum(e.healthy and e.name not in drained for e in endpoints)
+        routable = sum(_in_rotation(e, drained) for e in endpoints)
         cfg = self.settings
         return routable - 1 >= cfg.min_routable and len(drained) + 1 <= cfg.max_drained_fraction * len(
             endpoints
@@ -220,3 +220,10 @@ def apply_health_changes(endpoints: Sequence[Endpoint], changes: Sequence[Health
         endpoint.drained = change.action == "drained"
         if endpoint.drained:
             endpoint.extra["drains"] = endpoint.extra.get("drains", 0.0) + 1
+
+
+def _in_rotation(endpoint: Endpoint, drained: set[str]) -> bool:
+    """Serving traffic once this evaluation's drains apply: healthy, not quarantined for bad answers
+    (``answer_health``), and not drained. A quarantined replica is neither a peer to compare with nor
+    one that would take a drained replica's share."""
+    return endpoint.healthy and not endpoint.quarantined and endpoint.name not in drained

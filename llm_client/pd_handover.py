@@ -117,14 +117,16 @@ class PdHandover:
         unchanged (no P/D, a local prefill, or a context step that failed: never the caller's failure)."""
         if body is None:
             return None
-        plan = self._plan(decode, route)
-        if plan is None:
-            return None
         try:
             parsed = orjson.loads(body)
         except orjson.JSONDecodeError:
             return None  # the replica answers a body it cannot read with its own 400
         if not isinstance(parsed, dict):
+            return None
+        # Read before planning: choosing the context server books it (in flight, a queued prefill, the
+        # blocks it will hold), and only the context step gives that back.
+        plan = self._plan(decode, route)
+        if plan is None:
             return None
         generation = await self._prefilled(decode, route, plan, path, parsed)
         return None if generation is None else orjson.dumps(generation)

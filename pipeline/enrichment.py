@@ -104,9 +104,12 @@ class Enricher:
             lambda: sum(e.replicas_behind for e in client.endpoints),  # a gateway stands for its fleet
             overload.per_replica_in_flight,
         )
+        # Never past the client's own slots: a prompt admitted beyond them would wait at the client in
+        # arrival order, out of the gate's priority order and its wait budgets, unseen by the limit.
+        slots = client.config.max_in_flight
         fixed = overload.max_in_flight
         self.gate = AdmissionGate(
-            self.fleet_limit if fixed is None else (lambda: fixed),
+            (lambda: min(self.fleet_limit(), slots)) if fixed is None else (lambda: min(fixed, slots)),
             by_priority=overload.by_priority,
             lifo_after_s=overload.lifo_after_s if overload.by_priority else None,
         )

@@ -268,3 +268,23 @@ async def test_a_call_cancelled_during_its_context_step_gives_the_decode_booking
             assert len(decode._queued) == 0
             (server,) = client.endpoints
             assert (server.outstanding, server.outstanding_prefill_tokens) == (0, 0)
+
+
+async def test_a_forwarded_body_that_is_no_json_object_books_no_context_server() -> None:
+    """A pass-through body that is not a JSON object cannot be prefilled elsewhere, and goes to the
+    decode server unchanged for its own 400. It was read only after the policy had chosen a context
+    server, booking it (in flight, a queued prefill, the blocks it would hold) with nothing to give
+    that back: a thousand such bodies left a thousand prefills believed queued there."""
+    async with (
+        running_simulator(role="context", time_scale=0.0) as ctx,
+        running_simulator(role="generation", time_scale=0.0) as gen,
+        LLMClient(pd_config(gen.url, ctx.url, max_local_prefill_tokens=512)) as client,
+    ):
+        policy = client.policy
+        assert isinstance(policy, PdAwarePolicy)
+        route = RouteRequest("s1", " ".join(words(3000)), count_tokens(" ".join(words(3000))), 20)
+        for _ in range(3):
+            async with client.forward("/v1/chat/completions", b"[1, 2]", route) as forwarded:
+                assert forwarded.status == 400
+        assert policy.stats.remote == 0
+        assert await perf(ctx.url) == []

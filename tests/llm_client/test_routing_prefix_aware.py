@@ -382,6 +382,23 @@ def test_slow_replica_is_drained_reported_and_readmitted_after_cooldown() -> Non
     assert not eps[2].drained
 
 
+def test_a_quarantined_replica_counts_neither_as_routable_nor_as_a_peer() -> None:
+    """Two of four replicas quarantined for bad answers (``answer_health``) leave two routable, the
+    least ``min_routable`` keeps: a slow one among them stays. Counted as routable, the quarantined
+    ones let the detector drain it, leaving one replica for the whole fleet's traffic."""
+    eps = endpoints(4)
+    detector = DegradationDetector(DegradationSettings(min_samples=10, min_routable=2, min_peers=1))
+    for _ in range(30):
+        for e in eps:
+            latency = 5000.0 if e.name == "r2" else 1000.0
+            detector.observe_success(
+                e, latency, prompt_tokens=3000, cached_tokens=2900, completion_tokens=200
+            )
+    eps[0].quarantined = eps[1].quarantined = True
+    evaluate(detector, eps)
+    assert [e.name for e in eps if e.routable] == ["r2", "r3"]
+
+
 def test_erroring_replica_is_drained() -> None:
     eps = endpoints(4)
     detector = DegradationDetector(DegradationSettings(min_samples=10))

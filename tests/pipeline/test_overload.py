@@ -33,9 +33,10 @@ WAIT_S = 30.0
 """Upper bound on waiting for a condition the test needs (never asserted: a hang guard)."""
 
 
-def client_config(url: str) -> ClientConfig:
+def client_config(url: str, max_in_flight: int = 256) -> ClientConfig:
     return ClientConfig(
         endpoints=[url],
+        max_in_flight=max_in_flight,
         timeouts=Timeouts(connect_s=2, attempt_s=20, deadline_s=30),
         health=HealthSettings(interval_s=0.05),
         retry=RetrySettings(backoff_base_s=0.01),
@@ -156,14 +157,20 @@ async def test_in_flight_prompt_finishes_when_cancelling_is_off() -> None:
     assert metrics.get("sim_request_errors_total{reason=aborted}", 0) == 0
 
 
-async def admission_order(policy: OverloadPolicy) -> list[str]:
-    """Two browse pauses, then two cart adds, of four shoppers, queued at a gate of one slot that the
-    test holds; the order in which they are answered once it lets go."""
+async def admission_order(
+    policy: OverloadPolicy, *, gate_slots: int = 1, client_slots: int = 256
+) -> list[str]:
+    """Two browse pauses, then two cart adds, of four shoppers, queued at a gate of one slot (the least
+    of ``gate_slots`` and the client's ``client_slots``) that the test holds; the order in which they are
+    answered once it lets go."""
     browse = [Shopper(f"s-browse-{i}").browse_pause() for i in range(2)]
     cart = [Shopper(f"s-cart-{i}").cart() for i in range(2)]
     answered: list[str] = []
-    async with running_simulator(time_scale=0.01) as sim, LLMClient(client_config(sim.url)) as client:
-        enrich = enricher(client, policy, max_in_flight=1, freshness_target_s=WAIT_S)
+    async with (
+        running_simulator(time_scale=0.01) as sim,
+        LLMClient(client_config(sim.url, max_in_flight=client_slots)) as client,
+    ):
+        enrich = enricher(client, policy, max_in_flight=gate_slots, freshness_target_s=WAIT_S)
 
         async def one(prompt: PromptRequest) -> EnrichmentResult:
             result = await enrich.enrich(prompt)
@@ -190,6 +197,18 @@ async def test_purchase_and_cart_go_before_browse_pauses_at_a_saturated_gate() -
         "s-browse-1",
     ]
     assert await admission_order("latest_wins") == ["s-browse-0", "s-browse-1", "s-cart-0", "s-cart-1"]
+
+
+async def test_the_gate_admits_no_more_than_the_client_has_slots_for() -> None:
+    """A gate of four slots over a client of one: the three it admitted past the client's slot waited
+    at the client in arrival order, where purchase and cart no longer go first (and where no freshness
+    budget applies). The gate holds to the client's slots, so they wait at the gate, by priority."""
+    assert await admission_order("latest_wins_priority", gate_slots=4, client_slots=1) == [
+        "s-cart-0",
+        "s-cart-1",
+        "s-browse-0",
+        "s-browse-1",
+    ]
 
 
 async def test_with_a_backfill_a_prompt_past_its_budget_goes_behind_fresher_ones_and_is_answered() -> None:
