@@ -396,10 +396,11 @@ class EnrichPrompts(AsyncFunction):
     def _record(self, result: EnrichmentResult) -> None:
         if isinstance(result, ShopperInsight):
             self.stats.inc("llm_insights")
-            self.stats.inc("llm_prompt_tokens", result.usage.prompt_tokens)
-            self.stats.inc("llm_cached_tokens", result.usage.cached_tokens)
-            self.stats.observe("llm_latency", result.latency_ms)
-            self.stats.observe("llm_ttft", result.ttft_ms)
+            if not result.replayed:  # a ledger's or a joined call's answer: counted with its call
+                self.stats.inc("llm_prompt_tokens", result.usage.prompt_tokens)
+                self.stats.inc("llm_cached_tokens", result.usage.cached_tokens)
+                self.stats.observe("llm_latency", result.latency_ms)
+                self.stats.observe("llm_ttft", result.ttft_ms)
         elif isinstance(result, Superseded):  # not answered on purpose (pipeline.overload): no error
             self.stats.inc("llm_superseded")
         else:

@@ -136,9 +136,7 @@ class Enricher:
             self.counts.superseded_queued += 1
             return _superseded(prompt, "newer_prompt", claim.prompt.request_id)
         if arrival is Arrival.SAME:
-            self.counts.joined += 1
-            assert claim.task is not None  # set in the same step that made the claim
-            return await self._outcome(prompt, claim, asyncio.shield(claim.task))
+            return await self._joined(prompt, claim)
         if displaced is not None:
             self._displace(displaced, prompt)
         task = asyncio.create_task(self._admitted(prompt, claim))
@@ -155,6 +153,22 @@ class Enricher:
                 self.counts.cancelled_in_flight += 1
             else:
                 self.counts.superseded_queued += 1
+
+    async def _joined(self, prompt: PromptRequest, claim: Claim) -> EnrichmentResult:
+        """The same prompt again while its call is on (a replay): that call's result, marked
+        ``replayed`` (this prompt asked the model nothing). When the first caller was cancelled rather
+        than displaced (a shutdown, its own timeout), no newer prompt exists and this one is still owed
+        an answer: it is asked again, as the shopper's newest."""
+        assert claim.task is not None  # set in the same step that made the claim
+        self.counts.joined += 1
+        result = await self._outcome(prompt, claim, asyncio.shield(claim.task))
+        if claim.superseded_by is None and claim.task.cancelled():
+            self.counts.joined -= 1
+            self.claims.leave(claim)
+            return await self.enrich(prompt)
+        if isinstance(result, ShopperInsight):
+            return result.model_copy(update={"replayed": True})
+        return result
 
     async def _outcome(
         self, prompt: PromptRequest, claim: Claim, work: Awaitable[EnrichmentResult]

@@ -4,8 +4,11 @@ A shopper's prompts extend one another (the next one repeats the whole history a
 older prompt still waiting when a newer one arrives would only produce a signal that is stale on
 arrival. ``ShopperClaims`` keeps each shopper's newest claim; a newer version ``(session_epoch, seq)``
 takes the claim over and the older one is told to stop (``Claim.displace``). A prompt that arrives
-older than the claim is superseded at once; the same ``request_id`` twice (a replay while the first
-is still in flight) joins the first call instead of paying for a second.
+older than the claim is superseded at once; the same ``request_id`` twice for the same events (a replay
+while the first is still in flight) joins the first call instead of paying for a second. The same
+``request_id`` for other events (a restored Flink job's timer waits for the replay, so its seq ``n`` can
+hold an event more than the copy sent before the failure) is the newer prompt: joined, it would get the
+first copy's answer and leave that event named by no result, as the answer ledger's ``other_events``.
 
 This is per process: both engines key prompts by shopper, so all of a shopper's prompts meet here.
 """
@@ -65,7 +68,7 @@ class ShopperClaims:
         """Where ``prompt`` stands: (arrival, the claim it displaced if any, the claim that holds now)."""
         current = self._newest.get(prompt.shopper_id)
         if current is not None:
-            if current.prompt.request_id == prompt.request_id:
+            if current.prompt.request_id == prompt.request_id and _same_events(current.prompt, prompt):
                 return Arrival.SAME, None, current
             if current.version > (prompt.session_epoch, prompt.seq):
                 return Arrival.OLDER, None, current
@@ -80,3 +83,9 @@ class ShopperClaims:
 
     def __len__(self) -> int:
         return len(self._newest)
+
+
+def _same_events(held: PromptRequest, arriving: PromptRequest) -> bool:
+    return (
+        held.new_event_ids == arriving.new_event_ids and held.trimmed_event_ids == arriving.trimmed_event_ids
+    )

@@ -94,8 +94,9 @@ class ShopperInsight(BaseModel):
     """How long it waited at the admission gate (``pipeline.admission``) before it was sent: with
     ``latency_ms``, the time from the prompt becoming due to its answer, apart from the trigger's wait."""
     replayed: bool = False
-    """True when this answer was read back from the answer ledger (``pipeline.answer_ledger``) instead
-    of asking the model again: the prompt was replayed after its answer had been recorded."""
+    """True when this prompt asked the model nothing: its answer was read back from the answer ledger
+    (``pipeline.answer_ledger``: replayed after its answer had been recorded), or it joined the same
+    prompt's call still in flight. Its usage and timings are that call's, counted once already."""
 
 
 class EnrichmentError(BaseModel):

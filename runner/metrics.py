@@ -58,7 +58,7 @@ class RunnerMetrics:
         self.registry.register(_StateCollector(view))
 
     def observe_result(self, result: EnrichmentResult, freshness_ms: float | None) -> None:
-        if isinstance(result, ShopperInsight):
+        if isinstance(result, ShopperInsight) and not result.replayed:  # one observation per model call
             self.llm_latency.observe(result.latency_ms / 1000)
             self.llm_ttft.observe(result.ttft_ms / 1000)
         if freshness_ms is not None:

@@ -62,8 +62,9 @@ class PromptFlight:
         acct = stats.accounting
         if isinstance(result, ShopperInsight):
             acct.insights += 1
-            stats.prompt_tokens += result.usage.prompt_tokens
-            stats.cached_tokens += result.usage.cached_tokens
+            if not result.replayed:  # a ledger's or a joined call's answer: its tokens are counted once
+                stats.prompt_tokens += result.usage.prompt_tokens
+                stats.cached_tokens += result.usage.cached_tokens
         elif isinstance(result, EnrichmentError):
             acct.errors += 1
             runner.log(f"error record {result.request_id}: {result.error_type}: {result.message[:160]}")

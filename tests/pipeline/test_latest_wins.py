@@ -75,3 +75,16 @@ async def test_a_claim_whose_work_already_ended_is_not_counted_as_displaced() ->
     assert arrival is Arrival.NEWEST and displaced is older
     assert not older.displace(prompt("a", 1, 2), cancel_in_flight=True)
     assert not older.task.cancelled()
+
+
+def test_the_same_request_id_for_more_events_is_the_newer_prompt_not_a_join() -> None:
+    """A restored Flink job's timer waits for the replay, so it can send seq n again under the same
+    ``request_id`` with an event more. Joined to the first copy still waiting, it got that copy's
+    answer, and the event it added was named by no result; it takes the claim over instead."""
+    first = prompt("a", 1, 1).model_copy(update={"new_event_ids": ["e1"]})
+    again = first.model_copy(update={"new_event_ids": ["e1", "e2"]})
+    claims = ShopperClaims()
+    _, _, held = claims.arrive(first)
+    assert claims.arrive(first.model_copy())[0] is Arrival.SAME
+    arrival, displaced, now_held = claims.arrive(again)
+    assert arrival is Arrival.NEWEST and displaced is held and now_held.prompt is again

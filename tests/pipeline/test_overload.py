@@ -11,6 +11,7 @@ until the test lets go, so the order does not depend on timing."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 
 import aiohttp
 
@@ -328,7 +329,7 @@ async def test_the_same_prompt_twice_at_once_is_sent_once() -> None:
         results = await asyncio.gather(enrich.enrich(prompt), enrich.enrich(prompt))
         metrics = await sim_metrics(sim)
     assert [type(r) for r in results] == [ShopperInsight, ShopperInsight]
-    assert results[0] == results[1]
+    assert results[1] == results[0].model_copy(update={"replayed": True})  # asked the model nothing
     assert requests_received(metrics) == 1
     assert enrich.counts.joined == 1
 
@@ -345,3 +346,25 @@ async def test_an_older_prompt_arriving_after_a_newer_one_is_superseded_at_once(
         metrics = await sim_metrics(sim)
     assert isinstance(late, Superseded) and late.superseded_by == newer.request_id
     assert requests_received(metrics) == 1
+
+
+async def test_a_replay_joined_to_a_call_whose_caller_went_away_is_still_answered() -> None:
+    """A replayed prompt joins the same prompt's call. When that call's own caller is cancelled (a
+    shutdown, its timeout), the call ends with no newer prompt: the joiner was recorded as superseded
+    by a newer prompt that did not exist, and the shopper's newest prompt was never answered. It is
+    asked again now."""
+    prompt = Shopper("s-replay").cart()
+    async with running_simulator(time_scale=0.01) as sim, LLMClient(client_config(sim.url)) as client:
+        enrich = enricher(client, max_in_flight=1)
+        await enrich.gate.acquire(HELD)
+        first = asyncio.create_task(enrich.enrich(prompt))
+        await until(lambda: enrich.gate.waiting == 1)
+        replay = asyncio.create_task(enrich.enrich(prompt))
+        await until(lambda: enrich.counts.joined == 1)
+        first.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await first
+        enrich.gate.release()
+        result = await replay
+        assert isinstance(result, ShopperInsight) and not result.replayed, result
+        assert enrich.counts.joined == 0
