@@ -78,14 +78,20 @@ class SessionProcessor:
             return []
         return [self._emit(session, pending.reason, pending.due_ts)]
 
-    def fire_armed(self, session: ShopperSession, due_ts: float) -> list[PromptRequest]:
-        """A timer armed for the trigger due at ``due_ts`` is due (the embedded runner's wall-clock
-        timers, which keep stale entries): fires the pending trigger only if it is that one. A stale
-        entry of an earlier trigger must not fire a newer one that is due sooner (a late cart add's
-        rate limit under a browse pause's entry) before its own timer: the runner then prompted without
-        the events the Flink job's prompt held, whose stale timer is deleted when it re-arms."""
+    def fire_armed(
+        self, session: ShopperSession, due_ts: float, version: tuple[int, int] | None = None
+    ) -> list[PromptRequest]:
+        """A timer armed for the trigger due at ``due_ts`` when the session's prompt version was
+        ``version`` is due (the embedded runner's wall-clock timers, which keep stale entries): fires
+        the pending trigger only if it is that one. A stale entry of an earlier trigger must not fire a
+        newer one that is due sooner (a late cart add's rate limit under a browse pause's entry) before
+        its own timer, nor one with the same due time armed after a prompt (a late event after a pause
+        fired): the runner then prompted without the events the Flink job's prompt held, whose stale
+        timer is deleted when it re-arms or fires."""
         pending = session.pending
         if pending is None or pending.due_ts != due_ts:
+            return []
+        if version is not None and version != (session.epoch, session.seq):
             return []
         return [self._emit(session, pending.reason, pending.due_ts)]
 

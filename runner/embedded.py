@@ -283,7 +283,7 @@ class EmbeddedRunner:
             deadline = None
             if session.pending is not None:
                 deadline = self.triggers.wall_deadline(session)
-                self.timers.arm(sid, session.pending.due_ts, deadline)
+                self.timers.arm(sid, session.pending.due_ts, deadline, (session.epoch, session.seq))
             changes = session.take_changes()
             epoch.deltas.append(SessionDelta(sid, sessions.partition_of(sid), changes, deadline))
         self.epochs.append(epoch)

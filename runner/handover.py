@@ -184,4 +184,4 @@ class RebalanceHandover:
                 # ahead is kept (a clean handover moves no pause).
                 now = runner.timers.now()
                 held = wall if wall > now else runner.triggers.wall_deadline(session)
-                runner.timers.arm(sid, session.pending.due_ts, held)
+                runner.timers.arm(sid, session.pending.due_ts, held, (session.epoch, session.seq))

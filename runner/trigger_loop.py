@@ -32,11 +32,11 @@ class TriggerLoop:
         while True:
             fired: set[str] = set()
             epoch = Epoch(lease=runner.assignment.lease)
-            for sid, due_ts in runner.timers.pop_due():
+            for sid, due_ts, version in runner.timers.pop_due():
                 session = runner.sessions.get(sid)
                 if session is None:
                     continue
-                prompts = runner.processor.fire_armed(session, due_ts)
+                prompts = runner.processor.fire_armed(session, due_ts, version)
                 for prompt in prompts:
                     runner.prompts.launch(prompt, epoch, None)
                 if prompts:

@@ -141,6 +141,26 @@ def test_an_armed_timer_fires_only_its_own_trigger() -> None:
     assert fired.reason == "add_to_cart" and session.pending is None
 
 
+def test_an_entry_armed_before_a_prompt_does_not_fire_the_next_pause_with_its_due_time() -> None:
+    """A pause due at 120 fires; a late view (95) after it makes a new pause with the same due time,
+    since the newest event (100) has not moved. An entry the runner armed for the first pause before
+    it fired (a second arm, by the late view before the fire) popped then and fired the new pause at
+    once, without its quiet period, where the Flink job, whose one timer is deleted when it fires,
+    waits a whole period after the late view: the two engines made different prompts. An entry fires
+    only the trigger of the prompt version it was armed under."""
+    processor = SessionProcessor(SessionConfig(triggers=TriggerPolicy(quiet_period_s=20)))
+    session = processor.new_session("s1")
+    processor.apply(session, event("view", 100))
+    processor.apply(session, event("view", 97))  # late: the pause stays due at 120, armed again
+    armed_before = (session.epoch, session.seq)
+    [first] = processor.fire_armed(session, due_ts=120, version=armed_before)
+    processor.apply(session, event("view", 95))  # late again, after the fire
+    assert session.pending is not None and session.pending.due_ts == 120
+    assert processor.fire_armed(session, due_ts=120, version=armed_before) == [], "armed before the fire"
+    [second] = processor.fire_armed(session, due_ts=120, version=(session.epoch, session.seq))
+    assert (first.seq, second.seq) == (1, 2)
+
+
 def test_a_late_browse_event_never_brings_the_pause_forward() -> None:
     """Views at t and t+gap, then one from before t arrives late: the browse pause still waits a whole
     quiet period after t+gap, and the shopper's next event inside that period fires nothing."""

@@ -19,7 +19,7 @@ async def test_a_cancel_that_comes_as_a_timer_is_armed_stops_the_wait() -> None:
     waiting = asyncio.create_task(timers.wait(longest_s=30))
     for _ in range(3):  # the wait is parked on its wake-up
         await asyncio.sleep(0)
-    timers.arm("s1", due_ts=1.0, deadline=0.0)  # wakes the wait...
+    timers.arm("s1", due_ts=1.0, deadline=0.0, version=(0, 0))  # wakes the wait...
     waiting.cancel()  # ...and the cancel comes in the same step
     with pytest.raises(asyncio.CancelledError):
         await asyncio.wait_for(waiting, 5)
