@@ -226,8 +226,13 @@ class ShopperSessionFunction(KeyedProcessFunction):
         key = ctx.get_current_key()
         key = key[0] if isinstance(key, tuple | list) or hasattr(key, "_values") else key  # Row(key)
         if isinstance(event, ShopperEvent) and event.shopper_id != key:
-            # It cannot be re-keyed here: a dead letter, never a silently misplaced event.
-            reason = f"shopper_id {event_id_repr(record[0])} is ambiguous (duplicated field)"
+            # It cannot be re-keyed here: a dead letter, never a silently misplaced event. The gate
+            # refuses what JSON_VALUE cannot read (a number past 1,000 characters, NaN), so this is
+            # JSON the two parsers read differently.
+            reason = (
+                f"shopper_id {event.shopper_id[:60]!r} is not the key Flink's JSON_VALUE read "
+                f"from the same record ({str(key)[:60]!r})"
+            )
             event = dead_letter_json(record, reason, self.dlq_max_original_bytes)
         if isinstance(event, str):
             self.records_dlq.inc()
@@ -293,10 +298,6 @@ class ShopperSessionFunction(KeyedProcessFunction):
         self.armed.update(ArmedTimer(later, armed.due_ts, now_ms).to_state())
         self.restored_timers_deferred.inc()
         return True
-
-
-def event_id_repr(raw: bytes | None) -> str:
-    return "?" if raw is None else repr(raw[:40])
 
 
 class EnrichPrompts(AsyncFunction):

@@ -260,7 +260,41 @@ def _parse(raw: bytes | bytearray | memoryview | None) -> ShopperEvent:
     except ValidationError as exc:
         raise MalformedEvent(describe_validation_error(exc)) from None
     _reject_non_finite_literals(raw)
+    _reject_long_numbers(raw)
     return event
+
+
+MAX_NUMBER_CHARS = 1000
+"""The longest number literal an event may hold, in any field: Flink's JSON functions (Jackson's
+``StreamReadConstraints``, 1,000 characters) refuse a longer one, so the Flink job could not read the
+event's key (``JSON_VALUE``), and the same bytes were a dead letter there and an event here."""
+_LONG_NUMBER = re.compile(rb"[-+.eE0-9]{%d}" % (MAX_NUMBER_CHARS + 1))
+"""A run of number characters past the limit: a number literal that may be too long (or a string of
+such characters, which the check below tells apart)."""
+
+
+def _reject_long_numbers(raw: bytes | bytearray | memoryview) -> None:
+    """A number literal over ``MAX_NUMBER_CHARS`` is refused, even in a field the schema ignores.
+    Events shorter than the limit cannot hold one, and longer ones are parsed again only where a run of
+    number characters that long is there at all. Checked only where pydantic accepted."""
+    data = bytes(raw)
+    if len(data) <= MAX_NUMBER_CHARS or _LONG_NUMBER.search(data) is None:
+        return
+    longest = [0]
+
+    def note(literal: str) -> float:
+        longest[0] = max(longest[0], len(literal))
+        return 0.0
+
+    try:
+        json.loads(data, parse_int=note, parse_float=note)
+    except ValueError:  # pydantic accepted it: not expected, and not this check's to judge
+        return
+    if longest[0] > MAX_NUMBER_CHARS:
+        raise MalformedEvent(
+            f"invalid JSON: a number of {longest[0]} characters, over the {MAX_NUMBER_CHARS} "
+            "that JSON readers such as Flink's accept"
+        )
 
 
 def _reject_non_finite_literals(raw: bytes | bytearray | memoryview) -> None:
@@ -354,14 +388,13 @@ MIRROR_MAX_BRACKETS = 200
 """More ``[`` and ``{`` than this (pydantic refuses nesting past 200) and pydantic decides; an event this
 pipeline's producers write has a handful. Nesting that deep takes more than twice as many bytes, so
 shorter events are not counted at all."""
-_LONG_DIGITS = re.compile(rb"\d{4301}")
-"""A number longer than ``int()`` reads (4,300 digits): pydantic refuses it, even in a field it ignores."""
 
 
 def mirror_may_decide(raw: bytes | bytearray | memoryview) -> bool:
     """Whether the msgspec mirror may decide ``raw``. It skips a field it does not know without
     checking it, where pydantic checks every byte: invalid UTF-8 there, or a number past 4,300 digits,
-    or nesting past pydantic's limit, is accepted by the one and refused by the other. Nesting is also
+    or nesting past pydantic's limit, is accepted by the one and refused by the other (and a number past
+    ``MAX_NUMBER_CHARS``, which ``_reject_long_numbers`` refuses after pydantic). Nesting is also
     where msgspec's own limit depends on how deep the caller's stack is, so the same bytes were an event
     for ``parse_events`` and a rejection for ``parse_event``. Such bytes go to pydantic. The common
     case (a few hundred ASCII bytes) costs a length and an ASCII check, in C."""
@@ -374,7 +407,7 @@ def mirror_may_decide(raw: bytes | bytearray | memoryview) -> bool:
             data.decode("utf-8")
         except UnicodeDecodeError:
             return False
-    return size <= 4300 or _LONG_DIGITS.search(data) is None
+    return size <= MAX_NUMBER_CHARS or _LONG_NUMBER.search(data) is None
 
 
 def _from_wire(wire: _WireEvent) -> ShopperEvent | None:

@@ -28,15 +28,24 @@ BASE: dict[str, Any] = {
 
 
 def _reference(raw: bytes) -> ShopperEvent | str:
-    """What pydantic says (the event, or the rejection reason), and the one rule the gate adds:
-    ``NaN`` and ``Infinity`` are not JSON numbers (RFC 8259), wherever they are."""
+    """What pydantic says (the event, or the rejection reason), and the two rules the gate adds, for
+    what Flink's JSON functions cannot read: ``NaN`` and ``Infinity`` are not JSON numbers (RFC 8259),
+    and no number is longer than 1,000 characters, wherever they are."""
     try:
         event = events._EVENT.validate_json(raw)
     except pydantic.ValidationError as exc:
         return events.describe_validation_error(exc)
     literals: list[str] = []
-    json.loads(raw, parse_constant=literals.append)
-    return f"invalid JSON: {literals[0]} is not a JSON number (RFC 8259)" if literals else event
+    numbers: list[int] = [0]
+    json.loads(raw, parse_constant=literals.append, parse_int=lambda n: numbers.append(len(n)))
+    json.loads(raw, parse_constant=lambda _: 0, parse_float=lambda n: numbers.append(len(n)))
+    if literals:
+        return f"invalid JSON: {literals[0]} is not a JSON number (RFC 8259)"
+    if max(numbers) > 1000:
+        longest = max(numbers)
+        readers = "JSON readers such as Flink's accept"
+        return f"invalid JSON: a number of {longest} characters, over the 1000 that {readers}"
+    return event
 
 
 def _assert_same_as_pydantic(raw: bytes) -> None:
@@ -105,6 +114,14 @@ EDGE_CASES = [
     _raw(BASE)[:-1] + b',"x":"\xc0\xaf"}',
     _raw(BASE)[:-1] + b',"x":' + b"9" * 5000 + b"}",
     _raw(BASE)[:-1] + b',"x":' + b"9" * 4300 + b"}",
+    # Number literals past the 1,000 characters Flink's JSON_VALUE reads (Jackson), and just within:
+    _raw(BASE)[:-1] + b',"x":' + b"9" * 1001 + b"}",
+    _raw(BASE)[:-1] + b',"x":' + b"9" * 1000 + b"}",
+    _raw(BASE)[:-1] + b',"x":-' + b"9" * 999 + b"}",
+    _raw(BASE)[:-1] + b',"x":1.' + b"0" * 1199 + b"}",
+    _raw(BASE)[:-1] + b',"x":1.' + b"5" * 500 + b"e" + b"7" * 500 + b"}",
+    _raw(BASE)[:-1] + b',"x":"' + b"9" * 1500 + b'"}',  # a string of digits is no number
+    _raw(BASE)[:-1] + b',"x":[' + b",".join([b"9" * 900] * 3) + b"]}",
     _raw(BASE)[:-1] + ',"x":"h\u00e9llo \U0001f600"}'.encode(),
     b"\xef\xbb\xbf" + _raw(BASE),
     b" \n" + _raw(BASE) + b" \n",
