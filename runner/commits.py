@@ -59,6 +59,12 @@ class Committer:
                     functools.partial(self.commit_offsets, offsets, lease),
                     on_fenced=lambda exc: self.runner.log(f"commit skipped, the group is rebalancing: {exc}"),
                 )
+            elif not self.runner.epochs:
+                # Nothing read since the last commit, and nothing waiting (an idle partition, or fired
+                # timers, whose epochs carry no offsets, all saved): up to date, as after a commit.
+                # Left alone, the age grew on a healthy idle runner and set off the alert for a
+                # runner that makes nothing durable.
+                self.runner.stats.last_commit_at = time.monotonic()
 
     def commit_offsets(self, offsets: list[TopicPartition], lease: int) -> None:
         """Blocking: call off the loop, or on the consumer thread. Commits nothing once ``lease`` has

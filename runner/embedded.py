@@ -354,7 +354,7 @@ class EmbeddedRunner:
 
     async def _measure_lag(self) -> None:
         """About once a second (each progress interval, where shorter), the lag from the watermarks the
-        consumer last saw (no broker round trip), measured on a thread: one measurement at a time, and
+        consumer last saw (``cached_lag_by_partition``), measured on a thread: one measurement at a time, and
         a blocked or failed one only delays the next (the last one stands meanwhile)."""
         while True:
             assignment = list(self.assignment.partitions)

@@ -142,7 +142,8 @@ class _StateCollector(Collector):
         last = stats.last_commit_at if stats.last_commit_at is not None else view.started_at
         yield gauge(
             "last_commit_age_seconds",
-            "Seconds since the last offset commit (since start before the first)",
+            "Seconds since the runner was last up to date: its last offset commit, or a durable point "
+            "that found nothing left to commit (since start before either)",
             time.monotonic() - last,
         )
         yield counter("sink_retries", "Redis / S3 / session-store writes retried", stats.sink_retries)

@@ -5,11 +5,12 @@ Everything that grows with a long run is bounded: freshness keeps the most recen
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections import deque
 from dataclasses import dataclass, field
 
-from confluent_kafka import Consumer, TopicPartition
+from confluent_kafka import Consumer, KafkaException, TopicPartition
 
 from pipeline.accounting import Accounting
 from pipeline.overload import OverloadCounts, TokenCounts
@@ -29,7 +30,8 @@ class RunnerStats:
     """Kafka timestamp of the triggering event -> result stored, most recent samples."""
     commits: int = 0
     last_commit_at: float | None = None
-    """Monotonic time of the last offset commit."""
+    """``time.monotonic()`` of the last offset commit, or of the last durable point that found nothing
+    left to commit (up to date); None before either."""
     paused_times: int = 0
     sink_retries: int = 0
     """Sink writes (Redis, S3, session store) retried after a failure (an outage, a restart)."""
@@ -110,13 +112,25 @@ class ProgressLine:
 
 def cached_lag_by_partition(consumer: Consumer, assignment: list[TopicPartition]) -> dict[int, int]:
     """Records behind the high watermark per assigned partition, from the watermarks the consumer
-    last saw (no broker round trip). Still a call on the consumer, which waits behind a synchronous
-    commit to an unreachable coordinator: call it on a thread (``EmbeddedRunner._measure_lag``)."""
+    last saw; a broker round trip only for partitions without a position (their committed offsets).
+    Calls on the consumer wait behind a synchronous commit to an unreachable coordinator: call it on
+    a thread (``EmbeddedRunner._measure_lag``)."""
     if not assignment:
         return {}
+    positions = consumer.position(assignment)
+    # A partition nothing was consumed from since it was assigned has no position yet: its lag runs
+    # from the group's committed offset (one round trip, for those only), not from 0. Measured from
+    # 0, an idle partition another member had finished read as wholly behind, and kept the
+    # "falling behind" alert on, until its next record came.
+    unread = [tp for tp in positions if tp.offset < 0]
+    committed: dict[int, int] = {}
+    if unread:
+        with contextlib.suppress(KafkaException):
+            committed = {tp.partition: tp.offset for tp in consumer.committed(unread, timeout=5)}
     lag = {}
-    for tp in consumer.position(assignment):
-        _, high = consumer.get_watermark_offsets(tp, cached=True)
+    for tp in positions:
+        low, high = consumer.get_watermark_offsets(tp, cached=True)
         if high >= 0:
-            lag[tp.partition] = max(0, high - max(tp.offset, 0))
+            at = tp.offset if tp.offset >= 0 else committed.get(tp.partition, -1)
+            lag[tp.partition] = max(0, high - max(at, low, 0))
     return lag

@@ -32,6 +32,7 @@ from shopper.readback import list_s3_records
 from sinks.redis import RedisSignalSink
 from tests.conftest import Isolated
 from tests.helpers import dashboard_metric_names, expected_prompts, produce_records, unscoped_queries
+from tests.runner.kit import cart_add
 
 ROOT = Path(__file__).resolve().parents[2]
 DASHBOARD = ROOT / "docker/grafana/dashboards/shopper-runner.json"
@@ -343,6 +344,38 @@ def test_lines_logged_from_several_threads_stay_whole_lines(fmt: LogFormat) -> N
 
 
 @pytest.mark.slow
+def test_an_idle_partition_the_group_finished_shows_no_lag(isolated: Isolated) -> None:
+    """A runner drains the topic and commits; a second member of the same group, with nothing new to
+    read, has no position on its partitions yet. Its lag ran from offset 0, so it reported the whole
+    topic as behind (and the "falling behind" alert fired) until new records came; it runs from the
+    group's committed offset now."""
+    start = time.time()
+    produce_records(
+        isolated.stack.kafka_bootstrap, isolated.topic, [cart_add(f"s{i}", start + i) for i in range(40)]
+    )
+    first = asyncio.run(EmbeddedRunner(isolated.runner(), log=lambda _: None).run())
+    assert first.accounting.consumed == 40 and first.commits > 0
+    second = EmbeddedRunner(isolated.runner(until_drained=False, progress_interval_s=0.5), log=lambda _: None)
+
+    async def scenario() -> dict[int, int]:
+        task = asyncio.create_task(second.run())
+        try:
+            async with asyncio.timeout(60):
+                while len(second.lag_by_partition()) < 4:
+                    assert not task.done(), "the runner ended early"
+                    await asyncio.sleep(0.1)
+            return second.lag_by_partition()
+        finally:
+            second.request_stop()
+            await task
+
+    assert asyncio.run(scenario()) == {0: 0, 1: 0, 2: 0, 3: 0}
+    assert second.stats.accounting.consumed == 0
+    # Up to date with nothing to commit: its durable points count as commits for the age, which grew
+    # from its start on a healthy idle member (and set off the "nothing made durable" alert).
+    assert second.stats.commits == 0 and second.stats.last_commit_at is not None
+
+
 def test_a_member_without_partitions_is_live_but_not_ready(isolated: Isolated) -> None:
     """Two runners in one group on a one-partition topic: the member left without a partition answers
     /health/live 200 and /health/ready 503 with the reason, and exports shopper_runner_ready 0."""
