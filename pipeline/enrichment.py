@@ -209,8 +209,9 @@ class Enricher:
             self.gate.release()
         if isinstance(result, ShopperInsight):
             usage = result.usage
-            token_ms = (result.latency_ms - result.ttft_ms) / max(1, usage.completion_tokens - 1)
-            self.fleet_limit.observe(result.ttft_ms, demand=self.gate.waiting > 0, token_ms=token_ms)
+            if self.client.config.stream:  # unstreamed, the first token's time is the whole answer's
+                token_ms = (result.latency_ms - result.ttft_ms) / max(1, usage.completion_tokens - 1)
+                self.fleet_limit.observe(result.ttft_ms, demand=self.gate.waiting > 0, token_ms=token_ms)
             self.tokens.landed(
                 usage.prompt_tokens,
                 usage.cached_tokens,

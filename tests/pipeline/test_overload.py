@@ -19,6 +19,7 @@ from bench.fleet import flat_samples
 from llm_client import ClientConfig, LLMClient
 from llm_client.config import HealthSettings, RetrySettings, Timeouts
 from pipeline.admission import Rank
+from pipeline.admission_limit import AdaptiveLimitSettings
 from pipeline.enrichment import Enricher, EnrichmentSettings
 from pipeline.overload import OverloadPolicy, OverloadSettings
 from prompt_assembly.processor import SessionProcessor
@@ -368,3 +369,18 @@ async def test_a_replay_joined_to_a_call_whose_caller_went_away_is_still_answere
         result = await replay
         assert isinstance(result, ShopperInsight) and not result.replayed, result
         assert enrich.counts.joined == 0
+
+
+async def test_answers_not_streamed_do_not_cut_the_admission_limit() -> None:
+    """Unstreamed, an answer's time to first token is its whole latency: every ordinary answer longer
+    than ``adaptive.queue_ttft_ms`` (a 200-token decode) read as a queue at the replica and cut the
+    limit, down to one prompt a replica on a healthy fleet. The limit learns only from streamed
+    answers."""
+    adaptive = AdaptiveLimitSettings(queue_ttft_ms=300.0, cut_interval_s=0.001)
+    async with running_simulator(time_scale=1.0) as sim:
+        config = client_config(sim.url).model_copy(update={"stream": False})
+        async with LLMClient(config) as client:
+            enrich = enricher(client, adaptive=adaptive, freshness_target_s=WAIT_S)
+            results = await asyncio.gather(*(enrich.enrich(Shopper(f"s{i}").cart()) for i in range(3)))
+            assert all(isinstance(r, ShopperInsight) and r.ttft_ms > 300 for r in results)
+            assert (enrich.gate.limit, enrich.fleet_limit.cuts) == (16, 0)
