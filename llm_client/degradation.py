@@ -102,6 +102,12 @@ class DegradationDetector:
             found = self._signals[endpoint.name] = _ReplicaSignals()
         return found
 
+    def forget(self, endpoint: Endpoint) -> None:
+        """``endpoint`` left the fleet (``Fleet.set_endpoints``): its signals go with it, so a replica
+        added again under the same address is judged afresh, not on the old process's latencies and
+        errors, and addresses that churn (pod IPs) do not pile up."""
+        self._signals.pop(endpoint.name, None)
+
     # ---- observations ------------------------------------------------------------------------------
     def observe_success(
         self,

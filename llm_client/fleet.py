@@ -57,13 +57,15 @@ class Fleet:
 
     def set_endpoints(self, urls: Sequence[str]) -> None:
         """Route to exactly ``urls`` from now on. Kept replicas keep their state; new ones start fresh;
-        dropped ones are forgotten by the routing policy and the answer health."""
+        dropped ones are forgotten by the routing policy, the answer health and the degradation
+        detector."""
         wanted = [u.rstrip("/") for u in urls]
         current = {e.url: e for e in self.endpoints}
         for url, endpoint in current.items():
             if url not in wanted:
                 self.policy.forget(endpoint)
                 self.answer_health.forget(endpoint)
+                self.degradation.forget(endpoint)
                 for forget in self.on_forget:
                     forget(endpoint)
         self.endpoints = [current.get(url) or Endpoint(url, endpoint_name(url)) for url in wanted]

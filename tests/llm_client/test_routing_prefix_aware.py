@@ -10,6 +10,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from llm_client import ClientConfig, LLMClient
 from llm_client.degradation import DegradationDetector, DegradationSettings, apply_health_changes
 from llm_client.endpoints import Endpoint
 from llm_client.kv_events import parse_events
@@ -397,6 +398,22 @@ def test_a_quarantined_replica_counts_neither_as_routable_nor_as_a_peer() -> Non
     eps[0].quarantined = eps[1].quarantined = True
     evaluate(detector, eps)
     assert [e.name for e in eps if e.routable] == ["r2", "r3"]
+
+
+def test_a_replica_that_left_and_came_back_is_judged_afresh() -> None:
+    """Capacity shifting moves a replica out of a client's pool and back (``set_endpoints``). Its
+    degradation signals stayed: the replica came back already judged, on the latencies of whatever ran
+    there before, and addresses that churn piled up. They go with the replica now."""
+    client = LLMClient(ClientConfig(endpoints=["http://a:1", "http://b:1"]))
+    detector = client.fleet.degradation
+    for _ in range(30):
+        detector.observe_success(
+            client.endpoints[1], 5000.0, prompt_tokens=100, cached_tokens=0, completion_tokens=50
+        )
+    assert detector.signals(client.endpoints[1]).samples == 30
+    client.set_endpoints(["http://a:1"])
+    client.set_endpoints(["http://a:1", "http://b:1"])
+    assert detector.signals(client.endpoints[1]).samples == 0
 
 
 def test_erroring_replica_is_drained() -> None:
