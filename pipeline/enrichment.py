@@ -19,6 +19,7 @@ replayed call that the ledger did not catch (one in flight at a crash).
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import hashlib
 import time
 from collections.abc import Awaitable
@@ -31,6 +32,7 @@ from llm_client.answer_text import json_object_text
 from llm_client.client import LLMClient
 from llm_client.config import ClientConfig
 from llm_client.errors import InvalidAnswer, LLMError, SupersededByNewer
+from llm_client.hooks import Attempt
 from pipeline.admission import BACKFILL_CLASS, AdmissionGate, Evicted
 from pipeline.admission_limit import AdaptiveAdmissionLimit
 from pipeline.answer_ledger import AnswerLedger
@@ -117,6 +119,8 @@ class Enricher:
         self.counts = OverloadCounts()
         self.tokens = TokenCounts()
         self._supersedes_in_flight = overload.latest_wins and overload.cancel_in_flight
+        if _sent not in client.hooks.attempt_started:
+            client.hooks.attempt_started.append(_sent)
 
     async def enrich(self, prompt: PromptRequest) -> EnrichmentResult:
         """Exactly one result for ``prompt``; raises only when the caller's own task is cancelled."""
@@ -198,12 +202,13 @@ class Enricher:
             if not await self._backfilled(overload.max_backfill):
                 self.counts.dropped_stale += 1
                 return _superseded(prompt, "stale", None)
-        sent = time.perf_counter()
+        admitted = time.perf_counter()
         try:
-            claim.in_flight = True
-            result = await self._answer(prompt, claim, (sent - arrived) * 1000)
+            _CLAIM.set(claim)  # this task's: ``_sent`` marks it in flight once an attempt starts
+            result = await self._answer(prompt, claim, (admitted - arrived) * 1000)
         except asyncio.CancelledError:
-            self._not_landed(prompt, sent)
+            if claim.sent_at is not None:
+                self._not_landed(prompt, claim.sent_at)
             raise
         finally:
             self.gate.release()
@@ -220,7 +225,7 @@ class Enricher:
                 result.latency_ms / 1000,
             )
         elif isinstance(result, EnrichmentError) and result.attempts:
-            self._not_landed(prompt, sent)
+            self._not_landed(prompt, claim.sent_at or admitted)
         return result
 
     async def _backfilled(self, limit: int) -> bool:
@@ -364,6 +369,21 @@ def _superseded(
         cancelled_in_flight=cancelled_in_flight,
         produced_at=time.time(),
     )
+
+
+_CLAIM: contextvars.ContextVar[Claim | None] = contextvars.ContextVar("enrichment_claim", default=None)
+"""The claim whose call the current task makes (set in ``Enricher._admitted``, which runs in the
+claim's own task), so the client's attempt hook knows which prompt it is sending."""
+
+
+def _sent(attempt: Attempt) -> None:
+    """Client hook: the first attempt of a claim's call started, so its prompt is in flight from now
+    (before, it was marked at admission, and one still waiting for the client's slot, a routable replica
+    or a retry's backoff was displaced as if sent: counted cancelled in flight, its tokens as spent)."""
+    claim = _CLAIM.get()
+    if claim is not None and not claim.in_flight:
+        claim.in_flight = True
+        claim.sent_at = time.perf_counter()
 
 
 def parse_understanding(text: str) -> ShopperUnderstanding:

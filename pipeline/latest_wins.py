@@ -37,7 +37,10 @@ class Claim:
     task: asyncio.Task[EnrichmentResult] | None = None
     """The work of this prompt (admission, the call, the record), cancelled when it is displaced."""
     in_flight: bool = False
-    """Its request has been sent to the fleet."""
+    """Its request has been sent to the fleet (a first attempt started), not only admitted: one still
+    waiting for the client's slot, a routable replica or a retry is displaced as queued."""
+    sent_at: float | None = None
+    """``time.perf_counter()`` when its first attempt started."""
     answered: bool = False
     """Its answer arrived: paid for, so it is kept even if a newer prompt comes."""
     superseded_by: str | None = None

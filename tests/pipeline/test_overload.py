@@ -384,3 +384,27 @@ async def test_answers_not_streamed_do_not_cut_the_admission_limit() -> None:
             results = await asyncio.gather(*(enrich.enrich(Shopper(f"s{i}").cart()) for i in range(3)))
             assert all(isinstance(r, ShopperInsight) and r.ttft_ms > 300 for r in results)
             assert (enrich.gate.limit, enrich.fleet_limit.cuts) == (16, 0)
+
+
+async def test_a_prompt_still_waiting_to_be_sent_is_displaced_as_queued() -> None:
+    """Admitted by the gate, a prompt can still wait for the client's slot (held here by another
+    caller), a routable replica or a retry's backoff. It was marked in flight at admission: displaced
+    there, it counted as cancelled in flight, its tokens as spent for nothing, and with
+    ``cancel_in_flight`` off it was let finish and sent, stale. It is in flight once an attempt starts."""
+    async with running_simulator(time_scale=0.01) as sim, LLMClient(client_config(sim.url)) as client:
+        for cancel_in_flight in (True, False):
+            enrich = enricher(client, cancel_in_flight=cancel_in_flight, freshness_target_s=WAIT_S)
+            shopper = Shopper(f"s-waiting-{cancel_in_flight}")
+            older, newer = shopper.cart(), shopper.cart()
+            slots = [client._calls._gate.acquire() for _ in range(client.config.max_in_flight)]
+            await asyncio.gather(*slots)  # every client slot busy: nothing is sent
+            first = asyncio.create_task(enrich.enrich(older))
+            await until(lambda: enrich.gate.active == 1)  # noqa: B023 - awaited in this iteration
+            second = asyncio.create_task(enrich.enrich(newer))
+            await until(lambda: enrich.counts.superseded_queued + enrich.counts.cancelled_in_flight > 0)  # noqa: B023
+            for _ in range(client.config.max_in_flight):
+                client._calls._gate.release()
+            displaced, answered = await first, await second
+            assert isinstance(displaced, Superseded) and not displaced.cancelled_in_flight
+            assert isinstance(answered, ShopperInsight)
+            assert enrich.counts.cancelled_in_flight == 0 and enrich.tokens.not_landed_prefill == 0
