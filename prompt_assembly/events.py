@@ -259,8 +259,7 @@ def _parse(raw: bytes | bytearray | memoryview | None) -> ShopperEvent:
         event = _EVENT.validate_json(bytes(raw))
     except ValidationError as exc:
         raise MalformedEvent(describe_validation_error(exc)) from None
-    _reject_non_finite_literals(raw)
-    _reject_long_numbers(raw)
+    _reject_what_json_value_refuses(raw)
     return event
 
 
@@ -270,54 +269,42 @@ MAX_NUMBER_CHARS = 1000
 event's key (``JSON_VALUE``), and the same bytes were a dead letter there and an event here."""
 _LONG_NUMBER = re.compile(rb"[-+.eE0-9]{%d}" % (MAX_NUMBER_CHARS + 1))
 """A run of number characters past the limit: a number literal that may be too long (or a string of
-such characters, which the check below tells apart)."""
+such characters, which ``_reject_what_json_value_refuses`` tells apart)."""
 
 
-def _reject_long_numbers(raw: bytes | bytearray | memoryview) -> None:
-    """A number literal over ``MAX_NUMBER_CHARS`` is refused, even in a field the schema ignores.
-    Events shorter than the limit cannot hold one, and longer ones are parsed again only where a run of
-    number characters that long is there at all. Checked only where pydantic accepted."""
+def _reject_what_json_value_refuses(raw: bytes | bytearray | memoryview) -> None:
+    """Two things pydantic's parser takes in a field the schema ignores and Flink's ``JSON_VALUE``
+    (Jackson), which reads the Flink job's key, refuses, so the same bytes were a dead letter there and
+    an event here: ``NaN``, ``Infinity`` and ``-Infinity``, which are not JSON (RFC 8259) though
+    Python's ``json.dumps`` writes them, and a number literal over ``MAX_NUMBER_CHARS``. Checked only
+    where pydantic accepted (the fast tier's msgspec refuses the first; ``mirror_may_decide`` sends the
+    second to pydantic), with one second parse, only where either may be there at all."""
     data = bytes(raw)
-    if len(data) <= MAX_NUMBER_CHARS or _LONG_NUMBER.search(data) is None:
-        return
+    constants = b"NaN" in data or b"Infinity" in data
+    if not constants and (len(data) <= MAX_NUMBER_CHARS or _LONG_NUMBER.search(data) is None):
+        return  # the common case: no second parse
+    found: list[str] = []
     longest = [0]
 
-    def note(literal: str) -> float:
+    def constant(literal: str) -> float:
+        found.append(literal)
+        return 0.0
+
+    def number(literal: str) -> float:
         longest[0] = max(longest[0], len(literal))
         return 0.0
 
     try:
-        json.loads(data, parse_int=note, parse_float=note)
+        json.loads(data, parse_constant=constant, parse_int=number, parse_float=number)
     except ValueError:  # pydantic accepted it: not expected, and not this check's to judge
         return
+    if found:
+        raise MalformedEvent(f"invalid JSON: {found[0]} is not a JSON number (RFC 8259)")
     if longest[0] > MAX_NUMBER_CHARS:
         raise MalformedEvent(
             f"invalid JSON: a number of {longest[0]} characters, over the {MAX_NUMBER_CHARS} "
             "that JSON readers such as Flink's accept"
         )
-
-
-def _reject_non_finite_literals(raw: bytes | bytearray | memoryview) -> None:
-    """``NaN``, ``Infinity`` and ``-Infinity`` are not JSON (RFC 8259), yet pydantic's parser takes
-    them in a field the schema ignores, and Python's ``json.dumps`` writes them. The Flink job reads an
-    event's key with Flink's ``JSON_VALUE``, which refuses them: the same bytes were a dead letter there
-    and an event here. Checked only where pydantic accepted (the fast tier's msgspec refuses them)."""
-
-    data = bytes(raw)
-    if b"NaN" not in data and b"Infinity" not in data:  # the common case: no second parse
-        return
-    found: list[str] = []
-
-    def note(literal: str) -> float:
-        found.append(literal)
-        return 0.0
-
-    try:
-        json.loads(data, parse_constant=note)
-    except ValueError:  # pydantic accepted it: not expected, and not this check's to judge
-        return
-    if found:
-        raise MalformedEvent(f"invalid JSON: {found[0]} is not a JSON number (RFC 8259)")
 
 
 # ---- the fast tier: a msgspec mirror of the schema above (keep the two in step) ------------------
@@ -394,7 +381,7 @@ def mirror_may_decide(raw: bytes | bytearray | memoryview) -> bool:
     """Whether the msgspec mirror may decide ``raw``. It skips a field it does not know without
     checking it, where pydantic checks every byte: invalid UTF-8 there, or a number past 4,300 digits,
     or nesting past pydantic's limit, is accepted by the one and refused by the other (and a number past
-    ``MAX_NUMBER_CHARS``, which ``_reject_long_numbers`` refuses after pydantic). Nesting is also
+    ``MAX_NUMBER_CHARS``, which ``_reject_what_json_value_refuses`` refuses after pydantic). Nesting is also
     where msgspec's own limit depends on how deep the caller's stack is, so the same bytes were an event
     for ``parse_events`` and a rejection for ``parse_event``. Such bytes go to pydantic. The common
     case (a few hundred ASCII bytes) costs a length and an ASCII check, in C."""

@@ -37,12 +37,16 @@ def _reference(raw: bytes) -> ShopperEvent | str:
         return events.describe_validation_error(exc)
     literals: list[str] = []
     numbers: list[int] = [0]
-    json.loads(raw, parse_constant=literals.append, parse_int=lambda n: numbers.append(len(n)))
-    json.loads(raw, parse_constant=lambda _: 0, parse_float=lambda n: numbers.append(len(n)))
+    json.loads(
+        raw,
+        parse_constant=literals.append,
+        parse_int=lambda n: numbers.append(len(n)),
+        parse_float=lambda n: numbers.append(len(n)),
+    )
     if literals:
         return f"invalid JSON: {literals[0]} is not a JSON number (RFC 8259)"
-    if max(numbers) > 1000:
-        longest = max(numbers)
+    longest = max(numbers)
+    if longest > 1000:
         readers = "JSON readers such as Flink's accept"
         return f"invalid JSON: a number of {longest} characters, over the 1000 that {readers}"
     return event
