@@ -282,7 +282,8 @@ async def test_a_forwarded_body_that_is_no_json_object_books_no_context_server()
     ):
         policy = client.policy
         assert isinstance(policy, PdAwarePolicy)
-        route = RouteRequest("s1", " ".join(words(3000)), count_tokens(" ".join(words(3000))), 20)
+        text = " ".join(words(3000))
+        route = RouteRequest("s1", text, count_tokens(text), 20)
         for _ in range(3):
             async with client.forward("/v1/chat/completions", b"[1, 2]", route) as forwarded:
                 assert forwarded.status == 400
