@@ -68,7 +68,9 @@ class Ingest:
         """The assigned partitions are paused by backpressure."""
         self._last_message_at = time.monotonic()
         self._held: list[Message] = []
-        """Records a poll returned while the loop waited for the store: processed with the next poll."""
+        """Records a poll returned while the loop waited for the store: processed with the next poll,
+        if the assignment they were fetched under (``_held_lease``) is still the current one."""
+        self._held_lease = 0
         self.not_drained_because: str | None = None
         """With ``until_drained``, what the last drain check waited for (the progress line shows it, so
         a run that never ends says why)."""
@@ -106,7 +108,7 @@ class Ingest:
                 return
             records = self._records(messages)
             if self._held:
-                records, self._held = self._held + records, []
+                records = self._take_held() + records
             if self._unknown_topic.due(time.monotonic()):
                 await self._recheck_topic()
             if runner.failure is not None:
@@ -273,7 +275,7 @@ class Ingest:
                 # A paused partition's fetched records are dropped and fetched again on resume, so a
                 # poll here returns none of them; errors and rebalance callbacks still come.
                 messages = await asyncio.to_thread(runner.consumer.consume, 1, self.settings.poll_timeout_s)
-                self._held.extend(self._records(messages))  # none expected; kept for the next poll if any
+                self._hold(self._records(messages))  # only once a rebalance meanwhile resumed the partitions
                 if not task.done():
                     await asyncio.wait({task}, timeout=STORE_WAIT_POLL_S)
         finally:
@@ -283,6 +285,29 @@ class Ingest:
             if not self.paused and current:
                 await asyncio.to_thread(runner.consumer.resume, current)
         return task.result()
+
+    def _hold(self, records: list[Message]) -> None:
+        """Keep ``records``, fetched while the loop waits for the store, for the next poll. The
+        partitions are paused then, but a rebalance meanwhile assigns and resumes them, and its records
+        come. Those held from an earlier assignment are dropped: a later rebalance handed it over (the
+        assignment is eager, ``range``), so the partitions still here fetch them again from the
+        committed offsets, and the rest belong to another member now. Kept, they were applied twice or
+        applied here for a shopper another member owns."""
+        lease = self.runner.assignment.lease
+        if lease != self._held_lease:
+            self._held, self._held_lease = [], lease
+        self._held.extend(records)
+
+    def _take_held(self) -> list[Message]:
+        """The held records, if the assignment they were fetched under is current; else none (see
+        ``_hold``)."""
+        held, self._held = self._held, []
+        return held if self._held_lease == self.runner.assignment.lease else []
+
+    @property
+    def held_records(self) -> int:
+        """Records held for the next poll (``_hold``)."""
+        return len(self._held)
 
     async def _apply_backpressure(self) -> None:
         """Pause or resume reading by the prompts in flight. The consumer calls go on a thread: while
