@@ -181,6 +181,19 @@ class _StateCollector(Collector):
             for cause, count in enrichment.counts.as_dict().items():
                 not_sent.add_metric([cause], count)
             yield not_sent
+            ledger = enrichment.ledger
+            if ledger is not None:
+                ledger_ops = CounterMetricFamily(
+                    f"{PREFIX}_answer_ledger",
+                    "The answer ledger (pipeline.answer_ledger.LedgerCounts): answers recorded and found, "
+                    "answers found for other events, and read and write failures (each failure is a "
+                    "prompt that may be paid for twice after a crash)",
+                    labels=["op"],
+                )
+                counts = ledger.counts
+                for op in ("recorded", "found", "other_events", "read_failures", "write_failures"):
+                    ledger_ops.add_metric([op], getattr(counts, op))
+                yield ledger_ops
             yield gauge("admission_active", "Prompts admitted to the fleet now", enrichment.gate.active)
             yield gauge("admission_waiting", "Prompts waiting for admission now", enrichment.gate.waiting)
             yield gauge("admission_limit", "Prompts the gate admits at once now", enrichment.gate.limit)

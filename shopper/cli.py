@@ -207,13 +207,21 @@ def runner_settings_from_stack(state_dir: Path, **overrides: Any) -> RunnerSetti
 
 
 def runner_settings(
-    *, from_stack: bool, state_dir: Path, until_drained: bool, group_id: str | None, policy: str | None
+    *,
+    from_stack: bool,
+    state_dir: Path,
+    until_drained: bool | None,
+    group_id: str | None,
+    policy: str | None,
 ) -> RunnerSettings:
     """What ``shopper run`` runs with: defaults < environment < stack addresses < options given.
-    An option left out never overrides the environment (``RUNNER_GROUP_ID``, ``RUNNER_LLM__POLICY``)."""
+    An option left out (``None``) never overrides the environment (``RUNNER_UNTIL_DRAINED``,
+    ``RUNNER_GROUP_ID``, ``RUNNER_LLM__POLICY``)."""
     from runner.config import RunnerSettings
 
-    overrides: dict[str, Any] = {"until_drained": until_drained}
+    overrides: dict[str, Any] = {}
+    if until_drained is not None:
+        overrides["until_drained"] = until_drained
     if group_id is not None:
         overrides["group_id"] = group_id
     settings = (
@@ -232,8 +240,14 @@ def runner_settings(
 @app.command()
 def run(
     until_drained: Annotated[
-        bool, typer.Option(help="exit once the topic is consumed and all results stored")
-    ] = False,
+        bool | None,
+        typer.Option(
+            "--until-drained/--forever",
+            help="exit once the topic is consumed and all results stored, or run until stopped "
+            "[default: RUNNER_UNTIL_DRAINED or --forever]",
+            show_default=False,
+        ),
+    ] = None,
     group_id: Annotated[
         str | None, typer.Option(help="consumer group [default: RUNNER_GROUP_ID or shopper-understanding]")
     ] = None,
@@ -256,7 +270,7 @@ def run(
         passthrough = ["--state-dir", str(state_dir)]
         passthrough += ["--group-id", group_id] if group_id is not None else []
         passthrough += ["--policy", policy] if policy is not None else []
-        passthrough += ["--until-drained"] if until_drained else []
+        passthrough += [] if until_drained is None else ["--until-drained" if until_drained else "--forever"]
         passthrough += [] if from_stack else ["--no-from-stack"]
         totals, failed = run_workers(workers, passthrough)
         console.print_json(json.dumps(totals.as_dict()))
@@ -265,7 +279,8 @@ def run(
         if failed:
             console.print(f"[red]{failed} worker(s) failed[/red]")
             raise typer.Exit(1)
-        if until_drained and not totals.balanced:
+        drained = read_runner_settings().until_drained if until_drained is None else until_drained
+        if drained and not totals.balanced:
             console.print("[red]unaccounted events or prompts[/red]")
             raise typer.Exit(1)
         return
@@ -291,7 +306,7 @@ def run(
     console.print_json(json.dumps(acct.as_dict()))
     if report is not None:
         report.write_text(json.dumps(acct.as_dict()))
-    if until_drained and not acct.balanced:
+    if settings.until_drained and not acct.balanced:
         console.print("[red]unaccounted events or prompts[/red]")
         raise typer.Exit(1)
 

@@ -135,6 +135,11 @@ def test_a_running_runner_serves_metrics_and_health_that_match_what_it_did(
     for cause, count in enrichment.counts.as_dict().items():
         assert value(samples, "shopper_prompts_not_sent_total", cause=cause) == count, cause
     assert value(samples, "shopper_admission_waiting") == value(samples, "shopper_admission_active") == 0
+    ledger = enrichment.ledger
+    assert ledger is not None, "the answer ledger is on by default"
+    assert value(samples, "shopper_answer_ledger_total", op="recorded") == ledger.counts.recorded > 0
+    for op in ("found", "other_events", "read_failures", "write_failures"):
+        assert value(samples, "shopper_answer_ledger_total", op=op) == getattr(ledger.counts, op), op
     assert value(samples, "shopper_admission_limit") == enrichment.gate.limit > 0
     stats = runner.stats
     landed_prefill = value(samples, "shopper_llm_tokens_total", answer="landed", phase="prefill")

@@ -79,3 +79,20 @@ def test_without_a_prefix_in_the_environment_the_runner_writes_under_the_stacks_
     )
     assert settings.sinks.redis_key_prefix == stack.redis_key_prefix
     assert stack.redis_key_prefix != SinkSettings().redis_key_prefix, "not the shared default"
+
+
+@pytest.mark.parametrize("from_env", ["true", "false"])
+def test_until_drained_from_the_environment_holds_unless_an_option_is_given(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, from_env: str
+) -> None:
+    """``RUNNER_UNTIL_DRAINED`` was overridden by the option's default (off) whether or not it was given."""
+    monkeypatch.setenv("RUNNER_UNTIL_DRAINED", from_env)
+    left_out = runner_settings(
+        from_stack=False, state_dir=tmp_path, until_drained=None, group_id=None, policy=None
+    )
+    assert left_out.until_drained is (from_env == "true")
+    for given in (True, False):
+        settings = runner_settings(
+            from_stack=False, state_dir=tmp_path, until_drained=given, group_id=None, policy=None
+        )
+        assert settings.until_drained is given
