@@ -672,13 +672,22 @@ class PrefixAwarePolicy:
         self.index(endpoint).insert(hashes, confirmed=True)
         return Feedback(restart_detected=True) if restarted else NO_FEEDBACK
 
+    def replicas_known(self) -> set[str]:
+        """Names the policy keeps a belief about (a cache index, a traffic share, a KV event cursor):
+        the replicas routed to since each was last forgotten."""
+        return {*self._indexes, *self._traffic_share, *self._cursors, *self._engine_blocks}
+
     def forget(self, endpoint: Endpoint) -> None:
-        index = self._indexes.get(endpoint.name)
-        if index is not None:
-            index.clear()
+        """The replica restarted, was taken out of rotation, or left the fleet: what was believed of
+        its cache and its recent share of the traffic goes (it comes back at the neutral share, 1/n).
+        Per name, only its announced KV capacity stays (one number: a replica announces it at start
+        only, so one back from an ejection still needs it); what its attempts in flight booked is
+        released as they end (``attempt_over``)."""
+        self._indexes.pop(endpoint.name, None)
         self._queued.forget(endpoint.name)
         self._cursors.pop(endpoint.name, None)
         self._engine_blocks.pop(endpoint.name, None)
+        self._traffic_share.pop(endpoint.name, None)
 
     # ---- precise mode: the replicas' KV cache events ---------------------------------------------------
     def apply_kv_events(self, endpoint: Endpoint, events: Sequence[Any]) -> None:

@@ -270,6 +270,20 @@ def test_forget_clears_only_that_replica() -> None:
     assert any(len(policy.index(e)) > 0 for e in eps if e is not gone)
 
 
+def test_a_fleet_that_replaces_its_replicas_keeps_no_belief_about_those_gone() -> None:
+    """A gateway whose replicas come and go under new names (pods) forgets each one it drops
+    (``Fleet.set_endpoints``): its traffic share went with it too, not only its cache index."""
+    policy = PrefixAwarePolicy()
+    for generation in range(3):
+        eps = [Endpoint(f"http://gen{generation}-r{i}:8000", f"gen{generation}-r{i}") for i in range(3)]
+        for shopper in ("a", "b", "c", "d"):
+            route(policy, shopper_prompt(shopper, 30), eps)
+        assert policy.replicas_known() == {e.name for e in eps}
+        for endpoint in eps:
+            policy.forget(endpoint)
+    assert policy.replicas_known() == set()
+
+
 # ---- properties --------------------------------------------------------------------------------------
 keys = st.text(alphabet="abcdefghij0123456789", min_size=1, max_size=12)
 
