@@ -347,11 +347,24 @@ def job_settings(stack: StackState, state_dir: Path, **overrides: Any) -> NearRe
         "sinks": sink_settings(stack),
         "python_executable": sys.executable,
     }
-    data.update(overrides)
     try:
-        return NearRealtimeSettings(**data)
+        return NearRealtimeSettings(**merged(data, overrides))
     except ValidationError as error:
         raise configuration_error(error, "the Flink job's settings (FLINK_JOB_*, --config)") from None
+
+
+def merged(base: dict[str, Any], overrides: dict[str, Any]) -> dict[str, Any]:
+    """``base`` with ``overrides`` on top, section by section: an override that sets part of a nested
+    section (``{"kafka": {"group_id": "g"}}``) keeps the rest of that section's base (the stack's
+    address). A shallow update replaced the whole section, and the job ran against the defaults'
+    addresses (``kafka:9092``) without a word."""
+    out = dict(base)
+    for key, value in overrides.items():
+        below = out.get(key)
+        if isinstance(below, BaseModel):
+            below = below.model_dump()
+        out[key] = merged(below, value) if isinstance(below, dict) and isinstance(value, dict) else value
+    return out
 
 
 @dataclass(frozen=True)

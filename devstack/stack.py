@@ -175,7 +175,14 @@ def load_state(state_dir: Path) -> StackState:
     path = state_file(state_dir)
     if not path.exists():
         raise FileNotFoundError(f"no stack state at {path}: run 'shopper stack up' first")
-    return StackState.from_json(path.read_text())
+    try:
+        return StackState.from_json(path.read_text())
+    except (ValueError, TypeError, AttributeError) as exc:  # not JSON, or not a state this code wrote
+        raise StackError(
+            f"the stack state at {path} cannot be read ({type(exc).__name__}: {exc}): "
+            "delete it and run 'shopper stack up' (processes it listed, if any still run, are stopped "
+            "by hand)"
+        ) from None
 
 
 def tansu_binary() -> str:

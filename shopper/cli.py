@@ -6,13 +6,18 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import re
 import sys
 import time
+from enum import StrEnum
 from pathlib import Path
 from typing import Annotated, Any
 
 import typer
+from confluent_kafka import KafkaError, KafkaException
 from pydantic import ValidationError
+from pydantic_settings import SettingsError
+from redis.exceptions import ConnectionError as RedisConnectionError
 from rich.console import Console
 from rich.table import Table
 from rich.text import Text
@@ -30,6 +35,7 @@ from devstack.stack import (
 from pipeline.kafka_security import KafkaSecurity, configuration_error
 from pipeline.redaction import RedactingStream, secrets_in_environment
 from pipeline.topics import DLQ_TOPIC, EVENTS_TOPIC
+from prompt_assembly.errors import ConfigurationError, ShopperError
 from runner.config import RunnerSettings
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help=__doc__, pretty_exceptions_enable=False)
@@ -71,6 +77,14 @@ from shopper.flink_cli import flink_app  # noqa: E402
 
 app.add_typer(flink_app, name="flink")
 console = Console(width=None if sys.stdout.isatty() else 150)
+console_err = Console(stderr=True)
+
+
+class Engine(StrEnum):
+    embedded = "embedded"
+    flink = "flink"
+
+
 StateDir = Annotated[Path, typer.Option(help="where the stack keeps its state file and logs")]
 
 
@@ -92,16 +106,19 @@ def stack_up_cmd(
 ) -> None:
     """Start what is not already reachable and write the addresses to the state file."""
     chosen: dict[str, object] = {} if gateway is None else {"gateway": gateway}
-    settings = StackSettings.model_validate(
-        {
-            "state_dir": state_dir,
-            "llm": llm,
-            "replicas": replicas,
-            "time_scale": time_scale,
-            "partitions": partitions,
-            **chosen,
-        }
-    )
+    try:
+        settings = StackSettings.model_validate(
+            {
+                "state_dir": state_dir,
+                "llm": llm,
+                "replicas": replicas,
+                "time_scale": time_scale,
+                "partitions": partitions,
+                **chosen,
+            }
+        )
+    except ValidationError as error:
+        raise configuration_error(error, "stack up's options (and STACK_*)") from None
     state = stack_up(settings)
     console.print_json(json.dumps(state.shown()))  # the state file keeps the secrets; this masks them
     console.print(describe_redis(state), markup=False)
@@ -183,6 +200,19 @@ def read_runner_settings() -> RunnerSettings:
         return RunnerSettings()
     except ValidationError as error:
         raise configuration_error(error, "RUNNER_* settings") from None
+    except SettingsError as error:  # a nested section's variable that is not JSON
+        raise unparsable_setting(error, "RUNNER_") from None
+
+
+def unparsable_setting(error: SettingsError, env_prefix: str) -> ConfigurationError:
+    """pydantic-settings' ``SettingsError`` (a variable of a list or a section holds no valid JSON) as a
+    ``ConfigurationError`` that names the variables to check, never their values."""
+    field = re.search(r'field "(\w+)"', str(error))
+    section = f"{env_prefix}{field.group(1).upper()}" if field else f"{env_prefix}*"
+    return ConfigurationError(
+        f"{section} or one of its {section}__* variables is not valid JSON where a list or a section "
+        f"is expected (a list is written as JSON: {env_prefix}LLM__ENDPOINTS='[\"http://host:8000\"]')"
+    )
 
 
 def runner_settings_from_stack(state_dir: Path, **overrides: Any) -> RunnerSettings:
@@ -314,10 +344,14 @@ def run(
 @app.command()
 def signals(
     shopper_id: Annotated[
-        list[str] | None, typer.Argument(help="shopper ids; none = the 10 most recently written")
+        list[str] | None, typer.Argument(help="shopper ids; none = the --limit most recently written")
     ] = None,
     state_dir: StateDir = Path(".state"),
-    limit: int = 10,
+    limit: Annotated[int, typer.Option(min=1, help="with no ids: how many of the newest to show")] = 10,
+    from_stack: Annotated[
+        bool,
+        typer.Option(help="the stack's Redis and key prefix; --no-from-stack: RUNNER_SINKS__* / SINK_* only"),
+    ] = True,
 ) -> None:
     """Read shopper understanding back from Redis, as an ad server would (the stack's key prefix, or
     the one the environment sets: the prefix ``shopper run`` writes under). With no ids, every signal
@@ -325,7 +359,8 @@ def signals(
     from devstack.stack import sink_settings
     from shopper.readback import cell, read_signals, signal_age
 
-    sinks = sink_settings(load_state(state_dir), base=read_runner_settings().sinks)
+    from_env = read_runner_settings().sinks
+    sinks = sink_settings(load_state(state_dir), base=from_env) if from_stack else from_env
     rows = asyncio.run(read_signals(sinks.redis_url, shopper_id or [], limit, prefix=sinks.redis_key_prefix))
     columns = ("shopper", "seq", "age s (event / written)", "summary", "interests", "occasion", "price")
     table = Table(*columns, "cached/prompt")
@@ -346,7 +381,7 @@ def signals(
 
 @app.command("tail-dlq")
 def tail_dlq(
-    limit: int = 20,
+    limit: Annotated[int, typer.Option(min=1, help="the newest this many")] = 20,
     bootstrap: str | None = None,
     topic: Annotated[str, typer.Option(help="the dead-letter topic")] = DLQ_TOPIC,
     state_dir: StateDir = Path(".state"),
@@ -372,18 +407,40 @@ def demo(
     shoppers: int = 150,
     state_dir: StateDir = Path(".state"),
     keep_stack: bool = False,
-    engine: Annotated[str, typer.Option(help="embedded (the runner) or flink (a local Flink cluster)")] = (
-        "embedded"
-    ),
+    engine: Annotated[
+        Engine, typer.Option(help="embedded (the runner) or flink (a local Flink cluster)")
+    ] = Engine.embedded,
 ) -> None:
     """Stack up, produce, run until drained, print what landed in Redis, S3 and the DLQ, stack down."""
     from shopper.demo import run_demo
 
     code = run_demo(
-        state_dir, events=events, shoppers=shoppers, keep_stack=keep_stack, console=console, engine=engine
+        state_dir,
+        events=events,
+        shoppers=shoppers,
+        keep_stack=keep_stack,
+        console=console,
+        engine=engine.value,
     )
     raise typer.Exit(code)
 
 
-def main() -> None:  # pragma: no cover
-    sys.exit(app())
+USER_ERRORS = (ShopperError, FileNotFoundError, RedisConnectionError, KafkaException)
+"""What a user's settings, input or services got wrong (a setting that cannot work, no stack state, a
+Redis or Kafka that does not answer): said in one line, with exit status 1. Anything else is a bug of
+ours and keeps its traceback."""
+
+
+def main() -> None:
+    """The ``shopper`` command (``[project.scripts]``): ``app``, with ``USER_ERRORS`` said in one line."""
+    try:
+        app()
+    except USER_ERRORS as exc:
+        error = exc.args[0] if isinstance(exc, KafkaException) and exc.args else None
+        if isinstance(error, KafkaError):
+            message = f"Kafka: {error.str()}"
+        else:
+            message = f"Redis: {exc}" if isinstance(exc, RedisConnectionError) else str(exc)
+        console_err.print(f"shopper: {message}", markup=False, style="red", soft_wrap=True)
+        sys.stderr.flush()
+        sys.exit(1)

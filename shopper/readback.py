@@ -31,12 +31,15 @@ READ_TO_END_TIMEOUT_S = 120.0
 async def read_signals(
     redis_url: str, shopper_ids: list[str], limit: int, prefix: str = "su:"
 ) -> list[dict[str, str]]:
-    """The signals of ``shopper_ids``, or with none given the ``limit`` most recently written (by
-    ``updated_at``: a ``seq`` starts again at 1 in every new session, so it says nothing of when)."""
+    """The signals of ``shopper_ids`` (every one found, newest first), or with none given the ``limit``
+    most recently written (by ``updated_at``: a ``seq`` starts again at 1 in every new session, so it
+    says nothing of when)."""
     schema = RedisKeys(prefix)
     redis = aioredis.Redis.from_url(redis_url, decode_responses=True)
     try:
-        if not shopper_ids:
+        if shopper_ids:
+            limit = len(shopper_ids)  # every id asked for is shown
+        else:
             shopper_ids = await _most_recently_written(redis, schema, limit)
         rows = []
         for start in range(0, len(shopper_ids), READ_BATCH):  # one round trip a batch, not a key

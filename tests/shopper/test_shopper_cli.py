@@ -8,7 +8,8 @@ from pathlib import Path
 import pytest
 
 from devstack.stack import StackState
-from shopper.cli import runner_settings
+from shopper.cli import main, runner_settings
+from shopper.flink_cli import stack_job_settings
 from sinks.config import SinkSettings
 
 
@@ -96,3 +97,74 @@ def test_until_drained_from_the_environment_holds_unless_an_option_is_given(
             from_stack=False, state_dir=tmp_path, until_drained=given, group_id=None, policy=None
         )
         assert settings.until_drained is given
+
+
+def run_cli(
+    argv: list[str], capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> tuple[int, str]:
+    """``shopper argv`` as the console script runs it (``main``): its exit status and stderr."""
+    monkeypatch.setattr("sys.argv", ["shopper", *argv])
+    with pytest.raises(SystemExit) as exited:
+        main()
+    return int(exited.value.code or 0), capsys.readouterr().err
+
+
+def one_line(err: str) -> str:
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in err, err
+    return lines[0]
+
+
+def test_a_command_without_a_stack_says_so_in_one_line(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    code, err = run_cli(["signals", "--state-dir", str(tmp_path)], capsys, monkeypatch)
+    assert code == 1 and one_line(err).startswith("shopper: no stack state at "), err
+
+
+def test_an_unreadable_stack_state_says_what_to_do_in_one_line(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    for written in ("{not json", '{"kafka_bootstrap": "x"}'):
+        (tmp_path / "stack.json").write_text(written)
+        code, err = run_cli(["tail-dlq", "--state-dir", str(tmp_path)], capsys, monkeypatch)
+        line = one_line(err)
+        assert code == 1 and "cannot be read" in line and "shopper stack up" in line, err
+
+
+def test_a_section_variable_that_is_not_json_is_named_in_one_line(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("RUNNER_LLM__ENDPOINTS", "not json")
+    code, err = run_cli(["run", "--no-from-stack"], capsys, monkeypatch)
+    line = one_line(err)
+    assert code == 1 and "RUNNER_LLM__*" in line and "not json" not in line, err
+
+
+def test_a_redis_that_does_not_answer_is_one_line_without_its_password(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("SINK_REDIS_URL", "redis://:hunter2secret@127.0.0.1:1/0")
+    code, err = run_cli(["signals", "--no-from-stack", "someone"], capsys, monkeypatch)
+    line = one_line(err)
+    assert code == 1 and line.startswith("shopper: Redis: ") and "hunter2secret" not in err, err
+
+
+def test_a_flink_config_that_sets_part_of_a_section_keeps_the_stacks_addresses(
+    stack: StackState, stack_dir: Path, tmp_path: Path
+) -> None:
+    """``shopper flink submit --config``: a file that set one field of ``kafka``, ``sinks`` or ``llm``
+    replaced the whole section, and the job ran against the defaults' addresses (``kafka:9092``)."""
+    config = tmp_path / "job.json"
+    config.write_text(
+        '{"kafka": {"group_id": "g"}, "sinks": {"redis_key_prefix": "x:"}, "llm": {"model": "other"}}'
+    )
+    settings = stack_job_settings(stack_dir, config)
+    assert (settings.kafka.group_id, settings.sinks.redis_key_prefix, settings.llm.model) == (
+        "g",
+        "x:",
+        "other",
+    )
+    assert settings.kafka.bootstrap_servers == stack.kafka_bootstrap
+    assert settings.sinks.redis_url == stack.redis_url
+    assert settings.llm.endpoints == stack.stream_endpoints

@@ -197,6 +197,20 @@ async def test_a_signal_read_back_says_how_old_it_is(isolated: Isolated) -> None
     assert 39.0 <= event_age <= 40.5 and 9.0 <= write_age <= 10.5
 
 
+async def test_every_signal_asked_for_by_id_is_shown_whatever_the_limit(isolated: Isolated) -> None:
+    """``shopper signals id1 ... id11``: ``--limit`` (10) cut ids named one by one; it bounds only the
+    newest shown when no id is given."""
+    settings = isolated.sinks()
+    sink = RedisSignalSink(settings)
+    ids = [f"s-named-{i:02d}" for i in range(12)]
+    try:
+        await sink.write([insight(sid, 1) for sid in ids])
+    finally:
+        await sink.close()
+    rows = await read_signals(settings.redis_url, ids, 10, prefix=settings.redis_key_prefix)
+    assert sorted(r["shopper_id"] for r in rows) == ids
+
+
 async def test_the_most_recent_signals_are_the_last_written(isolated: Isolated) -> None:
     """``shopper signals`` with no ids: ranked by ``seq``, an old session's 7th answer came before a
     shopper answered a moment ago in a session of its own (``seq`` 1)."""
