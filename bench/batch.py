@@ -16,7 +16,7 @@ Steps, on a throwaway stack (Tansu, Redis, moto S3, ``--replicas`` simulator rep
 
 Rates are LLM calls per second (a split product costs several calls; both runs see the same mix) and
 records per second. Prints tables and the machine; writes bench/results/batch.json and batch.png
-(limit and rate over time in the adaptive run).
+(limit and rate over time in the adaptive run), or batch_quick.json and .png with ``--quick``.
 
 Usage:
   .venv/bin/python -m bench.batch                      # the documented run (about 10 minutes)
@@ -373,16 +373,29 @@ def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--records", type=int, default=30_000)
-    parser.add_argument("--baseline-records", type=int, default=8_000)
+    parser.add_argument("--records", type=int, default=None, help="default 30,000 (--quick: 5,000)")
+    parser.add_argument("--baseline-records", type=int, default=None, help="default 8,000 (--quick: 2,000)")
     parser.add_argument("--replicas", type=int, default=3)
     parser.add_argument("--time-scale", type=float, default=0.25)
     parser.add_argument("--skip-kill", action="store_true")
-    parser.add_argument("--quick", action="store_true", help="5,000 records, 2,000 for the maximum")
-    parser.add_argument("--out", default="batch", help="results file stem under bench/results")
+    parser.add_argument(
+        "--quick",
+        action="store_true",
+        help="smoke run: 5,000 records, 2,000 for the maximum (an explicit --records or --baseline-records "
+        "wins); writes batch_quick.json/.png unless --out is given",
+    )
+    parser.add_argument(
+        "--out",
+        default=None,
+        help="results file stem under bench/results (default batch, or batch_quick with --quick)",
+    )
     args = parser.parse_args()
-    if args.quick:
-        args.records, args.baseline_records = 5_000, 2_000
+    if args.records is None:
+        args.records = 5_000 if args.quick else 30_000
+    if args.baseline_records is None:
+        args.baseline_records = 2_000 if args.quick else 8_000
+    if args.out is None:
+        args.out = "batch_quick" if args.quick else "batch"  # a smoke run never overwrites the full run's
     result = asyncio.run(bench(args))
     report(result)
     RESULTS.mkdir(parents=True, exist_ok=True)

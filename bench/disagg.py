@@ -79,6 +79,8 @@ from serving.simulator.launch import REPO_ROOT, SimulatorFleet
 
 GPUS = 8
 RESULTS = results_dir() / "disagg_matrix.json"
+RESULTS_QUICK = results_dir() / "disagg_matrix_quick.json"
+"""Where ``--quick`` writes unless ``--out`` says otherwise: a smoke run never overwrites the matrix."""
 STANDIN = "trtllm-standin"
 PRODUCTION_YAML = REPO_ROOT / "serving" / "trtllm" / "disagg" / "disagg_config.yaml"
 KV_EVENTS = ("--kv-event-buffer-max-size", "16384")
@@ -117,6 +119,9 @@ def setups(quick: bool, cond_tokens: Sequence[int] = (512,)) -> list[Setup]:
         out.append(Setup(f"{split}-trtllm-cond", contexts, STANDIN, max_local=512))
         out.append(Setup(f"{split}-trtllm-remote", contexts, STANDIN, max_local=None))
     return out
+
+
+WORKLOADS = ("seed", "ours")
 
 
 def workload(kind: str, requests: int, seed: int) -> list[TraceRequest]:
@@ -410,10 +415,16 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--quick", action="store_true", help="2P6D only, one repeat to 25%%")
+    parser.add_argument(
+        "--quick",
+        action="store_true",
+        help="2P6D only, one repeat to 25%%; writes disagg_matrix_quick.json unless --out is given",
+    )
     parser.add_argument("--cost", nargs="+", default=["roofline"], choices=sorted(COSTS))
-    parser.add_argument("--workloads", nargs="+", default=["seed", "ours"])
-    parser.add_argument("--setups", nargs="*", help="only these setup names")
+    parser.add_argument("--workloads", nargs="+", default=list(WORKLOADS), choices=WORKLOADS)
+    parser.add_argument(
+        "--setups", nargs="*", help="only these setup names (exact, e.g. agg-chunked 2P6D-remote)"
+    )
     parser.add_argument(
         "--cond-tokens",
         type=int,
@@ -421,7 +432,13 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         default=[512],
         help="max_local_prefill_tokens of the -cond setups",
     )
-    parser.add_argument("--out", type=Path, default=RESULTS, help="where the results JSON goes")
+    parser.add_argument(
+        "--out",
+        type=Path,
+        default=None,
+        help="where the results JSON goes (default bench/results/disagg_matrix.json, "
+        "disagg_matrix_quick.json with --quick)",
+    )
     parser.add_argument("--requests", type=int, default=160, help="requests per probe")
     parser.add_argument("--time-scale", type=float, default=0.1)
     add_search_arguments(
@@ -433,7 +450,18 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--rates", type=float, nargs="+", help="a plain ladder of these rates instead of the search"
     )
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    if args.setups:
+        known = [s.name for s in setups(args.quick, args.cond_tokens)]
+        unknown = [name for name in args.setups if name not in known]
+        if unknown:
+            parser.error(
+                f"--setups: no setup named {', '.join(unknown)}; choose from "
+                f"{', '.join(known)}{' (with --quick)' if args.quick else ''}"
+            )
+    if args.out is None:
+        args.out = RESULTS_QUICK if args.quick else RESULTS
+    return args
 
 
 SEARCH = {"seed": (4.0, 8.0), "ours": (8.0, 24.0)}

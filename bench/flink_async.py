@@ -7,7 +7,11 @@ fixed-latency OpenAI-compatible endpoint (a tiny aiohttp server in this process)
     .venv/bin/python bench/flink_async.py --defaults --paced-load 0.5,0.7,0.9   # freshness near the ceiling
 
 The table it prints goes to ``bench/results/flink_async.json`` (``flink_async_defaults.json`` with
-``--defaults``, or ``--out``) with the machine and load average; ``docs/`` renders it from there.
+``--defaults``, ``flink_async_quick.json`` with ``--quick``, or ``--out``) with the machine and load
+average; ``docs/`` renders it from there.
+
+Choosing rows: ``--quick`` (optionally narrowed by ``--only``), ``--rows`` or ``--defaults`` (optionally
+with ``--bundle-ms``); ``--rows`` and ``--defaults`` each take the whole choice, so they refuse the others.
 
 Each setting runs twice in the local MiniCluster:
 - saturated: the whole input is available at once; events/s = prompts completed per second between the
@@ -326,6 +330,45 @@ CPU_BOUND_ABOVE = 1000.0
 """Ceilings above this are CPU-bound here: they get a saturated run only (a paced run would queue)."""
 
 
+def _ints(text: str, flag: str, parser: argparse.ArgumentParser) -> list[int]:
+    try:
+        return [int(x) for x in text.split(",")]
+    except ValueError:
+        parser.error(f"{flag}: comma-separated integers, not {text!r}")
+
+
+def selected_settings(args: argparse.Namespace, parser: argparse.ArgumentParser) -> list[Setting]:
+    """The rows to run, from ``--quick``, ``--only``, ``--rows``, ``--defaults`` and ``--bundle-ms``;
+    a conflicting combination or an empty selection is a usage error."""
+    if args.rows and (args.quick or args.only or args.defaults):
+        parser.error("--rows names the rows itself: not with --quick, --only or --defaults")
+    if args.defaults and (args.quick or args.only):
+        parser.error("--defaults runs the job's two default rows: not with --quick or --only")
+    if args.bundle_ms and not args.defaults:
+        parser.error("--bundle-ms only applies with --defaults")
+    if args.defaults:
+        bundle_ms = _ints(args.bundle_ms, "--bundle-ms", parser) if args.bundle_ms else None
+        if bundle_ms is not None and min(bundle_ms) <= 0:
+            parser.error(f"--bundle-ms: positive milliseconds, not {args.bundle_ms}")
+        return job_default_settings(bundle_ms)
+    if args.rows:
+        indices = _ints(args.rows, "--rows", parser)
+        bad = [i for i in indices if not 0 <= i < len(SETTINGS)]
+        if bad:
+            parser.error(
+                f"--rows: {', '.join(map(str, bad))} out of range; SETTINGS has rows 0-{len(SETTINGS) - 1}"
+            )
+        return [SETTINGS[i] for i in indices]
+    pool = [SETTINGS[2], SETTINGS[-1]] if args.quick else SETTINGS
+    settings = [s for s in pool if args.only in s.label] if args.only else pool
+    if not settings:
+        labels = "; ".join(sorted({s.label for s in pool}))
+        parser.error(
+            f"--only {args.only!r} matches no setting{' of --quick' if args.quick else ''}: {labels}"
+        )
+    return settings
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--seconds", type=float, default=8.0, help="saturated run length at the ceiling")
@@ -335,25 +378,24 @@ def main() -> int:
         help="offered load in paced runs / ceiling; several (0.5,0.7,0.9) give a row each",
     )
     parser.add_argument("--paced-seconds", type=float, default=6.0)
-    parser.add_argument("--quick", action="store_true")
-    parser.add_argument("--only", help="run settings whose label contains this")
-    parser.add_argument("--rows", help="comma-separated indices into SETTINGS")
+    parser.add_argument("--quick", action="store_true", help="two rows, as a smoke test")
+    parser.add_argument("--only", help="run settings whose label contains this (with --quick: of its two)")
+    parser.add_argument(
+        "--rows",
+        help=f"comma-separated indices into SETTINGS (0-{len(SETTINGS) - 1}); alone, no other choice",
+    )
     parser.add_argument("--defaults", action="store_true", help="only the two rows at the job's defaults")
     parser.add_argument("--bundle-ms", help="with --defaults: these bundle times (100,250,500) instead")
-    parser.add_argument("--out", help="results file name under bench/results (default: by the rows run)")
+    parser.add_argument(
+        "--out",
+        help="results file name under bench/results (default flink_async.json, flink_async_defaults.json "
+        "with --defaults, flink_async_quick.json with --quick)",
+    )
     args = parser.parse_args()
+    settings = selected_settings(args, parser)
     load_before = list(os.getloadavg())
     server = FixedLatencyLLM()
     url = server.start()
-    settings = [SETTINGS[2], SETTINGS[-1]] if args.quick else SETTINGS
-    if args.only:
-        settings = [s for s in settings if args.only in s.label]
-    if args.rows:
-        settings = [SETTINGS[int(i)] for i in args.rows.split(",")]
-    if args.defaults:
-        settings = job_default_settings(
-            [int(x) for x in args.bundle_ms.split(",")] if args.bundle_ms else None
-        )
     header = (
         f"machine: {platform.machine()}, {os.cpu_count()} cores (shared), "
         f"Python {platform.python_version()}, "
@@ -403,7 +445,10 @@ def main() -> int:
     load_end = os.getloadavg()
     print(f"load average {load_end[0]:.1f} / {load_end[1]:.1f}")
     table = "\n".join(lines + [f"\n({'; '.join(notes)})"] * bool(notes))
-    name = args.out or ("flink_async_defaults.json" if args.defaults else "flink_async.json")
+    default = (
+        "flink_async_defaults" if args.defaults else "flink_async_quick" if args.quick else "flink_async"
+    )
+    name = args.out or f"{default}.json"  # a smoke run never overwrites the full run's results
     write_results(
         name,
         {

@@ -1005,6 +1005,20 @@ def capacity(pairs: list[Pair], events: int) -> float:
     return float(statistics.median(events / p.clean.totals[-1]["seconds"] for p in pairs))
 
 
+SCENARIOS = (
+    "backlog",
+    "paced",
+    "gateway",
+    "gateway_paced",
+    "flink",
+    "flink_prompts",
+    "flink_prompts_paced",
+    "flink_gateway",
+    "flink_gateway_paced",
+)
+"""What ``--scenarios`` may name."""
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n")[0])
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
@@ -1045,8 +1059,21 @@ def main() -> None:
     if args.child:
         child()
         return
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # the finally below stops the stack
     scenarios = [s for s in args.scenarios.split(",") if s]
+    unknown = [s for s in scenarios if s not in SCENARIOS]
+    if unknown or not scenarios:
+        parser.error(
+            f"--scenarios: {'unknown ' + ', '.join(unknown) if unknown else 'none given'}; "
+            f"choose from {', '.join(SCENARIOS)}"
+        )
+    if "gateway_paced" in scenarios and not args.rate:
+        parser.error("--scenarios gateway_paced needs --rate (the paced arm's 1x, measured)")
+    needs_flink_rate = [s for s in scenarios if s.startswith("flink") and s.endswith("_paced")]
+    if needs_flink_rate and args.flink_rate is None:
+        parser.error(
+            f"--scenarios {', '.join(needs_flink_rate)} needs --flink-rate (the Flink job's 1x, measured)"
+        )
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # the finally below stops the stack
     policies = [None if p == "default" else p for p in args.policies.split(",") if p]
     state_dir = Path(tempfile.mkdtemp(prefix="bench-kill-repay-"))
     logs = state_dir / "runs"
@@ -1107,9 +1134,7 @@ def main() -> None:
             if "gateway" in scenarios:
                 routed = repeated("gateway", None, gateway=True)
                 arms.append((f"backlog {args.events} via the gateway, {routed[0].clean.policy}", routed))
-            if "gateway_paced" in scenarios:
-                if not args.rate:
-                    raise SystemExit("gateway_paced needs --rate (the paced arm's 1x, measured)")
+            if "gateway_paced" in scenarios:  # --rate given: checked at parse time
                 routed = repeated("gateway_paced", args.rate, gateway=True)
                 arms.append(
                     (f"paced 1x ({args.rate:.0f} events/s) via the gateway, {routed[0].clean.policy}", routed)
@@ -1130,10 +1155,8 @@ def main() -> None:
                 ),
             }
             for scenario, (through_gateway, flink_rate, label) in flink_arms.items():
-                if scenario not in scenarios:
+                if scenario not in scenarios:  # a _paced one has its --flink-rate: checked at parse time
                     continue
-                if scenario.endswith("_paced") and flink_rate is None:
-                    raise SystemExit(f"{scenario} needs --flink-rate (the Flink job's 1x, measured)")
                 flink = flink_pairs(
                     state,
                     state_dir,

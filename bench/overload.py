@@ -1129,6 +1129,8 @@ def main(argv: list[str] | None = None) -> None:
     )
     raw = sys.argv[1:] if argv is None else argv
     args = parser.parse_args(raw)
+    if args.prompts_topic and args.engine != "flink":
+        parser.error("--prompts-topic needs --engine flink (the runner has no prompts topic to end at)")
     args.argv = raw
     if args.retable is not None:
         args.retable.write_text(json.dumps(report(json.loads(args.retable.read_text())), indent=1))

@@ -26,7 +26,8 @@ alternate between them (A B, then B A, ...), closed loop of ``--concurrency`` ca
 deadline. The load average moves CPU per request by itself, so only the ratio within a round compares;
 ``--profile-dir`` adds one py-spy round per service (on-CPU samples by package).
 
-Prints tables and the machine; writes bench/results/realtime.json (``--arm``: realtime_cpu.json).
+Prints tables and the machine; writes bench/results/realtime.json (``--arm``: realtime_cpu.json;
+``--quick``: realtime_quick.json or realtime_cpu_quick.json, so a smoke run never overwrites them).
 
 Usage:
   .venv/bin/python -m bench.realtime            # the documented run (about 2 minutes)
@@ -803,9 +804,13 @@ def main() -> None:
     parser.add_argument(
         "--profile-dir", type=Path, default=None, help="equal work: py-spy one more round of each service"
     )
-    parser.add_argument("--quick", action="store_true")
     parser.add_argument(
-        "--out", default=None, help="results name (default realtime, realtime_cpu with --arm)"
+        "--quick", action="store_true", help="10 s phases; writes realtime_quick.json unless --out is given"
+    )
+    parser.add_argument(
+        "--out",
+        default=None,
+        help="results name (default realtime, realtime_cpu with --arm; with --quick, _quick appended)",
     )
     args = parser.parse_args()
     if args.quick:
@@ -816,7 +821,8 @@ def main() -> None:
     else:
         result = asyncio.run(bench(args))
         report(result)
-    args.out = args.out or ("realtime_cpu" if args.arm else "realtime")
+    if not args.out:  # a smoke run never overwrites the full run's results
+        args.out = ("realtime_cpu" if args.arm else "realtime") + ("_quick" if args.quick else "")
     RESULTS.mkdir(parents=True, exist_ok=True)
     (RESULTS / f"{args.out}.json").write_text(json.dumps(result, indent=1))
     print(f"\nwrote {RESULTS / args.out}.json")

@@ -463,6 +463,10 @@ def ingest_comparison(
     return rows, raw, profiles
 
 
+SCENARIOS = ("ingest", "llm0", "paced", "steps")
+"""What ``--scenarios`` may name (``steps``: the in-memory steps alone, no stack)."""
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--events", type=int, default=60_000)
@@ -471,7 +475,7 @@ def main() -> None:
     parser.add_argument(
         "--scenarios",
         default="ingest,llm0,paced",
-        help="comma-separated: ingest, llm0, paced, steps (the in-memory steps alone, no stack)",
+        help=f"comma-separated, of {','.join(SCENARIOS)} (steps: the in-memory steps alone, no stack)",
     )
     parser.add_argument(
         "--baseline-tree", type=Path, default=None, help="another source tree's runner, measured too"
@@ -482,7 +486,13 @@ def main() -> None:
     parser.add_argument("--rate", type=float, default=40.0, help="events/s for the freshness run")
     parser.add_argument("--freshness-events", type=int, default=2400)
     args = parser.parse_args()
-    scenarios = set(args.scenarios.split(","))
+    scenarios = {s for s in args.scenarios.split(",") if s}
+    unknown = sorted(scenarios - set(SCENARIOS))
+    if unknown or not scenarios:
+        parser.error(
+            f"--scenarios: {'unknown ' + ', '.join(unknown) if unknown else 'none given'}; "
+            f"choose from {', '.join(SCENARIOS)}"
+        )
     rows = []
     ingest_rows: list[list[object]] = []
     ingest_raw: dict[str, Any] = {}

@@ -16,7 +16,7 @@ Setups:
 
 Usage:
   .venv/bin/python -m bench.routing                      # everything (about 15 minutes on 2 cores)
-  .venv/bin/python -m bench.routing --quick              # smoke run (about 2 minutes)
+  .venv/bin/python -m bench.routing --quick              # smoke run (about 2 minutes): routing_quick*
   .venv/bin/python -m bench.routing --setups sim --utilisations 0.7
   .venv/bin/python -m bench.routing --setups scenarios --shoppers 80 --time-scale 0.75 --repeats 2
   .venv/bin/python -m bench.routing --engine-options '{"enable_chunked_prefill": true}' ...  # replica flags

@@ -18,7 +18,11 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    p.add_argument("--quick", action="store_true", help="small trace, one utilisation: a smoke run")
+    p.add_argument(
+        "--quick",
+        action="store_true",
+        help="small trace, one utilisation: a smoke run; its files get the tag _quick unless --tag is given",
+    )
     p.add_argument("--setups", default="sim,kill,llama", help="comma list of sim, kill, llama, scenarios")
     s = p.add_argument_group("stress scenarios (--setups scenarios)")
     s.add_argument("--scenarios", default="base,skew,burst,long,evict,restart")
@@ -59,7 +63,11 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         help="JSON of SimulatorConfig settings for every replica of every policy, e.g. "
         '\'{"enable_chunked_prefill": true, "max_num_tokens": 2048}\' (capacity is measured with them)',
     )
-    p.add_argument("--tag", default="", help="suffix of the result files (routing<TAG>.json ...)")
+    p.add_argument(
+        "--tag",
+        default=None,
+        help="suffix of the result files (routing<TAG>.json ...); default none, _quick with --quick",
+    )
     p.add_argument("--replot", action="store_true", help="only redraw the PNGs from the JSON results")
     p.add_argument(
         "--combine",
@@ -70,6 +78,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if args.quick:
         args.shoppers, args.utilisations, args.llama_shoppers = 40, "0.7", 4
+    if args.tag is None:  # a smoke run never overwrites the full run's results
+        args.tag = "_quick" if args.quick else ""
     return args
 
 
