@@ -4,8 +4,10 @@ cancelled at any point holds no slot, and ranks are served smallest first."""
 from __future__ import annotations
 
 import asyncio
+from typing import get_args
 
-from pipeline.admission import AdmissionGate, Evicted
+from pipeline.admission import URGENT_CLASS, AdmissionGate, Evicted
+from prompt_assembly.records import PromptRequest, TriggerReason, request_id
 
 
 async def settle() -> None:
@@ -174,3 +176,28 @@ async def test_a_waiter_cancelled_mid_queue_is_not_counted_as_waiting() -> None:
     assert (gate.waiting, gate.waiting_in(2)) == (1, 1), "the cancelled one is skipped, the last one stays"
     gate.release()
     await waiters[2]
+
+
+def prompt_for(reason: TriggerReason) -> PromptRequest:
+    return PromptRequest(
+        request_id=request_id("s", 1, 1),
+        shopper_id="s",
+        session_epoch=1,
+        seq=1,
+        reason=reason,
+        messages=[],
+        event_count=1,
+        last_event_ts=0.0,
+        prompt_tokens=1,
+        shared_prefix_tokens=0,
+    )
+
+
+def test_purchase_and_cart_share_the_urgent_class_ahead_of_browse_pauses() -> None:
+    """Every trigger has a class; by priority, a purchase ranks with a cart add, before a browse pause
+    (the saturated-gate test in tests/pipeline/test_overload.py queues cart adds only)."""
+    gate = AdmissionGate(lambda: 1, by_priority=True)
+    classes = {reason: gate.class_of(prompt_for(reason)) for reason in get_args(TriggerReason)}
+    assert classes["purchase"] == classes["add_to_cart"] == URGENT_CLASS < classes["browse_pause"]
+    in_arrival_order = AdmissionGate(lambda: 1, by_priority=False)
+    assert {in_arrival_order.class_of(prompt_for(reason)) for reason in get_args(TriggerReason)} == {0}

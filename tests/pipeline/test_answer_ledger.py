@@ -147,3 +147,24 @@ async def test_the_same_version_of_other_events_is_answered_on_its_own(sinks: Si
     assert requests_received(metrics) == 2
     assert ledger.counts.other_events == 1 and enricher.counts.skipped_answered == 0
     assert ledger.counts.found == 2, "found counts the answers returned: the record read back, its replay"
+
+
+async def test_the_same_version_that_trimmed_other_events_is_answered_on_its_own(sinks: SinkSettings) -> None:
+    """The same version and the same new events, but a session trimmed at another point: the answer's
+    ``trimmed_event_ids`` would name other events than the prompt's, so the record is not reused."""
+    before_failure = _pause("s-other-trim", view_again_after_s=None)
+    replayed = before_failure.model_copy(
+        update={"trimmed_event_ids": [*before_failure.trimmed_event_ids, "e-trimmed-by-the-replay"]}
+    )
+    async with running_simulator(time_scale=0.01) as sim:
+        async with LLMClient(client_config(sim.url)) as client:
+            ledger = AnswerLedger.from_settings(sinks)
+            await Enricher(client, ledger=ledger).enrich(before_failure)
+            enricher = Enricher(client, ledger=ledger)
+            answer = await enricher.enrich(replayed)
+            await ledger.redis.aclose()
+        metrics = await sim_metrics(sim)
+    assert isinstance(answer, ShopperInsight) and not answer.replayed
+    assert answer.trimmed_event_ids == replayed.trimmed_event_ids
+    assert requests_received(metrics) == 2
+    assert ledger.counts.other_events == 1 and enricher.counts.skipped_answered == 0

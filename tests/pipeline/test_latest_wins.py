@@ -88,3 +88,14 @@ def test_the_same_request_id_for_more_events_is_the_newer_prompt_not_a_join() ->
     assert claims.arrive(first.model_copy())[0] is Arrival.SAME
     arrival, displaced, now_held = claims.arrive(again)
     assert arrival is Arrival.NEWEST and displaced is held and now_held.prompt is again
+
+
+def test_the_same_request_id_that_trimmed_other_events_is_the_newer_prompt_not_a_join() -> None:
+    """The same ``request_id`` and new events, but another trim (a replay whose session was trimmed
+    at another point) names other events in its result: it is a prompt of its own, not a join."""
+    first = prompt("a", 1, 1).model_copy(update={"new_event_ids": ["e3"], "trimmed_event_ids": ["e1"]})
+    again = first.model_copy(update={"trimmed_event_ids": ["e1", "e2"]})
+    claims = ShopperClaims()
+    _, _, held = claims.arrive(first)
+    arrival, displaced, now_held = claims.arrive(again)
+    assert arrival is Arrival.NEWEST and displaced is held and now_held.prompt is again

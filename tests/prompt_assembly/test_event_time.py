@@ -58,6 +58,14 @@ def test_an_event_too_far_in_the_past_is_refused(window: EventTimeWindow, ts: fl
     assert reason_category(refused.value.reason) == "event_time"
 
 
+def test_by_default_an_old_event_is_accepted_however_old() -> None:
+    """Archives and synthetic streams replay old event times on purpose: the default window bounds only
+    how far an event may be ahead of its record (and the 2020 floor), never how far behind."""
+    assert WINDOW.max_behind_s is None
+    for behind_s in (WINDOW.max_ahead_s + 1, 2 * DAY_S, 365 * DAY_S):
+        assert parse_event(raw_event("e-old", "view", RECORD_TS - behind_s), RECORD_TS).event_id == "e-old"
+
+
 def test_the_kafka_timestamp_tuple_becomes_seconds_or_none() -> None:
     assert record_time_s((1, int(RECORD_TS * 1000))) == RECORD_TS
     assert record_time_s((0, -1)) is None  # TIMESTAMP_NOT_AVAILABLE
