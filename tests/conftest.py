@@ -18,6 +18,7 @@ from llm_client.config import ClientConfig, HealthSettings, Timeouts
 from prompt_assembly.processor import SessionConfig
 from runner.config import RunnerSettings
 from sinks.config import SinkSettings
+from tests.cancellation import pytest_configure  # noqa: F401  (SIGTERM stops what the fixtures started)
 from tests.flink_failure_report import pytest_runtest_makereport  # noqa: F401  (the cluster's say, on failure)
 from tests.timeout_report import pytest_timeout_set_timer  # noqa: F401  (a hung test's report ends with its id)
 
