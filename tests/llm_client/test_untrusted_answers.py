@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 from collections import Counter
 from collections.abc import AsyncIterator
 
@@ -109,11 +110,17 @@ async def test_a_bad_answer_is_tried_on_another_replica_and_the_bad_replica_is_q
     assert sum(isinstance(r, ShopperInsight) and r.attempts == 2 for r in results) >= 3
 
 
-async def test_a_quarantined_replica_comes_back_through_a_probe_once_it_answers_well() -> None:
+async def test_a_quarantined_replica_comes_back_through_a_probe_once_it_answers_well(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """While it still answers badly, it is probed once per cool-down (a failed probe starts another),
+    not at every health check; once it answers well, a probe re-admits it."""
+    caplog.set_level(logging.WARNING, logger="llm_client")
+    settings = AnswerHealthSettings(cooldown_s=0.2)
     async with (
         running_simulator(time_scale=0.01, bad_answer="wrong_types") as flaky,
         running_simulator(time_scale=0.01) as good,
-        LLMClient(config(flaky.url, good.url, policy="round_robin")) as client,
+        LLMClient(config(flaky.url, good.url, policy="round_robin", answer_health=settings)) as client,
     ):
         endpoint = client.endpoints[0]
         for i in range(20):
@@ -121,6 +128,13 @@ async def test_a_quarantined_replica_comes_back_through_a_probe_once_it_answers_
         assert endpoint.quarantined
         await asyncio.sleep(0.6)  # cool-downs pass, probes keep failing: the replica still answers badly
         assert endpoint.quarantined and client.answer_health.readmissions == 0
+        records = list(caplog.records)
+        quarantined_s = time.time() - next(
+            r.created for r in records if r.getMessage().startswith("quarantining replica")
+        )
+        failed_probes = sum("stays quarantined: probe failed" in r.getMessage() for r in records)
+        # once per cool-down since the quarantine, not at every health check (each 0.05 s: 3-4 times more)
+        assert 1 <= failed_probes <= quarantined_s / settings.cooldown_s + 1, (failed_probes, quarantined_s)
         flaky.replica.bad_answer = "none"
         async with asyncio.timeout(5):
             while endpoint.quarantined:

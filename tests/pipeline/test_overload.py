@@ -147,15 +147,28 @@ async def test_in_flight_prompt_is_cancelled_and_the_newer_reuses_its_prefix() -
 
 
 async def test_in_flight_prompt_finishes_when_cancelling_is_off() -> None:
+    """With ``cancel_in_flight=False``, a newer prompt arriving while the older one is at the replica
+    does not stop it: both are answered, and the replica sees no abort."""
     shopper = Shopper("s-let-finish")
     older, newer = shopper.cart(), shopper.cart()
-    async with running_simulator(time_scale=0.2) as sim, LLMClient(client_config(sim.url)) as client:
+    async with running_simulator(time_scale=1.0) as sim, LLMClient(client_config(sim.url)) as client:
         enrich = enricher(client, cancel_in_flight=False)
         first = asyncio.create_task(enrich.enrich(older))
-        await until(lambda: enrich.gate.active == 1)
-        results = [await first, await enrich.enrich(newer)]
+        await until(lambda: sim.replica.engine.stats.decode_tokens > 0)  # at the replica: in flight
+        assert requests_received(await sim_metrics(sim)) == 1 and not first.done()
+        second = asyncio.create_task(enrich.enrich(newer))
+
+        async def newer_sent() -> bool:
+            return requests_received(await sim_metrics(sim)) == 2
+
+        await until(newer_sent)  # the newer prompt reached the replica ...
+        overlapped = not first.done()  # ... while the older one was still being answered
+        results = [await first, await second]
         metrics = await sim_metrics(sim)
-    assert [type(r) for r in results] == [ShopperInsight, ShopperInsight]
+    assert [type(r) for r in results] == [ShopperInsight, ShopperInsight], results
+    assert overlapped
+    assert [r.request_id for r in results] == [older.request_id, newer.request_id]
+    assert enrich.counts.cancelled_in_flight == 0
     assert metrics.get("sim_request_errors_total{reason=aborted}", 0) == 0
 
 
