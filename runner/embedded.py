@@ -355,14 +355,20 @@ class EmbeddedRunner:
     async def _measure_lag(self) -> None:
         """About once a second (each progress interval, where shorter), the lag from the watermarks the
         consumer last saw (``cached_lag_by_partition``), measured on a thread: one measurement at a time, and
-        a blocked or failed one only delays the next (the last one stands meanwhile)."""
+        a blocked or failed one only delays the next (the last one stands meanwhile). The committed
+        offsets of partitions not read yet are asked once per assignment (``committed``), not every time."""
+        generation, committed = -1, dict[str, dict[int, int]]()
         while True:
+            if self.assignment.generation != generation:  # read before the partitions it goes with
+                generation, committed = self.assignment.generation, {}
             assignment = list(self.assignment.partitions)
             lag: dict[int, int] = {}
             try:
                 for topic in {tp.topic for tp in assignment}:
                     owned = [tp for tp in assignment if tp.topic == topic]
-                    measured = await asyncio.to_thread(cached_lag_by_partition, self.consumer, owned)
+                    measured = await asyncio.to_thread(
+                        cached_lag_by_partition, self.consumer, owned, committed.setdefault(topic, {})
+                    )
                     for partition, behind in measured.items():
                         lag[partition] = lag.get(partition, 0) + behind
                 self._lag = lag

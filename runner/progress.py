@@ -110,23 +110,27 @@ class ProgressLine:
         return line
 
 
-def cached_lag_by_partition(consumer: Consumer, assignment: list[TopicPartition]) -> dict[int, int]:
+def cached_lag_by_partition(
+    consumer: Consumer, assignment: list[TopicPartition], committed: dict[int, int] | None = None
+) -> dict[int, int]:
     """Records behind the high watermark per assigned partition, from the watermarks the consumer
-    last saw; a broker round trip only for partitions without a position (their committed offsets).
+    last saw; a broker round trip only for partitions without a position (their committed offsets),
+    and only once per assignment where the caller keeps ``committed`` for it (partition -> offset):
+    this member does not move an unread partition's committed offset, so it stays what was read.
     Calls on the consumer wait behind a synchronous commit to an unreachable coordinator: call it on
     a thread (``EmbeddedRunner._measure_lag``)."""
     if not assignment:
         return {}
+    committed = {} if committed is None else committed
     positions = consumer.position(assignment)
     # A partition nothing was consumed from since it was assigned has no position yet: its lag runs
     # from the group's committed offset (one round trip, for those only), not from 0. Measured from
     # 0, an idle partition another member had finished read as wholly behind, and kept the
     # "falling behind" alert on, until its next record came.
-    unread = [tp for tp in positions if tp.offset < 0]
-    committed: dict[int, int] = {}
+    unread = [tp for tp in positions if tp.offset < 0 and tp.partition not in committed]
     if unread:
         with contextlib.suppress(KafkaException):
-            committed = {tp.partition: tp.offset for tp in consumer.committed(unread, timeout=5)}
+            committed.update({tp.partition: tp.offset for tp in consumer.committed(unread, timeout=5)})
     lag = {}
     for tp in positions:
         low, high = consumer.get_watermark_offsets(tp, cached=True)

@@ -19,6 +19,7 @@ import aiohttp
 import orjson
 import pytest
 import yaml
+from confluent_kafka import Consumer, TopicPartition
 from prometheus_client.parser import text_string_to_metric_families
 
 from devstack.synthetic import SyntheticStream
@@ -28,6 +29,7 @@ from prompt_assembly.understanding import ShopperUnderstanding
 from runner.dead_letters import REASON_CATEGORIES, reason_category
 from runner.embedded import EmbeddedRunner
 from runner.logs import LogFormat, line_logger
+from runner.progress import cached_lag_by_partition
 from shopper.readback import list_s3_records
 from sinks.redis import RedisSignalSink
 from tests.conftest import Isolated
@@ -379,6 +381,46 @@ def test_an_idle_partition_the_group_finished_shows_no_lag(isolated: Isolated) -
     # Up to date with nothing to commit: its durable points count as commits for the age, which grew
     # from its start on a healthy idle member (and set off the "nothing made durable" alert).
     assert second.stats.commits == 0 and second.stats.last_commit_at is not None
+
+
+class CountingCommitted:
+    """A real consumer whose ``committed`` calls (broker round trips) are counted."""
+
+    def __init__(self, consumer: Consumer) -> None:
+        self.consumer, self.calls = consumer, 0
+
+    def committed(self, partitions: list[TopicPartition], timeout: float) -> list[TopicPartition]:
+        self.calls += 1
+        return self.consumer.committed(partitions, timeout=timeout)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.consumer, name)
+
+
+@pytest.mark.slow
+def test_unread_partitions_lag_asks_the_committed_offsets_once_per_assignment(isolated: Isolated) -> None:
+    """An idle member's lag runs from the group's committed offsets (see above): asked once, not at
+    every measurement (each second), while it keeps the partitions (``EmbeddedRunner._measure_lag``
+    keeps them per assignment)."""
+    produce_records(
+        isolated.stack.kafka_bootstrap, isolated.topic, [cart_add(f"s{i}", time.time()) for i in range(20)]
+    )
+    first = asyncio.run(EmbeddedRunner(isolated.runner(), log=lambda _: None).run())
+    assert first.commits > 0
+    consumer = Consumer({"bootstrap.servers": isolated.stack.kafka_bootstrap, "group.id": isolated.group})
+    try:
+        partitions = [TopicPartition(isolated.topic, p) for p in range(4)]
+        consumer.assign(partitions)  # from the committed offsets, the ends: nothing to read, no positions
+        deadline = time.monotonic() + 30
+        while any(consumer.get_watermark_offsets(tp, cached=True)[1] < 0 for tp in partitions):
+            assert consumer.poll(0.2) is None and time.monotonic() < deadline  # fetches teach the watermarks
+        counting, committed = CountingCommitted(consumer), dict[int, int]()
+        measured = [cached_lag_by_partition(counting, partitions, committed) for _ in range(3)]  # type: ignore[arg-type]
+        fresh = cached_lag_by_partition(CountingCommitted(consumer), partitions)  # type: ignore[arg-type]
+    finally:
+        consumer.close()
+    assert measured == [fresh] * 3 and fresh == {0: 0, 1: 0, 2: 0, 3: 0}
+    assert counting.calls == 1 and set(committed) == {0, 1, 2, 3}
 
 
 def test_a_member_without_partitions_is_live_but_not_ready(isolated: Isolated) -> None:
