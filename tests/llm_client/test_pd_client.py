@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 from typing import Any
 
 import aiohttp
@@ -21,7 +22,7 @@ from llm_client.errors import LLMError
 from llm_client.routing.base import RouteRequest
 from llm_client.routing.pd_aware import PdAwarePolicy
 from prompt_assembly.tokens import count_tokens
-from serving.simulator.testing import running_simulator
+from serving.simulator.testing import RunningSimulator, running_simulator
 from tests.llm_client.test_routing_pd_aware import words
 
 
@@ -34,6 +35,39 @@ def pd_config(generation: str, context: str, **knobs: object) -> ClientConfig:
         timeouts=Timeouts(connect_s=1, attempt_s=10, deadline_s=20),
         health=HealthSettings(interval_s=0.05),
     )
+
+
+@dataclass(frozen=True)
+class PdPair:
+    """A context and a generation simulator, and a P/D client routing over them."""
+
+    context: RunningSimulator
+    generation: RunningSimulator
+    client: LLMClient
+
+    @property
+    def policy(self) -> PdAwarePolicy:
+        policy = self.client.policy
+        assert isinstance(policy, PdAwarePolicy)
+        return policy
+
+
+@contextlib.asynccontextmanager
+async def pd_pair(
+    *,
+    context_time_scale: float = 0.0,
+    generation_time_scale: float = 0.0,
+    context_settings: dict[str, Any] | None = None,
+    **knobs: object,
+) -> AsyncIterator[PdPair]:
+    """``PdPair`` for one test: the simulators' time scales and the context server's settings as it
+    needs them, ``knobs`` for the ``pd_aware`` policy (``max_local_prefill_tokens``, ...)."""
+    async with (
+        running_simulator(role="context", time_scale=context_time_scale, **(context_settings or {})) as ctx,
+        running_simulator(role="generation", time_scale=generation_time_scale) as gen,
+        LLMClient(pd_config(gen.url, ctx.url, **knobs)) as client,
+    ):
+        yield PdPair(ctx, gen, client)
 
 
 async def perf(url: str) -> list[dict[str, Any]]:
@@ -59,13 +93,8 @@ def messages(text: str) -> list[dict[str, str]]:
 
 async def test_a_cold_prompt_is_prefilled_remotely_and_the_next_one_locally() -> None:
     history = words(3000)
-    async with (
-        running_simulator(role="context", time_scale=0.0) as ctx,
-        running_simulator(role="generation", time_scale=0.0) as gen,
-        LLMClient(pd_config(gen.url, ctx.url, max_local_prefill_tokens=512)) as client,
-    ):
-        policy = client.policy
-        assert isinstance(policy, PdAwarePolicy)
+    async with pd_pair(max_local_prefill_tokens=512) as pd:
+        ctx, gen, client, policy = pd.context, pd.generation, pd.client, pd.policy
         first = await client.chat(messages(history), routing_key="s1", max_tokens=20)
         assert first.text and first.endpoint == client.endpoints[0].name
         assert policy.stats.remote == 1
@@ -84,11 +113,8 @@ async def test_a_cold_prompt_is_prefilled_remotely_and_the_next_one_locally() ->
 async def test_a_two_step_call_is_timed_from_its_context_step() -> None:
     """The caller waited for the prefill on the context server too: the answer's time to first token
     and latency include it (an admission limit watching the first token must see that queue)."""
-    async with (
-        running_simulator(role="context", time_scale=1.0) as ctx,
-        running_simulator(role="generation", time_scale=1.0) as gen,
-        LLMClient(pd_config(gen.url, ctx.url)) as client,
-    ):
+    async with pd_pair(context_time_scale=1.0, generation_time_scale=1.0) as pd:
+        ctx, client = pd.context, pd.client
         answer = await client.chat(messages(words(3000)), routing_key="s1", max_tokens=8)
         (prefill,) = await perf(ctx.url)
         timing = prefill["perf_metrics"]["timing_metrics"]
@@ -99,15 +125,10 @@ async def test_a_two_step_call_is_timed_from_its_context_step() -> None:
 
 
 async def test_blocks_gone_by_the_pull_mean_a_local_prefill() -> None:
-    async with (
-        # the context replica releases a prompt's blocks 1 µs after its first token: gone by the pull
-        running_simulator(role="context", time_scale=0.0, kv_transfer_timeout_s=1e-6) as ctx,
-        running_simulator(role="generation", time_scale=0.0) as gen,
-        LLMClient(pd_config(gen.url, ctx.url, max_local_prefill_tokens=0)) as client,
-    ):
+    # the context replica releases a prompt's blocks 1 µs after its first token: gone by the pull
+    async with pd_pair(context_settings={"kv_transfer_timeout_s": 1e-6}, max_local_prefill_tokens=0) as pd:
+        client, policy = pd.client, pd.policy
         completion = await client.chat(messages(words(3000)), routing_key="s1", max_tokens=20)
-        policy = client.policy
-        assert isinstance(policy, PdAwarePolicy)
         assert completion.text and completion.attempts == 1
         assert policy.stats.remote == 1 and policy.stats.redone_locally == 1
         assert all(e.routable for e in [*client.endpoints, *client.context_endpoints])
@@ -134,14 +155,9 @@ async def forwarded(client: LLMClient, text: str) -> tuple[int, dict[str, Any]]:
 async def test_forward_prefills_locally_when_the_blocks_are_gone_and_blames_no_one(
     context_settings: dict[str, Any],
 ) -> None:
-    async with (
-        running_simulator(role="context", time_scale=0.0, **context_settings) as ctx,
-        running_simulator(role="generation", time_scale=0.0) as gen,
-        LLMClient(pd_config(gen.url, ctx.url, max_local_prefill_tokens=0)) as client,
-    ):
+    async with pd_pair(context_settings=context_settings, max_local_prefill_tokens=0) as pd:
+        gen, client, policy = pd.generation, pd.client, pd.policy
         status, answer = await forwarded(client, words(3000))
-        policy = client.policy
-        assert isinstance(policy, PdAwarePolicy)
         assert status == 200 and answer["choices"][0]["message"]["content"]
         assert policy.stats.remote == 1 and policy.stats.redone_locally == 1
         (decode,) = client.endpoints
@@ -241,13 +257,8 @@ async def test_a_call_cancelled_during_its_context_step_gives_the_decode_booking
     (the shopper counted in flight there, its KV, the prompt in the queued-prefill record) stayed
     booked for good, one prompt more each time."""
     text = words(3000)
-    async with (
-        running_simulator(role="context", time_scale=1.0) as ctx,  # ~5.8k tokens: ~0.8 s
-        running_simulator(role="generation", time_scale=0.0) as gen,
-        LLMClient(pd_config(gen.url, ctx.url, max_local_prefill_tokens=0)) as client,
-    ):
-        policy = client.policy
-        assert isinstance(policy, PdAwarePolicy)
+    async with pd_pair(context_time_scale=1.0, max_local_prefill_tokens=0) as pd:  # ~5.8k tokens: ~0.8 s
+        client, policy = pd.client, pd.policy
         decode = policy.decode
         for n in range(3):
             call: asyncio.Task[Any] = asyncio.create_task(
@@ -275,13 +286,8 @@ async def test_a_forwarded_body_that_is_no_json_object_books_no_context_server()
     decode server unchanged for its own 400. It was read only after the policy had chosen a context
     server, booking it (in flight, a queued prefill, the blocks it would hold) with nothing to give
     that back: a thousand such bodies left a thousand prefills believed queued there."""
-    async with (
-        running_simulator(role="context", time_scale=0.0) as ctx,
-        running_simulator(role="generation", time_scale=0.0) as gen,
-        LLMClient(pd_config(gen.url, ctx.url, max_local_prefill_tokens=512)) as client,
-    ):
-        policy = client.policy
-        assert isinstance(policy, PdAwarePolicy)
+    async with pd_pair(max_local_prefill_tokens=512) as pd:
+        ctx, client, policy = pd.context, pd.client, pd.policy
         text = " ".join(words(3000))
         route = RouteRequest("s1", text, count_tokens(text), 20)
         for _ in range(3):
