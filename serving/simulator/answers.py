@@ -115,27 +115,33 @@ def _schema_of(response_format: Mapping[str, Any]) -> Mapping[str, Any] | None:
 def _json_answer(
     schema: Mapping[str, Any] | None, words: Sequence[str], seed: int, max_tokens: int
 ) -> Answer:
-    # The minimal instance starts from the same random state as the full one: a generator seeded again
-    # (saving and restoring its 625-word state cost more than seeding).
-    room = _BuildRoom.for_answer(max_tokens)
-    try:
-        value = _SchemaFiller(schema, words, random.Random(seed), minimal=False, room=room).fill()
-        text = json.dumps(value, ensure_ascii=False)
-        pieces = tokenize(text)
-    except _TooLarge:
-        pieces = None
-    if pieces is None or len(pieces) > max_tokens:
-        room = _BuildRoom.for_answer(max_tokens)
-        try:
-            value = _SchemaFiller(schema, words, random.Random(seed), minimal=True, room=room).fill()
-        except _TooLarge:
+    """The full instance of ``schema`` when it fits ``max_tokens``, else its minimal instance (only the
+    required parts); a schema whose minimal instance is far past any answer is refused."""
+    built = _instance(schema, words, seed, max_tokens, minimal=False)
+    if built is None or len(built[1]) > max_tokens:
+        built = _instance(schema, words, seed, max_tokens, minimal=True)
+        if built is None:
             raise UnfollowableSchema(
                 f"the smallest instance of the response_format schema is far longer than max_tokens "
                 f"({max_tokens}) holds"
-            ) from None
-        text = json.dumps(value, ensure_ascii=False)
-        pieces = tokenize(text)
+            )
+    text, pieces = built
     return Answer(text, tuple(pieces), min(len(pieces), max_tokens), "stop")
+
+
+def _instance(
+    schema: Mapping[str, Any] | None, words: Sequence[str], seed: int, max_tokens: int, *, minimal: bool
+) -> tuple[str, list[str]] | None:
+    """One instance of ``schema`` as JSON text and its tokens; None when it outgrew the room an answer of
+    ``max_tokens`` has (``_BuildRoom``). Both instances start from the same random state: a generator
+    seeded again (saving and restoring its 625-word state cost more than seeding)."""
+    room = _BuildRoom.for_answer(max_tokens)
+    try:
+        value = _SchemaFiller(schema, words, random.Random(seed), minimal=minimal, room=room).fill()
+    except _TooLarge:
+        return None
+    text = json.dumps(value, ensure_ascii=False)
+    return text, tokenize(text)
 
 
 class _TooLarge(Exception):
