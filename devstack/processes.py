@@ -97,14 +97,43 @@ def alive(pid: int) -> bool:
     return True
 
 
+def group_alive(pgid: int) -> bool:
+    """Any process of the group ``pgid`` (a process started in its own session) still runs. Zombies
+    do not count: in a container whose first process reaps no orphans, a member that exited stays a
+    zombie, and the group would read as alive for as long as the stop waits."""
+    alive(pgid)  # reaps the leader if it is a zombie child of ours
+    proc = Path("/proc")
+    if not proc.is_dir():  # not Linux: any member, zombie or not
+        try:
+            os.killpg(pgid, 0)
+        except ProcessLookupError:
+            return False
+        except PermissionError:
+            return True
+        return True
+    for entry in proc.iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+        except OSError:  # gone meanwhile
+            continue
+        state, _ppid, group = stat[stat.rindex(")") + 2 :].split(maxsplit=3)[:3]
+        if int(group) == pgid and state != "Z":
+            return True
+    return False
+
+
 def stop(process: ManagedProcess, timeout_s: float = 10.0) -> None:
-    """SIGTERM the process group, then SIGKILL what is left after ``timeout_s``."""
+    """SIGTERM the process group, then SIGKILL what is left of the group after ``timeout_s``. The
+    whole group is waited for, not its leader only: a TaskManager's leader is the shell loop that
+    restarts it, and once that shell had exited its JVM was never sent the SIGKILL."""
     for sig in (signal.SIGTERM, signal.SIGKILL):
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.killpg(process.pid, sig)
         deadline = time.monotonic() + (timeout_s if sig == signal.SIGTERM else 5.0)
         while time.monotonic() < deadline:
-            if not alive(process.pid):
+            if not group_alive(process.pid):
                 return
             time.sleep(0.05)
 

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import os
 import shutil
 import sys
@@ -31,6 +32,7 @@ from typing import Any, Literal, cast
 
 from pydantic import Field, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
+from redis.exceptions import RedisError
 
 from devstack.errors import StackError
 from devstack.processes import (
@@ -49,6 +51,8 @@ from pipeline.topics import DLQ_TOPIC, EVENTS_TOPIC, INSIGHTS_TOPIC, PROMPTS_TOP
 from serving.simulator.launch import options_flags, simulator_argv
 from serving.simulator.trtllm_options import AGGREGATED_YAML
 from sinks.config import SinkSettings
+
+log = logging.getLogger(__name__)
 
 MOTO_CREDENTIALS = ("testing", "testing")
 """moto accepts any credentials; these keep boto from searching the machine for real ones."""
@@ -271,16 +275,21 @@ def clear_stack_keys(state: StackState) -> int:
 
 def stack_down(state_dir: Path, *, clear_keys: bool = True) -> list[str]:
     """Stop the processes the state file lists and, with ``clear_keys``, delete the stack's keys from
-    a shared Redis (``clear_stack_keys``); returns the names of the processes stopped."""
+    a shared Redis (``clear_stack_keys``); returns the names of the processes stopped. The processes
+    go first: a shared Redis that is down cost the keys only, where it used to leave every process
+    running and the state file in place (and ``stack up`` failing on it)."""
     path = state_file(state_dir)
     if not path.exists():
         return []
     state = load_state(state_dir)
-    if clear_keys:
-        clear_stack_keys(state)
     for process in reversed(state.processes):
         stop(process)
     path.unlink()
+    if clear_keys:
+        try:
+            clear_stack_keys(state)
+        except RedisError as exc:
+            log.warning("stack keys %s* left in Redis (%s): it did not answer", state.redis_key_prefix, exc)
     return [p.name for p in state.processes]
 
 

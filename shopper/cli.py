@@ -18,6 +18,7 @@ from confluent_kafka import KafkaError, KafkaException
 from pydantic import ValidationError
 from pydantic_settings import SettingsError
 from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import RedisError
 from rich.console import Console
 from rich.table import Table
 from rich.text import Text
@@ -131,19 +132,25 @@ def stack_down_cmd(
         bool, typer.Option(help="leave this stack's keys in a shared Redis (they expire with their TTL)")
     ] = False,
 ) -> None:
-    """Stop exactly the processes 'stack up' started; delete the stack's keys from a shared Redis."""
-    if state_file(state_dir).exists():
-        state = load_state(state_dir)
-        if state.redis_shared:
-            if keep_redis_keys:
-                console.print(f"kept this stack's keys ({state.redis_key_prefix}*) in the shared Redis")
-            else:
-                deleted = clear_stack_keys(state)
-                console.print(
-                    f"deleted {deleted} keys under {state.redis_key_prefix!r} from the shared Redis"
-                )
+    """Stop exactly the processes 'stack up' started; delete the stack's keys from a shared Redis. The
+    processes go first: a shared Redis that does not answer costs only the keys (they expire)."""
+    state = load_state(state_dir) if state_file(state_dir).exists() else None
     stopped = stack_down(state_dir, clear_keys=False)
     console.print(f"stopped: {', '.join(stopped) or 'nothing'}")
+    if state is None or not state.redis_shared:
+        return
+    if keep_redis_keys:
+        console.print(f"kept this stack's keys ({state.redis_key_prefix}*) in the shared Redis")
+        return
+    try:
+        deleted = clear_stack_keys(state)
+    except RedisError as exc:
+        console.print(
+            f"[yellow]left this stack's keys ({state.redis_key_prefix}*) in the shared Redis: it did not "
+            f"answer ({exc}); they expire with their TTL[/yellow]"
+        )
+        return
+    console.print(f"deleted {deleted} keys under {state.redis_key_prefix!r} from the shared Redis")
 
 
 @stack_app.command("status")

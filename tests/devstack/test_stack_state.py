@@ -17,6 +17,7 @@ import pytest
 import redis as sync_redis
 from typer.testing import CliRunner
 
+from devstack.processes import group_alive
 from devstack.stack import StackSettings, StackState, load_state, sink_settings, stack_down, stack_up
 from devstack.synthetic import SyntheticStream
 from runner.embedded import EmbeddedRunner
@@ -113,3 +114,20 @@ def test_stack_up_says_which_redis_and_stack_down_deletes_only_its_keys(
         assert client.keys("*") == [b"someone-else:signals:shopper-0"]
     finally:
         client.close()
+
+
+@pytest.mark.usefixtures("s3_keys")
+def test_stack_down_stops_its_processes_when_the_shared_redis_is_down(
+    stack: StackState, shared_redis: OwnRedis, tmp_path: Path
+) -> None:
+    """``stack down`` deleted the keys first: a shared Redis that was down raised there, and every
+    process (the gateway here) ran on, with the state file left for ``stack up`` to fail on."""
+    state_dir = tmp_path / "stack"
+    state = stack_up(_on_shared_redis(stack, state_dir, shared_redis.url))
+    assert state.processes and state.redis_shared, "the gateway, on a shared Redis"
+    shared_redis.kill()
+    down = CliRunner().invoke(app, ["stack", "down", "--state-dir", str(state_dir)])
+    assert down.exit_code == 0, down.output
+    assert "left this stack's keys" in down.output
+    assert not (state_dir / "stack.json").exists()
+    assert not any(group_alive(p.pid) for p in state.processes)
