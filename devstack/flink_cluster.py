@@ -295,12 +295,12 @@ def cluster_up(state_dir: Path, settings: FlinkClusterSettings | None = None) ->
         for process in reversed(state.processes):
             stop(process)
         raise
-    path.write_text(state.to_json())
+    write_private(path, state.to_json())  # whole or not at all: `flink down` reads it to find the JVMs
     return state
 
 
 def save_cluster(state_dir: Path, state: FlinkClusterState) -> None:
-    cluster_state_file(state_dir).write_text(state.to_json())
+    write_private(cluster_state_file(state_dir), state.to_json())
 
 
 def cluster_down(state_dir: Path) -> list[str]:

@@ -44,7 +44,10 @@ def run_demo(
 
     security = kafka_security()  # the runner's TLS/SASL, for every Kafka client of the demo
     console.rule("1. embedded stack")
+    before = load_state(state_dir) if state_file(state_dir).exists() else None
     state = stack_up(StackSettings(state_dir=state_dir, replicas=3, time_scale=0.05))
+    # A stack the user had up already is theirs: the demo uses it and leaves it (and its keys) as it was.
+    reused = before is not None and [p.pid for p in before.processes] == [p.pid for p in state.processes]
     console.print(f"kafka {state.kafka_bootstrap}  s3 {mask_url(state.s3_endpoint_url or '-')}")
     console.print(describe_redis(state), markup=False)
     console.print(f"LLM replicas ({state.model}): {', '.join(map(mask_url, state.llm_endpoints))}")
@@ -172,7 +175,12 @@ def run_demo(
         redis.Redis.from_url(state.redis_url).close()
         return 0 if ok else 1
     finally:
-        if not keep_stack:
+        if reused:
+            console.print(
+                f"the stack in {state_dir} was up before the demo: left running, with the demo's keys "
+                f"under {state.redis_key_prefix!r}"
+            )
+        elif not keep_stack:
             console.rule("5. stack down")
             if state_file(state_dir).exists() and (shown := load_state(state_dir)).redis_shared:
                 deleted = clear_stack_keys(shown)

@@ -27,12 +27,13 @@ from devstack.flink_cluster import (
     FlinkRest,
     cluster_dir,
     cluster_down,
+    cluster_state_file,
     cluster_status,
     cluster_up,
     job_settings,
     load_cluster,
 )
-from devstack.processes import alive
+from devstack.processes import alive, stop
 from devstack.stack import StackState, load_state
 from flink_jobs.flink_config import NearRealtimeSettings
 
@@ -180,8 +181,14 @@ def run_flink_demo_step(
 def _run_on_flink(
     state: StackState, state_dir: Path, *, prefix: str, s3_prefix: str, console: Console
 ) -> None:
+    before = load_cluster(state_dir) if cluster_state_file(state_dir).exists() else None
     cluster = cluster_up(state_dir)
-    console.print(f"Flink cluster {cluster.web_url}")
+    # A cluster the user had up already is theirs: the demo's job and its enrichment runner go, it stays.
+    reused = before is not None and [p.pid for p in before.processes] == [p.pid for p in cluster.processes]
+    console.print(
+        f"Flink cluster {cluster.web_url}" + (" (up before the demo: left running)" if reused else "")
+    )
+    enrichment = None
     try:
         # Production timers (a browse pause fires on the wall clock); the drain at the end fires
         # whatever is still pending, so the demo need not wait out the last quiet period.
@@ -227,5 +234,8 @@ def _run_on_flink(
             wait_group_committed(state.kafka_bootstrap, group, settings.prompts_topic, prompts, runner_exited)
             console.print(f"every prompt answered and stored in {time.monotonic() - started:.0f} s")
     finally:
-        stop_enrichment(state_dir)
-        cluster_down(state_dir)
+        if not reused:
+            stop_enrichment(state_dir)
+            cluster_down(state_dir)
+        elif enrichment is not None:  # the demo's own, not the user's
+            stop(enrichment)

@@ -148,6 +148,16 @@ def test_the_flink_image_bakes_in_the_connector_jar() -> None:
     assert "apache-flink==2.3.0" in dockerfile
 
 
+def test_the_flink_services_keep_the_images_pemja_setting(compose: dict[str, Any]) -> None:
+    """The compose services' FLINK_PROPERTIES replaces the image's, which loads pemja parent-first
+    (thread mode: a second job on a TaskManager fails without it); the devstack and the Kubernetes
+    manifest set it too."""
+    line = "classloader.parent-first-patterns.additional: pemja."
+    assert line in (ROOT / "docker/flink.Dockerfile").read_text()
+    flink = [s for s in compose["services"].values() if "FLINK_PROPERTIES" in (s.get("environment") or {})]
+    assert flink and all(line in s["environment"]["FLINK_PROPERTIES"] for s in flink)
+
+
 @pytest.mark.parametrize("dockerfile", ["docker/app.Dockerfile", "docker/flink.Dockerfile"])
 def test_the_images_copy_every_package(dockerfile: str) -> None:
     """An image that misses a package fails only at run time, inside a container: check it here."""

@@ -13,6 +13,8 @@ import pytest
 
 from devstack.enrichment_stage import running_enrichment
 from devstack.flink_cluster import cluster_state_file
+from devstack.processes import alive
+from devstack.stack import load_state, stack_down
 
 pytestmark = pytest.mark.slow
 
@@ -52,3 +54,26 @@ def test_the_flink_demo_runs_the_job_and_its_enrichment_runner_and_accounts_for_
     left = subprocess.run(["pgrep", "-af", str(tmp_path / "state")], capture_output=True, text=True)
     assert left.returncode == 1, f"processes outlived the demo: {left.stdout}"
     assert not cluster_state_file(tmp_path / "state").exists() and not running_enrichment(tmp_path / "state")
+
+
+def test_the_demo_leaves_a_stack_the_user_had_up_running(tmp_path: Path) -> None:
+    """``shopper demo`` reuses a stack that is up in its state dir (``shopper stack up``'s default,
+    ``.state``): it then stopped that stack and deleted its keys, the user's results among them."""
+    state_dir = tmp_path / "state"
+    up = subprocess.run(
+        [sys.executable, "-m", "shopper", "stack", "up", "--state-dir", str(state_dir)],
+        capture_output=True,
+        text=True,
+        timeout=180,
+        cwd=tmp_path,
+    )
+    assert up.returncode == 0, up.stdout[-2000:] + up.stderr[-2000:]
+    try:
+        before = load_state(state_dir)
+        done = run_demo(tmp_path, timeout_s=300)
+        assert done.returncode == 0, (done.stdout[-4000:], done.stderr[-4000:])
+        assert "was up before the demo: left running" in done.stdout and "stopped: " not in done.stdout
+        assert all(alive(p.pid) for p in before.processes)
+        assert load_state(state_dir).processes == before.processes
+    finally:
+        stack_down(state_dir)
