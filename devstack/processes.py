@@ -36,6 +36,47 @@ def port_open(port: int, host: str = "127.0.0.1", timeout_s: float = 0.2) -> boo
     return False
 
 
+def listens_in_group(pgid: int, port: int) -> bool | None:
+    """Whether a process of group ``pgid`` holds the listening TCP socket on ``port`` (IPv4 or IPv6);
+    None where ``/proc`` cannot tell (not Linux)."""
+    inodes: set[str] = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        try:
+            rows = Path(table).read_text().splitlines()[1:]
+        except OSError:
+            continue
+        for row in rows:
+            fields = row.split()
+            # local address "ADDR:PORT" in hex, state 0A = LISTEN, inode in field 9
+            if fields[3] == "0A" and int(fields[1].rsplit(":", 1)[1], 16) == port:
+                inodes.add(f"socket:[{fields[9]}]")
+    if not Path("/proc/net/tcp").exists():
+        return None
+    for pid in _group_members(pgid):
+        with contextlib.suppress(OSError):
+            for fd in Path(f"/proc/{pid}/fd").iterdir():
+                with contextlib.suppress(OSError):
+                    if os.readlink(fd) in inodes:
+                        return True
+    return False
+
+
+def _group_members(pgid: int) -> list[int]:
+    """The pids of the live (not zombie) processes of group ``pgid``, from ``/proc``."""
+    members = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+        except OSError:  # gone meanwhile
+            continue
+        state, _ppid, group = stat[stat.rindex(")") + 2 :].split(maxsplit=3)[:3]
+        if int(group) == pgid and state != "Z":
+            members.append(int(entry.name))
+    return members
+
+
 def spawn(
     name: str, argv: Sequence[str], port: int, log_dir: Path, env: dict[str, str] | None = None
 ) -> ManagedProcess:
@@ -55,9 +96,13 @@ def spawn(
 
 
 def wait_for_port(process: ManagedProcess, timeout_s: float = 30.0) -> None:
+    """Until ``process`` listens on its port. Where ``/proc`` tells, the listener must be of its own
+    process group: a port that ``free_port`` found free but another process took meanwhile was taken
+    for the child's, which had exited with "address already in use", and the stack used whatever
+    answered there."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
-        if port_open(process.port):
+        if port_open(process.port) and listens_in_group(process.pid, process.port) is not False:
             return
         if not alive(process.pid):
             raise StackError(
@@ -102,8 +147,7 @@ def group_alive(pgid: int) -> bool:
     do not count: in a container whose first process reaps no orphans, a member that exited stays a
     zombie, and the group would read as alive for as long as the stop waits."""
     alive(pgid)  # reaps the leader if it is a zombie child of ours
-    proc = Path("/proc")
-    if not proc.is_dir():  # not Linux: any member, zombie or not
+    if not Path("/proc").is_dir():  # not Linux: any member, zombie or not
         try:
             os.killpg(pgid, 0)
         except ProcessLookupError:
@@ -111,17 +155,7 @@ def group_alive(pgid: int) -> bool:
         except PermissionError:
             return True
         return True
-    for entry in proc.iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            stat = (entry / "stat").read_text()
-        except OSError:  # gone meanwhile
-            continue
-        state, _ppid, group = stat[stat.rindex(")") + 2 :].split(maxsplit=3)[:3]
-        if int(group) == pgid and state != "Z":
-            return True
-    return False
+    return bool(_group_members(pgid))
 
 
 def stop(process: ManagedProcess, timeout_s: float = 10.0) -> None:

@@ -5,10 +5,15 @@ of the group (the JVM) ran on, never sent the SIGKILL."""
 from __future__ import annotations
 
 import os
+import shutil
+import socket
 import time
 from pathlib import Path
 
-from devstack.processes import group_alive, spawn, stop
+import pytest
+
+from devstack.errors import StackError
+from devstack.processes import free_port, group_alive, listens_in_group, spawn, stop, wait_for_port
 
 
 def running(pid: int) -> bool:
@@ -34,3 +39,34 @@ def test_stop_kills_what_is_left_of_the_group_after_its_leader_exits(tmp_path: P
     stop(process, timeout_s=0.5)
     assert not running(child), "a member of the group outlived the stop"
     assert not group_alive(process.pid)
+
+
+def test_a_port_another_process_took_is_not_taken_for_the_childs(tmp_path: Path) -> None:
+    """``free_port`` found the port free, another process took it before the child bound it: the child
+    exits ("address already in use") and the start says so, instead of the stack using whatever
+    listens there."""
+    with socket.socket() as foreign:
+        foreign.bind(("127.0.0.1", 0))
+        foreign.listen()
+        port = foreign.getsockname()[1]
+        redis_server = shutil.which("redis-server")
+        assert redis_server is not None
+        process = spawn("redis-taken", [redis_server, "--port", str(port), "--save", ""], port, tmp_path)
+        try:
+            with pytest.raises(StackError, match="exited during start-up"):
+                wait_for_port(process, timeout_s=10)
+        finally:
+            stop(process)
+
+
+def test_a_childs_own_listener_is_waited_for_and_recognised(tmp_path: Path) -> None:
+    port = free_port()
+    redis_server = shutil.which("redis-server")
+    assert redis_server is not None
+    process = spawn("redis-own", [redis_server, "--port", str(port), "--save", ""], port, tmp_path)
+    try:
+        wait_for_port(process, timeout_s=10)
+        assert listens_in_group(process.pid, port) is True
+        assert listens_in_group(os.getpgid(0), port) is False, "not the test's own group"
+    finally:
+        stop(process)
