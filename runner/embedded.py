@@ -47,8 +47,8 @@ import asyncio
 import contextlib
 import signal
 import time
-from collections.abc import Awaitable, Callable
-from typing import TypeVar
+from collections.abc import Awaitable, Callable, Iterator
+from typing import Any, TypeVar
 
 import redis.asyncio as aioredis
 from confluent_kafka import Consumer, KafkaException, Producer
@@ -86,6 +86,27 @@ from sinks.registry import SinkResources, build_sinks
 T = TypeVar("T")
 
 __all__ = ["EmbeddedRunner", "RunnerStats"]
+
+
+@contextlib.contextmanager
+def stop_on_signals(loop: asyncio.AbstractEventLoop, stop: Callable[[], None]) -> Iterator[None]:
+    """SIGTERM and SIGINT call ``stop`` (the runner drains) while the block runs; the process's own
+    handlers are back after it. asyncio's ``remove_signal_handler``, which closing the loop calls, sets
+    the defaults instead: a process that runs a runner inside it (a test session, an application)
+    lost its own SIGTERM handling for good after the first run."""
+    previous: dict[signal.Signals, Any] = {}
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        before = signal.getsignal(sig)
+        with contextlib.suppress(NotImplementedError, RuntimeError, ValueError):  # not the main thread
+            loop.add_signal_handler(sig, stop)
+            previous[sig] = before
+    try:
+        yield
+    finally:
+        for sig, before in previous.items():
+            loop.remove_signal_handler(sig)
+            if before is not None:
+                signal.signal(sig, before)
 
 
 class EmbeddedRunner:
@@ -192,48 +213,46 @@ class EmbeddedRunner:
             on_assign=self.handover.on_assign,
             on_revoke=self.handover.on_revoke,
         )
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            with contextlib.suppress(NotImplementedError, RuntimeError):
-                self.loop.add_signal_handler(sig, self.request_stop)
-        async with LLMClient(s.llm) as client:
-            # answers recorded as they arrive, so a replay after a kill does not pay again
-            self.enricher = Enricher(
-                client,
-                s.enrichment,
-                ledger=AnswerLedger.from_settings(s.sinks, redis),
-                scope=s.sinks.redis_key_prefix,
-            )
-            self.client = client
-            if s.metrics_port is not None:
-                self.ops = OpsServer(self, self.metrics, host=s.metrics_host, port=s.metrics_port)
-                await self.ops.start()
-                self.log(f"metrics and health on {self.ops.address}")
-            timers = asyncio.create_task(self.triggers.run(), name="timers")
-            workers = [
-                asyncio.create_task(self.commits.run(), name="committer"),
-                timers,
-                asyncio.create_task(self._progress(), name="progress"),
-                asyncio.create_task(self._measure_lag(), name="lag"),
-            ]
-            try:
-                with streaming_gc():  # the per-event objects live on: see runner.gc_tuning
-                    await self.ingest.run()
-                await self._drain(timers)
-            finally:
-                for worker in workers:
-                    worker.cancel()
-                for worker in workers:
-                    with contextlib.suppress(asyncio.CancelledError):
-                        await worker
-                await self.handover.stop()
-                await asyncio.to_thread(self.consumer.close)
-                await asyncio.to_thread(self.dead_letters.flush, 10)
-                await asyncio.to_thread(self.rekeyer.producer.flush, 10)
-                await self.checkpoint.close()
-                del self.dead_letters, self.rekeyer, self.checkpoint  # librdkafka handles go with them
-                await redis.aclose()
-                if self.ops is not None:
-                    await self.ops.stop()
+        with stop_on_signals(self.loop, self.request_stop):
+            async with LLMClient(s.llm) as client:
+                # answers recorded as they arrive, so a replay after a kill does not pay again
+                self.enricher = Enricher(
+                    client,
+                    s.enrichment,
+                    ledger=AnswerLedger.from_settings(s.sinks, redis),
+                    scope=s.sinks.redis_key_prefix,
+                )
+                self.client = client
+                if s.metrics_port is not None:
+                    self.ops = OpsServer(self, self.metrics, host=s.metrics_host, port=s.metrics_port)
+                    await self.ops.start()
+                    self.log(f"metrics and health on {self.ops.address}")
+                timers = asyncio.create_task(self.triggers.run(), name="timers")
+                workers = [
+                    asyncio.create_task(self.commits.run(), name="committer"),
+                    timers,
+                    asyncio.create_task(self._progress(), name="progress"),
+                    asyncio.create_task(self._measure_lag(), name="lag"),
+                ]
+                try:
+                    with streaming_gc():  # the per-event objects live on: see runner.gc_tuning
+                        await self.ingest.run()
+                    await self._drain(timers)
+                finally:
+                    for worker in workers:
+                        worker.cancel()
+                    for worker in workers:
+                        with contextlib.suppress(asyncio.CancelledError):
+                            await worker
+                    await self.handover.stop()
+                    await asyncio.to_thread(self.consumer.close)
+                    await asyncio.to_thread(self.dead_letters.flush, 10)
+                    await asyncio.to_thread(self.rekeyer.producer.flush, 10)
+                    await self.checkpoint.close()
+                    del self.dead_letters, self.rekeyer, self.checkpoint  # librdkafka handles go with them
+                    await redis.aclose()
+                    if self.ops is not None:
+                        await self.ops.stop()
         if self._failed is not None:
             raise self._failed
         self.log(self._render_progress(final=True))
