@@ -249,8 +249,8 @@ def start_taskmanager(state: FlinkClusterState, name: str = "flink-taskmanager")
         0,
         home / "log",
         env=flink_env(home),
+        record=state.processes,
     )
-    state.processes.append(process)
     return process
 
 
@@ -284,8 +284,8 @@ def cluster_up(state_dir: Path, settings: FlinkClusterSettings | None = None) ->
             rest_port,
             home / "log",
             env=flink_env(home),
+            record=state.processes,
         )
-        state.processes.append(jobmanager)
         for n in range(1, settings.taskmanagers + 1):
             start_taskmanager(state, name=f"flink-taskmanager-{n}")
         wait_for_http(jobmanager, "/overview", timeout_s=settings.start_timeout_s)

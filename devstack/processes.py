@@ -9,7 +9,7 @@ import socket
 import subprocess
 import time
 import urllib.request
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -77,13 +77,51 @@ def _group_members(pgid: int) -> list[int]:
     return members
 
 
+class _Interrupts:
+    """Whether an interrupt must wait (``interrupts_deferred``): process-wide, as signals are."""
+
+    deferred = 0
+    pending = False
+
+
+@contextlib.contextmanager
+def interrupts_deferred() -> Iterator[None]:
+    """An interrupt that comes inside (``interrupt``, what the CLI's SIGTERM handler calls) is raised
+    at the end of the block, not within it: a process forked inside is recorded before anything stops
+    the start (raised inside ``Popen``, the child ran on with no one knowing its pid)."""
+    _Interrupts.deferred += 1
+    try:
+        yield
+    finally:
+        _Interrupts.deferred -= 1
+        if not _Interrupts.deferred and _Interrupts.pending:
+            _Interrupts.pending = False
+            raise KeyboardInterrupt
+
+
+def interrupt() -> None:
+    """Raise ``KeyboardInterrupt`` now, or at the end of the ``interrupts_deferred`` block running."""
+    if _Interrupts.deferred:
+        _Interrupts.pending = True
+        return
+    raise KeyboardInterrupt
+
+
 def spawn(
-    name: str, argv: Sequence[str], port: int, log_dir: Path, env: dict[str, str] | None = None
+    name: str,
+    argv: Sequence[str],
+    port: int,
+    log_dir: Path,
+    env: dict[str, str] | None = None,
+    *,
+    record: list[ManagedProcess] | None = None,
 ) -> ManagedProcess:
-    """Start ``argv`` in its own session (so it outlives this CLI and can be stopped as a group)."""
+    """Start ``argv`` in its own session (so it outlives this CLI and can be stopped as a group), and
+    append it to ``record`` (the processes a start stops again if it fails or is interrupted) before
+    an interrupt can come."""
     log_dir.mkdir(parents=True, exist_ok=True)
     log = log_dir / f"{name}.log"
-    with open(log, "ab") as out:
+    with interrupts_deferred(), open(log, "ab") as out:
         proc = subprocess.Popen(
             list(argv),
             stdout=out,
@@ -92,7 +130,10 @@ def spawn(
             start_new_session=True,
             env={**os.environ, **(env or {})},
         )
-    return ManagedProcess(name, proc.pid, port, str(log))
+        process = ManagedProcess(name, proc.pid, port, str(log))
+        if record is not None:
+            record.append(process)
+    return process
 
 
 def wait_for_port(process: ManagedProcess, timeout_s: float = 30.0) -> None:

@@ -318,8 +318,8 @@ def _start_tansu(logs: Path, started: list[ManagedProcess]) -> str:
         [tansu_binary(), "broker", "--listener-url", url, "--advertised-listener-url", url],
         port,
         logs,
+        record=started,
     )
-    started.append(process)
     wait_for_port(process)
     return f"127.0.0.1:{port}"
 
@@ -350,18 +350,16 @@ def _redis(logs: Path, started: list[ManagedProcess]) -> tuple[str, bool]:
         [binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"],
         port,
         logs,
+        record=started,
     )
-    started.append(process)
     wait_for_port(process)
     return f"redis://127.0.0.1:{port}/0", False
 
 
 def _start_moto(logs: Path, started: list[ManagedProcess]) -> str:
     port = free_port()
-    process = spawn(
-        "moto-s3", [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)], port, logs
-    )
-    started.append(process)
+    argv = [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)]
+    process = spawn("moto-s3", argv, port, logs, record=started)
     wait_for_port(process, timeout_s=60)
     return f"http://127.0.0.1:{port}"
 
@@ -391,8 +389,7 @@ def _start_simulators(
         port = free_port()
         options = _replica_options(settings, i)
         argv = simulator_argv(port=port, replica_id=f"sim-{i}", time_scale=settings.time_scale, extra=options)
-        process = spawn(f"sim-{i}", argv, port, logs)
-        started.append(process)
+        process = spawn(f"sim-{i}", argv, port, logs, record=started)
         batch.append(process)
         (contexts if i < settings.context_replicas else endpoints).append(f"http://127.0.0.1:{port}")
     for process in batch:
@@ -417,8 +414,7 @@ def _start_llama(settings: StackSettings, logs: Path, started: list[ManagedProce
     for i in range(settings.replicas):
         port = free_port()
         argv = llama_server_command(port, model, binary=binary, threads=threads)
-        process = spawn(f"llama-{i}", argv, port, logs)
-        started.append(process)
+        process = spawn(f"llama-{i}", argv, port, logs, record=started)
         wait_for_http(process, timeout_s=180)
         endpoints.append(f"http://127.0.0.1:{port}")
     return endpoints, "gemma-3-270m"
@@ -437,8 +433,7 @@ def _start_gateway(
     env = {"LLM_MODEL": model}
     if contexts:
         env.update(LLM_POLICY="pd_aware", LLM_CONTEXT_ENDPOINTS=json.dumps(contexts))
-    process = spawn("gateway", argv, port, logs, env=env)
-    started.append(process)
+    process = spawn("gateway", argv, port, logs, env=env, record=started)
     wait_for_http(process, timeout_s=60)
     return f"http://127.0.0.1:{port}"
 

@@ -1,3 +1,3 @@
-from shopper.cli import app
+from shopper.cli import main
 
-app()
+main()

@@ -7,10 +7,12 @@ import asyncio
 import json
 import os
 import re
+import signal
 import sys
 import time
 from enum import StrEnum
 from pathlib import Path
+from types import FrameType
 from typing import Annotated, Any
 
 import typer
@@ -23,6 +25,7 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
+from devstack.processes import interrupt
 from devstack.stack import (
     StackSettings,
     clear_stack_keys,
@@ -438,8 +441,18 @@ Redis or Kafka that does not answer): said in one line, with exit status 1. Anyt
 ours and keeps its traceback."""
 
 
+def _interrupt(signum: int, frame: FrameType | None) -> None:
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)  # a second one is not waited for
+    interrupt()  # at once, or once a process being started is recorded (devstack.processes)
+
+
 def main() -> None:
-    """The ``shopper`` command (``[project.scripts]``): ``app``, with ``USER_ERRORS`` said in one line."""
+    """The ``shopper`` command (``[project.scripts]``, ``python -m shopper``): ``app``, with
+    ``USER_ERRORS`` said in one line, and SIGTERM taken as Ctrl-C. By default SIGTERM ended a command
+    at once: one stopped while it started processes (``stack up``, ``flink up``) left those it had
+    started running, and recorded nowhere; as an interrupt, the start's clean-up stops them. Commands
+    that serve (``run``, ``router serve``) set their own handlers while they run."""
+    signal.signal(signal.SIGTERM, _interrupt)
     try:
         app()
     except USER_ERRORS as exc:

@@ -3,6 +3,12 @@ addresses < options given on the command line. An option left out never override
 
 from __future__ import annotations
 
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -168,3 +174,49 @@ def test_a_flink_config_that_sets_part_of_a_section_keeps_the_stacks_addresses(
     assert settings.kafka.bootstrap_servers == stack.kafka_bootstrap
     assert settings.sinks.redis_url == stack.redis_url
     assert settings.llm.endpoints == stack.stream_endpoints
+
+
+def processes_holding(directory: Path) -> list[str]:
+    """The processes with a file under ``directory`` open (the stack's processes write their logs
+    there), as ``pid: argv``."""
+    holders = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            links = [os.readlink(fd) for fd in (entry / "fd").iterdir()]
+            argv = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            continue
+        if any(link.startswith(str(directory)) for link in links):
+            holders.append(f"{entry.name}: {argv}")
+    return holders
+
+
+@pytest.mark.slow
+def test_stack_up_stopped_with_sigterm_stops_what_it_had_started(tmp_path: Path) -> None:
+    """SIGTERM ended ``shopper stack up`` at once, and the processes it had started ran on, recorded
+    nowhere (the state file is written at the end). Taken as Ctrl-C, the start's clean-up stops them."""
+    state_dir = tmp_path / "state"
+    up = subprocess.Popen(
+        [sys.executable, "-m", "shopper", "stack", "up", "--state-dir", str(state_dir)],
+        cwd=tmp_path,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+    )
+    try:
+        deadline = time.monotonic() + 60
+        while not list((state_dir / "logs").glob("*.log")):  # the first process has started
+            assert up.poll() is None and time.monotonic() < deadline, up.communicate()[0].decode()[-2000:]
+            time.sleep(0.05)
+        up.send_signal(signal.SIGTERM)
+        output = up.communicate(timeout=60)[0].decode()
+    finally:
+        if up.poll() is None:
+            up.kill()
+    assert up.returncode != 0 and not (state_dir / "stack.json").exists(), output[-2000:]
+    left = processes_holding(state_dir)
+    for line in left:  # not left behind for the next test, whatever the outcome
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(int(line.split(":")[0]), signal.SIGKILL)
+    assert not left, f"processes outlived the interrupted start: {left}"
