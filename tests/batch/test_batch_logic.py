@@ -49,6 +49,7 @@ def test_parse_line_builds_the_document_from_text_and_reviews() -> None:
         (b'{"body": {"title": "no id"}}', "invalid"),
         (orjson.dumps({"custom_id": "c1", "body": {"price": "free"}}), "invalid"),
         (orjson.dumps({"custom_id": "c1", "body": {"title": "t", "price": True}}), "invalid"),  # read as $1
+        (orjson.dumps({"custom_id": "c1", "body": {"title": "t", "price": -1}}), "invalid"),
         (orjson.dumps({"custom_id": "c1", "url": "/v1/chat/completions", "body": {}}), "invalid"),
         (orjson.dumps({"custom_id": "c1", "body": {"title": "  ", "text": ""}}), "empty"),
         # nothing a model would see: a bidi override, control characters (they were sent, untitled)
@@ -140,6 +141,19 @@ def test_documents_beyond_any_split_are_oversized() -> None:
     with pytest.raises(BadRecord) as caught:
         plan_document(_record("short", title="Huge title " * 300), budget)
     assert caught.value.reason == "oversized" and "header" in caught.value.message
+
+
+def test_a_document_needing_exactly_max_parts_parts_is_accepted() -> None:
+    document = "word " * 5000
+    plan = plan_document(_record(document), _SMALL)
+    # Two digits either way: the part label ("part 3 of 14") is counted against each prompt's room.
+    assert 10 <= len(plan.parts) < 40
+    exact = _SMALL.model_copy(update={"max_parts": len(plan.parts)})
+    assert plan_document(_record(document), exact).parts == plan.parts
+    one_fewer = _SMALL.model_copy(update={"max_parts": len(plan.parts) - 1})
+    with pytest.raises(BadRecord) as caught:
+        plan_document(_record(document), one_fewer)
+    assert caught.value.reason == "oversized"
 
 
 @settings(max_examples=200, deadline=None)
@@ -332,6 +346,10 @@ def test_every_shard_commits_once_with_all_its_rows(
         assert sorted(got) == [i for i in range(c.shard * shard, min(lines, (c.shard + 1) * shard))]
         assert [r["line"] for r in c.rows] == sorted(r["line"] for r in c.rows)
         assert c.counts.ok + c.counts.errors == len(got) and c.counts.requests == len(got)
+    assert book.open_records == 0
+    # A row for a committed shard (committed before the run or in it) never reopens it.
+    for line in range(lines):
+        assert book.add(line, {"line": line}, error=False, requests=1) == []
     assert book.open_records == 0
 
 

@@ -375,3 +375,34 @@ async def test_a_manifest_write_that_failed_is_made_at_the_next_checkpoint(
             stored = await runtime.store.read_manifest(job.job_id)
             await run.lease.release()
     assert stored.shards == {0: counts}
+
+
+async def test_a_resume_after_the_input_was_replaced_fails_instead_of_mixing_two_inputs(
+    stack: StackState, isolated: Isolated
+) -> None:
+    """The manifest keeps the input's ETag from the first run: a resume over an input uploaded again
+    with other lines fails the job (its committed shards were made from the old lines), while a resume
+    over the same input runs."""
+    settings = _settings()
+    async with open_batch(settings, isolated.sinks(), _llm(stack, settings)) as runtime:
+        job = await _submit_blank_lines(runtime, isolated, shards=1)
+        first = (await _run(runtime, [job.job_id]))[job.job_id]
+        assert first.state == "succeeded", first.message
+        assert first.input_etag is not None
+
+        async def killed_and_resumed() -> JobManifest:
+            # What a kill leaves (no checkpoint since the start), then `shopper batch resume`.
+            killed = first.model_copy(update={"state": "running", "shards": {}, "total_records": None})
+            await runtime.store.write_manifest(killed)
+            await prepare_resume(runtime.store, job.job_id)
+            return (await _run(runtime, [job.job_id]))[job.job_id]
+
+        same = await killed_and_resumed()
+        assert same.state == "succeeded", same.message
+
+        lines = [b""] * (2 * settings.shard_records)  # another input at the same URI: another ETag
+        await _upload(runtime.store, job.spec.input_uri, lines)
+        changed = await killed_and_resumed()
+        assert (await runtime.store.read_manifest(job.job_id)).state == "failed"
+    assert changed.state == "failed"
+    assert changed.message is not None and "changed since" in changed.message

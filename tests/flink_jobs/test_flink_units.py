@@ -357,3 +357,99 @@ def test_both_engines_refuse_a_non_finite_literal_with_one_reason() -> None:
         == refused.reason
         == "invalid JSON: NaN is not a JSON number (RFC 8259)"
     )
+
+
+class _ValueState:
+    def __init__(self) -> None:
+        self.raw: str | None = None
+
+    def value(self) -> str | None:
+        return self.raw
+
+    def update(self, raw: str) -> None:
+        self.raw = raw
+
+    def clear(self) -> None:
+        self.raw = None
+
+
+class _Counter:
+    def inc(self, n: int = 1) -> None:
+        pass
+
+
+class _MetricGroup:
+    def add_group(self, name: str) -> _MetricGroup:
+        return self
+
+    def counter(self, name: str) -> _Counter:
+        return _Counter()
+
+
+class _RuntimeContext:
+    def __init__(self) -> None:
+        self.states: dict[str, _ValueState] = {}
+
+    def get_state(self, descriptor: object) -> _ValueState:
+        return self.states.setdefault(descriptor.get_name(), _ValueState())  # type: ignore[attr-defined]
+
+    def get_metrics_group(self) -> _MetricGroup:
+        return _MetricGroup()
+
+
+class _TimerService:
+    def current_processing_time(self) -> int:
+        return int(time.time() * 1000)
+
+    def register_processing_time_timer(self, ts: int) -> None:
+        pass
+
+    def delete_processing_time_timer(self, ts: int) -> None:
+        pass
+
+    def register_event_time_timer(self, ts: int) -> None:
+        pass
+
+    def delete_event_time_timer(self, ts: int) -> None:
+        pass
+
+
+class _KeyedContext:
+    def __init__(self, key: str) -> None:
+        self.key = key
+
+    def get_current_key(self) -> str:
+        return self.key
+
+    def timer_service(self) -> _TimerService:
+        return _TimerService()
+
+
+def test_an_event_whose_shopper_id_is_not_its_key_is_a_dead_letter() -> None:
+    """The JVM keys a record by the shopper id JSON_VALUE read; where pydantic reads another one (a
+    duplicated field), the event goes to the DLQ side output, never into the wrong shopper's session."""
+    from flink_jobs.flink_functions import DLQ_TAG, ShopperSessionFunction
+
+    event = {
+        "event_id": "e1",
+        "shopper_id": "s-1",
+        "type": "view",
+        "ts": time.time(),
+        "product": {"product_id": "p1", "title": "Trail shoe", "price": 90.0},
+    }
+    value = orjson.dumps(event).decode()
+    function = ShopperSessionFunction(NearRealtimeSettings().to_json(), True, False)
+    runtime = _RuntimeContext()
+    function.open(runtime)
+
+    out = list(function.process_element(value, _KeyedContext("s-2")))
+    assert len(out) == 1
+    tag, letter = out[0]
+    assert tag is DLQ_TAG
+    reason = orjson.loads(letter)["reason"]
+    assert "is not the key" in reason and "'s-1'" in reason and "'s-2'" in reason
+    assert runtime.states["session"].value() is None  # no session for either shopper
+
+    # The same event under its own key is accepted into the session (the check, not the fake, refused it).
+    assert list(function.process_element(value, _KeyedContext("s-1"))) == []
+    assert runtime.states["session"].value() is not None

@@ -49,6 +49,9 @@ def test_the_deadline_never_comes_before_the_quiet_period() -> None:
     for fraction in (0.0, 0.0001, 0.0004, 0.9999):
         deadline = wall_deadline_ms(1_000, NOW + fraction + quiet, NOW + fraction)
         assert deadline >= 1_000 + quiet * 1000
+    # A wait of a fraction of a millisecond rounds up to the next millisecond, never down to none.
+    assert wall_deadline_ms(0, NOW + 0.0004, NOW) == 1
+    assert wall_deadline_ms(5, NOW + 1.0004, NOW) == 5 + 1_001
 
 
 def test_a_backlog_read_faster_than_its_pauses_fires_once() -> None:
@@ -114,6 +117,12 @@ def test_only_a_timer_armed_before_the_restart_waits_its_quiet_period_after_it()
     older_state = ArmedTimer(50_000, NOW + 20, None)
     assert restored_deadline_ms(older_state, started + 5, started, wait) == started + wait
     assert restored_deadline_ms(ArmedTimer(120_000, NOW + 20, started), 120_000, started, wait) is None
+    # Armed at the very millisecond the run started: armed in this run, so it fires now, not after a wait.
+    armed_at_start = ArmedTimer(120_000, NOW + 20, started)
+    assert restored_deadline_ms(armed_at_start, started + 1, started, wait) is None
+    assert restored_deadline_ms(ArmedTimer(120_000, NOW + 20, started - 1), started + 1, started, wait) == (
+        started + wait
+    )
     assert restored_deadline_ms(restored, started, started, 0) is None  # due at once: fires at once
 
 

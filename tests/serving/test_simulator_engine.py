@@ -63,6 +63,24 @@ async def test_token_budget_splits_prefills_across_iterations() -> None:
     assert engine.stats.prefill_tokens_computed == 600
 
 
+async def test_a_prompt_reusing_cached_blocks_still_counts_whole_against_the_token_budget() -> None:
+    """Without chunked prefill the whole prompt counts against max_num_tokens, its reused tokens too
+    (TensorRT-LLM charges them): two warm prompts that together exceed the budget are prefilled in
+    separate iterations, although their uncached tokens alone would fit one."""
+    engine = _engine(max_num_tokens=512)
+    shared = [7_000 + i for i in range(9)]  # nine blocks of 32 tokens
+    await _run_all(engine, [GenerationRequest("warm", 9 * 32, shared, 1)])
+    before = engine.stats.iterations
+    # 332 tokens: the nine shared blocks, one block of its own and 12 tokens more.
+    prompts = [GenerationRequest(f"p{i}", 332, [*shared, 8_000 + i], 1) for i in range(2)]
+    await _run_all(engine, prompts)
+    assert all(p.cached_tokens > 0 for p in prompts)
+    assert (
+        sum(p.prompt_tokens - p.cached_tokens for p in prompts) <= 512 < sum(p.prompt_tokens for p in prompts)
+    )
+    assert engine.stats.iterations - before == 2
+
+
 async def test_loop_task_exists_only_while_there_is_work() -> None:
     engine = _engine()
     await _run_all(engine, [_request(0)])

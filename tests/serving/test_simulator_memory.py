@@ -195,7 +195,10 @@ async def test_a_prompt_reusing_cached_blocks_still_counts_whole_against_the_bud
     http: aiohttp.ClientSession,
 ) -> None:
     """Without chunked prefill the whole prompt counts against max_num_tokens, reused tokens too: two
-    warm prompts that together exceed the budget are prefilled in separate iterations."""
+    warm prompts that together exceed the budget are prefilled in separate iterations. Over HTTP the
+    two need not reach the same admission, so this is the end-to-end check only; the admission itself
+    (whole prompts charged, not their uncached tokens) is checked in ``test_simulator_engine.py``
+    (``test_a_prompt_reusing_cached_blocks_still_counts_whole_against_the_token_budget``)."""
     budget, block = 512, 32
     shared = _prompt(300, "shared")
     bodies = [_body(shared + _prompt(block, f"tail-{i}"), 1) for i in range(2)]
