@@ -25,7 +25,8 @@ import time
 from collections.abc import Iterator
 
 import pytest
-from confluent_kafka import Producer
+from confluent_kafka import KafkaError, Producer
+from confluent_kafka._types import DeliveryCallback, HeadersType
 from confluent_kafka.admin import AdminClient, NewTopic  # type: ignore[attr-defined]
 
 from devstack.stack import StackState
@@ -290,3 +291,107 @@ async def test_a_queue_that_stays_full_counts_the_dead_letter_undelivered(limits
     assert await asyncio.to_thread(publisher.flush, 30) == 0
     assert publisher.delivered == 1 and publisher.delivered + publisher.undelivered == 3
     assert [d["offset"] for d in read_dlq(limits.stack.kafka_bootstrap, limits.dlq_topic)] == [0]
+
+
+class BrokerSizeLimit(Producer):
+    """A real producer on the real broker, except that a record over ``limit`` bytes goes to
+    ``refused_topic`` and its delivery report says ``MSG_SIZE_TOO_LARGE``: what a Kafka broker whose DLQ
+    topic has ``max.message.bytes`` = ``limit`` answers. A fake, because no real part here can make
+    this case: Tansu 0.6 enforces no size limit (see the module docstring), and librdkafka's own
+    ``message.max.bytes`` refuses in ``produce``, never in a delivery report. The report still comes
+    from the broker's acknowledgement, on whichever thread polls or flushes."""
+
+    def __init__(self, config: dict[str, str | int | bool], *, limit: int, refused_topic: str) -> None:
+        super().__init__(config)
+        self.limit = limit
+        self.refused_topic = refused_topic
+
+    def produce(
+        self,
+        topic: str,
+        value: str | bytes | None = None,
+        key: str | bytes | None = None,
+        partition: int = -1,
+        callback: DeliveryCallback | None = None,
+        on_delivery: DeliveryCallback | None = None,
+        timestamp: int = 0,
+        headers: HeadersType | None = None,
+    ) -> None:
+        report = on_delivery or callback
+        if value is not None and len(value) > self.limit and report is not None:
+            refused_report = report
+
+            def too_large(error: KafkaError | None, message: object) -> None:
+                refused_report(error or KafkaError(KafkaError.MSG_SIZE_TOO_LARGE), message)
+
+            topic, report = self.refused_topic, too_large
+        super().produce(
+            topic,
+            value=value,
+            key=key,
+            partition=partition,
+            on_delivery=report,
+            timestamp=timestamp,
+            headers=headers,
+        )
+
+
+async def test_flush_counts_a_letter_refused_for_size_in_its_report_until_it_is_sent_minimal(
+    limits: Isolated,
+) -> None:
+    """The DLQ refuses a dead letter for its size in the delivery report that ``flush`` serves: the
+    minimal record is put aside, and a flush whose time is up before it is sent must count it as still
+    to deliver (offsets must not be committed past it). The next flush sends it; the DLQ holds only it.
+    The size refusal comes from ``BrokerSizeLimit`` (a fake: Tansu enforces no size limit)."""
+    bootstrap = limits.stack.kafka_bootstrap
+    producer = BrokerSizeLimit(
+        {"bootstrap.servers": bootstrap, "linger.ms": 0},
+        limit=4_000,
+        refused_topic=f"{limits.dlq_topic}-refused",
+    )
+    lines: list[str] = []
+    publisher = DeadLetterPublisher(producer, limits.dlq_topic, lines.append)
+    await publisher.publish_value(b"y" * 20_000, "invalid JSON", topic=limits.topic, partition=0, offset=7)
+    assert publisher.counts.queued == 1 and publisher.shrunk == 0
+    deadline = time.monotonic() + 20
+    while publisher.shrunk == 0:  # flush(0) serves the report once the broker has answered
+        assert time.monotonic() < deadline, "no delivery report"
+        left = await asyncio.to_thread(publisher.flush, 0)
+        if publisher.shrunk == 0:
+            assert left == 1, "the letter is in the producer's queue"
+            await asyncio.sleep(0.05)
+    assert left == 1, "refused and put aside, not yet sent minimal: still to deliver"
+    assert publisher.delivered == 0 and publisher.undelivered == 0
+    assert await asyncio.to_thread(publisher.flush, 15) == 0
+    assert publisher.delivered == 1 and publisher.shrunk == 1 and publisher.undelivered == 0, lines
+    letters = [DeadLetter.model_validate(d) for d in read_dlq(bootstrap, limits.dlq_topic)]
+    assert len(letters) == 1
+    (letter,) = letters
+    assert letter.original is None and letter.offset == 7 and "DLQ refused" in letter.reason
+    assert letter.original_sha256 == hashlib.sha256(b"y" * 20_000).hexdigest()
+
+
+async def test_a_dead_letter_refused_for_another_reason_than_size_is_undelivered_not_shrunk(
+    limits: Isolated,
+) -> None:
+    """The DLQ topic does not exist and the producer asks the broker not to create it
+    (``allow.auto.create.topics`` off): the real broker answers UNKNOWN_TOPIC_OR_PART in each letter's
+    delivery report. Dropping the original would not help, so the letter is not counted as shrunk: it
+    is counted undelivered once, and logged with the broker's reason."""
+    producer = Producer(
+        {
+            "bootstrap.servers": limits.stack.kafka_bootstrap,
+            "allow.auto.create.topics": False,
+            "topic.metadata.propagation.max.ms": 1000,
+            "linger.ms": 0,
+        }
+    )
+    lines: list[str] = []
+    publisher = DeadLetterPublisher(producer, f"{limits.dlq_topic}-never-created", lines.append)
+    for i in range(2):
+        await publisher.publish_value(b"y" * 5_000, "invalid JSON", topic=limits.topic, partition=0, offset=i)
+    assert await asyncio.to_thread(publisher.flush, 20) == 0
+    counts = publisher.counts
+    assert (counts.queued, counts.delivered, counts.shrunk, counts.undelivered) == (2, 0, 0, 2), lines
+    refusals = [line for line in lines if "NOT delivered" in line]
+    assert len(refusals) == 2 and all("Unknown topic" in line for line in refusals), refusals

@@ -20,11 +20,14 @@ import uuid
 import orjson
 import pytest
 import redis.asyncio as aioredis
-from confluent_kafka import Consumer, KafkaError, Producer, TopicPartition
+from confluent_kafka import Consumer, KafkaError, Message, Producer, TopicPartition
+from confluent_kafka.admin import AdminClient, NewTopic  # type: ignore[attr-defined]
 
+from prompt_assembly.events import parse_event
 from runner.config import RunnerSettings
 from runner.embedded import EmbeddedRunner
-from runner.repartition import REKEYED_FROM, TOPIC_NAME, header_names
+from runner.errors import RekeyUndelivered
+from runner.repartition import REKEYED_FROM, TOPIC_NAME, Repartitioner, header_names
 from runner.session_store import RedisSessionStore
 from tests.conftest import Isolated
 from tests.fault_kit import RunnerLog, wait_until
@@ -223,3 +226,98 @@ async def test_a_mis_keyed_event_with_a_megabyte_of_headers_is_re_keyed_and_appl
     acct = stats.accounting
     assert acct.rekeyed == 4 and acct.accepted == 4 and acct.balanced, acct
     assert stats.commits > 0
+
+
+def read_messages(bootstrap: str, topic: str, expect: int) -> list[Message]:
+    """The first ``expect`` records of ``topic`` (all its partitions), as consumed."""
+    reader = Consumer(
+        {
+            "bootstrap.servers": bootstrap,
+            "group.id": f"reader-{uuid.uuid4().hex}",
+            "enable.auto.commit": False,
+        }
+    )
+    found: list[Message] = []
+    try:
+        reader.assign([TopicPartition(topic, p, 0) for p in range(PARTITIONS)])
+        deadline = time.monotonic() + 30
+        while len(found) < expect:
+            assert time.monotonic() < deadline, f"{topic}: read {len(found)} of {expect}"
+            message = reader.poll(0.5)
+            if message is not None and message.error() is None:
+                found.append(message)
+    finally:
+        reader.close()
+    return found
+
+
+def origin(message: Message) -> str:
+    return f"{message.topic()}:{message.partition()}:{message.offset()}"
+
+
+def named_original(copy: Message) -> str:
+    """The ``topic:partition:offset`` a copy's ``REKEYED_FROM`` header names."""
+    value = dict(copy.headers() or []).get(REKEYED_FROM)
+    assert isinstance(value, bytes), copy.headers()
+    return value.decode()
+
+
+async def test_each_re_keyed_copy_carries_its_originals_kafka_timestamp(isolated: Isolated) -> None:
+    """Unkeyed events sent with Kafka timestamps of their own (an hour apart, years ago): each copy
+    read back from the repartition topic has the timestamp of the original its header names, so the
+    event-time gate answers the copy as it would have answered the original."""
+    bootstrap = isolated.stack.kafka_bootstrap
+    producer = Producer({"bootstrap.servers": bootstrap})
+    base_ms = 1_600_000_000_000
+    for i in range(4):
+        ts_ms = base_ms + i * 3_600_000 + i
+        producer.produce(isolated.topic, value=view(f"stamped-{i}", ts_ms / 1000), timestamp=ts_ms)
+    assert producer.flush(30) == 0
+    originals = read_messages(bootstrap, isolated.topic, 4)
+    target = f"{isolated.topic}.stamps.repartition"
+    admin = AdminClient({"bootstrap.servers": bootstrap})
+    admin.create_topics([NewTopic(target, PARTITIONS, 1)])[target].result(timeout=10)
+    lines: list[str] = []
+    rekey = Repartitioner(
+        Producer({"bootstrap.servers": bootstrap}), target, lines.append, deliver_max_wait_s=30
+    )
+    for message in originals:
+        await rekey.send(message, parse_event(message.value()))
+    await rekey.deliver()
+    assert not lines
+    stamps = {origin(m): m.timestamp() for m in originals}
+    assert sorted(ts for _, ts in stamps.values()) == [base_ms + i * 3_600_000 + i for i in range(4)]
+    copies = read_messages(bootstrap, target, 4)
+    named = {named_original(c): c.timestamp() for c in copies}
+    assert named == stamps, "a copy whose Kafka timestamp is not its original's"
+
+
+async def test_a_copy_the_broker_refuses_makes_deliver_raise(isolated: Isolated) -> None:
+    """The repartition topic does not exist and the producer asks the broker not to create it
+    (``allow.auto.create.topics`` off): the real broker answers UNKNOWN_TOPIC_OR_PART in the copy's
+    delivery report. The producer's queue is empty then, so only the failure count says the copy is
+    lost: ``deliver`` must raise ``RekeyUndelivered`` (nothing past the original may be committed), and
+    the next durable point starts counting afresh."""
+    bootstrap = isolated.stack.kafka_bootstrap
+    producer = Producer({"bootstrap.servers": bootstrap})
+    producer.produce(isolated.topic, key=b"not-the-shopper", value=view("refused-copy", time.time()))
+    assert producer.flush(30) == 0
+    (original,) = read_messages(bootstrap, isolated.topic, 1)
+    lines: list[str] = []
+    rekey = Repartitioner(
+        Producer(
+            {
+                "bootstrap.servers": bootstrap,
+                "allow.auto.create.topics": False,
+                "topic.metadata.propagation.max.ms": 1000,
+            }
+        ),
+        f"{isolated.topic}.never-created",
+        lines.append,
+        deliver_max_wait_s=30,
+    )
+    await rekey.send(original, parse_event(original.value()))
+    with pytest.raises(RekeyUndelivered, match="1 re-keyed event"):
+        await rekey.deliver(poll_s=10)
+    assert len(lines) == 1 and "NOT delivered" in lines[0] and "Unknown topic" in lines[0], lines
+    await rekey.deliver(poll_s=1)  # counted once: the next durable point has nothing to refuse

@@ -19,7 +19,10 @@ import pytest
 import redis.asyncio as aioredis
 from confluent_kafka import Consumer, TopicPartition
 
+from pipeline.checkpoint import Checkpoint
+from prompt_assembly.events import ProductSnapshot, ShopperEvent
 from runner.embedded import EmbeddedRunner
+from runner.epochs import Epoch
 from runner.session_store import RedisSessionStore
 from tests.conftest import Isolated
 from tests.fault_kit import ProxiedMoto, RunnerLog, stopping, wait_until
@@ -134,3 +137,58 @@ def test_a_hand_over_that_timed_out_saves_and_commits_nothing_for_the_revoked_pa
     arrivals = stored_arrivals(isolated.stack.redis_url, isolated.prefix, revoked)
     saved = {sid: n for sid, n in arrivals.items() if n != 1}
     assert not saved, f"sessions saved for shoppers of revoked partitions: {saved}"
+
+
+def test_a_durable_point_saves_and_commits_nothing_of_an_epoch_whose_lease_has_ended(
+    isolated: Isolated,
+) -> None:
+    """An epoch opened under a lease that has ended (its partitions handed over) that reaches a durable
+    point is dropped there: its shopper's session is not saved and its offsets are not committed; the
+    next owner replays it. An epoch of the current lease behind it is saved and committed as usual.
+
+    The runner is never started (a rebalance cannot place an old lease's epoch before a durable point
+    on cue); its parts are the real ones it makes in ``run``: the session store on the test's Redis,
+    a checkpoint (no sinks), and a consumer of the test's group on the broker, which commits."""
+    bootstrap = isolated.stack.kafka_bootstrap
+    runner = EmbeddedRunner(isolated.runner(until_drained=False), log=lambda _: None)
+    base = time.time() - 600
+
+    def epoch_of(sid: str, partition: int, offset: int) -> None:
+        """``sid``'s cart add, read at ``offset`` of ``partition``, closed as an epoch of the current
+        lease (every prompt stored: complete)."""
+        session = runner.sessions.use(sid, partition, runner.processor.new_session)
+        event = ShopperEvent(
+            event_id=f"{sid}-1",
+            shopper_id=sid,
+            type="add_to_cart",
+            ts=base,
+            product=ProductSnapshot(product_id="p-1", title="Trail shoe", price=89.0),
+        )
+        runner.processor.apply(session, event)
+        epoch = Epoch(offsets={(isolated.topic, partition): offset}, lease=runner.assignment.lease)
+        runner.close_epoch(epoch, {sid})
+
+    async def scenario() -> tuple[int, int, dict[str, int]]:
+        redis = aioredis.Redis.from_url(isolated.stack.redis_url)
+        runner.store = RedisSessionStore(redis, isolated.prefix)
+        runner.checkpoint = Checkpoint([], runner.settings.sink_retry)
+        runner.consumer = Consumer({"bootstrap.servers": bootstrap, "group.id": isolated.group})
+        try:
+            epoch_of("shopper-old", 0, 5)
+            old_lease = runner.assignment.lease
+            assert runner.assignment.end_lease(wait_s=1.0)  # the revoke handed partition 0 over
+            epoch_of("shopper-new", 1, 3)
+            await runner.commits.commit_durable()
+            stored = await RedisSessionStore(redis, isolated.prefix).load_many(["shopper-old", "shopper-new"])
+            return old_lease, runner.assignment.lease, {sid: s.arrivals for sid, s in stored.items()}
+        finally:
+            await asyncio.to_thread(runner.consumer.close)
+            await redis.aclose()
+
+    old_lease, lease, stored = asyncio.run(scenario())
+    assert lease == old_lease + 1
+    assert stored == {"shopper-new": 1}, f"saved for an ended lease: {stored}"
+    offsets = committed(bootstrap, isolated.group, isolated.topic)
+    assert offsets[1] == 3, "the current lease's epoch is committed"
+    assert offsets[0] < 0, f"offset {offsets[0]} committed for partition 0 after its lease ended"
+    assert not runner.epochs

@@ -116,3 +116,21 @@ def test_a_long_run_holds_at_most_the_cache_bound_of_sessions_and_partitions(iso
     assert sessions <= CACHE, f"{sessions} sessions held, bound {CACHE}"
     assert partitions <= CACHE, f"the partition map holds {partitions} shoppers, bound {CACHE}"
     assert mapped <= shoppers
+
+
+def test_a_session_its_epoch_touched_is_kept_over_older_ones() -> None:
+    """An epoch's ``close_epoch`` (a poll's, or a fired trigger's) counts as a use of every session it
+    touched: the one lookup the poll makes (``SessionCache.lookup``) does not. The oldest session,
+    touched by an epoch that is now durable, outlives the idle sessions loaded after it."""
+    runner = runner_holding(CACHE + 1)
+    sids = list(runner.sessions)
+    oldest = sids[0]
+    runner.close_epoch(Epoch(lease=runner.assignment.lease), {oldest})
+    durable = runner.epochs.take_completed_prefix()  # what the durable point takes, then saves
+    assert len(durable) == 1 and not runner.epochs
+
+    assert runner.sessions.evict(runner.epochs.shoppers_in_flight()) == 1
+
+    assert oldest in runner.sessions, "the session its epoch just used was evicted as the least recent"
+    assert sids[1] not in runner.sessions, "the least recently used idle session goes"
+    assert list(runner.sessions)[-1] == oldest

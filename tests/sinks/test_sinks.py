@@ -19,6 +19,8 @@ from botocore.exceptions import ClientError
 from prompt_assembly.records import EnrichmentError, ShopperInsight, Usage
 from prompt_assembly.understanding import ShopperUnderstanding
 from shopper.readback import READ_BATCH, read_signals, signal_age
+from sinks.errors import SinkWriteFailed
+from sinks.kafka import KafkaResultSink
 from sinks.redis import RedisSignalSink
 from sinks.s3 import S3InsightSink
 from tests.conftest import Isolated
@@ -294,3 +296,28 @@ async def test_a_flush_that_wrote_some_partitions_gives_back_only_the_others(iso
             await sink.close()
     ids = [str(row["request_id"]) for rows in s3_objects(isolated).values() for row in rows]
     assert sorted(ids) == ["a:1", "a:2", "c:1"], "each result in one object"
+
+
+async def test_a_kafka_sink_whose_records_the_broker_refuses_fails_its_flush(isolated: Isolated) -> None:
+    """The results topic does not exist and the producer asks the broker not to create it
+    (``allow.auto.create.topics`` off): the real broker answers UNKNOWN_TOPIC_OR_PART in every record's
+    delivery report. Nothing is left in the producer's queue then, so only the refused records say the
+    results are not on the topic: the flush must raise ``SinkWriteFailed`` (a durable point must not
+    pass them), naming the broker's reason, and keep them to send again."""
+    sink = KafkaResultSink(
+        f"{isolated.insights_topic}-never-created",
+        {
+            "bootstrap.servers": isolated.stack.kafka_bootstrap,
+            "allow.auto.create.topics": False,
+            "topic.metadata.propagation.max.ms": 1000,
+        },
+        flush_timeout_s=15,
+    )
+    try:
+        await sink.write([insight("k1", 1), insight("k2", 1)])
+        with pytest.raises(SinkWriteFailed, match=r"0 results still queued and 2 refused .*Unknown topic"):
+            await sink.flush()
+        assert sink.delivered == 0
+        assert [key for key, _ in sink._refused] == [b"k1", b"k2"], "kept to be sent again"
+    finally:
+        await sink.close()
