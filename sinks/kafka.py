@@ -21,7 +21,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Mapping, Sequence
 
-from confluent_kafka import KafkaError, Message, Producer
+from confluent_kafka import KafkaError, KafkaException, Message, Producer
 
 from prompt_assembly.records import EnrichmentResult
 from sinks.errors import SinkWriteFailed
@@ -87,6 +87,12 @@ class KafkaResultSink:
             while refused:
                 await self._produce(*refused[0])
                 refused.pop(0)
+        except KafkaException as exc:  # the producer refuses at once now: the topic is known to be gone
+            error = exc.args[0] if exc.args else exc
+            raise SinkWriteFailed(
+                f"kafka sink: {len(refused)} refused results could not be sent again to topic "
+                f"{self.topic!r} ({error})"
+            ) from exc
         finally:
             self._refused[:0] = refused
         left = await asyncio.to_thread(self._producer.flush, self.flush_timeout_s)

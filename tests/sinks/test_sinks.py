@@ -319,5 +319,10 @@ async def test_a_kafka_sink_whose_records_the_broker_refuses_fails_its_flush(iso
             await sink.flush()
         assert sink.delivered == 0
         assert [key for key, _ in sink._refused] == [b"k1", b"k2"], "kept to be sent again"
+        # Sent again, they are refused at once (the producer has learnt the topic is gone): the same
+        # kind of failure, not the producer's KafkaException, and still kept.
+        with pytest.raises(SinkWriteFailed, match=r"2 refused results could not be sent again"):
+            await sink.flush()
+        assert [key for key, _ in sink._refused] == [b"k1", b"k2"]
     finally:
         await sink.close()
