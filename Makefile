@@ -56,10 +56,10 @@ bench-smoke: $(STAMP)
 	$(PY) -m pytest -q -p no:cacheprovider -m bench_smoke tests/bench
 
 stack-down: $(STAMP)
-	$(VENV)/bin/shopper flink down
+	-$(VENV)/bin/shopper flink down
 	$(VENV)/bin/shopper stack down
 
 # What runs from .state (a Flink cluster, the embedded stack) is stopped before its state goes.
 clean:
-	@if [ -x $(VENV)/bin/shopper ]; then $(VENV)/bin/shopper flink down; $(VENV)/bin/shopper stack down; fi
+	@if [ -x $(VENV)/bin/shopper ]; then $(VENV)/bin/shopper flink down; $(VENV)/bin/shopper stack down; true; fi
 	rm -rf $(VENV) .state .pytest_cache .mypy_cache .ruff_cache

@@ -22,7 +22,7 @@ from typing import Any
 
 from devstack.errors import FlinkJobFailed
 from devstack.flink_cluster import FlinkClusterState, SubmittedJob, cluster_dir, submit
-from devstack.processes import ManagedProcess, free_port, spawn, stop, wait_for_http
+from devstack.processes import ManagedProcess, free_port, interrupts_deferred, spawn, stop, wait_for_http
 from devstack.stack import write_private
 from flink_jobs.flink_config import NearRealtimeSettings
 from pipeline.kafka_security import librdkafka_properties
@@ -120,13 +120,10 @@ def start_enrichment(state_dir: Path, job: NearRealtimeSettings, config_path: Pa
             stop(previous, timeout_s=STOP_TIMEOUT_S)
             _save(state_dir, [p for p in running_enrichment(state_dir) if p.pid != previous.pid])
     port = free_port()
-    process = spawn(
-        name,
-        [sys.executable, "-m", "devstack.enrichment_stage", str(config_path), "--metrics-port", str(port)],
-        port,
-        cluster_dir(state_dir) / "log",
-    )
-    _save(state_dir, [*running_enrichment(state_dir), process])
+    argv = [sys.executable, "-m", "devstack.enrichment_stage", str(config_path), "--metrics-port", str(port)]
+    with interrupts_deferred():  # forked and saved before an interrupt (the CLI's SIGTERM) can come
+        process = spawn(name, argv, port, cluster_dir(state_dir) / "log")
+        _save(state_dir, [*running_enrichment(state_dir), process])
     try:
         wait_for_http(process, "/health/live", timeout_s=60)
     except BaseException:
@@ -143,6 +140,12 @@ def stop_enrichment(state_dir: Path, timeout_s: float = STOP_TIMEOUT_S) -> list[
         stop(process, timeout_s=timeout_s)
     enrichment_state_file(state_dir).unlink(missing_ok=True)
     return [p.name for p in processes]
+
+
+def stop_one_enrichment(state_dir: Path, process: ManagedProcess, timeout_s: float = STOP_TIMEOUT_S) -> None:
+    """Stop one enrichment runner this state dir started and forget it (the others run on)."""
+    stop(process, timeout_s=timeout_s)
+    _save(state_dir, [p for p in running_enrichment(state_dir) if p.pid != process.pid])
 
 
 def submit_with_enrichment(

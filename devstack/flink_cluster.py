@@ -27,7 +27,7 @@ from typing import Any
 import yaml
 from pydantic import BaseModel, Field, ValidationError
 
-from devstack.errors import FlinkJobFailed
+from devstack.errors import FlinkJobFailed, StackError
 from devstack.processes import ManagedProcess, alive, free_port, spawn, stop, wait_for_http
 from devstack.stack import StackState, sink_settings, write_private
 from flink_jobs.flink_config import CheckpointSettings, NearRealtimeSettings
@@ -109,7 +109,13 @@ def load_cluster(state_dir: Path) -> FlinkClusterState:
     path = cluster_state_file(state_dir)
     if not path.exists():
         raise FileNotFoundError(f"no Flink cluster state at {path}: run 'shopper flink up' first")
-    return FlinkClusterState.from_json(path.read_text())
+    try:
+        return FlinkClusterState.from_json(path.read_text())
+    except (ValueError, TypeError, AttributeError) as exc:  # not JSON, or not a state this code wrote
+        raise StackError(
+            f"the Flink cluster state at {path} cannot be read ({type(exc).__name__}: {exc}): delete it "
+            "(processes it listed, if any still run, are stopped by hand)"
+        ) from None
 
 
 def _set(tree: dict[str, Any], dotted: str, value: Any) -> None:

@@ -130,7 +130,8 @@ def cached_lag_by_partition(
     unread = [tp for tp in positions if tp.offset < 0 and tp.partition not in committed]
     if unread:
         with contextlib.suppress(KafkaException):
-            committed.update({tp.partition: tp.offset for tp in consumer.committed(unread, timeout=5)})
+            answered = consumer.committed(unread, timeout=5)
+            committed.update({tp.partition: tp.offset for tp in answered if tp.error is None})
     lag = {}
     for tp in positions:
         low, high = consumer.get_watermark_offsets(tp, cached=True)

@@ -446,6 +446,10 @@ def _interrupt(signum: int, frame: FrameType | None) -> None:
     interrupt()  # at once, or once a process being started is recorded (devstack.processes)
 
 
+def _interrupt_at_a_safe_point(signum: int, frame: FrameType | None) -> None:
+    interrupt()  # Ctrl-C: at once, or once a process being started is recorded
+
+
 def main() -> None:
     """The ``shopper`` command (``[project.scripts]``, ``python -m shopper``): ``app``, with
     ``USER_ERRORS`` said in one line, and SIGTERM taken as Ctrl-C. By default SIGTERM ended a command
@@ -453,6 +457,7 @@ def main() -> None:
     started running, and recorded nowhere; as an interrupt, the start's clean-up stops them. Commands
     that serve (``run``, ``router serve``) set their own handlers while they run."""
     signal.signal(signal.SIGTERM, _interrupt)
+    signal.signal(signal.SIGINT, _interrupt_at_a_safe_point)
     try:
         app()
     except USER_ERRORS as exc:

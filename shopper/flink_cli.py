@@ -20,6 +20,7 @@ from devstack.enrichment_stage import (
     enrichment_group,
     running_enrichment,
     stop_enrichment,
+    stop_one_enrichment,
     submit_with_enrichment,
 )
 from devstack.errors import FlinkJobFailed
@@ -33,7 +34,7 @@ from devstack.flink_cluster import (
     job_settings,
     load_cluster,
 )
-from devstack.processes import alive, stop
+from devstack.processes import alive
 from devstack.stack import StackState, load_state
 from flink_jobs.flink_config import NearRealtimeSettings
 
@@ -188,7 +189,7 @@ def _run_on_flink(
     console.print(
         f"Flink cluster {cluster.web_url}" + (" (up before the demo: left running)" if reused else "")
     )
-    enrichment = None
+    enrichment, job = None, None
     try:
         # Production timers (a browse pause fires on the wall clock); the drain at the end fires
         # whatever is still pending, so the demo need not wait out the last quiet period.
@@ -237,5 +238,9 @@ def _run_on_flink(
         if not reused:
             stop_enrichment(state_dir)
             cluster_down(state_dir)
-        elif enrichment is not None:  # the demo's own, not the user's
-            stop(enrichment)
+        else:  # the demo's own job and runner go, not the user's
+            rest = FlinkRest(cluster.web_url)
+            if job is not None and rest.job_state(job.job_id) not in {"FINISHED", "CANCELED", "FAILED"}:
+                rest.cancel(job.job_id)  # failed or interrupted before its drain: not left holding slots
+            if enrichment is not None:
+                stop_one_enrichment(state_dir, enrichment)

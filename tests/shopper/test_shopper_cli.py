@@ -138,6 +138,17 @@ def test_an_unreadable_stack_state_says_what_to_do_in_one_line(
         assert code == 1 and "cannot be read" in line and "shopper stack up" in line, err
 
 
+def test_an_unreadable_flink_cluster_state_says_what_to_do_in_one_line(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``flink down`` on a cluster state that is not JSON ended in a JSONDecodeError traceback."""
+    (tmp_path / "flink").mkdir()
+    (tmp_path / "flink" / "cluster.json").write_text("{not json")
+    code, err = run_cli(["flink", "down", "--state-dir", str(tmp_path)], capsys, monkeypatch)
+    line = one_line(err)
+    assert code == 1 and "Flink cluster state" in line and "cannot be read" in line, err
+
+
 def test_a_section_variable_that_is_not_json_is_named_in_one_line(
     tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -194,9 +205,11 @@ def processes_holding(directory: Path) -> list[str]:
 
 
 @pytest.mark.slow
-def test_stack_up_stopped_with_sigterm_stops_what_it_had_started(tmp_path: Path) -> None:
+@pytest.mark.parametrize("stop_signal", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
+def test_stack_up_stopped_with_sigterm_stops_what_it_had_started(tmp_path: Path, stop_signal: int) -> None:
     """SIGTERM ended ``shopper stack up`` at once, and the processes it had started ran on, recorded
-    nowhere (the state file is written at the end). Taken as Ctrl-C, the start's clean-up stops them."""
+    nowhere (the state file is written at the end). Taken as Ctrl-C, the start's clean-up stops them;
+    and Ctrl-C itself, raised inside the fork of a process, left that one running unrecorded."""
     state_dir = tmp_path / "state"
     up = subprocess.Popen(
         [sys.executable, "-m", "shopper", "stack", "up", "--state-dir", str(state_dir)],
@@ -209,7 +222,7 @@ def test_stack_up_stopped_with_sigterm_stops_what_it_had_started(tmp_path: Path)
         while not list((state_dir / "logs").glob("*.log")):  # the first process has started
             assert up.poll() is None and time.monotonic() < deadline, up.communicate()[0].decode()[-2000:]
             time.sleep(0.05)
-        up.send_signal(signal.SIGTERM)
+        up.send_signal(stop_signal)
         output = up.communicate(timeout=60)[0].decode()
     finally:
         if up.poll() is None:
