@@ -27,9 +27,9 @@ from typing import Any
 import yaml
 from pydantic import BaseModel, Field, ValidationError
 
-from devstack.errors import FlinkJobFailed, StackError
+from devstack.errors import FlinkJobFailed
 from devstack.processes import ManagedProcess, alive, free_port, spawn, stop, wait_for_http
-from devstack.stack import StackState, sink_settings, write_private
+from devstack.stack import StackState, read_state_file, sink_settings, write_private
 from flink_jobs.flink_config import CheckpointSettings, NearRealtimeSettings
 from llm_client.config import ClientConfig
 from pipeline.kafka_security import configuration_error
@@ -106,16 +106,9 @@ def cluster_state_file(state_dir: Path) -> Path:
 
 
 def load_cluster(state_dir: Path) -> FlinkClusterState:
-    path = cluster_state_file(state_dir)
-    if not path.exists():
-        raise FileNotFoundError(f"no Flink cluster state at {path}: run 'shopper flink up' first")
-    try:
-        return FlinkClusterState.from_json(path.read_text())
-    except (ValueError, TypeError, AttributeError) as exc:  # not JSON, or not a state this code wrote
-        raise StackError(
-            f"the Flink cluster state at {path} cannot be read ({type(exc).__name__}: {exc}): delete it "
-            "(processes it listed, if any still run, are stopped by hand)"
-        ) from None
+    return read_state_file(
+        cluster_state_file(state_dir), FlinkClusterState.from_json, "Flink cluster state", "shopper flink up"
+    )
 
 
 def _set(tree: dict[str, Any], dotted: str, value: Any) -> None:

@@ -26,9 +26,10 @@ import shutil
 import sys
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Literal, cast
+from typing import Any, Literal, TypeVar, cast
 
 from pydantic import Field, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
@@ -53,6 +54,8 @@ from serving.simulator.trtllm_options import AGGREGATED_YAML
 from sinks.config import SinkSettings
 
 log = logging.getLogger(__name__)
+
+T = TypeVar("T")
 
 MOTO_CREDENTIALS = ("testing", "testing")
 """moto accepts any credentials; these keep boto from searching the machine for real ones."""
@@ -176,16 +179,21 @@ def write_private(path: Path, text: str) -> None:
 
 
 def load_state(state_dir: Path) -> StackState:
-    path = state_file(state_dir)
+    return read_state_file(state_file(state_dir), StackState.from_json, "stack state", "shopper stack up")
+
+
+def read_state_file(path: Path, parse: Callable[[str], T], what: str, start: str) -> T:
+    """A state file (the stack's, a Flink cluster's) parsed by ``parse``; missing, or unreadable (not
+    JSON, or not a state this code wrote), an error that says which file and what to do (``start``:
+    the command that writes it)."""
     if not path.exists():
-        raise FileNotFoundError(f"no stack state at {path}: run 'shopper stack up' first")
+        raise FileNotFoundError(f"no {what} at {path}: run '{start}' first")
     try:
-        return StackState.from_json(path.read_text())
-    except (ValueError, TypeError, AttributeError) as exc:  # not JSON, or not a state this code wrote
+        return parse(path.read_text())
+    except (ValueError, TypeError, AttributeError) as exc:
         raise StackError(
-            f"the stack state at {path} cannot be read ({type(exc).__name__}: {exc}): "
-            "delete it and run 'shopper stack up' (processes it listed, if any still run, are stopped "
-            "by hand)"
+            f"the {what} at {path} cannot be read ({type(exc).__name__}: {exc}): delete it and run "
+            f"'{start}' (processes it listed, if any still run, are stopped by hand)"
         ) from None
 
 
