@@ -39,6 +39,8 @@ def port_open(port: int, host: str = "127.0.0.1", timeout_s: float = 0.2) -> boo
 def listens_in_group(pgid: int, port: int) -> bool | None:
     """Whether a process of group ``pgid`` holds the listening TCP socket on ``port`` (IPv4 or IPv6);
     None where ``/proc`` cannot tell (not Linux)."""
+    if not Path("/proc/net/tcp").exists():
+        return None
     inodes: set[str] = set()
     for table in ("/proc/net/tcp", "/proc/net/tcp6"):
         try:
@@ -50,8 +52,6 @@ def listens_in_group(pgid: int, port: int) -> bool | None:
             # local address "ADDR:PORT" in hex, state 0A = LISTEN, inode in field 9
             if fields[3] == "0A" and int(fields[1].rsplit(":", 1)[1], 16) == port:
                 inodes.add(f"socket:[{fields[9]}]")
-    if not Path("/proc/net/tcp").exists():
-        return None
     for pid in _group_members(pgid):
         with contextlib.suppress(OSError):
             for fd in Path(f"/proc/{pid}/fd").iterdir():
