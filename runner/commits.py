@@ -9,7 +9,10 @@ here, after a save, since only then is a session's delta no longer needed in mem
 Only for partitions still owned: a durable point can wait on a store (under ``sink_retry``) for longer
 than a revoke waits for it (``revoke_timeout_s``). Its sessions are saved and its offsets committed
 only while the lease its epochs were opened under is current (``runner.assignment``); otherwise both
-are dropped, and the partitions' next owner replays them. The commit runs inside the durable point's
+are dropped, and the partitions' next owner replays them. A save already sent when the lease ends can
+still reach Redis after the next owner has loaded; the store refuses it there, by the partitions'
+fencing tokens (``runner.ownership``), and the durable point is dropped the same way. The commit runs
+inside the durable point's
 lock, so a later durable point (the revoke's) can never commit before an earlier one and move the
 group's offsets backwards.
 """
@@ -24,6 +27,7 @@ from typing import TYPE_CHECKING
 from confluent_kafka import TopicPartition
 
 from runner.epochs import merged_offsets
+from runner.session_store import SessionsFenced
 
 if TYPE_CHECKING:
     from runner.embedded import EmbeddedRunner
@@ -96,14 +100,23 @@ class Committer:
         if not ready:
             return lease, []
         deltas = [d for epoch in ready for d in epoch.deltas]
+        fenced: list[SessionsFenced] = []
 
         async def save() -> int:
             if runner.assignment.lease != lease:  # handed over while the sinks flushed
                 return 0
-            return await runner.store.save(deltas)
+            try:
+                return await runner.store.save(deltas, runner.ownership.tokens(lease))
+            except SessionsFenced as refused:  # a newer owner holds them: not a store failure to retry
+                fenced.append(refused)
+                return 0
 
         await runner.checkpoint.make_durable(save_state=save)
         runner.sessions.evict(runner.epochs.shoppers_in_flight())
+        if fenced:
+            runner.stats.fenced_saves += 1
+            runner.log(f"durable point dropped: {fenced[0]} (the next owner replays)")
+            return lease, []
         if runner.assignment.lease != lease:
             runner.log(
                 "durable point dropped: its partitions were handed over meanwhile (the next owner replays)"

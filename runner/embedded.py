@@ -74,6 +74,7 @@ from runner.ingest import Ingest
 from runner.logs import line_logger
 from runner.metrics import RunnerMetrics
 from runner.ops_server import OpsServer
+from runner.ownership import PartitionOwnership
 from runner.progress import ProgressLine, RunnerStats, cached_lag_by_partition
 from runner.prompt_flight import PromptFlight
 from runner.repartition import Deliveries, Repartitioner, ensure_topic
@@ -138,6 +139,7 @@ class EmbeddedRunner:
         self.timers = TimerQueue()
         self.sessions = SessionCache(settings.session_cache_size)
         self.assignment = Assignment()
+        self.ownership = PartitionOwnership(self)
         self.ingest = Ingest(self)
         self.prompts = PromptFlight(self)
         self._lag: dict[int, int] = {}

@@ -115,6 +115,7 @@ class RebalanceHandover:
         runner.epochs.clear()
         runner.sessions.clear()
         runner.timers.clear()
+        runner.ownership.clear()
 
     def _start_rearm(self, generation: int, partitions: list[int]) -> None:
         """On the loop, for ``on_assign``: re-arming runs in a task kept here, so that its failure
@@ -155,8 +156,13 @@ class RebalanceHandover:
         def revoked() -> bool:
             return runner.assignment.generation != generation
 
+        lease = runner.assignment.lease
         for partition in partitions:
             if revoked():
+                return
+            # The token before any load: a save of the partition's last owner still on its way is
+            # refused from here on, so what is loaded below is what that owner left (runner.ownership).
+            if not await runner.ownership.ensure([partition], lease):
                 return
             timers = await runner.retrying(functools.partial(runner.store.timers, partition), "timer load")
             if revoked():

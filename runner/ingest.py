@@ -214,6 +214,13 @@ class Ingest:
         runner.rekeyer.producer.poll(0)
         events = cast("list[ShopperEvent]", gated)  # at the indices in ``parsed``
         shoppers = {events[i].shopper_id for i in parsed}
+        # The lease's first poll of a partition takes its token before any load (runner.ownership).
+        polled = {partition for _, partition in epoch.offsets}
+        if not runner.ownership.holds(polled, epoch.lease) and not await self.polling_while(
+            runner.ownership.ensure(polled, epoch.lease)
+        ):
+            acct.consumed -= len(parsed)  # handed over meanwhile: the next owner replays these records
+            return
         missing = sessions.missing(shoppers)
         if missing:
             with sessions.pinned(shoppers):  # a durable point during the load must not evict them

@@ -147,6 +147,11 @@ class _StateCollector(Collector):
             time.monotonic() - last,
         )
         yield counter("sink_retries", "Redis / S3 / session-store writes retried", stats.sink_retries)
+        yield counter(
+            "fenced_saves",
+            "Session saves refused: a newer owner had taken their partitions (dropped; replayed there)",
+            stats.fenced_saves,
+        )
         yield counter("dead_letters_delivered", "Dead letters on the DLQ", dead.delivered)
         yield counter(
             "dead_letters_shrunk", "Dead letters sent without their original (DLQ size limit)", dead.shrunk

@@ -33,6 +33,8 @@ class RunnerStats:
     """``time.monotonic()`` of the last offset commit, or of the last durable point that found nothing
     left to commit (up to date); None before either."""
     paused_times: int = 0
+    fenced_saves: int = 0
+    """Session saves the store refused because a newer owner had taken their partitions."""
     sink_retries: int = 0
     """Sink writes (Redis, S3, session store) retried after a failure (an outage, a restart)."""
     dead_letters: DeadLetterCounts = field(default_factory=DeadLetterCounts)
@@ -103,6 +105,8 @@ class ProgressLine:
             line += f" tokens-not-landed {tokens.not_landed_share:.1%}"
         if stats.sink_retries:
             line += f" sink-retries {stats.sink_retries}"
+        if stats.fenced_saves:
+            line += f" fenced-saves {stats.fenced_saves}"
         if undelivered_dead_letters:
             line += f" dead-letters-undelivered {undelivered_dead_letters}"
         if not_drained_because is not None and not final:

@@ -4,7 +4,9 @@ Layout per shopper: ``{p}session:{id}:h`` (JSON header, the pending trigger's re
 due time among it) and ``{p}session:{id}:log`` (a list of entries, append-only except after a trim,
 when it is rewritten). Pending triggers are mirrored in ``{p}timers:{partition}`` (sorted set:
 shopper -> wall deadline) so that a restarted runner re-arms them. Deltas are applied in epoch order,
-only after the results of those epochs are durable.
+only after the results of those epochs are durable, and only by the partition's newest owner:
+``{p}session_owner:{partition}`` holds its fencing token (``runner.ownership``), and a save that names
+an older one writes nothing.
 
 Round trips (what the ingest profile in ``docs/benchmarks.md`` asked for): a save is one Lua script
 call, atomic like the MULTI/EXEC it replaced, with each shopper's deltas of the whole save merged
@@ -16,7 +18,7 @@ shoppers).
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import msgspec
@@ -74,14 +76,26 @@ def merge_deltas(deltas: Iterable[SessionDelta]) -> dict[str, _MergedDelta]:
     return merged
 
 
-# KEYS: per shopper its header and log key, then the timer keys. ARGV: ttl, shopper count, then per
-# shopper: 'r' (rewrite) or 'a' (append), header, timer key index, 'z' (arm) or 'x' (clear), shopper id,
-# wall deadline, and its new entries as one argument, joined by NUL (ENTRY_SEPARATOR). RPUSH in chunks:
-# Lua's unpack has a bounded stack.
+# KEYS: per shopper its header and log key, then the timer keys, then the owner keys of the partitions
+# written. ARGV: ttl, shopper count, owner count, then per owner key the token this save holds (its
+# partition's number follows it), then per shopper: 'r' (rewrite) or 'a' (append), header, timer key
+# index, 'z' (arm) or 'x' (clear), shopper id, wall deadline, and its new entries as one argument,
+# joined by NUL (ENTRY_SEPARATOR). Nothing is written unless every token is its partition's newest; else
+# the partitions whose token is not come back as a list. RPUSH in chunks: Lua's unpack has a bounded
+# stack.
 _SAVE_LUA = """
 local ttl = ARGV[1]
 local shoppers = tonumber(ARGV[2])
-local a = 3
+local owners = tonumber(ARGV[3])
+local first_owner = #KEYS - owners
+local fenced = {}
+for j = 1, owners do
+  if redis.call('GET', KEYS[first_owner + j]) ~= ARGV[2 + 2 * j] then
+    fenced[#fenced + 1] = tonumber(ARGV[3 + 2 * j])
+  end
+end
+if #fenced > 0 then return fenced end
+local a = 4 + 2 * owners
 for i = 1, shoppers do
   local header_key, log_key = KEYS[2 * i - 1], KEYS[2 * i]
   local timers = KEYS[tonumber(ARGV[a + 2])]
@@ -191,6 +205,15 @@ def joined_entries(entries: list[SessionEntry]) -> bytes:
     return blob
 
 
+class SessionsFenced(Exception):
+    """A save refused, nothing of it written: another member took these partitions since this one
+    took its tokens (a hand-over), so their sessions are the other member's to write."""
+
+    def __init__(self, partitions: list[int], why: str) -> None:
+        super().__init__(f"session save refused for partitions {partitions}: {why}")
+        self.partitions = partitions
+
+
 class RedisSessionStore:
     def __init__(self, redis: aioredis.Redis, prefix: str, ttl_s: int = 7 * 24 * 3600) -> None:
         self.redis = redis
@@ -224,16 +247,28 @@ class RedisSessionStore:
             for (shopper_id, header), entries in zip(found, logs, strict=True)
         }
 
-    async def save(self, deltas: Iterable[SessionDelta]) -> int:
+    async def take_ownership(self, partition: int) -> int:
+        """A fencing token for ``partition``'s sessions, larger than any taken before it: saves made
+        with an older one are refused from now on (``runner.ownership``)."""
+        return int(await self.redis.incr(self.keys.session_owner(partition)))
+
+    async def save(self, deltas: Iterable[SessionDelta], owner_tokens: Mapping[int, int]) -> int:
         """Apply deltas in order (one script call, one round trip, all or nothing), each shopper's
-        timer following its last delta (``SessionDelta.wall_deadline``). Returns the number of
-        shoppers written."""
+        timer following its last delta (``SessionDelta.wall_deadline``), if ``owner_tokens`` (partition
+        -> token, ``take_ownership``) still holds the newest token of every partition written; else
+        ``SessionsFenced`` and nothing written. Returns the number of shoppers written."""
         merged = merge_deltas(deltas)
         if not merged:
             return 0
+        written = sorted({net.partition for net in merged.values()})
+        unowned = [partition for partition in written if partition not in owner_tokens]
+        if unowned:
+            raise SessionsFenced(unowned, "no token taken")
         keys = [key for sid in merged for key in (self._h(sid), self._log(sid))]
         timer_keys: dict[int, int] = {}  # partition -> its 1-based index in KEYS, after the sessions
-        args: list[bytes | str | int | float] = [self.ttl_s, len(merged)]
+        args: list[bytes | str | int | float] = [self.ttl_s, len(merged), len(written)]
+        for partition in written:
+            args += [owner_tokens[partition], partition]
         for sid, net in merged.items():
             timer_at = timer_keys.get(net.partition)
             if timer_at is None:
@@ -250,7 +285,10 @@ class RedisSessionStore:
                 joined_entries(net.entries),
             ]
         keys += [self._timers(partition) for partition in timer_keys]  # dicts keep insertion order
-        await self._save_script(keys=keys, args=args)
+        keys += [self.keys.session_owner(partition) for partition in written]
+        outcome = await self._save_script(keys=keys, args=args)
+        if isinstance(outcome, list):
+            raise SessionsFenced([int(p) for p in outcome], "a newer owner took it")
         return len(merged)
 
     async def timers(self, partition: int) -> list[tuple[str, float]]:

@@ -50,6 +50,11 @@ class RedisKeys:
         """Sorted set: shopper -> wall deadline of its pending trigger, per partition."""
         return f"{self.prefix}timers:{partition}"
 
+    def session_owner(self, partition: int) -> str:
+        """Integer: the fencing token of the partition's newest owner (``runner.ownership``); no TTL,
+        one key per partition."""
+        return f"{self.prefix}session_owner:{partition}"
+
     # ---- batch jobs and capacity shifting ----
     def batch_lease(self, job_id: str) -> str:
         return f"{self.prefix}batch:lease:{job_id}"

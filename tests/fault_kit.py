@@ -17,6 +17,7 @@ import contextlib
 import os
 import re
 import shutil
+import signal
 import sys
 import threading
 import time
@@ -342,6 +343,53 @@ class OwnRedis:
             stop(self.process)
 
 
+class HeldProxy:
+    """A TCP proxy (``socat``) in front of ``target_port`` whose forwarding can be held: ``hold``
+    stops its processes (SIGSTOP), so what a client sends waits, unread, in the proxy's socket, as
+    it would behind a stalled link; ``release`` lets it all through in order."""
+
+    def __init__(self, workdir: Path, target_port: int) -> None:
+        self.dir = workdir / f"proxy-{target_port}"
+        self.target_port = target_port
+        self.port = free_port()
+        self.process: ManagedProcess | None = None
+
+    def start(self) -> None:
+        socat = shutil.which("socat")
+        assert socat is not None, "socat is not installed"
+        listen = f"TCP-LISTEN:{self.port},bind=127.0.0.1,reuseaddr,fork"
+        self.process = spawn(
+            "held-proxy", [socat, listen, f"TCP:127.0.0.1:{self.target_port}"], self.port, self.dir
+        )
+        wait_for_port(self.process)
+
+    def hold(self) -> None:
+        assert self.process is not None
+        os.killpg(self.process.pid, signal.SIGSTOP)  # the listener and every forked connection
+
+    def release(self) -> None:
+        assert self.process is not None
+        os.killpg(self.process.pid, signal.SIGCONT)
+
+    def unread_bytes(self) -> int:
+        """Bytes clients have sent that the proxy has not read yet (the receive queues of its
+        accepted connections, from ``/proc/net/tcp``)."""
+        unread = 0
+        for line in Path("/proc/net/tcp").read_text().splitlines()[1:]:
+            fields = line.split()
+            local_port = int(fields[1].rsplit(":", 1)[1], 16)
+            state, queues = fields[3], fields[4]
+            if local_port == self.port and state == "01":  # ESTABLISHED, the proxy's side
+                unread += int(queues.split(":")[1], 16)
+        return unread
+
+    def stop(self) -> None:
+        if self.process is not None:
+            with contextlib.suppress(ProcessLookupError):
+                self.release()
+            stop(self.process)
+
+
 class ProxiedMoto:
     """A moto S3 server of the test's own behind a TCP proxy (``socat``): stopping the proxy takes the
     endpoint away (connections refused) while moto keeps the bucket and its objects."""
@@ -488,7 +536,7 @@ class OwnReplicas:
 
 
 @contextlib.contextmanager
-def stopping(*parts: OwnRedis | ProxiedMoto | DurableTansu | OwnReplicas) -> Iterator[None]:
+def stopping(*parts: OwnRedis | ProxiedMoto | DurableTansu | OwnReplicas | HeldProxy) -> Iterator[None]:
     try:
         yield
     finally:

@@ -71,7 +71,9 @@ async def test_the_runners_redis_log_holds_no_ignored_field(redis_client: Any) -
         for i in range(3):
             raw = record(f"e-{i}", 1_764_000_000.0 + i, **IGNORED)
             processor.apply(session, parse_event(raw), raw)
-        await store.save([SessionDelta("s-1", 0, session.take_changes(), None)])
+        await store.save(
+            [SessionDelta("s-1", 0, session.take_changes(), None)], {0: await store.take_ownership(0)}
+        )
         stored: list[bytes] = await redis_client.lrange(store.keys.session_log("s-1"), 0, -1)
         assert len(stored) == len(session.entries)
         for entry in stored:

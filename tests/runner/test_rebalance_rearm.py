@@ -88,7 +88,7 @@ def seed_pending_sessions(redis_url: str, prefix: str, deadline: float | None = 
         store = RedisSessionStore(client, prefix)
         wall = time.time() + 1e6 if deadline is None else deadline
         deltas = [SessionDelta(sid, p, sessions[sid].take_changes(), wall) for sid, p in partition_of.items()]
-        await store.save(deltas)
+        await store.save(deltas, {p: await store.take_ownership(p) for p in range(PARTITIONS)})
         await client.aclose()
 
     asyncio.run(save())
@@ -242,7 +242,8 @@ def test_a_rearm_leaves_a_trigger_that_ingest_armed_first_to_its_own_deadline(is
             runner.processor.apply(stored, event("view", first_ts, shopper))
             assert stored.pending is not None
             stored_wall = runner.timers.now() + 0.5
-            await store.save([SessionDelta(shopper, partition, stored.take_changes(), stored_wall)])
+            delta = SessionDelta(shopper, partition, stored.take_changes(), stored_wall)
+            await store.save([delta], {partition: await store.take_ownership(partition)})
             runner.store = store
             # Ingest's poll: the shopper loaded, a newer view applied, its own pause armed.
             runner.sessions.adopt(await store.load_many([shopper]))

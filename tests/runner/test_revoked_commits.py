@@ -174,9 +174,11 @@ def test_a_durable_point_saves_and_commits_nothing_of_an_epoch_whose_lease_has_e
         runner.checkpoint = Checkpoint([], runner.settings.sink_retry)
         runner.consumer = Consumer({"bootstrap.servers": bootstrap, "group.id": isolated.group})
         try:
-            epoch_of("shopper-old", 0, 5)
             old_lease = runner.assignment.lease
+            assert await runner.ownership.ensure([0], old_lease)  # as ingest takes it, before any load
+            epoch_of("shopper-old", 0, 5)
             assert runner.assignment.end_lease(wait_s=1.0)  # the revoke handed partition 0 over
+            assert await runner.ownership.ensure([1], runner.assignment.lease)
             epoch_of("shopper-new", 1, 3)
             await runner.commits.commit_durable()
             stored = await RedisSessionStore(redis, isolated.prefix).load_many(["shopper-old", "shopper-new"])

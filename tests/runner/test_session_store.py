@@ -5,16 +5,19 @@ the timer sets follow the pending triggers."""
 from __future__ import annotations
 
 import json
+import time
 import uuid
 from typing import Any
 
 import orjson
+import pytest
 
 from devstack.synthetic import SyntheticStream
 from prompt_assembly.events import parse_event
 from prompt_assembly.processor import SessionConfig, SessionProcessor
 from prompt_assembly.session import ShopperSession
-from runner.session_store import RedisSessionStore, SessionDelta, merge_deltas
+from runner.session_store import RedisSessionStore, SessionDelta, SessionsFenced, merge_deltas
+from tests.runner.kit import view
 
 
 def _stored_view(session: ShopperSession) -> tuple[list[bytes], dict[str, Any]]:
@@ -23,6 +26,7 @@ def _stored_view(session: ShopperSession) -> tuple[list[bytes], dict[str, Any]]:
 
 async def test_many_epochs_merged_per_save_restore_the_same_sessions(redis_client: Any) -> None:
     store = RedisSessionStore(redis_client, f"test-store-{uuid.uuid4().hex[:8]}:")
+    owner = {p: await store.take_ownership(p) for p in range(3)}
     # A small event cap makes trims (log rewrites) happen between and within saves.
     processor = SessionProcessor(SessionConfig(max_events=12, trim_to_fraction=0.5))
     sessions: dict[str, ShopperSession] = {}
@@ -38,9 +42,9 @@ async def test_many_epochs_merged_per_save_restore_the_same_sessions(redis_clien
                 touched.add(event.shopper_id)
             pending_saves += [SessionDelta(sid, 0, sessions[sid].take_changes(), None) for sid in touched]
             if epoch_start % 180 == 120:  # every third epoch: one save of three epochs' deltas
-                await store.save(pending_saves)
+                await store.save(pending_saves, owner)
                 pending_saves = []
-        await store.save(pending_saves)
+        await store.save(pending_saves, owner)
         assert any(session.arrivals > 12 for session in sessions.values()), "trims must have happened"
         loaded = await store.load_many([*sessions, "nobody"])
         assert set(loaded) == set(sessions)
@@ -55,6 +59,7 @@ async def test_many_epochs_merged_per_save_restore_the_same_sessions(redis_clien
 
 async def test_timers_follow_pending_triggers(redis_client: Any) -> None:
     store = RedisSessionStore(redis_client, f"test-store-{uuid.uuid4().hex[:8]}:")
+    owner = {p: await store.take_ownership(p) for p in range(3)}
     processor = SessionProcessor()
     sessions: dict[str, ShopperSession] = {}
     try:
@@ -64,11 +69,11 @@ async def test_timers_follow_pending_triggers(redis_client: Any) -> None:
             processor.apply(session, event, value)
         armed = {sid: 1000.0 + i for i, sid in enumerate(sessions) if sessions[sid].pending is not None}
         deltas = [SessionDelta(sid, 2, s.take_changes(), armed.get(sid)) for sid, s in sessions.items()]
-        await store.save(deltas)
+        await store.save(deltas, owner)
         assert dict(await store.timers(2)) == armed
         cleared = next(iter(armed))
         processor.flush(sessions[cleared])  # the pending trigger fires: no timer any more
-        await store.save([SessionDelta(cleared, 2, sessions[cleared].take_changes(), None)])
+        await store.save([SessionDelta(cleared, 2, sessions[cleared].take_changes(), None)], owner)
         assert dict(await store.timers(2)) == {k: v for k, v in armed.items() if k != cleared}
     finally:
         keys = [key async for key in redis_client.scan_iter(f"{store.keys.prefix}*")]
@@ -83,6 +88,7 @@ async def test_a_save_stores_the_timer_of_the_header_it_stores(redis_client: Any
     only the stored timer fires it again for a shopper who sends nothing more. Taken from the live
     session (nothing pending by then), the timer was removed. Epoch 2's save then clears it."""
     store = RedisSessionStore(redis_client, f"test-store-{uuid.uuid4().hex[:8]}:")
+    owner = {p: await store.take_ownership(p) for p in range(3)}
     processor = SessionProcessor()
     try:
         session = processor.new_session("quiet")
@@ -94,11 +100,11 @@ async def test_a_save_stores_the_timer_of_the_header_it_stores(redis_client: Any
         epoch_1 = SessionDelta("quiet", 1, session.take_changes(), wall_deadline=1234.5)
         assert processor.fire_pending(session, session.pending.due_ts), "the pause fires a prompt"
         epoch_2 = SessionDelta("quiet", 1, session.take_changes(), wall_deadline=None)
-        await store.save([epoch_1])
+        await store.save([epoch_1], owner)
         assert await store.timers(1) == [("quiet", 1234.5)]
         restored = (await store.load_many(["quiet"]))["quiet"]
         assert restored.pending is not None and restored.pending.reason == "browse_pause"
-        await store.save([epoch_2])
+        await store.save([epoch_2], owner)
         assert await store.timers(1) == []
         assert merge_deltas([epoch_1, epoch_2])["quiet"].wall_deadline is None
     finally:
@@ -132,6 +138,7 @@ async def test_the_flink_state_value_holds_the_same_entry_bytes_as_the_runner_st
     stores), for the same events with their raw JSON, as both engines pass it. Flink's keyed state cannot
     be read from Python, so the state value is checked here, as the function builds it."""
     store = RedisSessionStore(redis_client, f"test-store-{uuid.uuid4().hex[:8]}:")
+    owner = {p: await store.take_ownership(p) for p in range(3)}
     processor = SessionProcessor(SessionConfig(max_events=12, trim_to_fraction=0.5))
     runner_sessions: dict[str, ShopperSession] = {}
     flink_state: dict[str, bytes] = {}
@@ -142,7 +149,7 @@ async def test_the_flink_state_value_holds_the_same_entry_bytes_as_the_runner_st
             sid = event.shopper_id
             session = runner_sessions.setdefault(sid, processor.new_session(sid))
             processor.apply(session, event, value)
-            await store.save([SessionDelta(sid, 0, session.take_changes(), None)])
+            await store.save([SessionDelta(sid, 0, session.take_changes(), None)], owner)
             in_flink = ShopperSession.from_json(flink_state[sid]) if sid in flink_state else None
             in_flink = in_flink or processor.new_session(sid)
             processor.apply(in_flink, event, value)
@@ -156,6 +163,48 @@ async def test_the_flink_state_value_holds_the_same_entry_bytes_as_the_runner_st
             assert sorted(flink_entries) == sorted(stored_log)
             stored_header = await redis_client.get(store.keys.session_header(sid))
             assert orjson.loads(stored_header) == orjson.loads(state)["h"]
+    finally:
+        keys = [key async for key in redis_client.scan_iter(f"{store.keys.prefix}*")]
+        if keys:
+            await redis_client.delete(*keys)
+
+
+async def test_a_save_with_an_older_owner_token_writes_nothing(redis_client: Any) -> None:
+    """Member A took partitions 0 and 1; member B has taken 0 since (a hand-over). A's save touching
+    both is refused whole, naming partition 0, and leaves every key as it was; B's own save of the
+    same shopper, and A's save of partition 1 alone, go through. A partition without a token is
+    refused before anything is sent."""
+    store = RedisSessionStore(redis_client, f"test-store-{uuid.uuid4().hex[:8]}:")
+    processor = SessionProcessor()
+    try:
+        a = {0: await store.take_ownership(0), 1: await store.take_ownership(1)}
+        b = {0: await store.take_ownership(0)}
+        assert b[0] > a[0]
+        now = time.time()
+        moved, stayed = processor.new_session("moved"), processor.new_session("stayed")
+        for session in (moved, stayed):
+            for i in range(3):
+                processor.apply(session, parse_event(view(session.shopper_id, now - 60 + i)))
+        a_deltas = [
+            SessionDelta("moved", 0, moved.take_changes(), None),
+            SessionDelta("stayed", 1, stayed.take_changes(), None),
+        ]
+        with pytest.raises(SessionsFenced) as refused:
+            await store.save(a_deltas, a)
+        assert refused.value.partitions == [0]
+        assert await store.load_many(["moved", "stayed"]) == {}
+        assert await store.save(a_deltas[1:], a) == 1
+        b_session = processor.new_session("moved")
+        for i in range(2):
+            processor.apply(b_session, parse_event(view("moved", now - 30 + i)))
+        assert await store.save([SessionDelta("moved", 0, b_session.take_changes(), None)], b) == 1
+        loaded = await store.load_many(["moved", "stayed"])
+        assert _stored_view(loaded["moved"]) == _stored_view(b_session)
+        assert _stored_view(loaded["stayed"]) == _stored_view(stayed)
+        with pytest.raises(SessionsFenced, match="no token"):
+            await store.save(
+                [SessionDelta("other", 2, processor.new_session("other").take_changes(), None)], b
+            )
     finally:
         keys = [key async for key in redis_client.scan_iter(f"{store.keys.prefix}*")]
         if keys:

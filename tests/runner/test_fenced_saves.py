@@ -1,0 +1,94 @@
+"""A session save sent before a hand-over, and delayed past it, never lands over the next owner's.
+
+The revoke's hand-over waits ``revoke_timeout_s`` for the durable point; past it the partitions go
+over uncommitted, and the lease stops every save that has not started. A save already sent was not
+stopped: held on a stalled link (here a proxy of the test's own, stopped with SIGSTOP, in front of a
+redis-server of the test's own), it reached Redis after the next owner had loaded and saved the same
+shopper, appended the replayed event a second time and put back the older header. The store now
+refuses it by the partition's fencing token (``runner.ownership``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from pathlib import Path
+
+import pytest
+import redis.asyncio as aioredis
+from confluent_kafka import TopicPartition
+
+from pipeline.checkpoint import Checkpoint
+from prompt_assembly.events import parse_event
+from runner.embedded import EmbeddedRunner
+from runner.epochs import Epoch
+from runner.session_store import RedisSessionStore, SessionDelta
+from tests.conftest import Isolated
+from tests.fault_kit import HeldProxy, OwnRedis, stopping, wait_until
+from tests.runner.kit import cart_add, view
+
+pytestmark = pytest.mark.slow
+
+SHOPPER, PARTITION = "shopper-moved", 0
+
+
+def test_a_save_delayed_past_the_hand_over_is_refused(isolated: Isolated, tmp_path: Path) -> None:
+    redis = OwnRedis(tmp_path)
+    redis.start()
+    proxy = HeldProxy(tmp_path, redis.port)
+    with stopping(proxy, redis):
+        proxy.start()
+        runner = EmbeddedRunner(isolated.runner(until_drained=False), log=lambda _: None)
+        now = time.time()
+        cart = parse_event(cart_add(SHOPPER, now - 60)[1])
+        newer = parse_event(view(SHOPPER, now - 30))
+
+        async def scenario() -> tuple[int, list[TopicPartition], dict[str, object]]:
+            via_proxy = aioredis.Redis.from_url(f"redis://127.0.0.1:{proxy.port}/0")
+            direct = aioredis.Redis.from_url(redis.url)
+            runner.store = RedisSessionStore(via_proxy, isolated.prefix)
+            runner.checkpoint = Checkpoint([], runner.settings.sink_retry)
+            try:
+                # Member A owns the partition and has applied the cart add in an epoch of its lease.
+                lease = runner.assignment.lease
+                assert await runner.ownership.ensure([PARTITION], lease)
+                session = runner.sessions.use(SHOPPER, PARTITION, runner.processor.new_session)
+                runner.processor.apply(session, cart)
+                runner.close_epoch(Epoch(offsets={(isolated.topic, PARTITION): 1}, lease=lease), {SHOPPER})
+                # Its durable point sends the save into the stalled link, and the revoke gives up.
+                proxy.hold()
+                durable = asyncio.create_task(runner.commits.durable_point())
+                await wait_until(lambda: proxy.unread_bytes() > 0, "A's save sent into the held link", 30)
+                assert runner.assignment.end_lease(wait_s=1.0)
+                # Member B takes the partition, finds no session (A's save has not landed), replays
+                # the cart add and applies a newer view, and saves.
+                b_store = RedisSessionStore(direct, isolated.prefix)
+                b_tokens = {PARTITION: await b_store.take_ownership(PARTITION)}
+                assert await b_store.load_many([SHOPPER]) == {}
+                b_session = runner.processor.new_session(SHOPPER)
+                runner.processor.apply(b_session, cart)
+                runner.processor.apply(b_session, newer)
+                b_changes = b_session.take_changes()
+                await b_store.save([SessionDelta(SHOPPER, PARTITION, b_changes, None)], b_tokens)
+                # The link comes back: A's save reaches Redis.
+                proxy.release()
+                _, offsets = await asyncio.wait_for(durable, timeout=30)
+                stored = (await b_store.load_many([SHOPPER]))[SHOPPER]
+                return (
+                    runner.stats.fenced_saves,
+                    offsets,
+                    {
+                        "arrivals": len(stored.entries),
+                        "header": stored.header(),
+                        "b_header": b_session.header(),
+                    },
+                )
+            finally:
+                proxy.release()
+                await via_proxy.aclose()
+                await direct.aclose()
+
+        fenced, offsets, stored = asyncio.run(scenario())
+    assert stored["arrivals"] == 2, f"A's delayed save landed over B's session: {stored}"
+    assert stored["header"] == stored["b_header"]
+    assert fenced == 1 and offsets == [], "A's durable point is dropped, nothing to commit"
