@@ -172,8 +172,10 @@ def committed_offsets_or(reset: ResetStrategy = "EARLIEST") -> Any:
 
 
 SOURCE_TABLE = "shopper_events_source"
-SOURCE_COLUMNS = ("value", "topic", "partition", "offset", "timestamp_ms")
-"""What each source row holds: the raw value bytes (``None`` for a tombstone) and where it came from."""
+SOURCE_COLUMNS = ("value", "topic", "partition", "offset", "timestamp_ms", "kafka_key")
+"""What each source row holds: the raw value bytes (``None`` for a tombstone), where it came from, and
+the record's Kafka key as it is (``None`` for none), which only its dead letter carries on: the DLQ is
+keyed by the original's key, as the runner keys it (``sink_dead_letters``)."""
 
 
 def _sql_string(value: str) -> str:
@@ -181,10 +183,11 @@ def _sql_string(value: str) -> str:
 
 
 def kafka_source_ddl(settings: NearRealtimeSettings, *, stop_at_latest: bool = False) -> str:
-    """``CREATE TEMPORARY TABLE`` of the events topic: the ``raw`` format (value bytes as they are, a
-    tombstone is a NULL) and the record's topic, partition, offset and Kafka timestamp as metadata
-    columns. Committed group offsets, earliest where the group has none; offsets are committed on
-    checkpoints (the source's default when a group id is set)."""
+    """``CREATE TEMPORARY TABLE`` of the events topic: the ``raw`` format for the value and the key
+    (bytes as they are, a tombstone or a record without a key is a NULL) and the record's topic,
+    partition, offset and Kafka timestamp as metadata columns. Committed group offsets, earliest where
+    the group has none; offsets are committed on checkpoints (the source's default when a group id is
+    set)."""
     kafka = settings.kafka
     options: dict[str, str] = {
         "connector": "kafka",
@@ -195,7 +198,10 @@ def kafka_source_ddl(settings: NearRealtimeSettings, *, stop_at_latest: bool = F
         "properties.auto.offset.reset": "earliest",
         "scan.topic-partition-discovery.interval": "60 s",
         "properties.fetch.max.wait.ms": str(kafka.fetch_max_wait_ms),
-        "format": "raw",
+        "key.format": "raw",
+        "key.fields": "kafka_key",
+        "value.format": "raw",
+        "value.fields-include": "EXCEPT_KEY",
     }
     if stop_at_latest:  # a bounded read of what is in the topic now (tests, backfills)
         options["scan.bounded.mode"] = "latest-offset"
@@ -204,6 +210,7 @@ def kafka_source_ddl(settings: NearRealtimeSettings, *, stop_at_latest: bool = F
     with_clause = ",\n  ".join(f"{_sql_string(k)} = {_sql_string(v)}" for k, v in options.items())
     return (
         f"CREATE TEMPORARY TABLE {SOURCE_TABLE} (\n"
+        "  `kafka_key` BYTES,\n"
         "  `value` BYTES,\n"
         "  `topic` STRING METADATA VIRTUAL,\n"
         "  `partition` INT METADATA VIRTUAL,\n"
@@ -229,7 +236,8 @@ SOURCE_QUERY = (
     "AS shopper_key, "
     "ROW(`value`, `topic`, `partition`, `offset`, "
     # epoch milliseconds of the Kafka timestamp (the session time zone is UTC: see kafka_source_rows)
-    "1000 * UNIX_TIMESTAMP(DATE_FORMAT(`ts`, 'yyyy-MM-dd HH:mm:ss')) + EXTRACT(MILLISECOND FROM `ts`)) "
+    "1000 * UNIX_TIMESTAMP(DATE_FORMAT(`ts`, 'yyyy-MM-dd HH:mm:ss')) + EXTRACT(MILLISECOND FROM `ts`), "
+    "`kafka_key`) "
     f"AS record FROM {SOURCE_TABLE}"
 )
 
@@ -246,11 +254,12 @@ def table_environment(env: Any) -> Any:
 def kafka_source_rows(
     env: Any, settings: NearRealtimeSettings, *, stop_at_latest: bool = False, t_env: Any = None
 ) -> Any:
-    """The events topic as a KeyedStream of ``Row(value, topic, partition, offset, timestamp_ms)``
-    keyed by shopper id, from the official connector's Table API source (``kafka_source_ddl``) turned
-    into a DataStream. The key is computed in SQL and the stream is keyed with PyFlink's own Java
-    ``KeyByKeySelector`` (field 0 of ``Row(key, record)``, what ``DataStream.key_by`` builds after its
-    Python key function), so no Python operator runs before the keyed session function.
+    """The events topic as a KeyedStream of ``Row(value, topic, partition, offset, timestamp_ms,
+    kafka_key)`` keyed by shopper id, from the official connector's Table API source
+    (``kafka_source_ddl``) turned into a DataStream. The key is computed in SQL and the stream is keyed
+    with PyFlink's own Java ``KeyByKeySelector`` (field 0 of ``Row(key, record)``, what
+    ``DataStream.key_by`` builds after its Python key function), so no Python operator runs before the
+    keyed session function.
 
     Why not the DataStream ``KafkaSource``: from Python it only takes a value-only deserializer, so
     partition, offset and timestamp are lost and a tombstone (null value) fails the job; a
@@ -263,7 +272,14 @@ def kafka_source_rows(
 
     record = Types.ROW_NAMED(
         list(SOURCE_COLUMNS),
-        [Types.PRIMITIVE_ARRAY(Types.BYTE()), Types.STRING(), Types.INT(), Types.LONG(), Types.LONG()],
+        [
+            Types.PRIMITIVE_ARRAY(Types.BYTE()),
+            Types.STRING(),
+            Types.INT(),
+            Types.LONG(),
+            Types.LONG(),
+            Types.PRIMITIVE_ARRAY(Types.BYTE()),
+        ],
     )
     # A RowTypeInfo stream (to_data_stream would give the Table API's ExternalTypeInfo, which PyFlink's
     # keyed Python operator does not take), shaped as DataStream.key_by's own Row(key, record).
@@ -316,8 +332,10 @@ def kafka_source(settings: NearRealtimeSettings, *, stop_at_latest: bool = False
 
 
 def kafka_sink(settings: NearRealtimeSettings, topic: str, *, exactly_once: bool) -> Any:
-    """A ``KafkaSink`` of JSON strings. Exactly-once uses Kafka transactions committed on checkpoints,
-    with an explicit ``transaction.timeout.ms`` (the broker caps it at ``transaction.max.timeout.ms``)."""
+    """A ``KafkaSink`` of JSON strings, with no key. Exactly-once uses Kafka transactions committed on
+    checkpoints, with an explicit ``transaction.timeout.ms`` (the broker caps it at
+    ``transaction.max.timeout.ms``). The job writes keyed records instead (``sink_keyed_by_shopper``,
+    ``sink_dead_letters``); this stays for DataStream-only users, as ``kafka_source`` does."""
     from pyflink.common.serialization import SimpleStringSchema
     from pyflink.datastream.connectors.base import DeliveryGuarantee
     from pyflink.datastream.connectors.kafka import KafkaRecordSerializationSchema, KafkaSink
@@ -346,18 +364,26 @@ def kafka_sink(settings: NearRealtimeSettings, topic: str, *, exactly_once: bool
     return builder.build()
 
 
-def keyed_sink_ddl(settings: NearRealtimeSettings, table: str, topic: str, *, exactly_once: bool) -> str:
+def keyed_sink_ddl(
+    settings: NearRealtimeSettings,
+    table: str,
+    topic: str,
+    *,
+    exactly_once: bool,
+    key: str = "shopper_id",
+    key_type: str = "STRING",
+) -> str:
     """``CREATE TEMPORARY TABLE`` ``table`` on ``topic``: each record's JSON as the value and its
-    ``shopper_id`` as the key (both ``raw``: UTF-8 bytes, what the runner's Kafka sink writes), placed by
-    Kafka's default partitioner (murmur2 of the key). Exactly-once uses Kafka transactions committed on
-    checkpoints, as ``kafka_sink`` does."""
+    ``key`` column as the key (both ``raw``: a STRING as UTF-8 bytes, what the runner's Kafka sink
+    writes; BYTES as they are, NULL as no key), placed by Kafka's default partitioner (murmur2 of the
+    key). Exactly-once uses Kafka transactions committed on checkpoints, as ``kafka_sink`` does."""
     kafka = settings.kafka
     options: dict[str, str] = {
         "connector": "kafka",
         "topic": topic,
         "properties.bootstrap.servers": kafka.bootstrap_servers,
         "key.format": "raw",
-        "key.fields": "shopper_id",
+        "key.fields": key,
         "value.format": "raw",
         "value.fields-include": "EXCEPT_KEY",
         "properties.transaction.timeout.ms": str(kafka.transaction_timeout_ms),
@@ -370,7 +396,7 @@ def keyed_sink_ddl(settings: NearRealtimeSettings, table: str, topic: str, *, ex
     with_clause = ",\n  ".join(f"{_sql_string(k)} = {_sql_string(v)}" for k, v in options.items())
     return (
         f"CREATE TEMPORARY TABLE {table} (\n"
-        "  `shopper_id` STRING,\n"
+        f"  `{key}` {key_type},\n"
         "  `value` STRING\n"
         f") WITH (\n  {with_clause}\n)"
     )
@@ -393,4 +419,27 @@ def sink_keyed_by_shopper(
     t_env.create_temporary_view(view, t_env.from_data_stream(records))
     statements = t_env.create_statement_set()
     statements.add_insert_sql(f"INSERT INTO {table} SELECT JSON_VALUE(f0, '$.shopper_id'), f0 FROM {view}")
+    statements.attach_as_datastream()
+
+
+DLQ_RECORD = ("kafka_key", "letter")
+"""The fields of a DLQ stream's ``Row``: the original record's Kafka key (bytes or ``None``) and its
+dead letter's JSON."""
+
+
+def sink_dead_letters(t_env: Any, letters: Any, settings: NearRealtimeSettings) -> None:
+    """``letters`` (a DataStream of ``Row(kafka_key, letter)``, ``DLQ_RECORD``) onto the DLQ topic, each
+    dead letter keyed by its original record's Kafka key as it is (no key where it had none), as the
+    runner keys it (``runner.dead_letters``): a shopper's dead letters share a partition with each
+    other, whichever engine wrote them. At least once, as the runner's DLQ producer. A Table API sink
+    for the reason ``sink_keyed_by_shopper`` gives, attached to the DataStream job the same way."""
+    table, view = "dead_letters_sink", "dead_letters_records"
+    t_env.execute_sql(
+        keyed_sink_ddl(
+            settings, table, settings.kafka.dlq_topic, exactly_once=False, key="kafka_key", key_type="BYTES"
+        )
+    )
+    t_env.create_temporary_view(view, t_env.from_data_stream(letters))
+    statements = t_env.create_statement_set()
+    statements.add_insert_sql(f"INSERT INTO {table} SELECT `kafka_key`, `letter` FROM {view}")
     statements.attach_as_datastream()

@@ -21,14 +21,14 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 import orjson
-from pyflink.common import Types
+from pyflink.common import Row, Types
 from pyflink.datastream import OutputTag
 from pyflink.datastream.functions import AsyncFunction, KeyedProcessFunction, RuntimeContext
 from pyflink.datastream.state import StateTtlConfig, ValueStateDescriptor
 from pyflink.datastream.time_domain import TimeDomain
 
 from flink_jobs.flink_config import NearRealtimeSettings
-from flink_jobs.flink_connectors import UNKEYED_PREFIX
+from flink_jobs.flink_connectors import DLQ_RECORD, UNKEYED_PREFIX
 from flink_jobs.flink_metrics import OperatorStats
 from flink_jobs.loop_resources import LoopResources
 from flink_jobs.pause_timers import ArmedTimer, due_to_fire, rearm, restored_deadline_ms, wall_deadline_ms
@@ -51,7 +51,10 @@ from prompt_assembly.records import (
 from prompt_assembly.records import parse_result as parse_any_result
 from prompt_assembly.session import ShopperSession
 
-DLQ_TAG = OutputTag("dlq", Types.STRING())
+DLQ_TAG = OutputTag(
+    "dlq", Types.ROW_NAMED(list(DLQ_RECORD), [Types.PRIMITIVE_ARRAY(Types.BYTE()), Types.STRING()])
+)
+"""Dead letters with their original record's Kafka key (``dead_letter_record``), for the keyed DLQ sink."""
 FLUSH_TIMER_TS = 2**63 - 1
 """Event-time timer that only the final watermark of a bounded input (or a drain) reaches."""
 
@@ -64,14 +67,29 @@ SourceRecord = tuple[bytes | None, str | None, int | None, int | None, int | Non
 
 def source_record(value: Any, source_topic: str | None, base64_values: bool) -> SourceRecord:
     """One input element as (value bytes or None, topic, partition, offset, timestamp_ms). Input is a
-    Kafka source row ``(value, topic, partition, offset, timestamp_ms)``, or, in bounded test runs, a
-    base64 string of the value."""
+    Kafka source row ``(value, topic, partition, offset, timestamp_ms, kafka_key)`` (the key:
+    ``source_key``), or, in bounded test runs, a base64 string of the value."""
     if base64_values:
         return base64.b64decode(value), source_topic, None, None, None
     if isinstance(value, str | bytes):
         return (value.encode("utf-8") if isinstance(value, str) else value), source_topic, None, None, None
     raw, topic, partition, offset, timestamp_ms = (value[i] for i in range(5))
     return (None if raw is None else bytes(raw)), topic, partition, offset, timestamp_ms
+
+
+def source_key(value: Any, base64_values: bool) -> bytes | None:
+    """The Kafka key of one input element (the source row's ``kafka_key``), ``None`` where it has none:
+    a record sent without a key, or a bounded run's value, which never had one."""
+    if base64_values or isinstance(value, str | bytes) or len(value) < 6:
+        return None
+    key = value[5]
+    return None if key is None else bytes(key)
+
+
+def dead_letter_record(kafka_key: bytes | None, letter: str) -> Row:
+    """What the DLQ side output carries (``DLQ_RECORD``): the dead letter, keyed on the DLQ topic by its
+    original's Kafka key as the runner keys it (``runner.dead_letters``)."""
+    return Row(kafka_key, letter)
 
 
 def gate(
@@ -236,7 +254,7 @@ class ShopperSessionFunction(KeyedProcessFunction):
             event = dead_letter_json(record, reason, self.dlq_max_original_bytes)
         if isinstance(event, str):
             self.records_dlq.inc()
-            yield DLQ_TAG, event
+            yield DLQ_TAG, dead_letter_record(source_key(value, self.base64_values), event)
             return
         self.records_valid.inc()
         shopper_id = event.shopper_id

@@ -4,7 +4,8 @@ Topology with its own async stage (``prompts_topic`` empty; one chain per stage;
 operators)::
 
     Kafka source (Table API: raw value + metadata; shopper id read by JSON_VALUE, keyed on the JVM)
-      -> ShopperSessionFunction             gate (rejected -> DLQ side output -> KafkaSink), keyed
+      -> ShopperSessionFunction, keyed      gate (rejected -> DLQ side output -> Kafka table sink,
+                                            keyed by the original record's Kafka key)
          (thread mode by default: in the    session state (TTL) + timers -> PromptRequest
          TaskManager's JVM, no bundle)
       -> EnrichAndWrite (async, unordered)  LLM client (session affinity) -> EnrichmentResult, then
@@ -140,7 +141,8 @@ class Pipeline:
     """DataStream[str] of EnrichmentResult JSON, after they are durable in Redis and S3; None with
     ``prompts_topic`` (the job then ends at its session stage)."""
     dlq: Any
-    """DataStream[str] of DLQ JSON records."""
+    """DataStream[Row(kafka_key, letter)] of DLQ JSON records with their original's Kafka key
+    (``flink_connectors.DLQ_RECORD``)."""
     prompts: Any = None
     """With ``prompts_topic``: DataStream[str] of PromptRequest JSON, for that topic."""
 
@@ -255,8 +257,8 @@ def run_kafka(
     ``stop_at_latest`` reads only what the topic holds now and then ends, flushing every pending trigger."""
     from flink_jobs.flink_connectors import (
         kafka_connector_jars,
-        kafka_sink,
         kafka_source_rows,
+        sink_dead_letters,
         sink_keyed_by_shopper,
         table_environment,
     )
@@ -273,9 +275,7 @@ def run_kafka(
         processing_time_timers=settings.wall_clock_timers and not stop_at_latest,
         flush_at_end=stop_at_latest or settings.flush_on_drain,
     )
-    pipeline.dlq.sink_to(kafka_sink(settings, settings.kafka.dlq_topic, exactly_once=False)).name(
-        "kafka dlq"
-    ).uid("kafka-dlq")
+    sink_dead_letters(t_env, pipeline.dlq, settings)  # keyed by each original's Kafka key
     if pipeline.prompts is not None:  # prompts_topic: a runner with input 'prompts' enriches them
         sink_keyed_by_shopper(
             t_env,
@@ -347,7 +347,8 @@ def run_bounded(
     from pipeline.dead_letter import is_dead_letter
 
     made = pipeline.results if pipeline.prompts is None else pipeline.prompts  # prompts_topic: the prompts
-    with made.union(pipeline.dlq).execute_and_collect(settings.job_name) as records:
+    letters = pipeline.dlq.map(lambda record: record[1], output_type=Types.STRING())  # no key: no Kafka
+    with made.union(letters).execute_and_collect(settings.job_name) as records:
         for record in records:
             (run.dlq if is_dead_letter(record) else run.results).append(record)
     run.seconds = time.monotonic() - started

@@ -444,8 +444,8 @@ def test_an_event_whose_shopper_id_is_not_its_key_is_a_dead_letter() -> None:
 
     out = list(function.process_element(value, _KeyedContext("s-2")))
     assert len(out) == 1
-    tag, letter = out[0]
-    assert tag is DLQ_TAG
+    tag, (kafka_key, letter) = out[0]
+    assert tag is DLQ_TAG and kafka_key is None  # a bounded run's value: no Kafka key
     reason = orjson.loads(letter)["reason"]
     assert "is not the key" in reason and "'s-1'" in reason and "'s-2'" in reason
     assert runtime.states["session"].value() is None  # no session for either shopper
@@ -453,3 +453,16 @@ def test_an_event_whose_shopper_id_is_not_its_key_is_a_dead_letter() -> None:
     # The same event under its own key is accepted into the session (the check, not the fake, refused it).
     assert list(function.process_element(value, _KeyedContext("s-1"))) == []
     assert runtime.states["session"].value() is not None
+
+
+def test_a_dead_letter_leaves_with_its_kafka_records_key_as_it_is() -> None:
+    """A source row's Kafka key (any bytes, or none) goes with its dead letter to the keyed DLQ sink."""
+    from flink_jobs.flink_functions import DLQ_TAG, ShopperSessionFunction
+
+    function = ShopperSessionFunction(NearRealtimeSettings().to_json(), True, False, "events")
+    function.open(_RuntimeContext())
+    for key in (b"s-1", b"\xff\x00 not UTF-8", None):
+        row = (b"{broken", "events", 2, 40, 1_700_000_000_000, key)
+        ((tag, (kafka_key, letter)),) = function.process_element(row, _KeyedContext("(no shopper id) 2:40"))
+        assert tag is DLQ_TAG and kafka_key == key
+        assert orjson.loads(letter)["offset"] == 40
