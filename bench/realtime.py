@@ -31,7 +31,7 @@ Prints tables and the machine; writes bench/results/realtime.json (``--arm``: re
 
 Usage:
   .venv/bin/python -m bench.realtime            # the documented run (about 2 minutes)
-  .venv/bin/python -m bench.realtime --quick    # 10 s phases
+  .venv/bin/python -m bench.realtime --quick    # 10 s phases (an explicit --seconds/--overload-seconds wins)
   .venv/bin/python -m bench.realtime --service-root /tmp/old --out realtime_before  # an older service:
       # /tmp/old = this checkout with another commit's realtime/ (docs/realtime.md shows the commands)
   .venv/bin/python -m bench.realtime --arm before=/tmp/old --arm after=. --rounds 6  # CPU at equal work
@@ -764,8 +764,8 @@ def main() -> None:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--rate", type=float, default=200.0)
-    parser.add_argument("--seconds", type=float, default=30.0)
-    parser.add_argument("--overload-seconds", type=float, default=20.0)
+    parser.add_argument("--seconds", type=float, default=None, help="default 30 (--quick: 10)")
+    parser.add_argument("--overload-seconds", type=float, default=None, help="default 20 (--quick: 10)")
     parser.add_argument("--replicas", type=int, default=3)
     parser.add_argument("--per-replica", type=int, default=24, help="calls admitted per replica")
     parser.add_argument("--time-scale", type=float, default=0.03)
@@ -805,7 +805,10 @@ def main() -> None:
         "--profile-dir", type=Path, default=None, help="equal work: py-spy one more round of each service"
     )
     parser.add_argument(
-        "--quick", action="store_true", help="10 s phases; writes realtime_quick.json unless --out is given"
+        "--quick",
+        action="store_true",
+        help="10 s phases (an explicit --seconds or --overload-seconds wins); writes realtime_quick.json "
+        "unless --out is given",
     )
     parser.add_argument(
         "--out",
@@ -813,8 +816,10 @@ def main() -> None:
         help="results name (default realtime, realtime_cpu with --arm; with --quick, _quick appended)",
     )
     args = parser.parse_args()
-    if args.quick:
-        args.seconds, args.overload_seconds = 10.0, 10.0
+    if args.seconds is None:  # --quick's presets fill in only what the command line left out
+        args.seconds = 10.0 if args.quick else 30.0
+    if args.overload_seconds is None:
+        args.overload_seconds = 10.0 if args.quick else 20.0
     if args.arm:
         result = asyncio.run(equal_work(args))
         report_equal_work(result)

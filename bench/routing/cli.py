@@ -10,6 +10,11 @@ from bench.routing.plots import replot
 from bench.routing.report import load_results, machine
 from bench.routing.scenarios import SCENARIO_POLICIES, _other_setups, report_scenarios, run_scenarios
 
+FULL: dict[str, object] = {"shoppers": 200, "utilisations": "0.5,0.7,0.9", "llama_shoppers": 6}
+"""The trace's size where the command line gives none."""
+QUICK: dict[str, object] = {"shoppers": 40, "utilisations": "0.7", "llama_shoppers": 4}
+"""``--quick``'s: a small trace at one utilisation."""
+
 
 # ---- main ------------------------------------------------------------------------------------------
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
@@ -21,7 +26,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--quick",
         action="store_true",
-        help="small trace, one utilisation: a smoke run; its files get the tag _quick unless --tag is given",
+        help="small trace, one utilisation: a smoke run (an explicit --shoppers, --utilisations or "
+        "--llama-shoppers wins); its files get the tag _quick unless --tag is given",
     )
     p.add_argument("--setups", default="sim,kill,llama", help="comma list of sim, kill, llama, scenarios")
     s = p.add_argument_group("stress scenarios (--setups scenarios)")
@@ -46,15 +52,15 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         help="comma list; prefix_aware/setting=value runs prefix_aware with that setting changed, beside "
         "the others on the same trace (an ablation: prefix_aware,prefix_aware/load_factor=1.25)",
     )
-    p.add_argument("--utilisations", default="0.5,0.7,0.9")
-    p.add_argument("--shoppers", type=int, default=200)
+    p.add_argument("--utilisations", default=None, help="default 0.5,0.7,0.9 (--quick: 0.7)")
+    p.add_argument("--shoppers", type=int, default=None, help="default 200 (--quick: 40)")
     p.add_argument("--replicas", type=int, default=8)
     p.add_argument("--time-scale", type=float, default=0.5, help="wall seconds per simulated second")
     p.add_argument("--coalesce-s", type=float, default=0.25, help="simulator SSE coalescing (wall s)")
     p.add_argument("--kill-utilisation", type=float, default=0.7)
     p.add_argument("--kill-replica", type=int, default=3)
     p.add_argument("--llama-replicas", type=int, default=3)
-    p.add_argument("--llama-shoppers", type=int, default=6)
+    p.add_argument("--llama-shoppers", type=int, default=None, help="default 6 (--quick: 4)")
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--prefix-aware-options", default="{}", help="JSON of PrefixAwareSettings")
     p.add_argument(
@@ -76,8 +82,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         "invocations), print the tables and targets, write routing_scenarios<TAG>.json; runs nothing",
     )
     args = p.parse_args(argv)
-    if args.quick:
-        args.shoppers, args.utilisations, args.llama_shoppers = 40, "0.7", 4
+    for name, value in (QUICK if args.quick else FULL).items():
+        if getattr(args, name) is None:  # --quick's presets fill in only what the command line left out
+            setattr(args, name, value)
     if args.tag is None:  # a smoke run never overwrites the full run's results
         args.tag = "_quick" if args.quick else ""
     return args

@@ -108,6 +108,27 @@ def test_realtime_quick_writes_its_own_file(
     assert [p.name for p in tmp_path.iterdir()] == [written]
 
 
+@pytest.mark.parametrize(
+    ("argv", "phases"),
+    [
+        ([], (30.0, 20.0)),
+        (["--quick"], (10.0, 10.0)),
+        (["--quick", "--seconds", "3"], (3.0, 10.0)),
+        (["--quick", "--overload-seconds", "2", "--seconds", "45"], (45.0, 2.0)),
+        (["--seconds", "5"], (5.0, 20.0)),
+    ],
+)
+def test_realtime_quick_presets_yield_to_explicit_phase_lengths(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, argv: list[str], phases: tuple[float, float]
+) -> None:
+    """``--quick`` used to set both phases to 10 s over a ``--seconds`` the command line gave."""
+    monkeypatch.setattr(realtime, "RESULTS", tmp_path)
+    monkeypatch.setattr(realtime, "bench", no_run)
+    monkeypatch.setattr(realtime, "report", lambda result: None)
+    run_main(monkeypatch, realtime.main, argv)
+    assert (RAN_WITH[-1].seconds, RAN_WITH[-1].overload_seconds) == phases
+
+
 class NoEndpoint:
     latency_s = 0.0
 
@@ -150,6 +171,24 @@ def test_routing_quick_tags_its_files() -> None:
     assert routing_cli.parse_args(["--quick"]).tag == "_quick"
     assert routing_cli.parse_args(["--quick", "--tag", ""]).tag == ""
     assert routing_cli.parse_args(["--tag", "_x"]).tag == "_x"
+
+
+@pytest.mark.parametrize(
+    ("argv", "trace"),
+    [
+        ([], (200, "0.5,0.7,0.9", 6)),
+        (["--quick"], (40, "0.7", 4)),
+        (["--quick", "--shoppers", "10"], (10, "0.7", 4)),
+        (["--quick", "--utilisations", "0.9", "--llama-shoppers", "2"], (40, "0.9", 2)),
+        (["--shoppers", "80"], (80, "0.5,0.7,0.9", 6)),
+    ],
+)
+def test_routing_quick_presets_yield_to_explicit_trace_sizes(
+    argv: list[str], trace: tuple[int, str, int]
+) -> None:
+    """``--quick`` used to set 40 shoppers, one utilisation and 4 llama shoppers over what was given."""
+    args = routing_cli.parse_args(argv)
+    assert (args.shoppers, args.utilisations, args.llama_shoppers) == trace
 
 
 # ---- usage errors before anything starts -----------------------------------------------------------

@@ -207,3 +207,28 @@ def test_documented_benchmark_runs_and_writes_its_results(run: SmokeRun, tmp_pat
             assert json.loads(path.read_text()), f"{name} is empty"
     if not run.results:
         assert run.prints in output, f"{' '.join(run.argv)} printed no {run.prints!r}:\n{output[-2000:]}"
+
+
+def test_runner_ingest_alone_writes_its_results_and_leaves_runner_json_as_it_was(tmp_path: Path) -> None:
+    """``--scenarios ingest`` against the embedded parts, with a documented ``runner.json`` already in
+    ``BENCH_RESULTS_DIR``: the comparison lands in ``runner_ingest.json`` (what docs/benchmarks.md renders
+    it from) and ``runner.json`` keeps its table. It was written over with an empty table before."""
+    shutil.copy(RESULTS / "runner.json", tmp_path / "runner.json")
+    before = (tmp_path / "runner.json").read_bytes()
+    short = ["--events", "300", "--shoppers", "30", "--repeats", "1"]
+    done = subprocess.run(
+        [sys.executable, "-m", "bench.runner", "--scenarios", "ingest", *short],
+        cwd=REPO,
+        env={**os.environ, RESULTS_DIR_ENV: str(tmp_path)},
+        capture_output=True,
+        text=True,
+        timeout=HANG_GUARD_S,
+        check=False,
+    )
+    output = done.stdout + done.stderr
+    assert done.returncode == 0, output[-4000:]
+    assert (tmp_path / "runner.json").read_bytes() == before, "runner.json was written over"
+    ingest = json.loads((tmp_path / "runner_ingest.json").read_text())
+    assert "| bare consumer + orjson decode | 300" in ingest["table"]
+    assert "| runner (this tree)" in ingest["table"]
+    assert json.loads(before)["table"], "the committed runner.json has a table to keep"
