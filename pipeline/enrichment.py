@@ -49,7 +49,7 @@ from prompt_assembly.records import (
     Usage,
     request_id,
 )
-from prompt_assembly.understanding import ShopperUnderstanding, response_format
+from prompt_assembly.understanding import ShopperUnderstanding, answer_field_errors, response_format
 
 
 class EnrichmentSettings(BaseModel):
@@ -387,13 +387,18 @@ def _sent(attempt: Attempt) -> None:
 
 
 def parse_understanding(text: str) -> ShopperUnderstanding:
-    """Validate a model answer; tolerates a fenced code block around the JSON (small models do that).
-    Raises ``InvalidAnswer`` (kind ``schema``)."""
+    """Validate a model answer against the schema it was asked for (``understanding_json_schema``: every
+    field present, no other, each of its type and within its limits); tolerates a fenced code block
+    around the JSON (small models do that). Raises ``InvalidAnswer`` (kind ``schema``)."""
     body = json_object_text(text)
     if body is None:
         raise InvalidAnswer(f"answer holds no JSON object: {text[:120]!r}", kind="schema", raw=text)
     try:
-        return ShopperUnderstanding.model_validate(orjson.loads(body))
+        answer = orjson.loads(body)
+        errors = answer_field_errors(answer)
+        if not errors:
+            return ShopperUnderstanding.model_validate(answer)
     except (orjson.JSONDecodeError, ValidationError) as exc:
-        message = f"answer is not a valid ShopperUnderstanding: {exc}"
-        raise InvalidAnswer(message, kind="schema", raw=text) from None
+        errors = [str(exc)]
+    message = f"answer is not a valid ShopperUnderstanding: {'; '.join(errors)}"
+    raise InvalidAnswer(message, kind="schema", raw=text)

@@ -9,6 +9,8 @@ import time
 import weakref
 from typing import Any
 
+import jsonschema
+import orjson
 import pytest
 from aiohttp import web
 
@@ -19,8 +21,9 @@ from llm_client.errors import BadRequest, DeadlineExceeded, InvalidAnswer, LLMEr
 from pipeline.enrichment import Enricher, EnrichmentSettings, parse_understanding
 from prompt_assembly.processor import SessionProcessor
 from prompt_assembly.records import EnrichmentError, PromptRequest, ShopperInsight
+from prompt_assembly.understanding import understanding_json_schema
 from serving.simulator.testing import running_simulator
-from tests.helpers import collector_off
+from tests.helpers import collector_off, serving
 from tests.prompt_assembly.test_sessions import event
 
 MESSAGES = [
@@ -236,6 +239,76 @@ def test_parse_understanding_tolerates_fences_and_rejects_garbage() -> None:
     ]:
         with pytest.raises(InvalidAnswer):
             parse_understanding(bad)
+
+
+GOOD_ANSWER: dict[str, Any] = {
+    "interests": ["hats", "capes"],
+    "occasion": "school parade",
+    "style": "fun",
+    "price_sensitivity": "medium",
+    "summary": "Parent assembling a witch look.",
+}
+
+OFF_SCHEMA_ANSWERS: dict[str, tuple[dict[str, Any], str]] = {
+    # what the schema refuses and the model let through before: an extra field, a required one missing
+    "extra field": ({**GOOD_ANSWER, "budget": "under $50"}, "does not allow: 'budget'"),
+    "occasion missing": (
+        {k: v for k, v in GOOD_ANSWER.items() if k != "occasion"},
+        "required fields missing: 'occasion'",
+    ),
+    "both": (
+        {**{k: v for k, v in GOOD_ANSWER.items() if k != "summary"}, "text": "a witch look"},
+        "does not allow: 'text'; required fields missing: 'summary'",
+    ),
+    # what both refused already
+    "interests not a list": ({**GOOD_ANSWER, "interests": "hats"}, "interests"),
+    "six interests": ({**GOOD_ANSWER, "interests": ["a", "b", "c", "d", "e", "f"]}, "interests"),
+    "price not in the enum": ({**GOOD_ANSWER, "price_sensitivity": "cheap"}, "price_sensitivity"),
+    "empty summary": ({**GOOD_ANSWER, "summary": ""}, "summary"),
+    "style too long": ({**GOOD_ANSWER, "style": "s" * 81}, "style"),
+    "occasion a number": ({**GOOD_ANSWER, "occasion": 5}, "occasion"),
+}
+
+
+def test_parse_understanding_accepts_an_answer_the_schema_accepts() -> None:
+    jsonschema.validate(GOOD_ANSWER, understanding_json_schema())
+    assert parse_understanding(orjson.dumps(GOOD_ANSWER).decode()).model_dump() == GOOD_ANSWER
+
+
+@pytest.mark.parametrize("case", OFF_SCHEMA_ANSWERS)
+def test_parse_understanding_refuses_what_the_schema_refuses(case: str) -> None:
+    answer, says = OFF_SCHEMA_ANSWERS[case]
+    with pytest.raises(jsonschema.ValidationError):  # the schema the server is asked to decode with
+        jsonschema.validate(answer, understanding_json_schema())
+    text = orjson.dumps(answer).decode()
+    with pytest.raises(InvalidAnswer) as refused:
+        parse_understanding(text)
+    assert refused.value.kind == "schema" and refused.value.raw == text
+    assert says in str(refused.value)
+
+
+async def test_an_answer_with_a_field_the_schema_does_not_allow_becomes_an_error_record() -> None:
+    """A replica (over HTTP) whose answer holds an extra field and no ``occasion``: the prompt's one
+    result is an ``InvalidAnswer`` error record naming both, with the answer kept; before, it was an
+    insight with the field dropped and ``occasion`` made up as null."""
+    content = orjson.dumps({**OFF_SCHEMA_ANSWERS["occasion missing"][0], "budget": "under $50"}).decode()
+
+    async def answer(request: web.Request) -> web.Response:
+        return web.json_response(
+            {
+                "model": "m",
+                "choices": [{"message": {"content": content}, "finish_reason": "stop"}],
+                "usage": {"prompt_tokens": 7, "completion_tokens": 20},
+            }
+        )
+
+    app = web.Application()
+    app.router.add_post("/v1/chat/completions", answer)
+    async with serving(app) as url, LLMClient(config(url, stream=False)) as client:
+        result = await Enricher(client).enrich(a_prompt())
+    assert isinstance(result, EnrichmentError), result
+    assert result.error_type == "InvalidAnswer" and result.raw_answer == content
+    assert "does not allow: 'budget'" in result.message and "missing: 'occasion'" in result.message
 
 
 async def test_an_error_record_counts_the_attempts_really_made() -> None:
