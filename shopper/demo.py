@@ -82,6 +82,7 @@ def run_demo(
                 s3_prefix=s3_prefix,
                 malformed=report.malformed,
                 console=console,
+                security=security,
             )
         console.rule("3. run until drained")
         try:

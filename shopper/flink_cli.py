@@ -37,6 +37,7 @@ from devstack.flink_cluster import (
 from devstack.processes import alive
 from devstack.stack import StackState, load_state
 from flink_jobs.flink_config import NearRealtimeSettings
+from pipeline.kafka_security import KafkaSecurity, librdkafka_properties
 
 flink_app = typer.Typer(no_args_is_help=True, help="A local standalone Flink cluster and the job on it.")
 StateDir = Annotated[Path, typer.Option(help="the stack's state dir (the cluster lives in its flink/)")]
@@ -97,10 +98,25 @@ def submit_cmd(
         )
 
 
-def topic_ends(bootstrap: str, topic: str, idle_s: float = 2.0) -> dict[int, int]:
+def _consumer(bootstrap: str, group: str, security: KafkaSecurity | None) -> Consumer:
+    """A consumer that never commits, with the TLS/SASL settings the demo's other clients use (the
+    runner's, ``RUNNER_KAFKA_SECURITY__*``): before, these connected in plaintext whatever was set."""
+    return Consumer(
+        {
+            "bootstrap.servers": bootstrap,
+            "group.id": group,
+            "enable.auto.commit": False,
+            **librdkafka_properties(security or KafkaSecurity()),
+        }
+    )
+
+
+def topic_ends(
+    bootstrap: str, topic: str, idle_s: float = 2.0, *, security: KafkaSecurity | None = None
+) -> dict[int, int]:
     """Per partition, the offset after the last record (read, not asked: Tansu's ListOffsets(latest)
     counts batches)."""
-    consumer = Consumer({"bootstrap.servers": bootstrap, "group.id": f"ends-{uuid.uuid4().hex[:8]}"})
+    consumer = _consumer(bootstrap, f"ends-{uuid.uuid4().hex[:8]}", security)
     try:
         partitions = consumer.list_topics(topic, timeout=10).topics[topic].partitions
         consumer.assign([TopicPartition(topic, p, 0) for p in partitions])
@@ -129,12 +145,14 @@ def wait_group_committed(
     ends: dict[int, int],
     failed: Callable[[], str | None],
     within_s: float = DEMO_WAIT_S,
+    *,
+    security: KafkaSecurity | None = None,
 ) -> None:
     """Until ``group`` has committed ``ends`` of ``topic`` (every record read and its results stored);
     raises ``FlinkJobFailed`` with what ``failed`` says as soon as it says something, or when
     ``within_s`` has passed (a consumer alive but stuck: the replicas or a store down)."""
     # Reads the group's committed offsets only: it never joins the group, and never commits for it.
-    consumer = Consumer({"bootstrap.servers": bootstrap, "group.id": group, "enable.auto.commit": False})
+    consumer = _consumer(bootstrap, group, security)
     deadline = time.monotonic() + within_s
     try:
         while True:
@@ -154,11 +172,19 @@ def wait_group_committed(
 
 
 def run_flink_demo_step(
-    state: StackState, state_dir: Path, *, prefix: str, s3_prefix: str, malformed: int, console: Console
+    state: StackState,
+    state_dir: Path,
+    *,
+    prefix: str,
+    s3_prefix: str,
+    malformed: int,
+    console: Console,
+    security: KafkaSecurity | None = None,
 ) -> int:
     """Steps 3-4 of the demo on Flink: cluster up, ``flink run``, wait until a checkpoint covers every
-    event, ``flink stop --drain`` (fires every pending trigger), cluster down, then what landed."""
-    _run_on_flink(state, state_dir, prefix=prefix, s3_prefix=s3_prefix, console=console)
+    event, ``flink stop --drain`` (fires every pending trigger), cluster down, then what landed.
+    ``security``: the demo's own Kafka clients' TLS/SASL (the job's are ``FLINK_JOB_KAFKA__SECURITY__*``)."""
+    _run_on_flink(state, state_dir, prefix=prefix, s3_prefix=s3_prefix, console=console, security=security)
     import asyncio
 
     from devstack.stack import sink_settings
@@ -172,7 +198,7 @@ def run_flink_demo_step(
             Text.assemble(cell(row["shopper_id"]), "  v", cell(row["seq"]), "  ", cell(row["summary"]))
         )
     keys, records = list_s3_records(sink_settings(state), s3_prefix)
-    dlq = read_dlq_values(state.kafka_bootstrap, DLQ_TOPIC)
+    dlq = read_dlq_values(state.kafka_bootstrap, DLQ_TOPIC, security=security)
     console.print(f"S3: {len(keys)} objects, {len(records)} records; DLQ {DLQ_TOPIC}: {len(dlq)} records")
     ok = bool(records) and len(dlq) == malformed
     console.print("[green]all accounted for[/green]" if ok else "[red]MISMATCH[/red]")
@@ -180,7 +206,13 @@ def run_flink_demo_step(
 
 
 def _run_on_flink(
-    state: StackState, state_dir: Path, *, prefix: str, s3_prefix: str, console: Console
+    state: StackState,
+    state_dir: Path,
+    *,
+    prefix: str,
+    s3_prefix: str,
+    console: Console,
+    security: KafkaSecurity | None,
 ) -> None:
     before = load_cluster(state_dir) if cluster_state_file(state_dir).exists() else None
     cluster = cluster_up(state_dir)
@@ -218,8 +250,10 @@ def _run_on_flink(
             return f"job {job.job_id} is {state}" if state in {"FAILED", "CANCELED", "FINISHED"} else None
 
         events = settings.kafka.events_topic
-        ends = topic_ends(state.kafka_bootstrap, events)
-        wait_group_committed(state.kafka_bootstrap, settings.kafka.group_id, events, ends, job_failed)
+        ends = topic_ends(state.kafka_bootstrap, events, security=security)
+        wait_group_committed(
+            state.kafka_bootstrap, settings.kafka.group_id, events, ends, job_failed, security=security
+        )
         savepoint = (cluster_dir(state_dir) / "savepoints").resolve().as_uri()
         rest.stop_with_savepoint(job.job_id, savepoint, drain=True)
         console.print(f"every event consumed and checkpointed; drained in {time.monotonic() - started:.0f} s")
@@ -230,9 +264,16 @@ def _run_on_flink(
                     None if alive(enrichment.pid) else f"the enrichment runner exited; see {enrichment.log}"
                 )
 
-            prompts = topic_ends(state.kafka_bootstrap, settings.prompts_topic)
+            prompts = topic_ends(state.kafka_bootstrap, settings.prompts_topic, security=security)
             group = enrichment_group(settings)
-            wait_group_committed(state.kafka_bootstrap, group, settings.prompts_topic, prompts, runner_exited)
+            wait_group_committed(
+                state.kafka_bootstrap,
+                group,
+                settings.prompts_topic,
+                prompts,
+                runner_exited,
+                security=security,
+            )
             console.print(f"every prompt answered and stored in {time.monotonic() - started:.0f} s")
     finally:
         if not reused:

@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from confluent_kafka import Producer
+from confluent_kafka import Consumer, KafkaError, Message, Producer, TopicPartition
 from confluent_kafka.admin import AdminClient, NewTopic  # type: ignore[attr-defined]
 from typer.testing import CliRunner
 
@@ -18,7 +18,7 @@ from devstack.stack import StackState
 from pipeline.dead_letter import DeadLetter
 from pipeline.kafka_security import KafkaSecurity, librdkafka_properties
 from pipeline.topics import DLQ_TOPIC
-from shopper import producer, readback
+from shopper import flink_cli, producer, readback
 from shopper.cli import app
 from sinks.redis import RedisSignalSink
 from tests.conftest import Isolated
@@ -169,6 +169,49 @@ def test_produce_and_tail_dlq_over_mutual_tls(monkeypatch: pytest.MonkeyPatch, t
         tailed = runner.invoke(app, ["tail-dlq", "--bootstrap", bootstrap])
         assert tailed.exit_code == 0, f"{tailed.output}\n{tailed.exception!r}"
         assert "over-mutual-tls" in tailed.output and "1 dead letters shown" in tailed.output
+
+
+def test_the_flink_demos_own_consumers_get_through_mutual_tls(tmp_path: Path) -> None:
+    """``shopper demo --engine flink`` waits on the events topic's ends and on the job's committed
+    offsets with consumers of its own (``shopper.flink_cli``); with the demo's settings (the runner's,
+    as its producer and DLQ reader use) they get through a broker that takes only mutual TLS. Before,
+    they connected in plaintext whatever was set, so the demo could not get past its wait."""
+    certs = make_certificates(tmp_path / "certs")
+    security = KafkaSecurity(
+        protocol="SSL",
+        ssl_ca_file=certs.ca,
+        ssl_cert_file=certs.client_cert,
+        ssl_key_file=certs.client_key,
+        ssl_key_password=CLIENT_KEY_PASSWORD,
+    )
+    topic, group = "events-demo-tls", "demo-flink-tls"
+    with tansu_behind_tls(tmp_path, certs, require_client_cert=True) as bootstrap:
+        secure: dict[str, str | int | float | bool] = {
+            "bootstrap.servers": bootstrap,
+            **librdkafka_properties(security),
+        }
+        admin = AdminClient(secure)
+        admin.create_topics([NewTopic(topic, 2, 1)])[topic].result(timeout=30)
+        ends: dict[int, int] = {}
+
+        def delivered(error: KafkaError | None, message: Message) -> None:
+            assert error is None, error
+            partition, offset = message.partition(), message.offset()
+            assert partition is not None and offset is not None
+            ends[partition] = max(ends.get(partition, 0), offset + 1)
+
+        events = Producer(secure)
+        for i in range(10):
+            events.produce(topic, key=f"s-{i}".encode(), value=b"{}", on_delivery=delivered)
+        assert events.flush(30) == 0
+        job = Consumer({**secure, "group.id": group, "enable.auto.commit": False})  # the job's commit
+        job.commit(offsets=[TopicPartition(topic, p, end) for p, end in ends.items()], asynchronous=False)
+        job.close()
+
+        assert flink_cli.topic_ends(bootstrap, topic, idle_s=1.0, security=security) == ends
+        flink_cli.wait_group_committed(
+            bootstrap, group, topic, ends, lambda: None, within_s=30, security=security
+        )
 
 
 def test_signals_shows_stored_text_as_text(isolated: Isolated, tmp_path: Path) -> None:
