@@ -13,7 +13,7 @@ from typing import Annotated, Any, Literal
 import orjson
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from llm_client.answer_text import json_object_text
+from llm_client.answer_text import json_object_text, schema_field_errors
 from llm_client.errors import InvalidAnswer
 
 PriceTier = Literal["budget", "mid", "premium"]
@@ -47,6 +47,11 @@ def product_json_schema() -> dict[str, Any]:
     }
 
 
+PRODUCT_SCHEMA = product_json_schema()
+"""What every answer is asked to be and held to (``parse_product_understanding``: extra and missing
+fields too, which the lenient model lets through)."""
+
+
 def product_response_format() -> dict[str, Any]:
     """OpenAI ``response_format`` asking for a ``ProductUnderstanding``."""
     return {
@@ -56,7 +61,8 @@ def product_response_format() -> dict[str, Any]:
 
 
 def parse_product_understanding(text: str) -> ProductUnderstanding:
-    """Validate a model answer (a fenced code block around the JSON is tolerated).
+    """Validate a model answer against the schema it was asked for (every field present, no other,
+    each of its type and within its limits); a fenced code block around the JSON is tolerated.
 
     Raises ``InvalidAnswer`` (kind ``schema``) with the reason, which the job records for the product;
     the client calls it on every answer (``validate=``), so a bad one is tried once more elsewhere.
@@ -65,7 +71,11 @@ def parse_product_understanding(text: str) -> ProductUnderstanding:
     if body is None:
         raise InvalidAnswer(f"answer holds no JSON object: {text[:120]!r}", kind="schema", raw=text)
     try:
-        return ProductUnderstanding.model_validate(orjson.loads(body))
+        answer = orjson.loads(body)
+        errors = schema_field_errors(answer, PRODUCT_SCHEMA)
+        if not errors:
+            return ProductUnderstanding.model_validate(answer)
     except (orjson.JSONDecodeError, ValidationError) as exc:
-        message = f"answer is not a valid ProductUnderstanding: {exc}"
-        raise InvalidAnswer(message, kind="schema", raw=text) from None
+        errors = [str(exc)]
+    message = f"answer is not a valid ProductUnderstanding: {'; '.join(errors)}"
+    raise InvalidAnswer(message, kind="schema", raw=text)

@@ -28,7 +28,7 @@ from typing import Any
 import orjson
 from pydantic import BaseModel, Field, ValidationError
 
-from llm_client.answer_text import json_object_text
+from llm_client.answer_text import json_object_text, schema_field_errors
 from llm_client.client import LLMClient
 from llm_client.config import ClientConfig
 from llm_client.errors import InvalidAnswer, LLMError, SupersededByNewer
@@ -49,7 +49,7 @@ from prompt_assembly.records import (
     Usage,
     request_id,
 )
-from prompt_assembly.understanding import ShopperUnderstanding, answer_field_errors, response_format
+from prompt_assembly.understanding import ShopperUnderstanding, response_format, understanding_json_schema
 
 
 class EnrichmentSettings(BaseModel):
@@ -386,6 +386,10 @@ def _sent(attempt: Attempt) -> None:
         claim.sent_at = time.perf_counter()
 
 
+UNDERSTANDING_SCHEMA = understanding_json_schema()
+"""What every answer is asked to be (``response_format``) and held to (``parse_understanding``)."""
+
+
 def parse_understanding(text: str) -> ShopperUnderstanding:
     """Validate a model answer against the schema it was asked for (``understanding_json_schema``: every
     field present, no other, each of its type and within its limits); tolerates a fenced code block
@@ -395,7 +399,7 @@ def parse_understanding(text: str) -> ShopperUnderstanding:
         raise InvalidAnswer(f"answer holds no JSON object: {text[:120]!r}", kind="schema", raw=text)
     try:
         answer = orjson.loads(body)
-        errors = answer_field_errors(answer)
+        errors = schema_field_errors(answer, UNDERSTANDING_SCHEMA)
         if not errors:
             return ShopperUnderstanding.model_validate(answer)
     except (orjson.JSONDecodeError, ValidationError) as exc:

@@ -45,28 +45,6 @@ def understanding_json_schema() -> dict[str, Any]:
     }
 
 
-ANSWER_FIELDS = frozenset(understanding_json_schema()["properties"])
-"""The only fields an answer may hold (the schema's ``additionalProperties: false``)."""
-REQUIRED_FIELDS = frozenset(understanding_json_schema()["required"])
-"""The fields an answer must hold, ``occasion`` included (as null where there is none)."""
-
-
-def answer_field_errors(answer: object) -> list[str]:
-    """What the schema refuses in a decoded answer's field names and the model would let through: the
-    model ignores extra fields and defaults a missing ``occasion`` to null, so that it still reads
-    records stored by an older or newer build; an answer is untrusted input, held to the schema the
-    server was asked to decode with. Empty where the names are right (or ``answer`` is no object,
-    which the model itself refuses)."""
-    if not isinstance(answer, dict):
-        return []
-    errors = []
-    if extra := sorted(set(answer) - ANSWER_FIELDS):
-        errors.append(f"fields the schema does not allow: {', '.join(map(repr, extra))}")
-    if missing := sorted(REQUIRED_FIELDS - set(answer)):
-        errors.append(f"required fields missing: {', '.join(map(repr, missing))}")
-    return errors
-
-
 def response_format() -> dict[str, Any]:
     """OpenAI ``response_format`` asking for a ``ShopperUnderstanding``."""
     return {

@@ -12,7 +12,10 @@ so the client's limits, parsing and the answer-health quarantine are tested agai
 - ``not_understanding``: a well-formed completion whose text is not the JSON the caller asked for;
 - ``too_deep``: a completion with a field nested 50,000 deep, past what a recursive decoder takes
   (msgspec raised ``RecursionError``, which no ``except`` for its own errors caught);
-- ``mixed``: each bad answer one of the above, drawn at random.
+- ``mixed``: each bad answer one of the above, drawn at random;
+- ``off_schema``: a shopper understanding in every other respect, with a field the schema does not
+  allow and without one it requires, which a lenient model of the answer would let through (not in
+  ``mixed``: only a caller that holds answers to the schema refuses it).
 
 Nothing is computed for a bad answer: the engine never sees the request, as with a replica whose
 serving layer is what is broken.
@@ -26,7 +29,7 @@ import orjson
 from aiohttp import web
 
 BadAnswer = Literal[
-    "none", "huge", "wrong_types", "not_json", "empty", "not_understanding", "too_deep", "mixed"
+    "none", "huge", "wrong_types", "not_json", "empty", "not_understanding", "too_deep", "mixed", "off_schema"
 ]
 BAD_ANSWERS: tuple[BadAnswer, ...] = (
     "huge", "wrong_types", "not_json", "empty", "not_understanding", "too_deep"
@@ -36,6 +39,14 @@ _HUGE_BYTES = 6 * 1024 * 1024
 TOO_DEEP = 50_000
 """Past any recursion limit a decoder has: Python 3.11's 1,000 frames, and the C limit of later ones."""
 _REFUSAL = "I'm sorry, but I can't help with describing this shopper."
+OFF_SCHEMA_ANSWER = {
+    "interests": ["costumes"],
+    "style": "playful",
+    "price_sensitivity": "medium",
+    "summary": "Looks for fun costumes.",
+    "budget": "under $50",
+}
+"""``off_schema``'s text: ``occasion`` missing, ``budget`` not in the schema."""
 
 
 def _completion(text: object, *, stream: bool) -> dict[str, object]:
@@ -62,6 +73,8 @@ def bad_answer_body(kind: BadAnswer, *, stream: bool) -> tuple[bytes, str]:
             if stream
             else {"choices": "none", "usage": {"prompt_tokens": [1]}}
         )
+    elif kind == "off_schema":
+        document = _completion(orjson.dumps(OFF_SCHEMA_ANSWER).decode(), stream=stream)
     else:
         document = _completion(_REFUSAL, stream=stream)
     payload = orjson.dumps(document)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import random
 
+import jsonschema
 import orjson
 import pytest
 from hypothesis import given, settings
@@ -25,7 +26,8 @@ from batch.manifest import ShardBook
 from batch.mapreduce import RecordWork
 from batch.records import BadRecord, ProductRecord, parse_line
 from batch.scheduler import JobDemand, allocate, pick_next
-from batch.understanding import ProductUnderstanding
+from batch.understanding import ProductUnderstanding, parse_product_understanding, product_json_schema
+from llm_client.errors import InvalidAnswer
 from prompt_assembly.tokens import count_tokens, messages_text, tokenize
 
 # ---- input rows ----------------------------------------------------------------------------------
@@ -386,3 +388,43 @@ def test_a_line_longer_than_the_cap_is_dropped_as_it_arrives() -> None:
     assert splitter.feed(piece) == [] and splitter.buffered_bytes == 0
     assert splitter.feed(piece + b"\nnext") == [OversizedLine(3 * len(piece))]
     assert splitter.end() == [b"next"]
+
+
+GOOD_PRODUCT_ANSWER = {
+    "segments": ["parents of school-age kids"],
+    "occasions": ["halloween"],
+    "style": "playful",
+    "price_tier": "mid",
+    "summary": "A kids witch costume.",
+}
+OFF_SCHEMA_PRODUCT_ANSWERS = {
+    "a field the schema does not allow": (
+        {**GOOD_PRODUCT_ANSWER, "audience": "kids"},
+        "does not allow: 'audience'",
+    ),
+    "occasions missing": (
+        {k: v for k, v in GOOD_PRODUCT_ANSWER.items() if k != "occasions"},
+        "missing: 'occasions'",
+    ),
+    "a wrong price tier": ({**GOOD_PRODUCT_ANSWER, "price_tier": "cheap"}, "price_tier"),
+}
+
+
+def test_parse_product_understanding_accepts_an_answer_the_schema_accepts() -> None:
+    jsonschema.validate(GOOD_PRODUCT_ANSWER, product_json_schema())
+    parsed = parse_product_understanding(orjson.dumps(GOOD_PRODUCT_ANSWER).decode())
+    assert parsed.model_dump() == GOOD_PRODUCT_ANSWER
+
+
+@pytest.mark.parametrize("case", OFF_SCHEMA_PRODUCT_ANSWERS)
+def test_parse_product_understanding_refuses_what_the_schema_refuses(case: str) -> None:
+    """The model ignores extra fields and defaults ``occasions`` to none (it reads stored rows); an
+    answer is held to the schema the server was asked to decode with, as the shopper's is."""
+    answer, says = OFF_SCHEMA_PRODUCT_ANSWERS[case]
+    with pytest.raises(jsonschema.ValidationError):
+        jsonschema.validate(answer, product_json_schema())
+    text = orjson.dumps(answer).decode()
+    with pytest.raises(InvalidAnswer) as refused:
+        parse_product_understanding(text)
+    assert refused.value.kind == "schema" and refused.value.raw == text
+    assert says in str(refused.value)

@@ -22,8 +22,9 @@ from pipeline.enrichment import Enricher, EnrichmentSettings, parse_understandin
 from prompt_assembly.processor import SessionProcessor
 from prompt_assembly.records import EnrichmentError, PromptRequest, ShopperInsight
 from prompt_assembly.understanding import understanding_json_schema
+from serving.simulator.bad_answers import OFF_SCHEMA_ANSWER
 from serving.simulator.testing import running_simulator
-from tests.helpers import collector_off, serving
+from tests.helpers import collector_off
 from tests.prompt_assembly.test_sessions import event
 
 MESSAGES = [
@@ -288,26 +289,18 @@ def test_parse_understanding_refuses_what_the_schema_refuses(case: str) -> None:
 
 
 async def test_an_answer_with_a_field_the_schema_does_not_allow_becomes_an_error_record() -> None:
-    """A replica (over HTTP) whose answer holds an extra field and no ``occasion``: the prompt's one
-    result is an ``InvalidAnswer`` error record naming both, with the answer kept; before, it was an
-    insight with the field dropped and ``occasion`` made up as null."""
-    content = orjson.dumps({**OFF_SCHEMA_ANSWERS["occasion missing"][0], "budget": "under $50"}).decode()
-
-    async def answer(request: web.Request) -> web.Response:
-        return web.json_response(
-            {
-                "model": "m",
-                "choices": [{"message": {"content": content}, "finish_reason": "stop"}],
-                "usage": {"prompt_tokens": 7, "completion_tokens": 20},
-            }
-        )
-
-    app = web.Application()
-    app.router.add_post("/v1/chat/completions", answer)
-    async with serving(app) as url, LLMClient(config(url, stream=False)) as client:
+    """A replica whose answer holds an extra field and no ``occasion`` (the simulator's ``off_schema``
+    fault, over HTTP): the prompt's one result is an ``InvalidAnswer`` error record naming both, with
+    the answer kept; before, it was an insight with the field dropped and ``occasion`` made up as null."""
+    async with (
+        running_simulator(time_scale=0.01, bad_answer="off_schema") as sim,
+        LLMClient(config(sim.url)) as client,
+    ):
         result = await Enricher(client).enrich(a_prompt())
     assert isinstance(result, EnrichmentError), result
-    assert result.error_type == "InvalidAnswer" and result.raw_answer == content
+    assert (
+        result.error_type == "InvalidAnswer" and result.raw_answer == orjson.dumps(OFF_SCHEMA_ANSWER).decode()
+    )
     assert "does not allow: 'budget'" in result.message and "missing: 'occasion'" in result.message
 
 
