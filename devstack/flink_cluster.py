@@ -28,7 +28,7 @@ import yaml
 from pydantic import BaseModel, Field, ValidationError
 
 from devstack.errors import FlinkJobFailed
-from devstack.processes import ManagedProcess, alive, free_port, spawn, stop, wait_for_http
+from devstack.processes import ManagedProcess, free_port, running, spawn, stop, wait_for_http
 from devstack.stack import StackState, read_state_file, sink_settings, write_private
 from flink_jobs.flink_config import CheckpointSettings, NearRealtimeSettings
 from llm_client.config import ClientConfig
@@ -264,7 +264,7 @@ def cluster_up(state_dir: Path, settings: FlinkClusterSettings | None = None) ->
     path = cluster_state_file(state_dir)
     if path.exists():
         existing = load_cluster(state_dir)
-        if existing.processes and all(alive(p.pid) for p in existing.processes):
+        if existing.processes and all(running(p) for p in existing.processes):
             return existing
         cluster_down(state_dir)
     root = cluster_dir(state_dir)
@@ -320,7 +320,7 @@ def cluster_status(state_dir: Path) -> dict[str, object]:
         "web_ui": state.web_url,
         "prometheus": state.metrics_urls,
         "flink_home": state.flink_home,
-        "processes": {f"{p.name} ({p.pid})": ("up" if alive(p.pid) else "DOWN") for p in state.processes},
+        "processes": {f"{p.name} ({p.pid})": ("up" if running(p) else "DOWN") for p in state.processes},
     }
     try:
         rest = FlinkRest(state.web_url)

@@ -22,6 +22,35 @@ class ManagedProcess:
     pid: int
     port: int
     log: str
+    started: str | None = None
+    """Which process ``pid`` named when it was spawned (``process_identity``), so that a PID the
+    system has since given to another process (after a reboot, or a long time) is told apart from
+    ours; None where ``/proc`` does not tell, or in a state file written before it was recorded."""
+
+
+def process_identity(pid: int) -> str | None:
+    """The boot and the start time (clock ticks since boot) of process ``pid``: the same pair only
+    for the same process. None where the process or ``/proc`` is not there."""
+    try:
+        boot = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    fields = stat.rsplit(")", 1)[1].split()  # after the command, which may hold spaces and parentheses
+    return f"{boot}:{fields[19]}"  # field 22 of stat(5), counted from the state (field 3)
+
+
+def reused(process: ManagedProcess) -> bool:
+    """``process``'s PID now names another process: it is not ours to signal or to count as up."""
+    if process.started is None:
+        return False
+    now = process_identity(process.pid)
+    return now is not None and now != process.started
+
+
+def running(process: ManagedProcess) -> bool:
+    """``process`` itself still runs (not only some process with its PID)."""
+    return alive(process.pid) and not reused(process)
 
 
 def free_port() -> int:
@@ -130,7 +159,7 @@ def spawn(
             start_new_session=True,
             env={**os.environ, **(env or {})},
         )
-        process = ManagedProcess(name, proc.pid, port, str(log))
+        process = ManagedProcess(name, proc.pid, port, str(log), process_identity(proc.pid))
         if record is not None:
             record.append(process)
     return process
@@ -202,7 +231,10 @@ def group_alive(pgid: int) -> bool:
 def stop(process: ManagedProcess, timeout_s: float = 10.0) -> None:
     """SIGTERM the process group, then SIGKILL what is left of the group after ``timeout_s``. The
     whole group is waited for, not its leader only: a TaskManager's leader is the shell loop that
-    restarts it, and once that shell had exited its JVM was never sent the SIGKILL."""
+    restarts it, and once that shell had exited its JVM was never sent the SIGKILL. Nothing is sent
+    where the PID names another process now (``reused``): a group of that ID is someone else's."""
+    if reused(process):
+        return
     for sig in (signal.SIGTERM, signal.SIGKILL):
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.killpg(process.pid, sig)

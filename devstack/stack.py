@@ -38,9 +38,9 @@ from redis.exceptions import RedisError
 from devstack.errors import StackError
 from devstack.processes import (
     ManagedProcess,
-    alive,
     free_port,
     port_open,
+    running,
     spawn,
     stop,
     wait_for_http,
@@ -208,7 +208,7 @@ def stack_up(settings: StackSettings) -> StackState:
     settings.state_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
     if state_file(settings.state_dir).exists():
         existing = load_state(settings.state_dir)
-        if all(alive(p.pid) for p in existing.processes):
+        if all(running(p) for p in existing.processes):
             return existing
         stack_down(settings.state_dir)
     logs = settings.state_dir / "logs"
@@ -313,7 +313,7 @@ def stack_status(state_dir: Path) -> dict[str, object]:
             "gateway": state.gateway_url,
         }
     )
-    status["processes"] = {p.name: ("up" if alive(p.pid) else "DOWN") for p in state.processes}
+    status["processes"] = {p.name: ("up" if running(p) else "DOWN") for p in state.processes}
     return status
 
 

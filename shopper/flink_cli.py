@@ -34,7 +34,7 @@ from devstack.flink_cluster import (
     job_settings,
     load_cluster,
 )
-from devstack.processes import alive
+from devstack.processes import running
 from devstack.stack import StackState, load_state
 from flink_jobs.flink_config import NearRealtimeSettings
 from pipeline.kafka_security import KafkaSecurity, librdkafka_properties
@@ -62,7 +62,7 @@ def down(state_dir: StateDir = Path(".state")) -> None:
 def status(state_dir: StateDir = Path(".state")) -> None:
     found = cluster_status(state_dir)
     found["enrichment"] = {
-        f"{p.name} ({p.pid})": f"up, /metrics on 127.0.0.1:{p.port}" if alive(p.pid) else "DOWN"
+        f"{p.name} ({p.pid})": f"up, /metrics on 127.0.0.1:{p.port}" if running(p) else "DOWN"
         for p in running_enrichment(state_dir)
     }
     typer.echo(json.dumps(found, indent=2))
@@ -260,9 +260,7 @@ def _run_on_flink(
         if enrichment is not None and settings.prompts_topic:
 
             def runner_exited() -> str | None:
-                return (
-                    None if alive(enrichment.pid) else f"the enrichment runner exited; see {enrichment.log}"
-                )
+                return None if running(enrichment) else f"the enrichment runner exited; see {enrichment.log}"
 
             prompts = topic_ends(state.kafka_bootstrap, settings.prompts_topic, security=security)
             group = enrichment_group(settings)

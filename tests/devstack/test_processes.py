@@ -4,16 +4,19 @@ of the group (the JVM) ran on, never sent the SIGKILL."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import shutil
 import socket
+import subprocess
 import time
 from pathlib import Path
 
 import pytest
 
 from devstack.errors import StackError
-from devstack.processes import free_port, group_alive, listens_in_group, spawn, stop, wait_for_port
+from devstack.processes import free_port, group_alive, listens_in_group, reused, spawn, stop, wait_for_port
+from devstack.processes import running as running_record
 
 
 def running(pid: int) -> bool:
@@ -70,3 +73,25 @@ def test_a_childs_own_listener_is_waited_for_and_recognised(tmp_path: Path) -> N
         assert listens_in_group(os.getpgid(0), port) is False, "not the test's own group"
     finally:
         stop(process)
+
+
+def test_a_recorded_pid_that_now_names_another_process_is_neither_up_nor_stopped(tmp_path: Path) -> None:
+    """A state file outlives its processes (a reboot, a crash), and the system gives their PIDs to
+    others. A record whose PID now names another process reads as down, and a stop sends it nothing:
+    before, ``stack status`` said up, ``stack up`` reused a stack that was gone, and ``stack down``
+    sent SIGTERM and SIGKILL to the group of whatever process held the PID now."""
+    ours = spawn("ours", ["sleep", "60"], 0, tmp_path)
+    time.sleep(0.05)  # a start time counts clock ticks (10 ms): a later one, as a reused PID's always is
+    other = subprocess.Popen(["sleep", "60"], start_new_session=True)  # not the stack's
+    try:
+        assert ours.started is not None and running_record(ours)
+        # The record as a state file would hold it once ``ours`` was gone and its PID given to ``other``.
+        stale = dataclasses.replace(ours, pid=other.pid)
+        assert reused(stale) and not running_record(stale)
+        stop(stale, timeout_s=0.5)
+        assert other.poll() is None, "the stop signalled a process that was never the stack's"
+        stop(ours, timeout_s=0.5)
+        assert not running_record(ours) and not running(ours.pid)
+    finally:
+        other.kill()
+        other.wait()
