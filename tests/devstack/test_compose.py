@@ -238,3 +238,11 @@ def test_the_kubernetes_enrichment_deployment_answers_the_jobs_prompts(
     port = str(deployed.metrics_port)
     assert container["ports"][0]["containerPort"] == int(port)
     assert manifest["spec"]["template"]["metadata"]["annotations"]["prometheus.io/port"] == port
+
+
+def test_the_minio_healthcheck_uses_a_binary_its_image_ships(compose: dict[str, Any]) -> None:
+    """MinIO's images have had no curl since late 2023 (minio/minio#18389), so a curl healthcheck
+    never passed and whatever waited for ``service_healthy`` never started; they ship ``mc``."""
+    minio = compose["services"]["minio"]
+    assert minio["image"].startswith("minio/minio:RELEASE.2025")
+    assert minio["healthcheck"]["test"][:3] == ["CMD", "mc", "ready"]
