@@ -9,7 +9,7 @@ import uuid
 
 import redis.asyncio as aioredis
 
-from batch.errors import JobNotFound, JobStateError
+from batch.errors import JobExists, JobNotFound, JobStateError
 from batch.manifest import TERMINAL_STATES, JobManifest, JobSpec
 from batch.storage import JobStore, S3Uri
 from sinks.keys import RedisKeys
@@ -33,8 +33,9 @@ async def submit_job(
     """Register a job (state ``queued``); fails fast when the input does not exist, when ``job_id``
     names a job already registered (its manifest would be replaced, its history lost), or when the
     output already holds parts or is another registered job's (two jobs writing one output overwrite
-    each other's parts; a job not started yet has none). Two submits at the same instant to one
-    output are not told apart: the registry is a listing of manifests, not a lock."""
+    each other's parts; a job not started yet has none). Two submits at the same instant, to one
+    output or under one id, are told apart by S3's conditional writes: each job claims its output
+    (``JobStore.claim_output``) and writes its manifest only if none exists, so exactly one wins."""
     output = S3Uri.parse(output_uri.rstrip("/"))
     etag, size = await store.head(S3Uri.parse(input_uri))
     if job_id is not None:
@@ -58,8 +59,20 @@ async def submit_job(
         priority=priority,
         shard_records=shard_records,
     )
+    owner = await store.claim_output(output, spec.job_id)
+    if owner is not None and owner != spec.job_id:
+        raise JobStateError(
+            f"{output} is the output of job {owner} (claimed at {store.output_claim(output)}; if no "
+            "such job is registered, a submit of it died before its manifest: delete the claim): give "
+            "this one an output of its own"
+        )
     manifest = JobManifest(spec=spec, input_etag=etag, input_bytes=size)
-    await store.write_manifest(manifest)
+    try:
+        await store.write_manifest(manifest, new=True)
+    except JobExists:
+        raise JobStateError(
+            f"job {spec.job_id} exists already; resume it, or submit under another id"
+        ) from None
     return manifest
 
 

@@ -27,3 +27,7 @@ class InputChanged(BatchError):
 
 class JobStateError(BatchError):
     """The job is in a state that does not allow the operation (e.g. resuming a succeeded job)."""
+
+
+class JobExists(JobStateError):
+    """A job of that id is registered already (its manifest would be replaced, its history lost)."""

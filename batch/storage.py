@@ -17,6 +17,7 @@ kill (after the last manifest checkpoint) is adopted on resume instead of redone
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import logging
 import re
 from collections.abc import AsyncIterator
@@ -28,7 +29,7 @@ from aiobotocore.session import get_session
 from botocore.exceptions import ClientError
 from pydantic import ValidationError
 
-from batch.errors import InvalidUri, JobNotFound
+from batch.errors import InvalidUri, JobExists, JobNotFound
 from batch.lines import LineSplitter, OversizedLine
 from batch.manifest import JobManifest, ShardCounts
 from sinks.config import SinkSettings
@@ -119,9 +120,36 @@ class JobStore:
             raise
         return JobManifest.model_validate_json(raw)
 
-    async def write_manifest(self, manifest: JobManifest) -> None:
+    async def write_manifest(self, manifest: JobManifest, *, new: bool = False) -> None:
+        """``new``: only if the job has no manifest yet (a conditional write: of two submits under one
+        id, exactly one succeeds); else ``JobExists``."""
         uri = self.job_dir(manifest.job_id).child("manifest.json")
-        await self.put(uri, manifest.model_dump_json().encode(), "application/json")
+        try:
+            await self.put(uri, manifest.model_dump_json().encode(), "application/json", only_new=new)
+        except ClientError as exc:
+            if _precondition_failed(exc):
+                raise JobExists(f"job {manifest.job_id} exists already") from None
+            raise
+
+    def output_claim(self, output: S3Uri) -> S3Uri:
+        """Where the job that owns ``output`` is named: one object per output, under the registry."""
+        digest = hashlib.sha256(str(output).encode()).hexdigest()[:32]
+        return self.jobs_root.child("outputs").child(f"{digest}.json")
+
+    async def claim_output(self, output: S3Uri, job_id: str) -> str | None:
+        """Make ``job_id`` the owner of ``output`` unless a job owns it already (a conditional write, so
+        of two submits at one instant exactly one wins); returns the owner found, or None."""
+        uri = self.output_claim(output)
+        body = orjson.dumps({"output": str(output), "job_id": job_id})
+        try:
+            await self.put(uri, body, "application/json", only_new=True)
+        except ClientError as exc:
+            if not _precondition_failed(exc):
+                raise
+            response = await self.client.get_object(Bucket=uri.bucket, Key=uri.key)
+            async with response["Body"] as stream:
+                return str(orjson.loads(await stream.read())["job_id"])
+        return None
 
     async def list_manifests(self) -> list[JobManifest]:
         manifests = []
@@ -177,10 +205,24 @@ class JobStore:
 
     # ---- output -----------------------------------------------------------------------------------
     async def put(
-        self, uri: S3Uri, body: bytes, content_type: str, meta: dict[str, str] | None = None
+        self,
+        uri: S3Uri,
+        body: bytes,
+        content_type: str,
+        meta: dict[str, str] | None = None,
+        *,
+        only_new: bool = False,
     ) -> None:
+        """``only_new``: S3's conditional write (``If-None-Match: *``), refused with 412 where the key
+        exists."""
+        condition = {"IfNoneMatch": "*"} if only_new else {}
         await self.client.put_object(
-            Bucket=uri.bucket, Key=uri.key, Body=body, ContentType=content_type, Metadata=meta or {}
+            Bucket=uri.bucket,
+            Key=uri.key,
+            Body=body,
+            ContentType=content_type,
+            Metadata=meta or {},
+            **condition,
         )
 
     async def exists(self, uri: S3Uri) -> bool:
@@ -269,6 +311,12 @@ class JobStore:
         target = output.child("errors.jsonl")
         await self.put(target, b"".join(chunks), "application/x-ndjson")
         return target
+
+
+def _precondition_failed(exc: ClientError) -> bool:
+    error = exc.response.get("Error", {})
+    status = exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode")
+    return str(error.get("Code", "")) in ("PreconditionFailed", "412") or status == 412
 
 
 def _not_found(exc: ClientError) -> bool:

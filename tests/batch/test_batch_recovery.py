@@ -406,3 +406,34 @@ async def test_a_resume_after_the_input_was_replaced_fails_instead_of_mixing_two
         assert (await runtime.store.read_manifest(job.job_id)).state == "failed"
     assert changed.state == "failed"
     assert changed.message is not None and "changed since" in changed.message
+
+
+async def test_two_submits_to_one_output_at_the_same_instant_register_one_job(
+    stack: StackState, isolated: Isolated
+) -> None:
+    """The registry was a listing of manifests: two submits at one instant both listed it before
+    either wrote, both were registered, and their workers overwrote each other's parts. The output is
+    claimed by a conditional write now, so one wins and the other is refused; the same for two submits
+    under one job id."""
+    settings = _settings()
+    async with open_batch(settings, isolated.sinks(), _llm(stack, settings)) as runtime:
+        first = await _submit_blank_lines(runtime, isolated, shards=1, name="first")
+        input_uri, output = first.spec.input_uri, f"{first.spec.output_uri}-both"
+        outcomes = await asyncio.gather(
+            *(submit_job(runtime.store, input_uri, output) for _ in range(4)), return_exceptions=True
+        )
+        registered = [o for o in outcomes if isinstance(o, JobManifest)]
+        refused = [o for o in outcomes if isinstance(o, JobStateError)]
+        assert len(registered) == 1 and len(refused) == 3, outcomes
+        assert all(f"output of job {registered[0].job_id}" in str(e) for e in refused)
+        same_id = await asyncio.gather(
+            *(
+                submit_job(runtime.store, input_uri, f"{output}-{i}", job_id=f"one-id-{isolated.tag}")
+                for i in range(3)
+            ),
+            return_exceptions=True,
+        )
+        assert sum(isinstance(o, JobManifest) for o in same_id) == 1, same_id
+        assert all("exists already" in str(o) for o in same_id if not isinstance(o, JobManifest))
+        listed = [m.spec.output_uri for m in await runtime.store.list_manifests()]
+        assert listed.count(output) == 1
