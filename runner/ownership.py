@@ -7,10 +7,11 @@ yet; it landed after the next owner had loaded and saved the same shoppers, appe
 second time and putting back an older header.
 
 So the first time a lease touches a partition, this member takes the partition's token
-(``RedisSessionStore.take_ownership``: an INCR, so a later owner's is always larger), before it loads
-any of the partition's sessions. Every save names the tokens of the partitions it writes, and the save
-script writes nothing unless each is still the partition's newest (``SessionsFenced``). A save that
-reaches Redis after the next owner took the partition is refused there, whatever delayed it.
+(``RedisSessionStore.take_ownership``: a random token set as the partition's, over whatever was
+there), before it loads any of the partition's sessions. Every save names the tokens of the partitions
+it writes, and the save script writes nothing unless each is still the partition's
+(``SessionsFenced``). A save that reaches Redis after the next owner took the partition is refused
+there, whatever delayed it.
 """
 
 from __future__ import annotations
@@ -31,12 +32,12 @@ class PartitionOwnership:
         self.runner = runner
         self._lease = 0
         """The lease the tokens belong to."""
-        self._tokens: dict[int, int] = {}
-        self._taking: dict[int, asyncio.Task[int]] = {}
-        """One INCR per partition and lease: a re-arm and a poll that ask together share it (two
-        INCRs would fence the first token's saves by this member's own second)."""
+        self._tokens: dict[int, str] = {}
+        self._taking: dict[int, asyncio.Task[str]] = {}
+        """One take per partition and lease: a re-arm and a poll that ask together share it (two takes
+        would fence the first token's saves by this member's own second)."""
 
-    def tokens(self, lease: int) -> Mapping[int, int]:
+    def tokens(self, lease: int) -> Mapping[int, str]:
         """The tokens held under ``lease`` (none once it has ended)."""
         return self._tokens if lease == self._lease == self.runner.assignment.lease else {}
 
@@ -58,7 +59,7 @@ class PartitionOwnership:
             return True
         tasks = [self._taking.get(p) or self._start(p) for p in wanted]
         results = await asyncio.gather(*(asyncio.shield(task) for task in tasks), return_exceptions=True)
-        if runner.assignment.lease != lease:  # ``clear`` may have cancelled the INCRs: not a failure
+        if runner.assignment.lease != lease:  # ``clear`` may have cancelled the takes: not a failure
             return False
         for partition, result in zip(wanted, results, strict=True):
             if isinstance(result, BaseException):
@@ -66,10 +67,10 @@ class PartitionOwnership:
             self._tokens[partition] = result
         return True
 
-    def _start(self, partition: int) -> asyncio.Task[int]:
+    def _start(self, partition: int) -> asyncio.Task[str]:
         runner = self.runner
 
-        async def take() -> int:
+        async def take() -> str:
             return await runner.retrying(lambda: runner.store.take_ownership(partition), "ownership")
 
         task = asyncio.create_task(take(), name=f"ownership {partition}")
@@ -77,7 +78,7 @@ class PartitionOwnership:
         task.add_done_callback(functools.partial(self._forget_taking, partition))
         return task
 
-    def _forget_taking(self, partition: int, task: asyncio.Task[int]) -> None:
+    def _forget_taking(self, partition: int, task: asyncio.Task[str]) -> None:
         if self._taking.get(partition) is task:
             del self._taking[partition]
 

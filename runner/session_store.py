@@ -6,7 +6,7 @@ when it is rewritten). Pending triggers are mirrored in ``{p}timers:{partition}`
 shopper -> wall deadline) so that a restarted runner re-arms them. Deltas are applied in epoch order,
 only after the results of those epochs are durable, and only by the partition's newest owner:
 ``{p}session_owner:{partition}`` holds its fencing token (``runner.ownership``), and a save that names
-an older one writes nothing.
+another one writes nothing.
 
 Round trips (what the ingest profile in ``docs/benchmarks.md`` asked for): a save is one Lua script
 call, atomic like the MULTI/EXEC it replaced, with each shopper's deltas of the whole save merged
@@ -18,6 +18,7 @@ shoppers).
 
 from __future__ import annotations
 
+import uuid
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
@@ -80,21 +81,27 @@ def merge_deltas(deltas: Iterable[SessionDelta]) -> dict[str, _MergedDelta]:
 # written. ARGV: ttl, shopper count, owner count, then per owner key the token this save holds (its
 # partition's number follows it), then per shopper: 'r' (rewrite) or 'a' (append), header, timer key
 # index, 'z' (arm) or 'x' (clear), shopper id, wall deadline, and its new entries as one argument,
-# joined by NUL (ENTRY_SEPARATOR). Nothing is written unless every token is its partition's newest; else
-# the partitions whose token is not come back as a list. RPUSH in chunks: Lua's unpack has a bounded
-# stack.
+# joined by NUL (ENTRY_SEPARATOR). Nothing is written unless every token is still its partition's; else
+# the partitions whose token is not come back as a list. A token key Redis no longer holds (restarted
+# without persistence, a failover that lost it) is set back to the saver's: no newer owner took the
+# partition since (a take sets it), and a save fenced for ever would stop the member's commits. RPUSH
+# in chunks: Lua's unpack has a bounded stack.
 _SAVE_LUA = """
 local ttl = ARGV[1]
 local shoppers = tonumber(ARGV[2])
 local owners = tonumber(ARGV[3])
 local first_owner = #KEYS - owners
-local fenced = {}
+local fenced, forgotten = {}, {}
 for j = 1, owners do
-  if redis.call('GET', KEYS[first_owner + j]) ~= ARGV[2 + 2 * j] then
+  local held = redis.call('GET', KEYS[first_owner + j])
+  if held == false then
+    forgotten[#forgotten + 1] = j
+  elseif held ~= ARGV[2 + 2 * j] then
     fenced[#fenced + 1] = tonumber(ARGV[3 + 2 * j])
   end
 end
 if #fenced > 0 then return fenced end
+for _, j in ipairs(forgotten) do redis.call('SET', KEYS[first_owner + j], ARGV[2 + 2 * j]) end
 local a = 4 + 2 * owners
 for i = 1, shoppers do
   local header_key, log_key = KEYS[2 * i - 1], KEYS[2 * i]
@@ -247,12 +254,16 @@ class RedisSessionStore:
             for (shopper_id, header), entries in zip(found, logs, strict=True)
         }
 
-    async def take_ownership(self, partition: int) -> int:
-        """A fencing token for ``partition``'s sessions, larger than any taken before it: saves made
-        with an older one are refused from now on (``runner.ownership``)."""
-        return int(await self.redis.incr(self.keys.session_owner(partition)))
+    async def take_ownership(self, partition: int) -> str:
+        """A fencing token for ``partition``'s sessions, set as the partition's over any taken before
+        it: saves made with those are refused from now on (``runner.ownership``). Random, not a
+        counter: a counter Redis lost (a restart without persistence) would hand a new owner a token
+        an old one still holds."""
+        token = uuid.uuid4().hex
+        await self.redis.set(self.keys.session_owner(partition), token)
+        return token
 
-    async def save(self, deltas: Iterable[SessionDelta], owner_tokens: Mapping[int, int]) -> int:
+    async def save(self, deltas: Iterable[SessionDelta], owner_tokens: Mapping[int, str]) -> int:
         """Apply deltas in order (one script call, one round trip, all or nothing), each shopper's
         timer following its last delta (``SessionDelta.wall_deadline``), if ``owner_tokens`` (partition
         -> token, ``take_ownership``) still holds the newest token of every partition written; else

@@ -51,7 +51,7 @@ class RedisKeys:
         return f"{self.prefix}timers:{partition}"
 
     def session_owner(self, partition: int) -> str:
-        """Integer: the fencing token of the partition's newest owner (``runner.ownership``); no TTL,
+        """String: the fencing token of the partition's newest owner (``runner.ownership``); no TTL,
         one key per partition."""
         return f"{self.prefix}session_owner:{partition}"
 
