@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING
 from confluent_kafka import TopicPartition
 
 from runner.epochs import merged_offsets
+from runner.errors import OwnershipLost
 from runner.session_store import SessionsFenced
 
 if TYPE_CHECKING:
@@ -115,6 +116,8 @@ class Committer:
         runner.sessions.evict(runner.epochs.shoppers_in_flight())
         if fenced:
             runner.stats.fenced_saves += 1
+            if runner.assignment.lease == lease:  # no hand-over explains it: stop, do not drift
+                raise OwnershipLost(fenced[0].partitions)
             runner.log(f"durable point dropped: {fenced[0]} (the next owner replays)")
             return lease, []
         if runner.assignment.lease != lease:

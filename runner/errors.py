@@ -10,8 +10,10 @@
         ├── DeadLettersUndelivered     the DLQ took no delivery for ``sink_retry.max_wait_s``
         ├── RekeyUndelivered           an event re-keyed by shopper id was not delivered to the
         │                              repartition topic (``runner.repartition``)
-        └── SessionStoreUnavailable    the session store (Redis) answered no load for
-                                       ``sink_retry.max_wait_s``
+        ├── SessionStoreUnavailable    the session store (Redis) answered no load for
+        │                              ``sink_retry.max_wait_s``
+        └── OwnershipLost              a session save refused for partitions this member still
+                                       holds (``runner.ownership``)
 
 A sink that stays down past ``sink_retry`` stops the runner with the store's own error (a restart
 replays from the last commit); the session store's loads, which the poll loop waits on, are translated
@@ -69,3 +71,20 @@ class SessionStoreUnavailable(RunnerError):
         )
         self.what = what
         self.waited_s = waited_s
+
+
+class OwnershipLost(RunnerError):
+    """Redis refused a session save for partitions this member's lease still holds: another member
+    took them (this one was dropped from the group without a revoke yet), or Redis went back to an
+    older token (restored from a snapshot, a failover). Going on would drop every durable point and
+    commit nothing, and sessions evicted meanwhile would come back older; the runner stops instead,
+    and a restart rejoins the group, takes its partitions' tokens again and replays from the last
+    commit."""
+
+    def __init__(self, partitions: list[int]) -> None:
+        super().__init__(
+            f"session saves for partitions {partitions} were refused while this member holds them: another "
+            "member took them, or Redis lost or rolled back their owner tokens; stopping so that a restart "
+            "rejoins the group and replays from the last commit"
+        )
+        self.partitions = partitions

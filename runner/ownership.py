@@ -61,17 +61,22 @@ class PartitionOwnership:
         results = await asyncio.gather(*(asyncio.shield(task) for task in tasks), return_exceptions=True)
         if runner.assignment.lease != lease:  # ``clear`` may have cancelled the takes: not a failure
             return False
-        for partition, result in zip(wanted, results, strict=True):
+        for result in results:
             if isinstance(result, BaseException):
                 raise result
-            self._tokens[partition] = result
         return True
 
     def _start(self, partition: int) -> asyncio.Task[str]:
         runner = self.runner
+        lease = self._lease
 
         async def take() -> str:
-            return await runner.retrying(lambda: runner.store.take_ownership(partition), "ownership")
+            token = await runner.retrying(lambda: runner.store.take_ownership(partition), "ownership")
+            # Kept here, before the task is done and leaves ``_taking``: kept by the caller instead,
+            # an ask in between found neither and took the partition a second time, fencing the first.
+            if lease == self._lease == runner.assignment.lease:
+                self._tokens[partition] = token
+            return token
 
         task = asyncio.create_task(take(), name=f"ownership {partition}")
         self._taking[partition] = task

@@ -22,6 +22,7 @@ from pipeline.checkpoint import Checkpoint
 from prompt_assembly.events import parse_event
 from runner.embedded import EmbeddedRunner
 from runner.epochs import Epoch
+from runner.errors import OwnershipLost
 from runner.session_store import RedisSessionStore, SessionDelta
 from tests.conftest import Isolated
 from tests.fault_kit import HeldProxy, OwnRedis, stopping, wait_until
@@ -62,8 +63,10 @@ def test_a_save_delayed_past_the_hand_over_is_refused(isolated: Isolated, tmp_pa
                 assert runner.assignment.end_lease(wait_s=1.0)
                 # Member B takes the partition, finds no session (A's save has not landed), replays
                 # the cart add and applies a newer view, and saves.
-                b_store = RedisSessionStore(direct, isolated.prefix)
-                b_tokens = {PARTITION: await b_store.take_ownership(PARTITION)}
+                member_b = EmbeddedRunner(isolated.runner(until_drained=False), log=lambda _: None)
+                b_store = member_b.store = RedisSessionStore(direct, isolated.prefix)
+                assert await member_b.ownership.ensure([PARTITION], member_b.assignment.lease)
+                b_tokens = member_b.ownership.tokens(member_b.assignment.lease)
                 assert await b_store.load_many([SHOPPER]) == {}
                 b_session = runner.processor.new_session(SHOPPER)
                 runner.processor.apply(b_session, cart)
@@ -92,3 +95,69 @@ def test_a_save_delayed_past_the_hand_over_is_refused(isolated: Isolated, tmp_pa
     assert stored["arrivals"] == 2, f"A's delayed save landed over B's session: {stored}"
     assert stored["header"] == stored["b_header"]
     assert fenced == 1 and offsets == [], "A's durable point is dropped, nothing to commit"
+
+
+def test_a_save_refused_while_the_lease_holds_stops_the_runner(isolated: Isolated) -> None:
+    """Another member took the partition while this one's lease still holds it (it was dropped from
+    the group without a revoke yet, or Redis went back to an older token): the durable point is not
+    dropped silently, which would commit nothing from then on and let evicted sessions come back older;
+    the runner stops with ``OwnershipLost``, and a restart rejoins and replays."""
+    runner = EmbeddedRunner(isolated.runner(until_drained=False), log=lambda _: None)
+    cart = parse_event(cart_add(SHOPPER, time.time() - 60)[1])
+
+    async def scenario() -> tuple[str, bytes | None]:
+        redis = aioredis.Redis.from_url(isolated.stack.redis_url)
+        runner.store = RedisSessionStore(redis, isolated.prefix)
+        runner.checkpoint = Checkpoint([], runner.settings.sink_retry)
+        try:
+            lease = runner.assignment.lease
+            assert await runner.ownership.ensure([PARTITION], lease)
+            session = runner.sessions.use(SHOPPER, PARTITION, runner.processor.new_session)
+            runner.processor.apply(session, cart)
+            runner.close_epoch(Epoch(offsets={(isolated.topic, PARTITION): 1}, lease=lease), {SHOPPER})
+            await RedisSessionStore(redis, isolated.prefix).take_ownership(PARTITION)  # another member
+            with pytest.raises(OwnershipLost) as lost:
+                await runner.commits.durable_point()
+            return str(lost.value), await redis.get(runner.store.keys.session_header(SHOPPER))
+        finally:
+            await redis.aclose()
+
+    message, stored = asyncio.run(scenario())
+    assert f"partitions [{PARTITION}]" in message and stored is None
+
+
+def test_a_partition_asked_for_as_its_take_completes_is_not_taken_twice(isolated: Isolated) -> None:
+    """Ingest's first poll and the re-arm ask for the same partition's token. One that asked just
+    after the take finished, before the first asker had kept its token, found neither the token nor a
+    take under way and took the partition again: the member's own second token fenced the saves made
+    with the first. The token is held by the time the take is done; asked right then, no second take."""
+    runner = EmbeddedRunner(isolated.runner(until_drained=False), log=lambda _: None)
+
+    async def scenario() -> tuple[bool, str, bytes | None]:
+        redis = aioredis.Redis.from_url(isolated.stack.redis_url)
+        runner.store = RedisSessionStore(redis, isolated.prefix)
+        own = runner.ownership
+        try:
+            lease = runner.assignment.lease
+            first = asyncio.create_task(own.ensure([PARTITION], lease))
+            while not own._taking:  # the take under way
+                await asyncio.sleep(0)
+            take = next(iter(own._taking.values()))
+            asked: list[asyncio.Task[bool]] = []
+            held_when_done: list[bool] = []
+
+            def the_rearm_asks(_: object) -> None:  # runs as the take is done, before ``first`` resumes
+                held_when_done.append(own.holds([PARTITION], lease))
+                asked.append(asyncio.ensure_future(own.ensure([PARTITION], lease)))
+
+            take.add_done_callback(the_rearm_asks)
+            await first
+            assert await asked[0]
+            in_redis = await redis.get(runner.store.keys.session_owner(PARTITION))
+            return held_when_done[0], own.tokens(lease)[PARTITION], in_redis
+        finally:
+            await redis.aclose()
+
+    held_when_done, held, in_redis = asyncio.run(scenario())
+    assert held_when_done, "the take was done and its token not held yet"
+    assert in_redis is not None and in_redis.decode() == held, "the member fenced its own token"
