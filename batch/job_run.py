@@ -41,7 +41,12 @@ from batch.records import BadRecord, ErrorReason, error_row, output_row, parse_l
 from batch.scheduler import JobDemand
 from batch.signals import ProductSignalWriter
 from batch.storage import JobStore, S3Uri, part_key
-from batch.understanding import ProductUnderstanding, parse_product_understanding, product_response_format
+from batch.understanding import (
+    ProductUnderstanding,
+    parse_product_understanding,
+    parse_unguided_product_understanding,
+    product_response_format,
+)
 from llm_client.errors import InvalidAnswer, LLMError
 from llm_client.models import Completion
 from sinks.keys import RedisKeys
@@ -96,6 +101,9 @@ class JobRun:
         self._closing = False
         self._rate_samples: deque[tuple[float, int]] = deque(maxlen=32)
         self._response_format = product_response_format() if settings.guided_json else None
+        self._validate = (
+            parse_product_understanding if settings.guided_json else parse_unguided_product_understanding
+        )
 
     # ---- scheduling view ---------------------------------------------------------------------------
     def demand(self) -> JobDemand:
@@ -304,7 +312,7 @@ class JobRun:
                 max_tokens=self.settings.budget.max_output_tokens,
                 response_format=self._response_format,
                 deadline_s=self.settings.call_deadline_s,
-                validate=parse_product_understanding,
+                validate=self._validate,
             )
         except InvalidAnswer as exc:  # tried once more on another replica already, by the client
             self.pool.observe(loop.time() - started)

@@ -60,9 +60,11 @@ def product_response_format() -> dict[str, Any]:
     }
 
 
-def parse_product_understanding(text: str) -> ProductUnderstanding:
+def parse_product_understanding(text: str, *, schema_sent: bool = True) -> ProductUnderstanding:
     """Validate a model answer against the schema it was asked for (every field present, no other,
-    each of its type and within its limits); a fenced code block around the JSON is tolerated.
+    each of its type and within its limits); a fenced code block around the JSON is tolerated. Without
+    ``schema_sent`` (``guided_json`` off) the field names are the model's to judge: an extra one is
+    ignored and missing ``occasions`` are none.
 
     Raises ``InvalidAnswer`` (kind ``schema``) with the reason, which the job records for the product;
     the client calls it on every answer (``validate=``), so a bad one is tried once more elsewhere.
@@ -72,10 +74,15 @@ def parse_product_understanding(text: str) -> ProductUnderstanding:
         raise InvalidAnswer(f"answer holds no JSON object: {text[:120]!r}", kind="schema", raw=text)
     try:
         answer = orjson.loads(body)
-        errors = schema_field_errors(answer, PRODUCT_SCHEMA)
+        errors = schema_field_errors(answer, PRODUCT_SCHEMA) if schema_sent else []
         if not errors:
             return ProductUnderstanding.model_validate(answer)
     except (orjson.JSONDecodeError, ValidationError) as exc:
         errors = [str(exc)]
     message = f"answer is not a valid ProductUnderstanding: {'; '.join(errors)}"
     raise InvalidAnswer(message, kind="schema", raw=text)
+
+
+def parse_unguided_product_understanding(text: str) -> ProductUnderstanding:
+    """``parse_product_understanding`` for an answer asked for without a schema (``guided_json`` off)."""
+    return parse_product_understanding(text, schema_sent=False)

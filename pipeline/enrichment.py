@@ -270,7 +270,7 @@ class Enricher:
                 response_format=response_format() if self.settings.guided_json else None,
                 deadline_s=self.settings.deadline_s,
                 prompt_tokens=prompt.prompt_tokens,
-                validate=parse_understanding,
+                validate=parse_understanding if self.settings.guided_json else parse_unguided_understanding,
                 idempotency_key=self._idempotency_key(prompt),
                 session_version=self._version_header(prompt),
             )
@@ -390,19 +390,27 @@ UNDERSTANDING_SCHEMA = understanding_json_schema()
 """What every answer is asked to be (``response_format``) and held to (``parse_understanding``)."""
 
 
-def parse_understanding(text: str) -> ShopperUnderstanding:
+def parse_understanding(text: str, *, schema_sent: bool = True) -> ShopperUnderstanding:
     """Validate a model answer against the schema it was asked for (``understanding_json_schema``: every
     field present, no other, each of its type and within its limits); tolerates a fenced code block
-    around the JSON (small models do that). Raises ``InvalidAnswer`` (kind ``schema``)."""
+    around the JSON (small models do that). Raises ``InvalidAnswer`` (kind ``schema``). Without
+    ``schema_sent`` (``guided_json`` off: the prompt alone describes the answer), the field names are
+    the model's to judge: an extra field is ignored and a missing ``occasion`` is none, as the prompt
+    allows, instead of an answer refused and its replica counted as failing."""
     body = json_object_text(text)
     if body is None:
         raise InvalidAnswer(f"answer holds no JSON object: {text[:120]!r}", kind="schema", raw=text)
     try:
         answer = orjson.loads(body)
-        errors = schema_field_errors(answer, UNDERSTANDING_SCHEMA)
+        errors = schema_field_errors(answer, UNDERSTANDING_SCHEMA) if schema_sent else []
         if not errors:
             return ShopperUnderstanding.model_validate(answer)
     except (orjson.JSONDecodeError, ValidationError) as exc:
         errors = [str(exc)]
     message = f"answer is not a valid ShopperUnderstanding: {'; '.join(errors)}"
     raise InvalidAnswer(message, kind="schema", raw=text)
+
+
+def parse_unguided_understanding(text: str) -> ShopperUnderstanding:
+    """``parse_understanding`` for an answer asked for without a schema (``guided_json`` off)."""
+    return parse_understanding(text, schema_sent=False)

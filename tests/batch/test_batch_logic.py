@@ -26,7 +26,12 @@ from batch.manifest import ShardBook
 from batch.mapreduce import RecordWork
 from batch.records import BadRecord, ProductRecord, parse_line
 from batch.scheduler import JobDemand, allocate, pick_next
-from batch.understanding import ProductUnderstanding, parse_product_understanding, product_json_schema
+from batch.understanding import (
+    ProductUnderstanding,
+    parse_product_understanding,
+    parse_unguided_product_understanding,
+    product_json_schema,
+)
 from llm_client.errors import InvalidAnswer
 from prompt_assembly.tokens import count_tokens, messages_text, tokenize
 
@@ -428,3 +433,15 @@ def test_parse_product_understanding_refuses_what_the_schema_refuses(case: str) 
         parse_product_understanding(text)
     assert refused.value.kind == "schema" and refused.value.raw == text
     assert says in str(refused.value)
+
+
+def test_without_a_schema_sent_an_answer_is_held_to_the_model_only() -> None:
+    """``guided_json`` off: no schema went to the server, so an extra field is ignored and missing
+    ``occasions`` are none; a wrong value is still refused."""
+    extra, _ = OFF_SCHEMA_PRODUCT_ANSWERS["a field the schema does not allow"]
+    missing, _ = OFF_SCHEMA_PRODUCT_ANSWERS["occasions missing"]
+    assert parse_unguided_product_understanding(orjson.dumps(extra).decode()).style == "playful"
+    assert parse_unguided_product_understanding(orjson.dumps(missing).decode()).occasions == []
+    wrong, _ = OFF_SCHEMA_PRODUCT_ANSWERS["a wrong price tier"]
+    with pytest.raises(InvalidAnswer):
+        parse_unguided_product_understanding(orjson.dumps(wrong).decode())

@@ -320,3 +320,16 @@ async def test_a_retried_failure_counts_each_attempt() -> None:
         result = await Enricher(client, EnrichmentSettings(deadline_s=1.5)).enrich(a_prompt())
     assert isinstance(result, EnrichmentError)
     assert result.attempts == 2  # one on each replica; then every replica is ejected
+
+
+async def test_without_a_schema_sent_the_same_answer_is_an_insight() -> None:
+    """With ``guided_json`` off no schema goes to the server, and the prompt allows ``occasion`` as
+    none: the same answer (an extra field, no ``occasion``) is an insight, not an error that would also
+    count against a healthy replica."""
+    async with (
+        running_simulator(time_scale=0.01, bad_answer="off_schema") as sim,
+        LLMClient(config(sim.url)) as client,
+    ):
+        result = await Enricher(client, EnrichmentSettings(guided_json=False)).enrich(a_prompt())
+    assert isinstance(result, ShopperInsight), result
+    assert result.understanding is not None and result.understanding.occasion is None
