@@ -70,6 +70,10 @@ async def submit_job(
     try:
         await store.write_manifest(manifest, new=True)
     except JobExists:
+        # Another submit under this id won. Where its output is not this one, the claim made here names
+        # a job that never writes this output: released, or the output stayed refused for ever.
+        if owner is None and (await store.read_manifest(spec.job_id)).spec.output_uri != spec.output_uri:
+            await store.release_output(output)
         raise JobStateError(
             f"job {spec.job_id} exists already; resume it, or submit under another id"
         ) from None

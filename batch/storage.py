@@ -16,6 +16,7 @@ kill (after the last manifest checkpoint) is adopted on resume instead of redone
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import hashlib
 import logging
@@ -151,6 +152,11 @@ class JobStore:
                 return str(orjson.loads(await stream.read())["job_id"])
         return None
 
+    async def release_output(self, output: S3Uri) -> None:
+        """Remove ``output``'s claim (a submit that claimed it lost the race for its job id)."""
+        uri = self.output_claim(output)
+        await self.client.delete_object(Bucket=uri.bucket, Key=uri.key)
+
     async def list_manifests(self) -> list[JobManifest]:
         manifests = []
         paginator = self.client.get_paginator("list_objects_v2")
@@ -216,14 +222,22 @@ class JobStore:
         """``only_new``: S3's conditional write (``If-None-Match: *``), refused with 412 where the key
         exists."""
         condition = {"IfNoneMatch": "*"} if only_new else {}
-        await self.client.put_object(
-            Bucket=uri.bucket,
-            Key=uri.key,
-            Body=body,
-            ContentType=content_type,
-            Metadata=meta or {},
-            **condition,
-        )
+        for attempt in range(CONDITIONAL_CONFLICT_TRIES):
+            try:
+                await self.client.put_object(
+                    Bucket=uri.bucket,
+                    Key=uri.key,
+                    Body=body,
+                    ContentType=content_type,
+                    Metadata=meta or {},
+                    **condition,
+                )
+                return
+            except ClientError as exc:
+                last_try = attempt == CONDITIONAL_CONFLICT_TRIES - 1
+                if not only_new or not _conditional_conflict(exc) or last_try:
+                    raise
+            await asyncio.sleep(0.05 * (attempt + 1))
 
     async def exists(self, uri: S3Uri) -> bool:
         try:
@@ -311,6 +325,15 @@ class JobStore:
         target = output.child("errors.jsonl")
         await self.put(target, b"".join(chunks), "application/x-ndjson")
         return target
+
+
+CONDITIONAL_CONFLICT_TRIES = 5
+"""S3 answers two conditional writes of one key at once with 409 ``ConditionalRequestConflict`` to one
+of them, to be tried again (then a 412 says who won); MinIO and moto answer 412 at once."""
+
+
+def _conditional_conflict(exc: ClientError) -> bool:
+    return str(exc.response.get("Error", {}).get("Code", "")) == "ConditionalRequestConflict"
 
 
 def _precondition_failed(exc: ClientError) -> bool:

@@ -435,5 +435,9 @@ async def test_two_submits_to_one_output_at_the_same_instant_register_one_job(
         )
         assert sum(isinstance(o, JobManifest) for o in same_id) == 1, same_id
         assert all("exists already" in str(o) for o in same_id if not isinstance(o, JobManifest))
+        # The losers' outputs are free again: a claim naming a job that writes elsewhere is released.
+        won = next(o for o in same_id if isinstance(o, JobManifest)).spec.output_uri
+        for lost in sorted({f"{output}-{i}" for i in range(3)} - {won}):
+            assert isinstance(await submit_job(runtime.store, input_uri, lost), JobManifest)
         listed = [m.spec.output_uri for m in await runtime.store.list_manifests()]
         assert listed.count(output) == 1
