@@ -175,7 +175,11 @@ class EmbeddedRunner:
         )
         redis = s.sinks.redis_client()  # ACL user, password and CA from SinkSettings
         self.store = self._session_store(redis, s.sinks.redis_key_prefix)
-        producer = Producer({**kafka, "linger.ms": 20, "log.connection.close": False})
+        # Java's default partitioner (the Flink job's DLQ sink), not librdkafka's CRC32: a key's dead
+        # letters share a partition whichever engine wrote them.
+        producer = Producer(
+            {**kafka, "linger.ms": 20, "partitioner": "murmur2_random", "log.connection.close": False}
+        )
         self.dead_letters = DeadLetterPublisher(
             producer,
             s.dlq_topic,
