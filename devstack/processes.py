@@ -232,7 +232,9 @@ def stop(process: ManagedProcess, timeout_s: float = 10.0) -> None:
     """SIGTERM the process group, then SIGKILL what is left of the group after ``timeout_s``. The
     whole group is waited for, not its leader only: a TaskManager's leader is the shell loop that
     restarts it, and once that shell had exited its JVM was never sent the SIGKILL. Nothing is sent
-    where the PID names another process now (``reused``): a group of that ID is someone else's."""
+    where the PID names another process now (``reused``): a group of that ID is someone else's. (Linux
+    gives no process a PID that a living process still has as its group ID, so a reused leader PID
+    means no member of the old group is left.)"""
     if reused(process):
         return
     for sig in (signal.SIGTERM, signal.SIGKILL):
