@@ -112,9 +112,7 @@ class JobStore:
     async def read_manifest(self, job_id: str) -> JobManifest:
         uri = self.job_dir(job_id).child("manifest.json")
         try:
-            response = await self.client.get_object(Bucket=uri.bucket, Key=uri.key)
-            async with response["Body"] as body:
-                raw = await body.read()
+            raw = await self.read(uri)
         except ClientError as exc:
             if _not_found(exc):
                 raise JobNotFound(f"no batch job {job_id!r} (looked for {uri})") from None
@@ -147,9 +145,7 @@ class JobStore:
         except ClientError as exc:
             if not _precondition_failed(exc):
                 raise
-            response = await self.client.get_object(Bucket=uri.bucket, Key=uri.key)
-            async with response["Body"] as stream:
-                return str(orjson.loads(await stream.read())["job_id"])
+            return str(orjson.loads(await self.read(uri))["job_id"])
         return None
 
     async def release_output(self, output: S3Uri) -> None:
@@ -308,20 +304,21 @@ class JobStore:
             )
         return found
 
-    async def read_jsonl(self, uri: S3Uri) -> list[dict[str, Any]]:
+    async def read(self, uri: S3Uri) -> bytes:
+        """The whole object (small ones: manifests, claims, parts)."""
         response = await self.client.get_object(Bucket=uri.bucket, Key=uri.key)
         async with response["Body"] as body:
-            raw = await body.read()
+            return bytes(await body.read())
+
+    async def read_jsonl(self, uri: S3Uri) -> list[dict[str, Any]]:
+        raw = await self.read(uri)
         return [orjson.loads(line) for line in raw.splitlines() if line.strip()]
 
     async def merge_errors(self, output: S3Uri, shards: list[int]) -> S3Uri:
         """Concatenate the error parts of ``shards`` (in shard order) into ``{out}/errors.jsonl``."""
         chunks = []
         for shard in sorted(shards):
-            uri = errors_part_key(output, shard)
-            response = await self.client.get_object(Bucket=uri.bucket, Key=uri.key)
-            async with response["Body"] as body:
-                chunks.append(await body.read())
+            chunks.append(await self.read(errors_part_key(output, shard)))
         target = output.child("errors.jsonl")
         await self.put(target, b"".join(chunks), "application/x-ndjson")
         return target
