@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -47,9 +47,15 @@ class FlinkTopics:
     group: str
 
 
-def produce(bootstrap: str, topic: str, records: list[tuple[bytes | None, bytes | None]]) -> dict[int, int]:
+def produce(
+    bootstrap: str,
+    topic: str,
+    records: list[tuple[bytes | None, bytes | None]],
+    config: Mapping[str, str | int | float | bool] | None = None,
+) -> dict[int, int]:
     """Produce ``(key, value)`` records in order (``value`` None is a tombstone); returns, per
-    partition, the offset after the last record (from the delivery reports)."""
+    partition, the offset after the last record (from the delivery reports). ``config``: more client
+    settings (TLS)."""
     ends: dict[int, int] = {}
 
     def delivered(error: KafkaError | None, message: Message) -> None:
@@ -58,7 +64,9 @@ def produce(bootstrap: str, topic: str, records: list[tuple[bytes | None, bytes 
         assert partition is not None and offset is not None
         ends[partition] = max(ends.get(partition, 0), offset + 1)
 
-    producer = Producer({"bootstrap.servers": bootstrap, "linger.ms": 5, "message.max.bytes": 4_000_000})
+    producer = Producer(
+        {"bootstrap.servers": bootstrap, **(config or {}), "linger.ms": 5, "message.max.bytes": 4_000_000}
+    )
     for key, value in records:
         producer.produce(topic, key=key, value=value, on_delivery=delivered)
     assert producer.flush(30) == 0

@@ -17,8 +17,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import trustme
+from pydantic import SecretStr
 
 from devstack.processes import free_port, port_open
+from pipeline.kafka_security import KafkaSecurity, librdkafka_properties
 
 
 @dataclass(frozen=True)
@@ -34,6 +36,22 @@ class TestCertificates:
 
 
 CLIENT_KEY_PASSWORD = "client-key-Pw"
+
+
+def mutual_tls(certs: TestCertificates) -> KafkaSecurity:
+    """The runner's Kafka settings for a broker that wants a client certificate from ``certs``' CA."""
+    return KafkaSecurity(
+        protocol="SSL",
+        ssl_ca_file=certs.ca,
+        ssl_cert_file=certs.client_cert,
+        ssl_key_file=certs.client_key,
+        ssl_key_password=SecretStr(CLIENT_KEY_PASSWORD),
+    )
+
+
+def kafka_config(bootstrap: str, security: KafkaSecurity) -> dict[str, str | int | float | bool]:
+    """A confluent-kafka client config for ``bootstrap`` with ``security``'s librdkafka keys."""
+    return {"bootstrap.servers": bootstrap, **librdkafka_properties(security)}
 
 
 def make_certificates(directory: Path) -> TestCertificates:

@@ -28,7 +28,12 @@ from pipeline.kafka_security import (
 from prompt_assembly.errors import ConfigurationError
 from runner.config import RunnerSettings
 from shopper.cli import app
-from tests.security_kit import CLIENT_KEY_PASSWORD, make_certificates, tansu_behind_tls
+from tests.security_kit import (
+    kafka_config,
+    make_certificates,
+    mutual_tls,
+    tansu_behind_tls,
+)
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -92,17 +97,8 @@ def test_mutual_tls_with_an_encrypted_client_key(tmp_path: Path) -> None:
     the wrong key password, nothing gets through."""
     certs = make_certificates(tmp_path / "certs")
     with tansu_behind_tls(tmp_path, certs, require_client_cert=True) as bootstrap:
-        security = KafkaSecurity(
-            protocol="SSL",
-            ssl_ca_file=certs.ca,
-            ssl_cert_file=certs.client_cert,
-            ssl_key_file=certs.client_key,
-            ssl_key_password=SecretStr(CLIENT_KEY_PASSWORD),
-        )
-        secure: dict[str, str | int | float | bool] = {
-            "bootstrap.servers": bootstrap,
-            **librdkafka_properties(security),
-        }
+        security = mutual_tls(certs)
+        secure = kafka_config(bootstrap, security)
         topic = f"mtls-{uuid.uuid4().hex[:8]}"
         admin = AdminClient(secure)  # kept referenced until its futures resolve
         for future in admin.create_topics([NewTopic(topic, 1, 1)]).values():

@@ -19,15 +19,20 @@ import pytest
 import redis as sync_redis
 from confluent_kafka import Producer
 from confluent_kafka.admin import AdminClient, NewTopic  # type: ignore[attr-defined]
-from pydantic import SecretStr
 
 from devstack.synthetic import SyntheticStream
-from pipeline.kafka_security import KafkaSecurity, librdkafka_properties
 from runner.embedded import EmbeddedRunner
 from sinks.config import SinkSettings
 from tests.conftest import Isolated
 from tests.helpers import expected_prompts, final_seq_by_shopper
-from tests.security_kit import CLIENT_KEY_PASSWORD, make_certificates, tansu_behind_tls, tls_redis
+from tests.security_kit import (
+    CLIENT_KEY_PASSWORD,
+    kafka_config,
+    make_certificates,
+    mutual_tls,
+    tansu_behind_tls,
+    tls_redis,
+)
 
 REDIS_PASSWORD = f"runner-pw-{uuid.uuid4().hex[:8]}"
 
@@ -39,21 +44,12 @@ pytestmark = [
 
 def test_runner_over_mutual_tls_kafka_and_tls_redis(isolated: Isolated, tmp_path: Path) -> None:
     certs = make_certificates(tmp_path / "certs")
-    security = KafkaSecurity(
-        protocol="SSL",
-        ssl_ca_file=certs.ca,
-        ssl_cert_file=certs.client_cert,
-        ssl_key_file=certs.client_key,
-        ssl_key_password=SecretStr(CLIENT_KEY_PASSWORD),
-    )
+    security = mutual_tls(certs)
     with (
         tansu_behind_tls(tmp_path, certs, require_client_cert=True) as bootstrap,
         tls_redis(tmp_path, certs, "unused-default-pw", user="runner", user_password=REDIS_PASSWORD) as port,
     ):
-        secure: dict[str, str | int | float | bool] = {
-            "bootstrap.servers": bootstrap,
-            **librdkafka_properties(security),
-        }
+        secure = kafka_config(bootstrap, security)
         admin = AdminClient(secure)
         topics = [NewTopic(isolated.topic, 2, 1), NewTopic(isolated.dlq_topic, 1, 1)]
         for future in admin.create_topics(topics).values():

@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from confluent_kafka import Consumer, KafkaError, Message, Producer, TopicPartition
+from confluent_kafka import Consumer, Producer, TopicPartition
 from confluent_kafka.admin import AdminClient, NewTopic  # type: ignore[attr-defined]
 from typer.testing import CliRunner
 
@@ -22,8 +22,15 @@ from shopper import flink_cli, producer, readback
 from shopper.cli import app
 from sinks.redis import RedisSignalSink
 from tests.conftest import Isolated
+from tests.flink_kit import produce
 from tests.runner.test_runner_metrics import older_session_insight
-from tests.security_kit import CLIENT_KEY_PASSWORD, make_certificates, tansu_behind_tls
+from tests.security_kit import (
+    CLIENT_KEY_PASSWORD,
+    kafka_config,
+    make_certificates,
+    mutual_tls,
+    tansu_behind_tls,
+)
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -136,23 +143,14 @@ def test_produce_and_tail_dlq_over_mutual_tls(monkeypatch: pytest.MonkeyPatch, t
     """The real thing: a Tansu broker reachable only through a TLS terminator that wants a client
     certificate; ``produce`` and ``tail-dlq`` get through with the runner's settings alone."""
     certs = make_certificates(tmp_path / "certs")
-    security = KafkaSecurity(
-        protocol="SSL",
-        ssl_ca_file=certs.ca,
-        ssl_cert_file=certs.client_cert,
-        ssl_key_file=certs.client_key,
-        ssl_key_password=CLIENT_KEY_PASSWORD,
-    )
+    security = mutual_tls(certs)
     monkeypatch.setenv("RUNNER_KAFKA_SECURITY__PROTOCOL", "SSL")
     monkeypatch.setenv("RUNNER_KAFKA_SECURITY__SSL_CA_FILE", str(certs.ca))
     monkeypatch.setenv("RUNNER_KAFKA_SECURITY__SSL_CERT_FILE", str(certs.client_cert))
     monkeypatch.setenv("RUNNER_KAFKA_SECURITY__SSL_KEY_FILE", str(certs.client_key))
     monkeypatch.setenv("RUNNER_KAFKA_SECURITY__SSL_KEY_PASSWORD", CLIENT_KEY_PASSWORD)
     with tansu_behind_tls(tmp_path, certs, require_client_cert=True) as bootstrap:
-        secure: dict[str, str | int | float | bool] = {
-            "bootstrap.servers": bootstrap,
-            **librdkafka_properties(security),
-        }
+        secure = kafka_config(bootstrap, security)
         admin = AdminClient(secure)
         for future in admin.create_topics([NewTopic("events-tls", 1, 1), NewTopic(DLQ_TOPIC, 1, 1)]).values():
             future.result(timeout=30)
@@ -177,33 +175,13 @@ def test_the_flink_demos_own_consumers_get_through_mutual_tls(tmp_path: Path) ->
     as its producer and DLQ reader use) they get through a broker that takes only mutual TLS. Before,
     they connected in plaintext whatever was set, so the demo could not get past its wait."""
     certs = make_certificates(tmp_path / "certs")
-    security = KafkaSecurity(
-        protocol="SSL",
-        ssl_ca_file=certs.ca,
-        ssl_cert_file=certs.client_cert,
-        ssl_key_file=certs.client_key,
-        ssl_key_password=CLIENT_KEY_PASSWORD,
-    )
+    security = mutual_tls(certs)
     topic, group = "events-demo-tls", "demo-flink-tls"
     with tansu_behind_tls(tmp_path, certs, require_client_cert=True) as bootstrap:
-        secure: dict[str, str | int | float | bool] = {
-            "bootstrap.servers": bootstrap,
-            **librdkafka_properties(security),
-        }
+        secure = kafka_config(bootstrap, security)
         admin = AdminClient(secure)
         admin.create_topics([NewTopic(topic, 2, 1)])[topic].result(timeout=30)
-        ends: dict[int, int] = {}
-
-        def delivered(error: KafkaError | None, message: Message) -> None:
-            assert error is None, error
-            partition, offset = message.partition(), message.offset()
-            assert partition is not None and offset is not None
-            ends[partition] = max(ends.get(partition, 0), offset + 1)
-
-        events = Producer(secure)
-        for i in range(10):
-            events.produce(topic, key=f"s-{i}".encode(), value=b"{}", on_delivery=delivered)
-        assert events.flush(30) == 0
+        ends = produce(bootstrap, topic, [(f"s-{i}".encode(), b"{}") for i in range(10)], config=secure)
         job = Consumer({**secure, "group.id": group, "enable.auto.commit": False})  # the job's commit
         job.commit(offsets=[TopicPartition(topic, p, end) for p, end in ends.items()], asynchronous=False)
         job.close()
