@@ -343,13 +343,15 @@ class OwnRedis:
             stop(self.process)
 
 
-class HeldProxy:
-    """A TCP proxy (``socat``) in front of ``target_port`` whose forwarding can be held: ``hold``
-    stops its processes (SIGSTOP), so what a client sends waits, unread, in the proxy's socket, as
-    it would behind a stalled link; ``release`` lets it all through in order."""
+class TcpProxy:
+    """A TCP proxy (``socat``) in front of ``target_port``, on a port of its own that stays the same
+    across ``kill`` and ``start``. ``kill`` takes the endpoint away; ``hold`` stops its processes
+    (SIGSTOP), so what a client sends waits, unread, in the proxy's socket, as it would behind a
+    stalled link, and ``release`` lets it all through in order."""
 
-    def __init__(self, workdir: Path, target_port: int) -> None:
-        self.dir = workdir / f"proxy-{target_port}"
+    def __init__(self, workdir: Path, target_port: int, name: str = "proxy") -> None:
+        self.dir = workdir / f"{name}-{target_port}"
+        self.name = name
         self.target_port = target_port
         self.port = free_port()
         self.process: ManagedProcess | None = None
@@ -359,9 +361,18 @@ class HeldProxy:
         assert socat is not None, "socat is not installed"
         listen = f"TCP-LISTEN:{self.port},bind=127.0.0.1,reuseaddr,fork"
         self.process = spawn(
-            "held-proxy", [socat, listen, f"TCP:127.0.0.1:{self.target_port}"], self.port, self.dir
+            self.name, [socat, listen, f"TCP:127.0.0.1:{self.target_port}"], self.port, self.dir
         )
         wait_for_port(self.process)
+
+    def kill(self) -> None:
+        """SIGKILL the proxy's whole group: the listener and every forked connection, so open
+        keep-alive connections die too, as they do when an endpoint goes away."""
+        assert self.process is not None
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.process.pid, signal.SIGKILL)
+        stop(self.process)
+        assert not port_open(self.port), f"{self.name} is down"
 
     def hold(self) -> None:
         assert self.process is not None
@@ -397,10 +408,10 @@ class ProxiedMoto:
     def __init__(self, workdir: Path, bucket: str) -> None:
         self.dir = workdir / "moto"
         self.bucket = bucket
-        self.moto_port, self.port = free_port(), free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
+        self.moto_port = free_port()
+        self.proxy = TcpProxy(workdir, self.moto_port, name="s3-proxy")
+        self.url = f"http://127.0.0.1:{self.proxy.port}"
         self.moto: ManagedProcess | None = None
-        self.proxy: ManagedProcess | None = None
 
     def start(self) -> None:
         argv = [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(self.moto_port)]
@@ -417,27 +428,16 @@ class ProxiedMoto:
         s3.create_bucket(Bucket=self.bucket)
 
     def start_proxy(self) -> None:
-        socat = shutil.which("socat")
-        assert socat is not None, "socat is not installed"
-        listen = f"TCP-LISTEN:{self.port},bind=127.0.0.1,reuseaddr,fork"
-        self.proxy = spawn(
-            "s3-proxy", [socat, listen, f"TCP:127.0.0.1:{self.moto_port}"], self.port, self.dir
-        )
-        wait_for_port(self.proxy)
+        self.proxy.start()
 
     def stop_proxy(self) -> None:
-        """SIGKILL the proxy's whole group: the listener and every forked connection, so open
-        keep-alive connections die too, as they do when an endpoint goes away."""
-        assert self.proxy is not None
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(self.proxy.pid, 9)
-        stop(self.proxy)
-        assert not port_open(self.port), "the S3 endpoint is down"
+        """The S3 endpoint goes away (``TcpProxy.kill``); moto keeps the bucket and its objects."""
+        self.proxy.kill()
 
     def stop(self) -> None:
-        for process in (self.proxy, self.moto):
-            if process is not None:
-                stop(process)
+        self.proxy.stop()
+        if self.moto is not None:
+            stop(self.moto)
 
 
 class DurableTansu:
@@ -536,7 +536,7 @@ class OwnReplicas:
 
 
 @contextlib.contextmanager
-def stopping(*parts: OwnRedis | ProxiedMoto | DurableTansu | OwnReplicas | HeldProxy) -> Iterator[None]:
+def stopping(*parts: OwnRedis | ProxiedMoto | DurableTansu | OwnReplicas | TcpProxy) -> Iterator[None]:
     try:
         yield
     finally:

@@ -16,9 +16,6 @@ that before the timed run starts.
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -28,7 +25,8 @@ import bench.aiperf
 from bench.aiperf.__main__ import RESULTS_FILE
 from bench.aiperf.cells import Cell, Workload, shown_command
 from bench.aiperf.install import INSTALL_TIMEOUT_S, AiperfInstall, ensure_aiperf
-from bench.common import REPO, RESULTS_DIR_ENV
+from bench.common import REPO
+from tests.bench.kit import run_bench
 
 pytestmark = pytest.mark.bench_smoke
 
@@ -60,17 +58,8 @@ def test_the_documented_short_form_is_the_one_run_here() -> None:
 def test_aiperf_measures_multi_turn_conversations_through_the_gateway(
     aiperf_installed: AiperfInstall, tmp_path: Path
 ) -> None:
-    done = subprocess.run(
-        [sys.executable, *SHORT_FORM],
-        cwd=REPO,
-        env={**os.environ, RESULTS_DIR_ENV: str(tmp_path)},
-        capture_output=True,
-        text=True,
-        timeout=HANG_GUARD_S,
-        check=False,
-    )
-    output = done.stdout + done.stderr
-    assert done.returncode == 0, output[-4000:]
+    returncode, output = run_bench(SHORT_FORM, tmp_path, HANG_GUARD_S)
+    assert returncode == 0, output[-4000:]
     results = json.loads((tmp_path / RESULTS_FILE).read_text())
     (cell,) = results["cells"]
     summary: dict[str, Any] = cell["aiperf"]

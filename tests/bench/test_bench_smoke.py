@@ -16,17 +16,15 @@ collects it with the rest.
 from __future__ import annotations
 
 import json
-import os
 import re
 import shutil
-import subprocess
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 
-from bench.common import REPO, RESULTS_DIR_ENV
+from bench.common import REPO
+from tests.bench.kit import run_bench
 
 RESULTS = REPO / "bench" / "results"
 """The committed results docs/ cites; only ever read here."""
@@ -186,18 +184,8 @@ def test_every_documented_benchmark_has_a_short_form_or_a_reason() -> None:
 def test_documented_benchmark_runs_and_writes_its_results(run: SmokeRun, tmp_path: Path) -> None:
     for name in run.inputs:
         shutil.copy(RESULTS / name, tmp_path / name)
-    env = {**os.environ, RESULTS_DIR_ENV: str(tmp_path)}
-    done = subprocess.run(
-        [sys.executable, *run.argv],
-        cwd=REPO,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=run.hang_guard_s,
-        check=False,
-    )
-    output = done.stdout + done.stderr
-    assert done.returncode == 0, f"{' '.join(run.argv)} exited {done.returncode}:\n{output[-4000:]}"
+    returncode, output = run_bench(run.argv, tmp_path, run.hang_guard_s)
+    assert returncode == 0, f"{' '.join(run.argv)} exited {returncode}:\n{output[-4000:]}"
     written = sorted(path.name for path in tmp_path.iterdir())
     for name in run.results:
         assert name in written, f"{' '.join(run.argv)} wrote {written}, not {name}:\n{output[-2000:]}"
@@ -216,17 +204,10 @@ def test_runner_ingest_alone_writes_its_results_and_leaves_runner_json_as_it_was
     shutil.copy(RESULTS / "runner.json", tmp_path / "runner.json")
     before = (tmp_path / "runner.json").read_bytes()
     short = ["--events", "300", "--shoppers", "30", "--repeats", "1"]
-    done = subprocess.run(
-        [sys.executable, "-m", "bench.runner", "--scenarios", "ingest", *short],
-        cwd=REPO,
-        env={**os.environ, RESULTS_DIR_ENV: str(tmp_path)},
-        capture_output=True,
-        text=True,
-        timeout=HANG_GUARD_S,
-        check=False,
+    returncode, output = run_bench(
+        ["-m", "bench.runner", "--scenarios", "ingest", *short], tmp_path, HANG_GUARD_S
     )
-    output = done.stdout + done.stderr
-    assert done.returncode == 0, output[-4000:]
+    assert returncode == 0, output[-4000:]
     assert (tmp_path / "runner.json").read_bytes() == before, "runner.json was written over"
     ingest = json.loads((tmp_path / "runner_ingest.json").read_text())
     assert "| bare consumer + orjson decode | 300" in ingest["table"]

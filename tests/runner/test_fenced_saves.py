@@ -19,13 +19,13 @@ import redis.asyncio as aioredis
 from confluent_kafka import TopicPartition
 
 from pipeline.checkpoint import Checkpoint
-from prompt_assembly.events import parse_event
+from prompt_assembly.events import ShopperEvent, parse_event
 from runner.embedded import EmbeddedRunner
 from runner.epochs import Epoch
 from runner.errors import OwnershipLost
 from runner.session_store import RedisSessionStore, SessionDelta
 from tests.conftest import Isolated
-from tests.fault_kit import HeldProxy, OwnRedis, stopping, wait_until
+from tests.fault_kit import OwnRedis, TcpProxy, stopping, wait_until
 from tests.runner.kit import cart_add, view
 
 pytestmark = pytest.mark.slow
@@ -33,10 +33,24 @@ pytestmark = pytest.mark.slow
 SHOPPER, PARTITION = "shopper-moved", 0
 
 
+async def owning_with_an_epoch(
+    runner: EmbeddedRunner, redis: aioredis.Redis, isolated: Isolated, event: ShopperEvent
+) -> None:
+    """``runner`` on ``redis`` as a poll of its lease leaves it: the partition's token taken (as ingest
+    takes it, before any load) and ``event`` applied to the shopper in a closed epoch."""
+    runner.store = RedisSessionStore(redis, isolated.prefix)
+    runner.checkpoint = Checkpoint([], runner.settings.sink_retry)
+    lease = runner.assignment.lease
+    assert await runner.ownership.ensure([PARTITION], lease)
+    session = runner.sessions.use(SHOPPER, PARTITION, runner.processor.new_session)
+    runner.processor.apply(session, event)
+    runner.close_epoch(Epoch(offsets={(isolated.topic, PARTITION): 1}, lease=lease), {SHOPPER})
+
+
 def test_a_save_delayed_past_the_hand_over_is_refused(isolated: Isolated, tmp_path: Path) -> None:
     redis = OwnRedis(tmp_path)
     redis.start()
-    proxy = HeldProxy(tmp_path, redis.port)
+    proxy = TcpProxy(tmp_path, redis.port)
     with stopping(proxy, redis):
         proxy.start()
         runner = EmbeddedRunner(isolated.runner(until_drained=False), log=lambda _: None)
@@ -47,15 +61,9 @@ def test_a_save_delayed_past_the_hand_over_is_refused(isolated: Isolated, tmp_pa
         async def scenario() -> tuple[int, list[TopicPartition], dict[str, object]]:
             via_proxy = aioredis.Redis.from_url(f"redis://127.0.0.1:{proxy.port}/0")
             direct = aioredis.Redis.from_url(redis.url)
-            runner.store = RedisSessionStore(via_proxy, isolated.prefix)
-            runner.checkpoint = Checkpoint([], runner.settings.sink_retry)
             try:
                 # Member A owns the partition and has applied the cart add in an epoch of its lease.
-                lease = runner.assignment.lease
-                assert await runner.ownership.ensure([PARTITION], lease)
-                session = runner.sessions.use(SHOPPER, PARTITION, runner.processor.new_session)
-                runner.processor.apply(session, cart)
-                runner.close_epoch(Epoch(offsets={(isolated.topic, PARTITION): 1}, lease=lease), {SHOPPER})
+                await owning_with_an_epoch(runner, via_proxy, isolated, cart)
                 # Its durable point sends the save into the stalled link, and the revoke gives up.
                 proxy.hold()
                 durable = asyncio.create_task(runner.commits.durable_point())
@@ -107,14 +115,8 @@ def test_a_save_refused_while_the_lease_holds_stops_the_runner(isolated: Isolate
 
     async def scenario() -> tuple[str, bytes | None]:
         redis = aioredis.Redis.from_url(isolated.stack.redis_url)
-        runner.store = RedisSessionStore(redis, isolated.prefix)
-        runner.checkpoint = Checkpoint([], runner.settings.sink_retry)
         try:
-            lease = runner.assignment.lease
-            assert await runner.ownership.ensure([PARTITION], lease)
-            session = runner.sessions.use(SHOPPER, PARTITION, runner.processor.new_session)
-            runner.processor.apply(session, cart)
-            runner.close_epoch(Epoch(offsets={(isolated.topic, PARTITION): 1}, lease=lease), {SHOPPER})
+            await owning_with_an_epoch(runner, redis, isolated, cart)
             await RedisSessionStore(redis, isolated.prefix).take_ownership(PARTITION)  # another member
             with pytest.raises(OwnershipLost) as lost:
                 await runner.commits.durable_point()
