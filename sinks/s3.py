@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import gzip
+import logging
 import time
 from collections import defaultdict, deque
 from collections.abc import Callable, Sequence
@@ -22,9 +23,12 @@ from typing import Any
 import orjson
 import xxhash
 from aiobotocore.session import get_session
+from botocore.exceptions import ClientError
 
 from prompt_assembly.records import EnrichmentResult
 from sinks.config import SinkSettings
+
+log = logging.getLogger(__name__)
 
 
 def partition_of(result: EnrichmentResult, prefix: str) -> str:
@@ -72,11 +76,32 @@ class S3InsightSink:
             )
 
     async def ensure_bucket(self) -> None:
+        """Create the bucket only when S3 says it is not there (404). A 403 goes on: ``HeadBucket`` needs
+        ``s3:ListBucket``, which a writer's least-privilege role often lacks, and its writes tell whether
+        it may write (before, any failure here was answered with a ``CreateBucket``, which such a role
+        may not send either, so the engine never started). Outside us-east-1 the bucket is created in
+        the client's region (S3 refuses a ``CreateBucket`` without that ``LocationConstraint``)."""
         await self.start()
+        bucket = self.settings.s3_bucket
         try:
-            await self._client.head_bucket(Bucket=self.settings.s3_bucket)
-        except Exception:
-            await self._client.create_bucket(Bucket=self.settings.s3_bucket)
+            await self._client.head_bucket(Bucket=bucket)
+            return
+        except ClientError as exc:
+            status = _status(exc)
+            if status == 403:
+                log.warning("s3: may not check bucket %r (403); its writes will tell", bucket)
+                return
+            if status != 404:
+                raise
+        region = self._client.meta.region_name
+        where = {} if region in (None, "us-east-1") else {"LocationConstraint": region}
+        try:
+            await self._client.create_bucket(
+                Bucket=bucket, **({"CreateBucketConfiguration": where} if where else {})
+            )
+        except ClientError as exc:
+            if exc.response.get("Error", {}).get("Code") != "BucketAlreadyOwnedByYou":  # made meanwhile
+                raise
 
     async def open(self) -> None:
         await self.ensure_bucket()
@@ -155,6 +180,16 @@ class S3InsightSink:
         self.records_written += len(records)
 
     async def close(self) -> None:
-        await self.flush()
-        await self._exit.aclose()
-        self._client = None
+        """Flush, then close the client even when that flush fails (S3 unreachable at shutdown): the
+        failure is raised, and the client's connections do not outlive the sink."""
+        try:
+            await self.flush()
+        finally:
+            await self._exit.aclose()
+            self._client = None
+
+
+def _status(error: ClientError) -> int | None:
+    """The HTTP status of a failed S3 call (a ``HeadBucket`` has no error body, only its status)."""
+    status = error.response.get("ResponseMetadata", {}).get("HTTPStatusCode")
+    return status if isinstance(status, int) else None

@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 import gzip
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 
 import aiohttp
@@ -252,11 +252,24 @@ async def s3_denying_a_prefix(endpoint: str, denied: str) -> AsyncIterator[tuple
     """The S3 endpoint behind a proxy that answers a PUT under a key holding ``denied`` with S3's
     ``403 AccessDenied`` while ``state["deny"]`` (a bucket policy denying one prefix, lifted later);
     everything else passes through unchanged."""
+    async with s3_denying(endpoint, lambda r: r.method == "PUT" and denied in r.path) as proxied:
+        yield proxied
+
+
+@asynccontextmanager
+async def s3_denying(
+    endpoint: str, refused: Callable[[web.Request], bool]
+) -> AsyncIterator[tuple[str, dict[str, bool]]]:
+    """The S3 endpoint behind a proxy that answers the requests ``refused`` names with S3's ``403
+    AccessDenied`` (no body to a HEAD, as S3 sends) while ``state["deny"]``; everything else passes
+    through unchanged."""
     state = {"deny": True}
     denial = b"<Error><Code>AccessDenied</Code><Message>Access Denied</Message></Error>"
 
     async def forward(request: web.Request) -> web.StreamResponse:
-        if request.method == "PUT" and denied in request.path and state["deny"]:
+        if state["deny"] and refused(request):
+            if request.method == "HEAD":
+                return web.Response(status=403)
             return web.Response(status=403, body=denial, content_type="application/xml")
         headers = {k: v for k, v in request.headers.items() if k.lower() != "host"}
         async with session.request(
@@ -296,6 +309,53 @@ async def test_a_flush_that_wrote_some_partitions_gives_back_only_the_others(iso
             await sink.close()
     ids = [str(row["request_id"]) for rows in s3_objects(isolated).values() for row in rows]
     assert sorted(ids) == ["a:1", "a:2", "c:1"], "each result in one object"
+
+
+async def test_a_missing_bucket_is_made_in_the_clients_region(isolated: Isolated) -> None:
+    """Outside us-east-1 S3 refuses a ``CreateBucket`` that does not name the region
+    (``IllegalLocationConstraintException``); the sink made every missing bucket without it, so a
+    runner configured for eu-west-1 on a new bucket never opened."""
+    bucket = f"{isolated.s3_prefix}-eu".lower()
+    settings = isolated.sinks().model_copy(update={"s3_region": "eu-west-1", "s3_bucket": bucket})
+    sink = S3InsightSink(settings)
+    try:
+        await sink.open()
+        await sink.write([insight("a", 1)])
+        await sink.flush()
+    finally:
+        await sink.close()
+    s3 = boto3.client("s3", **settings.s3_client_kwargs())
+    try:
+        assert s3.get_bucket_location(Bucket=bucket)["LocationConstraint"] == "eu-west-1"
+        assert s3.list_objects_v2(Bucket=bucket)["KeyCount"] == 1
+    finally:
+        for item in s3.list_objects_v2(Bucket=bucket).get("Contents", []):
+            s3.delete_object(Bucket=bucket, Key=item["Key"])
+        s3.delete_bucket(Bucket=bucket)
+
+
+async def test_a_writer_that_may_not_check_or_make_the_bucket_still_opens_and_writes(
+    isolated: Isolated,
+) -> None:
+    """A least-privilege writer role: ``PutObject`` under its prefix, but neither ``s3:ListBucket``
+    (``HeadBucket`` answers 403) nor ``CreateBucket``. The sink answered any failed ``HeadBucket`` with
+    a ``CreateBucket``, whose 403 failed ``open``, so the engine never started although it could write."""
+    settings = isolated.sinks()
+    assert settings.s3_endpoint_url is not None
+    on_the_bucket = f"/{settings.s3_bucket}"
+
+    def bucket_calls(request: web.Request) -> bool:  # HeadBucket and CreateBucket, not object calls
+        return request.path.rstrip("/") == on_the_bucket
+
+    async with s3_denying(settings.s3_endpoint_url, bucket_calls) as (url, _):
+        sink = S3InsightSink(settings.model_copy(update={"s3_endpoint_url": url}))
+        try:
+            await sink.open()
+            await sink.write([insight("a", 1)])
+            await sink.flush()
+        finally:
+            await sink.close()
+    assert [str(row["request_id"]) for rows in s3_objects(isolated).values() for row in rows] == ["a:1"]
 
 
 async def test_a_kafka_sink_whose_records_the_broker_refuses_fails_its_flush(isolated: Isolated) -> None:
