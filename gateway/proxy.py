@@ -14,6 +14,9 @@ Guarantees:
   the caller's connection is closed without the stream's end, so it sees a truncated answer, never a
   silently short one;
 - a caller that goes away closes the replica's connection too, so the replica stops generating;
+- a 2xx answer read to its end is judged once (``llm_client.forwarding.answer_problem``): a broken one
+  (not a JSON object with ``choices``, or a stream with an ``error`` event) still reaches its callers as
+  it came, but counts as a bad answer for its replica and is not kept for a repeat of its key;
 - a body of ``offload_body_bytes`` or more is parsed and hashed for routing in a worker thread, so one
   large request does not stall every other request's stream on the event loop.
 """
@@ -45,6 +48,7 @@ from llm_client.errors import (
     Overloaded,
     RetryBudgetExhausted,
 )
+from llm_client.forwarding import answer_problem
 from llm_client.gateway_headers import FLEET_SIZE_HEADER, SERVED_BY_HEADER, SUPERSEDED_BY_HEADER
 from llm_client.passthrough import Forwarded
 from llm_client.routing import RouteRequest
@@ -115,7 +119,7 @@ class OpenAIProxy:
             self.idempotency.track(key, digest, flight)
         # The call may outlive this handler (a keyed one whose caller left): it keeps its own copies.
         headers = {n: request.headers[n] for n in FORWARDED_REQUEST_HEADERS if n in request.headers}
-        task = asyncio.create_task(self._fly(flight, request.path, body, route, priority, headers))
+        task = asyncio.create_task(self._fly(flight, key, request.path, body, route, priority, headers))
         flight.start(task)
         self._flights.add(task)
         task.add_done_callback(self._flights.discard)
@@ -164,13 +168,18 @@ class OpenAIProxy:
     async def _fly(
         self,
         flight: Flight,
+        key: str | None,
         path: str,
         body: bytes,
         route: RouteRequest,
         priority: Priority,
         headers: Mapping[str, str],
     ) -> None:
-        """The flight's own task: a slot, the upstream call, the answer into the flight's buffer."""
+        """The flight's own task: a slot, the upstream call, the answer into the flight's buffer. A 2xx
+        answer read to its end is judged once (``answer_problem``): that one verdict tells the fleet
+        (raised into ``forward``'s block, a bad answer for the replica) and decides whether the answer
+        is kept for ``key``'s repeats; its callers get it as the replica sent it either way."""
+        problem: LLMError | None = None
         try:
             async with self.admission.slot(priority):
                 flight.sent()
@@ -185,13 +194,20 @@ class OpenAIProxy:
                     # not ended yet, so its answer was paid for and not kept for a repeat.
                     async for chunk in answer.chunks():
                         flight.append(chunk)
+                    problem = answer_problem(answer, path, flight.chunks)
+                    if problem is not None:
+                        raise problem
         except Refused as exc:
             flight.end(
                 answer=GatewayAnswer(429, "overloaded", str(exc), headers={"Retry-After": exc.retry_after})
             )
             return
         except LLMError as exc:
-            if flight.head is None:
+            if exc is problem:  # read whole, and no answer: passed on as it came, never kept
+                # Not held past here: its traceback holds this frame (a cycle for the collector).
+                problem = None
+                flight.end(complete=True)
+            elif flight.head is None:
                 flight.end(answer=_error_answer(exc))
             else:
                 # Kept without its traceback: that names this frame, which holds the flight, so the
@@ -199,6 +215,8 @@ class OpenAIProxy:
                 flight.end(error=exc.with_traceback(None))
             return
         flight.end(complete=True)
+        if key is not None:
+            self.idempotency.answered(key, flight)
 
     async def _answer(
         self, request: web.Request, flight: Flight, started: float, note: str | None
@@ -313,6 +331,7 @@ class OpenAIProxy:
             name: request.headers[name] for name in FORWARDED_REQUEST_HEADERS if name in request.headers
         }
         response: web.StreamResponse | None = None
+        problem: LLMError | None = None
         try:
             async with self.client.forward(
                 request.path, body, route, method=method, headers=headers, deadline_s=self.settings.deadline_s
@@ -325,21 +344,33 @@ class OpenAIProxy:
                     response = web.Response(
                         body=payload, status=answer.status, headers=self._answer_headers(answer)
                     )
+                    problem = answer_problem(answer, request.path, (payload,))
+                    if problem is not None:
+                        raise problem  # a bad answer for the replica (the fleet is told); passed on
         except LLMError as exc:
-            if response is None or not response.prepared:
-                return self._gateway_answer(request, _error_answer(exc))
-            # Bytes are already with the caller: end its connection without the stream's end.
-            self.metrics.broken_streams.labels(exc.endpoint or "unknown").inc()
-            log.warning("answer broke off mid-stream: %s", exc)
-            if request.transport is not None:
-                request.transport.close()
-            self.metrics.requests.labels(request.path, "broken").inc()
-            return response
+            if exc is not problem or response is None:
+                return self._forward_failed(request, response, exc)
+            # Read whole and no answer: the caller gets it as the replica sent it. Not held past here:
+            # its traceback holds this frame (a cycle for the collector).
+            problem = None
         except ConnectionResetError:  # the caller went away; the replica's connection is closed too
             self.metrics.requests.labels(request.path, "caller_gone").inc()
             return response if response is not None else web.Response(status=499)
         self.metrics.requests.labels(request.path, str(response.status)).inc()
         self.metrics.latency.labels(request.path).observe(time.perf_counter() - started)
+        return response
+
+    def _forward_failed(
+        self, request: web.Request, response: web.StreamResponse | None, exc: LLMError
+    ) -> web.StreamResponse:
+        if response is None or not response.prepared:
+            return self._gateway_answer(request, _error_answer(exc))
+        # Bytes are already with the caller: end its connection without the stream's end.
+        self.metrics.broken_streams.labels(exc.endpoint or "unknown").inc()
+        log.warning("answer broke off mid-stream: %s", exc)
+        if request.transport is not None:
+            request.transport.close()
+        self.metrics.requests.labels(request.path, "broken").inc()
         return response
 
     async def _stream(

@@ -139,8 +139,12 @@ def route_for(
 
 
 def bounded_key(value: str | None, header: str) -> str | None:
-    """A caller's key header as it came, or a 400 when it is longer than ``MAX_KEY_CHARS``."""
-    if value is not None and len(value) > MAX_KEY_CHARS:
+    """A caller's key header as it came; None when it is absent, empty or only whitespace (every caller
+    sending an empty ``Idempotency-Key`` would otherwise share one key: a 422 for another body, another
+    caller's answer for the same one); a 400 when it is longer than ``MAX_KEY_CHARS``."""
+    if value is None or not value.strip():
+        return None
+    if len(value) > MAX_KEY_CHARS:
         raise InvalidRequest(f"{header} may be at most {MAX_KEY_CHARS} characters, not {len(value)}", header)
     return value
 

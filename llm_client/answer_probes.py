@@ -47,6 +47,25 @@ _STREAM_ONLY = ("stream_options", "disaggregated_params")
 """Fields a probe drops: it is never streamed, and a P/D hand-over cannot be replayed."""
 
 
+_BUDGET_FIELDS = ("max_tokens", "max_completion_tokens")
+
+
+def capped_budget(body: dict[str, Any]) -> dict[str, Any]:
+    """``body`` with every decode budget at most ``PROBE_MAX_TOKENS``, and ``max_tokens`` set to it when
+    no budget is an int: a known-good request without one (or with a float) probed uncapped, so on a
+    slow replica the probe ran into its timeout and kept a fixed replica quarantined."""
+    capped = dict(body)
+    for budget in _BUDGET_FIELDS:
+        value = capped.get(budget)
+        if isinstance(value, int) and not isinstance(value, bool):
+            capped[budget] = min(value, PROBE_MAX_TOKENS)
+        elif budget in capped:  # a float, a null or anything else: no cap a replica is sure to read
+            capped[budget] = PROBE_MAX_TOKENS
+    if not any(budget in capped for budget in _BUDGET_FIELDS):
+        capped["max_tokens"] = PROBE_MAX_TOKENS
+    return capped
+
+
 @dataclass(frozen=True, slots=True)
 class ProbeRequest:
     """A request a probe sends (not streamed), and the check its answer must pass (None: well formed
@@ -67,10 +86,7 @@ class ProbeRequest:
                 return None
             if not isinstance(parsed, dict):
                 return None
-            for budget in ("max_tokens", "max_completion_tokens"):
-                if isinstance(parsed.get(budget), int):
-                    parsed[budget] = min(parsed[budget], PROBE_MAX_TOKENS)
-            body = parsed
+            body = capped_budget(parsed)
         kept = {k: v for k, v in body.items() if k not in _STREAM_ONLY}
         return orjson.dumps({**kept, "stream": False})
 

@@ -3,25 +3,68 @@
 The caller's bytes go to the replica unchanged; its answer comes back unread (``Forwarded``) once the
 status line and headers are in. A 429 or 5xx is read as an error here (so it can be retried elsewhere);
 any other status is the caller's to see. What the answer teaches (usage, first-byte time, an error event
-inside a 200 stream) is learned only once the caller has read it to its end (``learn``).
+inside a 200 stream) is learned only once the caller has read it to its end (``learn``). Whether a 2xx
+answer read to its end is an answer at all is judged in one place, ``answer_problem``: the gateway
+raises its verdict into ``LLMClient.forward``'s block, so the fleet counts a broken 200 as a bad answer
+rather than a good one, and keeps no broken answer for a repeat of its ``Idempotency-Key``.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 
 import aiohttp
+import orjson
 
 from llm_client.answers import usage_from_documents
 from llm_client.config import ClientConfig
 from llm_client.endpoints import Endpoint
-from llm_client.errors import InvalidAnswer, LLMError
+from llm_client.errors import EndpointUnavailable, InvalidAnswer, InvalidAnswerKind, LLMError
 from llm_client.fleet import Fleet
 from llm_client.passthrough import Forwarded
 from llm_client.routing import RouteOutcome, RouteRequest
 from llm_client.routing.base import prefill_observer
 from llm_client.status import raise_for_status
 from llm_client.transport import SessionSource, header_value, mapped_transport_errors
+
+MODELS_PATH = "/v1/models"
+"""The one forwarded route whose answer is a model list (``data``), not a completion (``choices``)."""
+
+
+def answer_problem(forwarded: Forwarded, path: str, chunks: Sequence[bytes]) -> LLMError | None:
+    """Why a 2xx answer read to its end is no answer, or None when it is well formed (or not 2xx: a
+    replica's own 4xx is the caller's to see). A body that is not a JSON object with a non-empty
+    ``choices`` list (``data`` list for ``/v1/models``) is an ``InvalidAnswer``, as the in-process
+    client's ``parse_body`` judges it; a stream with an ``error`` event failed the request
+    (``EndpointUnavailable``, as ``parse_stream`` raises it). Without this an HTML page, an empty body
+    or an error event sent with a 200 counted as a good answer, so such a replica was never
+    quarantined, and it was kept for the key's failover retry. One ``orjson.loads`` of a non-streamed
+    body; a stream's events were read in passing by the usage tap."""
+    if not 200 <= forwarded.status < 300:
+        return None
+    endpoint, tap = forwarded.endpoint.name, forwarded.tap
+    if tap.streaming:
+        if tap.error is None:
+            return None
+        return EndpointUnavailable(f"error in stream: {tap.error}", endpoint=endpoint)
+    body = b"".join(chunks)
+    try:
+        document = orjson.loads(body)
+    except orjson.JSONDecodeError as exc:
+        kind: InvalidAnswerKind = "empty" if not body.strip() else "not_json"
+        return InvalidAnswer(f"answer is not JSON: {exc}", kind=kind, endpoint=endpoint, raw=_raw(body))
+    field = "data" if path == MODELS_PATH else "choices"
+    items = document.get(field) if isinstance(document, dict) else None
+    if not isinstance(items, list) or (field == "choices" and not items):
+        shape = "a" if field == "data" else "a non-empty"
+        message = f"answer is not a JSON object with {shape} {field!r} list"
+        return InvalidAnswer(message, kind="wrong_shape", endpoint=endpoint, raw=_raw(body))
+    return None
+
+
+def _raw(body: bytes) -> str:
+    """The start of a bad answer, for its error record."""
+    return body[:2000].decode("utf-8", "replace")
 
 
 class Forwarder:
@@ -90,7 +133,9 @@ class Forwarder:
         one for the replica's answer health too: a quarantine needs a *share* of bad answers, and
         without the good ones any three bad answers over the process's life made that share."""
         endpoint, tap = forwarded.endpoint, forwarded.tap
-        if tap.error is not None:  # an error event inside a 200 stream: the replica failed the request
+        # An error event inside a 200 stream: the replica failed the request. The gateway raised it
+        # already (``answer_problem``); this is for a caller of ``LLMClient.forward`` that judges nothing.
+        if tap.error is not None:
             self.fleet.failed(endpoint, route, connection=False)
             return
         prompt, cached, completion_tokens = usage_from_documents(tap.usage, tap.timings)
