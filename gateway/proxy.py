@@ -237,6 +237,8 @@ class OpenAIProxy:
                 await response.prepare(request)
                 await self._write_flight(request, response, flight, started)
                 if not flight.complete:
+                    if flight.superseded is not None and flight.error is None and _at_event_end(flight):
+                        return await self._end_superseded(request, response, flight.superseded)
                     return self._cut_off(request, response, flight)
                 await response.write_eof()
             else:
@@ -273,6 +275,18 @@ class OpenAIProxy:
             if flight.ended:
                 return
             await flight.changed()
+
+    async def _end_superseded(
+        self, request: web.Request, response: web.StreamResponse, superseded: GatewayAnswer
+    ) -> web.StreamResponse:
+        """A stream superseded after its status line: it ends with an ``error`` event holding what the
+        409 says (``superseded_event``), then its end, so the caller hears why it stopped. Cut off
+        instead, a caller saw a broken connection: ``LLMClient`` ejected the endpoint that broke it (the
+        gateway, its only one), and every call of that process waited for the next health check."""
+        await response.write(superseded_event(superseded))
+        await response.write_eof()
+        self.metrics.requests.labels(request.path, "superseded").inc()
+        return response
 
     def _cut_off(
         self, request: web.Request, response: web.StreamResponse, flight: Flight
@@ -425,6 +439,26 @@ async def _until(request: web.Request, flight: Flight, ready: Callable[[], bool]
             transport = request.transport
             if transport is None or transport.is_closing():
                 raise ConnectionResetError("the caller went away") from None
+
+
+def superseded_event(answer: GatewayAnswer) -> bytes:
+    """The SSE event that ends a stream superseded after its status line: the 409 body's ``error``, with
+    the newer version as ``superseded_by`` (the 409's header), as OpenAI-style clients read an error
+    inside a stream (``llm_client.answers`` turns it into ``SupersededByNewer``)."""
+    error = {
+        "message": answer.message,
+        "type": answer.kind,
+        "param": answer.param,
+        "code": answer.status,
+        "superseded_by": answer.headers.get(SUPERSEDED_BY_HEADER),
+    }
+    return b"data: " + orjson.dumps({"error": error}) + b"\n\n"
+
+
+def _at_event_end(flight: Flight) -> bool:
+    """Whether what the caller got of ``flight`` ends at an event's end, where another event may start;
+    a chunk that ended mid-event leaves the caller half an event, and only a cut says it broke."""
+    return not flight.chunks or flight.chunks[-1].endswith((b"\n\n", b"\r\n\r\n"))
 
 
 def _superseded(session: str, version: Version, when: str) -> GatewayAnswer:

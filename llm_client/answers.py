@@ -9,7 +9,8 @@ nothing it sends is trusted:
 - shape and types: each document is decoded straight into typed ``msgspec`` structs (the OpenAI
   chat-completion schema, with llama-server's ``timings``), so a wrong type is an ``InvalidAnswer``
   naming the field, never a ``TypeError`` or ``AttributeError`` further on;
-- an ``error`` event inside a 200 stream is the replica failing the request (``EndpointUnavailable``).
+- an ``error`` event inside a 200 stream is the replica failing the request (``EndpointUnavailable``),
+  except a gateway's ``superseded`` one, which is its 409 sent after the status line (``SupersededByNewer``).
 
 This module and ``llm_client.transport.mapped_transport_errors`` are the only places where what a
 replica sends becomes one of the client's errors.
@@ -25,7 +26,14 @@ import aiohttp
 import msgspec
 from pydantic import BaseModel, Field
 
-from llm_client.errors import AnswerTooLarge, EndpointUnavailable, InvalidAnswer, InvalidAnswerKind
+from llm_client.errors import (
+    AnswerTooLarge,
+    EndpointUnavailable,
+    InvalidAnswer,
+    InvalidAnswerKind,
+    LLMError,
+    SupersededByNewer,
+)
 from llm_client.models import Completion
 
 
@@ -101,6 +109,30 @@ class _Chunk(msgspec.Struct):
 
 _BODY = msgspec.json.Decoder(_Body)
 _CHUNK = msgspec.json.Decoder(_Chunk)
+
+
+class _StreamError(msgspec.Struct):
+    type: str | None = None
+    superseded_by: str | None = None
+
+
+_STREAM_ERROR = msgspec.json.Decoder(_StreamError)
+
+
+def _stream_error(raw: bytes, endpoint: str) -> LLMError:
+    """An ``error`` event inside a 200 stream: the replica failing the request (``EndpointUnavailable``),
+    or a gateway ending a stream a newer version of its session superseded (``SupersededByNewer``, as its
+    409 says before the status line), which counts against nobody."""
+    detail = _text(raw)[:300]
+    try:
+        error = _STREAM_ERROR.decode(raw)
+    except (msgspec.MsgspecError, RecursionError):
+        error = _StreamError()
+    if error.type == "superseded" and error.superseded_by:
+        return SupersededByNewer(
+            f"superseded in stream: {detail}", newer_version=error.superseded_by, endpoint=endpoint
+        )
+    return EndpointUnavailable(f"error in stream: {detail}", endpoint=endpoint)
 
 
 def usage_counts(usage: _Usage | None, timings: _Timings | None) -> tuple[int, int, int]:
@@ -297,8 +329,7 @@ async def read_stream(
         except (msgspec.MsgspecError, RecursionError) as exc:
             raise _invalid(exc, payload, endpoint) from None
         if chunk.error is not None:
-            detail = _text(bytes(chunk.error))[:300]
-            raise EndpointUnavailable(f"error in stream: {detail}", endpoint=endpoint)
+            raise _stream_error(bytes(chunk.error), endpoint)
         chunks += 1
         model = chunk.model or model
         usage = chunk.usage or usage

@@ -27,6 +27,7 @@ import pytest
 from gateway.config import Priority
 from llm_client.client import LLMClient
 from llm_client.config import ClientConfig
+from llm_client.errors import SupersededByNewer
 from serving.simulator.launch import REPO_ROOT, SimulatorFleet
 from tests.gateway.test_gateway import TIME_SCALE, chat_body, metric, running_gateway
 
@@ -169,9 +170,10 @@ async def test_a_newer_version_cancels_the_older_one_in_flight(
             usage = newer["usage"]
             assert usage["prompt_tokens_details"]["cached_tokens"] >= usage["prompt_tokens"] // 2
         answer = await older
-        if stream:  # bytes were already with the caller: its stream ends without its end
-            with pytest.raises(aiohttp.ClientPayloadError):
-                await answer.read()
+        if stream:  # its status line was out: the stream ends with an error event saying what a 409 says
+            last = (await answer.read()).rstrip().rsplit(b"\n\n", 1)[-1]
+            error = orjson.loads(last.removeprefix(b"data: "))["error"]
+            assert (error["type"], error["code"], error["superseded_by"]) == ("superseded", 409, "3.2")
         else:
             assert answer.status == 409
             assert orjson.loads(await answer.read())["error"]["type"] == "superseded"
@@ -186,6 +188,46 @@ async def test_a_newer_version_cancels_the_older_one_in_flight(
     assert (
         metric(after, "sim_completion_tokens_total") - finished_tokens == newer["usage"]["completion_tokens"]
     )
+
+
+async def test_a_client_whose_stream_is_superseded_hears_so_and_keeps_the_gateway(replica: str) -> None:
+    """An ``LLMClient`` streaming through the gateway, its call superseded after its status line (a
+    shopper's newer prompt from another process, as after a rebalance). The gateway cut the stream
+    off, so the client saw a broken connection and ejected the gateway, its only endpoint: every
+    other call of that process then waited for the next health check. The stream now ends with an
+    error event the client reads as ``SupersededByNewer``, which counts against nobody."""
+    history = f"Shopper s12 ({uuid.uuid4().hex}). Activity: " + "viewed a lantern; " * 80
+    messages = [{"role": "user", "content": history}]
+    async with running_gateway([replica], "round_robin") as gw:
+        config = ClientConfig.model_validate({"endpoints": [gw.url], "stream": True})
+        async with LLMClient(config) as client, aiohttp.ClientSession() as http:
+            older = asyncio.create_task(
+                client.chat(
+                    messages,
+                    routing_key="s12",
+                    max_tokens=600,
+                    extra_body={"ignore_eos": True},
+                    session_version="5.1",
+                )
+            )
+            await until(  # its first chunk written to the client: its status line is out
+                lambda: _at_least(
+                    _metric_of(http, gw.url, "gateway_time_to_first_byte_seconds_count", path=CHAT), 1
+                ),
+                "version 1 streams",
+            )
+            status, _, _ = await post(
+                http,
+                gw.url,
+                chat_body(history + "added a lantern to cart", **SHORT),
+                **session_headers("s12", "5.2"),
+            )
+            assert status == 200
+            with pytest.raises(SupersededByNewer) as raised:
+                await older
+            assert raised.value.newer_version == "5.2"
+            assert [e.healthy for e in client.endpoints] == [True], "the gateway was not ejected"
+            assert [e.ejections for e in client.endpoints] == [0]
 
 
 # ---- overload, by priority ----------------------------------------------------------------------------
