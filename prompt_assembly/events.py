@@ -137,6 +137,19 @@ EVENT_TIME_REASON = "ts: event time"
 
 DEFAULT_EVENT_TIME_WINDOW = EventTimeWindow()
 
+EVENT_ID_CONTROL_REASON = "event_id: control characters (U+0000-U+001F, U+007F) are not allowed"
+"""Why an id holding one is refused. JSON writes such a character as six bytes (``\\u0001``), and the
+ids travel in every result and prompt record (``new_event_ids``, ``trimmed_event_ids``: up to 912 of
+200 characters): ids of control characters made a record of over 1 MB, which Kafka's default record
+limit refuses, so the runner's results sink failed at every retry and restart, and the Flink job's
+prompts sink with it. Any other character is at most four bytes, under 750 KB for the largest record."""
+_ID_CONTROL = re.compile(r"[\x00-\x1f\x7f]")
+
+
+def _control_in_id(event_id: str) -> bool:
+    """Whether ``event_id`` holds a control character: ``isprintable`` (in C) answers for nearly every id."""
+    return not event_id.isprintable() and _ID_CONTROL.search(event_id) is not None
+
 
 JSON_SCHEMA_PATH = "docs/event.schema.json"
 """Where the schema below is committed for producers (``tests/prompt_assembly/test_event_schema_file.py``
@@ -145,8 +158,9 @@ checks that it is the generated one)."""
 
 def event_json_schema() -> dict[str, Any]:
     """The event schema as a JSON Schema (draft 2020-12), generated from ``ShopperEvent`` so that it
-    cannot drift, plus what pydantic cannot write into it: the product-or-query rule (as ``if/then``)
-    and, in the description, the byte limit and the event-time window."""
+    cannot drift, plus what pydantic cannot write into it: the product-or-query rule (as ``if/then``),
+    the gate's id rule (``EVENT_ID_CONTROL_REASON``, as a ``pattern``) and, in the description, the byte
+    limit and the event-time window."""
     schema: dict[str, Any] = {
         "$schema": "https://json-schema.org/draft/2020-12/schema",
         "$id": f"shopper-event/v{SCHEMA_VERSION}",
@@ -157,6 +171,7 @@ def event_json_schema() -> dict[str, Any]:
         "bytes, keyed by shopper_id. Fields not named here are ignored and never stored. 'ts' must also "
         "lie in the event-time window around the record's Kafka timestamp (docs/contracts.md)."
     )
+    schema["properties"]["event_id"]["pattern"] = r"^[^\u0000-\u001f\u007f]*$"  # EVENT_ID_CONTROL_REASON
     schema["allOf"] = [
         {
             "if": {"properties": {"type": {"const": "search"}}, "required": ["type"]},
@@ -192,6 +207,8 @@ def parse_event(
     ``record_time``: the record's Kafka timestamp in seconds (None, or not positive: none known); the
     event's time must then lie in ``window`` around it."""
     event = _parse(raw)
+    if _control_in_id(event.event_id):
+        raise MalformedEvent(EVENT_ID_CONTROL_REASON)
     if record_time is not None and record_time > 0:
         problem = window.violation(event.ts, record_time)
         if problem is not None:
@@ -225,6 +242,9 @@ def parse_events(
             except MalformedEvent as exc:
                 append(exc)
                 continue
+        if _control_in_id(event.event_id):
+            append(MalformedEvent(EVENT_ID_CONTROL_REASON))
+            continue
         if record_time is not None and record_time > 0:
             ts = event.ts
             if (
@@ -238,6 +258,12 @@ def parse_events(
                     continue
         append(event)
     return out
+
+
+def parse_stored_event(raw: bytes) -> ShopperEvent:
+    """An event as a session stored it, after the gate took it: the schema alone, without rules the
+    gate gained since (``EVENT_ID_CONTROL_REASON``), so a session stored before a rule stays readable."""
+    return _parse(raw)
 
 
 def record_time_s(timestamp: tuple[int, int]) -> float | None:

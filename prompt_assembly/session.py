@@ -20,7 +20,7 @@ from typing import Any
 import msgspec
 import orjson
 
-from prompt_assembly.events import MalformedEvent, ShopperEvent, parse_event
+from prompt_assembly.events import MalformedEvent, ShopperEvent, parse_stored_event
 from prompt_assembly.records import TriggerReason
 
 
@@ -49,16 +49,17 @@ class SessionEntry:
 
     @classmethod
     def from_json(cls, raw: bytes | str) -> SessionEntry:
-        """An entry as ``to_json`` stored it. The event goes through the event gate again (its fast
-        tier, for what this pipeline wrote). An entry from before ``stored_event`` (key ``e``: the
+        """An entry as ``to_json`` stored it. The event goes through the event schema again (the gate's
+        fast tier, for what this pipeline wrote; ``parse_stored_event``: not the rules the gate gained
+        after the entry was stored). An entry from before ``stored_event`` (key ``e``: the
         producer's bytes, ignored fields included) is read the same way and stored again without them."""
         stored = _STORED_ENTRY.decode(raw)
         if not isinstance(stored.v, msgspec.UnsetType):
             event_json = bytes(stored.v)
-            return cls(stored.g, stored.n, parse_event(event_json), stored=event_json)
+            return cls(stored.g, stored.n, parse_stored_event(event_json), stored=event_json)
         if isinstance(stored.e, msgspec.UnsetType):
             raise MalformedEvent("a stored session entry holds no event")
-        return cls(stored.g, stored.n, parse_event(bytes(stored.e)), legacy=True)
+        return cls(stored.g, stored.n, parse_stored_event(bytes(stored.e)), legacy=True)
 
 
 def stored_event(event: ShopperEvent) -> bytes:

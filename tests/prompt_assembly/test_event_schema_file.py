@@ -67,6 +67,8 @@ BASE = {"event_id": "e-1", "shopper_id": "s-1", "type": "view", "ts": 1_764_000_
         {"product": {**PRODUCT, "price": -1}},
         {"product": {**PRODUCT, "title": "x" * 201}},
         {"type": "wishlist"},
+        {"event_id": "e-\x01"},
+        {"event_id": "e-\x7f"},
     ],
 )
 def test_the_schema_and_the_gate_refuse_the_same_events(change: dict[str, Any]) -> None:
