@@ -81,8 +81,8 @@ class RecentQuantile:
 
 MODEL_FLOOR_QUANTILE = 0.1
 """The model call is skipped when less time is left than its p10 of recent answers: a call that will be
-cancelled at the deadline costs a replica's work and a new connection (the cancelled one is closed),
-and gives nothing. A low quantile, so a model that gets faster is still asked and its new speed
+cut at the deadline costs a replica's work (and a new connection when it does not finish within the
+cut grace), and gives nothing. A low quantile, so a model that gets faster is still asked and its new speed
 learned."""
 
 

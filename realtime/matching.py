@@ -9,7 +9,9 @@ The answer leaves before the deadline: if the model misses it, errs, the pool is
 as many calls as it can serve in time (``llm_concurrency_per_replica``), the fallback ranking goes out
 marked ``degraded: true`` with the reason. The time kept back for answering is ``answer_reserve_ms``
 plus the event loop's recent lag, so a busy host makes the service give up on the model earlier instead
-of answering late. A call abandoned at the deadline is cancelled, which closes its connection.
+of answering late. A model call cut at the deadline reads on within a short grace, so its connection is
+kept (``llm_client.cut_calls``); one that does not finish within it is closed, which tells the replica to
+stop.
 
 An answer of the wrong shape or types, in the model's text (``ranking.parse_ranking``) or in the
 replica's envelope, is ``invalid_answer``: the fallback again, never a 500.
@@ -101,7 +103,11 @@ class MatchService:
         self.model_time = RecentQuantile(MODEL_FLOOR_QUANTILE, initial_s=_MIN_MODEL_S)
         """How fast the model answers when it does: less time left than this, and it is not asked."""
         self._late_reads: set[asyncio.Future[Any]] = set()
-        """Signal reads the requests stopped waiting for, kept referenced until they finish."""
+        """Signal reads the requests stopped waiting for, kept referenced until they finish; at most
+        ``max_late_reads``: a Redis that accepts connections but answers nothing (a stalled server, a
+        dropped route) left one read and one connection per request, until the process ran out of file
+        descriptors and could not accept a request at all."""
+        self.metrics.late_signal_reads.set_function(lambda: len(self._late_reads))
         self.asking = 0
         """Model calls in flight from this service; ``/metrics`` reads it at scrape time (a gauge
         updated per call took a lock twice a request for a number nobody reads between scrapes)."""
@@ -156,10 +162,13 @@ class MatchService:
             async with asyncio.timeout(read_timeout_s):
                 shopper, products = await asyncio.shield(read)
         except TimeoutError:
-            self._late_reads.add(read)  # finishes in the background; its connection goes back to the pool
-            read.add_done_callback(self._late_read_done)
+            if len(self._late_reads) < s.max_late_reads:
+                self._late_reads.add(read)  # finishes in the background; its connection goes back to the pool
+                read.add_done_callback(self._late_read_done)
+            else:  # Redis stalls: cancelled, its connection closed (kept, they piled up without bound)
+                read.cancel()
             self.metrics.signal_errors.inc()
-        except (RedisError, OSError):
+        except (RedisError, OSError, ValueError):  # ValueError: bytes in Redis that are not the signal's
             self.metrics.signal_errors.inc()
         fallback = fallback_ranking(shopper, request.query, request.candidates, products, s.reason_max_chars)
 

@@ -87,6 +87,11 @@ class RealtimeMetrics:
         self.signal_errors = Counter(
             "realtime_signal_errors", "Redis reads that failed or timed out", registry=r
         )
+        self.late_signal_reads = Gauge(
+            "realtime_late_signal_reads",
+            "signal reads given up on and left to finish (at most max_late_reads)",
+            registry=r,
+        )
         r.register(_ProcessCpu())
 
     def watch_cut_calls(self, cut_calls: CutCalls) -> None:

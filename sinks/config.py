@@ -42,6 +42,13 @@ class SinkSettings(BaseSettings):
         None, description="PEM CA bundle that signed the server's certificate (rediss://); None = system CAs"
     )
     redis_key_prefix: str = Field("su:", description="namespace for every key this project writes")
+    redis_timeout_s: float | None = Field(
+        5.0,
+        gt=0,
+        description="a Redis command or connect with no answer within this fails (redis-py's "
+        "TimeoutError), so a server that accepts but stalls is an outage the retry policies and fallbacks "
+        "handle, not a wait without end; None = wait forever",
+    )
     signal_ttl_s: int = Field(7 * 24 * 3600, gt=0, description="signals expire if a shopper goes quiet")
     answer_ttl_s: int = Field(
         24 * 3600,
@@ -107,20 +114,26 @@ class SinkSettings(BaseSettings):
             kwargs["password"] = self.redis_password.get_secret_value()
         if self.redis_ca_file is not None:
             kwargs["ssl_ca_certs"] = str(Path(self.redis_ca_file).resolve())
+        if self.redis_timeout_s is not None:
+            # Without these a Redis that accepted the connection and stopped answering (a stalled
+            # server, a failover, a dropped route) held every caller for good: the runner's session
+            # loads, the answer ledger (and each prompt's admission slot with it), the real-time reads.
+            kwargs["socket_timeout"] = self.redis_timeout_s
+            kwargs["socket_connect_timeout"] = self.redis_timeout_s
         return kwargs
 
     def redis_client(self, **options: Any) -> aioredis.Redis:
-        """The one way to build an asyncio Redis client from these settings (credentials and TLS
-        included); ``options`` go to ``Redis.from_url`` as well."""
+        """The one way to build an asyncio Redis client from these settings (credentials, TLS and
+        timeouts included); ``options`` go to ``Redis.from_url`` as well, over those."""
         client: aioredis.Redis = aioredis.Redis.from_url(
-            self.redis_url, **self.redis_connection_kwargs(), **options
+            self.redis_url, **{**self.redis_connection_kwargs(), **options}
         )
         return client
 
     def sync_redis_client(self, **options: Any) -> redis.Redis:
         """The blocking client, same settings (PyFlink's synchronous helpers, scripts)."""
         client: redis.Redis = redis.Redis.from_url(
-            self.redis_url, **self.redis_connection_kwargs(), **options
+            self.redis_url, **{**self.redis_connection_kwargs(), **options}
         )
         return client
 

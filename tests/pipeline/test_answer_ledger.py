@@ -4,7 +4,10 @@ request. Also: superseded results never touch a shopper's signal, and accounting
 
 from __future__ import annotations
 
+import asyncio
 import time
+from pathlib import Path
+from urllib.parse import urlsplit
 
 from llm_client import LLMClient
 from pipeline.accounting import Accounting
@@ -15,6 +18,7 @@ from prompt_assembly.records import PromptRequest, ShopperInsight, Superseded, p
 from serving.simulator.testing import running_simulator
 from sinks.config import SinkSettings
 from sinks.redis import RedisSignalSink
+from tests.fault_kit import TcpProxy
 from tests.pipeline.test_overload import Shopper, client_config, requests_received, sim_metrics
 from tests.prompt_assembly.test_sessions import event
 
@@ -168,3 +172,34 @@ async def test_the_same_version_that_trimmed_other_events_is_answered_on_its_own
     assert answer.trimmed_event_ids == replayed.trimmed_event_ids
     assert requests_received(metrics) == 2
     assert ledger.counts.other_events == 1 and enricher.counts.skipped_answered == 0
+
+
+async def test_a_ledger_whose_redis_stops_answering_costs_a_timeout_not_the_stream(
+    sinks: SinkSettings, tmp_path: Path
+) -> None:
+    """Redis accepts the connection and stops answering (a stalled server, a failover, a dropped route:
+    here a proxy held with SIGSTOP). The client had no socket timeout, so the ledger's read waited for
+    good, and so did every prompt behind it; its write held the prompt's admission slot. Now a read or
+    write gets ``SinkSettings.redis_timeout_s``, then counts as failed: the prompt asks the model and
+    its answer is only not saved, as docs/overload.md promises for Redis away."""
+    proxy = TcpProxy(tmp_path, urlsplit(sinks.redis_url).port or 6379, name="redis-proxy")
+    proxy.start()
+    try:
+        held = sinks.model_copy(
+            update={"redis_url": f"redis://127.0.0.1:{proxy.port}/0", "redis_timeout_s": 0.5}
+        )
+        async with running_simulator(time_scale=0.01) as sim, LLMClient(client_config(sim.url)) as client:
+            ledger = AnswerLedger.from_settings(held)
+            await ledger.redis.ping()  # the pool's connection, made before the stall
+            proxy.hold()
+            enricher = Enricher(client, ledger=ledger)
+            async with asyncio.timeout(20):  # a bound on a hang, not a timing assertion
+                result = await enricher.enrich(Shopper("s-stalled").cart())
+            paid = requests_received(await sim_metrics(sim))
+            proxy.release()
+            await ledger.redis.aclose()
+    finally:
+        proxy.stop()
+    assert isinstance(result, ShopperInsight) and not result.replayed
+    assert paid == 1, "the model was asked"
+    assert ledger.counts.read_failures >= 1 and ledger.counts.write_failures == 1
