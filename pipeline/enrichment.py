@@ -130,7 +130,11 @@ class Enricher:
                 self.counts.skipped_answered += 1
                 return known.answer.model_copy(update={"replayed": True})
             newest = known.newest_answered
-            if newest is not None and newest > (prompt.session_epoch, prompt.seq):  # a replay, outrun
+            if (
+                self.settings.overload.latest_wins  # fifo answers every prompt, replayed or not
+                and newest is not None
+                and newest > (prompt.session_epoch, prompt.seq)  # a replay, outrun
+            ):
                 self.counts.superseded_answered += 1
                 return _superseded(prompt, "newer_prompt", request_id(prompt.shopper_id, *newest))
         if not self.settings.overload.latest_wins:

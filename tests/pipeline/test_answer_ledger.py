@@ -13,6 +13,7 @@ from llm_client import LLMClient
 from pipeline.accounting import Accounting
 from pipeline.answer_ledger import AnswerLedger
 from pipeline.enrichment import Enricher, EnrichmentSettings
+from pipeline.overload import OverloadSettings
 from prompt_assembly.processor import SessionProcessor
 from prompt_assembly.records import PromptRequest, ShopperInsight, Superseded, parse_result
 from serving.simulator.testing import running_simulator
@@ -110,6 +111,30 @@ async def test_a_replayed_prompt_older_than_the_stored_answer_is_superseded_with
     assert isinstance(replayed_newer, ShopperInsight) and replayed_newer.replayed
     assert requests_received(metrics) == paid  # neither replay reached the replica
     assert enricher.counts.superseded_answered == 1 and enricher.counts.skipped_answered == 1
+
+
+async def test_under_fifo_a_replayed_prompt_older_than_the_stored_answer_is_answered(
+    sinks: SinkSettings,
+) -> None:
+    """``fifo`` answers every prompt: a consumer that needs an answer to each (docs/overload.md). The
+    signal's version superseded a replayed older prompt under every policy, so after a restart such a
+    consumer lost the answers of prompts the crash had caught unanswered."""
+    shopper = Shopper("s-fifo-outrun")
+    older, newer = shopper.cart(), shopper.cart()
+    fifo = EnrichmentSettings(overload=OverloadSettings(policy="fifo"))
+    async with running_simulator(time_scale=0.01) as sim:
+        async with LLMClient(client_config(sim.url)) as client:
+            ledger = AnswerLedger.from_settings(sinks)
+            answered = await Enricher(client, fifo, ledger=ledger).enrich(newer)
+            sink = RedisSignalSink(sinks)
+            await sink.write([answered])
+            await sink.close()
+            replayed_older = await Enricher(client, fifo, ledger=ledger).enrich(older)  # restarted
+            await ledger.redis.aclose()
+        metrics = await sim_metrics(sim)
+    assert isinstance(answered, ShopperInsight)
+    assert isinstance(replayed_older, ShopperInsight) and not replayed_older.replayed, replayed_older
+    assert requests_received(metrics) == 2
 
 
 def _pause(shopper_id: str, *, view_again_after_s: float | None) -> PromptRequest:
