@@ -28,11 +28,13 @@ from dataclasses import dataclass, field
 
 from prompt_assembly.records import PromptRequest
 
-_CLASS = {"purchase": 0, "add_to_cart": 0, "browse_pause": 1}
+_CLASS = {"purchase": 0, "add_to_cart": 0, "browse_pause": 1}  # URGENT_CLASS, BROWSE_CLASS
 """Admission class of each trigger: purchase and cart before browse pauses."""
 
 URGENT_CLASS = 0
 """The class of purchase and cart prompts."""
+BROWSE_CLASS = 1
+"""The class of browse-pause prompts."""
 
 BACKFILL_CLASS = 2
 """Prompts past their class's wait budget (``OverloadSettings.past_budget``): admitted only when no
@@ -61,6 +63,7 @@ class AdmissionGate:
         *,
         by_priority: bool,
         lifo_after_s: float | None = None,
+        unbounded_classes: frozenset[int] = frozenset(),
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self._limit = limit
@@ -68,6 +71,10 @@ class AdmissionGate:
         self.lifo_after_s = lifo_after_s
         """A class whose oldest waiter has waited longer than this is served newest first; None: always
         oldest first."""
+        self.unbounded_classes = unbounded_classes
+        """Classes whose waits no budget bounds (``urgent_max_wait_s`` None): always oldest first. Newest
+        first leaves the oldest to its budget; with none, while arrivals kept up with the fleet, the
+        oldest prompt waited for good, and with it its epoch's commit."""
         self._clock = clock
         self.active = 0
         self._classes: dict[int, list[_Waiter]] = {}
@@ -159,6 +166,7 @@ class AdmissionGate:
                 continue
             standing = (
                 klass != BACKFILL_CLASS
+                and klass not in self.unbounded_classes
                 and self.lifo_after_s is not None
                 and len(queue) > 1
                 and self._clock() - queue[0].enqueued_at > self.lifo_after_s

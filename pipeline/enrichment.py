@@ -33,7 +33,7 @@ from llm_client.client import LLMClient
 from llm_client.config import ClientConfig
 from llm_client.errors import InvalidAnswer, LLMError, SupersededByNewer
 from llm_client.hooks import Attempt
-from pipeline.admission import BACKFILL_CLASS, AdmissionGate, Evicted
+from pipeline.admission import BACKFILL_CLASS, BROWSE_CLASS, URGENT_CLASS, AdmissionGate, Evicted
 from pipeline.admission_limit import AdaptiveAdmissionLimit
 from pipeline.answer_ledger import AnswerLedger
 from pipeline.latest_wins import Arrival, Claim, ShopperClaims
@@ -114,6 +114,11 @@ class Enricher:
             (lambda: min(self.fleet_limit(), slots)) if fixed is None else (lambda: min(fixed, slots)),
             by_priority=overload.by_priority,
             lifo_after_s=overload.lifo_after_s if overload.by_priority else None,
+            unbounded_classes=frozenset(
+                klass
+                for klass, reason in ((URGENT_CLASS, "purchase"), (BROWSE_CLASS, "browse_pause"))
+                if overload.wait_budget_s(reason) is None
+            ),
         )
         self.claims = ShopperClaims()
         self.counts = OverloadCounts()

@@ -6,7 +6,11 @@ from __future__ import annotations
 import asyncio
 from typing import get_args
 
+from llm_client.client import LLMClient
+from llm_client.config import ClientConfig
 from pipeline.admission import URGENT_CLASS, AdmissionGate, Evicted
+from pipeline.enrichment import Enricher, EnrichmentSettings
+from pipeline.overload import OverloadSettings
 from prompt_assembly.records import PromptRequest, TriggerReason, request_id
 
 
@@ -130,6 +134,45 @@ async def test_the_backfill_is_served_oldest_first_even_while_its_queue_stands()
     assert order == ["oldest", "newer 0", "newer 1"]
     gate.release()
     await asyncio.gather(*tasks)
+
+
+async def test_a_class_no_budget_bounds_is_served_oldest_first_even_while_its_queue_stands() -> None:
+    """Purchase and cart with ``urgent_max_wait_s`` None: no budget drops their oldest waiter. Served
+    newest first once their queue stood, arrivals that kept up with the fleet kept the oldest waiting
+    for good (its epoch uncommitted), where the docs say their queue only grows while they exceed it."""
+    clock = Clock()
+    gate = AdmissionGate(
+        lambda: 1,
+        by_priority=True,
+        lifo_after_s=1.0,
+        unbounded_classes=frozenset({URGENT_CLASS}),
+        clock=clock,
+    )
+    await gate.acquire((URGENT_CLASS, 0))
+    order: list[str] = []
+
+    async def one(name: str, arrival: int) -> None:
+        await gate.acquire((URGENT_CLASS, arrival))
+        order.append(name)
+
+    tasks = [asyncio.create_task(one("oldest", 1))]
+    await settle()
+    for n in range(3):  # each turn: a newer cart add, then a slot comes free
+        clock.now += 2.0
+        tasks.append(asyncio.create_task(one(f"newer {n}", 2 + n)))
+        await settle()
+        gate.release()
+        await settle()
+    assert order == ["oldest", "newer 0", "newer 1"]
+    gate.release()
+    await asyncio.gather(*tasks)
+
+
+async def test_the_enricher_serves_oldest_first_the_classes_it_gives_no_budget() -> None:
+    client = LLMClient(ClientConfig(endpoints=["http://127.0.0.1:9"]))
+    unbounded = OverloadSettings(urgent_max_wait_s=None)
+    assert Enricher(client, EnrichmentSettings(overload=unbounded)).gate.unbounded_classes == {URGENT_CLASS}
+    assert Enricher(client, EnrichmentSettings()).gate.unbounded_classes == frozenset()
 
 
 async def test_an_evicted_waiter_leaves_without_a_slot_and_the_next_one_gets_it() -> None:
