@@ -108,7 +108,7 @@ class Enricher:
         )
         # Never past the client's own slots: a prompt admitted beyond them would wait at the client in
         # arrival order, out of the gate's priority order and its wait budgets, unseen by the limit.
-        slots = client.config.max_in_flight
+        slots = self._slots = client.config.max_in_flight
         fixed = overload.max_in_flight
         self.gate = AdmissionGate(
             (lambda: min(self.fleet_limit(), slots)) if fixed is None else (lambda: min(fixed, slots)),
@@ -225,7 +225,10 @@ class Enricher:
             usage = result.usage
             if self.client.config.stream:  # unstreamed, the first token's time is the whole answer's
                 token_ms = (result.latency_ms - result.ttft_ms) / max(1, usage.completion_tokens - 1)
-                self.fleet_limit.observe(result.ttft_ms, demand=self.gate.waiting > 0, token_ms=token_ms)
+                # Demand raises the limit only where the limit is what holds prompts back: past the
+                # client's slots it grew on (to 64 a replica), and a cut then took seconds to bite.
+                demand = self.gate.waiting > 0 and self.fleet_limit() < self._slots
+                self.fleet_limit.observe(result.ttft_ms, demand=demand, token_ms=token_ms)
             self.tokens.landed(
                 usage.prompt_tokens,
                 usage.cached_tokens,

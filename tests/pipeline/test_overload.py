@@ -399,6 +399,24 @@ async def test_answers_not_streamed_do_not_cut_the_admission_limit() -> None:
             assert (enrich.gate.limit, enrich.fleet_limit.cuts) == (16, 0)
 
 
+async def test_the_limit_does_not_grow_past_the_clients_slots() -> None:
+    """Prompts wait at the gate because the client has four slots, not because of the adaptive limit
+    (16 for one replica). Every fast answer with prompts waiting raised the limit all the same, up to
+    64 a replica, so when the replica then queued, each cut (x0.75, one per ``cut_interval_s``) began
+    far above what was admitted, and the first that took effect came seconds late."""
+    async with (
+        running_simulator(time_scale=0.01) as sim,
+        LLMClient(client_config(sim.url, max_in_flight=4)) as client,
+    ):
+        enrich = enricher(client, freshness_target_s=WAIT_S, urgent_max_wait_s=WAIT_S)
+        start = enrich.fleet_limit()
+        prompts = [Shopper(f"s-slots-{i}").cart() for i in range(40)]
+        results = await asyncio.gather(*(enrich.enrich(prompt) for prompt in prompts))
+        assert all(isinstance(r, ShopperInsight) for r in results)
+        assert enrich.gate.limit == 4
+        assert enrich.fleet_limit() == start == 16, "the limit grew while the client's slots held"
+
+
 async def test_a_prompt_still_waiting_to_be_sent_is_displaced_as_queued() -> None:
     """Admitted by the gate, a prompt can still wait for the client's slot (held here by another
     caller), a routable replica or a retry's backoff. It was marked in flight at admission: displaced
