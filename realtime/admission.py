@@ -9,9 +9,10 @@ microseconds, leaving the CPU to the requests that can.
 
 The estimate, all in seconds:
 
-- ``waited``: how old the request is when its handler starts. From ``X-Request-Start`` when the caller
-  sends it (``request_age_s``); else the event loop's current lag (``LoopLag.current_s``, its worst
-  over the last ~100 ms), about how long a request sat in the socket before the loop got to it;
+- ``waited``: how old the request is once its body is read. Its age when its handler started, from
+  ``X-Request-Start`` when the caller sends it (``request_age_s``), else the event loop's current lag
+  (``LoopLag.current_s``, its worst over the last ~100 ms, about how long a request sat in the socket
+  before the loop got to it); plus the time the handler took to read the body;
 - ``lag``: that lag again, for the answer's own wait before it is written;
 - ``reserve``: ``answer_reserve_ms``, kept back to build and write the answer;
 - ``own``: how long the service's own work takes now, the median of recent answers' time not spent

@@ -29,6 +29,10 @@ _JSON_TYPES = frozenset(("application/json", "application/octet-stream"))
 
 async def match(request: web.Request) -> web.Response:
     arrived = time.perf_counter()
+    # The age at arrival, read before the body: admission adds the time since ``arrived`` (a body that
+    # trickles in spends the deadline too), and the match counts from ``arrived - waited_s``; an age read
+    # after the body counted its read twice there.
+    waited_s = request_age_s(request.headers.get("X-Request-Start"))
     service = request.app[SERVICE_KEY]
     if request.content_type not in _JSON_TYPES:
         service.metrics.rejected.labels("unsupported_media_type").inc()
@@ -40,8 +44,7 @@ async def match(request: web.Request) -> web.Response:
     except orjson.JSONDecodeError as exc:
         service.metrics.rejected.labels("invalid_json").inc()
         return error_response(400, "invalid_json", f"the body is not valid JSON: {exc}")
-    waited_s = request_age_s(request.headers.get("X-Request-Start"))
-    refused = service.refusal(service.deadline_ms(data), waited_s)
+    refused = service.refusal(service.deadline_ms(data), waited_s, time.perf_counter() - arrived)
     if refused is not None:
         # 429, not 503: a refusal by design, with the same Retry-After contract as the rate limit; a 5xx
         # stays what it says, a failure of the service.

@@ -121,14 +121,19 @@ class MatchService:
             return value
         return self.settings.default_deadline_ms
 
-    def refusal(self, deadline_ms: int, waited_s: float | None) -> tuple[float, str] | None:
+    def refusal(
+        self, deadline_ms: int, waited_s: float | None, handled_s: float = 0.0
+    ) -> tuple[float, str] | None:
         """None to admit; else (``Retry-After`` seconds, why) for a request that cannot be answered
-        within ``deadline_ms`` (``realtime.admission``). ``waited_s``: its age by ``X-Request-Start``.
+        within ``deadline_ms`` (``realtime.admission``). ``waited_s``: its age at arrival by
+        ``X-Request-Start`` (None: the loop's lag stands in); ``handled_s``: the time since its handler
+        started, the body's read above all, added either way: a body arriving 400 ms after its headers
+        was admitted against a 300 ms deadline and answered late.
         Every request asked about counts in the load meter, refused or not: the demand the capacity
         controller sees (``realtime.shifting``) includes what could not be served."""
         self.load.hit(time.time())
         lag_s = self.lag.current_s
-        waited = lag_s if waited_s is None else waited_s
+        waited = (lag_s if waited_s is None else waited_s) + handled_s
         now = time.monotonic()
         retry_after = self.admission.refusal(waited, deadline_ms / 1000, lag_s, now)
         if retry_after is None:

@@ -8,6 +8,7 @@ import asyncio
 import time
 from typing import Any
 
+import orjson
 import pytest
 
 from devstack.stack import StackState
@@ -208,3 +209,71 @@ async def test_the_model_is_not_asked_when_less_time_is_left_than_it_takes(isola
         assert body["llm_ms"] is None, "a call that would be cancelled at the deadline is not made"
         metrics = await (await client.get("/metrics")).text()
         assert _metric(metrics, "realtime_llm_seconds_count") == learn
+
+
+async def _post_with_a_slow_body(
+    client: Any, body: dict[str, Any], pause_s: float, headers: dict[str, str] | None = None
+) -> tuple[int, dict[str, str], bytes]:
+    """``POST /v1/match`` over a raw socket: the request line and headers, then the body ``pause_s``
+    later, as a slow or congested caller sends it (an HTTP client library sends both at once)."""
+    data = orjson.dumps(body)
+    lines = [
+        "POST /v1/match HTTP/1.1",
+        f"Host: {client.server.host}:{client.server.port}",
+        "Content-Type: application/json",
+        f"Content-Length: {len(data)}",
+        "Connection: close",
+        *(f"{name}: {value}" for name, value in (headers or {}).items()),
+    ]
+    reader, writer = await asyncio.open_connection(client.server.host, client.server.port)
+    try:
+        writer.write(("\r\n".join(lines) + "\r\n\r\n").encode())
+        await writer.drain()
+        await asyncio.sleep(pause_s)
+        writer.write(data)
+        await writer.drain()
+        async with asyncio.timeout(10):
+            raw = await reader.read()  # to the end: the server closes (Connection: close)
+    finally:
+        writer.close()
+        await writer.wait_closed()
+    head, _, payload = raw.partition(b"\r\n\r\n")
+    status_line, *header_lines = head.decode().split("\r\n")
+    answer_headers = {k.strip().lower(): v.strip() for k, _, v in (h.partition(":") for h in header_lines)}
+    return int(status_line.split()[1]), answer_headers, payload
+
+
+async def test_a_body_that_arrives_too_late_is_refused_without_x_request_start(
+    stack: StackState, isolated: Isolated
+) -> None:
+    """The body's read spends the deadline too: without ``X-Request-Start`` only the loop's lag counted
+    as the request's age, so a body 400 ms behind its headers was admitted against a 300 ms deadline
+    and answered late (200, ``degraded: deadline``)."""
+    body = {"shopper_id": "s1", "candidates": CANDIDATES, "deadline_ms": 300}
+    async with realtime_service(isolated, stack.llm_endpoints, stack.model) as client:
+        status, headers, payload = await _post_with_a_slow_body(client, body, pause_s=0.4)
+        assert status == 429, payload
+        assert int(headers["retry-after"]) >= 1
+        error = ErrorResponse.model_validate_json(payload)
+        assert error.error.type == "overloaded" and "deadline" in error.error.message
+        metrics = await (await client.get("/metrics")).text()
+        assert _metric(metrics, "realtime_requests_total") == 0, "refused before the match"
+        # The same slow body with time to spare is admitted.
+        status, _, payload = await _post_with_a_slow_body(client, {**body, "deadline_ms": 5000}, pause_s=0.4)
+        assert status == 200, payload
+
+
+async def test_a_slow_body_with_x_request_start_counts_its_read_once(
+    stack: StackState, isolated: Isolated
+) -> None:
+    """With ``X-Request-Start`` the age was read after the body, and the match counted from its arrival
+    less that age: a 400 ms read spent 800 ms of a 700 ms deadline, and the model was not asked."""
+    body = {"shopper_id": "s1", "candidates": CANDIDATES, "deadline_ms": 700}
+    async with realtime_service(isolated, stack.llm_endpoints, stack.model) as client:
+        status, _, payload = await _post_with_a_slow_body(
+            client, body, pause_s=0.4, headers={"X-Request-Start": f"t={time.time():.3f}"}
+        )
+        assert status == 200, payload
+        answer = MatchResponse.model_validate_json(payload)
+        assert answer.llm_ms is not None, f"about 285 ms were left for the model: {answer}"
+        assert answer.elapsed_ms > 350  # the read is in the time it took
