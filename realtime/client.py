@@ -1,11 +1,13 @@
 """The lightweight client ad servers embed: ``MatchClient`` (asyncio, aiohttp) and ``SyncMatchClient``
 (standard library only, one keep-alive connection, for threaded servers).
 
-Both send ``POST /v1/match`` and return a ``MatchResponse``; a degraded answer is still an answer
-(check ``response.degraded``). A 4xx raises ``MatchRejected`` with the service's error body (do not
-retry it); no answer within the transport timeout (deadline plus ``slack_ms``) raises
-``MatchUnavailable`` (fall back to the ad server's own ranking), and so does a refusal by deadline-aware
-admission (429 ``overloaded``: ``MatchOverloaded``, with the ``Retry-After`` to send less for).
+Both send ``POST /v1/match`` (with ``api_key``, when given, as ``X-API-Key``) and return a
+``MatchResponse``; a degraded answer is still an answer (check ``response.degraded``). A 4xx other than
+429 raises ``MatchRejected`` with the service's error body (do not retry it); no answer within the
+transport timeout (deadline plus ``slack_ms``), or a 200 that is not a ``MatchResponse``, raises
+``MatchUnavailable`` (fall back to the ad server's own ranking), and so does a 429: a refusal by
+deadline-aware admission (``overloaded``: ``MatchOverloaded``) or by the rate limit (``rate_limited``:
+``MatchRateLimited``), with the ``Retry-After`` to send less for.
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ class MatchClientError(ShopperError):
 
 
 class MatchRejected(MatchClientError):
-    """The service refused the request (4xx): fix the request, do not retry it."""
+    """The service refused the request (4xx but 429): fix the request, do not retry it."""
 
     def __init__(self, status: int, error: ErrorResponse | None, raw: bytes) -> None:
         message = error.error.message if error else raw[:200].decode(errors="replace")
@@ -40,7 +42,8 @@ class MatchRejected(MatchClientError):
 
 
 class MatchUnavailable(MatchClientError):
-    """No usable answer in time (connection failed, timed out, 5xx, or refused as overloaded)."""
+    """No usable answer in time (connection failed, timed out, 5xx, a 200 that is not an answer, or a
+    429)."""
 
 
 class MatchOverloaded(MatchUnavailable):
@@ -52,6 +55,12 @@ class MatchOverloaded(MatchUnavailable):
         self.retry_after_s = retry_after_s
 
 
+class MatchRateLimited(MatchOverloaded):
+    """This client sent more than its rate (429 ``rate_limited``): the same contract as a refusal by
+    admission, so a ``MatchOverloaded`` (a caller backing off on one backs off on the other); it was
+    a ``MatchRejected``, which said never to retry a request that only came too soon."""
+
+
 def _body(shopper_id: str, query: str, candidates: Sequence[CandidateLike], deadline_ms: int | None) -> bytes:
     items = [c.model_dump(exclude_none=True) if isinstance(c, Candidate) else c for c in candidates]
     payload: dict[str, Any] = {"shopper_id": shopper_id, "query": query, "candidates": items}
@@ -60,16 +69,30 @@ def _body(shopper_id: str, query: str, candidates: Sequence[CandidateLike], dead
     return orjson.dumps(payload)
 
 
+def _headers(api_key: str | None) -> dict[str, str]:
+    headers = {"Content-Type": "application/json"}
+    if api_key:
+        headers["X-API-Key"] = api_key
+    return headers
+
+
 def _parse(status: int, raw: bytes, retry_after: str | None = None) -> MatchResponse:
     if status == 200:
-        return MatchResponse.model_validate_json(raw)
+        try:
+            return MatchResponse.model_validate_json(raw)
+        except ValueError:  # pydantic's ValidationError: not an error the caller is told to expect
+            text = raw[:200].decode(errors="replace")
+            raise MatchUnavailable(f"HTTP 200 that is not a match answer: {text}") from None
     if 400 <= status < 500:
         try:
             error = ErrorResponse.model_validate_json(raw)
         except ValueError:
             error = None
-        if error is not None and error.error.type == "overloaded":
-            raise MatchOverloaded(f"HTTP {status}: {error.error.message}", _seconds(retry_after))
+        if status == 429:  # a refusal to come back from, whichever its type: never MatchRejected
+            message = f"HTTP {status}: {error.error.message if error else raw[:200].decode(errors='replace')}"
+            if error is not None and error.error.type == "overloaded":
+                raise MatchOverloaded(message, _seconds(retry_after))
+            raise MatchRateLimited(message, _seconds(retry_after))
         raise MatchRejected(status, error, raw)
     raise MatchUnavailable(f"HTTP {status}: {raw[:200].decode(errors='replace')}")
 
@@ -82,12 +105,21 @@ def _seconds(retry_after: str | None) -> float:
 
 
 class MatchClient:
-    """Async client; share one per process (it pools connections)."""
+    """Async client; share one per process (it pools connections). ``api_key``: for a service with
+    ``REALTIME_API_KEYS`` set, which answers 401 without one."""
 
-    def __init__(self, base_url: str, *, default_deadline_ms: int = 300, slack_ms: int = 50) -> None:
+    def __init__(
+        self,
+        base_url: str,
+        *,
+        default_deadline_ms: int = 300,
+        slack_ms: int = 50,
+        api_key: str | None = None,
+    ) -> None:
         self.base_url = base_url.rstrip("/")
         self.default_deadline_ms = default_deadline_ms
         self.slack_ms = slack_ms
+        self._headers = _headers(api_key)
         self._session: aiohttp.ClientSession | None = None
 
     async def __aenter__(self) -> MatchClient:
@@ -120,7 +152,7 @@ class MatchClient:
             async with self._session_or_new().post(
                 self.base_url + "/v1/match",
                 data=_body(shopper_id, query, candidates, deadline_ms),
-                headers={"Content-Type": "application/json"},
+                headers=self._headers,
                 timeout=aiohttp.ClientTimeout(total=timeout),
             ) as response:
                 raw = await response.read()
@@ -132,15 +164,24 @@ class MatchClient:
 
 
 class SyncMatchClient:
-    """Blocking client over one keep-alive connection; not thread-safe (use one per thread)."""
+    """Blocking client over one keep-alive connection; not thread-safe (use one per thread).
+    ``api_key`` as for ``MatchClient``."""
 
-    def __init__(self, base_url: str, *, default_deadline_ms: int = 300, slack_ms: int = 50) -> None:
+    def __init__(
+        self,
+        base_url: str,
+        *,
+        default_deadline_ms: int = 300,
+        slack_ms: int = 50,
+        api_key: str | None = None,
+    ) -> None:
         parts = urlsplit(base_url)
         if parts.scheme != "http" or not parts.hostname:
             raise ConfigurationError(f"{base_url!r}: expected http://host:port")
         self.host, self.port = parts.hostname, parts.port or 80
         self.default_deadline_ms = default_deadline_ms
         self.slack_ms = slack_ms
+        self._headers = _headers(api_key)
         self._conn: http.client.HTTPConnection | None = None
 
     def __enter__(self) -> SyncMatchClient:
@@ -178,9 +219,7 @@ class SyncMatchClient:
             if self._conn.sock is not None:
                 self._conn.sock.settimeout(left)
             try:
-                self._conn.request(
-                    "POST", "/v1/match", body=body, headers={"Content-Type": "application/json"}
-                )
+                self._conn.request("POST", "/v1/match", body=body, headers=self._headers)
                 response = self._conn.getresponse()
                 raw = response.read()
                 return _parse(response.status, raw, response.getheader("Retry-After"))
