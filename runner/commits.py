@@ -22,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import time
+import uuid
 from typing import TYPE_CHECKING
 
 from confluent_kafka import TopicPartition
@@ -102,12 +103,13 @@ class Committer:
             return lease, []
         deltas = [d for epoch in ready for d in epoch.deltas]
         fenced: list[SessionsFenced] = []
+        save_id = uuid.uuid4().hex  # one for every try of this save: a retry applies it at most once
 
         async def save() -> int:
             if runner.assignment.lease != lease:  # handed over while the sinks flushed
                 return 0
             try:
-                return await runner.store.save(deltas, runner.ownership.tokens(lease))
+                return await runner.store.save(deltas, runner.ownership.tokens(lease), save_id)
             except SessionsFenced as refused:  # a newer owner holds them: not a store failure to retry
                 fenced.append(refused)
                 return 0

@@ -78,19 +78,23 @@ def merge_deltas(deltas: Iterable[SessionDelta]) -> dict[str, _MergedDelta]:
 
 
 # KEYS: per shopper its header and log key, then the timer keys, then the owner keys of the partitions
-# written. ARGV: ttl, shopper count, owner count, then per owner key the token this save holds (its
-# partition's number follows it), then per shopper: 'r' (rewrite) or 'a' (append), header, timer key
-# index, 'z' (arm) or 'x' (clear), shopper id, wall deadline, and its new entries as one argument,
-# joined by NUL (ENTRY_SEPARATOR). Nothing is written unless every token is still its partition's; else
-# the partitions whose token is not come back as a list. A token key Redis no longer holds (restarted
-# without persistence, a failover that lost it) is set back to the saver's: no newer owner took the
-# partition since (a take sets it), and a save fenced for ever would stop the member's commits. RPUSH
-# in chunks: Lua's unpack has a bounded stack.
+# written, then the save's mark. ARGV: ttl, shopper count, owner count, then per owner key the token
+# this save holds (its partition's number follows it), then per shopper: 'r' (rewrite) or 'a' (append),
+# header, timer key index, 'z' (arm) or 'x' (clear), shopper id, wall deadline, and its new entries as
+# one argument, joined by NUL (ENTRY_SEPARATOR), then the mark's TTL. Nothing is written unless every
+# token is still its partition's; else the partitions whose token is not come back as a list. A token
+# key Redis no longer holds (restarted without persistence, a failover that lost it) is set back to the
+# saver's: no newer owner took the partition since (a take sets it), and a save fenced for ever would
+# stop the member's commits. RPUSH in chunks: Lua's unpack has a bounded stack. A save whose mark is
+# set was applied already (its reply lost to the client's timeout, then retried): nothing is written
+# again, since its appends are not idempotent.
 _SAVE_LUA = """
+local mark = KEYS[#KEYS]
+if redis.call('EXISTS', mark) == 1 then return tonumber(ARGV[2]) end
 local ttl = ARGV[1]
 local shoppers = tonumber(ARGV[2])
 local owners = tonumber(ARGV[3])
-local first_owner = #KEYS - owners
+local first_owner = #KEYS - 1 - owners
 local fenced, forgotten = {}, {}
 for j = 1, owners do
   local held = redis.call('GET', KEYS[first_owner + j])
@@ -126,8 +130,14 @@ for i = 1, shoppers do
   end
   a = a + 7
 end
+redis.call('SET', mark, '1', 'EX', ARGV[#ARGV])
 return shoppers
 """
+
+SAVE_MARK_TTL_S = 3600
+"""How long a save's mark stays (``RedisKeys.session_save``): past any retry of it (``sink_retry``
+gives up after 120 s by default). Without the mark, a save whose reply came after the client's socket
+timeout had applied, and its retry appended the same entries again: a session listed events twice."""
 
 ENTRY_SEPARATOR = b"\x00"
 """Between a shopper's entries in one script argument. A stored entry is JSON (``SessionEntry.to_json``:
@@ -263,11 +273,15 @@ class RedisSessionStore:
         await self.redis.set(self.keys.session_owner(partition), token)
         return token
 
-    async def save(self, deltas: Iterable[SessionDelta], owner_tokens: Mapping[int, str]) -> int:
+    async def save(
+        self, deltas: Iterable[SessionDelta], owner_tokens: Mapping[int, str], save_id: str | None = None
+    ) -> int:
         """Apply deltas in order (one script call, one round trip, all or nothing), each shopper's
         timer following its last delta (``SessionDelta.wall_deadline``), if ``owner_tokens`` (partition
         -> token, ``take_ownership``) still holds the newest token of every partition written; else
-        ``SessionsFenced`` and nothing written. Returns the number of shoppers written."""
+        ``SessionsFenced`` and nothing written. Returns the number of shoppers written. ``save_id``: the
+        same for every try of one save, so a try after one that applied but whose reply was lost
+        writes nothing (None: a fresh one, for a caller that does not retry)."""
         merged = merge_deltas(deltas)
         if not merged:
             return 0
@@ -297,6 +311,8 @@ class RedisSessionStore:
             ]
         keys += [self._timers(partition) for partition in timer_keys]  # dicts keep insertion order
         keys += [self.keys.session_owner(partition) for partition in written]
+        keys.append(self.keys.session_save(save_id or uuid.uuid4().hex))
+        args.append(SAVE_MARK_TTL_S)
         outcome = await self._save_script(keys=keys, args=args)
         if isinstance(outcome, list):
             raise SessionsFenced([int(p) for p in outcome], "a newer owner took it")

@@ -55,6 +55,11 @@ class RedisKeys:
         one key per partition."""
         return f"{self.prefix}session_owner:{partition}"
 
+    def session_save(self, save_id: str) -> str:
+        """String: set by the session save ``save_id`` as it applies, so that its retry applies nothing
+        (``runner.session_store.SAVE_MARK_TTL_S``)."""
+        return f"{self.prefix}session_save:{save_id}"
+
     # ---- batch jobs and capacity shifting ----
     def batch_lease(self, job_id: str) -> str:
         return f"{self.prefix}batch:lease:{job_id}"

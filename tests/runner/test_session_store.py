@@ -7,16 +7,23 @@ from __future__ import annotations
 import json
 import time
 import uuid
+from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 import orjson
 import pytest
+import redis.asyncio as aioredis
+from redis.exceptions import TimeoutError as RedisTimeoutError
 
+from devstack.stack import StackState
 from devstack.synthetic import SyntheticStream
 from prompt_assembly.events import parse_event
 from prompt_assembly.processor import SessionConfig, SessionProcessor
 from prompt_assembly.session import ShopperSession
 from runner.session_store import RedisSessionStore, SessionDelta, SessionsFenced, merge_deltas
+from tests.fault_kit import TcpProxy
+from tests.helpers import until
 from tests.runner.kit import view
 
 
@@ -232,3 +239,44 @@ async def test_a_token_redis_has_lost_is_restored_by_its_owners_save(redis_clien
         keys = [key async for key in redis_client.scan_iter(f"{store.keys.prefix}*")]
         if keys:
             await redis_client.delete(*keys)
+
+
+async def test_a_save_tried_again_after_its_reply_was_lost_is_applied_once(
+    redis_client: Any, stack: StackState, tmp_path: Path
+) -> None:
+    """A save sent over a stalled link (a socat proxy held with SIGSTOP) times out at the client
+    (``SINK_REDIS_TIMEOUT_S``), lands when the link comes back, and is tried again, as the runner's
+    durable point retries it. Its appends ran twice: the log held every entry twice, and a restored
+    session listed its events twice. Tried again under the same ``save_id``, it writes nothing."""
+    proxy = TcpProxy(tmp_path, urlsplit(stack.redis_url).port or 6379, name="redis-proxy")
+    proxy.start()
+    prefix = f"test-store-{uuid.uuid4().hex[:8]}:"
+    via_proxy = aioredis.Redis.from_url(f"redis://127.0.0.1:{proxy.port}/0", socket_timeout=0.5)
+    store = RedisSessionStore(via_proxy, prefix)
+    processor = SessionProcessor()
+    try:
+        tokens = {0: await store.take_ownership(0)}
+        session = processor.new_session("retried")
+        for i in range(3):
+            processor.apply(session, parse_event(view("retried", time.time() - 60 + i)))
+        deltas = [SessionDelta("retried", 0, session.take_changes(), None)]
+        proxy.hold()
+        with pytest.raises(RedisTimeoutError):
+            await store.save(deltas, tokens, "save-1")
+        proxy.release()
+        direct = RedisSessionStore(redis_client, prefix)
+        await until(lambda: _has_session(direct, "retried"))  # the first try lands
+        assert await store.save(deltas, tokens, "save-1") == 1  # the retry
+        loaded = (await direct.load_many(["retried"]))["retried"]
+        assert _stored_view(loaded) == _stored_view(session)
+        assert len(loaded.entries) == 3
+    finally:
+        proxy.stop()
+        await via_proxy.aclose()
+        keys = [key async for key in redis_client.scan_iter(f"{prefix}*")]
+        if keys:
+            await redis_client.delete(*keys)
+
+
+async def _has_session(store: RedisSessionStore, shopper_id: str) -> bool:
+    return shopper_id in await store.load_many([shopper_id])
