@@ -25,10 +25,11 @@ class RealtimeSettings(BaseSettings):
     )
     redis_timeout_ms: float = Field(40.0, gt=0, description="signal reads give up after this (fallback data)")
     max_late_reads: int = Field(
-        64,
+        256,
         ge=0,
         description="signal reads given up on but left to finish, keeping their connections; past this "
-        "they are cancelled (their connections closed), so a stalled Redis cannot pile up connections",
+        "they are cancelled (their connections closed), so a stalled Redis cannot pile up connections. "
+        "Room for a busy Redis: at 400 requests/s every read may finish 0.6 s late before it bites",
     )
     llm_top_k: int = Field(3, ge=1, le=50, description="candidates the model ranks and explains (the head)")
     llm_max_tokens: int = Field(64, ge=16, description="answer budget of a ranking call (~20 a candidate)")
