@@ -97,14 +97,13 @@ async def fleet() -> AsyncIterator[SimulatorFleet]:
         yield replicas
 
 
-@pytest.fixture
-async def http() -> AsyncIterator[aiohttp.ClientSession]:
-    async with aiohttp.ClientSession() as session:
-        yield session
-
-
 def chat_body(content: str, **fields: Any) -> dict[str, Any]:
     return {"model": "qwen2.5-32b-sim", "messages": [{"role": "user", "content": content}], **fields}
+
+
+async def scrape(http: aiohttp.ClientSession, url: str) -> str:
+    async with http.get(url + "/metrics") as r:
+        return await r.text()
 
 
 def metric(text: str, name: str, **labels: str) -> float:
@@ -971,8 +970,8 @@ async def test_a_replayed_prompt_with_other_messages_under_the_same_id_is_a_call
 
 
 @asynccontextmanager
-async def replica_closing_late(linger_s: float) -> AsyncIterator[tuple[str, list[str]]]:
-    """A replica that streams an answer to its ``data: [DONE]`` and holds the stream open ``linger_s``
+async def replica_streaming(events: bytes, linger_s: float = 0.0) -> AsyncIterator[tuple[str, list[str]]]:
+    """A replica that streams ``events`` (SSE bytes) to every call and holds the stream open ``linger_s``
     more before closing it (a busy server, a proxy that closes late); yields its URL and the session
     header of each call it got."""
     calls: list[str] = []
@@ -982,13 +981,19 @@ async def replica_closing_late(linger_s: float) -> AsyncIterator[tuple[str, list
         calls.append(request.headers.get("x-session-id", ""))
         response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
         await response.prepare(request)
-        chunk = {"object": "chat.completion.chunk", "choices": [{"index": 0, "delta": {"content": "ok"}}]}
-        await response.write(b"data: " + orjson.dumps(chunk) + b"\n\ndata: [DONE]\n\n")
+        await response.write(events)
         await asyncio.sleep(linger_s)
         return response
 
     async with replica_answering(chat) as url:
         yield url, calls
+
+
+ONE_TOKEN_STREAM = (
+    b"data: "
+    + orjson.dumps({"object": "chat.completion.chunk", "choices": [{"index": 0, "delta": {"content": "ok"}}]})
+    + b"\n\ndata: [DONE]\n\n"
+)
 
 
 async def test_an_answer_read_to_its_done_line_is_not_superseded_by_the_sessions_next_call(
@@ -999,7 +1004,10 @@ async def test_an_answer_read_to_its_done_line_is_not_superseded_by_the_sessions
     key, as a replay that rebuilt a timer-fired prompt sends) superseded the first call, still open, and
     cancelled it: its answer, already with its caller, was not kept, so a repeat of its key paid for
     it again (found by the project's CI, where the replica's close came late)."""
-    async with replica_closing_late(1.0) as (url, calls), running_gateway([url], "session_affinity") as gw:
+    async with (
+        replica_streaming(ONE_TOKEN_STREAM, 1.0) as (url, calls),
+        running_gateway([url], "session_affinity") as gw,
+    ):
 
         async def call(key: str) -> str | None:
             headers = {"x-session-id": "s-1", "x-session-version": "3.7", "Idempotency-Key": key}

@@ -8,12 +8,9 @@ answer, so a replica sending them is quarantined. An empty key is no key.
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
-
 import aiohttp
 import orjson
 import pytest
-from aiohttp import web
 
 from llm_client.answer_health import AnswerHealthSettings
 from serving.simulator.testing import running_simulator
@@ -23,8 +20,9 @@ from tests.gateway.test_gateway import (
     chat_body,
     key_for,
     metric,
-    replica_answering,
+    replica_streaming,
     running_gateway,
+    scrape,
     sid,
 )
 from tests.helpers import collector_off
@@ -32,17 +30,6 @@ from tests.helpers import collector_off
 CHAT = "/v1/chat/completions"
 HEALTH = AnswerHealthSettings(window=10, min_invalid=3, invalid_share=0.5, cooldown_s=60)
 """Three bad answers in a window of ten quarantine; no probe comes back within a test."""
-
-
-@pytest.fixture
-async def http() -> AsyncIterator[aiohttp.ClientSession]:
-    async with aiohttp.ClientSession() as session:
-        yield session
-
-
-async def scrape(http: aiohttp.ClientSession, url: str) -> str:
-    async with http.get(url + "/metrics") as r:
-        return await r.text()
 
 
 async def test_a_broken_200_is_not_kept_for_its_key_and_quarantines_its_replica(
@@ -89,18 +76,12 @@ async def test_a_stream_with_an_error_event_is_not_kept_for_its_key(http: aiohtt
     """A 200 stream carrying an ``error`` event (a replica that failed mid-generation and said so) was
     kept for its key like a whole answer: every repeat got the error back without a call. A replica of
     the test's own: the simulator has no fault that sends an error event inside a stream."""
-    calls: list[str] = []
-
-    async def failing_stream(request: web.Request) -> web.StreamResponse:
-        await request.read()
-        calls.append(request.headers.get("x-session-id", ""))
-        response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
-        await response.prepare(request)
-        error = {"error": {"message": "engine ran out of KV blocks", "type": "InternalServerError"}}
-        await response.write(b"data: " + orjson.dumps(error) + b"\n\ndata: [DONE]\n\n")
-        return response
-
-    async with replica_answering(failing_stream) as url, running_gateway([url], "round_robin") as gw:
+    error = {"error": {"message": "engine ran out of KV blocks", "type": "InternalServerError"}}
+    failing_stream = b"data: " + orjson.dumps(error) + b"\n\ndata: [DONE]\n\n"
+    async with (
+        replica_streaming(failing_stream) as (url, calls),
+        running_gateway([url], "round_robin") as gw,
+    ):
         keyed = {"Idempotency-Key": "job:shopper:2"}
         body = chat_body("hi there", max_tokens=5, stream=True)
         for _ in range(2):

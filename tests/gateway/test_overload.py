@@ -29,7 +29,7 @@ from llm_client.client import LLMClient
 from llm_client.config import ClientConfig
 from llm_client.errors import SupersededByNewer
 from serving.simulator.launch import REPO_ROOT, SimulatorFleet
-from tests.gateway.test_gateway import TIME_SCALE, chat_body, metric, running_gateway
+from tests.gateway.test_gateway import TIME_SCALE, chat_body, metric, running_gateway, scrape
 
 CHAT = "/v1/chat/completions"
 LONG = {"max_tokens": 600, "ignore_eos": True}
@@ -46,17 +46,6 @@ PATIENT = {"high": 60.0, "normal": 60.0, "low": 60.0}
 async def replica() -> AsyncIterator[str]:
     async with SimulatorFleet(1, "--time-scale", TIME_SCALE) as fleet:
         yield fleet.urls[0]
-
-
-@pytest.fixture
-async def http() -> AsyncIterator[aiohttp.ClientSession]:
-    async with aiohttp.ClientSession() as session:
-        yield session
-
-
-async def scrape(http: aiohttp.ClientSession, url: str) -> str:
-    async with http.get(url + "/metrics") as r:
-        return await r.text()
 
 
 async def until(check: Callable[[], Awaitable[bool]], what: str) -> None:

@@ -4,11 +4,13 @@ cancelled at any point holds no slot, and ranks are served smallest first."""
 from __future__ import annotations
 
 import asyncio
+import itertools
+from collections.abc import Callable
 from typing import get_args
 
 from llm_client.client import LLMClient
 from llm_client.config import ClientConfig
-from pipeline.admission import URGENT_CLASS, AdmissionGate, Evicted
+from pipeline.admission import URGENT_CLASS, AdmissionGate, Evicted, Rank
 from pipeline.enrichment import Enricher, EnrichmentSettings
 from pipeline.overload import OverloadSettings
 from prompt_assembly.records import PromptRequest, TriggerReason, request_id
@@ -110,30 +112,37 @@ async def test_a_standing_queue_is_served_newest_first_within_its_class() -> Non
     assert await admitted_order(lifo_after_s=None) == [2, 3, 4, 1]
 
 
+async def order_under_a_trickle(gate: AdmissionGate, clock: Clock, rank: Callable[[], Rank]) -> list[str]:
+    """The slot held, the oldest prompt waits; then, three times, a newer one arrives 2 s later (the
+    queue stands) and a slot comes free. The prompts admitted by then, in order."""
+    await gate.acquire((-1, -1))
+    order: list[str] = []
+
+    async def one(name: str) -> None:
+        await gate.acquire(rank())
+        order.append(name)
+
+    tasks = [asyncio.create_task(one("oldest"))]
+    await settle()
+    for n in range(3):
+        clock.now += 2.0
+        tasks.append(asyncio.create_task(one(f"newer {n}")))
+        await settle()
+        gate.release()
+        await settle()
+    admitted = list(order)  # three slots came free: three admitted, the fourth still waits
+    gate.release()
+    await asyncio.gather(*tasks)
+    return admitted
+
+
 async def test_the_backfill_is_served_oldest_first_even_while_its_queue_stands() -> None:
     """Backfilled prompts are all past their wait budget. Served newest first once their queue stood,
     a trickle of newer ones kept the oldest waiting (its epoch uncommitted, its sessions pinned) for as
     long as the trickle lasted."""
     clock = Clock()
     gate = AdmissionGate(lambda: 1, by_priority=True, lifo_after_s=1.0, clock=clock)
-    await gate.acquire((0, 0))
-    order: list[str] = []
-
-    async def one(name: str) -> None:
-        await gate.acquire(gate.backfill_rank())
-        order.append(name)
-
-    tasks = [asyncio.create_task(one("oldest"))]
-    await settle()
-    for n in range(3):  # each turn: a newer backfilled prompt, then a slot comes free
-        clock.now += 2.0
-        tasks.append(asyncio.create_task(one(f"newer {n}")))
-        await settle()
-        gate.release()
-        await settle()
-    assert order == ["oldest", "newer 0", "newer 1"]
-    gate.release()
-    await asyncio.gather(*tasks)
+    assert await order_under_a_trickle(gate, clock, gate.backfill_rank) == ["oldest", "newer 0", "newer 1"]
 
 
 async def test_a_class_no_budget_bounds_is_served_oldest_first_even_while_its_queue_stands() -> None:
@@ -141,31 +150,13 @@ async def test_a_class_no_budget_bounds_is_served_oldest_first_even_while_its_qu
     newest first once their queue stood, arrivals that kept up with the fleet kept the oldest waiting
     for good (its epoch uncommitted), where the docs say their queue only grows while they exceed it."""
     clock = Clock()
+    unbounded = frozenset({URGENT_CLASS})
     gate = AdmissionGate(
-        lambda: 1,
-        by_priority=True,
-        lifo_after_s=1.0,
-        unbounded_classes=frozenset({URGENT_CLASS}),
-        clock=clock,
+        lambda: 1, by_priority=True, lifo_after_s=1.0, unbounded_classes=unbounded, clock=clock
     )
-    await gate.acquire((URGENT_CLASS, 0))
-    order: list[str] = []
-
-    async def one(name: str, arrival: int) -> None:
-        await gate.acquire((URGENT_CLASS, arrival))
-        order.append(name)
-
-    tasks = [asyncio.create_task(one("oldest", 1))]
-    await settle()
-    for n in range(3):  # each turn: a newer cart add, then a slot comes free
-        clock.now += 2.0
-        tasks.append(asyncio.create_task(one(f"newer {n}", 2 + n)))
-        await settle()
-        gate.release()
-        await settle()
+    arrivals = itertools.count(1)
+    order = await order_under_a_trickle(gate, clock, lambda: (URGENT_CLASS, next(arrivals)))
     assert order == ["oldest", "newer 0", "newer 1"]
-    gate.release()
-    await asyncio.gather(*tasks)
 
 
 async def test_the_enricher_serves_oldest_first_the_classes_it_gives_no_budget() -> None:

@@ -19,6 +19,7 @@ from botocore.exceptions import ClientError
 from prompt_assembly.records import EnrichmentError, ShopperInsight, Usage
 from prompt_assembly.understanding import ShopperUnderstanding
 from shopper.readback import READ_BATCH, read_signals, signal_age
+from sinks.config import SinkSettings
 from sinks.errors import SinkWriteFailed
 from sinks.kafka import KafkaResultSink
 from sinks.redis import RedisSignalSink
@@ -311,19 +312,25 @@ async def test_a_flush_that_wrote_some_partitions_gives_back_only_the_others(iso
     assert sorted(ids) == ["a:1", "a:2", "c:1"], "each result in one object"
 
 
+async def write_through(settings: SinkSettings, results: list[ShopperInsight]) -> None:
+    """``results`` through a new S3 sink, as an engine runs one: opened (the bucket checked, or made),
+    written, flushed and closed; any failure raised."""
+    sink = S3InsightSink(settings)
+    try:
+        await sink.open()
+        await sink.write(results)
+        await sink.flush()
+    finally:
+        await sink.close()
+
+
 async def test_a_missing_bucket_is_made_in_the_clients_region(isolated: Isolated) -> None:
     """Outside us-east-1 S3 refuses a ``CreateBucket`` that does not name the region
     (``IllegalLocationConstraintException``); the sink made every missing bucket without it, so a
     runner configured for eu-west-1 on a new bucket never opened."""
     bucket = f"{isolated.s3_prefix}-eu".lower()
     settings = isolated.sinks().model_copy(update={"s3_region": "eu-west-1", "s3_bucket": bucket})
-    sink = S3InsightSink(settings)
-    try:
-        await sink.open()
-        await sink.write([insight("a", 1)])
-        await sink.flush()
-    finally:
-        await sink.close()
+    await write_through(settings, [insight("a", 1)])
     s3 = boto3.client("s3", **settings.s3_client_kwargs())
     try:
         assert s3.get_bucket_location(Bucket=bucket)["LocationConstraint"] == "eu-west-1"
@@ -348,13 +355,7 @@ async def test_a_writer_that_may_not_check_or_make_the_bucket_still_opens_and_wr
         return request.path.rstrip("/") == on_the_bucket
 
     async with s3_denying(settings.s3_endpoint_url, bucket_calls) as (url, _):
-        sink = S3InsightSink(settings.model_copy(update={"s3_endpoint_url": url}))
-        try:
-            await sink.open()
-            await sink.write([insight("a", 1)])
-            await sink.flush()
-        finally:
-            await sink.close()
+        await write_through(settings.model_copy(update={"s3_endpoint_url": url}), [insight("a", 1)])
     assert [str(row["request_id"]) for rows in s3_objects(isolated).values() for row in rows] == ["a:1"]
 
 
