@@ -194,7 +194,7 @@ class OpenAIProxy:
                     # not ended yet, so its answer was paid for and not kept for a repeat.
                     async for chunk in answer.chunks():
                         flight.append(chunk)
-                    problem = answer_problem(answer, path, flight.chunks)
+                    problem = answer_problem(answer, path)
                     if problem is not None:
                         raise problem
         except Refused as exc:
@@ -358,7 +358,7 @@ class OpenAIProxy:
                     response = web.Response(
                         body=payload, status=answer.status, headers=self._answer_headers(answer)
                     )
-                    problem = answer_problem(answer, request.path, (payload,))
+                    problem = answer_problem(answer, request.path)
                     if problem is not None:
                         raise problem  # a bad answer for the replica (the fleet is told); passed on
         except LLMError as exc:

@@ -11,10 +11,9 @@ rather than a good one, and keeps no broken answer for a repeat of its ``Idempot
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 
 import aiohttp
-import orjson
 
 from llm_client.answers import usage_from_documents
 from llm_client.config import ClientConfig
@@ -31,15 +30,15 @@ MODELS_PATH = "/v1/models"
 """The one forwarded route whose answer is a model list (``data``), not a completion (``choices``)."""
 
 
-def answer_problem(forwarded: Forwarded, path: str, chunks: Sequence[bytes]) -> LLMError | None:
+def answer_problem(forwarded: Forwarded, path: str) -> LLMError | None:
     """Why a 2xx answer read to its end is no answer, or None when it is well formed (or not 2xx: a
     replica's own 4xx is the caller's to see). A body that is not a JSON object with a non-empty
     ``choices`` list (``data`` list for ``/v1/models``) is an ``InvalidAnswer``, as the in-process
     client's ``parse_body`` judges it; a stream with an ``error`` event failed the request
     (``EndpointUnavailable``, as ``parse_stream`` raises it). Without this an HTML page, an empty body
     or an error event sent with a 200 counted as a good answer, so such a replica was never
-    quarantined, and it was kept for the key's failover retry. One ``orjson.loads`` of a non-streamed
-    body; a stream's events were read in passing by the usage tap."""
+    quarantined, and it was kept for the key's failover retry. Judged from what the usage tap read in
+    passing (``UsageTap``: its one parse of a whole body, a stream's events)."""
     if not 200 <= forwarded.status < 300:
         return None
     endpoint, tap = forwarded.endpoint.name, forwarded.tap
@@ -47,24 +46,18 @@ def answer_problem(forwarded: Forwarded, path: str, chunks: Sequence[bytes]) -> 
         if tap.error is None:
             return None
         return EndpointUnavailable(f"error in stream: {tap.error}", endpoint=endpoint)
-    body = b"".join(chunks)
-    try:
-        document = orjson.loads(body)
-    except orjson.JSONDecodeError as exc:
-        kind: InvalidAnswerKind = "empty" if not body.strip() else "not_json"
-        return InvalidAnswer(f"answer is not JSON: {exc}", kind=kind, endpoint=endpoint, raw=_raw(body))
+    if tap.not_json is not None:
+        kind: InvalidAnswerKind = "empty" if tap.blank else "not_json"
+        message = f"answer is not JSON: {tap.not_json}"
+        return InvalidAnswer(message, kind=kind, endpoint=endpoint, raw=tap.head.decode("utf-8", "replace"))
     field = "data" if path == MODELS_PATH else "choices"
-    items = document.get(field) if isinstance(document, dict) else None
-    if not isinstance(items, list) or (field == "choices" and not items):
+    length = tap.lists.get(field)
+    if length is None or (field == "choices" and not length):
         shape = "a" if field == "data" else "a non-empty"
         message = f"answer is not a JSON object with {shape} {field!r} list"
-        return InvalidAnswer(message, kind="wrong_shape", endpoint=endpoint, raw=_raw(body))
+        raw = tap.head.decode("utf-8", "replace")
+        return InvalidAnswer(message, kind="wrong_shape", endpoint=endpoint, raw=raw)
     return None
-
-
-def _raw(body: bytes) -> str:
-    """The start of a bad answer, for its error record."""
-    return body[:2000].decode("utf-8", "replace")
 
 
 class Forwarder:

@@ -26,6 +26,9 @@ from llm_client.transport import mapped_transport_errors
 
 _INTERESTING = (b'"usage"', b'"timings"', b'"error"')
 _DONE_LINE_MAX = 16  # ``data: [DONE]`` with room for spacing and a line end
+_LIST_FIELDS = ("choices", "data")
+ANSWER_HEAD_BYTES = 2000
+"""How much of a whole body a bad answer's error record keeps."""
 
 
 @dataclass(slots=True)
@@ -44,6 +47,16 @@ class UsageTap:
     error: str | None = None
     done: bool = False
     """A stream's ``data: [DONE]`` line was read: the answer is whole, whatever comes after it."""
+    not_json: str | None = None
+    """A whole body (not streamed) that is not JSON: why (``orjson``'s message)."""
+    blank: bool = False
+    """... and it held nothing but white space."""
+    lists: dict[str, int] = field(default_factory=dict)
+    """A whole body's top-level ``choices`` and ``data``, where they are lists: their lengths. With
+    ``not_json`` and ``head``, what ``forwarding.answer_problem`` judges, from the one parse that
+    reads the usage (it parsed the body a second time before)."""
+    head: bytes = b""
+    """A whole body's first ``ANSWER_HEAD_BYTES``, for a bad answer's error record."""
     _lines: LineSplitter | None = None
     _body: list[bytes] = field(default_factory=list)
 
@@ -72,8 +85,24 @@ class UsageTap:
             if tail.startswith(b"data:"):
                 self._read(tail[5:].strip())
         else:
-            self._read(b"".join(self._body))
+            body = b"".join(self._body)
             self._body.clear()
+            self._read_body(body)
+
+    def _read_body(self, body: bytes) -> None:
+        self.head = body[:ANSWER_HEAD_BYTES]
+        try:
+            document = orjson.loads(body)
+        except orjson.JSONDecodeError as exc:
+            self.not_json, self.blank = str(exc), not body.strip()
+            return  # the caller gets it as it is
+        if not isinstance(document, dict):
+            return
+        self.usage = document.get("usage") or self.usage
+        self.timings = document.get("timings") or self.timings
+        self.lists = {
+            name: len(value) for name in _LIST_FIELDS if isinstance(value := document.get(name), list)
+        }
 
     def _read(self, payload: bytes) -> None:
         try:
