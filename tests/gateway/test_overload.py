@@ -309,13 +309,17 @@ async def test_a_predicted_wait_over_the_bound_is_refused_at_once(
 
 async def test_a_queued_caller_that_leaves_is_never_sent(replica: str, http: aiohttp.ClientSession) -> None:
     received = metric(await scrape(http, replica), "sim_requests_total", endpoint="chat")
-    async with running_gateway([replica], "round_robin", per_replica_in_flight=1, max_wait_s=PATIENT) as gw:
-        async with SlotHolder(http, gw.url):
-            async with aiohttp.ClientSession() as leaving:
-                queued = asyncio.create_task(post(leaving, gw.url, chat_body("nobody waits", **SHORT)))
-                await until(lambda: _equals(waiting(http, gw.url, "normal"), 1), "it waits")
-                queued.cancel()  # the caller gives up: its connection closes
-            await until(lambda: _equals(waiting(http, gw.url, "normal"), 0), "it leaves the queue")
+    async with (
+        running_gateway([replica], "round_robin", per_replica_in_flight=1, max_wait_s=PATIENT) as gw,
+        SlotHolder(http, gw.url),
+    ):
+        async with aiohttp.ClientSession() as leaving:
+            queued = asyncio.create_task(post(leaving, gw.url, chat_body("nobody waits", **SHORT)))
+            await until(lambda: _equals(waiting(http, gw.url, "normal"), 1), "it waits")
+            queued.cancel()  # the caller gives up: its connection closes
+        await until(lambda: _equals(waiting(http, gw.url, "normal"), 0), "it leaves the queue")
+        # Read while the slot holder still holds its stream: its own close, later, is a caller gone
+        # mid-stream and would race this count.
         text = await scrape(http, gw.url)
         assert metric(text, "gateway_requests_total", path=CHAT, status="caller_gone") == 1
     # Only the slot holder reached the replica.
