@@ -24,6 +24,7 @@ import math
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
+from typing import Any
 
 from gateway.config import GatewaySettings, Priority
 from pipeline.admission import AdmissionGate
@@ -109,16 +110,80 @@ class Admission:
     def predicted_wait_s(self, priority: Priority) -> float | None:
         """How long a request of ``priority`` arriving now would wait: the waiters it queues behind
         (its class and better) plus itself, served ``limit`` at a time, each round one mean hold."""
-        if self.mean_hold_s is None:
-            return None
         klass = PRIORITY_CLASS[priority]
-        ahead = sum(1 for w in self._waiters if w.klass <= klass and w.live)
-        return (ahead + 1) / self.limit * self.mean_hold_s
+        return self._predicted(sum(1 for w in self._waiters if w.klass <= klass and w.live))
+
+    def refusal_on_arrival(
+        self, priority: Priority, leaving: asyncio.Task[Any] | None = None, *, frees_slot: bool = False
+    ) -> Refused | None:
+        """The refusal a request of ``priority`` arriving now gets at once (its predicted wait past its
+        class's bound, or a full queue with no lower class to push out), or None; counted when given.
+        ``leaving``: the task of a call the request supersedes, whose place in the queue it frees;
+        ``frees_slot``: that call was sent and is being cancelled, so its slot goes to the best waiter.
+        The gateway asks before it supersedes: a newer version refused after had cost the older call
+        too, and left the session with no call at all."""
+        if self.gate.active < self.gate.limit and not self.gate.waiting:
+            return None
+        refusal = self._arrival(priority, leaving, frees_slot)[0]
+        if refusal is not None:
+            self._on_refused(refusal)
+        return refusal
+
+    def _arrival(
+        self, priority: Priority, leaving: asyncio.Task[Any] | None, frees_slot: bool
+    ) -> tuple[Refused | None, _Waiter | None, float | None]:
+        """(the refusal at once, or None; the waiter to push out of a full queue, or None; the predicted
+        wait) for a request of ``priority`` arriving to a gate with no free slot."""
+        klass = PRIORITY_CLASS[priority]
+        live = sorted(
+            (w for w in self._waiters if w.live and w.owner is not leaving),
+            key=lambda w: (w.klass, w.arrival),
+        )
+        if frees_slot:
+            if not live or live[0].klass > klass:
+                return None, None, None  # the freed slot is this request's: none waits, or none as good
+            live.pop(0)  # the best waiter takes the freed slot
+        ahead = sum(1 for w in live if w.klass <= klass)
+        bound = self.settings.wait_bound_s(priority)
+        predicted = self._predicted(ahead)
+        if predicted is not None and predicted > bound:
+            return self._predicted_refusal(priority, predicted, bound), None, predicted
+        if len(live) < self.max_waiting:
+            return None, None, predicted
+        lower = [w for w in live if w.klass > klass]
+        if not lower:
+            return self._full_refusal(priority, predicted), None, predicted
+        return None, max(lower, key=lambda w: (w.klass, w.arrival)), predicted
+
+    def _predicted(self, ahead: int) -> float | None:
+        """The wait behind ``ahead`` waiters, served ``limit`` at a time, each round one mean hold."""
+        return None if self.mean_hold_s is None else (ahead + 1) / self.limit * self.mean_hold_s
+
+    def _predicted_refusal(self, priority: Priority, predicted: float, bound: float) -> Refused:
+        return Refused(
+            priority,
+            "predicted_wait",
+            predicted,
+            f"overloaded: a {priority}-priority request would wait about {predicted:.1f} s "
+            f"for a replica slot, over its {bound:g} s bound",
+        )
+
+    def _full_refusal(self, priority: Priority, predicted: float | None) -> Refused:
+        retry = predicted if predicted is not None else self.settings.wait_bound_s(priority)
+        return Refused(
+            priority,
+            "queue_full",
+            retry,
+            f"overloaded: {self.max_waiting} requests of {priority} priority or higher wait for "
+            f"a replica slot (at most {self.max_waiting})",
+        )
 
     @contextlib.asynccontextmanager
-    async def slot(self, priority: Priority) -> AsyncIterator[None]:
-        """Hold a slot for the block, or raise ``Refused``. Cancelled while waiting, holds nothing."""
-        await self._acquire(priority)
+    async def slot(self, priority: Priority, *, frees_slot: bool = False) -> AsyncIterator[None]:
+        """Hold a slot for the block, or raise ``Refused``. Cancelled while waiting, holds nothing.
+        ``frees_slot``: the request superseded a call that was sent, whose slot may not be given back
+        yet (its cancellation still closing its upstream request): judged as if it were."""
+        await self._acquire(priority, frees_slot)
         started = time.monotonic()
         try:
             yield
@@ -128,7 +193,7 @@ class Admission:
             previous = self.mean_hold_s
             self.mean_hold_s = held if previous is None else previous + HOLD_SMOOTHING * (held - previous)
 
-    async def _acquire(self, priority: Priority) -> None:
+    async def _acquire(self, priority: Priority, frees_slot: bool) -> None:
         klass = PRIORITY_CLASS[priority]
         rank = (klass, next(self._arrivals))
         gate = self.gate
@@ -136,19 +201,11 @@ class Admission:
             await gate.acquire(rank)  # returns at once
             return
         bound = self.settings.wait_bound_s(priority)
-        predicted = self.predicted_wait_s(priority)
-        if predicted is not None and predicted > bound:
-            self._refuse(
-                Refused(
-                    priority,
-                    "predicted_wait",
-                    predicted,
-                    f"overloaded: a {priority}-priority request would wait about {predicted:.1f} s "
-                    f"for a replica slot, over its {bound:g} s bound",
-                )
-            )
-        if sum(w.live for w in self._waiters) >= self.max_waiting:
-            self._push_out_below(klass, predicted)
+        refusal, victim, _ = self._arrival(priority, None, frees_slot)
+        if refusal is not None:
+            self._refuse(refusal)
+        if victim is not None:
+            self._push_out(victim, priority)
         owner = asyncio.current_task()
         waiter = _Waiter(priority, klass, rank[1], asyncio.create_task(gate.acquire(rank)), owner)
         self._waiters.add(waiter)
@@ -174,23 +231,8 @@ class Admission:
             )
         )
 
-    def _push_out_below(self, klass: int, predicted: float | None) -> None:
-        """Make room in a full queue by refusing the newest waiter of the lowest class below ``klass``;
-        refuse the arrival itself when there is none."""
-        lower = [w for w in self._waiters if w.klass > klass and w.refusal is None and not w.task.done()]
-        priority = next(p for p, k in PRIORITY_CLASS.items() if k == klass)
-        if not lower:
-            retry = predicted if predicted is not None else self.settings.wait_bound_s(priority)
-            self._refuse(
-                Refused(
-                    priority,
-                    "queue_full",
-                    retry,
-                    f"overloaded: {self.max_waiting} requests of {priority} priority or higher wait for "
-                    f"a replica slot (at most {self.max_waiting})",
-                )
-            )
-        victim = max(lower, key=lambda w: (w.klass, w.arrival))
+    def _push_out(self, victim: _Waiter, priority: Priority) -> None:
+        """Make room in a full queue by refusing ``victim``, the newest waiter of its lowest class."""
         victim.refusal = Refused(
             victim.priority,
             "pushed_out",

@@ -33,7 +33,7 @@ import orjson
 from aiohttp import web
 
 from gateway.config import GatewaySettings, Priority
-from gateway.flights import Flight, GatewayAnswer, Head
+from gateway.flights import Flight, GatewayAnswer, Head, Stage
 from gateway.idempotency import IDEMPOTENCY_HEADER, IdempotencyStore, KeyReused, request_digest
 from gateway.metrics import GatewayMetrics
 from gateway.overload import PRIORITY_CLASS, Admission, Refused
@@ -107,19 +107,24 @@ class OpenAIProxy:
                 outcome, flight = found
                 self.metrics.idempotent.labels(outcome).inc()
                 return await self._answer(request, flight, started, outcome)
+        if session is not None and (refusal := self._refused_over(session, priority)) is not None:
+            return self._gateway_answer(request, _overloaded(refusal))
         flight = Flight(keep_running=key is not None)
+        frees_slot = False
         if session is not None:
             newer, displaced = self.claims.arrive(*session, flight)
             if newer is not None:
                 self.metrics.superseded.labels("arrival").inc()
                 return self._gateway_answer(request, _superseded(session[0], newer, "(it arrived after it)"))
             if displaced is not None:
-                self._supersede(displaced, session[0], session[1])
+                frees_slot = self._supersede(displaced, session[0], session[1]) == "sent"
         if key is not None:
             self.idempotency.track(key, digest, flight)
         # The call may outlive this handler (a keyed one whose caller left): it keeps its own copies.
         headers = {n: request.headers[n] for n in FORWARDED_REQUEST_HEADERS if n in request.headers}
-        task = asyncio.create_task(self._fly(flight, key, request.path, body, route, priority, headers))
+        task = asyncio.create_task(
+            self._fly(flight, key, request.path, body, route, priority, headers, frees_slot)
+        )
         flight.start(task)
         self._flights.add(task)
         task.add_done_callback(self._flights.discard)
@@ -149,7 +154,20 @@ class OpenAIProxy:
             raise InvalidRequest(f"{header} needs the session in {self.settings.shopper_key_header}", header)
         return session, parse_version(text, header)
 
-    def _supersede(self, flight: Flight, session: str, version: Version) -> None:
+    def _refused_over(self, session: tuple[str, Version], priority: Priority) -> Refused | None:
+        """The refusal a newer version gets at once, asked before it supersedes the session's older
+        call: refused after, it had cost the older call too (dropped from the queue or its request
+        closed), and the session was left with no call at all. Refused, it leaves the older one be."""
+        older = self.claims.displaceable(*session)
+        if older is None or older.ended or older.task is None:
+            return None
+        sent = older.stage == "sent"
+        if sent and not self.settings.cancel_superseded_in_flight:
+            return None  # the older call goes on either way: the newer one queues as any other
+        return self.admission.refusal_on_arrival(priority, None if sent else older.task, frees_slot=sent)
+
+    def _supersede(self, flight: Flight, session: str, version: Version) -> Stage | None:
+        """Stop ``flight`` for the session's newer ``version``; the stage it was stopped at, or None."""
         stage = flight.supersede(
             _superseded(session, version, ""),
             cancel_in_flight=self.settings.cancel_superseded_in_flight,
@@ -158,6 +176,7 @@ class OpenAIProxy:
             self.metrics.superseded.labels("queued").inc()
         elif stage == "sent":
             self.metrics.cancelled.inc()
+        return stage
 
     def _ended(self, flight: Flight, key: str | None, session: tuple[str, Version] | None) -> None:
         if key is not None:
@@ -174,6 +193,7 @@ class OpenAIProxy:
         route: RouteRequest,
         priority: Priority,
         headers: Mapping[str, str],
+        frees_slot: bool = False,
     ) -> None:
         """The flight's own task: a slot, the upstream call, the answer into the flight's buffer. A 2xx
         answer read to its end is judged once (``answer_problem``): that one verdict tells the fleet
@@ -181,7 +201,7 @@ class OpenAIProxy:
         is kept for ``key``'s repeats; its callers get it as the replica sent it either way."""
         problem: LLMError | None = None
         try:
-            async with self.admission.slot(priority):
+            async with self.admission.slot(priority, frees_slot=frees_slot):
                 flight.sent()
                 async with self.client.forward(
                     path, body, route, headers=headers, deadline_s=self.settings.deadline_s
@@ -198,9 +218,7 @@ class OpenAIProxy:
                     if problem is not None:
                         raise problem
         except Refused as exc:
-            flight.end(
-                answer=GatewayAnswer(429, "overloaded", str(exc), headers={"Retry-After": exc.retry_after})
-            )
+            flight.end(answer=_overloaded(exc))
             return
         except LLMError as exc:
             if exc is problem:  # read whole, and no answer: passed on as it came, never kept
@@ -274,7 +292,12 @@ class OpenAIProxy:
                 written += 1
             if flight.ended:
                 return
-            await flight.changed()
+            if written:
+                await flight.changed()  # a write to a caller that left raises (``ConnectionResetError``)
+            else:
+                # Until the first chunk nothing is written: a caller that leaves while the replica
+                # queues and prefills would go unnoticed, and the replica compute on for nobody.
+                await _until(request, flight, lambda: bool(flight.chunks) or flight.ended)
 
     async def _end_superseded(
         self, request: web.Request, response: web.StreamResponse, superseded: GatewayAnswer
@@ -459,6 +482,10 @@ def _at_event_end(flight: Flight) -> bool:
     """Whether what the caller got of ``flight`` ends at an event's end, where another event may start;
     a chunk that ended mid-event leaves the caller half an event, and only a cut says it broke."""
     return not flight.chunks or flight.chunks[-1].endswith((b"\n\n", b"\r\n\r\n"))
+
+
+def _overloaded(refusal: Refused) -> GatewayAnswer:
+    return GatewayAnswer(429, "overloaded", str(refusal), headers={"Retry-After": refusal.retry_after})
 
 
 def _superseded(session: str, version: Version, when: str) -> GatewayAnswer:

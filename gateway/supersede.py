@@ -70,6 +70,14 @@ class SessionClaims:
         displaced = None if current is None or current.flight is flight else current.flight
         return None, displaced
 
+    def displaceable(self, session: str, version: Version) -> Flight | None:
+        """The call an arrival of ``version`` would displace (``arrive``), without arriving: None when
+        there is none, or when the arrival is older than the session's newest version."""
+        current = self._newest.get(session)
+        if current is None or current.version > version:
+            return None
+        return current.flight
+
     def leave(self, session: str, flight: Flight) -> None:
         """``flight`` ended: forget the call, keep the version."""
         current = self._newest.get(session)

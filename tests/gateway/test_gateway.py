@@ -989,6 +989,37 @@ async def replica_streaming(events: bytes, linger_s: float = 0.0) -> AsyncIterat
         yield url, calls
 
 
+async def test_a_streaming_caller_that_leaves_before_the_first_token_closes_the_replicas_request(
+    http: aiohttp.ClientSession,
+) -> None:
+    """The replica sends its status line at once and its first token only after its queue and prefill
+    (as ``trtllm-serve`` and the simulator do). A caller that left in between went unnoticed until the
+    first chunk, so the replica computed the prefill for nobody; the gateway now closes the upstream
+    request within its caller check."""
+    closed = asyncio.Event()
+
+    async def chat(request: web.Request) -> web.StreamResponse:
+        await request.read()
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await response.prepare(request)
+        for _ in range(3000):  # 30 s: a long queue before the first token
+            if request.transport is None or request.transport.is_closing():
+                closed.set()
+                return response
+            await asyncio.sleep(0.01)
+        await response.write(ONE_TOKEN_STREAM)
+        return response
+
+    async with replica_answering(chat) as url, running_gateway([url], "round_robin") as gw:
+        body = chat_body("hi", stream=True)
+        async with http.post(gw.url + "/v1/chat/completions", json=body) as r:
+            assert r.status == 200
+        # The caller has left (its response closed) with no token read: the replica hears of it.
+        await asyncio.wait_for(closed.wait(), timeout=10)
+        text = await scrape(http, gw.url)
+        assert metric(text, "gateway_requests_total", path="/v1/chat/completions", status="caller_gone") == 1
+
+
 ONE_TOKEN_STREAM = (
     b"data: "
     + orjson.dumps({"object": "chat.completion.chunk", "choices": [{"index": 0, "delta": {"content": "ok"}}]})

@@ -307,6 +307,61 @@ async def test_a_predicted_wait_over_the_bound_is_refused_at_once(
         assert metric(text, "gateway_refused_total", priority="high", reason="predicted_wait") == 0
 
 
+async def test_a_newer_version_refused_at_once_leaves_the_older_one_queued(
+    replica: str, http: aiohttp.ClientSession
+) -> None:
+    """Admission decides on the newer version before it supersedes: refused at once (a low request
+    whose predicted wait is past its bound), it had dropped the older one from the queue all the same,
+    and the session got no answer at all. The older one now stays and is served."""
+    held_s = 2.5
+    bounds = {"high": 60.0, "normal": 60.0, "low": held_s / 2}
+    async with running_gateway([replica], "round_robin", per_replica_in_flight=1, max_wait_s=bounds) as gw:
+        async with SlotHolder(http, gw.url):
+            await asyncio.sleep(held_s)  # the mean hold is learned: at least held_s
+        async with SlotHolder(http, gw.url):
+            older = asyncio.create_task(
+                post(http, gw.url, chat_body("shopper 7, version 1", **SHORT), **session_headers("s7", 1))
+            )
+            await until(lambda: _equals(waiting(http, gw.url, "normal"), 1), "v1 waits")
+            newer = session_headers("s7", 2, **{"x-priority": "low"})
+            status, _, body = await post(http, gw.url, chat_body("shopper 7, version 2", **SHORT), **newer)
+            assert status == 429 and "would wait" in body["error"]["message"]
+            assert await waiting(http, gw.url, "normal") == 1, "version 1 still waits"
+        status, _, _ = await older  # the slot is free again
+        assert status == 200
+        text = await scrape(http, gw.url)
+        assert metric(text, "gateway_superseded_total", stage="queued") == 0
+        assert metric(text, "gateway_refused_total", priority="low", reason="predicted_wait") == 1
+
+
+async def test_a_newer_version_takes_the_slot_its_cancelled_older_one_frees(
+    replica: str, http: aiohttp.ClientSession
+) -> None:
+    """With the queue full, a newer version whose older one holds a slot is not refused as if the queue
+    stayed full: the cancelled call's slot goes to the waiter ahead, and the newer one queues."""
+    async with running_gateway(
+        [replica], "round_robin", per_replica_in_flight=1, max_waiting=1, max_wait_s=PATIENT
+    ) as gw:
+        older = await http.post(
+            gw.url + CHAT,
+            json=chat_body("shopper 7, version 1", stream=True, **HOLD),
+            headers=session_headers("s7", 1),
+        )
+        assert older.status == 200
+        await older.content.readuntil(b"\n\n")  # sent: it holds the only slot
+        other = asyncio.create_task(post(http, gw.url, chat_body("shopper 8", **SHORT)))
+        await until(lambda: _equals(waiting(http, gw.url, "normal"), 1), "the queue is full")
+        status, _, _ = await post(
+            http, gw.url, chat_body("shopper 7, version 2", **SHORT), **session_headers("s7", 2)
+        )
+        assert status == 200
+        assert (await other)[0] == 200
+        older.close()
+        text = await scrape(http, gw.url)
+        assert metric(text, "gateway_cancelled_total") == 1
+        assert metric(text, "gateway_refused_total", priority="normal", reason="queue_full") == 0
+
+
 async def test_a_queued_caller_that_leaves_is_never_sent(replica: str, http: aiohttp.ClientSession) -> None:
     received = metric(await scrape(http, replica), "sim_requests_total", endpoint="chat")
     async with (
