@@ -51,18 +51,25 @@ _BUDGET_FIELDS = ("max_tokens", "max_completion_tokens")
 
 
 def capped_budget(body: dict[str, Any]) -> dict[str, Any]:
-    """``body`` with every decode budget at most ``PROBE_MAX_TOKENS``, and ``max_tokens`` set to it when
-    no budget is an int: a known-good request without one (or with a float) probed uncapped, so on a
-    slow replica the probe ran into its timeout and kept a fixed replica quarantined."""
+    """``body`` with every decode budget at most the probe's cap, and ``max_tokens`` set to it when no
+    budget is an int: a known-good request without one (or with a float) probed uncapped, so on a slow
+    replica the probe ran into its timeout and kept a fixed replica quarantined. The cap is
+    ``PROBE_MAX_TOKENS``, or the request's own ``min_tokens`` (an OpenAI-API extension vLLM and SGLang
+    read) when that is larger: capped below it, the probe asked for less than its own minimum, the
+    replica refused it (vLLM answers 400), and the replica stayed quarantined."""
     capped = dict(body)
+    floor = capped.get("min_tokens")
+    cap = PROBE_MAX_TOKENS
+    if isinstance(floor, int) and not isinstance(floor, bool) and floor > cap:
+        cap = floor
     for budget in _BUDGET_FIELDS:
         value = capped.get(budget)
         if isinstance(value, int) and not isinstance(value, bool):
-            capped[budget] = min(value, PROBE_MAX_TOKENS)
+            capped[budget] = min(value, cap)
         elif budget in capped:  # a float, a null or anything else: no cap a replica is sure to read
-            capped[budget] = PROBE_MAX_TOKENS
+            capped[budget] = cap
     if not any(budget in capped for budget in _BUDGET_FIELDS):
-        capped["max_tokens"] = PROBE_MAX_TOKENS
+        capped["max_tokens"] = cap
     return capped
 
 

@@ -31,8 +31,11 @@ def probe_of(fields: dict[str, Any]) -> dict[str, Any]:
             {"max_tokens": 500.0, "max_completion_tokens": 8},
             {"max_tokens": PROBE_MAX_TOKENS, "max_completion_tokens": 8},
         ),
+        ({"min_tokens": 40}, {"max_tokens": 40}),
+        ({"max_tokens": 500, "min_tokens": 40}, {"max_tokens": 40}),
+        ({"max_tokens": 500, "min_tokens": 4}, {"max_tokens": PROBE_MAX_TOKENS}),
     ],
-    ids=["none", "float", "null", "float-and-int"],
+    ids=["none", "float", "null", "float-and-int", "min-tokens", "int-and-min-tokens", "small-min-tokens"],
 )
 def test_a_probe_from_a_request_without_an_int_budget_is_capped_too(
     fields: dict[str, Any], budget: dict[str, int]
