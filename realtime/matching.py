@@ -15,11 +15,18 @@ stop.
 
 An answer of the wrong shape or types, in the model's text (``ranking.parse_ranking``) or in the
 replica's envelope, is ``invalid_answer``: the fallback again, never a 500.
+
+A failed signal read and a model call that failed (``llm_unavailable``, ``llm_error``,
+``invalid_answer``) are counted and logged with their cause, at most one line per reason per
+``LOG_INTERVAL_S`` (``failure_log.ThrottledLog``): under an outage every request fails alike. A model call
+cut at the deadline (``deadline``) or not made for load (``overloaded``) is normal under load: counted,
+not logged.
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -39,6 +46,7 @@ from llm_client.errors import (
 )
 from realtime.admission import MODEL_FLOOR_QUANTILE, DeadlineAdmission, RecentQuantile
 from realtime.config import RealtimeSettings
+from realtime.failure_log import ThrottledLog
 from realtime.load_meter import LoadMeter
 from realtime.loop_lag import LoopLag
 from realtime.metrics import RealtimeMetrics
@@ -57,6 +65,8 @@ from realtime.signals import SignalReader
 _UNAVAILABLE = (EndpointUnavailable, NoHealthyEndpoint, RetryBudgetExhausted, AttemptTimeout)
 _MIN_MODEL_S = 0.005
 """Never ask the model with less than this left."""
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True, slots=True)
@@ -96,6 +106,8 @@ class MatchService:
     metrics: RealtimeMetrics
     load: LoadMeter
     lag: LoopLag = field(default_factory=LoopLag)
+    failures: ThrottledLog = field(default_factory=lambda: ThrottledLog(log))
+    """Why signal reads and model calls fail, in the log: a line per reason per interval at most."""
 
     def __post_init__(self) -> None:
         self.signals = SignalReader(self.redis, self.key_prefix, self.settings.signal_reads)
@@ -173,8 +185,16 @@ class MatchService:
             else:  # Redis stalls: cancelled, its connection closed (kept, they piled up without bound)
                 read.cancel()
             self.metrics.signal_errors.inc()
-        except (RedisError, OSError, ValueError):  # ValueError: bytes in Redis that are not the signal's
+            self.failures.warning(
+                "signal_timeout",
+                "signal read from Redis not answered within %.0f ms: ranked without signals",
+                read_timeout_s * 1000,
+            )
+        except (RedisError, OSError, ValueError) as exc:  # ValueError: bytes not the signal's in Redis
             self.metrics.signal_errors.inc()
+            self.failures.warning(
+                "signal_error", "signal read from Redis failed: %r: ranked without signals", exc
+            )
         fallback = fallback_ranking(shopper, request.query, request.candidates, products, s.reason_max_chars)
 
         ranked, llm_ms, model = fallback, None, None
@@ -183,6 +203,9 @@ class MatchService:
         remaining = answer_by - time.perf_counter()
         if routable == 0:
             reason = "llm_unavailable"
+            self.failures.warning(
+                reason, "no model replica routable (of %d): answered the fallback", len(self.llm.endpoints)
+            )
         elif self.llm.in_flight >= routable * s.llm_concurrency_per_replica:
             reason = "overloaded"
         elif remaining < max(self.model_time.current(time.monotonic()), _MIN_MODEL_S):
@@ -243,12 +266,12 @@ class MatchService:
             )
         except (DeadlineExceeded, TimeoutError):
             return fallback, "deadline", None
-        except _UNAVAILABLE:
-            return fallback, "llm_unavailable", None
-        except InvalidAnswer:
-            return fallback, "invalid_answer", None
-        except LLMError:
-            return fallback, "llm_error", None
+        except _UNAVAILABLE as exc:
+            return fallback, self._failed("llm_unavailable", exc), None
+        except InvalidAnswer as exc:
+            return fallback, self._failed("invalid_answer", exc), None
+        except LLMError as exc:
+            return fallback, self._failed("llm_error", exc), None
         finally:
             self.asking -= 1
         try:
@@ -257,5 +280,12 @@ class MatchService:
                 None,
                 completion.model,
             )
-        except InvalidAnswer:
-            return fallback, "invalid_answer", completion.model
+        except InvalidAnswer as exc:
+            return fallback, self._failed("invalid_answer", exc), completion.model
+
+    def _failed(self, reason: DegradedReason, error: LLMError) -> DegradedReason:
+        """``reason``, logged with ``error`` (throttled)."""
+        self.failures.warning(
+            reason, "model call failed: %s: %s: answered the fallback", type(error).__name__, error
+        )
+        return reason
