@@ -502,6 +502,10 @@ class WriteResults(AsyncFunction):
                 "sink_retries": lambda: self.retries,
                 # A shopper's session state was lost while their signal lived (a new session epoch).
                 "session_resets": lambda: self.committer.checkpoint.session_resets if self.committer else 0,
+                # Results over a Kafka size limit: missing from the results topic (Redis and S3 hold them).
+                "results_too_large": lambda: (
+                    self.committer.checkpoint.results_too_large if self.committer else 0
+                ),
             },
         )
 

@@ -27,6 +27,7 @@ from pipeline.offset_commits import commit_waiting_for_broker
 from pipeline.sink_retry import SinkRetry, with_sink_retry
 from prompt_assembly.records import EnrichmentResult
 from sinks.base import ResultSink
+from sinks.kafka import KafkaResultSink
 from sinks.redis import RedisSignalSink
 
 RetryHook = Callable[[str, BaseException], None]
@@ -72,6 +73,12 @@ class Checkpoint:
         """Answers that replaced another session's signal (the shopper's session state was lost while
         their signal lived), as the Redis sink counted them: both engines export it."""
         return sum(sink.session_resets for sink in self.sinks if isinstance(sink, RedisSignalSink))
+
+    @property
+    def results_too_large(self) -> int:
+        """Results the Kafka sink could not write, over a size limit (``sinks.errors.ResultTooLarge``):
+        missing from the results topic only (Redis and S3 hold them), so both engines export the count."""
+        return sum(sink.too_large for sink in self.sinks if isinstance(sink, KafkaResultSink))
 
     def due(self) -> bool:
         """A sink asks to be flushed before the next durable point (size or age)."""

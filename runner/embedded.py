@@ -368,6 +368,10 @@ class EmbeddedRunner:
         checkpoint: Checkpoint | None = getattr(self, "checkpoint", None)  # made in run(), dropped after
         return 0 if checkpoint is None else checkpoint.session_resets
 
+    def results_too_large(self) -> int:
+        checkpoint: Checkpoint | None = getattr(self, "checkpoint", None)
+        return 0 if checkpoint is None else checkpoint.results_too_large
+
     def lag_by_partition(self) -> dict[int, int]:
         """Per assigned partition number, as ``_measure_lag`` last measured it: the event topic's and
         the repartition topic's partition of that number together. Never a consumer call: while a

@@ -52,6 +52,10 @@ class RunnerView(Protocol):
         """Answers that replaced another session's signal (``pipeline.checkpoint.Checkpoint``)."""
         ...
 
+    def results_too_large(self) -> int:
+        """Results the Kafka sink could not write for their size (``pipeline.checkpoint.Checkpoint``)."""
+        ...
+
     def lag_by_partition(self) -> dict[int, int]:
         """From the watermarks the consumer last saw (no broker round trip)."""
         ...

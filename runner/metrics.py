@@ -107,6 +107,11 @@ class _StateCollector(Collector):
             "Answers that replaced another session's signal: the shopper's session state was lost",
             view.session_resets(),
         )
+        yield counter(
+            "results_too_large",
+            "Results not written to the results topic, over a Kafka size limit (Redis and S3 hold them)",
+            view.results_too_large(),
+        )
         yield counter("events_duplicate", "Events dropped as duplicates", acct.duplicates)
         yield counter("prompts_emitted", "Prompt requests launched", acct.prompts)
         yield counter(

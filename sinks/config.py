@@ -50,6 +50,13 @@ class SinkSettings(BaseSettings):
         "handle, not a wait without end; None = wait forever",
     )
     signal_ttl_s: int = Field(7 * 24 * 3600, gt=0, description="signals expire if a shopper goes quiet")
+    signal_errors_max: int = Field(
+        32,
+        ge=1,
+        description="error records kept per shopper (RedisKeys.signal_errors), the newest versions: every "
+        "write renews the hash's TTL, so a shopper whose prompts keep failing (a poison prompt, a long "
+        "outage) would otherwise grow it without bound; S3 keeps every error",
+    )
     answer_ttl_s: int = Field(
         24 * 3600,
         gt=0,

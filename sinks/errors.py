@@ -12,3 +12,27 @@ class SinkError(ShopperError):
 
 class SinkWriteFailed(SinkError):
     """The destination refused or did not acknowledge results; names the sink and the first reason."""
+
+
+class ResultTooLarge(SinkError):
+    """A result whose record is over Kafka's size limit: it can never be produced, so no retry helps.
+    The Kafka sink counts it, logs this and goes on (Redis and S3 hold the result), as the runner's
+    dead letters do with a record the DLQ refuses; it never fails a write or a flush."""
+
+    def __init__(self, *, topic: str, request_id: str, shopper_id: str, size: int, limit: int | None) -> None:
+        """``size``: the record's value in bytes; ``limit``: the producer's ``message.max.bytes``, or None
+        when the broker refused the record (its or the topic's limit, which the producer does not know)."""
+        self.topic = topic
+        self.request_id = request_id
+        self.shopper_id = shopper_id
+        self.size = size
+        self.limit = limit
+        over = (
+            f"the producer's message.max.bytes ({limit:,})"
+            if limit is not None
+            else "the limit of the broker (message.max.bytes) or topic (max.message.bytes)"
+        )
+        super().__init__(
+            f"kafka sink: result {request_id!r} of shopper {shopper_id!r} is {size:,} bytes, over {over}; "
+            f"not written to topic {topic!r}"
+        )

@@ -11,6 +11,14 @@ the topic does not hold. At-least-once: a retried flush can deliver a result twi
 result of the same shopper; consumers dedupe on ``request_id`` and order a shopper's results by
 their version ``(session_epoch, seq)``, as the Redis sink does (docs/contracts.md).
 
+A result whose record is over Kafka's size limit (the producer's ``message.max.bytes``, refused in
+``produce``; or the broker's or topic's, refused in its delivery report) can never be written, so it is
+not retried: it becomes a ``ResultTooLarge`` naming it, its size and the limit, counted (``too_large``),
+logged and kept (``too_large_recent``), and the stream goes on, as the runner's dead letters do with a
+record the DLQ refuses (``runner.dead_letters``). The topic then lacks that result; Redis and S3 hold it.
+The session's own bounds (``prompt_assembly.events``: event ids, trims) keep results well under
+librdkafka's default 1,000,000 bytes, so this takes a lowered limit or an outsized answer.
+
 librdkafka blocks nothing here: produce never waits (a full queue is polled from a thread until it has
 room), and ``flush`` runs off the event loop. Delivery reports arrive on the thread that polls; they only
 append to lists, which the loop reads after that thread is done.
@@ -19,14 +27,25 @@ append to lists, which the loop reads after that thread is done.
 from __future__ import annotations
 
 import asyncio
+import logging
+from collections import deque
 from collections.abc import Mapping, Sequence
 
+import orjson
 from confluent_kafka import KafkaError, KafkaException, Message, Producer
 
 from prompt_assembly.records import EnrichmentResult
-from sinks.errors import SinkWriteFailed
+from sinks.errors import ResultTooLarge, SinkWriteFailed
+
+log = logging.getLogger(__name__)
 
 FULL_QUEUE_POLL_S = 0.05
+TOO_LARGE = frozenset({KafkaError.MSG_SIZE_TOO_LARGE, KafkaError.INVALID_MSG_SIZE})
+"""librdkafka's codes for a record over a size limit: its own (in ``produce``) or the broker's."""
+LIBRDKAFKA_MESSAGE_MAX_BYTES = 1_000_000
+"""librdkafka's default ``message.max.bytes``, the limit when the engine's properties set none."""
+TOO_LARGE_KEPT = 100
+"""The latest ``ResultTooLarge`` kept for inspection; the count covers all of them."""
 
 
 class KafkaResultSink:
@@ -40,26 +59,37 @@ class KafkaResultSink:
         (the engine's retry policy decides how long to keep trying)."""
         self.topic = topic
         self.flush_timeout_s = flush_timeout_s
-        self._producer = Producer(
-            {
-                "linger.ms": 20,
-                "log.connection.close": False,
-                "enable.idempotence": True,  # librdkafka's own retries keep a partition's order
-                "partitioner": "murmur2_random",  # Java's default partitioner (the Flink job's), not CRC32
-                **dict(producer_config),
-            }
-        )
+        config: dict[str, object] = {
+            "linger.ms": 20,
+            "log.connection.close": False,
+            "enable.idempotence": True,  # librdkafka's own retries keep a partition's order
+            "partitioner": "murmur2_random",  # Java's default partitioner (the Flink job's), not CRC32
+            **dict(producer_config),
+        }
+        self._producer = Producer(config)
+        self.message_max_bytes = int(str(config.get("message.max.bytes", LIBRDKAFKA_MESSAGE_MAX_BYTES)))
         self._refused: list[tuple[bytes, bytes]] = []
+        self._refused_for_size: list[tuple[bytes, bytes]] = []
         self._errors: list[KafkaError] = []
         self.delivered = 0
+        self.too_large = 0
+        """Results never on the topic: over a size limit (``ResultTooLarge``)."""
+        self.too_large_recent: deque[ResultTooLarge] = deque(maxlen=TOO_LARGE_KEPT)
 
     async def open(self) -> None:
         return None
 
     async def write(self, results: Sequence[EnrichmentResult]) -> None:
         for result in results:
-            await self._produce(result.shopper_id.encode(), result.model_dump_json().encode())
+            value = result.model_dump_json().encode()
+            try:
+                await self._produce(result.shopper_id.encode(), value)
+            except KafkaException as exc:
+                if _code(exc) not in TOO_LARGE:
+                    raise
+                self._skip_too_large(result.request_id, result.shopper_id, len(value), self.message_max_bytes)
         self._producer.poll(0)
+        self._skip_refused_for_size()
 
     async def _produce(self, key: bytes, value: bytes) -> None:
         while True:
@@ -73,8 +103,26 @@ class KafkaResultSink:
         if error is None:
             self.delivered += 1
             return
+        if error.code() in TOO_LARGE:  # the broker's or the topic's limit: sending it again cannot help
+            self._refused_for_size.append((message.key() or b"", message.value() or b""))
+            return
         self._errors.append(error)
         self._refused.append((message.key() or b"", message.value() or b""))
+
+    def _skip_too_large(self, request_id: str, shopper_id: str, size: int, limit: int | None) -> None:
+        error = ResultTooLarge(
+            topic=self.topic, request_id=request_id, shopper_id=shopper_id, size=size, limit=limit
+        )
+        self.too_large += 1
+        self.too_large_recent.append(error)
+        log.warning("%s", error)
+
+    def _skip_refused_for_size(self) -> None:
+        """Account for the records the broker refused for their size (put aside by delivery reports)."""
+        while self._refused_for_size:
+            key, value = self._refused_for_size.pop(0)
+            request_id = str(orjson.loads(value).get("request_id", "?")) if value else "?"
+            self._skip_too_large(request_id, key.decode(errors="replace"), len(value), None)
 
     def due(self) -> bool:
         return False  # librdkafka sends as it goes; a durable point only waits for the reports
@@ -96,6 +144,7 @@ class KafkaResultSink:
         finally:
             self._refused[:0] = refused
         left = await asyncio.to_thread(self._producer.flush, self.flush_timeout_s)
+        self._skip_refused_for_size()
         if left or self._refused:
             errors, self._errors = self._errors, []
             reason = str(errors[0]) if errors else f"no delivery report within {self.flush_timeout_s} s"
@@ -107,3 +156,9 @@ class KafkaResultSink:
 
     async def close(self) -> None:
         await asyncio.to_thread(self._producer.flush, self.flush_timeout_s)
+
+
+def _code(exc: KafkaException) -> int | None:
+    """The librdkafka error code a ``KafkaException`` carries, if any."""
+    error = exc.args[0] if exc.args else None
+    return error.code() if isinstance(error, KafkaError) else None

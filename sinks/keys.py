@@ -26,7 +26,8 @@ class RedisKeys:
 
     def signal_errors(self, shopper_id: str) -> str:
         """Hash: error records of a shopper, by ``request_id`` (kept apart from the signals); expires
-        with the same TTL as ``signals`` (``SinkSettings.signal_ttl_s``)."""
+        with the same TTL as ``signals`` (``SinkSettings.signal_ttl_s``) and holds at most
+        ``SinkSettings.signal_errors_max`` of them, those of the newest versions."""
         return f"{self.prefix}signal_errors:{shopper_id}"
 
     def product(self, product_id: str) -> str:
