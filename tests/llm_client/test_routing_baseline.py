@@ -78,11 +78,23 @@ def test_bounded_load_holds(loads: list[int], factor: float, key: str) -> None:
     for e, load in zip(eps, loads, strict=True):
         e.outstanding = load
     chosen = SessionAffinityPolicy(load_factor=factor).choose(request(key), eps)
-    bound = max(1, -(-factor * (sum(loads) + 1) // len(eps)))
+    bound = max(2, -(-factor * (sum(loads) + 1) // len(eps)))
     if any(e.outstanding < bound for e in eps):
         assert chosen.outstanding < bound
     else:
         assert chosen is rendezvous_order(key, eps)[0]
+
+
+@pytest.mark.parametrize("n", [3, 8])
+def test_a_nearly_idle_fleet_keeps_a_shopper_whose_last_prompt_is_in_flight_at_home(n: int) -> None:
+    """With one request in flight the bound was 1: the shopper's own replica, holding its previous
+    prompt, was skipped, and the next prompt went to an idle replica and was prefilled cold."""
+    eps, policy = replicas(n), SessionAffinityPolicy()
+    home = rendezvous_order("shopper-7", eps)[0]
+    home.outstanding = 1
+    assert policy.choose(request("shopper-7"), eps) is home
+    home.outstanding = 2  # past the floor, with the rest idle: bounded load moves the next one
+    assert policy.choose(request("shopper-7"), eps) is not home
 
 
 def test_a_hot_shopper_spills_over_instead_of_piling_up() -> None:
