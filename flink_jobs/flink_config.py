@@ -36,7 +36,13 @@ class KafkaSettings(BaseModel):
     events_topic: str = EVENTS_TOPIC
     dlq_topic: str = DLQ_TOPIC
     group_id: str = "shopper-understanding-flink"
-    transactional_id_prefix: str = "shopper-understanding"
+    transactional_id_prefix: str | None = Field(
+        None,
+        description="prefix of the exactly-once Kafka sinks' transactional ids (the topic is appended); "
+        "None: the group id. It must be unique per job on a cluster: a second job with the same prefix "
+        "(a second environment, a resubmit beside the running one) fences the first job's producers, "
+        "whose committed checkpoint then loses its insights (Flink logs ProducerFencedException)",
+    )
     transaction_timeout_ms: int = Field(
         900_000,
         gt=0,
@@ -57,6 +63,12 @@ class KafkaSettings(BaseModel):
         default_factory=KafkaSecurity,
         description="TLS/SASL of the source and sinks (pipeline.kafka_security.java_kafka_properties)",
     )
+
+    def transactional_ids(self, topic: str) -> str:
+        """The transactional-id prefix of the exactly-once sink to ``topic``: the job's own (by default
+        its group id, which two jobs reading independently never share), then the topic. Until 6 Dec
+        2026 the default was one constant for every job."""
+        return f"{self.transactional_id_prefix or self.group_id}-{topic}"
 
     @model_validator(mode="before")
     @classmethod

@@ -357,7 +357,7 @@ def kafka_sink(settings: NearRealtimeSettings, topic: str, *, exactly_once: bool
         builder = builder.set_property(key, value)
     if exactly_once:
         builder = builder.set_delivery_guarantee(DeliveryGuarantee.EXACTLY_ONCE).set_transactional_id_prefix(
-            f"{kafka.transactional_id_prefix}-{topic}"
+            kafka.transactional_ids(topic)
         )
     else:
         builder = builder.set_delivery_guarantee(DeliveryGuarantee.AT_LEAST_ONCE)
@@ -390,7 +390,7 @@ def keyed_sink_ddl(
         "sink.delivery-guarantee": "exactly-once" if exactly_once else "at-least-once",
     }
     if exactly_once:
-        options["sink.transactional-id-prefix"] = f"{kafka.transactional_id_prefix}-{topic}"
+        options["sink.transactional-id-prefix"] = kafka.transactional_ids(topic)
     for key, value in connector_kafka_properties(kafka.security).items():
         options[f"properties.{key}"] = value
     with_clause = ",\n  ".join(f"{_sql_string(k)} = {_sql_string(v)}" for k, v in options.items())

@@ -93,6 +93,25 @@ def test_settings_round_trip_through_json_keeps_secrets_usable() -> None:
     assert again.model_dump(exclude={"sinks"}) == settings.model_dump(exclude={"sinks"})
 
 
+def test_two_jobs_on_one_cluster_never_share_transactional_ids() -> None:
+    """The exactly-once sinks' transactional-id prefix was one constant for every job: a second job on
+    the same cluster and topic fenced the first one's producers, and that job's committed checkpoint
+    lost its insights. By default it is the job's group id now; a prefix set explicitly still wins."""
+    blue = NearRealtimeSettings.model_validate({"kafka": {"group_id": "su-blue"}})
+    green = NearRealtimeSettings.model_validate({"kafka": {"group_id": "su-green"}})
+
+    def prefix(settings: NearRealtimeSettings) -> str:
+        ddl = flink_connectors.keyed_sink_ddl(settings, "insights", "shopper-insights", exactly_once=True)
+        return next(line for line in ddl.splitlines() if "transactional-id-prefix" in line)
+
+    assert prefix(blue) != prefix(green)
+    assert "'su-blue-shopper-insights'" in prefix(blue)
+    named = NearRealtimeSettings.model_validate(
+        {"kafka": {"group_id": "su-blue", "transactional_id_prefix": "tx"}}
+    )
+    assert "'tx-shopper-insights'" in prefix(named)
+
+
 def test_settings_load_from_the_compose_job_file() -> None:
     settings = NearRealtimeSettings.load(ROOT / "docker/flink-job.yaml")
     assert settings.async_io.bundle_time_ms == 250 and settings.parallelism == 2
