@@ -234,6 +234,7 @@ class EmbeddedRunner:
                     await self.ops.start()
                     self.log(f"metrics and health on {self.ops.address}")
                 timers = asyncio.create_task(self.triggers.run(), name="timers")
+                timers.add_done_callback(self._timers_done)
                 workers = [
                     asyncio.create_task(self.commits.run(), name="committer"),
                     timers,
@@ -286,6 +287,14 @@ class EmbeddedRunner:
         await self.ingest.polling_while(self.prompts.wait_all())
         if self._failed is None:
             await self.ingest.polling_while(self.commits.commit_durable())
+
+    def _timers_done(self, timers: asyncio.Task[None]) -> None:
+        """The trigger loop runs for the whole run: ended by an error, it fails the runner at once. Left
+        alone it had died silently: browse pauses stopped for the rest of the run while health stayed
+        live and ready, and the error surfaced only at the drain."""
+        if not timers.cancelled() and (error := timers.exception()) is not None:
+            self.log(f"the trigger loop failed: {error!r}")
+            self.fail(error)
 
     def request_stop(self) -> None:
         self._stopping.set()
