@@ -198,7 +198,11 @@ class EmbeddedRunner:
             }
         )
         self.rekeyer = Repartitioner(
-            rekey_producer, repartition_topic, self.log, deliver_max_wait_s=s.sink_retry.max_wait_s
+            rekey_producer,
+            repartition_topic,
+            self.log,
+            deliver_max_wait_s=s.sink_retry.max_wait_s,
+            failure=lambda: self._failed,
         )
         self.checkpoint = Checkpoint(
             build_sinks(s.sinks, SinkResources(redis=redis, kafka=kafka)),

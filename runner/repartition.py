@@ -159,17 +159,30 @@ def ensure_topic(
 
 class Repartitioner:
     def __init__(
-        self, producer: Producer, topic: str, log: Callable[[str], None], *, deliver_max_wait_s: float
+        self,
+        producer: Producer,
+        topic: str,
+        log: Callable[[str], None],
+        *,
+        deliver_max_wait_s: float,
+        failure: Callable[[], BaseException | None] = lambda: None,
     ) -> None:
         self.producer = producer
         self.topic = topic
         self.log = log
         self.deliver_max_wait_s = deliver_max_wait_s
+        self.failure = failure
+        """The runner's failure, if it has failed: a copy waiting for room in a full queue gives up then."""
         self.failed = 0
         """Copies whose delivery failed since the last ``deliver`` (that durable point fails)."""
 
     async def send(self, message: Message, event: ShopperEvent) -> None:
-        """Queue the copy of ``message`` keyed by its shopper id; never blocks the loop."""
+        """Queue the copy of ``message`` keyed by its shopper id; never blocks the loop. While the local
+        queue is full (the repartition topic's leader away) it waits for room, until the runner fails
+        (its durable point gives up on the copies queued before, ``RekeyUndelivered``): then it raises
+        that failure, the poll is left unapplied and uncommitted, and the ingest stops. It had waited on,
+        ignoring the failure, until librdkafka expired the queued copies (``message.timeout.ms``, 300 s),
+        and the runner's exit waited as long."""
         _, timestamp_ms = message.timestamp()
         origin = f"{message.topic()}:{message.partition()}:{message.offset()}".encode()
         headers: list[tuple[str, Any]] = [(REKEYED_FROM, origin)]  # not the original's: see the module
@@ -185,6 +198,8 @@ class Repartitioner:
                 )
                 return
             except BufferError:  # the local queue is full: let deliveries free room
+                if (failure := self.failure()) is not None:
+                    raise failure from None
                 self.producer.poll(0)
                 await asyncio.sleep(QUEUE_FULL_WAIT_S)
 

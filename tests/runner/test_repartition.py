@@ -23,6 +23,7 @@ import redis.asyncio as aioredis
 from confluent_kafka import Consumer, KafkaError, Message, Producer, TopicPartition
 from confluent_kafka.admin import AdminClient, NewTopic  # type: ignore[attr-defined]
 
+from devstack.processes import free_port
 from prompt_assembly.events import parse_event
 from runner.config import RunnerSettings
 from runner.embedded import EmbeddedRunner
@@ -321,3 +322,35 @@ async def test_a_copy_the_broker_refuses_makes_deliver_raise(isolated: Isolated)
         await rekey.deliver(poll_s=10)
     assert len(lines) == 1 and "NOT delivered" in lines[0] and "Unknown topic" in lines[0], lines
     await rekey.deliver(poll_s=1)  # counted once: the next durable point has nothing to refuse
+
+
+async def test_a_copy_waiting_for_room_in_a_full_queue_gives_up_when_the_runner_fails(
+    isolated: Isolated,
+) -> None:
+    """The repartition topic's leader is away (here: no broker answers the producer at all) and the
+    producer's local queue is full: a copy waits for room. It waited on whatever happened, so once the
+    runner had failed (its durable point gave up on the copies queued before) the ingest stayed in that
+    wait until librdkafka expired the queue (``message.timeout.ms``, 300 s), and the runner's exit with
+    it. It raises the runner's failure now."""
+    bootstrap = isolated.stack.kafka_bootstrap
+    producer = Producer({"bootstrap.servers": bootstrap})
+    for i in range(2):
+        producer.produce(isolated.topic, key=b"not-the-shopper", value=view(f"queued-{i}", time.time()))
+    assert producer.flush(30) == 0
+    originals = read_messages(bootstrap, isolated.topic, 2)
+    failed: list[BaseException] = []
+    away = Producer(
+        {"bootstrap.servers": f"127.0.0.1:{free_port()}", "queue.buffering.max.messages": 1}
+    )  # nobody listens there: nothing is delivered, the queue stays full
+    rekey = Repartitioner(
+        away, f"{isolated.topic}.away", lambda _: None, deliver_max_wait_s=30,
+        failure=lambda: failed[0] if failed else None,
+    )  # fmt: skip
+    await rekey.send(originals[0], parse_event(originals[0].value()))  # the queue's one place
+    waiting = asyncio.create_task(rekey.send(originals[1], parse_event(originals[1].value())))
+    await asyncio.sleep(0.5)
+    assert not waiting.done(), "the second copy waits for room"
+    failed.append(RekeyUndelivered("1 re-keyed event NOT delivered"))
+    with pytest.raises(RekeyUndelivered):
+        await asyncio.wait_for(waiting, timeout=10)
+    away.purge()
