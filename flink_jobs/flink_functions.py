@@ -18,6 +18,7 @@ import base64
 import time
 import zlib
 from collections.abc import Callable, Iterable
+from dataclasses import replace
 from typing import Any
 
 import orjson
@@ -27,6 +28,7 @@ from pyflink.datastream.functions import AsyncFunction, KeyedProcessFunction, Ru
 from pyflink.datastream.state import StateTtlConfig, ValueStateDescriptor
 from pyflink.datastream.time_domain import TimeDomain
 
+from flink_jobs.expiry_timers import ExpiryTimer, expiry_deadline_ms, next_expiry, unprompted_events
 from flink_jobs.flink_config import NearRealtimeSettings
 from flink_jobs.flink_connectors import DLQ_RECORD, UNKEYED_PREFIX
 from flink_jobs.flink_metrics import OperatorStats
@@ -147,7 +149,9 @@ class ShopperSessionFunction(KeyedProcessFunction):
     not once per event; a timer restored from a checkpoint waits its quiet period again after the
     restart, so that the replay can move it), and one event-time timer at ``FLUSH_TIMER_TS`` while a
     trigger is pending: only the final watermark of a bounded input (or ``stop --drain``) reaches it,
-    and it fires every pending trigger (``flush``).
+    and it fires every pending trigger (``flush``). Where no processing-time timer fires the trigger,
+    one more processing-time timer just before the session's TTL flushes it and drops the session with
+    its timers (``flink_jobs.expiry_timers``), so the drain timer never outlives the session.
     """
 
     def __init__(
@@ -176,6 +180,11 @@ class ShopperSessionFunction(KeyedProcessFunction):
         self.armed = runtime_context.get_state(
             _with_ttl(ValueStateDescriptor("pause_timer", Types.STRING()), settings)
         )
+        # The expiry timer (``expiry_timers.ExpiryTimer``), where no pause timer fires the trigger. No
+        # TTL: it goes with its timer, and counts what the session held if that expired first.
+        self.expiry_timers = self.flush_at_end and not self.processing_time_timers
+        self.ttl_ms = settings.state_ttl_s * 1000
+        self.expiry = runtime_context.get_state(ValueStateDescriptor("expiry_timer", Types.STRING()))
         group = runtime_context.get_metrics_group().add_group(METRIC_GROUP)
         self.records_in = group.counter("events_in")
         self.records_valid = group.counter("events_valid")
@@ -190,6 +199,9 @@ class ShopperSessionFunction(KeyedProcessFunction):
         """When this run of the subtask opened, on the clock its timer service reads (the wall clock in
         milliseconds, in process and thread mode alike): timers armed before it were restored."""
         self.trimmed_unprompted = group.counter("events_trimmed_unprompted")
+        self.expiry_prompts = group.counter("prompts_by_expiry")
+        self.expired_unprompted = group.counter("events_expired_unprompted")
+        self.timers_found_expired = group.counter("timers_found_expired_state")
 
     def _load(self, shopper_id: str) -> ShopperSession:
         raw = self.state.value()
@@ -204,11 +216,15 @@ class ShopperSessionFunction(KeyedProcessFunction):
                 self._disarm(timers)
             if self.flush_at_end:
                 timers.delete_event_time_timer(FLUSH_TIMER_TS)
+            if self.expiry_timers:
+                self._drop_expiry(timers)
             return
         if self.processing_time_timers:
             self._arm(session, timers)
         if self.flush_at_end:
             timers.register_event_time_timer(FLUSH_TIMER_TS)
+        if self.expiry_timers:
+            self._arm_expiry(session, timers)
 
     def _armed(self) -> ArmedTimer | None:
         raw = self.armed.value()
@@ -236,6 +252,28 @@ class ShopperSessionFunction(KeyedProcessFunction):
         if armed is not None:
             timers.delete_processing_time_timer(armed.fires_at_ms)
             self.armed.clear()
+
+    def _expiry_timer(self) -> ExpiryTimer | None:
+        raw = self.expiry.value()
+        return None if raw is None else ExpiryTimer.from_state(raw)
+
+    def _arm_expiry(self, session: ShopperSession, timers: Any) -> None:
+        """Each save moves the expiry deadline, as it moves the session's TTL; the timer (one per
+        shopper) moves when it goes off before it (``expiry_timers.next_expiry``)."""
+        before = self._expiry_timer()
+        deadline_ms = expiry_deadline_ms(self._now_ms(timers), self.ttl_ms)
+        expiry = next_expiry(before, deadline_ms, unprompted_events(session))
+        if before is None or before.fires_at_ms != expiry.fires_at_ms:
+            if before is not None:
+                timers.delete_processing_time_timer(before.fires_at_ms)
+            timers.register_processing_time_timer(expiry.fires_at_ms)
+        self.expiry.update(expiry.to_state())
+
+    def _drop_expiry(self, timers: Any) -> None:
+        expiry = self._expiry_timer()
+        if expiry is not None:
+            timers.delete_processing_time_timer(expiry.fires_at_ms)
+            self.expiry.clear()
 
     def process_element(self, value: Any, ctx: KeyedProcessFunction.Context) -> Iterable[Any]:
         self.records_in.inc()
@@ -276,8 +314,14 @@ class ShopperSessionFunction(KeyedProcessFunction):
             self.trimmed_unprompted.inc(trimmed)
 
     def on_timer(self, timestamp: int, ctx: KeyedProcessFunction.OnTimerContext) -> Iterable[str]:
+        if ctx.time_domain() == TimeDomain.PROCESSING_TIME:
+            expiry = self._expiry_timer()
+            if expiry is not None and expiry.fires_at_ms == timestamp:
+                yield from self._at_expiry(expiry, timestamp, ctx.timer_service())
+                return
         raw = self.state.value()
         if raw is None:
+            self._found_expired(ctx.timer_service())
             return
         session = ShopperSession.from_json(raw)
         if ctx.time_domain() == TimeDomain.EVENT_TIME:
@@ -300,6 +344,41 @@ class ShopperSessionFunction(KeyedProcessFunction):
         self._count_emitted(prompts)
         for prompt in prompts:
             yield prompt.model_dump_json()
+
+    def _at_expiry(self, expiry: ExpiryTimer, timestamp: int, timers: Any) -> Iterable[str]:
+        """The session's TTL is about to run out with a trigger pending: the drain's flush for this
+        shopper, then the session goes with its timers (``flink_jobs.expiry_timers``)."""
+        if self.expiry_timers and expiry.deadline_ms > timestamp:  # saved since: its TTL moved on
+            timers.register_processing_time_timer(expiry.deadline_ms)
+            self.expiry.update(replace(expiry, fires_at_ms=expiry.deadline_ms).to_state())
+            return
+        raw = self.state.value()
+        if raw is None:  # it expired first: the job was down across the deadline
+            self._found_expired(timers)
+            return
+        self.expiry.clear()
+        if not self.expiry_timers:  # armed by a run with another timer mode: saves no longer move it
+            return
+        prompts = self.processor.flush(ShopperSession.from_json(raw))
+        self.expiry_prompts.inc(len(prompts))
+        self._count_emitted(prompts)
+        self.state.clear()
+        self._disarm(timers)
+        timers.delete_event_time_timer(FLUSH_TIMER_TS)
+        for prompt in prompts:
+            yield prompt.model_dump_json()
+
+    def _found_expired(self, timers: Any) -> None:
+        """A timer outlived its session's state. What that held unprompted is counted where the expiry
+        timer's state knows it (a timer restored from a version before it does not), and the shopper's
+        other timers go: no timer is left to a key without state."""
+        self.timers_found_expired.inc()
+        expiry = self._expiry_timer()
+        if expiry is not None:
+            self.expired_unprompted.inc(expiry.unprompted)
+            timers.delete_processing_time_timer(expiry.fires_at_ms)
+            self.expiry.clear()
+        timers.delete_event_time_timer(FLUSH_TIMER_TS)
 
     def _deferred(self, session: ShopperSession, armed: ArmedTimer, timers: Any) -> bool:
         """Re-arm a timer restored from a checkpoint that went off before its quiet period after the
