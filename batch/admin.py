@@ -9,9 +9,9 @@ import uuid
 
 import redis.asyncio as aioredis
 
-from batch.errors import JobExists, JobNotFound, JobStateError
+from batch.errors import JobExists, JobNotFound, JobStateError, ManifestChanged
 from batch.manifest import TERMINAL_STATES, JobManifest, JobSpec
-from batch.storage import JobStore, S3Uri
+from batch.storage import CONDITIONAL_CONFLICT_TRIES, JobStore, S3Uri
 from sinks.keys import RedisKeys
 
 log = logging.getLogger(__name__)
@@ -81,18 +81,37 @@ async def submit_job(
 
 
 async def cancel_job(store: JobStore, redis: aioredis.Redis, prefix: str, job_id: str) -> JobManifest:
-    """Ask the worker running the job to stop; a job no worker holds is marked cancelled at once."""
+    """Ask the worker running the job to stop; a job no worker holds is marked cancelled at once.
+
+    The marker is written before the lease is looked for, so a worker claiming the job meanwhile sees
+    it (``JobRun.claim``). A worker that finished the job meanwhile has released its lease too: the
+    manifest is read again after the marker and ``cancelled`` is written only over a state that is not
+    final, and only over that very manifest (``If-Match`` on its ETag), so a job's ``succeeded`` (its
+    ``errors_uri``, ``finished_at``, last shards) is never replaced by an earlier copy. Raises
+    ``JobStateError`` for a job that is already finished, found so before or after the marker."""
     manifest = await store.read_manifest(job_id)
     if manifest.state in TERMINAL_STATES:
         raise JobStateError(f"job {job_id} is already {manifest.state}")
     await store.request_cancel(job_id)
-    if await redis.get(RedisKeys(prefix).batch_lease(job_id)) is None:
-        manifest.state = "cancelled"
-        manifest.message = "cancelled before a worker picked it up"
-        manifest.updated_at = time.time()
-        await store.write_manifest(manifest)
+    if await redis.get(RedisKeys(prefix).batch_lease(job_id)) is not None:
+        return manifest  # its worker stops at its next checkpoint and writes ``cancelled`` itself
+    for _ in range(CONDITIONAL_CONFLICT_TRIES):
+        current, etag = await store.read_manifest_tagged(job_id)
+        if current.state in TERMINAL_STATES:
+            await store.clear_cancel(job_id)  # a finished job has nothing left to stop
+            if current.state == "cancelled":  # a claiming worker saw the marker and wrote it
+                return current
+            raise JobStateError(f"job {job_id} is already {current.state}: it finished before the cancel")
+        current.state = "cancelled"
+        current.message = "cancelled before a worker picked it up"
+        current.updated_at = time.time()
+        try:
+            await store.write_manifest(current, if_match=etag)
+        except ManifestChanged:
+            continue  # written since it was read: decide again on what is there now
         await store.clear_cancel(job_id)
-    return manifest
+        return current
+    raise JobStateError(f"job {job_id}: its manifest kept changing during the cancel; try again")
 
 
 async def prepare_resume(store: JobStore, job_id: str) -> JobManifest:

@@ -31,3 +31,8 @@ class JobStateError(BatchError):
 
 class JobExists(JobStateError):
     """A job of that id is registered already (its manifest would be replaced, its history lost)."""
+
+
+class ManifestChanged(BatchError):
+    """A manifest written since it was read refused a conditional write (``If-Match``): read it again
+    and decide again, so that a newer state (a job that just finished) is never overwritten."""

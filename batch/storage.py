@@ -7,7 +7,7 @@ output URI::
     {jobs}/cancel                 present = cancellation requested
     {out}/part-00000.jsonl        output rows of shard 0 (written once per shard: deterministic key)
     {out}/errors/part-00000.jsonl error rows of shard 0 (only when it has any)
-    {out}/errors.jsonl            every error row, merged when the job succeeds
+    {out}/errors.jsonl            every error row, merged when the job succeeds (a multipart upload)
     {out}/summary.json            the final manifest summary
 
 A part's object metadata carries its shard's counts, so a shard whose part was written just before a
@@ -23,16 +23,17 @@ import logging
 import re
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Self
 
 import orjson
 from aiobotocore.session import get_session
 from botocore.exceptions import ClientError
 from pydantic import ValidationError
 
-from batch.errors import InvalidUri, JobExists, JobNotFound
+from batch.errors import InvalidUri, JobExists, JobNotFound, ManifestChanged
 from batch.lines import LineSplitter, OversizedLine
 from batch.manifest import JobManifest, ShardCounts
+from batch.multipart import PART_BYTES, MultipartObjectWriter
 from sinks.config import SinkSettings
 
 log = logging.getLogger(__name__)
@@ -83,7 +84,7 @@ class JobStore:
         self._exit = contextlib.AsyncExitStack()
         self._client: Any = None
 
-    async def __aenter__(self) -> JobStore:
+    async def __aenter__(self) -> Self:
         await self.start()
         return self
 
@@ -110,25 +111,40 @@ class JobStore:
 
     # ---- manifests --------------------------------------------------------------------------------
     async def read_manifest(self, job_id: str) -> JobManifest:
+        return (await self.read_manifest_tagged(job_id))[0]
+
+    async def read_manifest_tagged(self, job_id: str) -> tuple[JobManifest, str]:
+        """The manifest and its ETag, for a write that must not replace a newer one
+        (``write_manifest(..., if_match=etag)``)."""
         uri = self.job_dir(job_id).child("manifest.json")
         try:
-            raw = await self.read(uri)
+            response = await self.client.get_object(Bucket=uri.bucket, Key=uri.key)
+            async with response["Body"] as body:
+                raw = bytes(await body.read())
         except ClientError as exc:
             if _not_found(exc):
                 raise JobNotFound(f"no batch job {job_id!r} (looked for {uri})") from None
             raise
-        return JobManifest.model_validate_json(raw)
+        return JobManifest.model_validate_json(raw), str(response["ETag"])
 
-    async def write_manifest(self, manifest: JobManifest, *, new: bool = False) -> None:
+    async def write_manifest(
+        self, manifest: JobManifest, *, new: bool = False, if_match: str | None = None
+    ) -> None:
         """``new``: only if the job has no manifest yet (a conditional write: of two submits under one
-        id, exactly one succeeds); else ``JobExists``."""
+        id, exactly one succeeds); else ``JobExists``. ``if_match``: only over the manifest of that ETag
+        (``If-Match``: someone who wrote since wins); else ``ManifestChanged``."""
         uri = self.job_dir(manifest.job_id).child("manifest.json")
+        body = manifest.model_dump_json().encode()
         try:
-            await self.put(uri, manifest.model_dump_json().encode(), "application/json", only_new=new)
+            await self.put(uri, body, "application/json", only_new=new, if_match=if_match)
         except ClientError as exc:
-            if _precondition_failed(exc):
-                raise JobExists(f"job {manifest.job_id} exists already") from None
-            raise
+            if not _precondition_failed(exc):
+                raise
+            if if_match is not None:
+                raise ManifestChanged(
+                    f"the manifest of job {manifest.job_id} changed since it was read"
+                ) from None
+            raise JobExists(f"job {manifest.job_id} exists already") from None
 
     def output_claim(self, output: S3Uri) -> S3Uri:
         """Where the job that owns ``output`` is named: one object per output, under the registry."""
@@ -214,10 +230,13 @@ class JobStore:
         meta: dict[str, str] | None = None,
         *,
         only_new: bool = False,
+        if_match: str | None = None,
     ) -> None:
-        """``only_new``: S3's conditional write (``If-None-Match: *``), refused with 412 where the key
-        exists."""
+        """S3's conditional writes, refused with 412: ``only_new`` (``If-None-Match: *``) where the key
+        exists, ``if_match`` (``If-Match``) where the object's ETag is no longer that one."""
         condition = {"IfNoneMatch": "*"} if only_new else {}
+        if if_match is not None:
+            condition["IfMatch"] = if_match
         for attempt in range(CONDITIONAL_CONFLICT_TRIES):
             try:
                 await self.client.put_object(
@@ -231,7 +250,7 @@ class JobStore:
                 return
             except ClientError as exc:
                 last_try = attempt == CONDITIONAL_CONFLICT_TRIES - 1
-                if not only_new or not _conditional_conflict(exc) or last_try:
+                if not condition or not _conditional_conflict(exc) or last_try:
                     raise
             await asyncio.sleep(0.05 * (attempt + 1))
 
@@ -314,13 +333,23 @@ class JobStore:
         raw = await self.read(uri)
         return [orjson.loads(line) for line in raw.splitlines() if line.strip()]
 
-    async def merge_errors(self, output: S3Uri, shards: list[int]) -> S3Uri:
-        """Concatenate the error parts of ``shards`` (in shard order) into ``{out}/errors.jsonl``."""
-        chunks = []
-        for shard in sorted(shards):
-            chunks.append(await self.read(errors_part_key(output, shard)))
+    async def merge_errors(
+        self, output: S3Uri, shards: list[int], *, part_bytes: int = PART_BYTES, chunk_size: int = 1 << 20
+    ) -> S3Uri:
+        """Concatenate the error parts of ``shards`` (in shard order) into ``{out}/errors.jsonl``.
+
+        Streamed: each errors part is read a chunk at a time into a multipart upload, so memory stays at
+        about two ``part_bytes`` however many rows failed (a catalogue of mostly broken lines has
+        gigabytes of them, more than a worker holds and more than S3 takes in one PUT). The object
+        appears whole or not at all: a failure aborts the upload, and a resumed job merges again."""
         target = output.child("errors.jsonl")
-        await self.put(target, b"".join(chunks), "application/x-ndjson")
+        async with MultipartObjectWriter(self.client, target, "application/x-ndjson", part_bytes) as merged:
+            for shard in sorted(shards):
+                source = errors_part_key(output, shard)
+                response = await self.client.get_object(Bucket=source.bucket, Key=source.key)
+                async with response["Body"] as body:
+                    while chunk := await body.read(chunk_size):
+                        await merged.write(chunk)
         return target
 
 

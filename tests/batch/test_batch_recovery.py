@@ -10,20 +10,24 @@ from __future__ import annotations
 
 import asyncio
 import json
+import tracemalloc
 from collections.abc import Awaitable
 from pathlib import Path
 from typing import Any
 
 import orjson
 import pytest
+from botocore.exceptions import ClientError
 
 from batch.admin import cancel_job, prepare_resume, submit_job
-from batch.errors import JobStateError
+from batch.errors import JobStateError, ManifestChanged
 from batch.job_run import JobRun
 from batch.launch import BatchRuntime, open_batch
 from batch.manifest import JobManifest, ShardCounts
+from batch.multipart import MIN_PART_BYTES
+from batch.records import error_row
 from batch.signals import ProductSignalWriter
-from batch.storage import JobStore, S3Uri, errors_part_key, part_key
+from batch.storage import JobStore, S3Uri, encode_jsonl, errors_part_key, part_key
 from batch.synthetic import synthetic_product_lines
 from devstack.stack import StackState
 from sinks.keys import RedisKeys
@@ -473,3 +477,120 @@ async def test_two_submits_to_one_output_at_the_same_instant_register_one_job(
         assert isinstance(await submit_job(store, input_uri, lost), JobManifest)
         listed = [m.spec.output_uri for m in await store.list_manifests()]
         assert listed.count(output) == 1
+
+
+async def test_the_errors_merge_streams_in_parts_and_leaves_no_upload_behind_when_it_fails(
+    stack: StackState, isolated: Isolated
+) -> None:
+    """The merge of the error rows read every errors part into memory, joined them (a second copy) and
+    sent one PUT: a catalogue of mostly broken lines ran the worker out of memory, or past S3's 5 GB
+    PUT, after all its LLM work, and every resume did the same again. Now the parts are streamed into a
+    multipart upload: the merged object is their concatenation, the merge holds about two parts however
+    large it grows, and a merge that fails half way aborts its upload (no parts left stored)."""
+    settings = _settings()
+    output = S3Uri.parse(f"s3://{isolated.sinks().s3_bucket}/{isolated.s3_prefix}/many-errors-out")
+    part_bytes = MIN_PART_BYTES
+    message = "the model's answer is not what the schema allows: " + "x" * 450
+    bodies: list[bytes] = []
+    async with JobStore(isolated.sinks(), settings.jobs_prefix) as store:
+        line = 0
+        while sum(map(len, bodies)) < 6 * part_bytes:  # each shard ~0.75 MiB, 40 or so of them
+            rows = [
+                error_row("job-1", line + i, "invalid_answer", message, f"p-{line + i}") for i in range(1200)
+            ]
+            line += len(rows)
+            bodies.append(encode_jsonl(rows))
+            await store.put(errors_part_key(output, len(bodies) - 1), bodies[-1], "application/x-ndjson")
+        total = sum(map(len, bodies))
+        shards = list(range(len(bodies)))
+
+        tracemalloc.start()
+        try:
+            merged_uri = await store.merge_errors(output, shards, part_bytes=part_bytes)
+            _, peak = tracemalloc.get_traced_memory()
+        finally:
+            tracemalloc.stop()
+        held = f"the merge held {peak} bytes at its peak for {total} bytes of errors"
+        assert peak < 3 * part_bytes <= total / 2, held  # about two parts: the one filling, the one sent
+        merged = await store.read(merged_uri)
+        assert merged == b"".join(bodies), "the merged object is every errors part, in shard order"
+        etag, _ = await store.head(merged_uri)
+        assert "-" in etag, f"written as a multipart upload (ETag {etag})"
+
+        # A merge failing after some parts are uploaded: the last shard's errors part is missing.
+        with pytest.raises(ClientError, match="NoSuchKey"):
+            await store.merge_errors(output, [*shards, len(bodies)], part_bytes=part_bytes)
+        uploads = await store.client.list_multipart_uploads(Bucket=output.bucket, Prefix=output.key + "/")
+        assert uploads.get("Uploads", []) == [], "the failed merge's upload is aborted"
+        assert await store.read(merged_uri) == merged, "the earlier merged object is left whole"
+
+
+class _MarkerHeldBack(JobStore):
+    """A JobStore (its own S3 client, as the ``cancel`` command has) whose cancel marker is written
+    only once ``go`` is set; ``waiting`` says the cancel has read the manifest and reached the marker."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.waiting = asyncio.Event()
+        self.go = asyncio.Event()
+
+    async def request_cancel(self, job_id: str) -> None:
+        self.waiting.set()
+        await self.go.wait()
+        await super().request_cancel(job_id)
+
+
+async def test_a_cancel_racing_a_job_that_finishes_leaves_its_succeeded_manifest(
+    stack: StackState, isolated: Isolated, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A cancel read the manifest of a running job, wrote its marker, found no lease (the worker had
+    just released it after writing ``succeeded``) and wrote its earlier copy as ``cancelled``: the
+    job's ``errors_uri``, ``finished_at`` and last shards were lost. Here the cancel reads the manifest
+    once the worker has claimed the job and writes its marker only after the worker has finished."""
+    settings = _settings()
+    sinks = isolated.sinks()
+    async with (
+        open_batch(settings, sinks, _llm(stack, settings)) as runtime,
+        _MarkerHeldBack(sinks, settings.jobs_prefix) as cancel_store,
+    ):
+        job = await _submit_blank_lines(runtime, isolated, shards=2)
+        claim, cancelling = JobRun.claim, []
+
+        async def claim_then_a_cancel_reads(self: JobRun) -> None:
+            await claim(self)
+            cancel = cancel_job(cancel_store, runtime.redis, sinks.redis_key_prefix, job.job_id)
+            cancelling.append(asyncio.create_task(cancel))
+            await cancel_store.waiting.wait()  # it has read the manifest: 'running'
+
+        monkeypatch.setattr(JobRun, "claim", claim_then_a_cancel_reads)
+        final = (await _run(runtime, [job.job_id]))[job.job_id]
+        assert final.state == "succeeded", final.message
+        cancel_store.go.set()
+        (outcome,) = await asyncio.gather(*cancelling, return_exceptions=True)
+        stored = await runtime.store.read_manifest(job.job_id)
+        marker_left = await runtime.store.cancel_requested(job.job_id)
+    assert stored.state == "succeeded", f"the cancel wrote {stored.state!r} over the finished job"
+    assert stored.errors_uri == final.errors_uri and stored.errors_uri is not None
+    assert stored.finished_at == final.finished_at and stored.shards == final.shards
+    assert isinstance(outcome, JobStateError) and "already succeeded" in str(outcome), outcome
+    assert not marker_left, "a finished job keeps no cancel marker"
+
+
+async def test_a_manifest_written_since_it_was_read_refuses_a_conditional_write(
+    stack: StackState, isolated: Isolated
+) -> None:
+    """What the cancel's last write relies on: ``If-Match`` on the ETag it read is refused once another
+    writer (a worker finishing the job) has written the manifest since, and the newer one stays."""
+    settings = _settings()
+    async with open_batch(settings, isolated.sinks(), _llm(stack, settings)) as runtime:
+        job = await _submit_blank_lines(runtime, isolated, shards=1)
+        read, etag = await runtime.store.read_manifest_tagged(job.job_id)
+        newer = read.model_copy(update={"state": "succeeded", "finished_at": 1.0})
+        await runtime.store.write_manifest(newer)
+        stale = read.model_copy(update={"state": "cancelled"})
+        with pytest.raises(ManifestChanged):
+            await runtime.store.write_manifest(stale, if_match=etag)
+        assert await runtime.store.read_manifest(job.job_id) == newer
+        _, current = await runtime.store.read_manifest_tagged(job.job_id)
+        await runtime.store.write_manifest(stale, if_match=current)
+        assert (await runtime.store.read_manifest(job.job_id)).state == "cancelled"
