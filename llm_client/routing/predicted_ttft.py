@@ -15,7 +15,11 @@ the cost of a candidate is not a token count but the time its first token would 
 - ``slowness`` is learned from every first token the replica sends back: an EWMA (of logs) of the
   observed ``ttft - rtt`` over what the prior predicted for the same work, so a slow or degraded replica is
   weighed as it is. Learning the ratio to a model with a floor, rather than milliseconds per token of
-  work, keeps a replica with little work ahead (an idle one, a warm prompt) from looking slow;
+  work, keeps a replica with little work ahead (an idle one, a warm prompt) from looking slow. The work
+  is what ``prefix_aware`` expected for the replica chosen (``estimate_uncached_tokens``, also what the
+  client counts in its load): where a sibling prompt of the shopper is still queued there, the raw block
+  index believes a hit the replica cannot give, and learning against it made a hot shopper's replica
+  look twice as slow as it is;
 - ``rtt`` is the round trip to the replica's endpoint group (a region or zone).
 
 Prediction decides who *may* serve: every candidate predicted to meet ``slo_ms`` (or, when none does,
@@ -27,11 +31,16 @@ capacity shares (``capacity_of``): a replica twice as fast may hold twice the re
 its shoppers are moved off their cache.
 
 Spreading over groups (the traffic orchestrator of the fleet this project answers): requests stay in
-the ``local_group`` while its best prediction is under ``spill_ratio * slo_ms`` (a prediction is a
-typical first token, the SLO a p99: the margin is what holds the tail); past it the policy *spills*.
-It comes back only once the local prediction is under ``return_ratio * slo_ms`` and at least
-``min_spill_s`` after it left: that gap is the hysteresis that keeps a surge at the threshold from
-flapping. Spilling is decided per request: while spilled, a request warm at home that some local
+the ``local_group`` while its best prediction for a *typical* request (``typical_ttft_ms``: the queued
+work plus a typical request's own prefill, an EWMA of requests' uncached tokens at home) is under
+``spill_ratio * slo_ms`` (a typical first token, the SLO a p99: the margin is what holds the tail); past
+it the policy *spills*. It comes back only once that prediction is under ``return_ratio * slo_ms`` and at
+least ``min_spill_s`` after it left: that gap is the hysteresis that keeps a surge at the threshold from
+flapping. So the state follows the local load, not the size of the request at hand: decided on each
+request's own prediction, one cold 6k-token prompt on an idle fleet spilled every request for
+``min_spill_s``, and only a request predicted under the return threshold brought it back.
+
+Where each request goes while spilled is decided per request: a request warm at home that some local
 replica can still serve within the SLO stays local; one cold at home (a full prefill anywhere) or that
 would miss competes over every group with a non-zero weight (prediction divided by weight). So the
 heaviest prefills leave the hot region first, and warm shoppers neither wait nor pay a cold prefill
@@ -108,11 +117,23 @@ class PredictedTtftSettings(BaseModel):
         0.8,
         gt=0,
         le=1,
-        description="spill when the local prediction passes this x slo_ms: a prediction is a typical "
-        "first token, and the SLO a p99, so the decision keeps a margin",
+        description="spill when the local prediction for a typical request (typical_ttft_ms) passes this "
+        "x slo_ms: a prediction is a typical first token, and the SLO a p99, so the decision keeps a margin",
     )
     return_ratio: float = Field(
-        0.6, gt=0, le=1, description="come back when the local prediction is under this x slo_ms"
+        0.6,
+        gt=0,
+        le=1,
+        description="come back when the local prediction for a typical request is under this x slo_ms",
+    )
+    typical_prefill_alpha: float = Field(
+        0.05,
+        gt=0,
+        le=1,
+        description="EWMA weight of each request's own prefill (its uncached tokens at its best local "
+        "replica; from 0) in the typical request the spill state is decided for. One long cold prompt "
+        "moves it by this share; at 1 the state followed each request's size, and one cold 6k-token prompt "
+        "on an idle fleet spilled every request for min_spill_s",
     )
     min_spill_s: float = Field(10.0, ge=0, description="stay spilled at least this long (no flapping)")
     ms_per_token: float = Field(
@@ -207,6 +228,9 @@ class PredictedTtftPolicy:
         self._weights.setdefault(settings.local_group, 1.0)
         self._slowness: dict[str, tuple[float, float]] = {}
         """Per replica: learned slowness (observed over predicted first-token time), and when."""
+        self.typical_uncached_tokens = 0.0
+        """A typical request's own prefill at home (EWMA over requests' first routings): with the
+        queues, what the spill state is decided on."""
         self.spilled_since: float | None = None
         self.stats = PredictedTtftStats()
 
@@ -265,6 +289,11 @@ class PredictedTtftPolicy:
     def predicted_ttft_ms(self, request: RouteRequest, endpoint: Endpoint) -> float:
         return self._time_of(endpoint, self.work_tokens(request, endpoint))
 
+    def typical_ttft_ms(self, endpoint: Endpoint) -> float:
+        """The prediction for a typical request (``typical_uncached_tokens``) rather than this one: the
+        replica's load in time, which the size of the request at hand does not move."""
+        return self._time_of(endpoint, self.prefix.load(endpoint) + self.typical_uncached_tokens)
+
     # ---- RoutingPolicy -------------------------------------------------------------------------
     def choose(self, request: RouteRequest, endpoints: Sequence[Endpoint]) -> Endpoint:
         if not endpoints:
@@ -273,13 +302,17 @@ class PredictedTtftPolicy:
         local_name = self.settings.local_group
         local = [e for e in endpoints if self.group(e) == local_name and self._weights[local_name] > 0]
         best_local = min(local, key=lambda e: predicted[e.name], default=None)
-        local_ms = float("inf") if best_local is None else predicted[best_local.name]
         if _PREDICTED not in request.memo:
             # A retry's candidates leave out the replicas it already tried: one 503 from the only local
             # replica would read as "no local replica" and spill every request for min_spill_s. The
             # spill state is the fleet's, so only a request's first routing (all routable replicas)
-            # moves it.
-            self._update_spill(local_ms)
+            # moves it, and for a typical request: this one's own prefill is no load.
+            if best_local is not None:
+                own = request.prompt_tokens - self.prefix.cached_tokens(request, best_local)
+                self.typical_uncached_tokens += self.settings.typical_prefill_alpha * (
+                    own - self.typical_uncached_tokens
+                )
+            self._update_spill(min((self.typical_ttft_ms(e) for e in local), default=float("inf")))
         slo = self.settings.slo_ms
         if best_local is not None and not self.spilling:
             pool = local
@@ -292,7 +325,6 @@ class PredictedTtftPolicy:
         best = min(scored.values())
         bound = max(slo, best * self.settings.admit_slack)
         admissible = [e for e in pool if scored[e.name] <= bound]
-        work_before = {e.name: self.work_tokens(request, e) for e in admissible}
         chosen = self.prefix.choose(
             request, admissible, time_of=self._time_of, capacity_of=self._capacity
         )  # records the prompt
@@ -300,8 +332,12 @@ class PredictedTtftPolicy:
             self.stats.routed_local += 1
         else:
             self.stats.routed_remote += 1
+        # The speed is learned against the work prefix_aware expects there (its co-batching discount and
+        # pending rule applied), not the raw index: a sibling queued there makes the replica prefill
+        # this prompt (nearly) cold, and the raw belief read every such first token as ~2x slow.
+        expected = self.prefix.load(chosen) + self.prefix.estimate_uncached_tokens(request, chosen)
         work: dict[str, tuple[float, float]] = request.memo.setdefault(_PREDICTED, {})  # type: ignore[assignment]
-        work[chosen.name] = (work_before[chosen.name], self.rtt_ms(chosen))
+        work[chosen.name] = (expected, self.rtt_ms(chosen))
         return chosen
 
     def _capacity(self, endpoint: Endpoint) -> float:

@@ -459,6 +459,7 @@ class PrefixAwarePolicy:
         floor = self.min_hit_fraction * request.prompt_tokens
         useful = {name: (tokens if tokens >= floor else 0) for name, tokens in cached.items()}
         pending = {e.name for e in ordered if self._queued.pending(request.key, e.name)}
+        ignored: set[str] = set()
         if pending and self.stats.pending_hit_rate < self.settings.pending_min_hit_rate:
             # The belief there rests on a prompt the replica is still computing, and such prompts have
             # mostly come back cold: the replica holds nothing for this one yet.
@@ -466,6 +467,7 @@ class PrefixAwarePolicy:
                 self.stats.pending_matches_ignored += 1
             for name in pending:
                 useful[name] = 0
+            ignored = pending
         indexed = dict(cached)
         """What each replica's index holds of the prompt, before the co-batching discount."""
         discounted = False
@@ -538,8 +540,6 @@ class PrefixAwarePolicy:
         self.stats.decisions += 1
         if useful[chosen.name] > 0:
             self.stats.cache_hits += 1
-        expected: dict[str, int] = request.memo.setdefault(_EXPECTED, {})  # type: ignore[assignment]
-        expected[chosen.name] = cached[chosen.name]
         recorded: dict[str, int] = request.memo.setdefault(_INDEXED, {})  # type: ignore[assignment]
         recorded[chosen.name] = indexed[chosen.name]
         hits: dict[str, bool] = request.memo.setdefault(_HIT, {})  # type: ignore[assignment]
@@ -547,6 +547,11 @@ class PrefixAwarePolicy:
         confirmed: dict[str, int] = request.memo.setdefault(_CONFIRMED, {})  # type: ignore[assignment]
         known = self.index(chosen).confirmed_prefix(self.block_hashes(request)) * self.block_size
         confirmed[chosen.name] = max(0, min(known, request.prompt_tokens - 1))
+        # What the replica is expected to reuse (its load and predicted_ttft's learned speed count the
+        # rest): where the belief was ignored, only what it is known to have computed.
+        expected: dict[str, int] = request.memo.setdefault(_EXPECTED, {})  # type: ignore[assignment]
+        found = cached[chosen.name]
+        expected[chosen.name] = min(found, confirmed[chosen.name]) if chosen.name in ignored else found
         self.index(chosen).insert(self.block_hashes(request))
         slot = (request.key, chosen.name)
         self._key_inflight[slot] = self._key_inflight.get(slot, 0) + 1

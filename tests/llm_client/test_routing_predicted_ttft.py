@@ -94,7 +94,7 @@ def test_the_prediction_is_rtt_plus_speed_times_queued_and_uncached_work() -> No
 
 def test_spill_over_waits_for_the_slo_and_comes_back_only_past_the_hysteresis() -> None:
     clock = Clock()
-    p = policy(clock)
+    p = policy(clock, typical_prefill_alpha=1.0)  # every prompt of one size: the typical one is the last
     local, remote = fleet()
     endpoints = [*local, *remote]
     request_tokens = route(words(2000)).prompt_tokens
@@ -125,9 +125,65 @@ def test_spill_over_waits_for_the_slo_and_comes_back_only_past_the_hysteresis() 
     assert p.stats.returns == 1 and not p.spilling
 
 
+def default_policy(clock: Clock) -> tuple[PredictedTtftPolicy, list[Endpoint], list[Endpoint]]:
+    """The default settings (SLO 1 s, spill past 0.8 of it, return under 0.6, a 100 ms floor and
+    0.122 ms a token) over two local replicas and two 40 ms away."""
+    local, remote = fleet()
+    settings = PredictedTtftSettings(
+        groups=[EndpointGroup(name="east", endpoints=[e.url for e in remote], rtt_ms=40)]
+    )
+    return PredictedTtftPolicy(settings, clock=clock), local, remote
+
+
+def test_one_long_cold_prompt_on_an_idle_fleet_is_no_reason_to_spill() -> None:
+    """The spill state is the local load, for a typical request: decided on each request's own
+    prediction, one cold 6,000-token prompt on an idle fleet (100 + 0.122 x 6,000 = 832 ms, over 800)
+    spilled every request for min_spill_s, so the state followed the mix of prompt sizes, not load."""
+    p, local, remote = default_policy(Clock())
+    long = route(words(4000, "long"), key="long")
+    assert long.prompt_tokens == 6000
+    assert p.predicted_ttft_ms(long, local[0]) > p.settings.spill_ratio * p.settings.slo_ms
+    assert p.group(p.choose(long, [*local, *remote])) == "local"
+    assert not p.spilling and p.stats.spills == 0
+
+
+def test_queued_local_replicas_spill_and_drained_ones_bring_it_back_whatever_the_request() -> None:
+    """Coming back is decided for a typical request too: on each request's own prediction it took one
+    predicted under 600 ms, and long cold prompts kept an idle local group spilled."""
+    clock = Clock()
+    p, local, remote = default_policy(clock)
+    endpoints = [*local, *remote]
+    for e in local:  # 7,000 queued tokens each: a 954 ms wait before any prefill starts
+        e.outstanding_prefill_tokens = 7000
+    p.choose(route(words(200, "short"), key="short"), endpoints)  # a 300-token prompt
+    assert p.spilling and p.stats.spills == 1
+    for e in local:
+        e.outstanding_prefill_tokens = 0
+    clock.now += p.settings.min_spill_s
+    assert p.group(p.choose(route(words(4000, "long"), key="long"), endpoints)) == "local"
+    assert not p.spilling and p.stats.returns == 1
+
+
+def test_a_short_prompt_spills_where_a_typical_request_would_miss_behind_the_queue() -> None:
+    """The typical request's own prefill counts (the state is not the queue alone, which would keep
+    cold prompts home until the wait by itself passed the threshold), and this request's does not."""
+    p, local, remote = default_policy(Clock())
+    endpoints = [*local, *remote]
+    for i in range(60):  # cold 3,000-token prompts on an idle fleet: 466 ms each, no spill
+        p.choose(route(words(2000, f"c{i}"), key=f"c{i}"), endpoints)
+    assert not p.spilling
+    for e in local:  # 3,500 queued tokens each: a 527 ms wait, and a typical request 100 + 0.122 x ~6,200
+        e.outstanding_prefill_tokens = 3500
+    short = route(words(200, "short"), key="short")  # this one would take 100 + 0.122 x 3,800 = 564 ms
+    assert p.predicted_ttft_ms(short, local[0]) < p.settings.return_ratio * p.settings.slo_ms
+    p.choose(short, endpoints)
+    assert p.spilling and p.stats.spills == 1
+    assert p.typical_uncached_tokens == pytest.approx(3000 * (1 - 0.95**60) * 0.95 + 0.05 * 300, rel=0.02)
+
+
 def test_while_spilled_a_shopper_warm_at_home_stays_and_a_cold_one_spills() -> None:
     clock = Clock()
-    p = policy(clock)
+    p = policy(clock, typical_prefill_alpha=1.0)  # the typical request is the last one
     local, remote = fleet()
     endpoints = [*local, *remote]
     history = words(3000, "h")
