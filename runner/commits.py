@@ -12,15 +12,22 @@ only while the lease its epochs were opened under is current (``runner.assignmen
 are dropped, and the partitions' next owner replays them. A save already sent when the lease ends can
 still reach Redis after the next owner has loaded; the store refuses it there, by the partitions'
 fencing tokens (``runner.ownership``), and the durable point is dropped the same way. The commit runs
-inside the durable point's
-lock, so a later durable point (the revoke's) can never commit before an earlier one and move the
-group's offsets backwards.
+inside the durable point's lock, so a later durable point (the revoke's) can never commit before an
+earlier one and move the group's offsets backwards.
+
+While a revoke hands over, no periodic durable point starts (its commit, made from another thread,
+librdkafka would hold until the revoke callback returns); the revoke's own is the one. One already
+under way is waited for, but not for a commit that librdkafka holds: past ``commit_wait_s`` of it the
+revoke's durable point makes nothing durable and commits nothing (``durable_point``). That commit
+completes after the callback; the epochs after it are forgotten with the assignment and replayed by
+the next owner, whose replayed prompts the answer ledger answers without a new call.
 """
 
 from __future__ import annotations
 
 import asyncio
 import functools
+import math
 import time
 import uuid
 from typing import TYPE_CHECKING
@@ -34,22 +41,36 @@ from runner.session_store import SessionsFenced
 if TYPE_CHECKING:
     from runner.embedded import EmbeddedRunner
 
+LOCK_CHECK_S = 0.05
+"""How often the revoke's durable point, waiting for the one under way, checks that one's commit."""
+
 
 class Committer:
     def __init__(self, runner: EmbeddedRunner) -> None:
         self.runner = runner
         self._lock = asyncio.Lock()
+        self._commit_started: float | None = None
+        """When the offset commit of the durable point under way began (monotonic), retries included."""
 
     @property
     def busy(self) -> bool:
         """A durable point is under way."""
         return self._lock.locked()
 
+    @property
+    def commit_under_way_s(self) -> float:
+        """How long the offset commit of the durable point under way has taken so far (0.0: none is
+        under way). Read by the revoke on the consumer thread too."""
+        started = self._commit_started
+        return 0.0 if started is None else time.monotonic() - started
+
     async def run(self) -> None:
         """Every ``commit_interval_s``; a failure (a store down past ``sink_retry``) fails the runner."""
         runner = self.runner
         while True:
             await asyncio.sleep(runner.settings.commit_interval_s)
+            if runner.handover.revoking:  # its hand-over makes the durable point
+                continue
             try:
                 await self.commit_durable()
             except Exception as exc:
@@ -61,10 +82,15 @@ class Committer:
         async with self._lock:
             lease, offsets = await self._durable_point()
             if offsets:
-                await self.runner.checkpoint.commit(
-                    functools.partial(self.commit_offsets, offsets, lease),
-                    on_fenced=lambda exc: self.runner.log(f"commit skipped, the group is rebalancing: {exc}"),
-                )
+                log = self.runner.log
+                self._commit_started = time.monotonic()
+                try:
+                    await self.runner.checkpoint.commit(
+                        functools.partial(self.commit_offsets, offsets, lease),
+                        on_fenced=lambda exc: log(f"commit skipped, the group is rebalancing: {exc}"),
+                    )
+                finally:
+                    self._commit_started = None
             elif not self.runner.epochs:
                 # Nothing read since the last commit, and nothing waiting (an idle partition, or fired
                 # timers, whose epochs carry no offsets, all saved): up to date, as after a commit.
@@ -86,10 +112,29 @@ class Committer:
         runner.stats.commits += 1
         runner.stats.last_commit_at = time.monotonic()
 
-    async def durable_point(self) -> tuple[int, list[TopicPartition]]:
-        """For the revoke's hand-over: ``_durable_point`` under the lock (the caller commits)."""
-        async with self._lock:
+    async def durable_point(self, commit_wait_s: float = math.inf) -> tuple[int, list[TopicPartition]]:
+        """For the revoke's hand-over: ``_durable_point`` under the lock (the caller commits), after the
+        durable point under way. Not after one whose offset commit has been under way for longer than
+        ``commit_wait_s``: librdkafka can hold that commit until the revoke callback returns, which
+        waits for this. Then nothing is made durable here and nothing is to be committed (the lease,
+        no offsets); the lock is never passed over, so no later offsets can land before that commit's."""
+        while True:
+            try:
+                async with asyncio.timeout(LOCK_CHECK_S):
+                    await self._lock.acquire()
+                break
+            except TimeoutError:
+                if self.commit_under_way_s > commit_wait_s:
+                    self.runner.log(
+                        f"rebalance: an offset commit under way for {self.commit_under_way_s:.1f} s; the "
+                        "hand-over commits nothing of its own (that commit completes after the revoke, "
+                        "the next owner replays what came after it)"
+                    )
+                    return self.runner.assignment.lease, []
+        try:
             return await self._durable_point()
+        finally:
+            self._lock.release()
 
     async def _durable_point(self) -> tuple[int, list[TopicPartition]]:
         """Make every completed epoch (in order, up to the first incomplete one) durable and return

@@ -6,6 +6,16 @@
   ``revoke_timeout_s`` (past it they go over uncommitted and the next owner replays them); then every
   session, timer and epoch of the old assignment is forgotten.
 
+While a revoke hands over (``revoking``; the consumer thread is in the callback and, with the eager
+protocol, the whole group waits for it) nothing new starts on the loop that it would have to wait for:
+no timer fires (``TriggerLoop.run``): a prompt fired then opened an epoch that stayed incomplete for an
+LLM call, and under steady load new ones kept coming, so the hand-over waited out ``revoke_timeout_s``
+and went over uncommitted. A trigger not fired stays pending in its session, which the hand-over's
+durable point saves with its deadline, and the partition's next owner re-arms it (``_rearm``). No
+periodic durable point starts either (``Committer.run``): librdkafka holds an offset commit made from
+another thread until the callback returns, so it could only delay this one. A commit already under way
+is waited for ``COMMIT_UNDER_WAY_WAIT_S`` in all (``Committer.durable_point``, ``Assignment.end_lease``).
+
 ``on_assign`` and ``on_revoke`` run on the consumer thread, inside ``consume``; everything they change
 that the loop also uses is changed on the loop.
 """
@@ -16,6 +26,7 @@ import asyncio
 import concurrent.futures
 import contextlib
 import functools
+import time
 from typing import TYPE_CHECKING
 
 from confluent_kafka import Consumer, KafkaException, TopicPartition
@@ -24,19 +35,33 @@ if TYPE_CHECKING:
     from runner.embedded import EmbeddedRunner
 
 COMMIT_UNDER_WAY_WAIT_S = 2.0
-"""How long a revoke waits for an offset commit already under way before ending the lease anyway: one
-already sent to a live coordinator takes milliseconds; one librdkafka deferred waits for this callback."""
+"""How long a revoke waits for an offset commit already under way, in all, before handing over without
+it: one already sent to a live coordinator takes milliseconds; one librdkafka deferred waits for this
+callback."""
 
 
 class RebalanceHandover:
     def __init__(self, runner: EmbeddedRunner) -> None:
         self.runner = runner
         self._rearms: set[asyncio.Task[None]] = set()
+        self._settled = asyncio.Event()
+        """Set while no revoke hands over; cleared and set on the loop, in the callback's order."""
+        self._settled.set()
 
     @property
     def rearming(self) -> bool:
         """A re-arm of an assignment's timers is still loading them."""
         return bool(self._rearms)
+
+    @property
+    def revoking(self) -> bool:
+        """A revoke is handing partitions over (as the loop sees it: from before the hand-over's durable
+        point starts until the old assignment is forgotten)."""
+        return not self._settled.is_set()
+
+    async def settled(self) -> None:
+        """Return once no revoke is handing partitions over (at once when none is)."""
+        await self._settled.wait()
 
     # ---- on the consumer thread ------------------------------------------------------------------
     def on_assign(self, consumer: Consumer, partitions: list[TopicPartition]) -> None:
@@ -66,31 +91,24 @@ class RebalanceHandover:
             f"rebalance: revoking partitions {sorted(tp.partition for tp in partitions if tp.topic == topic)}"
         )
         runner.assignment.generation += 1  # a re-arm still running for these partitions arms nothing more
-        loop.call_soon_threadsafe(self._cancel_rearms)
-        timeout = runner.settings.revoke_timeout_s
+        # First in the loop's queue: no timer fires and no periodic durable point starts from here on.
+        loop.call_soon_threadsafe(self._begin_revoke)
+        try:
+            self._hand_over_and_forget()
+        finally:
+            loop.call_soon_threadsafe(self._settled.set)  # after _forget_assignment: its timers are gone
+
+    def _hand_over_and_forget(self) -> None:
+        runner = self.runner
+        loop = runner.loop
+        assert loop is not None
         if runner.assignment and runner.failure is None:
-            future = asyncio.run_coroutine_threadsafe(self._handover(), loop)
-            lease = runner.assignment.lease
-            try:
-                lease, offsets = future.result(timeout=timeout)
-            except concurrent.futures.TimeoutError:
-                future.cancel()
-                runner.log(
-                    f"rebalance: results not durable within {timeout} s; "
-                    "partitions handed over uncommitted (the next owner replays them)"
-                )
-                offsets = []
-            except Exception as exc:
-                runner.log(f"rebalance: hand-over failed ({exc!r}); partitions handed over uncommitted")
-                offsets = []
-            if offsets:
-                try:
-                    runner.commits.commit_offsets(offsets, lease)
-                except KafkaException as exc:  # fenced or broker away: the next owner replays them
-                    runner.log(f"rebalance: hand-over commit failed ({exc}); the next owner replays")
+            self._commit_handover(loop)
         # From here no save or commit of the old assignment starts. A commit still under way can be
-        # waiting for this rebalance to move on, which waits for this callback: bounded (assignment).
-        if not runner.assignment.end_lease(wait_s=COMMIT_UNDER_WAY_WAIT_S):
+        # waiting for this rebalance to move on, which waits for this callback: bounded (assignment),
+        # by what is left of the wait the durable point may already have spent on it.
+        wait_s = max(0.0, COMMIT_UNDER_WAY_WAIT_S - runner.commits.commit_under_way_s)
+        if not runner.assignment.end_lease(wait_s=wait_s):
             runner.log(
                 f"rebalance: a commit under way did not finish within {COMMIT_UNDER_WAY_WAIT_S} s; "
                 "partitions handed over, the commit completes after (its offsets are durable)"
@@ -100,12 +118,49 @@ class RebalanceHandover:
         runner.assignment.partitions = []
         runner.ingest.paused = False
 
+    def _commit_handover(self, loop: asyncio.AbstractEventLoop) -> None:
+        """The revoked partitions' results made durable and committed, if within ``revoke_timeout_s``;
+        each outcome logged."""
+        runner = self.runner
+        timeout = runner.settings.revoke_timeout_s
+        started = time.monotonic()
+        future = asyncio.run_coroutine_threadsafe(self._handover(), loop)
+        try:
+            lease, offsets = future.result(timeout=timeout)
+        except concurrent.futures.TimeoutError:
+            future.cancel()
+            runner.log(
+                f"rebalance: results not durable within {timeout} s; "
+                "partitions handed over uncommitted (the next owner replays them)"
+            )
+            return
+        except Exception as exc:
+            runner.log(f"rebalance: hand-over failed ({exc!r}); partitions handed over uncommitted")
+            return
+        if not offsets:
+            runner.log(
+                f"rebalance: partitions handed over in {time.monotonic() - started:.1f} s, nothing to commit"
+            )
+            return
+        try:
+            runner.commits.commit_offsets(offsets, lease)
+        except KafkaException as exc:  # fenced or broker away: the next owner replays them
+            runner.log(f"rebalance: hand-over commit failed ({exc}); the next owner replays")
+            return
+        runner.log(f"rebalance: partitions handed over committed in {time.monotonic() - started:.1f} s")
+
     # ---- on the loop -----------------------------------------------------------------------------
+    def _begin_revoke(self) -> None:
+        self._settled.clear()
+        self._cancel_rearms()
+
     async def _handover(self) -> tuple[int, list[TopicPartition]]:
+        """Wait for the prompts in flight (no timer fires meanwhile, so their number only falls), then
+        make everything durable; the caller commits."""
         runner = self.runner
         while not runner.epochs.all_complete():
             await asyncio.sleep(0.05)
-        return await runner.commits.durable_point()
+        return await runner.commits.durable_point(commit_wait_s=COMMIT_UNDER_WAY_WAIT_S)
 
     async def _forget_assignment(self) -> None:
         """After a hand-over (on the loop, like every other user of this state): the next owner holds

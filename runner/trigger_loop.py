@@ -28,8 +28,13 @@ class TriggerLoop:
         return self.runner.timers.now() + wait * self.runner.settings.timer_wall_per_event_s
 
     async def run(self) -> None:
+        """Fire the due triggers, pass after pass; none while a revoke hands partitions over
+        (``runner.handover``): the timers stay armed, nothing is popped, and each trigger stays pending
+        in its session, saved with it at the hand-over's durable point for the next owner to re-arm. A
+        pass awaits nothing between the check and the last launch, so none is left half done."""
         runner = self.runner
         while True:
+            await runner.handover.settled()
             fired: set[str] = set()
             epoch = Epoch(lease=runner.assignment.lease)
             for sid, due_ts, version in runner.timers.pop_due():
