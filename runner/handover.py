@@ -77,7 +77,12 @@ class RebalanceHandover:
         runner.assignment.partitions = list(partitions)
         runner.assignment.generation += 1
         assert runner.loop is not None
-        runner.loop.call_soon_threadsafe(self._start_rearm, runner.assignment.generation, numbers)
+        if runner.settings.input == "events":
+            # A runner whose input is prompts holds no sessions: the session stage (the Flink job) does.
+            # It re-armed the stored timers of its partitions all the same, taking their fencing tokens
+            # from an events runner on the same key prefix (which then stopped, fenced) and firing its
+            # browse pauses a second time.
+            runner.loop.call_soon_threadsafe(self._start_rearm, runner.assignment.generation, numbers)
 
     def on_revoke(self, consumer: Consumer, partitions: list[TopicPartition]) -> None:
         """Hand the partitions over durable and committed, waiting at most ``revoke_timeout_s``: the

@@ -10,12 +10,15 @@ import asyncio
 
 import orjson
 import pytest
+import redis as sync_redis
 
 from devstack.synthetic import SyntheticStream
 from runner.embedded import EmbeddedRunner
 from shopper.readback import list_s3_records, read_dlq
+from sinks.keys import RedisKeys
 from tests.conftest import Isolated
 from tests.helpers import assert_latest_wins, expected_prompts, produce_records, signal_versions
+from tests.runner.test_rebalance_rearm import seed_pending_sessions
 
 pytestmark = pytest.mark.slow
 
@@ -47,3 +50,30 @@ def test_a_prompts_runner_answers_each_prompt_once_and_dead_letters_the_rest(iso
     assert {orjson.loads(d["original"])["shopper_id"] for d in dlq if d["original_encoding"] == "utf-8"} == {
         "s-x"
     }
+
+
+def test_a_prompts_runner_takes_no_session_partitions_and_fires_no_stored_timer(isolated: Isolated) -> None:
+    """A runner whose input is prompts holds no sessions (the Flink job's session stage does), yet on
+    every assignment it re-armed the timers stored for its partitions: it took their fencing tokens
+    from an events runner on the same key prefix (whose next save was then refused, and which stopped)
+    and fired those shoppers' browse pauses, a second time, at its drain. Here the store holds pending
+    sessions and their owner's tokens, as an events runner leaves them; the prompts runner touches
+    neither and makes exactly the prompts it consumed."""
+    partition_of = seed_pending_sessions(isolated.stack.redis_url, isolated.prefix)
+    keys = RedisKeys(isolated.prefix)
+    client = sync_redis.Redis.from_url(isolated.stack.redis_url)
+    owners = [client.get(keys.session_owner(p)) for p in range(4)]
+    prompts = list(expected_prompts(SyntheticStream(shoppers=5, seed=33).take(80)).values())
+    records = [(p.shopper_id.encode(), p.model_dump_json().encode(), False) for p in prompts]
+    produce_records(isolated.stack.kafka_bootstrap, isolated.topic, records)
+
+    runner = EmbeddedRunner(isolated.runner(input="prompts"), log=lambda _: None)
+    stats = asyncio.run(runner.run())
+
+    assert stats.accounting.prompts == len(records) and stats.accounting.balanced
+    assert [client.get(keys.session_owner(p)) for p in range(4)] == owners
+    _, stored = list_s3_records(isolated.sinks(), isolated.s3_prefix)
+    assert sorted(r["request_id"] for r in stored) == sorted(p.request_id for p in prompts), (
+        f"a stored timer of {len(partition_of)} fired"
+    )
+    client.close()
