@@ -17,10 +17,7 @@ Guarantees:
   untried), the wait is the longer of its ``Retry-After`` and the backoff; when that wait would end past
   the call's deadline, the call fails at once with the server's refusal instead of waiting for nothing
   (and spends no retry token). A retry that can go to another replica goes after the usual backoff:
-  ``Retry-After`` speaks for the server that sent it;
-- an attempt cancelled in flight can tell its call's deadline from any other cancel (``cut_by_deadline``):
-  a replica slower than the deadline completes no call, and the deadline's cuts are all the degradation
-  detector hears of it (``Fleet.cut_at_deadline``).
+  ``Retry-After`` speaks for the server that sent it.
 """
 
 from __future__ import annotations
@@ -29,7 +26,7 @@ import asyncio
 import contextlib
 import random
 from collections.abc import AsyncIterator, Awaitable, Callable
-from typing import Any, TypeVar
+from typing import TypeVar
 
 from llm_client.config import ClientConfig
 from llm_client.endpoints import Endpoint
@@ -59,8 +56,6 @@ class Calls:
         self._rng = random.Random(seed)
         self.in_flight = 0
         self.retries = 0
-        self._deadlines: dict[asyncio.Task[Any], asyncio.Timeout] = {}
-        """The deadline of the call each task is in (``cut_by_deadline``), while it holds a slot."""
 
     @contextlib.asynccontextmanager
     async def call(self, deadline_s: float | None, tried: list[str]) -> AsyncIterator[float]:
@@ -70,25 +65,14 @@ class Calls:
         (event-loop time), for ``retried``."""
         deadline = deadline_s if deadline_s is not None else self.config.timeouts.deadline_s
         expires_at = asyncio.get_running_loop().time() + deadline
-        task = asyncio.current_task()
-        assert task is not None  # asyncio.timeout needs one too
         try:
-            async with asyncio.timeout(deadline) as timeout, self._gate:
+            async with asyncio.timeout(deadline), self._gate:
                 self.in_flight += 1
-                outer = self._deadlines.get(task)  # a call made inside another's block, in its task
-                self._deadlines[task] = timeout
                 try:
                     yield expires_at
                 finally:
                     self.in_flight -= 1
-                    if outer is None:
-                        del self._deadlines[task]
-                    else:
-                        self._deadlines[task] = outer
         except TimeoutError:
-            # The one place a call's deadline becomes its error: ``asyncio.timeout`` cancelled the task
-            # (an attempt in flight saw a CancelledError, ``cut_by_deadline`` true) and made that a
-            # TimeoutError on the way out of this block.
             # Built by a function, not held in a local: a local of this frame would be reachable from
             # the error's own traceback, a cycle that kept every caller's frame (the whole request)
             # for the cyclic collector instead of freeing it at once.
@@ -96,16 +80,6 @@ class Calls:
         except LLMError as exc:
             exc.attempts = len(tried)
             raise
-
-    def cut_by_deadline(self) -> bool:
-        """Whether the current task's call is being cut by its deadline: how an attempt cancelled in
-        flight tells the deadline (the replica did not answer in time: ``Fleet.cut_at_deadline``) from
-        its caller's own cancel (a superseded prompt, a caller gone: nothing learned). Only what
-        ``asyncio.timeout`` itself did counts, not the clock: a caller's cancel near the deadline stays
-        the caller's."""
-        task = asyncio.current_task()
-        timeout = None if task is None else self._deadlines.get(task)
-        return timeout is not None and timeout.expired()
 
     async def retried(
         self,

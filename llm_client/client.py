@@ -97,9 +97,7 @@ class LLMClient:
         self._calls = Calls(config, self.fleet, seed=seed)
         self._session: aiohttp.ClientSession | None = None
         self._prober = AnswerProber(config, self.fleet, self._open_session)
-        self._exchange = Exchange(
-            config, self.fleet, self._open_session, self._prober, cut_by_deadline=self._calls.cut_by_deadline
-        )
+        self._exchange = Exchange(config, self.fleet, self._open_session, self._prober)
         self._forwarder = Forwarder(config, self.fleet, self._open_session)
         self._handover = PdHandover(self.fleet, self._exchange, self._forwarder)
         self._health = HealthChecker(config, self.fleet, self._open_session, self._prober)

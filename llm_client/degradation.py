@@ -7,9 +7,7 @@ move every replica's latency together; only a drift *relative to the peers* says
 
 - latency: an EWMA of end-to-end latency per unit of work (``completion_tokens + prefill_token_weight
   * uncached prompt tokens``), so a replica is not blamed for getting longer prompts or cache misses;
-- errors: an EWMA of the failure rate (5xx, timeouts, connection errors, and calls their deadline cut
-  while at the replica: a replica slower than its callers' deadline completes no call, so it has no
-  latency to judge, only its cuts; ``Fleet.cut_at_deadline``).
+- errors: an EWMA of the failure rate (5xx, timeouts, connection errors).
 
 A replica with at least ``min_samples`` observations whose latency EWMA exceeds ``latency_factor`` x
 the peer median, or whose error EWMA exceeds ``error_threshold`` and ``error_factor`` x the peer median,

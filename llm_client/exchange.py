@@ -4,8 +4,7 @@ The request is POSTed as JSON; the answer is read within ``AnswerLimits`` and de
 ``Completion`` (``llm_client.answers``), then checked by the caller's ``validate``. While the attempt runs
 the replica carries its load (outstanding requests, prefill tokens until the first streamed token,
 decode tokens); however the attempt ends the load is given back and the fleet told how it ended
-(``Fleet.succeeded``, ``failed`` or ``bad_answer``; cut by its call's deadline, ``cut_at_deadline``; cancelled
-by its caller, nothing).
+(``Fleet.succeeded``, ``failed`` or ``bad_answer``).
 """
 
 from __future__ import annotations
@@ -42,11 +41,8 @@ class Exchange:
         session: SessionSource,
         prober: AnswerProber,
         cut_calls: CutCalls | None = None,
-        cut_by_deadline: Callable[[], bool] = lambda: False,
     ) -> None:
         self.config = config
-        self.cut_by_deadline = cut_by_deadline
-        """Whether a cancel of the current attempt is its call's deadline (``Calls.cut_by_deadline``)."""
         self.cut_calls = cut_calls or CutCalls(config.timeouts.cut_grace_s)
         """Where an attempt its caller stopped waiting for reads on (``llm_client.cut_calls``)."""
         self.fleet = fleet
@@ -110,11 +106,7 @@ class Exchange:
             self.fleet.attempt_failed(endpoint, route, exc)
             raise
         except asyncio.CancelledError:
-            # The call's deadline, with this attempt still at the replica: all the degradation detector
-            # will ever hear of a replica slower than the deadline, which completes no call. Any other
-            # cancel is the caller's (a superseded prompt, a caller gone): nothing is learned.
-            if self.cut_by_deadline():
-                self.fleet.cut_at_deadline(endpoint)
+            # The caller's deadline: the replica did nothing wrong, nothing is learned.
             raise
         finally:
             endpoint.outstanding -= 1

@@ -2,10 +2,9 @@
 
 ``Endpoint`` is mutated only here (on the event loop): the routing policy, the degradation detector and
 the answer health report what they learned (``Feedback``, ``HealthChange``, ``Quarantine``) and the fleet
-records it. Every attempt ends in exactly one of ``succeeded``, ``failed`` or ``bad_answer``, or, cut
-while at the replica, in ``cut_at_deadline`` when its call's deadline cut it (nothing when its caller did);
-whatever else happens to a replica (ejection, quarantine, re-admission) follows from those and from the
-health checks (``llm_client.health_checks``).
+records it. Every attempt ends in exactly one of ``succeeded``, ``failed`` or ``bad_answer``; whatever
+else happens to a replica (ejection, quarantine, re-admission) follows from those and from the health
+checks (``llm_client.health_checks``).
 
 With P/D disaggregation the fleet has two pools: ``endpoints`` (generation servers, or every replica
 without P/D) and ``context_endpoints`` (context servers, routed by the P/D policy's context part).
@@ -157,17 +156,6 @@ class Fleet:
                 endpoint,
                 "connection failed" if connection else f"{endpoint.consecutive_failures} failures in a row",
             )
-
-    def cut_at_deadline(self, endpoint: Endpoint) -> None:
-        """An attempt still at ``endpoint`` when its call's deadline fell: an error for the degradation
-        detector, and for nothing else. A replica slower than the deadline completes no call, so it gives
-        no latency sample: its cuts are the only sign of it, and without them it kept its share of calls,
-        each answered late. Not a failure for ejection, health, the retry budget or the policy: the
-        deadline is the caller's, often shorter than any replica's slowest answers, and under overload it
-        cuts calls on every replica alike, which the detector, judging a replica against its peers, drains
-        none of."""
-        self.degradation.observe_failure(endpoint)
-        self.evaluate_health()
 
     def bad_answer(self, endpoint: Endpoint, route: RouteRequest, error: InvalidAnswer) -> Quarantine | None:
         """An answer that is no answer: counted by kind, taught to the policy (the replica holds nothing
