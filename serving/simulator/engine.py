@@ -341,10 +341,12 @@ class ContinuousBatchingEngine:
                     chunks = self._schedule_chunks(len(joining))
                     ms = self._chunked_iteration_ms(chunks, decoding)
                     scheduled = bool(chunks or decoding)
+                    newcomers = [request for request, _ in chunks]
                 else:
                     admitted = self._admit(len(joining))
                     ms = self._iteration_ms(admitted, decoding)
                     scheduled = bool(admitted or decoding)
+                    newcomers = admitted
                 if not scheduled and self._blocked:
                     # Everything waiting waits for KV memory or for batch slots held by transfers.
                     self._released.clear()
@@ -358,6 +360,10 @@ class ContinuousBatchingEngine:
                 now = self._now()
                 if delay > 0:
                     start = deadline if now - deadline < delay else now
+                    # Catching up (the loop woke late) never starts an iteration before a request in it
+                    # arrived: one admitted while the loop lagged got a head start of that lag, which a
+                    # small time scale turned into up to hundreds of simulated ms off its first token.
+                    start = max([start, *(r.arrival for r in newcomers)])
                     deadline = start + delay
                     await asyncio.sleep(max(deadline - now, 0.0))
                 else:

@@ -135,3 +135,32 @@ def test_chunked_prefill_needs_room_for_one_block() -> None:
     the engine spun (632,777 empty iterations in 5 s); such a setting is refused at start."""
     with pytest.raises(ValidationError, match="block_size"):
         SimulatorConfig(enable_chunked_prefill=True, max_num_tokens=16, block_size=32)
+
+
+async def test_a_prompt_admitted_while_the_loop_lags_gets_no_head_start() -> None:
+    """While a batch decodes, the engine's loop catches up after waking late (a sleep's overshoot is not
+    the model's), starting the next iteration at the previous deadline. An iteration that admitted a
+    prompt then started before the prompt arrived: the handler's own tokenising of a long prompt is
+    such a lag, and at time scale 0.01 its milliseconds became a first token hundreds of simulated ms
+    early (about 75 ms for a prefill the model prices near 280). No first token comes sooner than the
+    model's prefill of the prompt now."""
+    async with running_simulator(time_scale=0.01) as sim, aiohttp.ClientSession() as http:
+        replica = sim.app[REPLICA_KEY]
+        decoding = asyncio.create_task(
+            post_json(http, f"{sim.url}/v1/completions", _completion(max_tokens=4000, ignore_eos=True))
+        )
+        await asyncio.sleep(0.3)  # the long answer decodes: iterations of a few hundred wall µs
+        usages = []
+        for i in range(5):
+            prompt = f"cold prompt {i} " + "word " * 2000
+            status, body = await post_json(
+                http, f"{sim.url}/v1/completions", _completion(prompt, max_tokens=1)
+            )
+            assert status == 200
+            usages.append(body["usage"])
+        async with http.get(f"{sim.url}/admin/ttft") as response:
+            ttfts = (await response.json())["ttft_ms"]
+        decoding.cancel()
+    floor = min(replica.cost.prefill_ms(u["prompt_tokens"] - 1, 0) for u in usages)
+    assert len(ttfts) >= 5
+    assert min(ttfts[-5:]) >= 0.9 * floor, (ttfts, floor)
