@@ -110,7 +110,7 @@ class Calls:
                     raise RetryBudgetExhausted(f"retry budget exhausted after: {last_error}") from last_error
                 self.retries += 1
                 await asyncio.sleep(wait_s)
-            if not any(e.routable for e in self.fleet.endpoints):
+            if not self.fleet.servable():
                 await self.fleet.wait_for_routable()
             endpoint = self.fleet.choose(route, tried)
             tried.append(endpoint.name)

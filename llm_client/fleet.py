@@ -85,17 +85,27 @@ class Fleet:
     def choose(self, route: RouteRequest, tried: Sequence[str]) -> Endpoint:
         """The policy's pick among routable replicas not yet tried (all routable ones when every one
         was tried)."""
-        candidates = [e for e in self.endpoints if e.routable and e.name not in tried]
+        servable = self.servable()
+        candidates = [e for e in servable if e.name not in tried] or servable
         if not candidates:
-            candidates = [e for e in self.endpoints if e.routable]
-        if not candidates:
-            raise NoHealthyEndpoint(f"all {len(self.endpoints)} replicas are ejected or drained")
+            raise NoHealthyEndpoint(f"all {len(self.endpoints)} replicas are ejected or quarantined")
         return self.policy.choose(route, candidates)
 
+    def servable(self) -> list[Endpoint]:
+        """The routable replicas; when none is, the healthy ones the degradation detector drained. A
+        drained replica is slow, not broken: the detector drains only while enough others remain, and
+        when those are ejected after (a restart, a crash), it is the one that still answers. It stayed
+        out for its whole cool-down (30 s, doubling to 600 s), every call waiting for a re-admission
+        until its deadline. A quarantined replica (bad answers) is never a fallback."""
+        routable = [e for e in self.endpoints if e.routable]
+        if routable:
+            return routable
+        return [e for e in self.endpoints if e.healthy and e.drained and not e.quarantined]
+
     async def wait_for_routable(self) -> None:
-        """Every replica is ejected: wait (within the caller's deadline) for the health checker to
-        re-admit one, instead of failing every request of a short outage."""
-        while not any(e.routable for e in self.endpoints):
+        """No replica can serve (every one ejected or quarantined): wait (within the caller's deadline)
+        for the health checker to re-admit one, instead of failing every request of a short outage."""
+        while not self.servable():
             await asyncio.sleep(self.config.health.interval_s / 2)
 
     def prefill_reporter(self, route: RouteRequest, endpoint: Endpoint) -> Callable[[bool], None] | None:
