@@ -51,7 +51,9 @@ strings); only ever compared, never computed here."""
 
 
 class UniqueToken(_Event):
-    token_id: int
+    token_id: int = Field(ge=0, lt=2**32)
+    """A vocabulary id: the router packs it in 32 bits (``chain_block_hash``); a larger one raised out of
+    the poller and ended it, with no log, and made the client's ``close`` raise before it closed the rest."""
     token_extra_id: int = 0
     """Nonzero for prompt-tuning or multimodal tokens, which a token-id hash cannot name."""
 
@@ -262,4 +264,8 @@ class KvEventPoller:
             return
         self.polls += 1
         if events:
-            self._consumer.apply_kv_events(endpoint, events)
+            try:
+                self._consumer.apply_kv_events(endpoint, events)
+            except Exception as exc:  # one replica's events must not end the poller for every replica
+                self.failed_polls += 1
+                log.warning("replica %s: KV cache events not applied: %r", endpoint.name, exc)

@@ -15,6 +15,7 @@ from collections.abc import AsyncIterator
 
 import aiohttp
 import pytest
+from aiohttp import web
 
 from devstack.processes import free_port
 from devstack.served_process import start_served
@@ -26,7 +27,8 @@ from llm_client.routing.prefix_aware import PrefixAwarePolicy
 from prompt_assembly.tokens import chained_block_hashes, count_tokens, messages_text, token_ids
 from serving.simulator.block_keys import engine_block_hashes
 from serving.simulator.launch import SimulatorFleet, simulator_argv
-from tests.helpers import viewed_prompt
+from serving.simulator.testing import running_simulator
+from tests.helpers import serving, until, viewed_prompt
 
 FAST = ("--time-scale", "0.002")
 
@@ -317,3 +319,38 @@ def test_blocks_that_cannot_be_rebuilt_are_not_indexed() -> None:
     assert index.confirmed_prefix(router) == 1  # block A is still held under the other salt
     _apply(policy, home, _event(5, {"type": "removed", "block_hashes": [11]}))
     assert len(index) == 0 and policy.stats.kv_blocks_removed == 2
+
+
+async def test_a_replica_sending_an_out_of_range_token_id_leaves_the_poller_running() -> None:
+    """A token id past 32 bits raised out of the event poller (the router packs ids in 32 bits): the
+    poller ended with no log, the fleet's cache picture froze, and the client's ``close`` raised that
+    error before it stopped the health loop and closed its session. Such events are unreadable now:
+    counted and logged, the poller goes on, and ``close`` closes."""
+    BLOCK = PrefixAwarePolicy().block_size  # a whole block: a partial one is not rebuilt at all
+    bad_event = {
+        "event_id": 1,
+        "data": {"type": "stored", "parent_hash": None, "blocks": [
+            {"block_hash": 7, "tokens": [{"token_id": 2**32 + i, "token_extra_id": 0} for i in range(BLOCK)]}
+        ]},
+    }  # fmt: skip
+
+    async def events(request: web.Request) -> web.Response:
+        return web.json_response([bad_event])
+
+    async def health(request: web.Request) -> web.Response:
+        return web.Response(text="ok")
+
+    app = web.Application()
+    app.router.add_post("/kv_cache_events", events)
+    app.router.add_get("/health", health)
+    async with serving(app) as bad, running_simulator(time_scale=0.0) as good:
+        client = LLMClient(precise_config([bad, good.url]))
+        await client.__aenter__()
+        try:
+            await client.wait_until_healthy()
+            poller = client.kv_events
+            assert poller is not None
+            await until(lambda: poller.failed_polls >= 3, within_s=20)
+            assert poller._task is not None and not poller._task.done(), "the poller goes on"
+        finally:
+            await client.close()
