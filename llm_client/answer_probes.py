@@ -84,7 +84,10 @@ class ProbeRequest:
     validate: AnswerValidator | None
 
     def payload(self) -> bytes | None:
-        """The probe's JSON, not streamed; None when forwarded bytes are not a JSON object."""
+        """The probe's JSON, not streamed; None when forwarded bytes are not a JSON object, or one that
+        orjson reads but will not write (nested past its 254 levels, where it reads 1,024): that raised
+        in every probe task, before its ``try``, so the quarantined replica was never probed while that
+        request was the pool's known-good one, with no log."""
         body = self.body
         if isinstance(body, bytes):
             try:
@@ -95,7 +98,10 @@ class ProbeRequest:
                 return None
             body = capped_budget(parsed)
         kept = {k: v for k, v in body.items() if k not in _STREAM_ONLY}
-        return orjson.dumps({**kept, "stream": False})
+        try:
+            return orjson.dumps({**kept, "stream": False})
+        except orjson.JSONEncodeError:
+            return None
 
 
 class AnswerProber:

@@ -46,3 +46,12 @@ def test_a_probe_from_a_request_without_an_int_budget_is_capped_too(
     assert {k: probe[k] for k in ("max_tokens", "max_completion_tokens") if k in probe} == budget
     assert probe["stream"] is False and "stream_options" not in probe
     assert probe["model"] == "m", "the caller's own model name"
+
+
+def test_a_request_nested_past_what_orjson_writes_gives_no_probe() -> None:
+    """orjson reads 1,024 levels of nesting and writes 254: a forwarded request nested 300 deep, answered
+    well and kept as the pool's known-good probe, made every probe raise before it was sent, so the
+    quarantined replica was never probed while that request was the known-good one. It gives no probe
+    now (``payload`` None), and the prober falls back to the next request it knows."""
+    nested = b'{"model": "m", "messages": [], "extra": ' + b"[" * 300 + b"]" * 300 + b"}"
+    assert ProbeRequest("/v1/chat/completions", nested, None).payload() is None
