@@ -127,7 +127,8 @@ class AnswerProber:
         self._known_good[self._pool(endpoint)] = request
 
     def answered_badly(self, endpoint: Endpoint, request: ProbeRequest) -> None:
-        self._failed[endpoint.name] = request
+        if not endpoint.left:  # one that left was forgotten: its probe is not kept again
+            self._failed[endpoint.name] = request
 
     def forget(self, endpoint: Endpoint) -> None:
         """The replica left the fleet."""

@@ -46,6 +46,9 @@ class Endpoint:
     """Replicas this address stands for: 1 for a replica; for a gateway, the routable replicas behind it
     as its last answer said (``llm_client.gateway_headers``). The admission limit is sized by it."""
     extra: dict[str, float] = field(default_factory=dict)
+    left: bool = False
+    """The replica left the fleet (``Fleet.set_endpoints``): an attempt still running on it teaches
+    nothing when it ends, so what the fleet forgot of it is not brought back."""
 
     @property
     def routable(self) -> bool:

@@ -63,6 +63,7 @@ class Fleet:
         current = {e.url: e for e in self.endpoints}
         for url, endpoint in current.items():
             if url not in wanted:
+                endpoint.left = True
                 self.policy.forget(endpoint)
                 self.answer_health.forget(endpoint)
                 self.degradation.forget(endpoint)
@@ -126,7 +127,12 @@ class Fleet:
 
     # ---- how an attempt ended --------------------------------------------------------------------
     def succeeded(self, endpoint: Endpoint, route: RouteRequest, outcome: RouteOutcome) -> None:
-        """A usable answer: counted as a good answer, as latency, and taught to the policy."""
+        """A usable answer: counted as a good answer, as latency, and taught to the policy; nothing of
+        it by a replica that left the fleet meanwhile (its call ran on): learned after ``forget``, it
+        brought back the replica's cache picture, latency samples and answer window, found again
+        when its address came back (capacity shifting moves the same addresses between pools)."""
+        if endpoint.left:
+            return
         self.answer_health.observe(endpoint, self.peers(endpoint), None)
         endpoint.record_success(outcome.latency_ms, outcome.ttft_ms)
         self.degradation.observe_success(
@@ -150,12 +156,16 @@ class Fleet:
     def refused(self, endpoint: Endpoint, route: RouteRequest) -> None:
         """The replica refused for load (a 429): alive and working, so no failure is recorded, nothing
         is ejected or drained; only the policy learns that this request was not served there."""
+        if endpoint.left:
+            return
         endpoint.refused += 1
         self.observe(route, endpoint, RouteOutcome(ok=False))
 
     def failed(self, endpoint: Endpoint, route: RouteRequest, *, connection: bool) -> None:
         """A retryable failure (5xx, timeout, broken connection): a failed connection ejects at
         once, other failures after ``eject_after_failures`` in a row."""
+        if endpoint.left:
+            return
         endpoint.record_failure()
         self.observe(route, endpoint, RouteOutcome(ok=False, connection_failed=connection))
         self.degradation.observe_failure(endpoint)
@@ -170,6 +180,8 @@ class Fleet:
     def bad_answer(self, endpoint: Endpoint, route: RouteRequest, error: InvalidAnswer) -> Quarantine | None:
         """An answer that is no answer: counted by kind, taught to the policy (the replica holds nothing
         known for this prompt), and judged by the answer health, which may quarantine the replica."""
+        if endpoint.left:
+            return None
         endpoint.failed += 1
         endpoint.invalid_answers[error.kind] = endpoint.invalid_answers.get(error.kind, 0) + 1
         self.observe(route, endpoint, RouteOutcome(ok=False))
