@@ -210,6 +210,10 @@ class KvEventPoller:
         self._off_retry_s = off_retry_s
         self._off_until: dict[str, float] = {}
         self._task: asyncio.Task[None] | None = None
+        self._polling: dict[str, asyncio.Task[None]] = {}
+        """Each replica's poll under way: replicas are polled apart, so one that hangs (until the poll's
+        timeout) does not hold the others' polls; one poll at a time per replica keeps its events in
+        order."""
         self.polls = 0
         self.failed_polls = 0
 
@@ -219,10 +223,14 @@ class KvEventPoller:
 
     async def stop(self) -> None:
         task, self._task = self._task, None
-        if task is not None:
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+        polls, self._polling = list(self._polling.values()), {}
+        for running in (task, *polls):
+            if running is not None:
+                running.cancel()
+        for running in (task, *polls):
+            if running is not None:
+                with contextlib.suppress(asyncio.CancelledError):
+                    await running
 
     def events_off(self, endpoint: Endpoint) -> bool:
         """Whether ``endpoint`` said it publishes no events (its index is approximate)."""
@@ -233,9 +241,24 @@ class KvEventPoller:
         await asyncio.gather(*(self._poll(e) for e in self._endpoints() if e.routable))
 
     async def _run(self) -> None:
+        """Every ``interval_s``, a poll of each routable replica whose last poll has ended. It waited for
+        every replica's poll before the next round: one replica that stopped answering (a hung GPU, a
+        stopped process, still routable until ejected) slowed every replica's polls to its 10 s timeout,
+        so routing read a cache picture up to 40 times older than meant, and event buffers overflowed."""
         while True:
             started = time.monotonic()
-            await self.poll_once()
+            for endpoint in self._endpoints():
+                running = self._polling.get(endpoint.name)
+                if (error := _failure(running)) is not None:  # none expected: _poll counts its own
+                    self.failed_polls += 1
+                    log.warning("replica %s: KV cache event poll failed: %r", endpoint.name, error)
+                if endpoint.routable and (running is None or running.done()):
+                    self._polling[endpoint.name] = asyncio.create_task(
+                        self._poll(endpoint), name=f"kv-events {endpoint.name}"
+                    )
+            names = {e.name for e in self._endpoints()}
+            for name in [n for n, t in self._polling.items() if t.done() and n not in names]:
+                del self._polling[name]  # a replica that left the fleet
             await asyncio.sleep(max(0.0, self.interval_s - (time.monotonic() - started)))
 
     async def _poll(self, endpoint: Endpoint) -> None:
@@ -269,3 +292,10 @@ class KvEventPoller:
             except Exception as exc:  # one replica's events must not end the poller for every replica
                 self.failed_polls += 1
                 log.warning("replica %s: KV cache events not applied: %r", endpoint.name, exc)
+
+
+def _failure(task: asyncio.Task[None] | None) -> BaseException | None:
+    """The error a finished poll ended with (None: none, still running, or cancelled)."""
+    if task is None or not task.done() or task.cancelled():
+        return None
+    return task.exception()

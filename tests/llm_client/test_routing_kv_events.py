@@ -10,6 +10,7 @@ end.
 
 from __future__ import annotations
 
+import asyncio
 import json
 from collections.abc import AsyncIterator
 
@@ -354,3 +355,34 @@ async def test_a_replica_sending_an_out_of_range_token_id_leaves_the_poller_runn
             assert poller._task is not None and not poller._task.done(), "the poller goes on"
         finally:
             await client.close()
+
+
+async def test_a_replica_that_hangs_does_not_hold_the_other_replicas_event_polls() -> None:
+    """Each round of polls waited for every replica's: one replica that stopped answering (a hung GPU,
+    a stopped process, still routable until its calls fail) slowed every replica's polls to the poll's
+    10 s timeout. Replicas are polled apart now: the healthy one keeps its rate (every 0.25 s)."""
+    hanging = asyncio.Event()
+
+    async def events(request: web.Request) -> web.Response:
+        await hanging.wait()  # never set: the poll runs into its timeout
+        return web.json_response([])
+
+    async def health(request: web.Request) -> web.Response:
+        return web.Response(text="ok")
+
+    app = web.Application()
+    app.router.add_post("/kv_cache_events", events)
+    app.router.add_get("/health", health)
+    async with (
+        serving(app) as hung,
+        running_simulator(time_scale=0.0, kv_event_buffer_max_size=100) as good,
+        LLMClient(precise_config([hung, good.url])) as client,
+    ):
+        try:
+            await client.wait_until_healthy()
+            poller = client.kv_events
+            assert poller is not None
+            await asyncio.sleep(2.5)  # ten intervals: a healthy replica's polls, one hung poll at most
+            assert poller.polls >= 5, f"{poller.polls} polls in 2.5 s"
+        finally:
+            hanging.set()  # the stub's handler ends, so its server stops at once
