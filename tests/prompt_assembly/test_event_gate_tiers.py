@@ -28,9 +28,10 @@ BASE: dict[str, Any] = {
 
 
 def _reference(raw: bytes) -> ShopperEvent | str:
-    """What pydantic says (the event, or the rejection reason), and the two rules the gate adds, for
-    what Flink's JSON functions cannot read: ``NaN`` and ``Infinity`` are not JSON numbers (RFC 8259),
-    and no number is longer than 1,000 characters, wherever they are."""
+    """What pydantic says (the event, or the rejection reason), and the rules the gate adds: two for
+    what Flink's JSON functions cannot read (``NaN`` and ``Infinity`` are not JSON numbers, RFC 8259,
+    and no number is longer than 1,000 characters, wherever they are), and no control character in an
+    event id (``EVENT_ID_CONTROL_REASON``). The fuzzer found the oracle lacked the last one."""
     try:
         event = events._EVENT.validate_json(raw)
     except pydantic.ValidationError as exc:
@@ -49,6 +50,8 @@ def _reference(raw: bytes) -> ShopperEvent | str:
     if longest > 1000:
         readers = "JSON readers such as Flink's accept"
         return f"invalid JSON: a number of {longest} characters, over the 1000 that {readers}"
+    if any(ord(c) < 0x20 or ord(c) == 0x7F for c in event.event_id):  # the gate's id rule (6 Dec)
+        return events.EVENT_ID_CONTROL_REASON
     return event
 
 
