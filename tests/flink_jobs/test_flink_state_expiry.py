@@ -28,6 +28,7 @@ from pyflink.datastream.time_domain import TimeDomain
 from flink_jobs.expiry_timers import ExpiryTimer, expiry_deadline_ms, next_expiry
 from flink_jobs.flink_config import CheckpointSettings, NearRealtimeSettings
 from flink_jobs.flink_functions import FLUSH_TIMER_TS, ShopperSessionFunction
+from tests.flink_jobs.test_flink_units import _ValueState
 
 TTL_S = 3
 SHOPPERS = 6
@@ -114,20 +115,6 @@ def test_a_pending_trigger_is_prompted_before_its_state_expires_and_leaves_no_dr
 
 
 # ---- the function's Flink calls, with the state and timers it sees -------------------------------------
-class _State:
-    def __init__(self) -> None:
-        self.raw: str | None = None
-
-    def value(self) -> str | None:
-        return self.raw
-
-    def update(self, raw: str) -> None:
-        self.raw = raw
-
-    def clear(self) -> None:
-        self.raw = None
-
-
 class _Counter:
     def __init__(self) -> None:
         self.count = 0
@@ -149,11 +136,11 @@ class _Metrics:
 
 class _Runtime:
     def __init__(self) -> None:
-        self.states: dict[str, _State] = {}
+        self.states: dict[str, _ValueState] = {}
         self.metrics = _Metrics()
 
-    def get_state(self, descriptor: Any) -> _State:
-        return self.states.setdefault(descriptor.get_name(), _State())
+    def get_state(self, descriptor: Any) -> _ValueState:
+        return self.states.setdefault(descriptor.get_name(), _ValueState())
 
     def get_metrics_group(self) -> _Metrics:
         return self.metrics
