@@ -15,11 +15,12 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import logging
 import time
 import zlib
 from collections.abc import Callable, Iterable
 from dataclasses import replace
-from typing import Any
+from typing import Any, cast
 
 import orjson
 from pyflink.common import Row, Types
@@ -51,7 +52,7 @@ from prompt_assembly.records import (
     Superseded,
 )
 from prompt_assembly.records import parse_result as parse_any_result
-from prompt_assembly.session import ShopperSession
+from prompt_assembly.session import RestoreDamage, ShopperSession
 
 DLQ_TAG = OutputTag(
     "dlq", Types.ROW_NAMED(list(DLQ_RECORD), [Types.PRIMITIVE_ARRAY(Types.BYTE()), Types.STRING()])
@@ -61,6 +62,9 @@ FLUSH_TIMER_TS = 2**63 - 1
 """Event-time timer that only the final watermark of a bounded input (or a drain) reaches."""
 
 METRIC_GROUP = "shopper"
+SALVAGE_LOG_INTERVAL_S = 10.0
+"""At most one line this often about stored sessions read with damage (they are counted, all of them)."""
+_log = logging.getLogger(__name__)
 
 
 SourceRecord = tuple[bytes | None, str | None, int | None, int | None, int | None]
@@ -202,10 +206,34 @@ class ShopperSessionFunction(KeyedProcessFunction):
         self.expiry_prompts = group.counter("prompts_by_expiry")
         self.expired_unprompted = group.counter("events_expired_unprompted")
         self.timers_found_expired = group.counter("timers_found_expired_state")
+        self.sessions_salvaged = group.counter("sessions_salvaged")
+        self.entries_unreadable = group.counter("session_entries_unreadable")
+        self.salvage_logged_at = 0.0
 
     def _load(self, shopper_id: str) -> ShopperSession:
         raw = self.state.value()
-        return self.processor.new_session(shopper_id) if raw is None else ShopperSession.from_json(raw)
+        return self.processor.new_session(shopper_id) if raw is None else self._restore(shopper_id, raw)
+
+    def _restore(self, shopper_id: str, raw: str) -> ShopperSession:
+        """The stored session, what this code cannot read of it left out (``ShopperSession.salvage``):
+        raising here failed the job at the same record after every restart."""
+        session, damage = ShopperSession.salvage_json(shopper_id, raw)
+        if damage is not None:
+            self._count_salvaged(shopper_id, damage)
+        return session
+
+    def _count_salvaged(self, shopper_id: str, damage: RestoreDamage) -> None:
+        self.sessions_salvaged.inc()
+        self.entries_unreadable.inc(damage.entries_dropped)
+        now = time.monotonic()
+        if now - self.salvage_logged_at >= SALVAGE_LOG_INTERVAL_S:  # a rollback makes it every shopper
+            self.salvage_logged_at = now
+            _log.warning(
+                "session state unreadable for %r (%s): %s; its next save rewrites it",
+                shopper_id,
+                damage.why,
+                "started over" if damage.header_lost else f"{damage.entries_dropped} entries left out",
+            )
 
     def _save(self, session: ShopperSession, ctx: Any) -> None:
         session.take_changes()
@@ -279,8 +307,7 @@ class ShopperSessionFunction(KeyedProcessFunction):
         self.records_in.inc()
         record = source_record(value, self.source_topic, self.base64_values)
         event = gate(record, self.dlq_max_original_bytes, self.processor.config.event_time)
-        key = ctx.get_current_key()
-        key = key[0] if isinstance(key, tuple | list) or hasattr(key, "_values") else key  # Row(key)
+        key = _shopper_key(ctx)
         if isinstance(event, ShopperEvent) and event.shopper_id != key:
             # It cannot be re-keyed here: a dead letter, never a silently misplaced event. The gate
             # refuses what JSON_VALUE cannot read (a number past 1,000 characters, NaN), so this is
@@ -317,13 +344,13 @@ class ShopperSessionFunction(KeyedProcessFunction):
         if ctx.time_domain() == TimeDomain.PROCESSING_TIME:
             expiry = self._expiry_timer()
             if expiry is not None and expiry.fires_at_ms == timestamp:
-                yield from self._at_expiry(expiry, timestamp, ctx.timer_service())
+                yield from self._at_expiry(expiry, timestamp, ctx.timer_service(), _shopper_key(ctx))
                 return
         raw = self.state.value()
         if raw is None:
             self._found_expired(ctx.timer_service())
             return
-        session = ShopperSession.from_json(raw)
+        session = self._restore(_shopper_key(ctx), raw)
         if ctx.time_domain() == TimeDomain.EVENT_TIME:
             prompts = self.processor.flush(session)
             self.flushed_prompts.inc(len(prompts))
@@ -345,7 +372,7 @@ class ShopperSessionFunction(KeyedProcessFunction):
         for prompt in prompts:
             yield prompt.model_dump_json()
 
-    def _at_expiry(self, expiry: ExpiryTimer, timestamp: int, timers: Any) -> Iterable[str]:
+    def _at_expiry(self, expiry: ExpiryTimer, timestamp: int, timers: Any, shopper_id: str) -> Iterable[str]:
         """The session's TTL is about to run out with a trigger pending: the drain's flush for this
         shopper, then the session goes with its timers (``flink_jobs.expiry_timers``)."""
         if self.expiry_timers and expiry.deadline_ms > timestamp:  # saved since: its TTL moved on
@@ -359,7 +386,7 @@ class ShopperSessionFunction(KeyedProcessFunction):
         self.expiry.clear()
         if not self.expiry_timers:  # armed by a run with another timer mode: saves no longer move it
             return
-        prompts = self.processor.flush(ShopperSession.from_json(raw))
+        prompts = self.processor.flush(self._restore(shopper_id, raw))
         self.expiry_prompts.inc(len(prompts))
         self._count_emitted(prompts)
         self.state.clear()
@@ -664,6 +691,12 @@ def parse_result(raw: str) -> EnrichmentResult:
     """A result from its JSON, whichever kind (``prompt_assembly.records.parse_result``): an insight,
     an error or a superseded prompt, never one kind read as another."""
     return parse_any_result(raw)
+
+
+def _shopper_key(ctx: Any) -> str:
+    """The current key: the shopper id, which the JVM side hands over as a one-field Row."""
+    key = ctx.get_current_key()
+    return cast("str", key[0] if isinstance(key, tuple | list) or hasattr(key, "_values") else key)
 
 
 def _with_ttl(descriptor: ValueStateDescriptor, settings: NearRealtimeSettings) -> ValueStateDescriptor:

@@ -270,9 +270,56 @@ class ShopperSession:
         return cls.restore(stored.h, [bytes(entry) for entry in stored.entries])
 
     @classmethod
+    def salvage_json(cls, shopper_id: str, raw: bytes | str) -> tuple[ShopperSession, RestoreDamage | None]:
+        """``from_json`` that never raises for what it cannot read (``salvage``)."""
+        try:
+            stored = _STORED_SESSION.decode(raw)
+        except ValueError as error:
+            return cls._started_over(shopper_id, 0, error)
+        return cls.salvage(shopper_id, stored.h, [bytes(entry) for entry in stored.entries])
+
+    @classmethod
+    def salvage(
+        cls, shopper_id: str, header: dict[str, Any] | bytes, entries: list[bytes]
+    ) -> tuple[ShopperSession, RestoreDamage | None]:
+        """``restore`` for the engines: stored state this code cannot read (written by a version it
+        does not know, after a rollback, or corrupted) must not stop the stream, and raising here made
+        every retry and restart fail at the same shopper. An unreadable entry is left out; an unreadable
+        header starts the shopper over, as a session whose state was lost (a new epoch at its next
+        event). Either way the session's next save rewrites what is stored, and the damage is returned
+        for the engine to count and log. Nothing read is ever guessed at."""
+        parsed: list[SessionEntry] = []
+        first_error: Exception | None = None
+        for raw in entries:
+            try:
+                parsed.append(SessionEntry.from_json(raw))
+            except ValueError as error:
+                first_error = first_error or error
+        try:
+            session = cls._restored(orjson.loads(header) if isinstance(header, bytes) else header, parsed)
+        except _UNREADABLE as error:
+            return cls._started_over(shopper_id, len(entries), error)
+        if first_error is None:
+            return session, None
+        session._rewrite = True
+        return session, RestoreDamage(len(entries) - len(parsed), header_lost=False, why=_why(first_error))
+
+    @classmethod
+    def _started_over(
+        cls, shopper_id: str, entries: int, error: Exception
+    ) -> tuple[ShopperSession, RestoreDamage]:
+        session = cls(shopper_id)
+        session._rewrite = True  # the first save replaces the stored log
+        return session, RestoreDamage(entries, header_lost=True, why=_why(error))
+
+    @classmethod
     def restore(cls, header: dict[str, Any], entries: list[bytes]) -> ShopperSession:
         """Rebuild from a header and stored entries in any order (they carry their sort key)."""
-        parsed = sorted((SessionEntry.from_json(raw) for raw in entries), key=lambda e: e.sort_key)
+        return cls._restored(header, [SessionEntry.from_json(raw) for raw in entries])
+
+    @classmethod
+    def _restored(cls, header: dict[str, Any], parsed: list[SessionEntry]) -> ShopperSession:
+        parsed.sort(key=lambda e: e.sort_key)
         pending = header.get("pending")
         session = cls(
             shopper_id=header["shopper_id"],
@@ -293,3 +340,24 @@ class ShopperSession:
         session._ids = {e.event.event_id for e in parsed} | set(session.trimmed_ids)
         session._rewrite = any(e.legacy for e in parsed)  # store the log again without ignored fields
         return session
+
+
+_UNREADABLE = (ValueError, KeyError, TypeError, IndexError, AttributeError)
+"""What reading a stored header this code does not know raises (a missing key, a wrong type, a field
+of another shape); ``ValueError`` covers JSON, msgspec, pydantic and ``MalformedEvent``."""
+
+
+def _why(error: Exception) -> str:
+    return f"{type(error).__name__}: {str(error)[:160]}"
+
+
+@dataclass(frozen=True, slots=True)
+class RestoreDamage:
+    """What ``ShopperSession.salvage`` could not read of a stored session."""
+
+    entries_dropped: int
+    """Stored entries left out: every entry when the header was lost, since the log is replaced."""
+    header_lost: bool
+    """The header was unreadable: the shopper started over as a new session."""
+    why: str
+    """The first error met, for the log line."""

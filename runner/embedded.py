@@ -45,9 +45,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import signal
 import time
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import Awaitable, Callable, Iterator, Sequence
 from typing import Any, TypeVar
 
 import redis.asyncio as aioredis
@@ -62,6 +63,7 @@ from pipeline.enrichment import Enricher
 from pipeline.kafka_security import librdkafka_properties
 from pipeline.sink_retry import with_sink_retry
 from prompt_assembly.processor import SessionProcessor
+from prompt_assembly.session import ShopperSession
 from runner.assignment import Assignment
 from runner.commits import Committer
 from runner.config import RunnerSettings
@@ -336,6 +338,24 @@ class EmbeddedRunner:
             )
         except (RedisConnectionError, RedisTimeoutError, OSError) as exc:  # unreachable, not a bad key
             raise SessionStoreUnavailable(what, time.monotonic() - started, exc) from exc
+
+    async def load_sessions(self, shopper_ids: Sequence[str]) -> dict[str, ShopperSession]:
+        """The stored sessions of ``shopper_ids`` (``retrying``). One the store could not wholly read
+        (``ShopperSession.salvage``) is counted, and said in one line per load: a rollback past a
+        change of the stored state makes that every shopper."""
+        loaded = await self.retrying(functools.partial(self.store.load_many, shopper_ids), "session load")
+        damaged = self.store.take_damaged()
+        if damaged:
+            self.stats.sessions_salvaged += len(damaged)
+            self.stats.session_entries_unreadable += sum(damage.entries_dropped for _, damage in damaged)
+            shopper_id, first = damaged[0]
+            started_over = sum(damage.header_lost for _, damage in damaged)
+            self.log(
+                f"session state unreadable for {len(damaged)} shopper(s), {started_over} started over, "
+                f"the rest without the entries that could not be read (first: {shopper_id!r}, {first.why}); "
+                "their next save rewrites it"
+            )
+        return loaded
 
     def _on_sink_retry(self, what: str, exc: BaseException) -> None:
         self.stats.sink_retries += 1

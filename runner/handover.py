@@ -228,7 +228,7 @@ class RebalanceHandover:
             if revoked():
                 return
             sids = runner.sessions.missing(sid for sid, _ in timers)
-            loaded = await runner.retrying(functools.partial(runner.store.load_many, sids), "session load")
+            loaded = await runner.load_sessions(sids)
             if revoked():
                 return
             runner.sessions.adopt(loaded)

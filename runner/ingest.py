@@ -224,9 +224,7 @@ class Ingest:
         missing = sessions.missing(shoppers)
         if missing:
             with sessions.pinned(shoppers):  # a durable point during the load must not evict them
-                loaded = await self.polling_while(
-                    runner.retrying(lambda: runner.store.load_many(missing), "session load")
-                )
+                loaded = await self.polling_while(runner.load_sessions(missing))
                 if runner.assignment.lease != epoch.lease:
                     # Handed over during the load: the next owner replays these records, and sessions
                     # kept here would be stale if the partitions came back. Nothing of them is kept.

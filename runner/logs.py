@@ -23,6 +23,7 @@ _LEVELS: tuple[tuple[str, str], ...] = (
     ("error record", "warning"),
     ("rebalance: results not durable", "warning"),
     ("rebalance: hand-over failed", "warning"),
+    ("session state unreadable", "warning"),
 )
 
 

@@ -153,6 +153,16 @@ class _StateCollector(Collector):
         )
         yield counter("sink_retries", "Redis / S3 / session-store writes retried", stats.sink_retries)
         yield counter(
+            "sessions_salvaged",
+            "Stored sessions loaded with what this code could not read left out (or started over)",
+            stats.sessions_salvaged,
+        )
+        yield counter(
+            "session_entries_unreadable",
+            "Stored session log entries left out as unreadable by those loads",
+            stats.session_entries_unreadable,
+        )
+        yield counter(
             "fenced_saves",
             "Session saves refused: a newer owner had taken their partitions (dropped; replayed there)",
             stats.fenced_saves,

@@ -37,6 +37,10 @@ class RunnerStats:
     """Session saves the store refused because a newer owner had taken their partitions."""
     sink_retries: int = 0
     """Sink writes (Redis, S3, session store) retried after a failure (an outage, a restart)."""
+    sessions_salvaged: int = 0
+    """Stored sessions loaded with something this code could not read (``ShopperSession.salvage``)."""
+    session_entries_unreadable: int = 0
+    """Stored log entries those loads left out (every entry of a session that started over)."""
     dead_letters: DeadLetterCounts = field(default_factory=DeadLetterCounts)
     """Queued, delivered, shrunk and undelivered dead letters, and dead letters by reason category."""
     first_event_at: float | None = None
@@ -107,6 +111,8 @@ class ProgressLine:
             line += f" sink-retries {stats.sink_retries}"
         if stats.fenced_saves:
             line += f" fenced-saves {stats.fenced_saves}"
+        if stats.sessions_salvaged:
+            line += f" sessions-salvaged {stats.sessions_salvaged}"
         if undelivered_dead_letters:
             line += f" dead-letters-undelivered {undelivered_dead_letters}"
         if not_drained_because is not None and not final:

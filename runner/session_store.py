@@ -27,7 +27,7 @@ import orjson
 import redis.asyncio as aioredis
 
 from prompt_assembly.events import ShopperEvent
-from prompt_assembly.session import SessionChanges, SessionEntry, ShopperSession
+from prompt_assembly.session import RestoreDamage, SessionChanges, SessionEntry, ShopperSession
 from sinks.keys import RedisKeys
 
 
@@ -237,6 +237,9 @@ class RedisSessionStore:
         self.keys = RedisKeys(prefix)
         self.ttl_s = ttl_s
         self._save_script = redis.register_script(_SAVE_LUA)
+        self.damaged: list[tuple[str, RestoreDamage]] = []
+        """Sessions loaded with what could not be read of them (``ShopperSession.salvage``), for the
+        runner to count and log (``take_damaged``)."""
 
     def _h(self, shopper_id: str) -> str:
         return self.keys.session_header(shopper_id)
@@ -259,10 +262,18 @@ class RedisSessionStore:
         for shopper_id, _ in found:
             pipe.lrange(self._log(shopper_id), 0, -1)
         logs = await pipe.execute()
-        return {
-            shopper_id: ShopperSession.restore(orjson.loads(header), entries)
-            for (shopper_id, header), entries in zip(found, logs, strict=True)
-        }
+        sessions: dict[str, ShopperSession] = {}
+        for (shopper_id, header), entries in zip(found, logs, strict=True):
+            session, damage = ShopperSession.salvage(shopper_id, header, entries)
+            if damage is not None:
+                self.damaged.append((shopper_id, damage))
+            sessions[shopper_id] = session
+        return sessions
+
+    def take_damaged(self) -> list[tuple[str, RestoreDamage]]:
+        """The sessions loaded with damage since the last call (and forgets them)."""
+        damaged, self.damaged = self.damaged, []
+        return damaged
 
     async def take_ownership(self, partition: int) -> str:
         """A fencing token for ``partition``'s sessions, set as the partition's over any taken before
