@@ -140,5 +140,5 @@ class SessionProcessor:
             prompt_tokens=head + log_tokens + TASK_TOKENS,
             shared_prefix_tokens=shared,
         )
-        session.mark_prompted(head + log_tokens)
+        session.mark_prompted(head + log_tokens, due_ts)
         return request

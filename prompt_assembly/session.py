@@ -219,9 +219,12 @@ class ShopperSession:
         self.trimmed_since_prompt = True
         self._rewrite = True
 
-    def mark_prompted(self, last_log_tokens: int) -> None:
+    def mark_prompted(self, last_log_tokens: int, due_ts: float) -> None:
+        """A prompt due at ``due_ts`` (event time) was emitted. The rate limit counts from then: counted
+        from the newest event it held instead, a prompt the limit (or a pause) had held back barely
+        delayed the next one, and a shopper adding to cart every 5.5 s was prompted every 5.5 s."""
         self.seq += 1
-        self.last_prompt_ts = self.last_event_ts
+        self.last_prompt_ts = max(self.last_event_ts, due_ts)
         self.pending = None
         self.last_log_tokens = last_log_tokens
         self.trimmed_since_prompt = False

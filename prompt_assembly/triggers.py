@@ -2,7 +2,8 @@
 emits the same prompts for the same events.
 
 - ``add_to_cart`` / ``purchase``: now, unless the shopper was prompted less than
-  ``min_prompt_interval_s`` ago (event time); then at the end of that interval (rate limit).
+  ``min_prompt_interval_s`` ago (event time, counted from when that prompt became due); then at the end
+  of that interval (rate limit). A browse pause waits for it too.
 - browsing (view, click, search): after ``quiet_period_s`` without activity (debounced), counted from
   the newest event time seen, so a late event never brings the pause forward.
 A pending trigger fires either when the shopper's next event shows that its due time has passed, or by

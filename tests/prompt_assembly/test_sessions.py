@@ -142,23 +142,26 @@ def test_an_armed_timer_fires_only_its_own_trigger() -> None:
 
 
 def test_an_entry_armed_before_a_prompt_does_not_fire_the_next_pause_with_its_due_time() -> None:
-    """A pause due at 120 fires; a late view (95) after it makes a new pause with the same due time,
-    since the newest event (100) has not moved. An entry the runner armed for the first pause before
-    it fired (a second arm, by the late view before the fire) popped then and fired the new pause at
-    once, without its quiet period, where the Flink job, whose one timer is deleted when it fires,
-    waits a whole period after the late view: the two engines made different prompts. An entry fires
-    only the trigger of the prompt version it was armed under."""
-    processor = SessionProcessor(SessionConfig(triggers=TriggerPolicy(quiet_period_s=20)))
-    session = processor.new_session("s1")
-    processor.apply(session, event("view", 100))
-    processor.apply(session, event("view", 97))  # late: the pause stays due at 120, armed again
-    armed_before = (session.epoch, session.seq)
-    [first] = processor.fire_armed(session, due_ts=120, version=armed_before)
-    processor.apply(session, event("view", 95))  # late again, after the fire
-    assert session.pending is not None and session.pending.due_ts == 120
-    assert processor.fire_armed(session, due_ts=120, version=armed_before) == [], "armed before the fire"
-    [second] = processor.fire_armed(session, due_ts=120, version=(session.epoch, session.seq))
-    assert (first.seq, second.seq) == (1, 2)
+    """A pause due at 120 fires; a late view (95) after it makes a new pause, due at 130 (its quiet
+    period would end at 120, since the newest event (100) has not moved, but the rate limit counts from
+    the prompt at 120; without a rate limit it is due at 120 again). An entry the runner armed for the
+    first pause before it fired (a second arm, by the late view before the fire) popped then and fired
+    the new pause at once, without its quiet period, where the Flink job, whose one timer is deleted
+    when it fires, waits a whole period after the late view: the two engines made different prompts. An
+    entry fires only the trigger of the prompt version it was armed under."""
+    for interval, second_due in ((10.0, 130), (0.0, 120)):
+        policy = TriggerPolicy(quiet_period_s=20, min_prompt_interval_s=interval)
+        processor = SessionProcessor(SessionConfig(triggers=policy))
+        session = processor.new_session("s1")
+        processor.apply(session, event("view", 100))
+        processor.apply(session, event("view", 97))  # late: the pause stays due at 120, armed again
+        armed_before = (session.epoch, session.seq)
+        [first] = processor.fire_armed(session, due_ts=120, version=armed_before)
+        processor.apply(session, event("view", 95))  # late again, after the fire
+        assert session.pending is not None and session.pending.due_ts == second_due
+        assert processor.fire_armed(session, due_ts=120, version=armed_before) == [], "armed before the fire"
+        [second] = processor.fire_armed(session, due_ts=second_due, version=(session.epoch, session.seq))
+        assert (first.seq, second.seq) == (1, 2)
 
 
 def test_a_late_browse_event_never_brings_the_pause_forward() -> None:
@@ -389,3 +392,27 @@ def test_a_burst_over_the_budget_is_named_as_trimmed_by_the_next_prompt() -> Non
     (prompt,) = prompts
     assert prompt.trimmed_events == len(prompt.trimmed_event_ids) > 0
     assert prompt.trimmed_event_ids + prompt.new_event_ids == [ev.event_id for ev in burst]
+
+
+def test_the_rate_limit_counts_from_when_the_last_prompt_became_due() -> None:
+    """At most one prompt per ``min_prompt_interval_s``: a cart add held back by the limit and fired at
+    110 holds the next one to 120. Counted from the newest event the held prompt took (103), the cart
+    add at 114 prompted 4 s after it, and cart adds 5.5 s apart were prompted every 5.5 s."""
+    processor = SessionProcessor(
+        SessionConfig(triggers=TriggerPolicy(quiet_period_s=20, min_prompt_interval_s=10))
+    )
+    session = processor.new_session("s1")
+    assert len(processor.apply(session, event("add_to_cart", 100)).prompts) == 1
+    assert processor.apply(session, event("add_to_cart", 103)).prompts == []
+    [held] = processor.fire_pending(session, due_ts=110)
+    assert held.due_ts == 110
+    assert processor.apply(session, event("add_to_cart", 114)).prompts == []
+    assert session.pending is not None and session.pending.due_ts == 120
+    steady = processor.new_session("s2")
+    dues = []
+    for i in range(8):
+        ts = 200 + 5.5 * i
+        fired = processor.fire_pending(steady, due_ts=ts)  # its timer, before the next event
+        fired += processor.apply(steady, event("add_to_cart", ts, shopper="s2")).prompts
+        dues += [prompt.due_ts for prompt in fired]
+    assert all(later - earlier >= 10 for earlier, later in itertools.pairwise(dues)), dues
