@@ -1,12 +1,21 @@
 """Capacity shifting wired into the real-time service: its measured request rate drives the split of the
-shared replica pool, and its LLM client follows the split (``capacity`` holds the engine-free parts)."""
+shared replica pool, and its LLM client follows the split (``capacity`` holds the engine-free parts).
+
+On start the split in force stays in force: the controller resumes from the published count, and decides
+only once the service's load meter has covered its window. Deciding on the empty meter of a fresh start
+(rate 0) published the floor on every restart, and the meter filling up looked like a ramp that the
+controller extrapolated ``lead_s`` ahead, taking the whole pool from batch for minutes."""
 
 from __future__ import annotations
 
+import asyncio
+import time
+
 from aiohttp import web
 
+from capacity.background import BackgroundLoop
 from capacity.controller import CapacityController, CapacitySettings
-from capacity.pool import PoolBoard, PoolFollower, SharedPool
+from capacity.pool import PoolBoard, PoolFollower, PoolSplit, SharedPool
 from capacity.shifter import CapacityShifter
 from realtime.service import SERVICE_KEY, LoadMeter
 
@@ -20,16 +29,39 @@ def enable_capacity_shifting(app: web.Application, pool: SharedPool, settings: C
     controller = CapacityController(settings, len(pool.replicas))
     shifter = CapacityShifter(controller, board, service.load.rate)
     follower = PoolFollower(board, "realtime", service.llm.set_endpoints, handoff_s=settings.handoff_s)
+    warm_up = BackgroundLoop(
+        "capacity-warm-up", lambda: _start_once_covered(service.load, shifter, settings.tick_s)
+    )
 
     async def start(app: web.Application) -> None:
-        await shifter.tick()
+        now = time.time()
+        service.load.begin(now)
+        controller.realtime = _resumed(await board.read(), controller)
+        await board.publish(controller.realtime, now)  # a first start's floor; else nothing changes
         await follower.sync()
-        shifter.start()
         follower.start()
+        warm_up.start()
 
     async def stop(app: web.Application) -> None:
+        await warm_up.stop()
         await shifter.stop()
         await follower.stop()
 
     app.on_startup.append(start)
     app.on_cleanup.append(stop)
+
+
+def _resumed(split: PoolSplit | None, controller: CapacityController) -> int:
+    """The real-time count to resume from: the published one, within the floors of this pool; the
+    controller's own (the floor) when none was published."""
+    if split is None:
+        return controller.realtime
+    s = controller.settings
+    return min(max(split.realtime, s.realtime_floor), controller.total - s.batch_floor)
+
+
+async def _start_once_covered(meter: LoadMeter, shifter: CapacityShifter, poll_s: float) -> None:
+    """Start ``shifter`` once ``meter`` has measured a whole window since the service started."""
+    while not meter.covered(time.time()):
+        await asyncio.sleep(poll_s)
+    shifter.start()
