@@ -105,10 +105,13 @@ async def _serve(
         gc.freeze()
         print(f"event loop: {type(asyncio.get_running_loop()).__module__}", flush=True)
 
+    # A caller that leaves cancels its handler: its model call is cut and its concurrency slot freed
+    # at once, not held (and the answer written to nobody) until the deadline.
     await serve_until_stopped(
         app,
         settings.host,  # type: ignore[attr-defined]
         settings.port,  # type: ignore[attr-defined]
+        handler_cancellation=True,
         on_listening=freeze_and_announce,
     )
 

@@ -34,7 +34,10 @@ class RealtimeSettings(BaseSettings):
     llm_top_k: int = Field(3, ge=1, le=50, description="candidates the model ranks and explains (the head)")
     llm_max_tokens: int = Field(64, ge=16, description="answer budget of a ranking call (~20 a candidate)")
     llm_concurrency_per_replica: int = Field(
-        24, ge=1, description="calls in flight per routable replica; beyond it requests are answered degraded"
+        24,
+        ge=1,
+        description="calls in flight per servable replica (routable, else drained but healthy); beyond it "
+        "requests are answered degraded",
     )
     reason_max_chars: int = Field(80, ge=10)
     event_loop: Literal["uvloop", "asyncio"] = Field(

@@ -179,11 +179,7 @@ class MatchService:
             async with asyncio.timeout(read_timeout_s):
                 shopper, products = await asyncio.shield(read)
         except TimeoutError:
-            if len(self._late_reads) < s.max_late_reads:
-                self._late_reads.add(read)  # finishes in the background; its connection goes back to the pool
-                read.add_done_callback(self._late_read_done)
-            else:  # Redis stalls: cancelled, its connection closed (kept, they piled up without bound)
-                read.cancel()
+            self._stop_waiting(read)
             self.metrics.signal_errors.inc()
             self.failures.warning(
                 "signal_timeout",
@@ -195,18 +191,24 @@ class MatchService:
             self.failures.warning(
                 "signal_error", "signal read from Redis failed: %r: ranked without signals", exc
             )
+        except asyncio.CancelledError:  # the caller left (the handler is cancelled): as at a timeout
+            self._stop_waiting(read)
+            raise
         fallback = fallback_ranking(shopper, request.query, request.candidates, products, s.reason_max_chars)
 
         ranked, llm_ms, model = fallback, None, None
         reason: DegradedReason | None = None
-        routable = sum(1 for e in self.llm.endpoints if e.routable)
+        # The replicas a call may go to: the routable ones, else drained ones that still answer
+        # (``Fleet.servable``); counting only routable ones answered every request unavailable while
+        # the client itself still served through a drained replica.
+        servable = len(self.llm.fleet.servable())
         remaining = answer_by - time.perf_counter()
-        if routable == 0:
+        if servable == 0:
             reason = "llm_unavailable"
             self.failures.warning(
-                reason, "no model replica routable (of %d): answered the fallback", len(self.llm.endpoints)
+                reason, "no model replica servable (of %d): answered the fallback", len(self.llm.endpoints)
             )
-        elif self.llm.in_flight >= routable * s.llm_concurrency_per_replica:
+        elif self.llm.in_flight >= servable * s.llm_concurrency_per_replica:
             reason = "overloaded"
         elif remaining < max(self.model_time.current(time.monotonic()), _MIN_MODEL_S):
             reason = "deadline"  # it could not answer in time even at its fastest: not asked
@@ -239,6 +241,15 @@ class MatchService:
             deadline_ms,
             SignalsFound(shopper is not None, len(products)),
         )
+
+    def _stop_waiting(self, read: asyncio.Future[Any]) -> None:
+        """Leave ``read`` to finish in the background, its connection going back to the pool; past
+        ``max_late_reads`` cancel it (its connection closed), so reads nobody waits for stay bounded."""
+        if len(self._late_reads) < self.settings.max_late_reads:
+            self._late_reads.add(read)
+            read.add_done_callback(self._late_read_done)
+        else:  # Redis stalls: cancelled, its connection closed (kept, they piled up without bound)
+            read.cancel()
 
     def _late_read_done(self, read: asyncio.Future[Any]) -> None:
         self._late_reads.discard(read)
