@@ -44,6 +44,10 @@ async def match(request: web.Request) -> web.Response:
     except orjson.JSONDecodeError as exc:
         service.metrics.rejected.labels("invalid_json").inc()
         return error_response(400, "invalid_json", f"the body is not valid JSON: {exc}")
+    except web.RequestPayloadError as exc:  # a body that cannot be read as sent (Content-Encoding, chunks)
+        service.metrics.rejected.labels("invalid_json").inc()
+        why = " ".join(str(exc).split())  # aiohttp's text spans lines
+        return error_response(400, "invalid_json", f"the body could not be read: {why}")
     refused = service.refusal(service.deadline_ms(data), waited_s, time.perf_counter() - arrived)
     if refused is not None:
         # 429, not 503: a refusal by design, with the same Retry-After contract as the rate limit; a 5xx
