@@ -61,11 +61,11 @@ class MatchRateLimited(MatchOverloaded):
     a ``MatchRejected``, which said never to retry a request that only came too soon."""
 
 
-def _body(shopper_id: str, query: str, candidates: Sequence[CandidateLike], deadline_ms: int | None) -> bytes:
+def _body(shopper_id: str, query: str, candidates: Sequence[CandidateLike], deadline_ms: int) -> bytes:
+    """The request, with the deadline the client waits for: the service's own default may be longer,
+    and it answered after the client had given up."""
     items = [c.model_dump(exclude_none=True) if isinstance(c, Candidate) else c for c in candidates]
-    payload: dict[str, Any] = {"shopper_id": shopper_id, "query": query, "candidates": items}
-    if deadline_ms is not None:
-        payload["deadline_ms"] = deadline_ms
+    payload = {"shopper_id": shopper_id, "query": query, "candidates": items, "deadline_ms": deadline_ms}
     return orjson.dumps(payload)
 
 
@@ -147,7 +147,8 @@ class MatchClient:
         *,
         deadline_ms: int | None = None,
     ) -> MatchResponse:
-        timeout = ((deadline_ms or self.default_deadline_ms) + self.slack_ms) / 1000
+        deadline_ms = deadline_ms or self.default_deadline_ms
+        timeout = (deadline_ms + self.slack_ms) / 1000
         try:
             async with self._session_or_new().post(
                 self.base_url + "/v1/match",
@@ -203,7 +204,8 @@ class SyncMatchClient:
         *,
         deadline_ms: int | None = None,
     ) -> MatchResponse:
-        timeout = ((deadline_ms or self.default_deadline_ms) + self.slack_ms) / 1000
+        deadline_ms = deadline_ms or self.default_deadline_ms
+        timeout = (deadline_ms + self.slack_ms) / 1000
         give_up_at = time.monotonic() + timeout
         body = _body(shopper_id, query, candidates, deadline_ms)
         for attempt in range(2):  # a kept-alive connection the server closed is reopened once

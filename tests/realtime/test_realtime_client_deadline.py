@@ -1,0 +1,38 @@
+"""Both clients send the deadline they wait for. Without a ``deadline_ms`` from the caller they timed out
+at their own ``default_deadline_ms`` (plus slack) but sent none, so the service applied its own default:
+a longer one answered after the client had given up, the model call made for nobody."""
+
+from __future__ import annotations
+
+import asyncio
+
+from devstack.stack import StackState
+from realtime.client import MatchClient, SyncMatchClient
+from tests.conftest import Isolated
+from tests.realtime.service_kit import realtime_service
+
+CLIENT_DEADLINE_MS = 300
+SERVICE_DEADLINE_MS = 1000
+SLACK_MS = 10_000
+
+
+async def test_both_clients_send_their_default_deadline(stack: StackState, isolated: Isolated) -> None:
+    service = realtime_service(
+        isolated, stack.llm_endpoints, stack.model, default_deadline_ms=SERVICE_DEADLINE_MS
+    )
+    async with service as client:
+        url = str(client.make_url("/")).rstrip("/")
+        # A slack this long, so what is checked is the deadline the service applied, not who gave up.
+        async with MatchClient(
+            url, default_deadline_ms=CLIENT_DEADLINE_MS, slack_ms=SLACK_MS
+        ) as async_client:
+            answer = await async_client.match("s1", "", ["a", "b"])
+        assert answer.deadline_ms == CLIENT_DEADLINE_MS
+
+        def blocking() -> int:
+            with SyncMatchClient(
+                url, default_deadline_ms=CLIENT_DEADLINE_MS, slack_ms=SLACK_MS
+            ) as sync_client:
+                return sync_client.match("s1", "", ["a", "b"]).deadline_ms
+
+        assert await asyncio.to_thread(blocking) == CLIENT_DEADLINE_MS
