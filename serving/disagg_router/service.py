@@ -81,6 +81,10 @@ class DisaggService:
     generation_router: Router = field(init=False)
     perf: DisaggPerfMetrics = field(init=False)
     counters: Counters = field(default_factory=Counters)
+    _drained: dict[str, list[dict[str, Any]]] = field(init=False, default_factory=dict)
+    """Records drained from servers by a ``/perf_metrics`` call that failed on another server, kept for
+    the next call (a server's drain hands over its only copy; at most ``perf_metrics_max_requests``
+    per server, as ``DisaggPerfMetrics`` keeps)."""
 
     def __post_init__(self) -> None:
         ctx, gen = self.config.context_servers, self.config.generation_servers
@@ -199,12 +203,25 @@ class DisaggService:
                 router.apply_events(routed.server, events)
 
     async def collect_perf_metrics(self) -> list[dict[str, Any]]:
-        """``GET /perf_metrics``: every server's records fetched, then joined (see ``perf_metrics``)."""
-        if self.config.perf_metrics_max_requests == 0:
+        """``GET /perf_metrics``: every server's records fetched, then joined (see ``perf_metrics``).
+        A server that fails raises its error, and what the others handed over is kept for the next call
+        (it was discarded: those records were gone for good), which joins it once every server answered."""
+        limit = self.config.perf_metrics_max_requests
+        if limit == 0:
             return []
         servers = [*self.context_router.servers, *self.generation_router.servers]
-        fetched = await asyncio.gather(*(self.workers.perf_metrics(s) for s in servers))
-        return self.perf.collect(dict(zip(servers, fetched, strict=True)))
+        fetched = await asyncio.gather(
+            *(self.workers.perf_metrics(s) for s in servers), return_exceptions=True
+        )
+        for server, records in zip(servers, fetched, strict=True):
+            if not isinstance(records, BaseException):
+                kept = self._drained.setdefault(server, [])
+                kept.extend(records[: max(limit - len(kept), 0)])
+        failed = next((r for r in fetched if isinstance(r, BaseException)), None)
+        if failed is not None:
+            raise failed
+        drained, self._drained = self._drained, {}
+        return self.perf.collect(drained)
 
 
 def _without_context_params(body: dict[str, Any]) -> dict[str, Any]:
