@@ -78,7 +78,8 @@ class AdmissionGate:
         self._clock = clock
         self.active = 0
         self._classes: dict[int, list[_Waiter]] = {}
-        """Per class, its waiters by arrival (cancelled ones are skipped when reached)."""
+        """Per class, its waiters by arrival (a cancelled one takes its entry out when its task runs;
+        one cancelled but not yet run is skipped if reached first)."""
         self._arrivals = itertools.count()
         self.waiting = 0
         """Prompts waiting for admission now."""
@@ -117,21 +118,23 @@ class AdmissionGate:
             self.active += 1
             return
         future: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        bisect.insort(self._classes.setdefault(rank[0], []), _Waiter(rank[1], self._clock(), future))
+        waiter = _Waiter(rank[1], self._clock(), future)
+        bisect.insort(self._classes.setdefault(rank[0], []), waiter)
         self.waiting += 1
         self._fill()  # the limit may have grown since the last release
         try:
             await future
         except asyncio.CancelledError:
             if future.cancelled():
-                self.waiting -= 1  # its entry stays in its queue, done, and is skipped when reached
+                self.waiting -= 1
+                self._remove(rank[0], waiter)
             elif future.exception() is None:
                 self.release()  # granted just as it was cancelled: hand the slot on
             raise  # (evicted just as it was cancelled: evict_oldest counted it already)
 
     def waiting_in(self, klass: int) -> int:
-        """Prompts of ``klass`` waiting now: not those cancelled between the queue's ends, whose entries
-        stay until reached (counted, a full backfill dropped a prompt it had room for)."""
+        """Prompts of ``klass`` waiting now: not those cancelled whose tasks have not yet run to take
+        their entries out (counted, a full backfill dropped a prompt it had room for)."""
         return sum(not waiter.future.done() for waiter in self._live(klass))
 
     def evict_oldest(self, klass: int) -> None:
@@ -146,6 +149,18 @@ class AdmissionGate:
         """Give a slot back, then admit the best-ranked waiting prompts while slots are free."""
         self.active -= 1
         self._fill()
+
+    def _remove(self, klass: int, waiter: _Waiter) -> None:
+        """Take a cancelled ``waiter``'s entry out of its queue. Left until reached, the entries of
+        prompts displaced behind a starved live one piled up for as long as an overload lasted, and
+        every insort and ``waiting_in`` paid for them."""
+        queue = self._classes.get(klass, [])
+        i = bisect.bisect_left(queue, waiter)  # absent when trimmed from an end before its task ran
+        while i < len(queue) and queue[i].arrival == waiter.arrival:  # ranks given by hand may repeat
+            if queue[i] is waiter:
+                del queue[i]
+                return
+            i += 1
 
     def _live(self, klass: int) -> list[_Waiter]:
         """``klass``'s queue with cancelled waiters trimmed from both ends."""

@@ -195,7 +195,7 @@ async def test_an_evicted_waiter_leaves_without_a_slot_and_the_next_one_gets_it(
 
 async def test_a_waiter_cancelled_mid_queue_is_not_counted_as_waiting() -> None:
     """A prompt displaced by its shopper's newer one while others of its class wait on both sides: its
-    entry stays until reached, but it no longer waits. Counted, a full backfill (``max_backfill``)
+    entry may stay until its task runs, but it no longer waits. Counted, a full backfill (``max_backfill``)
     dropped a prompt it had room for."""
     gate = AdmissionGate(lambda: 1, by_priority=True)
     await gate.acquire((0, 0))
