@@ -16,7 +16,8 @@ replica for KV memory or a batch slot gets it seconds later. While answers come 
 ``queue_ttft_ms`` and prompts wait at the gate, the limit grows by one per answer; an answer later than
 that cuts it by ``backoff``, at most once per ``cut_interval_s``, since answers admitted before the cut
 still carry the old queue. The limit stays between ``floor`` and ``ceiling`` (replicas x 1 and
-replicas x ``per_replica_in_flight``), both read each time, so it follows capacity shifting.
+replicas x ``per_replica_in_flight``), both read each time, and is scaled with the replicas when they
+change, so it follows capacity shifting and a gateway's fleet.
 """
 
 from __future__ import annotations
@@ -66,7 +67,9 @@ class AdaptiveAdmissionLimit:
         self._replicas = replicas
         self._per_replica_ceiling = per_replica_ceiling
         self._clock = clock
-        self._value = float(settings.start_per_replica * max(1, replicas()))
+        self._for_replicas = max(1, replicas())
+        """The replicas ``_value`` was found for: rescaled when they change (``_rescaled``)."""
+        self._value = float(settings.start_per_replica * self._for_replicas)
         self._last_cut = float("-inf")
         self.cuts = 0
         """Times the limit was cut (the fleet queued)."""
@@ -82,12 +85,23 @@ class AdaptiveAdmissionLimit:
     def __call__(self) -> int:
         if not self.settings.enabled:
             return self.ceiling
-        return int(min(max(self._value, self.floor), self.ceiling))
+        return int(self._rescaled())
+
+    def _rescaled(self) -> float:
+        """The limit, clamped, after scaling it by the replicas' change since it was last found: a
+        gateway names its fleet only in its first answer, and capacity shifting moves replicas. Held
+        as a total, the limit started at 16 for the 17 replicas behind a gateway, then 17 (the floor)."""
+        replicas = max(1, self._replicas())
+        if replicas != self._for_replicas:
+            self._value = self._value * replicas / self._for_replicas
+            self._for_replicas = replicas
+        self._value = min(max(self._value, self.floor), self.ceiling)
+        return self._value
 
     def observe(self, ttft_ms: float, *, demand: bool, token_ms: float | None = None) -> None:
         """One answer came back after ``ttft_ms`` to its first token, then ``token_ms`` per further
         token; ``demand``: prompts are waiting at the gate, so a larger limit would be used."""
-        value = min(max(self._value, self.floor), self.ceiling)
+        value = self._rescaled()
         slow_tokens = (
             self.settings.token_ms is not None and token_ms is not None and token_ms > self.settings.token_ms
         )
