@@ -20,9 +20,9 @@ round trip rather than one connection each.
 Only insights are recorded: an error or a superseded prompt cost little or nothing, and asking again
 on replay is what a person would want, unless the shopper has a newer answer by now. So the same read
 also takes the version of the shopper's signal (``lookup``: the newest answer any process stored, the
-Redis sink keeps it newer-wins): a replayed prompt older than that is superseded without a call, where
-before it was sent once more (its shopper's newer prompt had superseded it before the crash, and after
-the replay nothing newer was waiting to do it again).
+Redis sink keeps it newer-wins): a replayed prompt older than that in its own session is superseded
+without a call, where before it was sent once more (its shopper's newer prompt had superseded it before
+the crash, and after the replay nothing newer was waiting to do it again).
 
 Each key expires after ``SinkSettings.answer_ttl_s``, so the ledger is bounded by the prompt rate
 times that TTL. Redis being away never stops the stream: a failed read asks the model (the pre-ledger

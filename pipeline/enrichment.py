@@ -135,11 +135,8 @@ class Enricher:
                 self.counts.skipped_answered += 1
                 return known.answer.model_copy(update={"replayed": True})
             newest = known.newest_answered
-            if (
-                self.settings.overload.latest_wins  # fifo answers every prompt, replayed or not
-                and newest is not None
-                and newest > (prompt.session_epoch, prompt.seq)  # a replay, outrun
-            ):
+            # fifo answers every prompt, replayed or not
+            if self.settings.overload.latest_wins and newest is not None and _outrun(prompt, newest):
                 self.counts.superseded_answered += 1
                 return _superseded(prompt, "newer_prompt", request_id(prompt.shopper_id, *newest))
         if not self.settings.overload.latest_wins:
@@ -151,21 +148,24 @@ class Enricher:
         if arrival is Arrival.SAME:
             return await self._joined(prompt, claim)
         if displaced is not None:
-            self._displace(displaced, prompt)
+            displaced.displace(prompt, cancel_in_flight=self.settings.overload.cancel_in_flight)
         task = asyncio.create_task(self._admitted(prompt, claim))
         claim.task = task
         try:
-            return await self._outcome(prompt, claim, task)
+            result = await self._outcome(prompt, claim, task)
         finally:
             self.claims.leave(claim)
+        if task.cancelled() and claim.superseded_by is not None:
+            self._count_displaced(claim)
+        return result
 
-    def _displace(self, older: Claim, newer: PromptRequest) -> None:
-        was_in_flight = older.in_flight
-        if older.displace(newer, cancel_in_flight=self.settings.overload.cancel_in_flight):
-            if was_in_flight:
-                self.counts.cancelled_in_flight += 1
-            else:
-                self.counts.superseded_queued += 1
+    def _count_displaced(self, claim: Claim) -> None:
+        """Counted once its work has stopped, not when displaced: a displaced call whose answer came
+        in meanwhile is kept (``Claim.displace``), and lands uncounted."""
+        if claim.cancelled_in_flight:
+            self.counts.cancelled_in_flight += 1
+        else:
+            self.counts.superseded_queued += 1
 
     async def _joined(self, prompt: PromptRequest, claim: Claim) -> EnrichmentResult:
         """The same prompt again while its call is on (a replay): that call's result, marked
@@ -265,10 +265,13 @@ class Enricher:
         self, prompt: PromptRequest, claim: Claim | None = None, admission_wait_ms: float = 0.0
     ) -> EnrichmentResult:
         """Ask the model; an insight is recorded in the ledger before it is returned (not cancellable
-        from then on: it is paid for)."""
-        result = await self._call(prompt, admission_wait_ms)
-        if claim is not None:
-            claim.answered = True
+        from then on: it is paid for). A claim's call is a task of its own that the claim holds, so that
+        a newer prompt cancels the call only while it is not done, never an answer already back."""
+        if claim is None:
+            result = await self._call(prompt, admission_wait_ms)
+        else:
+            claim.call = asyncio.create_task(self._call(prompt, admission_wait_ms))
+            result = await claim.call
         if self.ledger is not None and isinstance(result, ShopperInsight):
             await asyncio.shield(self.ledger.record(result))
         return result
@@ -355,6 +358,15 @@ def _about(prompt: PromptRequest) -> dict[str, Any]:
         "last_event_ts": prompt.last_event_ts,
         "due_ts": prompt.due_ts,
     }
+
+
+def _outrun(prompt: PromptRequest, newest: tuple[int, int]) -> bool:
+    """Whether the shopper's stored answer ``newest`` is a later prompt of ``prompt``'s own session (a
+    replay, outrun). Another session's answer says nothing: after a state loss, a session whose first
+    event is late (an offline batch) has a smaller epoch than the lost one, and every prompt of it was
+    dropped unsent until the lost session's signal expired, days later (docs/contracts.md)."""
+    epoch, seq = newest
+    return epoch == prompt.session_epoch and seq > prompt.seq
 
 
 def _newer_request_id(prompt: PromptRequest, version: str) -> str | None:

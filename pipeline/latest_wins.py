@@ -35,14 +35,16 @@ class Arrival(Enum):
 class Claim:
     prompt: PromptRequest
     task: asyncio.Task[EnrichmentResult] | None = None
-    """The work of this prompt (admission, the call, the record), cancelled when it is displaced."""
+    """The work of this prompt (admission, the call, the record); cancelled when it is displaced while
+    it waits for admission."""
+    call: asyncio.Task[EnrichmentResult] | None = None
+    """Its model call, made once admitted: from then on a displaced claim cancels only this, and only
+    while it is not done (``_cut``): an answer back is paid for, so it is kept, recorded and landed."""
     in_flight: bool = False
     """Its request has been sent to the fleet (a first attempt started), not only admitted: one still
     waiting for the client's slot, a routable replica or a retry is displaced as queued."""
     sent_at: float | None = None
     """``time.perf_counter()`` when its first attempt started."""
-    answered: bool = False
-    """Its answer arrived: paid for, so it is kept even if a newer prompt comes."""
     superseded_by: str | None = None
     cancelled_in_flight: bool = False
 
@@ -52,15 +54,29 @@ class Claim:
 
     def displace(self, newer: PromptRequest, *, cancel_in_flight: bool) -> bool:
         """``newer`` replaces this claim: stop its work unless its answer is in, or it is in flight
-        and in-flight calls are let finish. True when its work was cancelled."""
+        and in-flight calls are let finish. False when its work is kept; True when it is cancelled,
+        or its call is to be (``_cut``: unless its answer comes in first)."""
         self.superseded_by = newer.request_id
-        if self.answered or self.task is None or self.task.done():
-            return False  # a task already done (dropped as stale, say) is not cancelled: not counted again
-        if self.in_flight and not cancel_in_flight:
+        if self.task is None or self.task.done():
+            return False  # a task already done (dropped as stale, say) is not cancelled
+        if self.call is None:  # waiting for admission
+            self.task.cancel()
+            return True
+        if self.call.done() or (self.in_flight and not cancel_in_flight):
             return False
-        self.cancelled_in_flight = self.in_flight
-        self.task.cancel()
+        asyncio.get_running_loop().call_soon(self._cut, cancel_in_flight)
         return True
+
+    def _cut(self, cancel_in_flight: bool) -> None:
+        """Cancel the displaced call, one pass of the loop's ready callbacks after the newer prompt
+        came: an answer whose last bytes arrived in the same loop turn has its call's last step queued
+        ahead of this, so that call is done by now and its answer kept. Cancelled at once, that step
+        raised instead, and a paid-for answer was lost as ``cancelled_in_flight``."""
+        call = self.call
+        if call is None or call.done() or (self.in_flight and not cancel_in_flight):
+            return
+        self.cancelled_in_flight = self.in_flight
+        call.cancel()
 
 
 @dataclass(slots=True)
