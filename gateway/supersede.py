@@ -6,7 +6,10 @@ numbers, part by part). A newer version takes the session over: the older call i
 admission queue if it still waits there, or its upstream request is closed if it was sent
 (``Flight.supersede``); a request older than the session's newest version is superseded on arrival.
 The same version again (without a shared ``Idempotency-Key``, which joins instead) counts as newer:
-the latest arrival wins.
+the latest arrival wins. So does a version of another epoch: another session of the shopper, started
+after its state was lost, whose epoch (the event time of its first event) may be smaller than the lost
+one's when that event came late; ordered by epoch, every call of it was refused for as long as the
+lost session's version was remembered. Only a later version of the same session supersedes.
 
 This is ``pipeline.latest_wins`` for HTTP callers. It is kept apart because ``ShopperClaims`` is typed on
 the pipeline's ``PromptRequest`` and its enrichment task; the rule is the same. The newest version of
@@ -45,6 +48,11 @@ def version_text(version: Version) -> str:
     return f"{version[0]}.{version[1]}" if version[0] else str(version[1])
 
 
+def _outruns(newest: Version, arriving: Version) -> bool:
+    """Whether ``newest`` is a later version of ``arriving``'s own session (same epoch, higher seq)."""
+    return newest[0] == arriving[0] and newest[1] > arriving[1]
+
+
 @dataclass(slots=True)
 class _Newest:
     version: Version
@@ -60,7 +68,7 @@ class SessionClaims:
         """(the newer version that supersedes this arrival, or None; the call this arrival displaces,
         or None)."""
         current = self._newest.get(session)
-        if current is not None and current.version > version:
+        if current is not None and _outruns(current.version, version):
             self._newest.move_to_end(session)
             return current.version, None
         self._newest[session] = _Newest(version, flight)
@@ -74,7 +82,7 @@ class SessionClaims:
         """The call an arrival of ``version`` would displace (``arrive``), without arriving: None when
         there is none, or when the arrival is older than the session's newest version."""
         current = self._newest.get(session)
-        if current is None or current.version > version:
+        if current is None or _outruns(current.version, version):
             return None
         return current.flight
 
