@@ -18,6 +18,7 @@ chunks (salted with the request's cache salt), checked against the remembered te
 
 from __future__ import annotations
 
+import threading
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -69,7 +70,10 @@ class PromptTokenizer:
     """``token_ids`` and ``hash_blocks`` of a prompt, from the longest remembered prefix on.
 
     One per replica or routing policy (each remembers what it saw); ``capacity`` prompts are kept,
-    least recently used dropped first (a 4k-token prompt takes about 50 KB here, its text included)."""
+    least recently used dropped first (a 4k-token prompt takes about 50 KB here, its text included).
+    Safe to share between threads (the gateway routes large bodies in worker threads, small ones on its
+    loop): a lock guards the memory of prompts, and the tokenizing and hashing, the expensive part, run
+    outside it. Unguarded, a thread's lookup met a prompt another had just dropped (``KeyError``)."""
 
     def __init__(self, block_size: int, hash_blocks: BlockHasher, capacity: int = 256) -> None:
         self.block_size = block_size
@@ -77,10 +81,12 @@ class PromptTokenizer:
         self.capacity = capacity
         self._prompts: OrderedDict[int, _Remembered] = OrderedDict()  # by its last chunk key
         self._by_chunk: dict[int, _Remembered] = {}
+        self._lock = threading.Lock()
 
     def tokens(self, text: str, cache_salt: str | None = None) -> PromptTokens:
         keys = _chunk_keys(text, cache_salt)
-        base, chunks = self._longest_prefix(text, keys)
+        with self._lock:
+            base, chunks = self._longest_prefix(text, keys)
         if base is None:
             reused, offset = 0, 0
             ids: list[int] = []
@@ -94,7 +100,9 @@ class PromptTokenizer:
         pieces = _pieces_and_cuts(text, offset, reused, cuts, len(keys))
         ids += piece_ids(pieces)
         hashes = self.hash_blocks(ids, self.block_size, cache_salt, known=known)
-        self._remember(_Remembered(text, ids, tuple(cuts), hashes, keys))
+        prompt = _Remembered(text, ids, tuple(cuts), hashes, keys)
+        with self._lock:
+            self._remember(prompt)
         return PromptTokens(ids, hashes, reused)
 
     def _longest_prefix(self, text: str, keys: tuple[int, ...]) -> tuple[_Remembered | None, int]:
