@@ -64,7 +64,10 @@ class GatewaySettings(BaseSettings):
         "connections over them (one process per core; each keeps its own view of the replicas' load)",
     )
     deadline_s: float | None = Field(
-        None, gt=0, description="whole request, retries and streaming included; default: LLM timeouts"
+        None,
+        gt=0,
+        description="whole request from its arrival: the wait for an admission slot, retries and "
+        "streaming included; default: LLM timeouts",
     )
 
     # ---- overload (docs/gateway.md, "Overload, supersede, never pay twice") ------------------------

@@ -65,8 +65,9 @@ class Flight:
         self.superseded: GatewayAnswer | None = None
         """Set when a newer version of the session stopped this call: what its callers get."""
         self.stopped: GatewayAnswer | None = None
-        """The gateway's answer for a call stopped after its status line came (its task cancelled as
-        the gateway shut down, or failed): what a caller still waiting for the whole answer gets."""
+        """The gateway's answer for a call stopped after its status line came (the gateway shutting
+        down: 503, ``OpenAIProxy.close``; its task cancelled otherwise, or failed): what a caller still
+        waiting for the whole answer gets."""
         self.task: asyncio.Task[None] | None = None
         self._callers = 0
         self._changed = asyncio.Event()

@@ -13,6 +13,12 @@ the queue never grows without bound:
 
 A refusal is ``Refused`` (answered 429 with ``Retry-After``). ``low`` has the shortest bound and is the
 first pushed out, so under overload the lower classes are refused first.
+
+The decision on arrival (``judge``) and the place it finds (``enter``: a free slot, or a place in the
+queue) are taken by the request's handler in one synchronous step, before its flight's task runs: taken
+in that task, requests arriving in the same loop tick were each judged without the ones before them,
+which had not queued yet (a session's newer version admitted, its older call superseded, then the newer
+one refused for the place another request of the tick took).
 """
 
 from __future__ import annotations
@@ -27,6 +33,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from gateway.config import GatewaySettings, Priority
+from llm_client.errors import DeadlineExceeded
 from pipeline.admission import AdmissionGate
 from prompt_assembly.errors import ShopperError
 
@@ -54,25 +61,48 @@ class Refused(ShopperError):
 
 
 @dataclass(eq=False, slots=True)
-class _Waiter:
+class Entry:
+    """A request's place at admission, taken on arrival (``Admission.enter``): a slot held at once
+    (``task`` None), or a place in the queue. Its flight's task takes it over (``Admission.slot``); one
+    whose task ended before it ran gives it back through ``Admission.leave``."""
+
     priority: Priority
     klass: int
     arrival: int
-    task: asyncio.Task[None]
-    """Its ``AdmissionGate.acquire``."""
-    owner: asyncio.Task[object] | None
+    entered_at: float
+    """``time.monotonic()`` on arrival: the class's wait bound counts from here."""
+    task: asyncio.Task[None] | None
+    """Its ``AdmissionGate.acquire``; None when it took a free slot on arrival."""
+    owner: asyncio.Task[Any] | None = None
     """The task waiting (the flight's): cancelled when the request is superseded."""
     refusal: Refused | None = None
+    taken: bool = False
+    """Its flight's task took it over, or ``leave`` gave it back: what it holds is handled once."""
 
     @property
     def live(self) -> bool:
         """Still waiting: not granted, not refused, not being stopped (a cancellation is handled
         on the owner's next step, so the gate's own count still includes it for a moment)."""
         return (
-            self.refusal is None
+            self.task is not None
+            and self.refusal is None
             and not self.task.done()
             and (self.owner is None or not self.owner.cancelling())
         )
+
+
+@dataclass(frozen=True, slots=True)
+class Verdict:
+    """Admission's decision for a request arriving now (``Admission.judge``), for ``Admission.enter``
+    in the same synchronous step: nothing awaited between, so what it counted still holds."""
+
+    priority: Priority
+    refusal: Refused | None = None
+    """Refused at once (counted already): the request gets no place."""
+    victim: Entry | None = None
+    """The waiter a full queue pushes out to make this request's place."""
+    free: bool = False
+    """A slot is free and nobody waits: the request takes it at once."""
 
 
 class Admission:
@@ -86,7 +116,7 @@ class Admission:
         self._routable = routable_replicas
         self.gate = AdmissionGate(self._limit, by_priority=True)
         self._arrivals = itertools.count()
-        self._waiters: set[_Waiter] = set()
+        self._waiters: set[Entry] = set()
         self._on_refused = on_refused
         self.mean_hold_s: float | None = None
         """Moving average of how long a request holds its slot (None until one has ended)."""
@@ -113,25 +143,66 @@ class Admission:
         klass = PRIORITY_CLASS[priority]
         return self._predicted(sum(1 for w in self._waiters if w.klass <= klass and w.live))
 
-    def refusal_on_arrival(
+    def judge(
         self, priority: Priority, leaving: asyncio.Task[Any] | None = None, *, frees_slot: bool = False
-    ) -> Refused | None:
-        """The refusal a request of ``priority`` arriving now gets at once (its predicted wait past its
-        class's bound, or a full queue with no lower class to push out), or None; counted when given.
-        ``leaving``: the task of a call the request supersedes, whose place in the queue it frees;
-        ``frees_slot``: that call was sent and is being cancelled, so its slot goes to the best waiter.
-        The gateway asks before it supersedes: a newer version refused after had cost the older call
-        too, and left the session with no call at all."""
-        if self.gate.active < self.gate.limit and not self.gate.waiting:
-            return None
-        refusal = self._arrival(priority, leaving, frees_slot)[0]
+    ) -> Verdict:
+        """What a request of ``priority`` arriving now gets: a free slot, a place in the queue (maybe
+        pushing out a lower class), or a refusal at once (its predicted wait past its class's bound, or
+        a full queue with no lower class to push out), counted when given. ``leaving``: the task of a
+        call the request supersedes, whose place in the queue it frees; ``frees_slot``: that call was
+        sent and is being cancelled, so its slot goes to the best waiter. The gateway asks before it
+        supersedes: a newer version refused after had cost the older call too, and left the session
+        with no call at all. Enter the verdict (``enter``) before anything is awaited."""
+        if self._free():
+            return Verdict(priority, free=True)
+        refusal, victim, _ = self._arrival(priority, leaving, frees_slot)
         if refusal is not None:
             self._on_refused(refusal)
-        return refusal
+        return Verdict(priority, refusal, victim)
+
+    def enter(self, verdict: Verdict) -> Entry:
+        """Take the place ``verdict`` found, at once, so the next arrival of this loop tick counts it: a
+        free slot, or a place in the queue (pushing ``verdict.victim`` out for it)."""
+        if verdict.refusal is not None:
+            raise ValueError("a refused request has no place to enter")
+        klass = PRIORITY_CLASS[verdict.priority]
+        rank = (klass, next(self._arrivals))
+        if verdict.free:
+            if not self.gate.try_acquire():  # judged free in this same step: it still is
+                raise RuntimeError("a slot judged free was taken before it was entered")
+            return Entry(verdict.priority, klass, rank[1], time.monotonic(), None)
+        if verdict.victim is not None:
+            self._push_out(verdict.victim, verdict.priority)
+        task = asyncio.create_task(self.gate.acquire(rank))
+        entry = Entry(verdict.priority, klass, rank[1], time.monotonic(), task)
+        self._waiters.add(entry)
+        return entry
+
+    def leave(self, entry: Entry) -> None:
+        """Give back what ``entry`` holds if its flight's task never took it over (cancelled before its
+        first step: superseded, its caller gone, or the gateway stopping, in the tick it arrived)."""
+        if entry.taken:
+            return
+        entry.taken = True
+        entry.owner = None
+        self._waiters.discard(entry)
+        task = entry.task
+        if task is None:
+            self.gate.release()  # the free slot it took on arrival
+        elif not task.done():
+            task.cancel()  # the gate hands on a slot granted in the meantime
+        elif not task.cancelled() and task.exception() is None:
+            self.gate.release()  # granted, and nobody to use it
+
+    def _free(self) -> bool:
+        """A slot is free and nobody waits for one: neither in the gate nor entered here and not yet
+        in the gate (its ``acquire`` task not run yet), whose place a newcomer would otherwise take."""
+        gate = self.gate
+        return gate.active < gate.limit and not gate.waiting and not any(w.live for w in self._waiters)
 
     def _arrival(
         self, priority: Priority, leaving: asyncio.Task[Any] | None, frees_slot: bool
-    ) -> tuple[Refused | None, _Waiter | None, float | None]:
+    ) -> tuple[Refused | None, Entry | None, float | None]:
         """(the refusal at once, or None; the waiter to push out of a full queue, or None; the predicted
         wait) for a request of ``priority`` arriving to a gate with no free slot."""
         klass = PRIORITY_CLASS[priority]
@@ -179,11 +250,17 @@ class Admission:
         )
 
     @contextlib.asynccontextmanager
-    async def slot(self, priority: Priority, *, frees_slot: bool = False) -> AsyncIterator[None]:
-        """Hold a slot for the block, or raise ``Refused``. Cancelled while waiting, holds nothing.
-        ``frees_slot``: the request superseded a call that was sent, whose slot may not be given back
-        yet (its cancellation still closing its upstream request): judged as if it were."""
-        await self._acquire(priority, frees_slot)
+    async def slot(self, entry: Entry, within_s: float | None = None) -> AsyncIterator[None]:
+        """Hold ``entry``'s slot for the block, once granted. Raises ``Refused`` when its class's bound
+        passes first, ``DeadlineExceeded`` when ``within_s`` (what is left of the request's deadline)
+        does. Cancelled while waiting, holds nothing."""
+        entry.taken = True
+        try:
+            await self._granted(entry, within_s)
+        finally:
+            # Needed only while it waits. Held after, it closed a reference cycle through the frames
+            # of an error this task ends with (its traceback holds the frame that holds the entry).
+            entry.owner = None
         started = time.monotonic()
         try:
             yield
@@ -193,36 +270,33 @@ class Admission:
             previous = self.mean_hold_s
             self.mean_hold_s = held if previous is None else previous + HOLD_SMOOTHING * (held - previous)
 
-    async def _acquire(self, priority: Priority, frees_slot: bool) -> None:
-        klass = PRIORITY_CLASS[priority]
-        rank = (klass, next(self._arrivals))
-        gate = self.gate
-        if gate.active < gate.limit and not gate.waiting:
-            await gate.acquire(rank)  # returns at once
+    async def _granted(self, entry: Entry, within_s: float | None) -> None:
+        """Until ``entry`` holds a slot (at once if it took a free one on arrival)."""
+        task = entry.task
+        if task is None:
             return
-        bound = self.settings.wait_bound_s(priority)
-        refusal, victim, _ = self._arrival(priority, None, frees_slot)
-        if refusal is not None:
-            self._refuse(refusal)
-        if victim is not None:
-            self._push_out(victim, priority)
-        owner = asyncio.current_task()
-        waiter = _Waiter(priority, klass, rank[1], asyncio.create_task(gate.acquire(rank)), owner)
-        self._waiters.add(waiter)
+        bound = self.settings.wait_bound_s(entry.priority)
+        left_s = bound - (time.monotonic() - entry.entered_at)
+        deadline_first = within_s is not None and within_s < left_s
+        timeout = left_s if within_s is None else min(left_s, within_s)
         try:
-            done, _ = await asyncio.wait({waiter.task}, timeout=bound)
-        except asyncio.CancelledError:  # superseded, or the gateway is stopping
-            if await _stop(waiter.task):
-                gate.release()  # granted in the same instant: hand the slot on
+            done, _ = await asyncio.wait({task}, timeout=max(0.0, timeout))
+        except asyncio.CancelledError:  # superseded, its caller gone, or the gateway is stopping
+            if await _stop(task):
+                self.gate.release()  # granted in the same instant: hand the slot on
             raise
         finally:
-            self._waiters.discard(waiter)
-        if not done and await _stop(waiter.task):
+            self._waiters.discard(entry)
+        if not done and await _stop(task):
             return  # granted just as the bound passed: take it
-        if not waiter.task.cancelled():
+        if not task.cancelled():
             return
+        refusal, entry.refusal = entry.refusal, None  # not held past here: raised, it holds this frame
+        if refusal is None and deadline_first:
+            raise DeadlineExceeded("the request's deadline passed while it waited for a replica slot")
+        priority = entry.priority
         self._refuse(
-            waiter.refusal
+            refusal
             or Refused(
                 priority,
                 "waited",
@@ -231,7 +305,7 @@ class Admission:
             )
         )
 
-    def _push_out(self, victim: _Waiter, priority: Priority) -> None:
+    def _push_out(self, victim: Entry, priority: Priority) -> None:
         """Make room in a full queue by refusing ``victim``, the newest waiter of its lowest class."""
         victim.refusal = Refused(
             victim.priority,
@@ -240,7 +314,8 @@ class Admission:
             f"overloaded: a {victim.priority}-priority request was pushed out of the full queue by a "
             f"{priority}-priority one",
         )
-        victim.task.cancel()
+        if victim.task is not None:
+            victim.task.cancel()
 
     def _refuse(self, refusal: Refused) -> None:
         self._on_refused(refusal)

@@ -36,7 +36,7 @@ from gateway.config import GatewaySettings, Priority
 from gateway.flights import Flight, GatewayAnswer, Head, Stage
 from gateway.idempotency import IDEMPOTENCY_HEADER, IdempotencyStore, KeyReused, request_digest
 from gateway.metrics import GatewayMetrics
-from gateway.overload import PRIORITY_CLASS, Admission, Refused
+from gateway.overload import PRIORITY_CLASS, Admission, Entry, Refused, Verdict
 from gateway.route import InvalidRequest, bounded_key, models_route, route_for
 from gateway.supersede import SessionClaims, Version, parse_version, version_text
 from llm_client.client import LLMClient
@@ -75,12 +75,13 @@ class OpenAIProxy:
         self.metrics = metrics
         self.admission = Admission(
             settings,
-            lambda: sum(e.routable for e in client.endpoints),
+            self._routable,
             lambda refusal: metrics.refused.labels(refusal.priority, refusal.reason).inc(),
         )
         self.idempotency = IdempotencyStore(settings.idempotency_ttl_s, settings.idempotency_max_bytes)
         self.claims = SessionClaims(settings.session_versions_kept)
-        self._flights: set[asyncio.Task[None]] = set()
+        self._flights: dict[asyncio.Task[None], Flight] = {}
+        self._closed = False
         metrics.watch(self.admission, self.idempotency)
 
     async def generate(self, request: web.Request) -> web.StreamResponse:
@@ -107,28 +108,24 @@ class OpenAIProxy:
                 outcome, flight = found
                 self.metrics.idempotent.labels(outcome).inc()
                 return await self._answer(request, flight, started, outcome)
-        if session is not None and (refusal := self._refused_over(session, priority)) is not None:
-            return self._gateway_answer(request, _overloaded(refusal))
+        if self._closed:
+            return self._gateway_answer(request, _stopping())
         flight = Flight(keep_running=key is not None)
-        frees_slot = False
-        if session is not None:
-            newer, displaced = self.claims.arrive(*session, flight)
-            if newer is not None:
-                self.metrics.superseded.labels("arrival").inc()
-                return self._gateway_answer(request, _superseded(session[0], newer, "(it arrived after it)"))
-            if displaced is not None:
-                frees_slot = self._supersede(displaced, session[0], session[1]) == "sent"
+        verdict = self._arrive(flight, session, priority)
+        if isinstance(verdict, GatewayAnswer):
+            return self._gateway_answer(request, verdict)
         if key is not None:
             self.idempotency.track(key, digest, flight)
         # The call may outlive this handler (a keyed one whose caller left): it keeps its own copies.
         headers = {n: request.headers[n] for n in FORWARDED_REQUEST_HEADERS if n in request.headers}
-        task = asyncio.create_task(
-            self._fly(flight, key, request.path, body, route, priority, headers, frees_slot)
-        )
+        # Entered before anything is awaited, so the next request of this loop tick counts this one.
+        entry = self.admission.enter(verdict)
+        task = asyncio.create_task(self._fly(flight, key, request.path, body, route, headers, entry, started))
+        entry.owner = task
         flight.start(task)
-        self._flights.add(task)
-        task.add_done_callback(self._flights.discard)
-        task.add_done_callback(lambda _: self._ended(flight, key, session))
+        self._flights[task] = flight
+        task.add_done_callback(self._flights.pop)
+        task.add_done_callback(lambda _: self._ended(flight, key, session, entry))
         return await self._answer(request, flight, started, None)
 
     def _priority(self, headers: Mapping[str, str]) -> Priority:
@@ -154,17 +151,47 @@ class OpenAIProxy:
             raise InvalidRequest(f"{header} needs the session in {self.settings.shopper_key_header}", header)
         return session, parse_version(text, header)
 
-    def _refused_over(self, session: tuple[str, Version], priority: Priority) -> Refused | None:
-        """The refusal a newer version gets at once, asked before it supersedes the session's older
-        call: refused after, it had cost the older call too (dropped from the queue or its request
-        closed), and the session was left with no call at all. Refused, it leaves the older one be."""
+    def _arrive(
+        self, flight: Flight, session: tuple[str, Version] | None, priority: Priority
+    ) -> Verdict | GatewayAnswer:
+        """Admission's verdict on ``flight`` and its session's claim (a 429 or a 409 answer instead,
+        when it gets none), all synchronous, so that ``Admission.enter`` follows before anything else
+        arrives. A newer version is judged before it supersedes the session's running call: refused
+        after, it had cost the older call too (dropped from the queue or its request closed), and the
+        session was left with no call at all. Any other is judged after its claim, so a version older
+        than the session's newest is a 409 whatever the load."""
+        older = None if session is None else self._running_call(session)
+        verdict = None if older is None else self._judge_over(older, priority)
+        if verdict is not None and verdict.refusal is not None:
+            return _overloaded(verdict.refusal)
+        if session is not None:
+            newer, displaced = self.claims.arrive(*session, flight)
+            if newer is not None:
+                self.metrics.superseded.labels("arrival").inc()
+                return _superseded(session[0], newer, "(it arrived after it)")
+            if displaced is not None:
+                self._supersede(displaced, *session)
+        if verdict is None:
+            verdict = self.admission.judge(priority)
+            if verdict.refusal is not None:
+                if session is not None:
+                    self.claims.leave(session[0], flight)
+                return _overloaded(verdict.refusal)
+        return verdict
+
+    def _running_call(self, session: tuple[str, Version]) -> Flight | None:
+        """The session's call a newer ``session`` version would supersede, if one still runs."""
         older = self.claims.displaceable(*session)
-        if older is None or older.ended or older.task is None:
-            return None
-        sent = older.stage == "sent"
-        if sent and not self.settings.cancel_superseded_in_flight:
-            return None  # the older call goes on either way: the newer one queues as any other
-        return self.admission.refusal_on_arrival(priority, None if sent else older.task, frees_slot=sent)
+        return None if older is None or older.ended or older.task is None else older
+
+    def _judge_over(self, older: Flight, priority: Priority) -> Verdict:
+        """Admission's verdict on a request superseding ``older``, counting what ``older`` frees: its
+        place in the queue, or (sent and to be cancelled) its slot."""
+        if older.stage != "sent":
+            return self.admission.judge(priority, older.task)
+        if not self.settings.cancel_superseded_in_flight:
+            return self.admission.judge(priority)  # the older call goes on: it frees nothing
+        return self.admission.judge(priority, frees_slot=True)
 
     def _supersede(self, flight: Flight, session: str, version: Version) -> Stage | None:
         """Stop ``flight`` for the session's newer ``version``; the stage it was stopped at, or None."""
@@ -178,7 +205,10 @@ class OpenAIProxy:
             self.metrics.cancelled.inc()
         return stage
 
-    def _ended(self, flight: Flight, key: str | None, session: tuple[str, Version] | None) -> None:
+    def _ended(
+        self, flight: Flight, key: str | None, session: tuple[str, Version] | None, entry: Entry
+    ) -> None:
+        self.admission.leave(entry)  # a task cancelled before its first step never took its place over
         if key is not None:
             self.idempotency.ended(key, flight)
         if session is not None:
@@ -191,20 +221,25 @@ class OpenAIProxy:
         path: str,
         body: bytes,
         route: RouteRequest,
-        priority: Priority,
         headers: Mapping[str, str],
-        frees_slot: bool = False,
+        entry: Entry,
+        started: float,
     ) -> None:
         """The flight's own task: a slot, the upstream call, the answer into the flight's buffer. A 2xx
         answer read to its end is judged once (``answer_problem``): that one verdict tells the fleet
         (raised into ``forward``'s block, a bad answer for the replica) and decides whether the answer
-        is kept for ``key``'s repeats; its callers get it as the replica sent it either way."""
+        is kept for ``key``'s repeats; its callers get it as the replica sent it either way. The
+        deadline counts from the request's arrival (``started``), the wait for a slot included."""
         problem: LLMError | None = None
+        deadline_s = self._deadline_s()
         try:
-            async with self.admission.slot(priority, frees_slot=frees_slot):
+            async with self.admission.slot(entry, deadline_s - (time.perf_counter() - started)):
+                left_s = deadline_s - (time.perf_counter() - started)
+                if left_s <= 0:  # granted just as the deadline passed
+                    raise DeadlineExceeded(f"no answer within the {deadline_s:.3f} s deadline")
                 flight.sent()
                 async with self.client.forward(
-                    path, body, route, headers=headers, deadline_s=self.settings.deadline_s
+                    path, body, route, headers=headers, deadline_s=left_s
                 ) as answer:
                     streaming = answer.headers.get("content-type", "").startswith("text/event-stream")
                     flight.answer_head(Head(answer.status, self._answer_headers(answer), streaming))
@@ -248,6 +283,9 @@ class OpenAIProxy:
             if isinstance(head, GatewayAnswer):
                 return self._gateway_answer(request, head)
             headers = dict(head.headers)
+            # The count now: a kept answer's is from when it came (up to the TTL ago), and a client
+            # sizes its admission limit by it.
+            headers[FLEET_SIZE_HEADER] = str(self._routable())
             if note is not None:
                 headers["x-gateway-idempotent"] = note
             if head.streaming:
@@ -331,14 +369,26 @@ class OpenAIProxy:
         routable (``llm_client.gateway_headers``: a client sizes its admission limit by it)."""
         headers = {name: answer.headers[name] for name in PASSED_RESPONSE_HEADERS if name in answer.headers}
         headers[SERVED_BY_HEADER] = answer.endpoint.name
-        headers[FLEET_SIZE_HEADER] = str(sum(e.routable for e in self.client.endpoints))
+        headers[FLEET_SIZE_HEADER] = str(self._routable())
         headers["x-gateway-attempts"] = str(answer.attempts)
         return headers
 
+    def _routable(self) -> int:
+        """Replicas the policy may route to now."""
+        return sum(e.routable for e in self.client.endpoints)
+
+    def _deadline_s(self) -> float:
+        """The whole request's deadline: the gateway's own, else its client's."""
+        return self.settings.deadline_s or self.client.config.timeouts.deadline_s
+
     async def close(self) -> None:
         """Stop the calls still running (kept-running ones too) and drop the answers kept for
-        repeats: the gateway is stopping."""
-        for task in list(self._flights):
+        repeats: the gateway is stopping. Each call's callers get a 503 with ``Retry-After``, which a
+        client in front retries on another gateway; the 499 of a cancelled call was a 4xx, its own
+        fault to such a client (``BadRequest``), so a restart failed every call in flight."""
+        self._closed = True
+        for task, flight in list(self._flights.items()):
+            flight.end(answer=_stopping())  # first: the cancelled task's own end is then a no-op
             task.cancel()
         await asyncio.gather(*self._flights, return_exceptions=True)
         self.idempotency.close()
@@ -347,7 +397,9 @@ class OpenAIProxy:
         """The policy's view of the body, with the prompt's block hashes already computed when the
         policy routes by them: parsing and hashing are linear in the body (about 40 ms a MiB), so
         ``generate`` runs this in a worker thread for large bodies and the event loop never waits on
-        it. Touches nothing shared: the route is new, and the hashes land in its own ``memo``."""
+        it. The route is new and the hashes land in its own ``memo``; what it shares is the policy's
+        ``PromptTokenizer``, whose memory of recent prompts takes a lock (several threads route at
+        once, and the loop itself routes small bodies)."""
         route = route_for(
             body,
             headers,
@@ -482,6 +534,12 @@ def _at_event_end(flight: Flight) -> bool:
     """Whether what the caller got of ``flight`` ends at an event's end, where another event may start;
     a chunk that ended mid-event leaves the caller half an event, and only a cut says it broke."""
     return not flight.chunks or flight.chunks[-1].endswith((b"\n\n", b"\r\n\r\n"))
+
+
+def _stopping() -> GatewayAnswer:
+    """The answer of a call the gateway stops because it is stopping itself: a 503 asks the client in
+    front to try again, on another gateway, where a 4xx told it the request was wrong."""
+    return GatewayAnswer(503, "service_unavailable", "the gateway is stopping", headers={"Retry-After": "1"})
 
 
 def _overloaded(refusal: Refused) -> GatewayAnswer:

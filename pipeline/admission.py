@@ -111,11 +111,18 @@ class AdmissionGate:
         queue = self._live(klass)
         return 0.0 if not queue else self._clock() - queue[0].enqueued_at
 
+    def try_acquire(self) -> bool:
+        """Take a slot now if one is free and nobody waits (``acquire``'s fast path, without a task: a
+        caller deciding several arrivals in one loop tick sees each one taken before the next)."""
+        if self.active < self.limit and not self.waiting:
+            self.active += 1
+            return True
+        return False
+
     async def acquire(self, rank: Rank) -> None:
         """Until a slot is free and no better-ranked prompt waits (``Evicted`` when let go without one).
         Cancelled while waiting, it holds no slot (one granted in the same instant is passed on)."""
-        if self.active < self.limit and not self.waiting:
-            self.active += 1
+        if self.try_acquire():
             return
         future: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         waiter = _Waiter(rank[1], self._clock(), future)
