@@ -40,15 +40,34 @@ class PoolSplit:
     previous_realtime: int
     changed_at: float
     version: int
+    moved_at: tuple[float | None, ...] = ()
+    """When each real-time replica left batch (None: held since the first split). Per replica, because
+    on a steep ramp a newer split is published while an older one's newcomers are still handing off."""
 
     def urls(self, side: Side, now: float, handoff_s: float) -> list[str]:
-        """The replicas ``side`` should route to at ``now``."""
+        """The replicas ``side`` should route to at ``now``: real-time skips newcomers still draining
+        batch calls (joins are appended at the back, so this is a prefix)."""
         if side == "batch":
             return list(self.replicas[self.realtime :])
-        held = list(self.replicas[: self.realtime])
-        if self.realtime > self.previous_realtime and now < self.changed_at + handoff_s:
-            return held[: self.previous_realtime]  # the newcomers are still draining batch calls
-        return held
+        held = self.replicas[: self.realtime]
+        joins = zip(held, self.join_times(), strict=True)
+        return [url for url, moved in joins if moved is None or now >= moved + handoff_s]
+
+    def join_times(self) -> tuple[float | None, ...]:
+        """``moved_at``, or for a split published without it, what its one change implies."""
+        if len(self.moved_at) == self.realtime:
+            return self.moved_at
+        kept = min(self.previous_realtime, self.realtime)
+        return (None,) * kept + (self.changed_at,) * (self.realtime - kept)
+
+
+def _next_join_times(current: PoolSplit | None, realtime: int, now: float) -> tuple[float | None, ...]:
+    """Replicas staying on real-time keep their join time (a still-running hand-off goes on); newcomers
+    join from ``now``."""
+    if current is None:
+        return (None,) * realtime
+    kept = current.join_times()[:realtime]
+    return kept + (now,) * (realtime - len(kept))
 
 
 class SharedPool:
@@ -62,7 +81,8 @@ class SharedPool:
 
 
 class PoolBoard:
-    """The published split in Redis: ``{prefix}pool:{name}`` (JSON)."""
+    """The published split in Redis: ``{prefix}pool:{name}`` (JSON; ``moved_at`` absent in splits
+    published before per-replica join times, which read as their one change implies)."""
 
     def __init__(self, redis: aioredis.Redis, prefix: str, pool: SharedPool) -> None:
         self.redis = redis
@@ -73,12 +93,14 @@ class PoolBoard:
         current = await self.read()
         if current is not None and current.realtime == realtime and current.replicas == self.pool.replicas:
             return current
+        changed_at = time.time() if now is None else now
         split = PoolSplit(
             replicas=self.pool.replicas,
             realtime=realtime,
             previous_realtime=current.realtime if current is not None else realtime,
-            changed_at=time.time() if now is None else now,
+            changed_at=changed_at,
             version=(current.version + 1) if current is not None else 1,
+            moved_at=_next_join_times(current, realtime, changed_at),
         )
         payload = {
             "replicas": list(split.replicas),
@@ -86,6 +108,7 @@ class PoolBoard:
             "previous_realtime": split.previous_realtime,
             "changed_at": split.changed_at,
             "version": split.version,
+            "moved_at": list(split.moved_at),
         }
         await self.redis.set(self.key, orjson.dumps(payload))
         return split
@@ -101,6 +124,7 @@ class PoolBoard:
             previous_realtime=int(data["previous_realtime"]),
             changed_at=float(data["changed_at"]),
             version=int(data["version"]),
+            moved_at=tuple(None if t is None else float(t) for t in data.get("moved_at", ())),
         )
 
 
