@@ -183,18 +183,28 @@ def wait_for_port(process: ManagedProcess, timeout_s: float = 30.0) -> None:
 
 
 def wait_for_http(process: ManagedProcess, path: str = "/health", timeout_s: float = 60.0) -> None:
+    """Until ``process`` answers 200 on ``path``. As in ``wait_for_port``, the answer counts only while
+    the child lives and (where ``/proc`` tells) owns the listener: with the replicas' ports all chosen
+    before any binds, a duplicate made one replica exit "address already in use" while its sibling
+    answered for it."""
     deadline = time.monotonic() + timeout_s
     url = f"http://127.0.0.1:{process.port}{path}"
     while time.monotonic() < deadline:
-        with contextlib.suppress(OSError), urllib.request.urlopen(url, timeout=1) as response:
-            if response.status == 200:
-                return
+        if _answers(url) and alive(process.pid) and listens_in_group(process.pid, process.port) is not False:
+            return
         if not alive(process.pid):
             raise StackError(
                 f"{process.name} exited during start-up; see {process.log}:\n{_tail(process.log)}"
             )
         time.sleep(0.1)
     raise StackError(f"{process.name} did not answer {url} in {timeout_s} s; see {process.log}")
+
+
+def _answers(url: str) -> bool:
+    """A GET of ``url`` answers 200."""
+    with contextlib.suppress(OSError), urllib.request.urlopen(url, timeout=1) as response:
+        return bool(response.status == 200)
+    return False
 
 
 def alive(pid: int) -> bool:
