@@ -9,7 +9,7 @@ import time
 import uuid
 from collections.abc import Callable
 from pathlib import Path
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 from confluent_kafka import Consumer, TopicPartition
@@ -38,6 +38,9 @@ from devstack.processes import running
 from devstack.stack import StackState, load_state
 from flink_jobs.flink_config import NearRealtimeSettings
 from pipeline.kafka_security import KafkaSecurity, librdkafka_properties
+
+if TYPE_CHECKING:
+    from shopper.demo import DemoTopics
 
 flink_app = typer.Typer(no_args_is_help=True, help="A local standalone Flink cluster and the job on it.")
 StateDir = Annotated[Path, typer.Option(help="the stack's state dir (the cluster lives in its flink/)")]
@@ -177,18 +180,20 @@ def run_flink_demo_step(
     *,
     prefix: str,
     s3_prefix: str,
+    topics: DemoTopics,
     malformed: int,
     console: Console,
     security: KafkaSecurity | None = None,
 ) -> int:
     """Steps 3-4 of the demo on Flink: cluster up, ``flink run``, wait until a checkpoint covers every
     event, ``flink stop --drain`` (fires every pending trigger), cluster down, then what landed.
+    ``topics``: the demo's own, so the job reads only its events and the DLQ holds only its dead letters.
     ``security``: the demo's own Kafka clients' TLS/SASL (the job's are ``FLINK_JOB_KAFKA__SECURITY__*``)."""
-    _run_on_flink(state, state_dir, prefix=prefix, s3_prefix=s3_prefix, console=console, security=security)
+    settings = demo_job_settings(state, state_dir, prefix=prefix, s3_prefix=s3_prefix, topics=topics)
+    _run_on_flink(state, state_dir, settings, console=console, security=security)
     import asyncio
 
     from devstack.stack import sink_settings
-    from pipeline.topics import DLQ_TOPIC
     from shopper.readback import cell, list_s3_records, read_dlq_values, read_signals
 
     console.rule("4. what landed")
@@ -198,19 +203,36 @@ def run_flink_demo_step(
             Text.assemble(cell(row["shopper_id"]), "  v", cell(row["seq"]), "  ", cell(row["summary"]))
         )
     keys, records = list_s3_records(sink_settings(state), s3_prefix)
-    dlq = read_dlq_values(state.kafka_bootstrap, DLQ_TOPIC, security=security)
-    console.print(f"S3: {len(keys)} objects, {len(records)} records; DLQ {DLQ_TOPIC}: {len(dlq)} records")
+    dlq = read_dlq_values(state.kafka_bootstrap, topics.dlq, security=security)
+    console.print(f"S3: {len(keys)} objects, {len(records)} records; DLQ {topics.dlq}: {len(dlq)} records")
     ok = bool(records) and len(dlq) == malformed
     console.print("[green]all accounted for[/green]" if ok else "[red]MISMATCH[/red]")
     return 0 if ok else 1
 
 
+def demo_job_settings(
+    state: StackState, state_dir: Path, *, prefix: str, s3_prefix: str, topics: DemoTopics
+) -> NearRealtimeSettings:
+    """The demo's job: the stack's addresses, the demo's topics (a prompts topic only where the job
+    hands its prompts over), keys, S3 prefix and group. Production timers (a browse pause fires on the
+    wall clock); the drain at the end fires whatever is still pending, so the demo need not wait out
+    the last quiet period."""
+    settings = job_settings(state, state_dir, flush_on_drain=True)
+    kafka = {"group_id": f"demo-flink-{prefix}", "events_topic": topics.events, "dlq_topic": topics.dlq}
+    return settings.model_copy(
+        update={
+            "sinks": settings.sinks.model_copy(update={"redis_key_prefix": prefix, "s3_prefix": s3_prefix}),
+            "kafka": settings.kafka.model_copy(update=kafka),
+            "prompts_topic": topics.prompts if settings.prompts_topic else None,
+        }
+    )
+
+
 def _run_on_flink(
     state: StackState,
     state_dir: Path,
+    settings: NearRealtimeSettings,
     *,
-    prefix: str,
-    s3_prefix: str,
     console: Console,
     security: KafkaSecurity | None,
 ) -> None:
@@ -223,17 +245,6 @@ def _run_on_flink(
     )
     enrichment, job = None, None
     try:
-        # Production timers (a browse pause fires on the wall clock); the drain at the end fires
-        # whatever is still pending, so the demo need not wait out the last quiet period.
-        settings = job_settings(state, state_dir, flush_on_drain=True)
-        settings = settings.model_copy(
-            update={
-                "sinks": settings.sinks.model_copy(
-                    update={"redis_key_prefix": prefix, "s3_prefix": s3_prefix}
-                ),
-                "kafka": settings.kafka.model_copy(update={"group_id": f"demo-flink-{prefix}"}),
-            }
-        )
         started = time.monotonic()
         job, enrichment = submit_with_enrichment(
             cluster, state_dir, settings, config_path=cluster_dir(state_dir) / "demo-job.json"
