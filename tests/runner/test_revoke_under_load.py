@@ -195,10 +195,17 @@ def test_a_revoke_under_load_hands_over_committed_and_loses_no_pending_trigger(i
     assert not [line for line in log if "hand-over failed" in line or "commit failed" in line], story
     outcomes = [line for line in log if "rebalance: partitions handed over" in line]
     assert len(outcomes) == sum("rebalance: revoking partitions" in line for line in log) == 2, story
-    assert "committed" in outcomes[0], story
-    # The first hand-over committed what the runner had read: the joiner replayed none of it.
-    replayed = seen_by_joiner & handover.held_at_revoke[0]
-    assert not replayed, f"{len(replayed)} shoppers replayed by the next owner: {sorted(replayed)[:5]}"
+    if "committed" in outcomes[0]:
+        # The first hand-over committed what the runner had read: the joiner replayed none of it.
+        replayed = seen_by_joiner & handover.held_at_revoke[0]
+        assert not replayed, f"{len(replayed)} shoppers replayed by the next owner: {sorted(replayed)[:5]}"
+    else:
+        # A periodic commit begun just before the revoke, which librdkafka holds until the revoke
+        # callback returns (CI saw it once): the hand-over gives up on it after 2 s instead of waiting
+        # out revoke_timeout_s, that commit completes after, and the next owner replays what came after
+        # it. Still no pause lost (below).
+        assert "nothing to commit" in outcomes[0], story
+        assert any("a commit under way did not finish" in line for line in log), story
     # Every pause prompted once, none lost in the revokes: the pure processor's prompts and no other
     # (S3 holds every prompt's result: an answer, an error, or a prompt dropped as stale).
     _, rows = list_s3_records(isolated.sinks(), isolated.s3_prefix)

@@ -15,6 +15,8 @@ import time
 
 import pytest
 
+from prompt_assembly.processor import SessionConfig
+from prompt_assembly.triggers import TriggerPolicy
 from runner.embedded import EmbeddedRunner
 from runner.timers import TimerQueue
 from tests.conftest import Isolated
@@ -46,10 +48,14 @@ def test_an_entry_armed_before_a_pause_fired_does_not_fire_the_next_pause_with_i
     passed only the due time to ``fire_armed`` and not the version the entry was armed under).
 
     The real runner on the test's broker, Redis and simulator; only the timers' wall clock is the
-    test's own (``TimerQueue``'s ``clock``), so each entry pops on cue."""
+    test's own (``TimerQueue``'s ``clock``), so each entry pops on cue. Without a rate limit: under one
+    (the default 10 s, counted from when the pause became due since ea69537) the new pause is due 10 s
+    later, so no stale entry shares its due time (``tests/prompt_assembly/test_sessions.py`` has both)."""
     clock = [1000.0]
     log = RunnerLog()
-    runner = EmbeddedRunner(isolated.runner(until_drained=False, timer_wall_per_event_s=1.0), log=log)
+    no_rate_limit = SessionConfig(triggers=TriggerPolicy(min_prompt_interval_s=0))
+    settings = isolated.runner(until_drained=False, timer_wall_per_event_s=1.0, session=no_rate_limit)
+    runner = EmbeddedRunner(settings, log=log)
     runner.timers = TimerQueue(clock=lambda: clock[0])  # a fake wall: 1 s per event second, 20 s quiet
     sid = "shopper-late"
     t = time.time() - 300
