@@ -33,7 +33,7 @@ import orjson
 from aiohttp import web
 
 from gateway.config import GatewaySettings, Priority
-from gateway.flights import Flight, GatewayAnswer, Head, Stage
+from gateway.flights import Flight, GatewayAnswer, Head
 from gateway.idempotency import IDEMPOTENCY_HEADER, IdempotencyStore, KeyReused, request_digest
 from gateway.metrics import GatewayMetrics
 from gateway.overload import PRIORITY_CLASS, Admission, Entry, Refused, Verdict
@@ -193,8 +193,8 @@ class OpenAIProxy:
             return self.admission.judge(priority)  # the older call goes on: it frees nothing
         return self.admission.judge(priority, frees_slot=True)
 
-    def _supersede(self, flight: Flight, session: str, version: Version) -> Stage | None:
-        """Stop ``flight`` for the session's newer ``version``; the stage it was stopped at, or None."""
+    def _supersede(self, flight: Flight, session: str, version: Version) -> None:
+        """Stop ``flight`` for the session's newer ``version``, counted by the stage it was stopped at."""
         stage = flight.supersede(
             _superseded(session, version, ""),
             cancel_in_flight=self.settings.cancel_superseded_in_flight,
@@ -203,7 +203,6 @@ class OpenAIProxy:
             self.metrics.superseded.labels("queued").inc()
         elif stage == "sent":
             self.metrics.cancelled.inc()
-        return stage
 
     def _ended(
         self, flight: Flight, key: str | None, session: tuple[str, Version] | None, entry: Entry
