@@ -78,7 +78,7 @@ from pipeline.latest_wins import Claim
 from pipeline.overload import OverloadSettings
 from prompt_assembly.records import EnrichmentResult, PromptRequest, ShopperInsight
 from runner.config import RunnerSettings
-from shopper.producer import produce
+from shopper.producer import produce, stamped
 from shopper.readback import list_s3_records, read_dlq
 
 MALFORMED_RATE = 0.005
@@ -662,9 +662,7 @@ def backlog_stream(state: StackState, events: int, shoppers: int, seed: int) -> 
 
 def produce_live(bootstrap: str, topic: str, events: int, shoppers: int, seed: int, rate: float) -> None:
     """The same records as ``shopper produce``, ``rate`` a second, each event stamped with the wall clock
-    as it is sent (``--realtime-ts`` only starts the stream's simulated clock now, and the simulated
-    clock runs ahead of the wall at a rate above the stream's own: its events would be dead-lettered as
-    from the future)."""
+    as it is sent (``shopper.producer.stamped``, as ``--realtime-ts`` does), paced by ``paced``."""
     from confluent_kafka import Producer
 
     producer = Producer({"bootstrap.servers": bootstrap, "linger.ms": 5})
@@ -672,9 +670,7 @@ def produce_live(bootstrap: str, topic: str, events: int, shoppers: int, seed: i
     for n, (key, value, bad) in zip(paced(rate, float("inf")), stream.take(events), strict=False):
         now = time.time()
         if not bad:
-            event = json.loads(value)
-            event["ts"] = round(now, 3)
-            value = json.dumps(event).encode()
+            value = stamped(value, now)
         producer.produce(topic, key=key, value=value, timestamp=int(now * 1000))
         if n % 100 == 0:
             producer.poll(0)
