@@ -41,11 +41,24 @@ class CapacitySettings(BaseSettings):
     tick_s: float = Field(1.0, gt=0, description="how often the shifter measures and decides")
     load_window_s: float = Field(5.0, gt=0, description="the rate is measured over this window")
     handoff_s: float = Field(2.0, ge=0, description="a replica leaving batch joins real-time after this")
+    lease_s: float = Field(
+        10.0, gt=0, description="a published split lapses (batch takes the pool) unless renewed within this"
+    )
 
     @model_validator(mode="after")
     def _positive_lead(self) -> CapacitySettings:
         if self.trend_window_s < 2 * self.tick_s:
             raise ValueError("trend_window_s must cover at least two ticks")
+        return self
+
+    @model_validator(mode="after")
+    def _lease_outlasts_ticks(self) -> CapacitySettings:
+        # Every tick renews the lease: a lease of three ticks survives a slow or failed tick or two.
+        if self.lease_s < 3 * self.tick_s * (1 - 1e-9):  # 3 x 0.2 is 0.6000000000000001
+            raise ValueError(
+                f"lease_s ({self.lease_s:g}) must cover at least three ticks "
+                f"(3 x tick_s = {3 * self.tick_s:g})"
+            )
         return self
 
 

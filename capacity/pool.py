@@ -9,6 +9,13 @@ split in Redis (``PoolBoard``, one hash per pool); every process serving either 
 Hand-over: a replica going from batch to real-time is dropped by batch at once but joins real-time
 only ``handoff_s`` after the change, so real-time calls do not queue behind batch calls still running
 on it. A replica going back to batch moves at once (batch does not mind a few real-time stragglers).
+
+Lease: the split is published with a TTL (``lease_s``) that the shifter renews on every tick, so a
+shifter that stops or crashes cannot hold replicas forever. Once the key lapses, batch takes the whole
+pool; real time keeps its last split (its own shifter, if alive, publishes again). A split published
+where none is in force (a first start, or a restart after a lapse) has no hand-off: its real-time
+replicas join at once, so real-time calls may queue for a moment behind batch calls still running on
+them, since batch held the whole pool meanwhile.
 """
 
 from __future__ import annotations
@@ -82,17 +89,27 @@ class SharedPool:
 
 class PoolBoard:
     """The published split in Redis: ``{prefix}pool:{name}`` (JSON; ``moved_at`` absent in splits
-    published before per-replica join times, which read as their one change implies)."""
+    published before per-replica join times, which read as their one change implies).
 
-    def __init__(self, redis: aioredis.Redis, prefix: str, pool: SharedPool) -> None:
+    ``lease_s``: how long a published split stays in force unless published again (the key's TTL);
+    None publishes without expiry (a fixed split, or a board only read from)."""
+
+    def __init__(
+        self, redis: aioredis.Redis, prefix: str, pool: SharedPool, *, lease_s: float | None = None
+    ) -> None:
         self.redis = redis
         self.pool = pool
         self.key = RedisKeys(prefix).pool(pool.name)
+        self.lease_ms = None if lease_s is None else max(1, round(lease_s * 1000))
 
     async def publish(self, realtime: int, now: float | None = None) -> PoolSplit:
+        """Publish ``realtime`` and start a new lease. An unchanged split is only renewed (its
+        version and join times stay); one that lapsed meanwhile is published as on a first start."""
         current = await self.read()
         if current is not None and current.realtime == realtime and current.replicas == self.pool.replicas:
-            return current
+            if self.lease_ms is None or await self.renew():
+                return current
+            current = None  # lapsed between the read and the renewal
         changed_at = time.time() if now is None else now
         split = PoolSplit(
             replicas=self.pool.replicas,
@@ -110,8 +127,15 @@ class PoolBoard:
             "version": split.version,
             "moved_at": list(split.moved_at),
         }
-        await self.redis.set(self.key, orjson.dumps(payload))
+        await self.redis.set(self.key, orjson.dumps(payload), px=self.lease_ms)
         return split
+
+    async def renew(self) -> bool:
+        """Restart the published split's lease; False when none is in force (never published, or
+        lapsed: then only ``publish`` brings one back)."""
+        if self.lease_ms is None:
+            return bool(await self.redis.exists(self.key))
+        return bool(await self.redis.pexpire(self.key, self.lease_ms))
 
     async def read(self) -> PoolSplit | None:
         raw = await self.redis.get(self.key)
@@ -129,7 +153,10 @@ class PoolBoard:
 
 
 class PoolFollower:
-    """Polls the board and applies this side's replicas through ``apply`` when they change."""
+    """Polls the board and applies this side's replicas through ``apply`` when they change.
+
+    With no split in force (its lease lapsed: the real-time shifter is gone), batch takes the whole
+    pool and real time keeps its last split. A read that fails keeps the last split on either side."""
 
     def __init__(
         self,
@@ -158,10 +185,25 @@ class PoolFollower:
     async def sync(self) -> list[str] | None:
         split = await self.board.read()
         if split is None:
-            return self.current
+            return self.current if self.side == "realtime" else self._take_whole_pool()
         urls = split.urls(self.side, self.clock(), self.handoff_s)
         if urls != self.current:
             log.info("%s pool now %d replica(s) (split v%d)", self.side, len(urls), split.version)
+            self.current = urls
+            self.apply(urls)
+        return urls
+
+    def _take_whole_pool(self) -> list[str]:
+        urls = list(self.board.pool.replicas)
+        if urls != self.current:
+            why = (
+                "the split's lease lapsed (the real-time shifter is gone)"
+                if self.current is not None
+                else "no split in force (no real-time shifter has published one, or its lease lapsed)"
+            )
+            log.warning(
+                "batch pool now all %d replica(s) of pool %s: %s", len(urls), self.board.pool.name, why
+            )
             self.current = urls
             self.apply(urls)
         return urls

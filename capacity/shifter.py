@@ -2,8 +2,10 @@
 
 Every ``tick_s`` it reads the real-time request rate (a callable; in the service, its ``LoadMeter``),
 asks the controller for a split and publishes it on the ``PoolBoard``; followers on both sides apply
-it. It runs inside the real-time service (``shopper realtime serve --shift-capacity``), which owns the
-load signal; decisions are kept in ``history`` for plots and logs.
+it. Publishing an unchanged split renews its lease, so the split lapses (batch takes the pool) about
+``lease_s`` after the shifter's last tick. It runs inside the real-time service (``shopper realtime
+serve --shift-capacity``), which owns the load signal; decisions are kept in ``history`` for plots
+and logs.
 """
 
 from __future__ import annotations

@@ -4,12 +4,17 @@ shared replica pool, and its LLM client follows the split (``capacity`` holds th
 On start the split in force stays in force: the controller resumes from the published count, and decides
 only once the service's load meter has covered its window. Deciding on the empty meter of a fresh start
 (rate 0) published the floor on every restart, and the meter filling up looked like a ramp that the
-controller extrapolated ``lead_s`` ahead, taking the whole pool from batch for minutes."""
+controller extrapolated ``lead_s`` ahead, taking the whole pool from batch for minutes. Until the shifter
+starts, the warm-up renews the split's lease every ``tick_s``, so a lease shorter than the meter's
+window does not lapse meanwhile. Stopping the service renews it no more: the split lapses after
+``lease_s`` and batch takes the pool, unless the service is back first."""
 
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
+from collections.abc import Awaitable, Callable
 
 from aiohttp import web
 
@@ -19,18 +24,24 @@ from capacity.pool import PoolBoard, PoolFollower, PoolSplit, SharedPool
 from capacity.shifter import CapacityShifter
 from realtime.service import SERVICE_KEY, LoadMeter
 
+log = logging.getLogger(__name__)
+
 
 def enable_capacity_shifting(app: web.Application, pool: SharedPool, settings: CapacitySettings) -> None:
     """Run a shifter and a real-time follower with the service in ``app`` (``realtime.service``):
     the service's measured request rate drives the split, and its LLM client follows it."""
     service = app[SERVICE_KEY]
     service.load = LoadMeter(settings.load_window_s)
-    board = PoolBoard(service.redis, service.key_prefix, pool)
+    board = PoolBoard(service.redis, service.key_prefix, pool, lease_s=settings.lease_s)
     controller = CapacityController(settings, len(pool.replicas))
     shifter = CapacityShifter(controller, board, service.load.rate)
     follower = PoolFollower(board, "realtime", service.llm.set_endpoints, handoff_s=settings.handoff_s)
+
+    async def renew_lease() -> None:  # of the resumed split, published anew if it vanished meanwhile
+        await board.publish(controller.realtime)
+
     warm_up = BackgroundLoop(
-        "capacity-warm-up", lambda: _start_once_covered(service.load, shifter, settings.tick_s)
+        "capacity-warm-up", lambda: _start_once_covered(service.load, shifter, renew_lease, settings.tick_s)
     )
 
     async def start(app: web.Application) -> None:
@@ -60,8 +71,16 @@ def _resumed(split: PoolSplit | None, controller: CapacityController) -> int:
     return min(max(split.realtime, s.realtime_floor), controller.total - s.batch_floor)
 
 
-async def _start_once_covered(meter: LoadMeter, shifter: CapacityShifter, poll_s: float) -> None:
-    """Start ``shifter`` once ``meter`` has measured a whole window since the service started."""
+async def _start_once_covered(
+    meter: LoadMeter, shifter: CapacityShifter, renew_lease: Callable[[], Awaitable[object]], poll_s: float
+) -> None:
+    """Start ``shifter`` once ``meter`` has measured a whole window since the service started, calling
+    ``renew_lease`` every ``poll_s`` until then. A failed renewal is logged and
+    retried at the next poll: it must not keep the shifter from starting."""
     while not meter.covered(time.time()):
+        try:
+            await renew_lease()
+        except Exception as exc:
+            log.warning("capacity warm-up: renewing the split's lease: %r", exc)
         await asyncio.sleep(poll_s)
     shifter.start()
