@@ -4,10 +4,18 @@ joined by ``ctx_request_id`` (TensorRT-LLM's ``DisaggPerfMetricsCollector``).
 As there: a request is remembered (its servers, ``ctx_request_id`` and the front end's own times) once
 its generation answer is done, and only if it went through a context server; a call fetches every
 server's ``/perf_metrics`` (which drains it), files each record under its server and
-``ctx_request_id`` (at most ``max_requests`` per server), and answers, for each remembered request whose
-generation record has arrived, ``ctx_server``, ``gen_server``, ``disagg_server_arrival_time``,
-``disagg_server_first_token_time``, ``ctx_perf_metrics`` and ``gen_perf_metrics``; a request whose
-generation record is not in yet waits for a later call. ``max_requests`` 0 answers nothing.
+``ctx_request_id`` (at most ``max_requests`` per server, the oldest dropped first), and answers, for
+each remembered request whose generation record has arrived, ``ctx_server``, ``gen_server``,
+``disagg_server_arrival_time``, ``disagg_server_first_token_time``, ``ctx_perf_metrics`` and
+``gen_perf_metrics``; a request whose generation record is not in yet waits for a later call.
+``max_requests`` 0 answers nothing.
+
+Every bound drops the oldest entries, never new ones: records nobody will ask for (a context record whose
+request finished on the context server or failed on the generation server, a request's record that came
+after it was forgotten) age out. The maps used to refuse new records once full, so such orphans, which a
+long run always makes, filled them for good, and from then on no request was joined again. A record
+without a ``ctx_request_id`` (a request the generation server prefilled itself) can never be joined and is
+not filed.
 
 Added here: the front end's other times (``disagg_server_ctx_dispatch_time``, ``..._ctx_done_time``,
 ``..._last_token_time``; steady-clock seconds, like the two above) and ``timing``, the request's
@@ -25,7 +33,7 @@ steady-clock seconds.
 
 from __future__ import annotations
 
-from collections import deque
+from collections import OrderedDict, deque
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -52,7 +60,8 @@ class DisaggPerfMetrics:
     def __init__(self, max_requests: int) -> None:
         self.max_requests = max_requests
         self._requests: deque[DisaggRequestTimes] = deque(maxlen=max_requests)
-        self._server_records: dict[str, dict[int, dict[str, Any]]] = {}
+        self._server_records: dict[str, OrderedDict[int, dict[str, Any]]] = {}
+        """Each server's records not joined yet, by ``ctx_request_id``, oldest first."""
 
     def __len__(self) -> int:
         return len(self._requests)
@@ -65,17 +74,23 @@ class DisaggPerfMetrics:
         """File ``fetched`` (server -> its ``/perf_metrics`` answer) and answer every request whose
         generation record is now known; the others stay for a later call."""
         for server, records in fetched.items():
-            kept = self._server_records.setdefault(server, {})
-            room = min(max(0, self.max_requests - len(kept)), len(records))
-            kept.update({r["ctx_request_id"]: r for r in records[:room] if "ctx_request_id" in r})
+            kept = self._server_records.setdefault(server, OrderedDict())
+            for record in records:
+                ctx_request_id = record.get("ctx_request_id")
+                if ctx_request_id is None:
+                    continue
+                kept.pop(ctx_request_id, None)
+                kept[ctx_request_id] = record
+            while len(kept) > self.max_requests:
+                kept.popitem(last=False)
         out: list[dict[str, Any]] = []
         waiting: list[DisaggRequestTimes] = []
         for times in self._requests:
-            gen = self._server_records.get(times.gen_server, {}).pop(times.ctx_request_id, None)
+            gen = self._take(times.gen_server, times.ctx_request_id)
             if gen is None:
                 waiting.append(times)
                 continue
-            ctx = self._server_records.get(times.ctx_server, {}).pop(times.ctx_request_id, None)
+            ctx = self._take(times.ctx_server, times.ctx_request_id)
             out.append(
                 {
                     "ctx_server": times.ctx_server,
@@ -93,6 +108,11 @@ class DisaggPerfMetrics:
             )
         self._requests = deque(waiting, maxlen=self.max_requests)
         return out
+
+    def _take(self, server: str, ctx_request_id: int) -> dict[str, Any] | None:
+        """Remove and return ``server``'s record of ``ctx_request_id``, if it has one."""
+        kept = self._server_records.get(server)
+        return None if kept is None else kept.pop(ctx_request_id, None)
 
 
 def request_timing(ctx: dict[str, Any] | None, gen: dict[str, Any]) -> dict[str, float] | None:

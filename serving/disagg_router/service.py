@@ -83,7 +83,7 @@ class DisaggService:
     counters: Counters = field(default_factory=Counters)
     _drained: dict[str, list[dict[str, Any]]] = field(init=False, default_factory=dict)
     """Records drained from servers by a ``/perf_metrics`` call that failed on another server, kept for
-    the next call (a server's drain hands over its only copy; at most ``perf_metrics_max_requests``
+    the next call (a server's drain hands over its only copy; the newest ``perf_metrics_max_requests``
     per server, as ``DisaggPerfMetrics`` keeps)."""
 
     def __post_init__(self) -> None:
@@ -216,7 +216,8 @@ class DisaggService:
         for server, records in zip(servers, fetched, strict=True):
             if not isinstance(records, BaseException):
                 kept = self._drained.setdefault(server, [])
-                kept.extend(records[: max(limit - len(kept), 0)])
+                kept.extend(records)
+                del kept[: max(len(kept) - limit, 0)]  # the oldest go first, as in ``DisaggPerfMetrics``
         failed = next((r for r in fetched if isinstance(r, BaseException)), None)
         if failed is not None:
             raise failed

@@ -63,8 +63,10 @@ async def _update_config(request: web.Request) -> web.Response:
 
 
 async def _reset_cache(request: web.Request) -> web.Response:
-    request.app[REPLICA_KEY].reset_cache()
-    return _json({"status": "ok", "kv_blocks_used": 0})
+    """Drop every unpinned block; ``kv_blocks_used`` is what requests in flight still hold (0 when idle)."""
+    replica = request.app[REPLICA_KEY]
+    replica.reset_cache()
+    return _json({"status": "ok", "kv_blocks_used": replica.cache.used_blocks})
 
 
 async def _stats(request: web.Request) -> web.Response:

@@ -123,9 +123,16 @@ class GenerationRequest:
     first_token_at: float | None = None
     finished_at: float | None = None
     cached_tokens: int = 0
+    """Prompt tokens the cache served at the request's **first** admission: the client's
+    ``usage.prompt_tokens_details.cached_tokens`` (and the metrics' and ``/perf_metrics``' count). A request
+    paused under MAX_UTILIZATION and readmitted keeps it: its readmission finds its own released blocks,
+    which are no prefix reuse its prompt brought (``reused_tokens`` has what the readmission skips)."""
+    reused_tokens: int = 0
+    """Prompt tokens the cache serves at the current admission (what its prefill skips): ``cached_tokens``
+    at the first admission, then whatever a readmission after a pause finds (its own blocks included)."""
     prefilled_tokens: int = 0
     """Uncached prompt tokens computed so far (chunked prefill); the prefill ends at
-    ``prompt_tokens - cached_tokens``."""
+    ``prompt_tokens - reused_tokens``."""
     tokens_done: int = 0
     batch_prefill_tokens: int = 0
     """Uncached prompt tokens of every request prefilled in the iteration that gave this one its first
@@ -270,6 +277,13 @@ class ContinuousBatchingEngine:
         request.progress.set()
         request.kv_settled.set()
         self._released.set()  # a loop waiting for memory drops it from the queue
+        if request in self._transferring:
+            # generation_only with its KV pull in flight: the batch slot and the KV memory it booked go
+            # back now, as an aggregated request's do (the blocks it already held stay cached, unpinned);
+            # the pull's end (``transfer_done``) then finds it cancelled and stores nothing.
+            self._transferring.discard(request)
+            self._release(request)
+            self.kv_released()
 
     def kv_released(self) -> None:
         """Pinned blocks or batch slots were given back outside the loop (a context replica's prompt was
@@ -430,9 +444,10 @@ class ContinuousBatchingEngine:
                 break
             self._waiting.popleft()
             self._cache.match(request.block_hashes)
-            request.cached_tokens = cached
+            request.reused_tokens = cached
             if request.admitted_at is None:
                 request.admitted_at = now
+                request.cached_tokens = cached
             charged += tokens
             new_total += tokens - cached
             admitted.append(request)
@@ -545,7 +560,7 @@ class ContinuousBatchingEngine:
             return False
         self._waiting.popleft()
         request.held_blocks = self._cache.match(request.block_hashes)
-        request.cached_tokens = cached_tokens_for(
+        request.cached_tokens = request.reused_tokens = cached_tokens_for(
             request.held_blocks, self._cache.block_size, request.prompt_tokens
         )
         request.admitted_at = now
@@ -566,9 +581,9 @@ class ContinuousBatchingEngine:
         # Blocks the prompts already prefilling compute next: a prompt needing one of them waits.
         size = self._cache.block_size
         contributed = {
-            r.block_hashes[(r.cached_tokens + r.prefilled_tokens) // size]
+            r.block_hashes[(r.reused_tokens + r.prefilled_tokens) // size]
             for r in prefilling
-            if (r.cached_tokens + r.prefilled_tokens) // size < len(r.block_hashes)
+            if (r.reused_tokens + r.prefilled_tokens) // size < len(r.block_hashes)
         }
         deferred: list[GenerationRequest] = []
         now = self._now()
@@ -590,10 +605,11 @@ class ContinuousBatchingEngine:
                 break
             self._waiting.popleft()
             matched = self._cache.match(request.block_hashes)
-            request.cached_tokens = self._cached_tokens(request, matched)
+            request.reused_tokens = self._cached_tokens(request, matched)
             if request.admitted_at is None:
                 request.admitted_at = now
-            self.stats.cached_tokens_served += request.cached_tokens
+                request.cached_tokens = request.reused_tokens
+            self.stats.cached_tokens_served += request.reused_tokens
             prefilling.append(request)
             promised += unit if equal else self._remaining(request)
         self._waiting.extendleft(reversed(deferred))
@@ -632,12 +648,12 @@ class ContinuousBatchingEngine:
 
     @staticmethod
     def _remaining(request: GenerationRequest) -> int:
-        return request.prompt_tokens - request.cached_tokens - request.prefilled_tokens
+        return request.prompt_tokens - request.reused_tokens - request.prefilled_tokens
 
     def _chunked_iteration_ms(
         self, chunks: list[tuple[GenerationRequest, int]], decoding: list[GenerationRequest]
     ) -> float:
-        prefills = tuple((n, r.cached_tokens + r.prefilled_tokens) for r, n in chunks)
+        prefills = tuple((n, r.reused_tokens + r.prefilled_tokens) for r, n in chunks)
         self.stats.prefill_tokens_computed += sum(n for _, n in chunks)
         return self._price(prefills, decoding)
 
@@ -657,18 +673,28 @@ class ContinuousBatchingEngine:
                 request.batch_running = len(self._running)
                 finished.append(request)
             elif self._limits.reuse_chunk_blocks and not request.cancelled:
-                done = (request.cached_tokens + request.prefilled_tokens) // self._cache.block_size
-                pinned = self._cache.insert(
-                    request.block_hashes[:done], tokens=request.tokens, pin=self._limits.pin_blocks
-                )
-                if pinned:
-                    request.pins.append(pinned)
+                self._store_chunk_blocks(request)
         self._prefilling = self._drop_cancelled(r for r in self._prefilling if r not in finished)
         return finished
 
+    def _store_chunk_blocks(self, request: GenerationRequest) -> None:
+        """``reuse_chunk_blocks``: the full blocks a partly prefilled prompt has computed become reusable
+        now. With pins they are pinned, and the room booked for them at admission is handed back as they
+        are stored: a block the cache did not hold moves from booked to pinned, never counted as both
+        (counted twice, a chunked prompt looked larger than it is until its last chunk, evicting others'
+        blocks and holding back admissions)."""
+        done = (request.reused_tokens + request.prefilled_tokens) // self._cache.block_size
+        blocks = request.block_hashes[:done]
+        pin = self._limits.pin_blocks
+        stored = min(self._cache.missing(blocks), request.reserved_blocks) if pin else 0
+        pinned = self._cache.insert(blocks, tokens=request.tokens, pin=pin, release_reserved=stored)
+        request.reserved_blocks -= stored
+        if pinned:
+            request.pins.append(pinned)
+
     def _iteration_ms(self, admitted: list[GenerationRequest], decoding: list[GenerationRequest]) -> float:
         prefills = tuple(
-            (r.prompt_tokens + self._resumed_tokens(r) - r.cached_tokens, r.cached_tokens) for r in admitted
+            (r.prompt_tokens + self._resumed_tokens(r) - r.reused_tokens, r.reused_tokens) for r in admitted
         )
         self.stats.prefill_tokens_computed += sum(n for n, _ in prefills)
         self.stats.cached_tokens_served += sum(c for _, c in prefills)

@@ -22,8 +22,10 @@ Guarantees and deliberate differences:
   block before the run (``null`` at the root); blocks a prompt reused are not stored again;
 - ``removed`` carries the blocks LRU eviction dropped, in eviction order;
 - ``cleared`` (``{"type": "cleared"}``) says every block is gone without a restart (the simulator's
-  ``/admin/reset_cache``). TensorRT-LLM has no such event (it reports removals); NVIDIA Dynamo's router
-  has the same notion (``Cleared``). A consumer must treat it like ``created``: drop what it knows;
+  ``/admin/reset_cache`` on an idle replica; with requests in flight their pinned blocks stay, and the
+  blocks it dropped come as one ``removed``). TensorRT-LLM has no such event (it reports removals); NVIDIA
+  Dynamo's router has the same notion (``Cleared``). A consumer must treat it like ``created``: drop what
+  it knows;
 - block hashes are the engine's own (``serving.simulator.block_keys``, salted per ``cache_salt``), not
   the router's; each stored block carries its token ids in ``tokens``, from which a router rebuilds its
   own hashes (``llm_client.kv_events``), as it must in front of a real ``trtllm-serve``;

@@ -10,7 +10,8 @@ radix-tree caches of vLLM, SGLang and TensorRT-LLM.
 
 With an ``events`` buffer, every change is also published as a KV cache event in TensorRT-LLM's format
 (``serving.simulator.kv_events``): new blocks as ``stored``, evictions as ``removed``, ``clear`` as
-``cleared``; what a router following the events believes is then exactly what the cache holds.
+``cleared`` (as ``removed`` while requests in flight keep their pinned blocks); what a router following the
+events believes is then exactly what the cache holds.
 
 Pins model the KV memory of requests in flight (the engine uses them only when asked:
 ``EngineLimits.pin_blocks``). A pinned block is held by a running request (or, on a context replica,
@@ -175,6 +176,10 @@ class BlockPrefixCache:
         pinned = self._pinned
         return len({h for h in block_hashes if h not in pinned})
 
+    def missing(self, block_hashes: Sequence[int]) -> int:
+        """How many of these blocks the cache does not hold: what storing them adds to ``used_blocks``."""
+        return sum(1 for h in set(block_hashes) if not self._holds(h))
+
     def can_hold(self, blocks: int) -> bool:
         """Whether ``blocks`` more pinned or reserved blocks fit beside what is pinned and reserved now.
         An empty cache takes anything (a prompt larger than the cache runs alone and over-commits)."""
@@ -238,14 +243,24 @@ class BlockPrefixCache:
             self.events.stored(parent, run, run_tokens)
 
     def clear(self) -> None:
-        """Forget every block and counter, as a restarted engine would (pins included: later unpins of
-        the lost blocks are no-ops; reservations of requests in flight stay)."""
+        """Forget every block no request holds, and every counter, as a restarted engine's cache would be.
+
+        Pinned blocks stay, with their pin counts, as do reservations: a request in flight (or a prompt
+        waiting to be pulled) still uses them, and will unpin exactly what it pinned. Dropping them as well
+        (as this once did) corrupted the counts: a later request storing the same prompt pinned a block
+        once, the earlier request's unpin then took that pin, and the block became evictable under the
+        later request.
+        Events: ``cleared`` when nothing was pinned, else ``removed`` for the dropped blocks, so a router
+        following the events still believes exactly what the cache holds."""
+        dropped = list(self._blocks)
         self._blocks.clear()
-        self._pinned.clear()
         self._tails.clear()
         self._reset_counters()
         if self.events is not None:
-            self.events.cleared()
+            if self._pinned:
+                self.events.removed(dropped)
+            else:
+                self.events.cleared()
 
     @property
     def used_blocks(self) -> int:

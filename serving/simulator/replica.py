@@ -282,7 +282,8 @@ class Replica:
         return out
 
     def reset_cache(self) -> None:
-        """Lose every reusable KV block, as a restarted replica would."""
+        """Lose every reusable KV block, as a restarted replica would; blocks that requests in flight
+        (or prompts waiting to be pulled) hold stay theirs (``BlockPrefixCache.clear``)."""
         self.cache.clear()
 
     def drain_first_tokens(self) -> list[FirstTokenRecord]:
