@@ -14,6 +14,7 @@ import logging
 import signal
 import sys
 import time
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -49,12 +50,41 @@ def _environment(state_dir: Path, from_stack: bool) -> tuple[Any, Any, Any]:
         sinks = sink_settings(state)
         llm = batch_client_config(state.llm_endpoints, state.model, settings)
     else:
-        from llm_client.config import ClientConfig
+        from pydantic import ValidationError
 
-        sinks = SinkSettings()
+        from llm_client.config import ClientConfig
+        from pipeline.kafka_security import configuration_error
+
+        try:
+            sinks = SinkSettings()
+        except ValidationError as error:
+            raise configuration_error(error, "SINK_* settings") from None
         env = ClientConfig()
         llm = batch_client_config(env.endpoints, env.model, settings)
     return settings, sinks, llm
+
+
+@contextlib.asynccontextmanager
+async def _job_store(sinks: Any, jobs_prefix: str, from_stack: bool) -> AsyncIterator[Any]:
+    """The job store of a command that registers or reads jobs (submit, resume, cancel, status), whose
+    first S3 call is its first contact: an endpoint where nothing answers ends it with one line naming
+    the setting and the endpoint (``S3Unreachable``). A worker's own S3 calls are not in here: their
+    failures are retried, then fail the job, which resumes later (``batch.job_run``)."""
+    from botocore.exceptions import EndpointConnectionError
+
+    from batch.storage import JobStore
+    from sinks.errors import S3Unreachable
+
+    try:
+        async with JobStore(sinks, jobs_prefix) as store:
+            yield store
+    except EndpointConnectionError as exc:
+        setting = (
+            "the stack's S3 (its state file: STACK_S3_ENDPOINT_URL at 'shopper stack up', else its moto)"
+            if from_stack
+            else "SINK_S3_ENDPOINT_URL"
+        )
+        raise S3Unreachable(setting, sinks.s3_endpoint_url, exc) from exc
 
 
 @batch_app.command("submit")
@@ -77,9 +107,8 @@ def submit_cmd(
 
     async def main() -> int:
         from batch.admin import submit_job
-        from batch.storage import JobStore
 
-        async with JobStore(sinks, settings.jobs_prefix) as store:
+        async with _job_store(sinks, settings.jobs_prefix, from_stack) as store:
             manifest = await submit_job(
                 store,
                 input_uri,
@@ -122,9 +151,8 @@ def resume_cmd(
 
     async def main() -> int:
         from batch.admin import prepare_resume
-        from batch.storage import JobStore
 
-        async with JobStore(sinks, settings.jobs_prefix) as store:
+        async with _job_store(sinks, settings.jobs_prefix, from_stack) as store:
             manifest = await prepare_resume(store, job_id)
         console.print(f"resuming [bold]{job_id}[/bold]: {manifest.records_done} records already committed")
         if detach:
@@ -157,11 +185,10 @@ def cancel_cmd(job_id: str, state_dir: StateDir = Path(".state"), from_stack: Fr
 
     async def main() -> None:
         from batch.admin import cancel_job
-        from batch.storage import JobStore
 
         redis = sinks.redis_client()
         try:
-            async with JobStore(sinks, settings.jobs_prefix) as store:
+            async with _job_store(sinks, settings.jobs_prefix, from_stack) as store:
                 manifest = await cancel_job(store, redis, sinks.redis_key_prefix, job_id)
         finally:
             await redis.aclose()
@@ -183,11 +210,10 @@ def status_cmd(
 
     async def main() -> list[dict[str, Any]]:
         from batch.coordination import read_progress
-        from batch.storage import JobStore
 
         redis = sinks.redis_client()
         try:
-            async with JobStore(sinks, settings.jobs_prefix) as store:
+            async with _job_store(sinks, settings.jobs_prefix, from_stack) as store:
                 manifests = [await store.read_manifest(job_id)] if job_id else await store.list_manifests()
                 rows = []
                 for m in manifests:

@@ -27,7 +27,7 @@ from typing import Any
 import yaml
 from pydantic import BaseModel, Field, ValidationError
 
-from devstack.errors import FlinkJobFailed
+from devstack.errors import FlinkJobFailed, StackError
 from devstack.processes import ManagedProcess, free_port, running, spawn, stop, wait_for_http
 from devstack.stack import StackState, read_state_file, sink_settings, write_private
 from flink_jobs.flink_config import CheckpointSettings, NearRealtimeSettings
@@ -51,7 +51,12 @@ class FlinkClusterSettings(BaseModel):
     )
     heartbeat_interval_ms: int = Field(2_000, gt=0, description="a lost TaskManager is noticed quickly")
     heartbeat_timeout_ms: int = Field(10_000, gt=0)
-    start_timeout_s: float = Field(120.0, gt=0)
+    start_timeout_s: float = Field(
+        120.0,
+        gt=0,
+        description="how long the JobManager's REST, and then the TaskManagers' slots, may take to come up "
+        "('shopper flink up --start-timeout')",
+    )
 
 
 @dataclass
@@ -259,7 +264,9 @@ SPARE_METRICS_PORTS = 3
 
 def cluster_up(state_dir: Path, settings: FlinkClusterSettings | None = None) -> FlinkClusterState:
     """Start a JobManager and ``settings.taskmanagers`` TaskManagers; returns once all their slots are
-    registered. Reuses a running one."""
+    registered. Reuses a running one. A cluster that does not come up within ``start_timeout_s`` (the
+    JobManager's REST, then the slots) is a ``StackError`` that says which part and where the logs are,
+    raised after every process this call started is stopped again (no state file is written)."""
     settings = settings or FlinkClusterSettings()
     path = cluster_state_file(state_dir)
     if path.exists():
@@ -289,7 +296,14 @@ def cluster_up(state_dir: Path, settings: FlinkClusterSettings | None = None) ->
             start_taskmanager(state, name=f"flink-taskmanager-{n}")
         wait_for_http(jobmanager, "/overview", timeout_s=settings.start_timeout_s)
         slots = settings.taskmanagers * settings.task_slots
-        FlinkRest(state.web_url).wait_for_slots(slots, timeout_s=settings.start_timeout_s)
+        try:
+            FlinkRest(state.web_url).wait_for_slots(slots, timeout_s=settings.start_timeout_s)
+        except TimeoutError:
+            raise StackError(
+                f"the Flink cluster did not come up: its {settings.taskmanagers} TaskManager(s) did not "
+                f"register {slots} task slot(s) with the JobManager at {state.web_url} within "
+                f"{settings.start_timeout_s:g} s; logs in {state.log_dir}"
+            ) from None
     except BaseException:
         for process in reversed(state.processes):
             stop(process)

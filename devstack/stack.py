@@ -32,7 +32,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Literal, TypeVar, cast
 
-from pydantic import Field, model_validator
+from pydantic import Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 from redis.exceptions import RedisError
 
@@ -50,9 +50,11 @@ from devstack.processes import (
 from llm_client.config import ClientConfig
 from pipeline.redaction import mask_url, redact
 from pipeline.topics import DLQ_TOPIC, EVENTS_TOPIC, INSIGHTS_TOPIC, PROMPTS_TOPIC
+from prompt_assembly.errors import ConfigurationError
 from serving.simulator.launch import options_flags, simulator_argv
 from serving.simulator.trtllm_options import AGGREGATED_YAML
-from sinks.config import SinkSettings
+from sinks.config import SinkSettings, s3_endpoint_problem
+from sinks.errors import S3Unreachable
 
 log = logging.getLogger(__name__)
 
@@ -94,6 +96,14 @@ class StackSettings(BaseSettings):
         "prompts through it: it outlives a job that crashes, so a replayed prompt joins or reuses the "
         "call it repeats instead of paying for it again",
     )
+
+    @field_validator("s3_endpoint_url")
+    @classmethod
+    def _s3_endpoint_is_a_url(cls, url: str | None) -> str | None:
+        # Empty is "not given" (moto), as everywhere else in the stack.
+        if url and (problem := s3_endpoint_problem(url)) is not None:
+            raise ConfigurationError(f"STACK_S3_ENDPOINT_URL {problem}")
+        return url
 
     @model_validator(mode="after")
     def _disaggregation_fits(self) -> StackSettings:
@@ -266,12 +276,15 @@ def _stack_up(settings: StackSettings) -> StackState:
         _stack_down(settings.state_dir)
     logs = settings.state_dir / "logs"
     started: list[ManagedProcess] = []
+    if settings.s3_endpoint_url:  # before anything starts: an endpoint that does not answer costs no start
+        _create_bucket(settings.s3_endpoint_url, settings.s3_bucket, None, given="STACK_S3_ENDPOINT_URL")
     try:
         kafka = settings.kafka_bootstrap or _start_tansu(logs, started)
         _create_topics(kafka, settings.partitions)
         redis_url, redis_shared = (settings.redis_url, True) if settings.redis_url else _redis(logs, started)
         s3 = settings.s3_endpoint_url if settings.s3_endpoint_url else _start_moto(logs, started)
-        _create_bucket(s3, settings.s3_bucket, None if settings.s3_endpoint_url else MOTO_CREDENTIALS)
+        if not settings.s3_endpoint_url:
+            _create_bucket(s3, settings.s3_bucket, MOTO_CREDENTIALS)
         contexts: list[str] = []
         if settings.llm_endpoints:
             endpoints, model = list(settings.llm_endpoints), "default"
@@ -433,8 +446,13 @@ def _start_moto(logs: Path, started: list[ManagedProcess]) -> str:
     return f"http://127.0.0.1:{port}"
 
 
-def _create_bucket(endpoint: str | None, bucket: str, credentials: tuple[str, str] | None) -> None:
+def _create_bucket(
+    endpoint: str | None, bucket: str, credentials: tuple[str, str] | None, *, given: str | None = None
+) -> None:
+    """``bucket`` at ``endpoint``, unless it is there. ``given``: the setting that named the endpoint; an
+    endpoint where nothing answers is then an ``S3Unreachable`` naming it, not botocore's traceback."""
     import boto3
+    from botocore.exceptions import EndpointConnectionError
 
     keys = (
         {}
@@ -442,8 +460,13 @@ def _create_bucket(endpoint: str | None, bucket: str, credentials: tuple[str, st
         else {"aws_access_key_id": credentials[0], "aws_secret_access_key": credentials[1]}
     )
     s3 = boto3.client("s3", endpoint_url=endpoint, region_name="us-east-1", **keys)
-    with contextlib.suppress(s3.exceptions.BucketAlreadyOwnedByYou, s3.exceptions.BucketAlreadyExists):
-        s3.create_bucket(Bucket=bucket)
+    try:
+        with contextlib.suppress(s3.exceptions.BucketAlreadyOwnedByYou, s3.exceptions.BucketAlreadyExists):
+            s3.create_bucket(Bucket=bucket)
+    except EndpointConnectionError as exc:
+        if given is None:
+            raise
+        raise S3Unreachable(given, endpoint, exc) from exc
 
 
 def _start_simulators(

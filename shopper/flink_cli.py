@@ -25,6 +25,7 @@ from devstack.enrichment_stage import (
 )
 from devstack.errors import FlinkJobFailed
 from devstack.flink_cluster import (
+    FlinkClusterSettings,
     FlinkRest,
     cluster_dir,
     cluster_down,
@@ -46,10 +47,23 @@ flink_app = typer.Typer(no_args_is_help=True, help="A local standalone Flink clu
 StateDir = Annotated[Path, typer.Option(help="the stack's state dir (the cluster lives in its flink/)")]
 
 
+START_TIMEOUT_S = FlinkClusterSettings.model_fields["start_timeout_s"].default
+
+
 @flink_app.command("up")
-def up(state_dir: StateDir = Path(".state")) -> None:
-    """Start a JobManager and a TaskManager from the PyFlink wheel on free ports."""
-    state = cluster_up(state_dir)
+def up(
+    state_dir: StateDir = Path(".state"),
+    start_timeout: Annotated[
+        float,
+        typer.Option(
+            min=0.1,
+            help="seconds the JobManager's REST, then the TaskManagers' slots, may take to come up; past "
+            "it, what was started is stopped and the command fails with one line naming the logs",
+        ),
+    ] = START_TIMEOUT_S,
+) -> None:
+    """Start a JobManager and TaskManagers from the PyFlink wheel on free ports."""
+    state = cluster_up(state_dir, FlinkClusterSettings(start_timeout_s=start_timeout))
     typer.echo(f"Flink {state.web_url} (FLINK_HOME {state.flink_home}); logs in {state.log_dir}")
 
 

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Any, Literal
 from urllib.parse import unquote, unquote_plus, urlsplit, urlunsplit
@@ -72,6 +73,13 @@ class SinkSettings(BaseSettings):
     s3_secret_access_key: SecretStr | None = None
     s3_max_records: int = Field(5000, ge=1, description="flush when this many records are buffered")
     s3_max_age_s: float = Field(5.0, gt=0, description="flush records older than this")
+
+    @field_validator("s3_endpoint_url")
+    @classmethod
+    def _s3_endpoint_is_a_url(cls, url: str | None) -> str | None:
+        if url is not None and (problem := s3_endpoint_problem(url)) is not None:
+            raise ConfigurationError(problem)
+        return url
 
     @field_validator("enabled")
     @classmethod
@@ -152,6 +160,34 @@ class SinkSettings(BaseSettings):
             secret = self.s3_secret_access_key
             kwargs["aws_secret_access_key"] = None if secret is None else secret.get_secret_value()
         return kwargs
+
+
+def s3_endpoint_problem(url: str) -> str | None:
+    """Why ``url`` cannot be an S3 endpoint (None: it can), said with the URL, its user info left out. What
+    botocore would refuse (``Invalid endpoint``) and what it would take but never reach (another scheme, a
+    port that is no number) are refused here, when the settings are read: botocore said so only when the
+    first client was made, as a ``ValueError`` traceback, after the stack or the engine had started."""
+    from botocore.utils import is_valid_endpoint_url, is_valid_ipv6_endpoint_url
+
+    shown = repr(shown_endpoint(url))
+    parts = urlsplit(url)
+    if parts.scheme not in ("http", "https"):
+        return f"{shown} is not an S3 endpoint: an http:// or https:// URL is expected"
+    if not (is_valid_endpoint_url(url) or is_valid_ipv6_endpoint_url(url)):
+        return f"{shown} is not an S3 endpoint: no valid host in it"
+    try:
+        parts.port  # noqa: B018 (parsing it is the check)
+    except ValueError:
+        return f"{shown} is not an S3 endpoint: its port is not a number from 0 to 65535"
+    return None
+
+
+def shown_endpoint(url: str | None) -> str:
+    """An S3 endpoint for a message: without user info (``user:secret@``), cut at 200 characters; None
+    (the default) is AWS's own endpoint for the region."""
+    if url is None:
+        return "AWS's default endpoint"
+    return re.sub(r"^([^/@]*//)?[^/@]*@", r"\1", url)[:200]
 
 
 _CREDENTIAL_PARAMS = ("password", "username")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from prompt_assembly.errors import ShopperError
+from sinks.config import shown_endpoint
 
 
 class SinkError(ShopperError):
@@ -36,3 +37,20 @@ class ResultTooLarge(SinkError):
             f"kafka sink: result {request_id!r} of shopper {shopper_id!r} is {size:,} bytes, over {over}; "
             f"not written to topic {topic!r}"
         )
+
+
+class S3Unreachable(SinkError):
+    """No S3 answered at the configured endpoint when a command or a sink first contacted it (refused,
+    no such host, no connection within the timeout): a wrong endpoint, or an S3 that is not up. Names the
+    setting the endpoint came from and the endpoint (its user info left out), so that it is one line to act
+    on rather than botocore's traceback. Raised at a start only; a store that goes away later is an outage
+    the sinks' retry policy waits out (``pipeline.sink_retry``), and its errors stay botocore's."""
+
+    def __init__(self, setting: str, endpoint: str | None, cause: BaseException) -> None:
+        reason = " ".join(str(cause).split()) or type(cause).__name__
+        super().__init__(
+            f"{setting}: no S3 answers at {shown_endpoint(endpoint)} ({reason[:300]}); check the endpoint, "
+            "or that S3 is up there"
+        )
+        self.setting = setting
+        self.endpoint = endpoint

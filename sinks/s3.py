@@ -23,10 +23,11 @@ from typing import Any
 import orjson
 import xxhash
 from aiobotocore.session import get_session
-from botocore.exceptions import ClientError
+from botocore.exceptions import ClientError, EndpointConnectionError
 
 from prompt_assembly.records import EnrichmentResult
 from sinks.config import SinkSettings
+from sinks.errors import S3Unreachable
 
 log = logging.getLogger(__name__)
 
@@ -48,6 +49,12 @@ def encode_jsonl_gz(records: Sequence[EnrichmentResult]) -> bytes:
     body = b"".join(orjson.dumps(r.model_dump(mode="json")) + b"\n" for r in records)
     return gzip.compress(body, compresslevel=5, mtime=0)
 
+
+S3_ENDPOINT_SETTING = (
+    "the sinks' s3_endpoint_url (SINK_S3_ENDPOINT_URL, RUNNER_SINKS__S3_ENDPOINT_URL or "
+    "FLINK_JOB_SINKS__S3_ENDPOINT_URL; a stack's comes from STACK_S3_ENDPOINT_URL)"
+)
+"""Where the sinks' endpoint may have come from: the sink sees the settings, not which variable set them."""
 
 KEYS_KEPT = 1_000
 """Recent object keys kept for inspection; a long run must not grow memory with every flush."""
@@ -104,7 +111,15 @@ class S3InsightSink:
                 raise
 
     async def open(self) -> None:
-        await self.ensure_bucket()
+        """The sink's start, and its first contact with S3: an endpoint where nothing answers is an
+        ``S3Unreachable`` that names the setting and the endpoint. The engines still retry it under their
+        ``SinkRetry`` (an S3 starting beside the engine is waited for, as before), so only the error they
+        stop with past that wait changes: one line, not botocore's traceback. Later writes and flushes
+        raise botocore's own errors into the same retry policy, unchanged."""
+        try:
+            await self.ensure_bucket()
+        except EndpointConnectionError as exc:
+            raise S3Unreachable(S3_ENDPOINT_SETTING, self.settings.s3_endpoint_url, exc) from exc
 
     @property
     def buffered(self) -> int:
