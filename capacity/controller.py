@@ -26,6 +26,9 @@ from dataclasses import dataclass
 from pydantic import Field, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+DEFAULT_LEASE_S = 10.0
+"""A published split's lease unless ``CAPACITY_LEASE_S`` says otherwise (or three ticks, if longer)."""
+
 
 class CapacitySettings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="CAPACITY_")
@@ -41,8 +44,11 @@ class CapacitySettings(BaseSettings):
     tick_s: float = Field(1.0, gt=0, description="how often the shifter measures and decides")
     load_window_s: float = Field(5.0, gt=0, description="the rate is measured over this window")
     handoff_s: float = Field(2.0, ge=0, description="a replica leaving batch joins real-time after this")
-    lease_s: float = Field(
-        10.0, gt=0, description="a published split lapses (batch takes the pool) unless renewed within this"
+    lease_s: float | None = Field(
+        None,
+        gt=0,
+        description="a published split lapses (batch takes the pool) unless renewed within this; "
+        "unset: the larger of 10 s and three ticks",
     )
 
     @model_validator(mode="after")
@@ -54,12 +60,24 @@ class CapacitySettings(BaseSettings):
     @model_validator(mode="after")
     def _lease_outlasts_ticks(self) -> CapacitySettings:
         # Every tick renews the lease: a lease of three ticks survives a slow or failed tick or two.
-        if self.lease_s < 3 * self.tick_s * (1 - 1e-9):  # 3 x 0.2 is 0.6000000000000001
+        if self.lease_s is not None and self.lease_s < 3 * self.tick_s * (1 - 1e-9):  # 3 x 0.2: 0.6000..01
             raise ValueError(
                 f"lease_s ({self.lease_s:g}) must cover at least three ticks "
                 f"(3 x tick_s = {3 * self.tick_s:g})"
             )
         return self
+
+    @property
+    def split_lease_s(self) -> float:
+        """The lease a published split is given: ``lease_s``, or unset, the larger of 10 s and three ticks
+        (so that a longer ``tick_s`` alone never makes the settings invalid)."""
+        return self.lease_s if self.lease_s is not None else max(DEFAULT_LEASE_S, 3 * self.tick_s)
+
+    @property
+    def held_remembered_s(self) -> float:
+        """How long the count real time last held outlives the renewals: the lease, then
+        ``scale_down_after_s``, the least time a running shifter would have kept that count anyway."""
+        return self.split_lease_s + self.scale_down_after_s
 
 
 @dataclass(frozen=True, slots=True)

@@ -15,7 +15,9 @@ shifter that stops or crashes cannot hold replicas forever. Once the key lapses,
 pool; real time keeps its last split (its own shifter, if alive, publishes again). A split published
 where none is in force (a first start, or a restart after a lapse) has no hand-off: its real-time
 replicas join at once, so real-time calls may queue for a moment behind batch calls still running on
-them, since batch held the whole pool meanwhile.
+them, since batch held the whole pool meanwhile. The count real time held is remembered beside the
+split for a while longer (``held_remembered_s``), so a restart that outlasted the lease resumes from it
+rather than from the floor.
 """
 
 from __future__ import annotations
@@ -92,15 +94,27 @@ class PoolBoard:
     published before per-replica join times, which read as their one change implies).
 
     ``lease_s``: how long a published split stays in force unless published again (the key's TTL);
-    None publishes without expiry (a fixed split, or a board only read from)."""
+    None publishes without expiry (a fixed split, or a board only read from). ``held_remembered_s``
+    (with a lease): how long the count real time held outlives the last renewal (``remembered``), so
+    that a real-time service restarted after its split lapsed resumes from it, not from its floor."""
 
     def __init__(
-        self, redis: aioredis.Redis, prefix: str, pool: SharedPool, *, lease_s: float | None = None
+        self,
+        redis: aioredis.Redis,
+        prefix: str,
+        pool: SharedPool,
+        *,
+        lease_s: float | None = None,
+        held_remembered_s: float | None = None,
     ) -> None:
         self.redis = redis
         self.pool = pool
-        self.key = RedisKeys(prefix).pool(pool.name)
+        keys = RedisKeys(prefix)
+        self.key = keys.pool(pool.name)
+        self.held_key = keys.pool_held(pool.name)
         self.lease_ms = None if lease_s is None else max(1, round(lease_s * 1000))
+        remembered = held_remembered_s if held_remembered_s is not None else lease_s
+        self.held_ms = None if remembered is None or lease_s is None else max(1, round(remembered * 1000))
 
     async def publish(self, realtime: int, now: float | None = None) -> PoolSplit:
         """Publish ``realtime`` and start a new lease. An unchanged split is only renewed (its
@@ -127,7 +141,11 @@ class PoolBoard:
             "version": split.version,
             "moved_at": list(split.moved_at),
         }
-        await self.redis.set(self.key, orjson.dumps(payload), px=self.lease_ms)
+        async with self.redis.pipeline(transaction=False) as pipe:
+            pipe.set(self.key, orjson.dumps(payload), px=self.lease_ms)
+            if self.held_ms is not None:
+                pipe.set(self.held_key, realtime, px=self.held_ms)
+            await pipe.execute()
         return split
 
     async def renew(self) -> bool:
@@ -135,7 +153,18 @@ class PoolBoard:
         lapsed: then only ``publish`` brings one back)."""
         if self.lease_ms is None:
             return bool(await self.redis.exists(self.key))
-        return bool(await self.redis.pexpire(self.key, self.lease_ms))
+        async with self.redis.pipeline(transaction=False) as pipe:
+            pipe.pexpire(self.key, self.lease_ms)
+            if self.held_ms is not None:
+                pipe.pexpire(self.held_key, self.held_ms)
+            renewed, *_ = await pipe.execute()
+        return bool(renewed)
+
+    async def remembered(self) -> int | None:
+        """How many replicas real time held in the last split published under a lease, for
+        ``held_remembered_s`` after its last renewal (None: no such split, or remembered no more)."""
+        raw = await self.redis.get(self.held_key)
+        return None if raw is None else int(raw)
 
     async def read(self) -> PoolSplit | None:
         raw = await self.redis.get(self.key)

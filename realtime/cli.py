@@ -62,9 +62,15 @@ def serve_cmd(
     config: dict[str, object] = {"realtime": settings, "llm": llm, "sinks": sinks}
     capacity = None
     if shift_capacity:
-        from capacity.controller import CapacitySettings
+        from pydantic import ValidationError
 
-        capacity = CapacitySettings()
+        from capacity.controller import CapacitySettings
+        from pipeline.kafka_security import configuration_error
+
+        try:
+            capacity = CapacitySettings()
+        except ValidationError as error:  # one line naming the CAPACITY_* setting, not pydantic's dump
+            raise configuration_error(error, "CAPACITY_* settings") from None
         config["capacity"] = {"pool": shift_capacity, **capacity.model_dump()}
     print(redacted_config_dump(config), flush=True)  # secrets masked (pipeline.redaction)
     run_event_loop(_serve(settings, llm, sinks, shift_capacity, capacity), settings.event_loop)

@@ -7,7 +7,9 @@ only once the service's load meter has covered its window. Deciding on the empty
 controller extrapolated ``lead_s`` ahead, taking the whole pool from batch for minutes. Until the shifter
 starts, the warm-up renews the split's lease every ``tick_s``, so a lease shorter than the meter's
 window does not lapse meanwhile. Stopping the service renews it no more: the split lapses after
-``lease_s`` and batch takes the pool, unless the service is back first."""
+its lease and batch takes the pool, unless the service is back first. A service back later, while the
+count it held is still remembered (``CapacitySettings.held_remembered_s``), resumes from that count:
+at a peak it would otherwise restart from the floor."""
 
 from __future__ import annotations
 
@@ -20,7 +22,7 @@ from aiohttp import web
 
 from capacity.background import BackgroundLoop
 from capacity.controller import CapacityController, CapacitySettings
-from capacity.pool import PoolBoard, PoolFollower, PoolSplit, SharedPool
+from capacity.pool import PoolBoard, PoolFollower, SharedPool
 from capacity.shifter import CapacityShifter
 from realtime.service import SERVICE_KEY, LoadMeter
 
@@ -32,7 +34,13 @@ def enable_capacity_shifting(app: web.Application, pool: SharedPool, settings: C
     the service's measured request rate drives the split, and its LLM client follows it."""
     service = app[SERVICE_KEY]
     service.load = LoadMeter(settings.load_window_s)
-    board = PoolBoard(service.redis, service.key_prefix, pool, lease_s=settings.lease_s)
+    board = PoolBoard(
+        service.redis,
+        service.key_prefix,
+        pool,
+        lease_s=settings.split_lease_s,
+        held_remembered_s=settings.held_remembered_s,
+    )
     controller = CapacityController(settings, len(pool.replicas))
     shifter = CapacityShifter(controller, board, service.load.rate)
     follower = PoolFollower(board, "realtime", service.llm.set_endpoints, handoff_s=settings.handoff_s)
@@ -47,7 +55,9 @@ def enable_capacity_shifting(app: web.Application, pool: SharedPool, settings: C
     async def start(app: web.Application) -> None:
         now = time.time()
         service.load.begin(now)
-        controller.realtime = _resumed(await board.read(), controller)
+        split = await board.read()
+        held = split.realtime if split is not None else await board.remembered()
+        controller.realtime = _resumed(held, controller)
         await board.publish(controller.realtime, now)  # a first start's floor; else nothing changes
         await follower.sync()
         follower.start()
@@ -62,13 +72,14 @@ def enable_capacity_shifting(app: web.Application, pool: SharedPool, settings: C
     app.on_cleanup.append(stop)
 
 
-def _resumed(split: PoolSplit | None, controller: CapacityController) -> int:
-    """The real-time count to resume from: the published one, within the floors of this pool; the
-    controller's own (the floor) when none was published."""
-    if split is None:
+def _resumed(held: int | None, controller: CapacityController) -> int:
+    """The real-time count to resume from: ``held`` (the split in force, or the one whose lease lapsed
+    within ``held_remembered_s``), within the floors of this pool; the controller's own (the floor)
+    when there is none."""
+    if held is None:
         return controller.realtime
     s = controller.settings
-    return min(max(split.realtime, s.realtime_floor), controller.total - s.batch_floor)
+    return min(max(held, s.realtime_floor), controller.total - s.batch_floor)
 
 
 async def _start_once_covered(

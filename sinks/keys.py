@@ -69,5 +69,10 @@ class RedisKeys:
         return f"{self.prefix}batch:progress:{job_id}"
 
     def pool(self, name: str) -> str:
-        """The shared replica pool's current split (capacity shifting)."""
+        """The shared replica pool's current split (capacity shifting), under the shifter's lease."""
         return f"{self.prefix}pool:{name}"
+
+    def pool_held(self, name: str) -> str:
+        """How many replicas real time held in the pool's last split: outlives the split's lease, so that
+        a real-time service restarted after it lapsed resumes from that count, not from its floor."""
+        return f"{self.prefix}pool:{name}:held"
