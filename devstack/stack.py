@@ -32,7 +32,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Literal, TypeVar, cast
 
-from pydantic import Field, field_validator, model_validator
+from pydantic import Field, ValidationError, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 from redis.exceptions import RedisError
 
@@ -48,6 +48,7 @@ from devstack.processes import (
     wait_for_port,
 )
 from llm_client.config import ClientConfig
+from pipeline.kafka_security import configuration_error
 from pipeline.redaction import mask_url, redact
 from pipeline.topics import DLQ_TOPIC, EVENTS_TOPIC, INSIGHTS_TOPIC, PROMPTS_TOPIC
 from prompt_assembly.errors import ConfigurationError
@@ -546,7 +547,11 @@ def sink_settings(state: StackState, *, base: SinkSettings | None = None, **over
     default that a prefix set in the environment wins over, so ``SINK_REDIS_KEY_PREFIX`` or
     ``RUNNER_SINKS__REDIS_KEY_PREFIX`` holds.
     """
-    base = SinkSettings() if base is None else base
+    if base is None:
+        try:
+            base = SinkSettings()
+        except ValidationError as error:  # a stale SINK_* value: one line naming it, not pydantic's dump
+            raise configuration_error(error, "SINK_* settings") from None
     values: dict[str, Any] = {name: getattr(base, name) for name in base.model_fields_set}
     if "redis_key_prefix" not in values:
         values["redis_key_prefix"] = state.redis_key_prefix

@@ -77,7 +77,9 @@ class SinkSettings(BaseSettings):
     @field_validator("s3_endpoint_url")
     @classmethod
     def _s3_endpoint_is_a_url(cls, url: str | None) -> str | None:
-        if url is not None and (problem := s3_endpoint_problem(url)) is not None:
+        if not url:  # empty, as in ``SINK_S3_ENDPOINT_URL=``: not given (AWS's endpoint), as before
+            return None
+        if (problem := s3_endpoint_problem(url)) is not None:
             raise ConfigurationError(problem)
         return url
 

@@ -33,7 +33,7 @@ def _one_attempt(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("AWS_MAX_ATTEMPTS", "1")
 
 
-@pytest.mark.parametrize("endpoint", ["not a url", "localhost:9000", "ftp://host", "http://host:port", ""])
+@pytest.mark.parametrize("endpoint", ["not a url", "localhost:9000", "ftp://host", "http://host:port"])
 def test_an_endpoint_that_is_no_url_is_refused_with_the_settings(endpoint: str) -> None:
     with pytest.raises(ValidationError) as raised:
         SinkSettings(s3_endpoint_url=endpoint)
@@ -44,6 +44,13 @@ def test_an_endpoint_that_is_no_url_is_refused_with_the_settings(endpoint: str) 
 @pytest.mark.parametrize("endpoint", [None, "http://127.0.0.1:9000", "https://s3.eu-west-1.amazonaws.com"])
 def test_endpoints_that_can_work_are_taken(endpoint: str | None) -> None:
     assert SinkSettings(s3_endpoint_url=endpoint).s3_endpoint_url == endpoint
+
+
+def test_an_empty_endpoint_is_not_given(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``SINK_S3_ENDPOINT_URL=`` in an env file meant AWS's endpoint before endpoints were checked; it
+    still does (and a stack's endpoint replaces it)."""
+    monkeypatch.setenv("SINK_S3_ENDPOINT_URL", "")
+    assert SinkSettings().s3_endpoint_url is None
 
 
 async def test_an_endpoint_where_nothing_answers_at_the_start_is_named_and_still_retried() -> None:
