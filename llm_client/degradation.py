@@ -138,7 +138,10 @@ class DegradationDetector:
 
     # ---- decisions ---------------------------------------------------------------------------------
     def evaluate(self, endpoints: Sequence[Endpoint]) -> list[HealthChange]:
-        """Drain replicas that drift from their peers, re-admit those whose cool-down is over."""
+        """Drain replicas that drift from their peers, re-admit those whose cool-down is over.
+        ``endpoints`` are one pool of peers doing the same kind of work: every safeguard
+        (``min_peers``, ``min_routable``, ``max_drained_fraction``) counts within it. With P/D the fleet
+        judges its context servers and its generation servers apart (``Fleet.evaluate_health``)."""
         if not self.settings.enabled:
             return []
         now = self.clock()

@@ -199,9 +199,25 @@ class Fleet:
         if self.policy_of(endpoint).observe(route, endpoint, outcome).restart_detected:
             endpoint.restarts_detected += 1
 
+    def blocks_gone(self, context: Endpoint) -> None:
+        """A P/D hand-over found the prompt's blocks gone at the pull (``kv_cache_gone``): ``context``
+        did not deliver what it answered for (it restarted, could not be reached, or let them go), so
+        it counts as a failure of that context server for the degradation detector, judged against its
+        context peers (a pool-wide cause, decode servers pulling late, raises every peer alike and
+        drains none). Not towards ejection: its prefill answered, and ``/health`` would re-admit it."""
+        if context.left:
+            return
+        self.degradation.observe_failure(context)
+        self.evaluate_health()
+
     def evaluate_health(self) -> None:
-        """Let the degradation detector judge the replicas, and apply its drains and re-admissions."""
-        apply_health_changes(self.endpoints, self.degradation.evaluate(self.endpoints))
+        """Let the degradation detector judge the replicas, and apply its drains and re-admissions.
+        Each pool is judged apart: a P/D context server against its context peers (a prefill's
+        latency per unit of work is not a decode's), with the detector's ``min_routable`` and
+        ``max_drained_fraction`` counted within that pool."""
+        for pool in (self.endpoints, self.context_endpoints):
+            if pool:
+                apply_health_changes(pool, self.degradation.evaluate(pool))
 
     # ---- out of rotation and back ----------------------------------------------------------------
     def eject(self, endpoint: Endpoint, reason: str = "ejected") -> None:

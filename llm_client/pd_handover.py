@@ -5,7 +5,10 @@ steps (TensorRT-LLM's disaggregated protocol): ``context_only`` on the context s
 (prefill and first token, not streamed), then ``generation_only`` on the decode server with that
 server's ``disaggregated_params``. A context step that fails, or blocks gone by the pull
 (``kv_cache_gone``: timed out, restarted), means a local prefill on the decode server instead: the
-request is never failed for it, and the decode server is not blamed.
+request is never failed for it, and the decode server is not blamed. The context server is: its step
+teaches the fleet as any attempt does (latency per unit of prefill work, failures), and blocks gone at
+the pull count as its failure (``Fleet.blocks_gone``), so the degradation detector judges it against
+its context peers and a drained one is no longer planned (only routable context servers are).
 
 ``disaggregated_params`` are the client's own: it writes them, and only from what a context server
 answered it.
@@ -85,6 +88,7 @@ class PdHandover:
                 answer = await self.exchange.completion(decode, path, generate_body, route, validate, headers)
             except KvCacheGone:
                 plan[0].redone_locally()
+                self.fleet.blocks_gone(plan[1])
             else:
                 return timed_from(started, answer)
         answer = await self.exchange.completion(decode, path, body, route, validate, headers)
@@ -102,19 +106,23 @@ class PdHandover:
     ) -> Forwarded:
         """One pass-through attempt on ``decode``: the hand-over when the policy plans one and the
         decode server takes it, else the caller's own request, forwarded unchanged."""
-        generation = await self._context_step(decode, path, body, route)
-        if generation is not None:
-            handed_over = await self._generation_step(decode, method, path, generation, route, headers)
+        step = await self._context_step(decode, path, body, route)
+        if step is not None:
+            context, generation = step
+            handed_over = await self._generation_step(
+                decode, context, method, path, generation, route, headers
+            )
             if handed_over is not None:
                 return handed_over
         return await self.forwarder.attempt(decode, method, path, body, route, headers)
 
     async def _context_step(
         self, decode: Endpoint, path: str, body: bytes | None, route: RouteRequest
-    ) -> bytes | None:
+    ) -> tuple[Endpoint, bytes] | None:
         """When the policy sends this request's prefill to a context server, run ``context_only`` there
-        and return the body of the ``generation_only`` request for ``decode``; None to forward ``body``
-        unchanged (no P/D, a local prefill, or a context step that failed: never the caller's failure)."""
+        and return that server and the body of the ``generation_only`` request for ``decode``; None to
+        forward ``body`` unchanged (no P/D, a local prefill, or a context step that failed: never the
+        caller's failure)."""
         if body is None:
             return None
         try:
@@ -129,7 +137,7 @@ class PdHandover:
         if plan is None:
             return None
         generation = await self._prefilled(decode, route, plan, path, parsed)
-        return None if generation is None else orjson.dumps(generation)
+        return None if generation is None else (plan[1], orjson.dumps(generation))
 
     async def _prefilled(
         self,
@@ -169,6 +177,7 @@ class PdHandover:
     async def _generation_step(
         self,
         endpoint: Endpoint,
+        context: Endpoint,
         method: str,
         path: str,
         generation: bytes,
@@ -179,7 +188,7 @@ class PdHandover:
         and the caller's own request is then prefilled there instead: the context server's blocks were
         gone by the pull (``kv_cache_gone``, as a 503, 404 or 409: the decode server is not to blame),
         or it refused the hand-over with another 404/409 (the caller then sees the replica's own answer
-        to its own request, byte for byte)."""
+        to its own request, byte for byte). Blocks gone count against ``context``, which held them."""
         try:
             forwarded = await self.forwarder.attempt(endpoint, method, path, generation, route, headers)
         except KvCacheGone:
@@ -198,8 +207,10 @@ class PdHandover:
             finally:
                 forwarded.release()  # whatever happened: the load it held there leaked for good
             gone = KV_CACHE_GONE.encode() in detail
-        if gone and isinstance(self.fleet.policy, PdAwarePolicy):
-            self.fleet.policy.redone_locally()
+        if gone:
+            if isinstance(self.fleet.policy, PdAwarePolicy):
+                self.fleet.policy.redone_locally()
+            self.fleet.blocks_gone(context)
         return None
 
 
