@@ -104,57 +104,67 @@ def ensure_topic(
         )
     errors: deque[KafkaError] = deque()
     admin = AdminClient({**kafka, "error_cb": errors.append})  # type: ignore[dict-item]
-    first_unknown: float | None = None
-    while True:
-        try:
-            topics = admin.list_topics(timeout=5).topics
-        except KafkaException as exc:
-            if exc.args and isinstance(exc.args[0], KafkaError):
-                errors.append(exc.args[0])
-            admin.poll(0)  # serves error_cb: a TLS or login refusal is reported only there
-            while errors:
-                error = errors.popleft()
-                if classify(error) in ("fatal", "denied"):
-                    raise consumer_failed(
-                        error, topic=source, group_id=group_id, bootstrap=bootstrap
-                    ) from None
-            log(f"repartition topic: the broker did not answer ({exc}); waiting")
+    try:
+        first_unknown: float | None = None
+        while True:
+            try:
+                topics = admin.list_topics(timeout=5).topics
+                unanswered = None
+            except KafkaException as exc:
+                if exc.args and isinstance(exc.args[0], KafkaError):
+                    errors.append(exc.args[0])
+                unanswered = str(exc)
+            if unanswered is not None:  # out of the except: see the finally below
+                admin.poll(0)  # serves error_cb: a TLS or login refusal is reported only there
+                while errors:
+                    error = errors.popleft()
+                    if classify(error) in ("fatal", "denied"):
+                        raise consumer_failed(error, topic=source, group_id=group_id, bootstrap=bootstrap)
+                log(f"repartition topic: the broker did not answer ({unanswered}); waiting")
+                time.sleep(METADATA_WAIT_S)
+                continue
+            found = topics.get(source)
+            if found is not None and found.error is None and found.partitions:
+                break
+            now = time.monotonic()
+            first_unknown = now if first_unknown is None else first_unknown
+            if now - first_unknown >= grace_s:
+                raise topic_missing(source, bootstrap, now - first_unknown)
             time.sleep(METADATA_WAIT_S)
-            continue
-        found = topics.get(source)
-        if found is not None and found.error is None and found.partitions:
-            break
-        now = time.monotonic()
-        first_unknown = now if first_unknown is None else first_unknown
-        if now - first_unknown >= grace_s:
-            raise topic_missing(source, bootstrap, now - first_unknown)
-        time.sleep(METADATA_WAIT_S)
-    partitions = len(found.partitions)
-    held = topics.get(topic)
-    if held is None or held.error is not None:
-        replicas = max(1, min(len(p.replicas) for p in found.partitions.values()))
-        future = admin.create_topics([NewTopic(topic, partitions, replicas)])[topic]
-        try:
-            future.result(timeout=30)
-            log(f"repartition topic {topic} created: {partitions} partitions, replication {replicas}")
-        except KafkaException as exc:
-            refusal = exc.args[0] if exc.args else None
-            if not isinstance(refusal, KafkaError) or refusal.code() != KafkaError.TOPIC_ALREADY_EXISTS:
-                raise _repartition_failed(
-                    f"could not be created ({exc}); create it with {partitions} partitions "
-                    f"(as {source}), or allow this user to create it",
-                    refusal.name() if isinstance(refusal, KafkaError) else "CREATE_FAILED",
-                    topic,
-                ) from None
+        partitions = len(found.partitions)
+        held = topics.get(topic)
+        if held is None or held.error is not None:
+            replicas = max(1, min(len(p.replicas) for p in found.partitions.values()))
+            future = admin.create_topics([NewTopic(topic, partitions, replicas)])[topic]
+            try:
+                future.result(timeout=30)
+                log(f"repartition topic {topic} created: {partitions} partitions, replication {replicas}")
+            except KafkaException as exc:
+                refusal = exc.args[0] if exc.args else None
+                if not isinstance(refusal, KafkaError) or refusal.code() != KafkaError.TOPIC_ALREADY_EXISTS:
+                    raise _repartition_failed(
+                        f"could not be created ({exc}); create it with {partitions} partitions "
+                        f"(as {source}), or allow this user to create it",
+                        refusal.name() if isinstance(refusal, KafkaError) else "CREATE_FAILED",
+                        topic,
+                    ) from None
+            return partitions
+        if len(held.partitions) != partitions:
+            raise _repartition_failed(
+                f"has {len(held.partitions)} partitions, {source} has {partitions}: they must be equal "
+                "(add partitions to the smaller one)",
+                "PARTITION_COUNT",
+                topic,
+            )
         return partitions
-    if len(held.partitions) != partitions:
-        raise _repartition_failed(
-            f"has {len(held.partitions)} partitions, {source} has {partitions}: they must be equal "
-            "(add partitions to the smaller one)",
-            "PARTITION_COUNT",
-            topic,
-        )
-    return partitions
+    finally:
+        # AdminClient has no close(): librdkafka stops only when the last reference goes, and an
+        # exception raised here holds the client two ways: its traceback holds this frame (so the del),
+        # and one raised inside ``except KafkaException`` holds that exception as its __context__
+        # (``from None`` only hides it), whose traceback holds list_topics' frame and so ``self``.
+        # Either way the client outlived the failed start for as long as the caller kept the error,
+        # reconnecting to the broker (and logging each refusal) until the process ended.
+        del admin
 
 
 class Repartitioner:

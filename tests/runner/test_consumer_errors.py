@@ -11,7 +11,12 @@ is pure and checked without a broker: transient errors (a broker restarting) sta
 from __future__ import annotations
 
 import asyncio
+import socket
+import ssl
+import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -19,12 +24,13 @@ from confluent_kafka import KafkaError
 from confluent_kafka.admin import AdminClient
 
 from devstack.stack import StackState
-from pipeline.kafka_security import KafkaSecurity
+from pipeline.kafka_security import KafkaSecurity, librdkafka_properties
 from runner.consumer_errors import UnknownTopicWatch, classify, consumer_failed
 from runner.embedded import EmbeddedRunner
 from runner.errors import ConsumerFailed, RunnerError
+from runner.repartition import ensure_topic
 from tests.conftest import Isolated
-from tests.security_kit import make_certificates, tansu_behind_tls
+from tests.security_kit import TestCertificates, make_certificates, tansu_behind_tls
 
 BOUND_S = 60.0
 """Far longer than a failing runner needs (its grace period plus a group join), far shorter than
@@ -82,6 +88,74 @@ def test_a_broker_certificate_the_runner_does_not_trust_stops_it_naming_the_ca_s
     assert failed.value.code == "_SSL"
     assert failed.value.setting is not None and "SSL_CA_FILE" in failed.value.setting
     assert bootstrap in str(failed.value)
+
+
+class HandshakeCounter:
+    """A TLS listener on 127.0.0.1 with ``certs``' server certificate that counts every connection
+    made to it; it answers no Kafka request."""
+
+    def __init__(self, certs: TestCertificates) -> None:
+        self.context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+        self.context.load_cert_chain(certs.cert, certs.key)
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.listener.settimeout(0.1)
+        self.port: int = self.listener.getsockname()[1]
+        self.connections = 0
+        self.stopped = threading.Event()
+
+    def serve(self) -> None:
+        while not self.stopped.is_set():
+            try:
+                conn, _ = self.listener.accept()
+            except TimeoutError:
+                continue
+            self.connections += 1
+            conn.settimeout(2.0)
+            try:  # the client refuses the certificate: that handshake failure is what it reports
+                self.context.wrap_socket(conn, server_side=True).close()
+            except (ssl.SSLError, OSError):
+                conn.close()
+
+
+@contextmanager
+def handshake_counter(certs: TestCertificates) -> Iterator[HandshakeCounter]:
+    counter = HandshakeCounter(certs)
+    thread = threading.Thread(target=counter.serve, name="tls-listener", daemon=True)
+    thread.start()
+    try:
+        yield counter
+    finally:
+        counter.stopped.set()
+        thread.join(5)
+        counter.listener.close()
+
+
+@pytest.mark.slow
+def test_a_refused_tls_handshake_at_start_leaves_no_client_connecting(tmp_path: Path) -> None:
+    """``ensure_topic`` (the runner's first step) stops on a broker certificate it does not trust,
+    and its admin client stops with it, even while the ``ConsumerFailed`` and its traceback are
+    held (as a caller that logs or re-raises it holds them). Before, the traceback kept the client
+    alive: it went on connecting, and logging each refusal to stderr, until the process ended."""
+    certs = make_certificates(tmp_path / "broker-ca")
+    other = make_certificates(tmp_path / "other-ca")
+    security = KafkaSecurity(protocol="SSL", ssl_ca_file=other.ca)
+    with handshake_counter(certs) as broker:
+        bootstrap = f"127.0.0.1:{broker.port}"
+        kafka = {
+            "bootstrap.servers": bootstrap,
+            **librdkafka_properties(security),
+            "log_level": 0,  # its refusals are counted here, not printed
+        }
+        lines: list[str] = []
+        with pytest.raises(ConsumerFailed) as failed:
+            ensure_topic(kafka, "events", "events.g.repartition", group_id="g", grace_s=1.0, log=lines.append)
+        assert failed.value.code == "_SSL" and broker.connections >= 1
+        time.sleep(0.5)  # a connection already under way when it returned
+        settled = broker.connections
+        time.sleep(2.0)  # a client left alive reconnected about once a second (2 or 3 in this window)
+        assert broker.connections == settled, (
+            f"{broker.connections - settled} connections after ensure_topic returned"
+        )
 
 
 def test_only_errors_no_retry_can_fix_are_fatal() -> None:
