@@ -14,6 +14,7 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 import pytest
+from aiohttp import web
 from aiohttp.test_utils import TestClient, TestServer
 from pydantic import ValidationError
 
@@ -38,6 +39,19 @@ async def _eventually(check: Callable[[], Awaitable[bool]], within_s: float) -> 
             return True
         await asyncio.sleep(0.05)
     return await check()
+
+
+def _shifting_service(
+    stack: StackState, isolated: Isolated, pool: SharedPool, settings: CapacitySettings
+) -> web.Application:
+    """The real-time service on the stack's replicas, shifting ``pool`` with ``settings``."""
+    app = create_app(
+        RealtimeSettings(),
+        llm_config=realtime_client_config(stack.llm_endpoints, stack.model),
+        sinks=isolated.sinks(),
+    )
+    enable_capacity_shifting(app, pool, settings)
+    return app
 
 
 def test_a_lease_must_outlast_a_few_ticks() -> None:
@@ -75,12 +89,7 @@ async def test_a_restart_after_the_lease_lapsed_resumes_from_the_count_real_time
 
     assert await _eventually(lapsed, within_s=LEASE_S + 5.0)
     assert await before.remembered() == len(pool.replicas)
-    app = create_app(
-        RealtimeSettings(),
-        llm_config=realtime_client_config(stack.llm_endpoints, stack.model),
-        sinks=isolated.sinks(),
-    )
-    enable_capacity_shifting(app, pool, settings)
+    app = _shifting_service(stack, isolated, pool, settings)
     async with TestClient(TestServer(app)):
         service = app[SERVICE_KEY]
         assert len(service.llm.endpoints) == len(pool.replicas), "restarted at the floor"
@@ -186,12 +195,7 @@ async def test_the_service_keeps_its_split_while_it_runs_and_it_lapses_once_it_s
     settings = CapacitySettings(tick_s=TICK_S, lease_s=LEASE_S, load_window_s=2, handoff_s=0.0)
     assert settings.load_window_s > 3 * settings.split_lease_s
     board = PoolBoard(redis_client, isolated.prefix, pool)
-    app = create_app(
-        RealtimeSettings(),
-        llm_config=realtime_client_config(stack.llm_endpoints, stack.model),
-        sinks=isolated.sinks(),
-    )
-    enable_capacity_shifting(app, pool, settings)
+    app = _shifting_service(stack, isolated, pool, settings)
     async with TestClient(TestServer(app)):
         until = time.monotonic() + settings.load_window_s + 2 * settings.split_lease_s
         missing = 0

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import asyncio
 import math
-import random
 from collections.abc import Callable
 from typing import Any
 
@@ -28,17 +27,9 @@ from serving.simulator.testing import RunningSimulator, running_simulator
 from tests.llm_client.test_routing_pd_aware import words
 from tests.serving.conftest import post_json
 from tests.serving.test_disagg_router import EVENTS, chat_stream, get_json, stand_in
+from tests.serving.test_simulator_memory import _prompt
 
 BS = 32
-
-
-def _prompt(n: int, seed: str) -> str:
-    """``n`` tokens exactly (every " abcde" word is one token of the shared tokenizer), unique per seed."""
-    rng = random.Random(seed)
-    letters = "abcdefghijklmnopqrstuvwxyz"
-    text = "".join(" " + "".join(rng.choices(letters, k=rng.randint(3, 7))) for _ in range(n))
-    assert len(token_ids(text)) == n
-    return text
 
 
 def _body(prompt: str, max_tokens: int, **extra: Any) -> dict[str, Any]:
