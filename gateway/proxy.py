@@ -12,7 +12,8 @@ Guarantees:
   spent) or 504 (deadline);
 - a replica that breaks off after the first byte cannot be retried (bytes are already with the caller):
   the caller's connection is closed without the stream's end, so it sees a truncated answer, never a
-  silently short one;
+  silently short one; so is a stream the deadline cuts after its status line, counted as the 504 it
+  would have been answered before it (``_broken_off``), not as a replica's broken answer;
 - a caller that goes away closes the replica's connection too, so the replica stops generating;
 - a 2xx answer read to its end is judged once (``llm_client.forwarding.answer_problem``): a broken one
   (not a JSON object with ``choices``, or a stream with an ``error`` event) still reaches its callers as
@@ -353,9 +354,7 @@ class OpenAIProxy:
     ) -> web.StreamResponse:
         """Bytes are already with the caller: end its connection without the stream's end."""
         if flight.error is not None:
-            self.metrics.broken_streams.labels(flight.error.endpoint or "unknown").inc()
-            log.warning("answer broke off mid-stream: %s", flight.error)
-            status = "broken"
+            status = self._broken_off(flight.error)
         else:
             status = "superseded" if flight.superseded is not None else "cancelled"
         if request.transport is not None:
@@ -454,12 +453,22 @@ class OpenAIProxy:
         if response is None or not response.prepared:
             return self._gateway_answer(request, _error_answer(exc))
         # Bytes are already with the caller: end its connection without the stream's end.
-        self.metrics.broken_streams.labels(exc.endpoint or "unknown").inc()
-        log.warning("answer broke off mid-stream: %s", exc)
+        status = self._broken_off(exc)
         if request.transport is not None:
             request.transport.close()
-        self.metrics.requests.labels(request.path, "broken").inc()
+        self.metrics.requests.labels(request.path, status).inc()
         return response
+
+    def _broken_off(self, exc: LLMError) -> str:
+        """The ``gateway_requests_total`` status of a stream cut by ``exc`` after its status line. A
+        deadline cut is the gateway's own: a 504, as it is answered before the status line, so the 504s
+        count every deadline cut; no replica broke (counted as a broken answer, it named ``unknown``).
+        Anything else broke off at its replica."""
+        if isinstance(exc, DeadlineExceeded):
+            return "504"
+        self.metrics.broken_streams.labels(exc.endpoint or "unknown").inc()
+        log.warning("answer broke off mid-stream: %s", exc)
+        return "broken"
 
     async def _stream(
         self, request: web.Request, response: web.StreamResponse, answer: Forwarded, started: float
