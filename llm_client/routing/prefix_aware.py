@@ -19,7 +19,9 @@ How the index is kept (no call to the servers, only what the client sees):
   KV capacity in blocks), so what a replica has evicted ages out of the index too;
 - each answer's ``cached_tokens`` corrects the index: a replica that reports about nothing cached where a
   long hit was expected has restarted (its index is cleared and the client told, ``Feedback``);
-  a failed attempt takes back the blocks that routing recorded.
+  a failed attempt takes back the blocks that routing recorded, except those another attempt still in
+  flight there counts on (a newer prompt of the shopper extending it: that one computes them) or that an
+  answer there has since confirmed; the last of those attempts to fail takes them back.
 
 *Precise* mode (``kv_events="precise"``) adds what the replicas themselves report: the client polls each
 replica's ``POST /kv_cache_events`` (TensorRT-LLM's KV cache events, ``llm_client.kv_events``) and the
@@ -52,13 +54,14 @@ The policy does no I/O and is used from one event loop only.
 
 from __future__ import annotations
 
+import itertools
 import logging
 import math
 import random
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -92,6 +95,8 @@ _BOOKED = "prefix_aware.booked_kv"
 _SIBLING = "prefix_aware.sibling_prefilling"
 """Replicas where another prompt of the same key was still prefilling when this one was routed, with
 the cached tokens believed there at that moment."""
+_CREDIT = "prefix_aware.block_credit"
+"""Per replica routed to: the attempt's id in that replica's block credits, while it holds them."""
 
 
 class ReplicaBlockIndex:
@@ -321,6 +326,16 @@ class PrefixAwareStats:
 
 
 @dataclass(slots=True)
+class _BlockCredit:
+    """The attempts in flight on a replica that count on one block only routing recorded there."""
+
+    attempts: set[int] = field(default_factory=set)
+    orphaned: bool = False
+    """An attempt that recorded the block failed while others counted on it: it stayed for them, and
+    goes when the last of them fails too."""
+
+
+@dataclass(slots=True)
 class _EventCursor:
     last_event_id: int | None = None
     max_window: int | None = None
@@ -371,6 +386,11 @@ class PrefixAwarePolicy:
         self._queued = QueuedPrefills(settings.cobatch_window_s, clock)
         """Attempts per (key, replica) whose prefill is not over (``prefill_done`` not called yet), and
         which of them are likely still queued (not admitted into an iteration): the co-batching rule."""
+        self._credits: dict[str, dict[int, _BlockCredit]] = {}
+        """Per replica, the blocks in its index that rest on attempts in flight only (routing recorded
+        them; no answer there has confirmed them yet), and which attempts count on each: a failed attempt
+        takes back only those no other attempt counts on any more (``_taken_back``)."""
+        self._attempt_ids = itertools.count()
         self._booked_kv: dict[str, int] = {}
         """KV tokens the attempts in flight book on each replica (prompt + max_tokens), ``kv_room_guard``."""
         self._kv_capacity: dict[str, int] = {}
@@ -552,6 +572,7 @@ class PrefixAwarePolicy:
         expected: dict[str, int] = request.memo.setdefault(_EXPECTED, {})  # type: ignore[assignment]
         found = cached[chosen.name]
         expected[chosen.name] = min(found, confirmed[chosen.name]) if chosen.name in ignored else found
+        self._credit(request, chosen.name, indexed[chosen.name] // self.block_size)
         self.index(chosen).insert(self.block_hashes(request))
         slot = (request.key, chosen.name)
         self._key_inflight[slot] = self._key_inflight.get(slot, 0) + 1
@@ -599,6 +620,7 @@ class PrefixAwarePolicy:
         if isinstance(counted, list) and endpoint.name in counted:
             counted.remove(endpoint.name)
             _release(self._key_inflight, (request.key, endpoint.name))
+        self._release_credit(request, endpoint.name)
         booked = request.memo.get(_BOOKED)
         if isinstance(booked, list) and endpoint.name in booked:
             booked.remove(endpoint.name)
@@ -615,19 +637,18 @@ class PrefixAwarePolicy:
         return request.prompt_tokens - self.cached_tokens(request, endpoint)
 
     def observe(self, request: RouteRequest, endpoint: Endpoint, outcome: RouteOutcome) -> Feedback:
+        if not outcome.ok and not outcome.connection_failed:
+            # The replica did not compute this prompt: take back what routing recorded beyond the part
+            # its index already held, but not what a sibling still in flight there counts on (it
+            # computes those blocks) nor what an answer there confirmed since. (A connection failure
+            # ejects the replica; forget() follows.)
+            self.index(endpoint).remove(self._taken_back(request, endpoint.name))
         self._prefill_over(request, endpoint, computed=outcome.ok)
         self.attempt_over(request, endpoint)
         expected_map = request.memo.get(_EXPECTED)
         expected = int(expected_map.get(endpoint.name, 0)) if isinstance(expected_map, dict) else 0
         hashes = self.block_hashes(request)
         if not outcome.ok:
-            if not outcome.connection_failed:
-                # The replica did not compute this prompt: take back what routing recorded beyond the
-                # part its index already held (blocks of a queued sibling there stay: it computes them).
-                # (A connection failure ejects the replica; forget() follows.)
-                indexed_map = request.memo.get(_INDEXED)
-                held = int(indexed_map.get(endpoint.name, 0)) if isinstance(indexed_map, dict) else 0
-                self.index(endpoint).remove(hashes[held // self.block_size :])
             return NO_FEEDBACK
         observed = self._observed_cached_tokens(request, outcome)
         hit_map = request.memo.get(_HIT)
@@ -673,8 +694,15 @@ class PrefixAwarePolicy:
                 expected,
             )
             self.forget(endpoint)
-        # Whatever it held before, the replica holds this whole prompt now; refresh its recency.
+        # Whatever it held before, the replica holds this whole prompt now; refresh its recency. Its
+        # blocks no longer rest on attempts in flight: another's failure leaves them.
         self.index(endpoint).insert(hashes, confirmed=True)
+        credits = self._credits.get(endpoint.name)
+        if credits is not None:
+            for h in hashes:
+                credits.pop(h, None)
+            if not credits:
+                del self._credits[endpoint.name]
         return Feedback(restart_detected=True) if restarted else NO_FEEDBACK
 
     def replicas_known(self) -> set[str]:
@@ -689,6 +717,7 @@ class PrefixAwarePolicy:
         only, so one back from an ejection still needs it); what its attempts in flight booked is
         released as they end (``attempt_over``)."""
         self._indexes.pop(endpoint.name, None)
+        self._credits.pop(endpoint.name, None)
         self._queued.forget(endpoint.name)
         self._cursors.pop(endpoint.name, None)
         self._engine_blocks.pop(endpoint.name, None)
@@ -757,6 +786,76 @@ class PrefixAwarePolicy:
                 gone = blocks.removed(data.block_hashes)
                 index.remove(gone)
                 self.stats.kv_blocks_removed += len(gone)
+
+    # ---- block credits: what a failed attempt takes back ------------------------------------------
+    def _credit(self, request: RouteRequest, replica: str, held: int) -> None:
+        """``request``'s new attempt on ``replica`` counts on the blocks of its prompt routing records
+        there (those past the ``held`` leading blocks the index held) and on those of the held ones that
+        rest on other attempts in flight."""
+        self._release_credit(request, replica)  # an earlier attempt there is over
+        attempt = next(self._attempt_ids)
+        credits = self._credits.setdefault(replica, {})
+        for i, h in enumerate(self.block_hashes(request)):
+            credit = credits.get(h)
+            if credit is None:
+                if i < held:
+                    continue
+                credit = credits[h] = _BlockCredit()
+            credit.attempts.add(attempt)
+        ids: dict[str, int] = request.memo.setdefault(_CREDIT, {})  # type: ignore[assignment]
+        ids[replica] = attempt
+
+    def _release_credit(self, request: RouteRequest, replica: str) -> int | None:
+        """The attempt on ``replica`` no longer counts on its blocks (they stay in the index); its id,
+        or None if it held no credit (released already, or never routed)."""
+        ids = request.memo.get(_CREDIT)
+        if not isinstance(ids, dict) or replica not in ids:
+            return None
+        attempt: int = ids.pop(replica)
+        credits = self._credits.get(replica)
+        if credits is not None:
+            for h in self.block_hashes(request):
+                credit = credits.get(h)
+                if credit is not None and attempt in credit.attempts:
+                    credit.attempts.discard(attempt)
+                    if not credit.attempts:
+                        del credits[h]
+            if not credits:
+                del self._credits[replica]
+        return attempt
+
+    def _taken_back(self, request: RouteRequest, replica: str) -> list[int]:
+        """The blocks a failed attempt on ``replica`` takes back: those routing recorded for it beyond
+        what the index held, and those an earlier failure left for it, unless another attempt in flight
+        there still counts on them (they are left for the last one) or an answer there confirmed them.
+        An attempt alone on the replica takes back everything it recorded."""
+        indexed_map = request.memo.get(_INDEXED)
+        held = int(indexed_map.get(replica, 0)) if isinstance(indexed_map, dict) else 0
+        held //= self.block_size
+        ids = request.memo.get(_CREDIT)
+        attempt = ids.pop(replica, None) if isinstance(ids, dict) else None
+        credits = self._credits.get(replica, {})
+        gone: list[int] = []
+        for i, h in enumerate(self.block_hashes(request)):
+            credit = credits.get(h)
+            if credit is None:
+                # Confirmed by an answer since (or the replica forgotten); or this attempt's end came
+                # before its failure (a proxied stream's error event) and released its credit: then what
+                # it recorded goes, as for an attempt alone there.
+                if attempt is None and i >= held:
+                    gone.append(h)
+                continue
+            if attempt is not None:
+                credit.attempts.discard(attempt)
+            if credit.attempts:
+                credit.orphaned = credit.orphaned or i >= held
+            else:
+                del credits[h]
+                if i >= held or credit.orphaned:
+                    gone.append(h)
+        if not credits:
+            self._credits.pop(replica, None)
+        return gone
 
     # ---- helpers -----------------------------------------------------------------------------------
     @staticmethod
