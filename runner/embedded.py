@@ -82,6 +82,7 @@ from runner.prompt_flight import PromptFlight
 from runner.repartition import Deliveries, Repartitioner, ensure_topic
 from runner.session_store import RedisSessionStore, SessionDelta
 from runner.sessions import SessionCache
+from runner.start_cleanup import StartCleanup, close_unused_producer
 from runner.timers import TimerQueue
 from runner.trigger_loop import TriggerLoop
 from sinks.registry import SinkResources, build_sinks
@@ -176,96 +177,112 @@ class EmbeddedRunner:
             log=self.log,
         )
         redis = s.sinks.redis_client()  # ACL user, password and CA from SinkSettings
-        self.store = self._session_store(redis, s.sinks.redis_key_prefix)
-        # Java's default partitioner (the Flink job's DLQ sink), not librdkafka's CRC32: a key's dead
-        # letters share a partition whichever engine wrote them.
-        producer = Producer(
-            {**kafka, "linger.ms": 20, "partitioner": "murmur2_random", "log.connection.close": False}
-        )
-        self.dead_letters = DeadLetterPublisher(
-            producer,
-            s.dlq_topic,
-            self.log,
-            max_original_bytes=s.dlq_max_original_bytes,
-            counts=self.stats.dead_letters,
-            deliver_max_wait_s=s.sink_retry.max_wait_s,
-        )
-        rekey_producer = Producer(
-            {
-                **kafka,
-                "linger.ms": 5,
-                "enable.idempotence": True,  # the copies keep their order across librdkafka's retries
-                "partitioner": s.rekey_partitioner,
-                "log.connection.close": False,
-            }
-        )
-        self.rekeyer = Repartitioner(
-            rekey_producer,
-            repartition_topic,
-            self.log,
-            deliver_max_wait_s=s.sink_retry.max_wait_s,
-            failure=lambda: self._failed,
-        )
-        self.checkpoint = Checkpoint(
-            build_sinks(s.sinks, SinkResources(redis=redis, kafka=kafka)),
-            s.sink_retry,
-            dead_letters=Deliveries(self.dead_letters, self.rekeyer),
-            on_retry=self._on_sink_retry,
-        )
-        try:  # a store still down past the retry policy: nothing was consumed, close what was opened
-            await self.checkpoint.open()
-        except BaseException:
-            await self.checkpoint.close()
-            await redis.aclose()
-            raise
-        # The range assignor gives partition p of both topics to one member (runner.repartition).
-        self.consumer = Consumer({**self.ingest.consumer_config(), "partition.assignment.strategy": "range"})
-        self.consumer.subscribe(
-            [s.topic, repartition_topic],
-            on_assign=self.handover.on_assign,
-            on_revoke=self.handover.on_revoke,
-        )
-        with stop_on_signals(self.loop, self.request_stop):
-            async with LLMClient(s.llm) as client:
-                # answers recorded as they arrive, so a replay after a kill does not pay again
-                self.enricher = Enricher(
-                    client,
-                    s.enrichment,
-                    ledger=AnswerLedger.from_settings(s.sinks, redis),
-                    scope=s.sinks.redis_key_prefix,
-                )
-                self.client = client
-                if s.metrics_port is not None:
-                    self.ops = OpsServer(self, self.metrics, host=s.metrics_host, port=s.metrics_port)
-                    await self.ops.start()
-                    self.log(f"metrics and health on {self.ops.address}")
-                timers = asyncio.create_task(self.triggers.run(), name="timers")
-                timers.add_done_callback(self._timers_done)
-                workers = [
-                    asyncio.create_task(self.commits.run(), name="committer"),
-                    timers,
-                    asyncio.create_task(self._progress(), name="progress"),
-                    asyncio.create_task(self._measure_lag(), name="lag"),
-                ]
-                try:
-                    with streaming_gc():  # the per-event objects live on: see runner.gc_tuning
-                        await self.ingest.run()
-                    await self._drain(timers)
-                finally:
-                    for worker in workers:
-                        worker.cancel()
-                    for worker in workers:
-                        with contextlib.suppress(asyncio.CancelledError):
-                            await worker
-                    await self.handover.stop()
-                    await asyncio.to_thread(self.consumer.close)
-                    await asyncio.to_thread(self.dead_letters.flush, 10)
-                    await asyncio.to_thread(self.rekeyer.producer.flush, 10)
-                    await self.checkpoint.close()
-                    del self.dead_letters, self.rekeyer, self.checkpoint  # librdkafka handles go with them
-                    await redis.aclose()
-                    if self.ops is not None:
-                        await self.ops.stop()
+        # A start step that fails closes what the steps before it opened; once the stream runs, the
+        # finally below closes it all instead, in the order a shutdown needs (runner.start_cleanup).
+        async with StartCleanup(self.log) as start:
+            start.on_failure("the Redis client", redis.aclose)
+            self.store = self._session_store(redis, s.sinks.redis_key_prefix)
+            start.on_failure("the runner's references to its producers and sinks", self._forget_closed)
+            # Java's default partitioner (the Flink job's DLQ sink), not librdkafka's CRC32: a key's dead
+            # letters share a partition whichever engine wrote them.
+            producer = Producer(
+                {**kafka, "linger.ms": 20, "partitioner": "murmur2_random", "log.connection.close": False}
+            )
+            start.on_failure(
+                "the dead-letter producer",
+                functools.partial(asyncio.to_thread, close_unused_producer, producer),
+            )
+            self.dead_letters = DeadLetterPublisher(
+                producer,
+                s.dlq_topic,
+                self.log,
+                max_original_bytes=s.dlq_max_original_bytes,
+                counts=self.stats.dead_letters,
+                deliver_max_wait_s=s.sink_retry.max_wait_s,
+            )
+            rekey_producer = Producer(
+                {
+                    **kafka,
+                    "linger.ms": 5,
+                    "enable.idempotence": True,  # the copies keep their order across librdkafka's retries
+                    "partitioner": s.rekey_partitioner,
+                    "log.connection.close": False,
+                }
+            )
+            start.on_failure(
+                "the repartition producer",
+                functools.partial(asyncio.to_thread, close_unused_producer, rekey_producer),
+            )
+            self.rekeyer = Repartitioner(
+                rekey_producer,
+                repartition_topic,
+                self.log,
+                deliver_max_wait_s=s.sink_retry.max_wait_s,
+                failure=lambda: self._failed,
+            )
+            self.checkpoint = Checkpoint(
+                build_sinks(s.sinks, SinkResources(redis=redis, kafka=kafka)),
+                s.sink_retry,
+                dead_letters=Deliveries(self.dead_letters, self.rekeyer),
+                on_retry=self._on_sink_retry,
+            )
+            start.on_failure("the sinks", self.checkpoint.close)  # also those a failed open left half open
+            await self.checkpoint.open()  # a store still down past the retry policy stops the start here
+            start.on_failure("the partitions' re-arms", self.handover.stop)  # any the consumer's close began
+            # The range assignor gives partition p of both topics to one member (runner.repartition).
+            self.consumer = Consumer(
+                {**self.ingest.consumer_config(), "partition.assignment.strategy": "range"}
+            )
+            start.on_failure("the consumer", functools.partial(asyncio.to_thread, self.consumer.close))
+            self.consumer.subscribe(
+                [s.topic, repartition_topic],
+                on_assign=self.handover.on_assign,
+                on_revoke=self.handover.on_revoke,
+            )
+            with stop_on_signals(self.loop, self.request_stop):
+                async with LLMClient(s.llm) as client:
+                    # answers recorded as they arrive, so a replay after a kill does not pay again
+                    self.enricher = Enricher(
+                        client,
+                        s.enrichment,
+                        ledger=AnswerLedger.from_settings(s.sinks, redis),
+                        scope=s.sinks.redis_key_prefix,
+                    )
+                    self.client = client
+                    if s.metrics_port is not None:
+                        self.ops = OpsServer(self, self.metrics, host=s.metrics_host, port=s.metrics_port)
+                        start.on_failure("the ops server", self.ops.stop)
+                        await self.ops.start()
+                        self.log(f"metrics and health on {self.ops.address}")
+                    start.started()
+                    timers = asyncio.create_task(self.triggers.run(), name="timers")
+                    timers.add_done_callback(self._timers_done)
+                    workers = [
+                        asyncio.create_task(self.commits.run(), name="committer"),
+                        timers,
+                        asyncio.create_task(self._progress(), name="progress"),
+                        asyncio.create_task(self._measure_lag(), name="lag"),
+                    ]
+                    try:
+                        with streaming_gc():  # the per-event objects live on: see runner.gc_tuning
+                            await self.ingest.run()
+                        await self._drain(timers)
+                    finally:
+                        for worker in workers:
+                            worker.cancel()
+                        for worker in workers:
+                            with contextlib.suppress(asyncio.CancelledError):
+                                await worker
+                        await self.handover.stop()
+                        await asyncio.to_thread(self.consumer.close)
+                        await asyncio.to_thread(self.dead_letters.flush, 10)
+                        await asyncio.to_thread(self.rekeyer.producer.flush, 10)
+                        await self.checkpoint.close()
+                        # librdkafka handles go with them
+                        del self.dead_letters, self.rekeyer, self.checkpoint
+                        await redis.aclose()
+                        if self.ops is not None:
+                            await self.ops.stop()
         if self._failed is not None:
             raise self._failed
         self.log(self._render_progress(final=True))
@@ -301,6 +318,11 @@ class EmbeddedRunner:
         if not timers.cancelled() and (error := timers.exception()) is not None:
             self.log(f"the trigger loop failed: {error!r}")
             self.fail(error)
+
+    def _forget_closed(self) -> None:
+        """After a failed start, as after a shutdown: the closed producers and sinks are not kept."""
+        for name in ("dead_letters", "rekeyer", "checkpoint"):
+            vars(self).pop(name, None)
 
     def request_stop(self) -> None:
         self._stopping.set()
