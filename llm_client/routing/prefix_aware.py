@@ -156,6 +156,10 @@ class ReplicaBlockIndex:
         for _ in range(len(blocks) - self.capacity):
             blocks.popitem(last=False)
 
+    def is_confirmed(self, h: int) -> bool:
+        """Whether block ``h`` is held and known to have been computed there."""
+        return self._blocks.get(h, False)
+
     def remove(self, hashes: Sequence[int]) -> None:
         for h in hashes:
             self._blocks.pop(h, None)
@@ -814,14 +818,20 @@ class PrefixAwarePolicy:
         attempt: int = ids.pop(replica)
         credits = self._credits.get(replica)
         if credits is not None:
+            index = self._indexes.get(replica)
+            unheld: list[int] = []
             for h in self.block_hashes(request):
                 credit = credits.get(h)
                 if credit is not None and attempt in credit.attempts:
                     credit.attempts.discard(attempt)
                     if not credit.attempts:
                         del credits[h]
+                        if credit.orphaned and index is not None and not index.is_confirmed(h):
+                            unheld.append(h)  # left for this attempt by a failure; nobody computed it
             if not credits:
                 del self._credits[replica]
+            if unheld and index is not None:
+                index.remove(unheld)
         return attempt
 
     def _taken_back(self, request: RouteRequest, replica: str) -> list[int]:
@@ -835,6 +845,7 @@ class PrefixAwarePolicy:
         ids = request.memo.get(_CREDIT)
         attempt = ids.pop(replica, None) if isinstance(ids, dict) else None
         credits = self._credits.get(replica, {})
+        index = self._indexes.get(replica)
         gone: list[int] = []
         for i, h in enumerate(self.block_hashes(request)):
             credit = credits.get(h)
@@ -851,7 +862,9 @@ class PrefixAwarePolicy:
                 credit.orphaned = credit.orphaned or i >= held
             else:
                 del credits[h]
-                if i >= held or credit.orphaned:
+                # An orphan left by an earlier failure goes unless a sibling has computed it since.
+                orphan_unheld = credit.orphaned and (index is None or not index.is_confirmed(h))
+                if i >= held or orphan_unheld:
                     gone.append(h)
         if not credits:
             self._credits.pop(replica, None)

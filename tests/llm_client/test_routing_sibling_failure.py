@@ -114,6 +114,31 @@ def test_the_prefix_stays_when_the_newer_sibling_answered_before_the_older_one_f
     assert Attempt(policy, following, [home, far]).endpoint is home
 
 
+def test_a_prefix_the_newer_sibling_computed_stays_when_it_fails_after_its_first_token() -> None:
+    """The older prompt fails while the newer waits; the newer is then prefilled (its first token: home
+    holds the prefix) and later fails too (a stalled stream). The prefix it computed stays believed."""
+    policy, clock, home, far, older, newer = siblings(older_first_token=False)
+    older.fail()
+    newer.first_token()
+    newer.fail()
+    far.outstanding_prefill_tokens = 0
+    home.outstanding_prefill_tokens = 500  # another shopper's prompt queued there
+    clock.now += 0.2
+    following = shopper_prompt("zoe", 66)
+    assert policy.cached_tokens(older.request, home) > 0.9 * older.request.prompt_tokens
+    assert Attempt(policy, following, [home, far]).endpoint is home
+
+
+def test_an_orphaned_prefix_goes_when_its_last_sibling_is_cancelled_before_computing_it() -> None:
+    """The older prompt fails, the newer one (the last to count on the shared prefix) is cancelled by
+    its deadline before its first token: nobody computed the prefix, so it is not believed."""
+    policy, _, home, _, older, newer = siblings(older_first_token=False)
+    older.fail()
+    newer.cancel()
+    assert policy.cached_tokens(older.request, home) == 0
+    assert not policy._credits.get(home.name)
+
+
 @pytest.mark.parametrize("older_fails_first", [True, False], ids=["older-first", "newer-first"])
 def test_when_both_siblings_fail_nothing_of_theirs_is_believed(older_fails_first: bool) -> None:
     """Nobody computed the prefix: as for one failed request, what routing recorded goes."""
