@@ -156,8 +156,11 @@ SMOKE_RUNS = (
 )  # fmt: skip
 
 
-NOT_SMOKED: dict[str, str] = {}
-"""Documented benchmarks no short form exists for, and why (also in docs/benchmarks.md): none now."""
+NOT_SMOKED: dict[str, str] = {
+    "bench.overload_by_due": "reads the records a bench.overload run keeps with --raw-dir, which no "
+    "committed result holds; tests/bench/test_overload_by_due.py runs it on records it builds",
+}
+"""Documented benchmarks no short form exists for, and why (also in docs/benchmarks.md)."""
 
 
 DOCUMENTED = re.compile(r"python3? -m (bench\.[a-z_]+)|python3? (bench/[a-z_]+\.py)")
