@@ -1,12 +1,14 @@
 """Test helpers: producing records, the offline oracle of what the pipeline must emit (and what must hold
 of it under latest wins, the default overload policy), checking a Grafana dashboard against the
-metrics a real process serves, and running a step with the cyclic collector off."""
+metrics a real process serves, running a step with the cyclic collector off, and counting this process's
+open TCP connections to some ports."""
 
 from __future__ import annotations
 
 import asyncio
 import gc
 import json
+import os
 import re
 import urllib.request
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Iterator, Mapping
@@ -255,3 +257,24 @@ def collector_off() -> Iterator[None]:
         yield
     finally:
         gc.enable()
+
+
+def open_connections(ports: set[int]) -> int:
+    """This process's established TCP connections to any of ``ports`` (from /proc: sockets this
+    process holds, matched to the kernel's TCP table)."""
+    inodes = set()
+    for fd in Path("/proc/self/fd").iterdir():
+        try:
+            target = os.readlink(fd)
+        except OSError:
+            continue
+        if target.startswith("socket:["):
+            inodes.add(target[len("socket:[") : -1])
+    count = 0
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        for line in Path(table).read_text().splitlines()[1:]:
+            fields = line.split()
+            remote_port, state, inode = int(fields[2].split(":")[1], 16), fields[3], fields[9]
+            if state == "01" and inode in inodes and remote_port in ports:  # 01: ESTABLISHED
+                count += 1
+    return count

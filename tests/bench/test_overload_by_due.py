@@ -26,11 +26,10 @@ def _run() -> overload.Run:
     return run
 
 
-def test_it_splits_the_landed_signals_by_when_they_became_due(tmp_path: Path) -> None:
-    path = tmp_path / "run.pickle"
-    path.write_bytes(pickle.dumps(_run()))
+def _by_due(path: Path, *options: str) -> subprocess.CompletedProcess[str]:
+    """``python -m bench.overload_by_due`` on ``path``, which must exit 0."""
     done = subprocess.run(
-        [sys.executable, "-m", "bench.overload_by_due", str(path), "--bucket-s", "5"],
+        [sys.executable, "-m", "bench.overload_by_due", str(path), *options],
         cwd=REPO,
         capture_output=True,
         text=True,
@@ -38,6 +37,13 @@ def test_it_splits_the_landed_signals_by_when_they_became_due(tmp_path: Path) ->
         check=False,
     )
     assert done.returncode == 0, done.stderr
+    return done
+
+
+def test_it_splits_the_landed_signals_by_when_they_became_due(tmp_path: Path) -> None:
+    path = tmp_path / "run.pickle"
+    path.write_bytes(pickle.dumps(_run()))
+    done = _by_due(path, "--bucket-s", "5")
     rows = [line for line in done.stdout.splitlines() if line.startswith("| ") and "-" in line.split("|")[1]]
     assert rows == ["| 0-5 | 10 | 1.0 / 1.0 |", "| 5-10 | 10 | 1.0 / 9.0 |"], done.stdout
 
@@ -56,13 +62,5 @@ def test_it_reads_records_pickled_from_main(tmp_path: Path) -> None:
     )
     subprocess.run([sys.executable, "-c", script], cwd=REPO, check=True, timeout=120)
     assert b"__main__" in (tmp_path / "main.pickle").read_bytes()
-    done = subprocess.run(
-        [sys.executable, "-m", "bench.overload_by_due", str(tmp_path / "main.pickle")],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=120,
-        check=False,
-    )
-    assert done.returncode == 0, done.stderr
+    done = _by_due(tmp_path / "main.pickle")
     assert "| 0-10 | 20 | 1.0 / 9.0 |" in done.stdout

@@ -6,9 +6,7 @@ replicas; what stays open is read from this process's TCP sockets."""
 
 from __future__ import annotations
 
-import os
 import threading
-from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -23,6 +21,7 @@ from flink_jobs.flink_functions import EnrichAndWrite
 from prompt_assembly.events import parse_event
 from prompt_assembly.processor import SessionProcessor
 from tests.conftest import Isolated
+from tests.helpers import open_connections
 
 pytestmark = [pytest.mark.flink]
 
@@ -51,27 +50,6 @@ def runtime_context() -> StreamingRuntimeContext:
     return StreamingRuntimeContext(
         "write", "write (1/1)", 1, 128, 0, 0, {}, GenericMetricGroup(None, None), None, False
     )
-
-
-def open_connections(ports: set[int]) -> int:
-    """This process's established TCP connections to any of ``ports`` (from /proc: sockets this
-    process holds, matched to the kernel's TCP table)."""
-    inodes = set()
-    for fd in Path("/proc/self/fd").iterdir():
-        try:
-            target = os.readlink(fd)
-        except OSError:
-            continue
-        if target.startswith("socket:["):
-            inodes.add(target[len("socket:[") : -1])
-    count = 0
-    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
-        for line in Path(table).read_text().splitlines()[1:]:
-            fields = line.split()
-            remote_port, state, inode = int(fields[2].split(":")[1], 16), fields[3], fields[9]
-            if state == "01" and inode in inodes and remote_port in ports:  # 01: ESTABLISHED
-                count += 1
-    return count
 
 
 def test_closing_the_async_stage_closes_its_clients(isolated: Isolated) -> None:

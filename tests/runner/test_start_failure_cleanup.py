@@ -6,25 +6,23 @@ closes them. A step that failed there (a sink that cannot open, the metrics port
 every client made before it open: while the caller held the error (its traceback holds them) each kept
 its broker connections, and the consumer joined the group in the background and stayed a member.
 
-Against the stack's real broker, with the step made to fail for real: the metrics port held by a socket
-of the test's own (after the consumer subscribed), or an S3 endpoint where nothing listens (the sinks'
-open, after the producers were made). What is observed is this process's connections to the broker
-(from /proc, as ``tests/flink_jobs/test_flink_close`` reads them), while the error is held: every client,
-producer or consumer, holds at least one while it lives, whatever the broker. Not the group: Tansu
-answers DescribeGroups with a state and no members, and a consumer closed while its first join is in
-flight (as here) left a next member of Tansu's group with no partitions for 45 s and more, where a
-leaked member let it have half at once: on Tansu the group cannot tell a closed consumer from a leaked
-one in bounded time.
+Against the stack's real broker, with the step made to fail for real: the metrics port held by a socket of
+the test's own (after the consumer subscribed), or an S3 endpoint where nothing listens (the sinks' open,
+after the producers were made). What is observed is this process's connections to the broker (from /proc:
+``tests.helpers.open_connections``, as ``tests/flink_jobs/test_flink_close`` reads them), while the error
+is held: every client, producer or consumer, holds at least one while it lives, whatever the broker. Not
+the group: Tansu answers DescribeGroups with a state and no members, and a consumer closed while its first
+join is in flight (as here) left a next member of Tansu's group with no partitions for 45 s and more,
+where a leaked member let it have half at once: on Tansu the group cannot tell a closed consumer from a
+leaked one in bounded time.
 """
 
 from __future__ import annotations
 
 import asyncio
 import errno
-import os
 import socket
 import time
-from pathlib import Path
 
 import pytest
 
@@ -32,6 +30,7 @@ from pipeline.sink_retry import SinkRetry
 from runner.embedded import EmbeddedRunner
 from sinks.errors import S3Unreachable
 from tests.conftest import Isolated
+from tests.helpers import open_connections
 
 pytestmark = pytest.mark.slow
 
@@ -40,25 +39,8 @@ CLOSE_WAIT_S = 5.0
 
 
 def broker_connections(bootstrap: str) -> int:
-    """This process's established TCP connections to the broker's port (sockets this process holds,
-    matched to the kernel's TCP table)."""
-    port = int(bootstrap.rsplit(":", 1)[1])
-    inodes = set()
-    for fd in Path("/proc/self/fd").iterdir():
-        try:
-            target = os.readlink(fd)
-        except OSError:
-            continue
-        if target.startswith("socket:["):
-            inodes.add(target[len("socket:[") : -1])
-    count = 0
-    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
-        for line in Path(table).read_text().splitlines()[1:]:
-            fields = line.split()
-            remote_port, state, inode = int(fields[2].split(":")[1], 16), fields[3], fields[9]
-            if state == "01" and inode in inodes and remote_port == port:  # 01: ESTABLISHED
-                count += 1
-    return count
+    """This process's established TCP connections to the broker's port."""
+    return open_connections({int(bootstrap.rsplit(":", 1)[1])})
 
 
 def connections_left(bootstrap: str, before: int) -> int:
