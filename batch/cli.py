@@ -40,7 +40,6 @@ FollowPool = Annotated[
 def _environment(state_dir: Path, from_stack: bool) -> tuple[Any, Any, Any]:
     from batch.config import BatchSettings
     from batch.launch import batch_client_config
-    from sinks.config import SinkSettings
 
     settings = BatchSettings()
     if from_stack:
@@ -50,15 +49,10 @@ def _environment(state_dir: Path, from_stack: bool) -> tuple[Any, Any, Any]:
         sinks = sink_settings(state)
         llm = batch_client_config(state.llm_endpoints, state.model, settings)
     else:
-        from pydantic import ValidationError
-
+        from devstack.stack import environment_sink_settings
         from llm_client.config import ClientConfig
-        from pipeline.kafka_security import configuration_error
 
-        try:
-            sinks = SinkSettings()
-        except ValidationError as error:
-            raise configuration_error(error, "SINK_* settings") from None
+        sinks = environment_sink_settings()
         env = ClientConfig()
         llm = batch_client_config(env.endpoints, env.model, settings)
     return settings, sinks, llm

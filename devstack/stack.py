@@ -537,6 +537,15 @@ def wait_ready(state: StackState, timeout_s: float = 30.0) -> None:
         wait_for_port(process, timeout_s=max(1.0, deadline - time.monotonic()))
 
 
+def environment_sink_settings() -> SinkSettings:
+    """``SinkSettings()`` from ``SINK_*``; a value it refuses (a stale one) is one line naming it, not
+    pydantic's dump of the input."""
+    try:
+        return SinkSettings()
+    except ValidationError as error:
+        raise configuration_error(error, "SINK_* settings") from None
+
+
 def sink_settings(state: StackState, *, base: SinkSettings | None = None, **overrides: Any) -> SinkSettings:
     """Sink settings pointing at the stack's Redis and S3.
 
@@ -547,11 +556,7 @@ def sink_settings(state: StackState, *, base: SinkSettings | None = None, **over
     default that a prefix set in the environment wins over, so ``SINK_REDIS_KEY_PREFIX`` or
     ``RUNNER_SINKS__REDIS_KEY_PREFIX`` holds.
     """
-    if base is None:
-        try:
-            base = SinkSettings()
-        except ValidationError as error:  # a stale SINK_* value: one line naming it, not pydantic's dump
-            raise configuration_error(error, "SINK_* settings") from None
+    base = environment_sink_settings() if base is None else base
     values: dict[str, Any] = {name: getattr(base, name) for name in base.model_fields_set}
     if "redis_key_prefix" not in values:
         values["redis_key_prefix"] = state.redis_key_prefix
