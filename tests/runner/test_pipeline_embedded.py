@@ -145,16 +145,21 @@ def test_a_replica_killed_mid_run_loses_no_result(isolated: Isolated, tmp_path: 
             # The victim is taking real traffic and holds calls when it dies. It runs at its peers'
             # speed: a slower one is drained as degraded at 20 answers, and then holds nothing to lose.
             # A call lasts ~0.1 s here, so an answer may already sit in the socket when the kill lands
-            # (a CI run lost every held call that way and retried none): the victim is frozen first,
-            # the answers it had written are read, and it dies holding what it never answered.
-            while True:
-                while victim_endpoint.served < 20 or victim_endpoint.outstanding < 2:
-                    await asyncio.sleep(0.005)
-                os.killpg(victim.pid, signal.SIGSTOP)
-                await asyncio.sleep(0.5)
-                if victim_endpoint.outstanding >= 1:
-                    break
-                os.killpg(victim.pid, signal.SIGCONT)  # everything it held was already answered
+            # (a CI run lost every held call that way and retried none): the victim is frozen first and
+            # stays frozen. The answers it wrote before the freeze are read within moments; once its
+            # served count has stood still for a while, the calls it holds are ones it never answered
+            # (its shoppers' prompts keep coming to it while frozen). It is never thawed: a thaw hands
+            # the detector 0.5 s-slow samples that can drain it, and a CI run that thawed it waited 60 s
+            # for traffic that never came (most likely for that reason).
+            while victim_endpoint.served < 20 or victim_endpoint.outstanding < 2:
+                await asyncio.sleep(0.005)
+            os.killpg(victim.pid, signal.SIGSTOP)
+            loop = asyncio.get_running_loop()
+            served, still_since = victim_endpoint.served, loop.time()
+            while victim_endpoint.outstanding < 1 or loop.time() - still_since < 0.5:
+                await asyncio.sleep(0.01)
+                if victim_endpoint.served != served:
+                    served, still_since = victim_endpoint.served, loop.time()
         os.killpg(victim.pid, signal.SIGKILL)
         await task
 
