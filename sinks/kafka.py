@@ -75,6 +75,7 @@ class KafkaResultSink:
         self.too_large = 0
         """Results never on the topic: over a size limit (``ResultTooLarge``)."""
         self.too_large_recent: deque[ResultTooLarge] = deque(maxlen=TOO_LARGE_KEPT)
+        self._closed = False
 
     async def open(self) -> None:
         return None
@@ -155,7 +156,20 @@ class KafkaResultSink:
         self._errors.clear()
 
     async def close(self) -> None:
-        await asyncio.to_thread(self._producer.flush, self.flush_timeout_s)
+        """Deliver what is queued (one ``flush_timeout_s``), then close the producer, so its threads and
+        broker connections go now and not when the sink is collected (a failed start's traceback holds
+        it for as long as the error is held). What is still queued then is past the last durable point,
+        so the replay writes it again: it is purged rather than waited out for ``message.timeout.ms``
+        (``Producer.close`` alone would wait). A second ``close`` does nothing."""
+        if self._closed:
+            return
+        self._closed = True
+        await asyncio.to_thread(self._close_producer)
+
+    def _close_producer(self) -> None:
+        self._producer.flush(self.flush_timeout_s)
+        self._producer.purge()
+        self._producer.close()
 
 
 def _code(exc: KafkaException) -> int | None:

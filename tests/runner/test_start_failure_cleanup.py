@@ -70,13 +70,13 @@ def test_a_metrics_port_already_taken_closes_the_consumer_and_producers_made_bef
 
 
 def test_a_sink_that_cannot_open_closes_the_producers_made_before(isolated: Isolated) -> None:
-    """Without the Kafka sink: its producer is the sink's own (``sinks.kafka``), which its ``close``
-    only flushes, and the error's traceback holds it (through ``Checkpoint.open``)."""
+    """With every sink, the Kafka sink's own producer too (``sinks.kafka``: its ``close`` closes the
+    producer; it used to only flush it, and the error's traceback held it through ``Checkpoint.open``)."""
     bootstrap = isolated.stack.kafka_bootstrap
     with socket.create_server(("127.0.0.1", 0)) as listener:
         nothing_listens = listener.getsockname()[1]
     sinks = isolated.sinks().model_copy(
-        update={"s3_endpoint_url": f"http://127.0.0.1:{nothing_listens}", "enabled": ("redis", "s3")}
+        update={"s3_endpoint_url": f"http://127.0.0.1:{nothing_listens}", "enabled": ("redis", "s3", "kafka")}
     )
     runner = EmbeddedRunner(
         isolated.runner(sinks=sinks, sink_retry=SinkRetry(max_wait_s=1.0)), log=lambda _: None

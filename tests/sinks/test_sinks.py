@@ -25,7 +25,7 @@ from sinks.kafka import KafkaResultSink
 from sinks.redis import RedisSignalSink
 from sinks.s3 import S3InsightSink
 from tests.conftest import Isolated
-from tests.helpers import serving
+from tests.helpers import open_connections, serving
 
 
 def insight(
@@ -387,3 +387,22 @@ async def test_a_kafka_sink_whose_records_the_broker_refuses_fails_its_flush(iso
         assert [key for key, _ in sink._refused] == [b"k1", b"k2"]
     finally:
         await sink.close()
+
+
+async def test_a_closed_kafka_sink_holds_no_broker_connection(isolated: Isolated) -> None:
+    """``close`` closes the producer, so its broker connections go while the sink is still held (a failed
+    start's traceback holds it), and a second ``close`` is harmless. Seen from /proc: this process's
+    established connections to the real broker's port."""
+    broker_port = {int(isolated.stack.kafka_bootstrap.rsplit(":", 1)[1])}
+    before = open_connections(broker_port)
+    sink = KafkaResultSink(isolated.insights_topic, {"bootstrap.servers": isolated.stack.kafka_bootstrap})
+    await sink.write([insight("k1", 1)])
+    await sink.flush()
+    assert sink.delivered == 1
+    assert open_connections(broker_port) > before, "a producer that delivered holds a connection"
+    await sink.close()
+    await sink.close()
+    deadline = time.monotonic() + 5.0
+    while open_connections(broker_port) > before and time.monotonic() < deadline:
+        await asyncio.sleep(0.1)
+    assert open_connections(broker_port) <= before
