@@ -32,7 +32,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Literal, TypeVar, cast
 
-from pydantic import Field, ValidationError, field_validator, model_validator
+from pydantic import Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 from redis.exceptions import RedisError
 
@@ -48,7 +48,7 @@ from devstack.processes import (
     wait_for_port,
 )
 from llm_client.config import ClientConfig
-from pipeline.kafka_security import configuration_error
+from pipeline.kafka_security import settings_from_environment
 from pipeline.redaction import mask_url, redact
 from pipeline.topics import DLQ_TOPIC, EVENTS_TOPIC, INSIGHTS_TOPIC, PROMPTS_TOPIC
 from prompt_assembly.errors import ConfigurationError
@@ -540,10 +540,7 @@ def wait_ready(state: StackState, timeout_s: float = 30.0) -> None:
 def environment_sink_settings() -> SinkSettings:
     """``SinkSettings()`` from ``SINK_*``; a value it refuses (a stale one) is one line naming it, not
     pydantic's dump of the input."""
-    try:
-        return SinkSettings()
-    except ValidationError as error:
-        raise configuration_error(error, "SINK_* settings") from None
+    return settings_from_environment(SinkSettings, "SINK_* settings")
 
 
 def sink_settings(state: StackState, *, base: SinkSettings | None = None, **overrides: Any) -> SinkSettings:

@@ -19,10 +19,12 @@ for a secret or a TLS file given to a protocol that would not use it (an ``ssl_k
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, FilePath, SecretStr, ValidationError, model_validator
+from pydantic_settings import BaseSettings, SettingsError
 
 from prompt_assembly.errors import ConfigurationError
 
@@ -140,6 +142,33 @@ def configuration_error(error: ValidationError, settings: str | None = None) -> 
         what = str(cause) if isinstance(cause, ConfigurationError) else item["msg"]
         lines.append(f"{where}: {what}" if where else what)
     return kind((f"{settings}: " if settings else "") + "; ".join(lines))
+
+
+def unparsable_setting(error: SettingsError, env_prefix: str) -> ConfigurationError:
+    """pydantic-settings' ``SettingsError`` (a variable of a list or a section holds no valid JSON) as a
+    ``ConfigurationError`` that names the variables to check, never their values."""
+    field = re.search(r'field "(\w+)"', str(error))
+    section = f"{env_prefix}{field.group(1).upper()}" if field else f"{env_prefix}*"
+    return ConfigurationError(
+        f"{section} or one of its {section}__* variables is not valid JSON where a list or a section "
+        """is expected (a list is written as JSON: '["http://host:8000"]')"""
+    )
+
+
+SettingsT = TypeVar("SettingsT", bound=BaseSettings)
+
+
+def settings_from_environment(settings_class: type[SettingsT], what: str | None = None) -> SettingsT:
+    """``settings_class()``, read from its environment variables; a value it refuses is one line
+    (``configuration_error``, ``unparsable_setting``) naming the setting, never pydantic's dump of the
+    input. ``what`` names the settings in it (default: their prefix, ``SINK_* settings``)."""
+    prefix = str(settings_class.model_config.get("env_prefix", ""))
+    try:
+        return settings_class()
+    except ValidationError as error:
+        raise configuration_error(error, what or f"{prefix}* settings") from None
+    except SettingsError as error:
+        raise unparsable_setting(error, prefix) from None
 
 
 def librdkafka_properties(security: KafkaSecurity) -> dict[str, str]:

@@ -23,7 +23,8 @@ StateDir = Annotated[Path, typer.Option(help="the embedded stack's state directo
 @realtime_app.command("serve")
 def serve_cmd(
     port: Annotated[
-        int | None, typer.Option(help="listen port (0 = a free one); default REALTIME_PORT")
+        int | None,
+        typer.Option(min=0, max=65535, help="listen port (0 = a free one); default REALTIME_PORT"),
     ] = None,
     replicas: Annotated[
         int | None, typer.Option(help="use only the first N of the stack's LLM replicas (the real-time pool)")
@@ -40,13 +41,17 @@ def serve_cmd(
 ) -> None:
     """Serve POST /v1/match, /health, /metrics and /openapi.json until SIGINT/SIGTERM."""
     from llm_client.config import ClientConfig
+    from pipeline.kafka_security import settings_from_environment
     from pipeline.redaction import redacted_config_dump
     from realtime.config import RealtimeSettings
     from realtime.service import realtime_client_config
     from sinks.config import SinkSettings
 
-    settings = RealtimeSettings() if port is None else RealtimeSettings(port=port)
-    env = ClientConfig()  # LLM_* variables: endpoints (without the stack), API key and CA bundle
+    # Each read from its variables; a value refused is one line naming the setting (not a traceback).
+    settings = settings_from_environment(RealtimeSettings)
+    if port is not None:
+        settings = settings.model_copy(update={"port": port})
+    env = settings_from_environment(ClientConfig)  # LLM_*: endpoints (without the stack), key, CA bundle
     if from_stack:
         from devstack.stack import load_state, sink_settings
 
@@ -54,7 +59,7 @@ def serve_cmd(
         sinks = sink_settings(state)
         endpoints, model = state.llm_endpoints, state.model
     else:
-        sinks = SinkSettings()
+        sinks = settings_from_environment(SinkSettings)
         endpoints, model = env.endpoints, env.model
     llm = realtime_client_config(
         endpoints[:replicas] if replicas else endpoints, model, security=env.security
@@ -62,15 +67,9 @@ def serve_cmd(
     config: dict[str, object] = {"realtime": settings, "llm": llm, "sinks": sinks}
     capacity = None
     if shift_capacity:
-        from pydantic import ValidationError
-
         from capacity.controller import CapacitySettings
-        from pipeline.kafka_security import configuration_error
 
-        try:
-            capacity = CapacitySettings()
-        except ValidationError as error:  # one line naming the CAPACITY_* setting, not pydantic's dump
-            raise configuration_error(error, "CAPACITY_* settings") from None
+        capacity = settings_from_environment(CapacitySettings)
         config["capacity"] = {"pool": shift_capacity, **capacity.model_dump()}
     print(redacted_config_dump(config), flush=True)  # secrets masked (pipeline.redaction)
     run_event_loop(_serve(settings, llm, sinks, shift_capacity, capacity), settings.event_loop)

@@ -6,7 +6,6 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import re
 import signal
 import sys
 import time
@@ -18,7 +17,6 @@ from typing import Annotated, Any
 import typer
 from confluent_kafka import KafkaError, KafkaException
 from pydantic import ValidationError
-from pydantic_settings import SettingsError
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import RedisError
 from rich.console import Console
@@ -36,10 +34,10 @@ from devstack.stack import (
     stack_up,
     state_file,
 )
-from pipeline.kafka_security import KafkaSecurity, configuration_error
+from pipeline.kafka_security import KafkaSecurity, configuration_error, settings_from_environment
 from pipeline.redaction import RedactingStream, secrets_in_environment
 from pipeline.topics import DLQ_TOPIC, EVENTS_TOPIC
-from prompt_assembly.errors import ConfigurationError, ShopperError
+from prompt_assembly.errors import ShopperError
 from runner.config import RunnerSettings
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help=__doc__, pretty_exceptions_enable=False)
@@ -206,23 +204,7 @@ def kafka_security() -> KafkaSecurity:
 def read_runner_settings() -> RunnerSettings:
     """``RunnerSettings()`` from the environment; settings that cannot work raise ``ConfigurationError``
     (``InsecureConfiguration`` for a secret on a plaintext protocol) naming each one, never its value."""
-    try:
-        return RunnerSettings()
-    except ValidationError as error:
-        raise configuration_error(error, "RUNNER_* settings") from None
-    except SettingsError as error:  # a nested section's variable that is not JSON
-        raise unparsable_setting(error, "RUNNER_") from None
-
-
-def unparsable_setting(error: SettingsError, env_prefix: str) -> ConfigurationError:
-    """pydantic-settings' ``SettingsError`` (a variable of a list or a section holds no valid JSON) as a
-    ``ConfigurationError`` that names the variables to check, never their values."""
-    field = re.search(r'field "(\w+)"', str(error))
-    section = f"{env_prefix}{field.group(1).upper()}" if field else f"{env_prefix}*"
-    return ConfigurationError(
-        f"{section} or one of its {section}__* variables is not valid JSON where a list or a section "
-        f"is expected (a list is written as JSON: {env_prefix}LLM__ENDPOINTS='[\"http://host:8000\"]')"
-    )
+    return settings_from_environment(RunnerSettings, "RUNNER_* settings")
 
 
 def runner_settings_from_stack(state_dir: Path, **overrides: Any) -> RunnerSettings:

@@ -146,3 +146,22 @@ def test_run_with_an_s3_endpoint_that_is_no_url_says_so_before_it_starts(tmp_pat
     code, output = shopper(["run", "--no-from-stack", "--until-drained"], env, tmp_path, timeout_s=60)
     line = one_line(output)
     assert code == 1 and "sinks.s3_endpoint_url" in line and NOT_A_URL in line, output
+
+
+@pytest.mark.parametrize(
+    ("env", "names"),
+    [
+        ({"SINK_S3_ENDPOINT_URL": NOT_A_URL, **S3_ENV}, ("SINK_", "s3_endpoint_url")),
+        ({"REALTIME_PORT": "not-a-port"}, ("REALTIME_", "port")),
+        ({"LLM_ENDPOINTS": "not-json"}, ("LLM_", "endpoints")),
+    ],
+)
+def test_realtime_serve_with_a_setting_that_cannot_work_says_so_in_one_line(
+    tmp_path: Path, env: dict[str, str], names: tuple[str, ...]
+) -> None:
+    """``realtime serve --no-from-stack`` read ``SINK_*``, ``REALTIME_*`` and ``LLM_*`` unwrapped: a value
+    refused was pydantic's dump of the input, in a traceback."""
+    code, output = shopper(["realtime", "serve", "--no-from-stack"], env, tmp_path, timeout_s=60)
+    line = one_line(output)
+    assert code == 1 and all(name in line or name in line.lower() for name in names), output
+    assert "Traceback" not in output, output
