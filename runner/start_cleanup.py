@@ -24,7 +24,8 @@ class StartCleanup:
     """``async with``: when the block ends by an exception (or a cancellation) before ``started``, each
     ``on_failure`` close runs, the newest first; after ``started`` none does. A close that fails is
     logged and the next one still runs: the caller sees the failed start step's own error, never a
-    cleanup's."""
+    cleanup's. A close interrupted (a second Ctrl-C, a cancellation) is logged too, the others still
+    run, and the interruption is raised once they are done."""
 
     def __init__(self, log: Callable[[str], None]) -> None:
         self._log = log
@@ -49,6 +50,7 @@ class StartCleanup:
         tb: TracebackType | None,
     ) -> None:
         closes, self._closes = self._closes, []
+        interrupted: BaseException | None = None
         for what, close in reversed(closes):
             try:
                 pending = close()
@@ -56,6 +58,11 @@ class StartCleanup:
                     await pending
             except Exception as error:
                 self._log(f"{what} not closed after the failed start: {error!r}")
+            except BaseException as interruption:  # the clients not yet closed would stay open
+                self._log(f"{what} not closed after the failed start, interrupted: {interruption!r}")
+                interrupted = interrupted or interruption
+        if interrupted is not None:
+            raise interrupted
 
 
 def close_unused_producer(producer: Producer) -> None:
