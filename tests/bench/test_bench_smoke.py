@@ -69,6 +69,8 @@ SMOKE_RUNS = (
                                  "--rounds", "1"), ("client_overhead.json",)),
     SmokeRun("answer_parsing", ("-m", "bench.answer_parsing", "--tokens", "50", "--repeat", "20", "--rounds",
                                 "2"), ("answer_parsing.json",)),
+    SmokeRun("degradation", ("-m", "bench.degradation", "--sizes", "3,8", "--rounds", "1"),
+             ("degradation.json",)),
     SmokeRun("security", ("-m", "bench.security", "--events", "500", "--repeat", "1"), ("security.json",)),
     SmokeRun("sizing", ("-m", "bench.sizing",)),
     SmokeRun("batch", ("-m", "bench.batch", "--records", "200", "--baseline-records", "100", "--skip-kill"),
