@@ -28,8 +28,9 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import threading
 from collections import deque
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 import orjson
 from confluent_kafka import KafkaError, KafkaException, Message, Producer
@@ -76,6 +77,8 @@ class KafkaResultSink:
         """Results never on the topic: over a size limit (``ResultTooLarge``)."""
         self.too_large_recent: deque[ResultTooLarge] = deque(maxlen=TOO_LARGE_KEPT)
         self._closed = False
+        self._thread_calls = threading.Lock()
+        """Held by each producer call run off the loop, and by ``close``."""
 
     async def open(self) -> None:
         return None
@@ -98,7 +101,7 @@ class KafkaResultSink:
                 self._producer.produce(self.topic, value=value, key=key, on_delivery=self._delivered)
                 return
             except BufferError:  # the local queue is full: deliveries (or their timeouts) free it
-                await asyncio.to_thread(self._producer.poll, FULL_QUEUE_POLL_S)
+                await asyncio.to_thread(self._in_thread, self._producer.poll, FULL_QUEUE_POLL_S)
 
     def _delivered(self, error: KafkaError | None, message: Message) -> None:
         if error is None:
@@ -144,7 +147,7 @@ class KafkaResultSink:
             ) from exc
         finally:
             self._refused[:0] = refused
-        left = await asyncio.to_thread(self._producer.flush, self.flush_timeout_s)
+        left = await asyncio.to_thread(self._in_thread, self._producer.flush, self.flush_timeout_s)
         self._skip_refused_for_size()
         if left or self._refused:
             errors, self._errors = self._errors, []
@@ -167,9 +170,18 @@ class KafkaResultSink:
         await asyncio.to_thread(self._close_producer)
 
     def _close_producer(self) -> None:
-        self._producer.flush(self.flush_timeout_s)
-        self._producer.purge()
-        self._producer.close()
+        with self._thread_calls:  # a flush whose caller was cancelled may still run in its thread
+            try:
+                self._producer.flush(self.flush_timeout_s)
+                self._producer.purge()
+            finally:
+                self._producer.close()
+
+    def _in_thread(self, call: Callable[[float], int], timeout_s: float) -> int:
+        """A blocking producer call, run off the loop; ``close`` waits for it: a release of confluent-kafka
+        without upstream PR #2313 may free the handle under a call still running in another thread."""
+        with self._thread_calls:
+            return call(timeout_s)
 
 
 def _code(exc: KafkaException) -> int | None:
