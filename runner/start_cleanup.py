@@ -58,6 +58,8 @@ class StartCleanup:
                     await pending
             except Exception as error:
                 self._log(f"{what} not closed after the failed start: {error!r}")
+            except GeneratorExit:  # the coroutine itself is being closed: it may not await again
+                raise
             except BaseException as interruption:  # the clients not yet closed would stay open
                 self._log(f"{what} not closed after the failed start, interrupted: {interruption!r}")
                 interrupted = interrupted or interruption

@@ -53,3 +53,31 @@ def test_a_failing_close_is_logged_and_the_start_steps_error_is_raised() -> None
         asyncio.run(start())
     assert closed == ["redis"]
     assert logged == ["the producer not closed after the failed start: RuntimeError('already closed')"]
+
+
+class _Pause:
+    """An await that yields once to whoever drives the coroutine."""
+
+    def __await__(self):  # type: ignore[no-untyped-def]
+        yield
+
+
+def test_a_start_closed_while_a_close_waits_closes_without_awaiting_again() -> None:
+    """Closing the coroutine (``GeneratorExit``, as a loop torn down with the task pending does) is
+    not an interruption to close past: awaiting the next close then would be a RuntimeError."""
+    closed: list[str] = []
+
+    async def close(what: str) -> None:
+        await _Pause()
+        closed.append(what)
+
+    async def start() -> None:
+        async with StartCleanup(lambda _: None) as start:
+            start.on_failure("the producer", lambda: close("producer"))
+            start.on_failure("the consumer", lambda: close("consumer"))
+            raise OSError("the metrics port is taken")
+
+    coroutine = start()
+    coroutine.send(None)  # the consumer's close is waiting
+    coroutine.close()
+    assert closed == []
