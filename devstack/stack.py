@@ -540,7 +540,7 @@ def wait_ready(state: StackState, timeout_s: float = 30.0) -> None:
 def environment_sink_settings() -> SinkSettings:
     """``SinkSettings()`` from ``SINK_*``; a value it refuses (a stale one) is one line naming it, not
     pydantic's dump of the input."""
-    return settings_from_environment(SinkSettings, "SINK_* settings")
+    return settings_from_environment(SinkSettings, what="SINK_* settings")
 
 
 def sink_settings(state: StackState, *, base: SinkSettings | None = None, **overrides: Any) -> SinkSettings:

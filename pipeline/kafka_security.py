@@ -150,21 +150,24 @@ def unparsable_setting(error: SettingsError, env_prefix: str) -> ConfigurationEr
     field = re.search(r'field "(\w+)"', str(error))
     section = f"{env_prefix}{field.group(1).upper()}" if field else f"{env_prefix}*"
     return ConfigurationError(
-        f"{section} or one of its {section}__* variables is not valid JSON where a list or a section "
-        """is expected (a list is written as JSON: '["http://host:8000"]')"""
+        f"{section} (or, for a section, one of its {section}__* variables) is not valid JSON where a "
+        """list or a section is expected (a list is written as JSON: '["http://host:8000"]')"""
     )
 
 
 SettingsT = TypeVar("SettingsT", bound=BaseSettings)
 
 
-def settings_from_environment(settings_class: type[SettingsT], what: str | None = None) -> SettingsT:
-    """``settings_class()``, read from its environment variables; a value it refuses is one line
-    (``configuration_error``, ``unparsable_setting``) naming the setting, never pydantic's dump of the
-    input. ``what`` names the settings in it (default: their prefix, ``SINK_* settings``)."""
+def settings_from_environment(
+    settings_class: type[SettingsT], *, what: str | None = None, **given: Any
+) -> SettingsT:
+    """``settings_class(**given)``, the rest read from its environment variables (what is ``given``
+    wins over them); a value it refuses is one line (``configuration_error``, ``unparsable_setting``)
+    naming the setting, never pydantic's dump of the input. ``what`` names the settings in it
+    (default: their prefix, ``SINK_* settings``)."""
     prefix = str(settings_class.model_config.get("env_prefix", ""))
     try:
-        return settings_class()
+        return settings_class(**given)
     except ValidationError as error:
         raise configuration_error(error, what or f"{prefix}* settings") from None
     except SettingsError as error:

@@ -48,9 +48,8 @@ def serve_cmd(
     from sinks.config import SinkSettings
 
     # Each read from its variables; a value refused is one line naming the setting (not a traceback).
-    settings = settings_from_environment(RealtimeSettings)
-    if port is not None:
-        settings = settings.model_copy(update={"port": port})
+    given: dict[str, Any] = {} if port is None else {"port": port}  # the option wins over REALTIME_PORT
+    settings = settings_from_environment(RealtimeSettings, **given)
     env = settings_from_environment(ClientConfig)  # LLM_*: endpoints (without the stack), key, CA bundle
     if from_stack:
         from devstack.stack import load_state, sink_settings

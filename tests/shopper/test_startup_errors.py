@@ -165,3 +165,13 @@ def test_realtime_serve_with_a_setting_that_cannot_work_says_so_in_one_line(
     line = one_line(output)
     assert code == 1 and all(name in line or name in line.lower() for name in names), output
     assert "Traceback" not in output, output
+
+
+def test_realtime_serve_port_option_wins_over_a_bad_realtime_port(tmp_path: Path) -> None:
+    """``--port`` given, ``REALTIME_PORT`` is not read: the settings after it (``SINK_*``, refused here
+    so that nothing starts) are the first to fail."""
+    env = {"REALTIME_PORT": "not-a-port", "SINK_S3_ENDPOINT_URL": NOT_A_URL, **S3_ENV}
+    argv = ["realtime", "serve", "--no-from-stack", "--port", "0"]
+    code, output = shopper(argv, env, tmp_path, timeout_s=60)
+    line = one_line(output)
+    assert code == 1 and "SINK_" in line and "REALTIME_" not in line, output
