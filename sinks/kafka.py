@@ -178,8 +178,9 @@ class KafkaResultSink:
                 self._producer.close()
 
     def _in_thread(self, call: Callable[[float], int], timeout_s: float) -> int:
-        """A blocking producer call, run off the loop; ``close`` waits for it: a release of confluent-kafka
-        without upstream PR #2313 may free the handle under a call still running in another thread."""
+        """A blocking producer call, run off the loop; ``close`` waits for it: a confluent-kafka release
+        older than the upstream fix that makes ``close`` wait for calls in other threads (2.16.2 has it)
+        may free the handle under a call still running in another thread."""
         with self._thread_calls:
             return call(timeout_s)
 
