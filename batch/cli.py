@@ -49,10 +49,11 @@ def _environment(state_dir: Path, from_stack: bool) -> tuple[Any, Any, Any]:
         sinks = sink_settings(state)
         llm = batch_client_config(state.llm_endpoints, state.model, settings)
     else:
-        from devstack.stack import environment_sink_settings
         from llm_client.config import ClientConfig
+        from pipeline.kafka_security import settings_from_environment
+        from sinks.config import SinkSettings
 
-        sinks = environment_sink_settings()
+        sinks = settings_from_environment(SinkSettings)
         env = ClientConfig()
         llm = batch_client_config(env.endpoints, env.model, settings)
     return settings, sinks, llm

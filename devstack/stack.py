@@ -537,12 +537,6 @@ def wait_ready(state: StackState, timeout_s: float = 30.0) -> None:
         wait_for_port(process, timeout_s=max(1.0, deadline - time.monotonic()))
 
 
-def environment_sink_settings() -> SinkSettings:
-    """``SinkSettings()`` from ``SINK_*``; a value it refuses (a stale one) is one line naming it, not
-    pydantic's dump of the input."""
-    return settings_from_environment(SinkSettings, what="SINK_* settings")
-
-
 def sink_settings(state: StackState, *, base: SinkSettings | None = None, **overrides: Any) -> SinkSettings:
     """Sink settings pointing at the stack's Redis and S3.
 
@@ -553,7 +547,7 @@ def sink_settings(state: StackState, *, base: SinkSettings | None = None, **over
     default that a prefix set in the environment wins over, so ``SINK_REDIS_KEY_PREFIX`` or
     ``RUNNER_SINKS__REDIS_KEY_PREFIX`` holds.
     """
-    base = environment_sink_settings() if base is None else base
+    base = settings_from_environment(SinkSettings) if base is None else base
     values: dict[str, Any] = {name: getattr(base, name) for name in base.model_fields_set}
     if "redis_key_prefix" not in values:
         values["redis_key_prefix"] = state.redis_key_prefix

@@ -158,18 +158,16 @@ def unparsable_setting(error: SettingsError, env_prefix: str) -> ConfigurationEr
 SettingsT = TypeVar("SettingsT", bound=BaseSettings)
 
 
-def settings_from_environment(
-    settings_class: type[SettingsT], *, what: str | None = None, **given: Any
-) -> SettingsT:
+def settings_from_environment(settings_class: type[SettingsT], **given: Any) -> SettingsT:
     """``settings_class(**given)``, the rest read from its environment variables (what is ``given``
     wins over them); a value it refuses is one line (``configuration_error``, ``unparsable_setting``)
-    naming the setting, never pydantic's dump of the input. ``what`` names the settings in it
-    (default: their prefix, ``SINK_* settings``)."""
+    naming the setting after the class's prefix (``SINK_* settings: ...``), never pydantic's dump of
+    the input."""
     prefix = str(settings_class.model_config.get("env_prefix", ""))
     try:
         return settings_class(**given)
     except ValidationError as error:
-        raise configuration_error(error, what or f"{prefix}* settings") from None
+        raise configuration_error(error, f"{prefix}* settings") from None
     except SettingsError as error:
         raise unparsable_setting(error, prefix) from None
 

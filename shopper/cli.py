@@ -204,7 +204,7 @@ def kafka_security() -> KafkaSecurity:
 def read_runner_settings() -> RunnerSettings:
     """``RunnerSettings()`` from the environment; settings that cannot work raise ``ConfigurationError``
     (``InsecureConfiguration`` for a secret on a plaintext protocol) naming each one, never its value."""
-    return settings_from_environment(RunnerSettings, what="RUNNER_* settings")
+    return settings_from_environment(RunnerSettings)
 
 
 def runner_settings_from_stack(state_dir: Path, **overrides: Any) -> RunnerSettings:
