@@ -10,6 +10,7 @@ import gc
 import json
 import os
 import re
+import time
 import urllib.request
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Iterator, Mapping
 from contextlib import asynccontextmanager, contextmanager
@@ -278,3 +279,21 @@ def open_connections(ports: set[int]) -> int:
             if state == "01" and inode in inodes and remote_port in ports:  # 01: ESTABLISHED
                 count += 1
     return count
+
+
+CLOSE_WAIT_S = 5.0
+"""How long closed Kafka clients' broker connections may take to go."""
+
+
+def broker_connections(bootstrap: str) -> int:
+    """This process's established TCP connections to the broker's port."""
+    return open_connections({int(bootstrap.rsplit(":", 1)[1])})
+
+
+def broker_connections_left(bootstrap: str, before: int) -> int:
+    """How many more broker connections than ``before`` this process holds, once they are back to
+    ``before`` or ``CLOSE_WAIT_S`` has passed."""
+    deadline = time.monotonic() + CLOSE_WAIT_S
+    while (now := broker_connections(bootstrap)) > before and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return now - before

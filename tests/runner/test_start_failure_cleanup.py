@@ -22,7 +22,6 @@ from __future__ import annotations
 import asyncio
 import errno
 import socket
-import time
 
 import pytest
 
@@ -30,26 +29,9 @@ from pipeline.sink_retry import SinkRetry
 from runner.embedded import EmbeddedRunner
 from sinks.errors import S3Unreachable
 from tests.conftest import Isolated
-from tests.helpers import open_connections
+from tests.helpers import broker_connections, broker_connections_left
 
 pytestmark = pytest.mark.slow
-
-CLOSE_WAIT_S = 5.0
-"""How long the connections may take to go once ``run`` raised (the clients close before it raises)."""
-
-
-def broker_connections(bootstrap: str) -> int:
-    """This process's established TCP connections to the broker's port."""
-    return open_connections({int(bootstrap.rsplit(":", 1)[1])})
-
-
-def connections_left(bootstrap: str, before: int) -> int:
-    """How many more broker connections than ``before`` this process holds, once they are back to
-    ``before`` or ``CLOSE_WAIT_S`` has passed."""
-    deadline = time.monotonic() + CLOSE_WAIT_S
-    while (now := broker_connections(bootstrap)) > before and time.monotonic() < deadline:
-        time.sleep(0.1)
-    return now - before
 
 
 def test_a_metrics_port_already_taken_closes_the_consumer_and_producers_made_before(
@@ -63,7 +45,7 @@ def test_a_metrics_port_already_taken_closes_the_consumer_and_producers_made_bef
             asyncio.run(runner.run())
 
     assert failed.value.errno == errno.EADDRINUSE, failed.value  # the start step's own error
-    left = connections_left(bootstrap, before)
+    left = broker_connections_left(bootstrap, before)
     assert left <= 0, f"{left} broker connections left open by the failed start"
     with pytest.raises(RuntimeError, match="Consumer closed"):
         runner.consumer.memberid()
@@ -86,5 +68,5 @@ def test_a_sink_that_cannot_open_closes_the_producers_made_before(isolated: Isol
         asyncio.run(runner.run())
 
     assert f"127.0.0.1:{nothing_listens}" in str(failed.value)
-    left = connections_left(bootstrap, before)
+    left = broker_connections_left(bootstrap, before)
     assert left <= 0, f"{left} broker connections left open by the failed start"
