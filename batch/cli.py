@@ -40,8 +40,10 @@ FollowPool = Annotated[
 def _environment(state_dir: Path, from_stack: bool) -> tuple[Any, Any, Any]:
     from batch.config import BatchSettings
     from batch.launch import batch_client_config
+    from pipeline.kafka_security import settings_from_environment
 
-    settings = BatchSettings()
+    # Each read from its variables; a value refused is one line naming the setting (not a traceback).
+    settings = settings_from_environment(BatchSettings)
     if from_stack:
         from devstack.stack import load_state, sink_settings
 
@@ -50,11 +52,10 @@ def _environment(state_dir: Path, from_stack: bool) -> tuple[Any, Any, Any]:
         llm = batch_client_config(state.llm_endpoints, state.model, settings)
     else:
         from llm_client.config import ClientConfig
-        from pipeline.kafka_security import settings_from_environment
         from sinks.config import SinkSettings
 
         sinks = settings_from_environment(SinkSettings)
-        env = ClientConfig()
+        env = settings_from_environment(ClientConfig)
         llm = batch_client_config(env.endpoints, env.model, settings)
     return settings, sinks, llm
 

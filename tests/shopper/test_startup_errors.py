@@ -175,3 +175,21 @@ def test_realtime_serve_port_option_wins_over_a_bad_realtime_port(tmp_path: Path
     code, output = shopper(argv, env, tmp_path, timeout_s=60)
     line = one_line(output)
     assert code == 1 and "SINK_" in line and "REALTIME_" not in line, output
+
+
+@pytest.mark.parametrize(
+    ("env", "names"),
+    [
+        ({"BATCH_SHARD_RECORDS": "0"}, ("BATCH_", "shard_records")),
+        ({"LLM_ENDPOINTS": "not-json"}, ("LLM_", "endpoints")),
+    ],
+)
+def test_batch_status_with_a_setting_that_cannot_work_says_so_in_one_line(
+    tmp_path: Path, env: dict[str, str], names: tuple[str, ...]
+) -> None:
+    """``batch ... --no-from-stack`` read ``BATCH_*`` and ``LLM_*`` unwrapped, as ``realtime serve`` did:
+    a value refused was pydantic's dump of the input, in a traceback."""
+    code, output = shopper(["batch", "status", "--no-from-stack"], env, tmp_path, timeout_s=60)
+    line = one_line(output)
+    assert code == 1 and all(name in line or name in line.lower() for name in names), output
+    assert "Traceback" not in output, output
