@@ -17,15 +17,15 @@ run``), two TaskManagers of one slot each, so a job at parallelism 2 runs one su
 
 from __future__ import annotations
 
-import contextlib
 import os
 import signal
 import subprocess
 import threading
 import time
 import uuid
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import orjson
 import pytest
@@ -288,37 +288,50 @@ def _view(shopper_id: str, event_id: str) -> tuple[bytes, bytes]:
     return shopper_id.encode(), orjson.dumps(event)
 
 
-def _checkpoint_covering(
-    rest: FlinkRest, job_id: str, bootstrap: str, group: str, topic: str, ends: dict[int, int]
-) -> float:
-    """Trigger checkpoints until the job's group has committed ``ends`` (the source commits when told a
-    checkpoint completed, so a checkpoint then covers every record before them); returns when, on
-    ``time.monotonic``. A checkpoint declined (tasks of a restarted job still deploying) is tried again."""
+T = TypeVar("T")
+
+
+def _checkpoints_until(
+    rest: FlinkRest, job_id: str, reached: Callable[[], T | None], state: Callable[[], str]
+) -> T:
+    """Trigger checkpoints until ``reached``, asked after each completed one, returns a value; returns it.
+    A checkpoint declined (tasks of a restarted job still deploying) is tried again. ``state``: what was
+    seen, for the timeout's message."""
     deadline = time.monotonic() + 120
-    seen: dict[int, int] = {}
     while time.monotonic() < deadline:
         try:
             rest.trigger_checkpoint(job_id)
         except (FlinkJobFailed, OSError):
             time.sleep(1.0)
             continue
-        seen = committed(bootstrap, group, topic, sorted(ends))
-        if all(seen.get(p, -1) >= end for p, end in ends.items()):
-            return time.monotonic()
+        result = reached()
+        if result is not None:
+            return result
         time.sleep(0.5)
-    raise TimeoutError(f"group {group} committed {seen}, produced up to {ends}; {rest.diagnosis(job_id)}")
+    raise TimeoutError(f"{state()}; {rest.diagnosis(job_id)}")
+
+
+def _checkpoint_covering(
+    rest: FlinkRest, job_id: str, bootstrap: str, group: str, topic: str, ends: dict[int, int]
+) -> float:
+    """Trigger checkpoints until the job's group has committed ``ends`` (the source commits when told a
+    checkpoint completed, so a checkpoint then covers every record before them); returns when, on
+    ``time.monotonic``."""
+    seen: dict[int, int] = {}
+
+    def covered() -> float | None:
+        nonlocal seen
+        seen = committed(bootstrap, group, topic, sorted(ends))
+        return time.monotonic() if all(seen.get(p, -1) >= end for p, end in ends.items()) else None
+
+    return _checkpoints_until(
+        rest, job_id, covered, lambda: f"group {group} committed {seen}, produced up to {ends}"
+    )
 
 
 def _first_checkpoint(rest: FlinkRest, job_id: str) -> None:
     """Trigger checkpoints until one completes: every task of the job is then running."""
-    deadline = time.monotonic() + 120
-    while True:
-        try:
-            rest.trigger_checkpoint(job_id)
-            return
-        except (FlinkJobFailed, OSError):
-            assert time.monotonic() < deadline, f"no checkpoint completed; {rest.diagnosis(job_id)}"
-            time.sleep(1.0)
+    _checkpoints_until(rest, job_id, lambda: True, lambda: "no checkpoint completed")
 
 
 def _prompts_committed_by_checkpoints(
@@ -326,15 +339,16 @@ def _prompts_committed_by_checkpoints(
 ) -> list[tuple[float, dict[str, Any]]]:
     """Trigger checkpoints (the exactly-once sink commits at each) until ``topic`` holds ``expect``
     committed prompts; each with its record's timestamp in seconds (when the sink wrote it)."""
-    deadline, found = time.monotonic() + 120, []
-    while time.monotonic() < deadline:
-        with contextlib.suppress(FlinkJobFailed, OSError):  # declined while a failover redeploys
-            rest.trigger_checkpoint(job_id)
+    found: list[tuple[float, dict[str, Any]]] = []
+
+    def enough() -> list[tuple[float, dict[str, Any]]] | None:
+        nonlocal found
         found = [(stamp / 1000, orjson.loads(value)) for stamp, value in _committed_records(bootstrap, topic)]
-        if len(found) >= expect:
-            return found
-        time.sleep(1.0)
-    raise TimeoutError(f"{topic}: {len(found)} committed, waited for {expect}; {rest.diagnosis(job_id)}")
+        return found if len(found) >= expect else None
+
+    return _checkpoints_until(
+        rest, job_id, enough, lambda: f"{topic}: {len(found)} committed, waited for {expect}"
+    )
 
 
 def _committed_records(bootstrap: str, topic: str) -> list[tuple[int, bytes]]:
