@@ -323,10 +323,17 @@ class Admission:
 
 
 async def _stop(task: asyncio.Task[None]) -> bool:
-    """Cancel a waiting ``acquire``; True when it had got its slot first (the caller holds it then)."""
+    """Cancel a waiting ``acquire``; True when it had got its slot first (the caller holds it then).
+    The caller's own cancellation, arriving while the ``acquire`` ends, is raised: taken for the
+    ``acquire``'s, it was swallowed, and a request its caller, its session's newer version or an
+    ``asyncio.timeout`` had cancelled ended as a 429 "waited". The ``acquire`` holds no slot then (a
+    cancelled ``acquire`` hands on one granted in the same instant)."""
     task.cancel()
     try:
         await task
     except asyncio.CancelledError:
+        caller = asyncio.current_task()
+        if caller is not None and caller.cancelling():
+            raise
         return False
     return True
