@@ -82,7 +82,7 @@ from runner.prompt_flight import PromptFlight
 from runner.repartition import Deliveries, Repartitioner, ensure_topic
 from runner.session_store import RedisSessionStore, SessionDelta
 from runner.sessions import SessionCache
-from runner.start_cleanup import StartCleanup, close_unused_producer
+from runner.start_cleanup import StartCleanup, purge_and_close
 from runner.timers import TimerQueue
 from runner.trigger_loop import TriggerLoop
 from sinks.registry import SinkResources, build_sinks
@@ -190,7 +190,7 @@ class EmbeddedRunner:
             )
             start.on_failure(
                 "the dead-letter producer",
-                functools.partial(asyncio.to_thread, close_unused_producer, producer),
+                functools.partial(asyncio.to_thread, purge_and_close, producer),
             )
             self.dead_letters = DeadLetterPublisher(
                 producer,
@@ -211,7 +211,7 @@ class EmbeddedRunner:
             )
             start.on_failure(
                 "the repartition producer",
-                functools.partial(asyncio.to_thread, close_unused_producer, rekey_producer),
+                functools.partial(asyncio.to_thread, purge_and_close, rekey_producer),
             )
             self.rekeyer = Repartitioner(
                 rekey_producer,
@@ -270,15 +270,28 @@ class EmbeddedRunner:
                     finally:
                         for worker in workers:
                             worker.cancel()
+                        # A worker's error fails the runner, raised once everything below is closed.
+                        # Raised here, the trigger loop's skipped the shutdown: the consumer never left
+                        # the group (its partitions waited out the session timeout), the clients and
+                        # the ops server stayed open.
                         for worker in workers:
-                            with contextlib.suppress(asyncio.CancelledError):
+                            try:
                                 await worker
+                            except asyncio.CancelledError:
+                                pass
+                            except Exception as error:
+                                self.fail(error)  # a no-op for one that failed it already
                         await self.handover.stop()
                         await asyncio.to_thread(self.consumer.close)
                         await asyncio.to_thread(self.dead_letters.flush, 10)
                         await asyncio.to_thread(self.rekeyer.producer.flush, 10)
                         await self.checkpoint.close()
-                        # librdkafka handles go with them
+                        # Closed here, not left to the collector: a failed run's error holds this
+                        # frame (``producer``, ``rekey_producer``) and the runner for as long as it is
+                        # held, and a process that embeds the runner kept their threads dialling the
+                        # broker until a full collection.
+                        await asyncio.to_thread(purge_and_close, self.dead_letters.producer)
+                        await asyncio.to_thread(purge_and_close, self.rekeyer.producer)
                         del self.dead_letters, self.rekeyer, self.checkpoint
                         await redis.aclose()
                         if self.ops is not None:

@@ -17,7 +17,7 @@ from types import TracebackType
 
 from confluent_kafka import Producer
 
-__all__ = ["StartCleanup", "close_unused_producer"]
+__all__ = ["StartCleanup", "purge_and_close"]
 
 
 class StartCleanup:
@@ -67,10 +67,11 @@ class StartCleanup:
             raise interrupted
 
 
-def close_unused_producer(producer: Producer) -> None:
-    """Close a producer the stream never used (``Producer.close``: confluent-kafka 2.13 and later).
-    Blocking: call it off the loop. Nothing is produced before the stream runs, and a failed start
-    commits nothing, so the purge loses nothing the next owner does not replay; it is there because
-    ``close`` waits out ``message.timeout.ms`` for whatever is still queued."""
+def purge_and_close(producer: Producer) -> None:
+    """Close a producer whose queue holds nothing past the last durable point (``Producer.close``:
+    confluent-kafka 2.13 and later). Blocking: call it off the loop. After a failed start nothing was
+    produced and nothing committed; at a shutdown it comes after the producer's flush and the last
+    durable point, so what is still queued was never committed and the next owner replays it. The
+    purge is there because ``close`` waits out ``message.timeout.ms`` for whatever is still queued."""
     producer.purge()
     producer.close()
