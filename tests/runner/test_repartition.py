@@ -354,3 +354,5 @@ async def test_a_copy_waiting_for_room_in_a_full_queue_gives_up_when_the_runner_
     with pytest.raises(RekeyUndelivered):
         await asyncio.wait_for(waiting, timeout=10)
     away.purge()
+    away.close()  # closed, not collected: until a full collection it dialled the port nobody listens on
+    producer.close()
