@@ -64,6 +64,7 @@ def test_tail_dlq_shows_a_record_that_is_not_a_dead_letter_and_goes_on(stack: St
     for value in records:
         producer_.produce(DLQ_TOPIC, value=value)
     assert producer_.flush(30) == 0
+    producer_.close()  # CliRunner's result holds this frame in a cycle: left open, it outlived the broker
 
     result = CliRunner().invoke(
         app, ["tail-dlq", "--bootstrap", stack.kafka_bootstrap, "--limit", str(len(records))]
@@ -157,6 +158,10 @@ def test_produce_and_tail_dlq_over_mutual_tls(monkeypatch: pytest.MonkeyPatch, t
         dlq = Producer(secure)
         dlq.produce(DLQ_TOPIC, _dead_letter("over-mutual-tls", "{"))
         assert dlq.flush(30) == 0
+        # Gone before the commands run: CliRunner's results hold this frame in a reference cycle, so
+        # clients left in it outlived the broker and dialled it until a full collection.
+        dlq.close()
+        del admin, dlq
 
         runner = CliRunner()
         produced = runner.invoke(
