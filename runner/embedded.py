@@ -271,9 +271,8 @@ class EmbeddedRunner:
                         for worker in workers:
                             worker.cancel()
                         # A worker's error fails the runner, raised once everything below is closed.
-                        # Raised here, the trigger loop's skipped the shutdown: the consumer never left
-                        # the group (its partitions waited out the session timeout), the clients and
-                        # the ops server stayed open.
+                        # Raised here, the trigger loop's skipped the shutdown: the consumer stayed in
+                        # the group holding its partitions, the clients and the ops server stayed open.
                         for worker in workers:
                             try:
                                 await worker
