@@ -68,10 +68,10 @@ class StartCleanup:
 
 
 def purge_and_close(producer: Producer) -> None:
-    """Close a producer whose queue holds nothing past the last durable point (``Producer.close``:
-    confluent-kafka 2.13 and later). Blocking: call it off the loop. After a failed start nothing was
-    produced and nothing committed; at a shutdown it comes after the producer's flush and the last
-    durable point, so what is still queued was never committed and the next owner replays it. The
-    purge is there because ``close`` waits out ``message.timeout.ms`` for whatever is still queued."""
+    """Close a producer whose queued records may be dropped (``Producer.close``: confluent-kafka 2.13
+    and later). Blocking: call it off the loop. After a failed start nothing was produced and nothing
+    committed; at a shutdown it comes after the producer's flush and the last durable point, so what
+    is still queued is past every offset committed and the next owner replays it. The purge is there
+    because ``close`` waits out ``message.timeout.ms`` for whatever is still queued."""
     producer.purge()
     producer.close()
