@@ -34,6 +34,7 @@ from runner.session_store import RedisSessionStore, SessionDelta
 from sinks.keys import RedisKeys
 from tests.conftest import Isolated
 from tests.fault_kit import OwnRedis
+from tests.helpers import broker_connections, broker_connections_left
 from tests.prompt_assembly.test_sessions import event
 
 pytestmark = pytest.mark.slow
@@ -58,15 +59,20 @@ def test_a_rearm_that_fails_fails_the_runner(isolated: Isolated) -> None:
     lines: list[str] = []
     settings = isolated.runner(sink_retry=SinkRetry(max_wait_s=0.5), drain_idle_s=5.0)
     runner = EmbeddedRunner(settings, log=lines.append)
+    bootstrap = isolated.stack.kafka_bootstrap
+    before = broker_connections(bootstrap)
 
     async def bounded() -> None:
         async with asyncio.timeout(60):
             await runner.run()
 
-    with pytest.raises(redis.exceptions.ResponseError, match="WRONGTYPE"):
+    with pytest.raises(redis.exceptions.ResponseError, match="WRONGTYPE"):  # held, with its traceback
         asyncio.run(bounded())
     assert any("re-arming the timers of partitions" in line for line in lines), lines[-5:]
     assert runner.stats.commits == 0
+    # Its producers closed, not only dropped: the error holds ``run``'s frame, and they were in it.
+    left = broker_connections_left(bootstrap, before)
+    assert left <= 0, f"{left} broker connections left open by the failed run"
 
 
 def seed_pending_sessions(redis_url: str, prefix: str, deadline: float | None = None) -> dict[str, int]:

@@ -1,5 +1,4 @@
-"""A start step that fails closes the Kafka clients the steps before it made (``runner.start_cleanup``),
-and so does a run that fails once it has started.
+"""A start step that fails closes the Kafka clients the steps before it made (``runner.start_cleanup``).
 
 ``EmbeddedRunner.run`` makes its two producers (dead letters, repartition), opens the sinks, makes and
 subscribes its consumer, enters the LLM client and starts the ops server, all before the try/finally that
@@ -16,12 +15,6 @@ the group: Tansu answers DescribeGroups with a state and no members, and a consu
 join is in flight (as here) left a next member of Tansu's group with no partitions for 45 s and more,
 where a leaked member let it have half at once: on Tansu the group cannot tell a closed consumer from a
 leaked one in bounded time.
-
-After the start, ``run``'s own shutdown closes them. Two ways it had left them open: a failed run's error
-holds ``run``'s frame, and the two producers in it, for as long as the caller holds the error (they were
-dropped, not closed, and lived on until a full collection: the producers a test suite left dialling its
-stopped brokers); and a trigger loop that failed raised its error from the shutdown's wait for the
-workers, which skipped the rest of the shutdown.
 """
 
 from __future__ import annotations
@@ -31,13 +24,10 @@ import errno
 import socket
 
 import pytest
-import redis
-import redis.exceptions
 
 from pipeline.sink_retry import SinkRetry
 from runner.embedded import EmbeddedRunner
 from sinks.errors import S3Unreachable
-from sinks.keys import RedisKeys
 from tests.conftest import Isolated
 from tests.helpers import broker_connections, broker_connections_left
 
@@ -80,49 +70,3 @@ def test_a_sink_that_cannot_open_closes_the_producers_made_before(isolated: Isol
     assert f"127.0.0.1:{nothing_listens}" in str(failed.value)
     left = broker_connections_left(bootstrap, before)
     assert left <= 0, f"{left} broker connections left open by the failed start"
-
-
-def test_a_run_that_fails_after_the_start_closes_its_producers(isolated: Isolated) -> None:
-    """Partition 0's timer set is not a sorted set: re-arming it on the first assignment fails on every
-    retry, so the run fails after its start, and the error is held."""
-    client = redis.Redis.from_url(isolated.stack.redis_url)
-    client.set(RedisKeys(isolated.prefix).timers(0), b"not a sorted set")
-    client.close()
-    runner = EmbeddedRunner(isolated.runner(sink_retry=SinkRetry(max_wait_s=0.5)), log=lambda _: None)
-    bootstrap = isolated.stack.kafka_bootstrap
-    before = broker_connections(bootstrap)
-
-    async def bounded() -> None:
-        async with asyncio.timeout(60):
-            await runner.run()
-
-    with pytest.raises(redis.exceptions.ResponseError, match="WRONGTYPE"):  # held, with its traceback
-        asyncio.run(bounded())
-    left = broker_connections_left(bootstrap, before)
-    assert left <= 0, f"{left} broker connections left open by the failed run"
-
-
-class TriggerBug(RuntimeError):
-    pass
-
-
-def test_a_trigger_loop_that_fails_still_lets_the_run_close_everything(isolated: Isolated) -> None:
-    runner = EmbeddedRunner(isolated.runner(until_drained=False), log=lambda _: None)
-    bootstrap = isolated.stack.kafka_bootstrap
-    before = broker_connections(bootstrap)
-
-    def broken() -> list[tuple[str, float, tuple[int, int]]]:
-        raise TriggerBug("firing a trigger failed")
-
-    runner.timers.pop_due = broken  # type: ignore[method-assign]  # the fault: the loop's first step
-
-    async def bounded() -> None:
-        async with asyncio.timeout(60):
-            await runner.run()
-
-    with pytest.raises(TriggerBug):  # the runner fails with the loop's error, once it has shut down
-        asyncio.run(bounded())
-    left = broker_connections_left(bootstrap, before)
-    assert left <= 0, f"{left} broker connections left open after the trigger loop failed"
-    with pytest.raises(RuntimeError, match="Consumer closed"):
-        runner.consumer.memberid()

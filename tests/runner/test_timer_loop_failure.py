@@ -16,6 +16,7 @@ import pytest
 
 from runner.embedded import EmbeddedRunner
 from tests.conftest import Isolated
+from tests.helpers import broker_connections, broker_connections_left
 
 pytestmark = pytest.mark.slow
 
@@ -27,6 +28,8 @@ class TriggerBug(RuntimeError):
 def test_a_trigger_loop_that_fails_fails_the_runner_at_once(isolated: Isolated) -> None:
     lines: list[str] = []
     runner = EmbeddedRunner(isolated.runner(until_drained=False), log=lines.append)
+    bootstrap = isolated.stack.kafka_bootstrap
+    before = broker_connections(bootstrap)
 
     def broken() -> list[tuple[str, float, tuple[int, int]]]:
         raise TriggerBug("firing a trigger failed")
@@ -50,3 +53,9 @@ def test_a_trigger_loop_that_fails_fails_the_runner_at_once(isolated: Isolated) 
     failure = asyncio.run(scenario())
     assert isinstance(failure, TriggerBug), "the runner went on without its trigger loop"
     assert any("the trigger loop failed" in line for line in lines), lines[-5:]
+    # And it shut down whole: the loop's error, raised from the wait for the workers, had skipped the
+    # rest of the shutdown (the consumer stayed in the group, the producers and Redis stayed open).
+    left = broker_connections_left(bootstrap, before)
+    assert left <= 0, f"{left} broker connections left open after the trigger loop failed"
+    with pytest.raises(RuntimeError, match="Consumer closed"):
+        runner.consumer.memberid()
