@@ -270,11 +270,23 @@ class Enricher:
         if claim is None:
             result = await self._call(prompt, admission_wait_ms)
         else:
-            claim.call = asyncio.create_task(self._call(prompt, admission_wait_ms))
-            result = await claim.call
+            call = claim.call = asyncio.create_task(self._call(prompt, admission_wait_ms))
+            try:
+                result = await call
+            except asyncio.CancelledError:
+                # The caller's cancellation (its own timeout) can come in the loop pass the answer
+                # did, before this resumes with it: the answer is paid for, so it is recorded still.
+                # Dropped, the replay asked the model again.
+                if call.done() and not call.cancelled() and call.exception() is None:
+                    await self._record(call.result())
+                raise
+        await self._record(result)
+        return result
+
+    async def _record(self, result: EnrichmentResult) -> None:
+        """An answer into the ledger, shielded: once it is back, the caller going away does not stop it."""
         if self.ledger is not None and isinstance(result, ShopperInsight):
             await asyncio.shield(self.ledger.record(result))
-        return result
 
     async def _call(self, prompt: PromptRequest, admission_wait_ms: float) -> EnrichmentResult:
         try:

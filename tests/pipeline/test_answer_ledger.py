@@ -10,6 +10,8 @@ from pathlib import Path
 from urllib.parse import urlsplit
 
 from llm_client import LLMClient
+from llm_client.hooks import Attempt
+from llm_client.models import Completion
 from pipeline.accounting import Accounting
 from pipeline.answer_ledger import AnswerLedger
 from pipeline.enrichment import Enricher, EnrichmentSettings
@@ -228,3 +230,34 @@ async def test_a_ledger_whose_redis_stops_answering_costs_a_timeout_not_the_stre
     assert isinstance(result, ShopperInsight) and not result.replayed
     assert paid == 1, "the model was asked"
     assert ledger.counts.read_failures >= 1 and ledger.counts.write_failures == 1
+
+
+async def test_an_answer_back_as_its_caller_is_cancelled_is_recorded_and_not_paid_again(
+    sinks: SinkSettings,
+) -> None:
+    """The caller's own timeout (the Flink job's async timeout) can fire in the loop pass the answer
+    came back in, before the prompt's work resumes with it. That answer is paid for: it is recorded, so
+    the replay is answered from the ledger. It was dropped with the cancellation, and paid again."""
+    prompt = Shopper("s-cut-as-answered").cart()
+    async with running_simulator(time_scale=0.01) as sim:
+        async with LLMClient(client_config(sim.url)) as client:
+            ledger = AnswerLedger.from_settings(sinks)
+            caller = asyncio.create_task(Enricher(client, ledger=ledger).enrich(prompt))
+
+            def cancel_the_caller(_attempt: Attempt, _completion: Completion) -> None:
+                # Queued ahead of the step that hands the answer back: the cancellation meets it in.
+                asyncio.get_running_loop().call_soon(caller.cancel)
+
+            client.hooks.attempt_finished.append(cancel_the_caller)
+            done, _ = await asyncio.wait([caller], timeout=30)
+            client.hooks.attempt_finished.clear()
+            paid = requests_received(await sim_metrics(sim))
+            restarted = Enricher(client, ledger=ledger)
+            replayed = await restarted.enrich(prompt)
+            await ledger.redis.aclose()
+        metrics = await sim_metrics(sim)
+    assert done == {caller} and caller.cancelled()
+    assert paid == 1
+    assert isinstance(replayed, ShopperInsight) and replayed.replayed, replayed
+    assert requests_received(metrics) == paid  # the replay asked the replica nothing
+    assert restarted.counts.skipped_answered == 1
