@@ -20,6 +20,7 @@ from runner.config import RunnerSettings
 from sinks.config import SinkSettings
 from tests.cancellation import pytest_configure  # noqa: F401  (SIGTERM stops what the fixtures started)
 from tests.flink_failure_report import pytest_runtest_makereport  # noqa: F401  (the cluster's say, on failure)
+from tests.kafka_client_leaks import no_kafka_client_left  # noqa: F401  (a test may not leave a Kafka client running)
 from tests.timeout_report import pytest_timeout_set_timer  # noqa: F401  (a hung test's report ends with its id)
 
 SIM_TIME_SCALE = 0.01
