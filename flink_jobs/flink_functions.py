@@ -514,7 +514,12 @@ class EnrichPrompts(AsyncFunction):
             async with asyncio.timeout(self.settings.async_io.timeout_ms / 1000):
                 result = await enricher.enrich(prompt)
         except TimeoutError:
-            return self.timeout(value)
+            # An answer that came back as the timeout fired is recorded (``Enricher._answer``): it is
+            # this prompt's result, not a timeout.
+            kept = await enricher.recorded_answer(prompt)
+            if kept is None:
+                return self.timeout(value)
+            result = kept
         self._record(result)
         return [result.model_dump_json()]
 

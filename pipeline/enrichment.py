@@ -36,7 +36,7 @@ from llm_client.hooks import Attempt
 from pipeline.admission import BACKFILL_CLASS, BROWSE_CLASS, URGENT_CLASS, AdmissionGate, Evicted
 from pipeline.admission_limit import AdaptiveAdmissionLimit
 from pipeline.answer_ledger import AnswerLedger
-from pipeline.latest_wins import Arrival, Claim, ShopperClaims
+from pipeline.latest_wins import Arrival, Claim, ShopperClaims, cut_soon
 from pipeline.overload import OverloadCounts, OverloadSettings, TokenCounts
 from prompt_assembly.errors import ConfigurationError
 from prompt_assembly.records import (
@@ -159,6 +159,13 @@ class Enricher:
             self._count_displaced(claim)
         return result
 
+    async def recorded_answer(self, prompt: PromptRequest) -> ShopperInsight | None:
+        """``prompt``'s answer in the ledger, if any: for a caller whose own timeout cut its ``enrich``,
+        as an answer may have come back in the same pass and been kept (``_answer``)."""
+        if self.ledger is None:
+            return None
+        return (await self.ledger.lookup(prompt)).answer
+
     def _count_displaced(self, claim: Claim) -> None:
         """Counted once its work has stopped, not when displaced: a displaced call whose answer came
         in meanwhile is kept (``Claim.displace``), and lands uncounted."""
@@ -216,7 +223,7 @@ class Enricher:
             _CLAIM.set(claim)  # this task's: ``_sent`` marks it in flight once an attempt starts
             result = await self._answer(prompt, claim, (admitted - arrived) * 1000)
         except asyncio.CancelledError:
-            if claim.sent_at is not None:
+            if claim.sent_at is not None and not claim.answer_kept:
                 self._not_landed(prompt, claim.sent_at)
             raise
         finally:
@@ -229,13 +236,7 @@ class Enricher:
                 # client's slots it grew on (to 64 a replica), and a cut then took seconds to bite.
                 demand = self.gate.waiting > 0 and self.fleet_limit() < self._slots
                 self.fleet_limit.observe(result.ttft_ms, demand=demand, token_ms=token_ms)
-            self.tokens.landed(
-                usage.prompt_tokens,
-                usage.cached_tokens,
-                usage.completion_tokens,
-                result.ttft_ms / 1000,
-                result.latency_ms / 1000,
-            )
+            self._count_landed(result)
         elif isinstance(result, EnrichmentError) and result.attempts:
             self._not_landed(prompt, claim.sent_at or admitted)
         return result
@@ -255,6 +256,16 @@ class Enricher:
             return False
         return True
 
+    def _count_landed(self, insight: ShopperInsight) -> None:
+        usage = insight.usage
+        self.tokens.landed(
+            usage.prompt_tokens,
+            usage.cached_tokens,
+            usage.completion_tokens,
+            insight.ttft_ms / 1000,
+            insight.latency_ms / 1000,
+        )
+
     def _not_landed(self, prompt: PromptRequest, sent: float) -> None:
         """A prompt sent whose answer will not land: its tokens count as spent for nothing."""
         in_flight_s = time.perf_counter() - sent
@@ -265,21 +276,32 @@ class Enricher:
         self, prompt: PromptRequest, claim: Claim | None = None, admission_wait_ms: float = 0.0
     ) -> EnrichmentResult:
         """Ask the model; an insight is recorded in the ledger before it is returned (not cancellable
-        from then on: it is paid for). A claim's call is a task of its own that the claim holds, so that
-        a newer prompt cancels the call only while it is not done, never an answer already back."""
-        if claim is None:
-            result = await self._call(prompt, admission_wait_ms)
-        else:
-            call = claim.call = asyncio.create_task(self._call(prompt, admission_wait_ms))
-            try:
-                result = await call
-            except asyncio.CancelledError:
-                # The caller's cancellation (its own timeout) can come in the loop pass the answer
-                # did, before this resumes with it: the answer is paid for, so it is recorded still.
-                # Dropped, the replay asked the model again.
-                if call.done() and not call.cancelled() and call.exception() is None:
-                    await self._record(call.result())
-                raise
+        from then on: it is paid for). The call is a task of its own (a claim holds it, so that a newer
+        prompt cancels the call only while it is not done, never an answer already back), shielded
+        from the caller: a caller that goes away (its own timeout, a shutdown) has it cut as a newer
+        prompt does, ``cut_soon``, so that an answer whose last bytes came in the pass the caller was
+        cancelled in is kept and recorded. Cancelled at once, that answer was dropped, and paid for
+        again by the replay."""
+        call = asyncio.create_task(self._call(prompt, admission_wait_ms))
+        if claim is not None:
+            claim.call = call
+        try:
+            result = await asyncio.shield(call)
+        except asyncio.CancelledError:
+            if not call.done():  # the caller went away (the call cut by a newer prompt is done)
+                cut_soon(call.cancel)
+                await asyncio.wait([call])
+            if (
+                not call.cancelled()
+                and call.exception() is None
+                and isinstance(answer := call.result(), ShopperInsight)
+            ):
+                await self._record(answer)
+                if self.ledger is not None:  # it lands from the ledger: a replay, the caller's retry
+                    self._count_landed(answer)
+                    if claim is not None:
+                        claim.answer_kept = True
+            raise
         await self._record(result)
         return result
 

@@ -16,6 +16,8 @@ This is per process: both engines key prompts by shopper, so all of a shopper's 
 from __future__ import annotations
 
 import asyncio
+import functools
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from enum import Enum
 
@@ -29,6 +31,27 @@ class Arrival(Enum):
     """The prompt already holding the claim (same ``request_id``): join its call."""
     OLDER = "older"
     """Older than the claim: superseded at once."""
+
+
+CUT_AFTER_PASSES = 2
+"""How many passes of the event loop a cut waits (``cut_soon``)."""
+
+
+def cut_soon(cut: Callable[[], object]) -> None:
+    """Run ``cut`` (the cancel of a model call whose answer is no longer wanted) ``CUT_AFTER_PASSES``
+    passes of the event loop from now. An answer whose last bytes came in the pass that decided the cut
+    is then done, and kept: paid for, it is recorded, not lost. One pass was not enough where the
+    decision ran first in its pass (a task step queued by the pass before, as a newer prompt's is):
+    that pass's reads came after it, and so did the call's last step, queued behind the cut."""
+    loop = asyncio.get_running_loop()
+
+    def later(passes: int) -> None:
+        if passes <= 1:
+            cut()
+        else:
+            loop.call_soon(later, passes - 1)
+
+    loop.call_soon(later, CUT_AFTER_PASSES)
 
 
 @dataclass(eq=False, slots=True)
@@ -47,6 +70,8 @@ class Claim:
     """``time.perf_counter()`` when its first attempt started."""
     superseded_by: str | None = None
     cancelled_in_flight: bool = False
+    answer_kept: bool = False
+    """Its answer came back although its caller went away, and is in the ledger: not spent for nothing."""
 
     @property
     def version(self) -> tuple[int, int]:
@@ -64,14 +89,13 @@ class Claim:
             return True
         if self.call.done() or (self.in_flight and not cancel_in_flight):
             return False
-        asyncio.get_running_loop().call_soon(self._cut, cancel_in_flight)
+        cut_soon(functools.partial(self._cut, cancel_in_flight))
         return True
 
     def _cut(self, cancel_in_flight: bool) -> None:
-        """Cancel the displaced call, one pass of the loop's ready callbacks after the newer prompt
-        came: an answer whose last bytes arrived in the same loop turn has its call's last step queued
-        ahead of this, so that call is done by now and its answer kept. Cancelled at once, that step
-        raised instead, and a paid-for answer was lost as ``cancelled_in_flight``."""
+        """Cancel the displaced call unless its answer came in meanwhile (``cut_soon``): that answer
+        is paid for, so it is kept. Cancelled at once, the call's last step raised instead, and a
+        paid-for answer was lost as ``cancelled_in_flight``."""
         call = self.call
         if call is None or call.done() or (self.in_flight and not cancel_in_flight):
             return

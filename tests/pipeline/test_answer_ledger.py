@@ -9,15 +9,19 @@ import time
 from pathlib import Path
 from urllib.parse import urlsplit
 
+import pytest
+
 from llm_client import LLMClient
 from llm_client.hooks import Attempt
 from llm_client.models import Completion
+from pipeline import enrichment
 from pipeline.accounting import Accounting
 from pipeline.answer_ledger import AnswerLedger
-from pipeline.enrichment import Enricher, EnrichmentSettings
+from pipeline.enrichment import Enricher, EnrichmentSettings, parse_understanding
 from pipeline.overload import OverloadSettings
 from prompt_assembly.processor import SessionProcessor
 from prompt_assembly.records import PromptRequest, ShopperInsight, Superseded, parse_result
+from prompt_assembly.understanding import ShopperUnderstanding
 from serving.simulator.testing import running_simulator
 from sinks.config import SinkSettings
 from sinks.redis import RedisSignalSink
@@ -236,13 +240,15 @@ async def test_an_answer_back_as_its_caller_is_cancelled_is_recorded_and_not_pai
     sinks: SinkSettings,
 ) -> None:
     """The caller's own timeout (the Flink job's async timeout) can fire in the loop pass the answer
-    came back in, before the prompt's work resumes with it. That answer is paid for: it is recorded, so
-    the replay is answered from the ledger. It was dropped with the cancellation, and paid again."""
+    came back in, before the prompt's work resumes with it. That answer is paid for: it is recorded,
+    its tokens count as landed, and the replay is answered from the ledger. It was dropped with the
+    cancellation, and paid again."""
     prompt = Shopper("s-cut-as-answered").cart()
     async with running_simulator(time_scale=0.01) as sim:
         async with LLMClient(client_config(sim.url)) as client:
             ledger = AnswerLedger.from_settings(sinks)
-            caller = asyncio.create_task(Enricher(client, ledger=ledger).enrich(prompt))
+            enricher = Enricher(client, ledger=ledger)
+            caller = asyncio.create_task(enricher.enrich(prompt))
 
             def cancel_the_caller(_attempt: Attempt, _completion: Completion) -> None:
                 # Queued ahead of the step that hands the answer back: the cancellation meets it in.
@@ -261,3 +267,38 @@ async def test_an_answer_back_as_its_caller_is_cancelled_is_recorded_and_not_pai
     assert isinstance(replayed, ShopperInsight) and replayed.replayed, replayed
     assert requests_received(metrics) == paid  # the replay asked the replica nothing
     assert restarted.counts.skipped_answered == 1
+    assert enricher.tokens.landed_prefill > 0 and enricher.tokens.not_landed_prefill == 0
+
+
+async def test_an_answer_read_as_its_caller_is_cancelled_is_recorded_and_not_paid_again(
+    sinks: SinkSettings, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The cancellation comes while the call is still on its last step, the answer's bytes read and
+    being parsed (so its last bytes and the caller's timer came in the same pass). Passed on to the
+    call at once, it ended the call cancelled with its answer in hand; now the call is cut a pass
+    later, as a displaced one is, and by then it is done."""
+    prompt = Shopper("s-cut-while-read").cart()
+    caller: asyncio.Task[object] | None = None
+
+    def parse_then_cancel_the_caller(text: str, *, schema_sent: bool = True) -> ShopperUnderstanding:
+        assert caller is not None
+        caller.cancel()
+        return parse_understanding(text, schema_sent=schema_sent)
+
+    monkeypatch.setattr(enrichment, "parse_understanding", parse_then_cancel_the_caller)
+    async with running_simulator(time_scale=0.01) as sim:
+        async with LLMClient(client_config(sim.url)) as client:
+            ledger = AnswerLedger.from_settings(sinks)
+            enricher = Enricher(client, ledger=ledger)
+            caller = asyncio.create_task(enricher.enrich(prompt))
+            done, _ = await asyncio.wait([caller], timeout=30)
+            paid = requests_received(await sim_metrics(sim))
+            monkeypatch.undo()
+            replayed = await Enricher(client, ledger=ledger).enrich(prompt)
+            await ledger.redis.aclose()
+        metrics = await sim_metrics(sim)
+    assert done == {caller} and caller.cancelled()
+    assert paid == 1
+    assert isinstance(replayed, ShopperInsight) and replayed.replayed, replayed
+    assert requests_received(metrics) == paid
+    assert enricher.tokens.not_landed_prefill == 0
