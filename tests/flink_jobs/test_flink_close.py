@@ -52,6 +52,15 @@ def runtime_context() -> StreamingRuntimeContext:
     )
 
 
+def started_async_runner() -> AsyncFunctionRunner:
+    """PyFlink's async operator's runner: its thread and event loop, started."""
+    runner = AsyncFunctionRunner()
+    runner.daemon = True
+    runner.start()
+    runner.wait_ready()
+    return runner
+
+
 def test_closing_the_async_stage_closes_its_clients(isolated: Isolated) -> None:
     sinks = isolated.sinks().model_copy(update={"enabled": ("redis", "s3")})
     settings = NearRealtimeSettings(llm=isolated.llm(), sinks=sinks)
@@ -69,10 +78,7 @@ def test_closing_the_async_stage_closes_its_clients(isolated: Isolated) -> None:
 
     function = EnrichAndWrite(settings.to_json())
     function.open(runtime_context())
-    runner = AsyncFunctionRunner()
-    runner.daemon = True
-    runner.start()
-    runner.wait_ready()
+    runner = started_async_runner()
     outcome = Outcome()
     runner.run_async(function.async_invoke, prompt.model_dump_json(), outcome)
     assert outcome.done.wait(CALL_TIMEOUT_S) and outcome.error is None, outcome.error

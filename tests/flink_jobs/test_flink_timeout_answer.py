@@ -9,7 +9,6 @@ import time
 
 import orjson
 import pytest
-from pyflink.fn_execution.datastream.process.async_function.operation import AsyncFunctionRunner
 
 from flink_jobs.flink_config import AsyncSettings, NearRealtimeSettings
 from flink_jobs.flink_functions import EnrichPrompts
@@ -18,7 +17,7 @@ from prompt_assembly.events import parse_event
 from prompt_assembly.processor import SessionProcessor
 from prompt_assembly.understanding import ShopperUnderstanding
 from tests.conftest import Isolated
-from tests.flink_jobs.test_flink_close import CALL_TIMEOUT_S, Outcome, runtime_context
+from tests.flink_jobs.test_flink_close import CALL_TIMEOUT_S, Outcome, runtime_context, started_async_runner
 
 pytestmark = [pytest.mark.flink]
 
@@ -48,10 +47,7 @@ def test_an_answer_back_as_the_timeout_fires_is_the_prompts_result(
 
     function = EnrichPrompts(settings.to_json())
     function.open(runtime_context())
-    runner = AsyncFunctionRunner()
-    runner.daemon = True
-    runner.start()
-    runner.wait_ready()
+    runner = started_async_runner()
     try:
         outcome = Outcome()
         runner.run_async(function.async_invoke, prompt.model_dump_json(), outcome)

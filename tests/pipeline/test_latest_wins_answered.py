@@ -19,60 +19,38 @@ from tests.helpers import until
 from tests.pipeline.test_overload import Shopper, client_config, enricher, requests_received, sim_metrics
 
 
-async def test_an_answer_back_in_the_turn_a_newer_prompt_comes_is_kept() -> None:
-    """The older prompt's answer is in the client (its stream's last bytes read in this loop turn);
-    the shopper's next prompt is handed over in the same turn, ahead of the client's last step. The
-    displacement cancelled the older prompt's task before that step ran: a paid-for answer became
-    ``Superseded(cancelled_in_flight)``, and the replica's work on it was lost."""
-    shopper = Shopper("s-answer-back")
-    older, newer = shopper.cart(), shopper.cart()
-    async with running_simulator(time_scale=0.01) as sim, LLMClient(client_config(sim.url)) as client:
-        chat = client.chat
-        last_bytes: list[asyncio.Future[None]] = []
+def held_at_their_last_step(client: LLMClient) -> list[asyncio.Future[None]]:
+    """Hold each call of ``client`` at its last step, its answer in hand, until the test resolves the
+    future the call appended."""
+    chat = client.chat
+    last_bytes: list[asyncio.Future[None]] = []
 
-        async def held_at_its_last_step(*args: Any, **kwargs: Any) -> Completion:
-            completion = await chat(*args, **kwargs)
-            last_bytes.append(asyncio.get_running_loop().create_future())
-            await last_bytes[-1]
-            return completion
+    async def held_at_its_last_step(*args: Any, **kwargs: Any) -> Completion:
+        completion = await chat(*args, **kwargs)
+        last_bytes.append(asyncio.get_running_loop().create_future())
+        await last_bytes[-1]
+        return completion
 
-        client.chat = held_at_its_last_step  # type: ignore[method-assign]
-        enrich = enricher(client)
-        first = asyncio.create_task(enrich.enrich(older))
-        await until(lambda: len(last_bytes) == 1)  # answered by the replica, in the client
-        second = asyncio.create_task(enrich.enrich(newer))  # the next poll's prompt ...
-        last_bytes[0].set_result(None)  # ... and the older answer's last step, in the same turn
-        kept = await first
-        await until(lambda: len(last_bytes) == 2)
-        last_bytes[1].set_result(None)
-        answered = await second
-        metrics = await sim_metrics(sim)
-    assert isinstance(kept, ShopperInsight) and kept.request_id == older.request_id, kept
-    assert isinstance(answered, ShopperInsight) and answered.request_id == newer.request_id
-    assert requests_received(metrics) == 2
-    assert enrich.counts.cancelled_in_flight == 0 and enrich.tokens.not_landed_prefill == 0
+    client.chat = held_at_its_last_step  # type: ignore[method-assign]
+    return last_bytes
 
 
-async def test_an_answer_whose_bytes_come_after_the_displacement_in_its_turn_is_kept(
-    monkeypatch: pytest.MonkeyPatch,
+@pytest.mark.parametrize("displaced_first", [False, True], ids=["bytes_then_newer", "newer_then_bytes"])
+async def test_an_answer_back_in_the_turn_a_newer_prompt_comes_is_kept(
+    displaced_first: bool, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """The other order within one loop turn: the newer prompt's step (queued by the turn before) runs
-    first and displaces the older one, then the turn's reads hand the older call its last bytes. The
-    call's last step is queued behind whatever the displacement queued: a cut one pass later found the
-    call not done and cancelled it with its answer in; the cut now waits two passes
-    (``latest_wins.cut_soon``)."""
-    shopper = Shopper("s-bytes-after-displace")
+    """The older prompt's answer is in the client (its last bytes read in this loop turn), and the
+    shopper's next prompt is handed over in the same turn. Either order within the turn:
+    - the bytes' step queued first: the displacement cancelled the older prompt's task before that
+      step ran, and a paid-for answer became ``Superseded(cancelled_in_flight)`` (until 6 Dec 2026);
+    - the newer prompt's step (queued by the turn before) runs first and displaces the older one, then
+      the turn's reads queue the call's last step behind what the displacement queued: a cut one pass
+      later found the call not done and cancelled it (until 7 Dec 2026; the cut now waits two passes,
+      ``latest_wins.cut_soon``)."""
+    shopper = Shopper(f"s-answer-back-{displaced_first}")
     older, newer = shopper.cart(), shopper.cart()
     async with running_simulator(time_scale=0.01) as sim, LLMClient(client_config(sim.url)) as client:
-        chat = client.chat
-        last_bytes: list[asyncio.Future[None]] = []
-
-        async def held_at_its_last_step(*args: Any, **kwargs: Any) -> Completion:
-            completion = await chat(*args, **kwargs)
-            last_bytes.append(asyncio.get_running_loop().create_future())
-            await last_bytes[-1]
-            return completion
-
+        last_bytes = held_at_their_last_step(client)
         displace = Claim.displace
 
         def displace_then_the_bytes_come(
@@ -82,12 +60,14 @@ async def test_an_answer_whose_bytes_come_after_the_displacement_in_its_turn_is_
             last_bytes[0].set_result(None)  # the read of this turn, after the displacing step
             return cut
 
-        client.chat = held_at_its_last_step  # type: ignore[method-assign]
         enrich = enricher(client)
         first = asyncio.create_task(enrich.enrich(older))
         await until(lambda: len(last_bytes) == 1)  # answered by the replica, in the client
-        monkeypatch.setattr(Claim, "displace", displace_then_the_bytes_come)
-        second = asyncio.create_task(enrich.enrich(newer))
+        if displaced_first:
+            monkeypatch.setattr(Claim, "displace", displace_then_the_bytes_come)
+        second = asyncio.create_task(enrich.enrich(newer))  # the next poll's prompt ...
+        if not displaced_first:
+            last_bytes[0].set_result(None)  # ... and the older answer's last step, in the same turn
         kept = await first
         monkeypatch.undo()
         await until(lambda: len(last_bytes) == 2)
