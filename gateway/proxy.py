@@ -252,6 +252,8 @@ class OpenAIProxy:
                     problem = answer_problem(answer, path)
                     if problem is not None:
                         raise problem
+                    # A stream that ended without ``[DONE]`` may be short: passed on, never kept.
+                    whole = not streaming or answer.tap.done
         except Refused as exc:
             flight.end(answer=_overloaded(exc))
             return
@@ -268,7 +270,7 @@ class OpenAIProxy:
                 flight.end(error=exc.with_traceback(None))
             return
         flight.end(complete=True)
-        if key is not None:
+        if key is not None and whole:
             self.idempotency.answered(key, flight)
 
     async def _answer(

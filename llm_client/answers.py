@@ -155,6 +155,18 @@ def usage_from_documents(usage: object, timings: object) -> tuple[int, int, int]
         return 0, 0, 0
 
 
+def chunk_problem(payload: bytes) -> str | None:
+    """Why one stream event's payload is not a completion chunk as ``read_stream`` decodes it (the
+    gateway's tap asks this of a stream's first event), or None when it is one."""
+    try:
+        _CHUNK.decode(payload)
+    except RecursionError:
+        return "nested too deeply to decode"
+    except msgspec.MsgspecError as exc:
+        return str(exc)
+    return None
+
+
 def _invalid(exc: msgspec.MsgspecError | RecursionError, raw: bytes, endpoint: str) -> InvalidAnswer:
     if isinstance(exc, RecursionError):
         return InvalidAnswer(

@@ -35,17 +35,25 @@ def answer_problem(forwarded: Forwarded, path: str) -> LLMError | None:
     replica's own 4xx is the caller's to see). A body that is not a JSON object with a non-empty
     ``choices`` list (``data`` list for ``/v1/models``) is an ``InvalidAnswer``, as the in-process
     client's ``parse_body`` judges it; a stream with an ``error`` event failed the request
-    (``EndpointUnavailable``, as ``parse_stream`` raises it). Without this an HTML page, an empty body
-    or an error event sent with a 200 counted as a good answer, so such a replica was never
-    quarantined, and it was kept for the key's failover retry. Judged from what the usage tap read in
-    passing (``UsageTap``: its one parse of a whole body, a stream's events)."""
+    (``EndpointUnavailable``, as ``parse_stream`` raises it), and one whose first event is not a
+    completion chunk, or that held no event, is an ``InvalidAnswer`` as ``read_stream`` judges it.
+    Without this an HTML page, an empty body, an error event or a stream of the wrong shape sent with
+    a 200 counted as a good answer, so such a replica was never quarantined, and it was kept for the
+    key's failover retry. Judged from what the usage tap read in passing (``UsageTap``: its one parse
+    of a whole body, a stream's first event and the events it decodes)."""
     if not 200 <= forwarded.status < 300:
         return None
     endpoint, tap = forwarded.endpoint.name, forwarded.tap
     if tap.streaming:
-        if tap.error is None:
-            return None
-        return EndpointUnavailable(f"error in stream: {tap.error}", endpoint=endpoint)
+        raw = tap.head.decode("utf-8", "replace")
+        if tap.error is not None:
+            return EndpointUnavailable(f"error in stream: {tap.error}", endpoint=endpoint)
+        if tap.bad_event is not None:
+            message = f"stream event is not a completion chunk: {tap.bad_event}"
+            return InvalidAnswer(message, kind="wrong_shape", endpoint=endpoint, raw=raw)
+        if tap.events == 0:
+            return InvalidAnswer("stream held no completion chunk", kind="empty", endpoint=endpoint, raw=raw)
+        return None
     if tap.not_json is not None:
         kind: InvalidAnswerKind = "empty" if tap.blank else "not_json"
         message = f"answer is not JSON: {tap.not_json}"

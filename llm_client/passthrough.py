@@ -5,7 +5,8 @@ tap reads just enough of them for the routing policy and the health detector to 
 from a parsed answer: when the first body byte came (the time to first token of a stream), the usage
 (prompt, cached and completion tokens, or llama-server's ``timings``) and an ``error`` event inside a
 stream. Only lines that mention ``usage``, ``timings`` or ``error`` are decoded, so the tap costs a
-substring search per chunk.
+substring search per chunk; a stream's first event is also decoded as the in-process client decodes
+every one (``answers.chunk_problem``), so that a replica streaming the wrong shape is found.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import aiohttp
 import orjson
 from multidict import CIMultiDictProxy
 
-from llm_client.answers import AnswerLimits, LineSplitter
+from llm_client.answers import AnswerLimits, LineSplitter, chunk_problem
 from llm_client.endpoints import Endpoint
 from llm_client.errors import AnswerTooLarge
 from llm_client.transport import mapped_transport_errors
@@ -56,7 +57,12 @@ class UsageTap:
     ``not_json`` and ``head``, what ``forwarding.answer_problem`` judges, from the one parse that
     reads the usage (it parsed the body a second time before)."""
     head: bytes = b""
-    """A whole body's first ``ANSWER_HEAD_BYTES``, for a bad answer's error record."""
+    """A whole body's first ``ANSWER_HEAD_BYTES`` (a stream's first event's), for a bad answer's error
+    record."""
+    events: int = 0
+    """A stream's ``data:`` events other than ``[DONE]``: one with none held no answer."""
+    bad_event: str | None = None
+    """Why a stream's first event is not a completion chunk (``answers.chunk_problem``)."""
     _lines: LineSplitter | None = None
     _body: list[bytes] = field(default_factory=list)
 
@@ -76,18 +82,28 @@ class UsageTap:
                 continue
             if len(line) <= _DONE_LINE_MAX and line[5:].strip() == b"[DONE]":
                 self.done = True
-            elif any(word in line for word in _INTERESTING):
+                continue
+            self._event(line)
+            if any(word in line for word in _INTERESTING):
                 self._read(line[5:].strip())
 
     def finish(self) -> None:
         if self.streaming:
             tail = b"" if self._lines is None else self._lines.rest()
-            if tail.startswith(b"data:"):
+            if tail.startswith(b"data:") and tail[5:].strip() != b"[DONE]":
+                self._event(tail)
                 self._read(tail[5:].strip())
         else:
             body = b"".join(self._body)
             self._body.clear()
             self._read_body(body)
+
+    def _event(self, line: bytes) -> None:
+        self.events += 1
+        if self.events == 1:
+            payload = line[5:].strip()
+            self.head = payload[:ANSWER_HEAD_BYTES]
+            self.bad_event = chunk_problem(payload)
 
     def _read_body(self, body: bytes) -> None:
         self.head = body[:ANSWER_HEAD_BYTES]

@@ -13,6 +13,7 @@ import orjson
 import pytest
 
 from llm_client.answer_health import AnswerHealthSettings
+from serving.simulator.bad_answers import BadAnswer
 from serving.simulator.testing import running_simulator
 from tests.gateway.test_gateway import (
     _flights_left_once_idle,
@@ -91,6 +92,61 @@ async def test_a_stream_with_an_error_event_is_not_kept_for_its_key(http: aiohtt
         text = await scrape(http, gw.url)
     assert len(calls) == 2, "the repeat called again"
     assert metric(text, "gateway_idempotent_total", outcome="reused") == 0
+
+
+@pytest.mark.parametrize("bad", ["wrong_types", "too_deep"])
+async def test_a_stream_of_the_wrong_shape_is_not_kept_and_counts_as_a_bad_answer(
+    http: aiohttp.ClientSession, bad: BadAnswer
+) -> None:
+    """A 200 stream whose events are not completion chunks (content a number; a field nested past any
+    decoder) counted as a good answer and was kept for its key: the in-process client behind the
+    gateway refused it (``InvalidAnswer``), and its failover retry with the same key got the same bytes
+    back, ``reused``, for the whole TTL. Now it is judged as ``read_stream`` judges it."""
+    async with (
+        running_simulator(time_scale=0.0, bad_answer=bad) as replica,
+        running_gateway([replica.url], "round_robin") as gw,
+    ):
+        keyed = {"Idempotency-Key": f"job:shopper:{bad}"}
+        body = chat_body("hi there", max_tokens=5, stream=True)
+        for _ in range(2):
+            async with http.post(gw.url + CHAT, json=body, headers=keyed) as r:
+                assert r.status == 200 and "x-gateway-idempotent" not in r.headers
+                await r.read()  # passed on as it came
+        text = await scrape(http, gw.url)
+        received = metric(await scrape(http, replica.url), "sim_request_errors_total", reason="bad_answer")
+    assert received == 2, "the repeat called again"
+    assert metric(text, "gateway_idempotent_total", outcome="reused") == 0
+    replica_name = gw.client.endpoints[0].name
+    assert (
+        metric(text, "gateway_replica_invalid_answers_total", replica=replica_name, kind="wrong_shape") == 2
+    )
+
+
+@pytest.mark.parametrize(
+    ("events", "invalid"),
+    [(b"data: [DONE]\n\n", 2), (b'data: {"choices": [{"delta": {"content": "hi"}}]}\n\n', 0)],
+    ids=["no_event", "no_done"],
+)
+async def test_a_stream_with_no_event_or_no_done_is_not_kept(
+    http: aiohttp.ClientSession, events: bytes, invalid: int
+) -> None:
+    """A stream that held no completion chunk is a bad answer (``empty``), as ``read_stream`` judges
+    it; one that ended cleanly without ``[DONE]`` may be short: passed on and not counted against the
+    replica, but not kept for its key either. Both were kept."""
+    async with replica_streaming(events) as (url, calls), running_gateway([url], "round_robin") as gw:
+        keyed = {"Idempotency-Key": "job:shopper:short"}
+        body = chat_body("hi there", max_tokens=5, stream=True)
+        for _ in range(2):
+            async with http.post(gw.url + CHAT, json=body, headers=keyed) as r:
+                assert r.status == 200 and "x-gateway-idempotent" not in r.headers
+                assert await r.read() == events, "passed on as it came"
+        text = await scrape(http, gw.url)
+        replica_name = gw.client.endpoints[0].name
+    assert len(calls) == 2, "the repeat called again"
+    assert metric(text, "gateway_idempotent_total", outcome="reused") == 0
+    assert (
+        metric(text, "gateway_replica_invalid_answers_total", replica=replica_name, kind="empty") == invalid
+    )
 
 
 @pytest.mark.parametrize("empty", ["", "   "], ids=["empty", "whitespace"])
