@@ -30,7 +30,7 @@ METRICS_KEY = web.AppKey("metrics", GatewayMetrics)
 
 def create_app(settings: GatewaySettings, client_config: ClientConfig) -> web.Application:
     """An application with its own LLM client (started and closed with the application)."""
-    client = LLMClient(client_config)
+    client = LLMClient(client_under_admission(settings, client_config))
     metrics = GatewayMetrics(client)
     app = web.Application(
         client_max_size=settings.max_body_bytes, middlewares=[caller_guard(settings, metrics)]
@@ -51,6 +51,19 @@ def create_app(settings: GatewaySettings, client_config: ClientConfig) -> web.Ap
 
     app.on_shutdown.append(stop_calls)
     return app
+
+
+def client_under_admission(settings: GatewaySettings, client_config: ClientConfig) -> ClientConfig:
+    """``client_config`` with its own in-flight limit raised to admission's ceiling (``max_in_flight``,
+    else every configured replica at ``per_replica_in_flight``). The gateway's admission is the limit:
+    below it, the client's (256 by default, the lower from five replicas at 64) queued first in first
+    out what admission had let through, where priority, the wait bounds and supersede no longer
+    applied."""
+    replicas = len(client_config.endpoints) + len(client_config.context_endpoints)
+    ceiling = settings.max_in_flight or max(1, replicas) * settings.per_replica_in_flight
+    if client_config.max_in_flight >= ceiling:
+        return client_config
+    return client_config.model_copy(update={"max_in_flight": ceiling})
 
 
 async def _client_lifetime(app: web.Application) -> AsyncIterator[None]:

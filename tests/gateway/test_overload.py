@@ -11,6 +11,7 @@ so what waits and what is refused depends on the order of arrivals alone.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import math
 import os
 import signal
@@ -23,13 +24,21 @@ from typing import Any
 import aiohttp
 import orjson
 import pytest
+from aiohttp import web
 
 from gateway.config import Priority
 from llm_client.client import LLMClient
 from llm_client.config import ClientConfig
 from llm_client.errors import SupersededByNewer
 from serving.simulator.launch import REPO_ROOT, SimulatorFleet
-from tests.gateway.test_gateway import TIME_SCALE, chat_body, metric, running_gateway, scrape
+from tests.gateway.test_gateway import (
+    TIME_SCALE,
+    chat_body,
+    metric,
+    replica_answering,
+    running_gateway,
+    scrape,
+)
 
 CHAT = "/v1/chat/completions"
 LONG = {"max_tokens": 600, "ignore_eos": True}
@@ -519,3 +528,43 @@ async def test_a_gateway_behind_a_gateway_passes_its_refusal_on_as_429(
         assert (await post(http, outer.url, chat_body("cart add", **SHORT)))[0] == 200
         text = await scrape(http, outer.url)
         assert metric(text, "gateway_requests_total", path=CHAT, status="429") == 3
+
+
+async def test_what_admission_lets_through_is_sent_at_once_whatever_the_clients_own_limit(
+    http: aiohttp.ClientSession,
+) -> None:
+    """The gateway's admission is the in-flight limit. The client inside it has a limit of its own
+    (``LLM_MAX_IN_FLIGHT``, 256 by default), which with five or more replicas (64 each) was the lower:
+    what admission let through then waited in the client's first-in-first-out queue, where priority,
+    the wait bounds and supersede no longer applied and no gauge showed it. The client's limit is now
+    raised to admission's ceiling. Here the client's is 1 and admission's 3: all three reach the replica
+    together."""
+    arrived: list[str] = []
+    all_in = asyncio.Event()
+
+    async def chat(request: web.Request) -> web.Response:
+        arrived.append((await request.json())["messages"][0]["content"])
+        if len(arrived) == 3:
+            all_in.set()
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(all_in.wait(), 5)  # released together, or after the bound
+        return web.json_response(
+            {
+                "choices": [{"index": 0, "message": {"role": "assistant", "content": "ok"}}],
+                "concurrent": all_in.is_set(),
+            }
+        )
+
+    async with (
+        replica_answering(chat) as url,
+        running_gateway([url], "round_robin", client={"max_in_flight": 1}, max_in_flight=3) as gw,
+    ):
+
+        async def post(i: int) -> Any:
+            async with http.post(gw.url + CHAT, json=chat_body(f"call {i}", max_tokens=4)) as r:
+                assert r.status == 200
+                return await r.json()
+
+        answers = await asyncio.gather(*(post(i) for i in range(3)))
+    assert [answer["concurrent"] for answer in answers] == [True, True, True], "one at a time"
+    assert gw.client.config.max_in_flight == 3
