@@ -98,7 +98,13 @@ class OpenAIProxy:
             key = bounded_key(request.headers.get(IDEMPOTENCY_HEADER), IDEMPOTENCY_HEADER)
         except InvalidRequest as exc:
             return self._error(request, 400, str(exc), "invalid_request_error", exc.param)
-        scope = "" if session is None else f"{session[0]}\n{version_text(session[1])}"
+        # The session is part of what a key stands for, versioned or not: another session's request
+        # under the same key was answered with the call made on the first session's replica.
+        scope = (
+            request.headers.get(self.settings.shopper_key_header, "")
+            if session is None
+            else f"{session[0]}\n{version_text(session[1])}"
+        )
         digest = b"" if key is None else request_digest("POST", request.path, body, scope)
         if key is not None:
             try:

@@ -434,6 +434,11 @@ async def test_a_killed_callers_call_finishes_and_its_repeat_joins_or_reuses_it(
             headers = {"Idempotency-Key": "s9:0:4", **session_headers("s9", version)}
             async with http.post(gw.url + CHAT, json=body, headers=headers) as r:
                 assert r.status == 422, version
+        # ... and under another session without a version (it was answered with this call's answer,
+        # made on the first session's replica)
+        unversioned = {"Idempotency-Key": "s9:0:4", "x-session-id": "s-other"}
+        async with http.post(gw.url + CHAT, json=body, headers=unversioned) as r:
+            assert r.status == 422
         text = await scrape(http, gw.url)
         assert (
             metric(text, "gateway_idempotent_total", outcome="joined")
