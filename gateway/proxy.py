@@ -301,8 +301,8 @@ class OpenAIProxy:
                 await response.prepare(request)
                 await self._write_flight(request, response, flight, started)
                 if not flight.complete:
-                    if flight.superseded is not None and flight.error is None and _at_event_end(flight):
-                        return await self._end_superseded(request, response, flight.superseded)
+                    if _at_event_end(flight):
+                        return await self._end_with_error_event(request, response, flight)
                     return self._cut_off(request, response, flight)
                 await response.write_eof()
             else:
@@ -345,22 +345,32 @@ class OpenAIProxy:
                 # queues and prefills would go unnoticed, and the replica compute on for nobody.
                 await _until(request, flight, lambda: bool(flight.chunks) or flight.ended)
 
-    async def _end_superseded(
-        self, request: web.Request, response: web.StreamResponse, superseded: GatewayAnswer
+    async def _end_with_error_event(
+        self, request: web.Request, response: web.StreamResponse, flight: Flight
     ) -> web.StreamResponse:
-        """A stream superseded after its status line: it ends with an ``error`` event holding what the
-        409 says (``superseded_event``), then its end, so the caller hears why it stopped. Cut off
-        instead, a caller saw a broken connection: ``LLMClient`` ejected the endpoint that broke it (the
-        gateway, its only one), and every call of that process waited for the next health check."""
-        await response.write(superseded_event(superseded))
+        """A stream stopped after its status line, at an event's end, ends with an ``error`` event
+        holding what the gateway would have answered before it (``error_event``: a newer version's 409,
+        a deadline's 504, a replica's 502, the gateway stopping's 503), then its end, so the caller hears
+        why it stopped. Cut off instead, a caller saw a broken connection: ``LLMClient`` ejected the
+        endpoint that broke it at once (the gateway, often its only one), and every call of that process
+        waited for the next health check, for one replica's failure or one call's deadline."""
+        if flight.error is not None:
+            answer, status = _error_answer(flight.error), self._broken_off(flight.error)
+        elif flight.superseded is not None:
+            answer, status = flight.superseded, "superseded"
+        else:
+            answer = flight.stopped or GatewayAnswer(499, "cancelled", "the call was stopped")
+            status = "cancelled"
+        await response.write(error_event(answer))
         await response.write_eof()
-        self.metrics.requests.labels(request.path, "superseded").inc()
+        self.metrics.requests.labels(request.path, status).inc()
         return response
 
     def _cut_off(
         self, request: web.Request, response: web.StreamResponse, flight: Flight
     ) -> web.StreamResponse:
-        """Bytes are already with the caller: end its connection without the stream's end."""
+        """Bytes are already with the caller, ending mid-event: end its connection without the stream's
+        end (an event after half a one would read as a malformed answer, worse than a cut)."""
         if flight.error is not None:
             status = self._broken_off(flight.error)
         else:
@@ -532,17 +542,19 @@ async def _until(request: web.Request, flight: Flight, ready: Callable[[], bool]
                 raise ConnectionResetError("the caller went away") from None
 
 
-def superseded_event(answer: GatewayAnswer) -> bytes:
-    """The SSE event that ends a stream superseded after its status line: the 409 body's ``error``, with
-    the newer version as ``superseded_by`` (the 409's header), as OpenAI-style clients read an error
-    inside a stream (``llm_client.answers`` turns it into ``SupersededByNewer``)."""
-    error = {
+def error_event(answer: GatewayAnswer) -> bytes:
+    """The SSE event that ends a stream stopped after its status line: what ``answer`` (the status the
+    gateway answers before it) says as an ``error``, as OpenAI-style clients read an error inside a
+    stream; a newer version's adds ``superseded_by`` (the 409's header), which ``llm_client.answers``
+    turns into ``SupersededByNewer``. Any other is a failure of the call, not a broken connection."""
+    error: dict[str, object] = {
         "message": answer.message,
         "type": answer.kind,
         "param": answer.param,
         "code": answer.status,
-        "superseded_by": answer.headers.get(SUPERSEDED_BY_HEADER),
     }
+    if SUPERSEDED_BY_HEADER in answer.headers:
+        error["superseded_by"] = answer.headers[SUPERSEDED_BY_HEADER]
     return b"data: " + orjson.dumps({"error": error}) + b"\n\n"
 
 

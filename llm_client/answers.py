@@ -104,7 +104,10 @@ class _Chunk(msgspec.Struct):
     model: str | None = None
     usage: _Usage | None = None
     timings: _Timings | None = None
-    error: msgspec.Raw | None = None
+    error: msgspec.Raw = msgspec.Raw()
+    """An ``error`` event's object, undecoded; empty when the event has none. Not ``Raw | None``: msgspec
+    0.23 takes that union for ``null`` alone, so every error event failed to decode, and the client
+    judged a replica's (or a gateway's) error event a malformed answer (``wrong_shape``)."""
 
 
 _BODY = msgspec.json.Decoder(_Body)
@@ -340,7 +343,7 @@ async def read_stream(
             chunk = _CHUNK.decode(payload)
         except (msgspec.MsgspecError, RecursionError) as exc:
             raise _invalid(exc, payload, endpoint) from None
-        if chunk.error is not None:
+        if chunk.error and bytes(chunk.error) != b"null":
             raise _stream_error(bytes(chunk.error), endpoint)
         chunks += 1
         model = chunk.model or model

@@ -33,6 +33,7 @@ from llm_client.answer_health import AnswerHealthSettings
 from llm_client.client import LLMClient
 from llm_client.config import ClientConfig
 from llm_client.endpoints import Endpoint, endpoint_name
+from llm_client.errors import LLMError
 from llm_client.routing import RouteRequest
 from llm_client.routing.predicted_ttft import MAX_GROUP_WEIGHT, PredictedTtftPolicy
 from llm_client.routing.prefix_aware import PrefixAwarePolicy
@@ -296,8 +297,7 @@ async def test_an_answer_that_broke_off_mid_stream_leaves_no_reference_cycle() -
             async with caller.post(gw.url + "/v1/chat/completions", json=body) as r:
                 await r.content.readuntil(b"\n\n")
                 sims.kill(0)
-                with pytest.raises(aiohttp.ClientPayloadError):
-                    await r.content.read()
+                await read_broken_off(r)
             assert await _flights_left_once_idle(gw, before) == [], (
                 "a flight that broke off is kept alive by a reference cycle"
             )
@@ -306,6 +306,50 @@ async def test_an_answer_that_broke_off_mid_stream_leaves_no_reference_cycle() -
                 metric(await m.text(), "gateway_broken_answers_total", replica=sims.urls[0].split("://")[1])
                 == 1
             )
+
+
+async def test_a_replica_breaking_mid_stream_does_not_eject_the_gateway_from_a_client_in_front() -> None:
+    """A replica that breaks off after an event: the gateway ends the caller's stream with an ``error``
+    event (a 502) and the stream's clean end. It closed the caller's connection instead, and an
+    ``LLMClient`` in front ejected the gateway at once for a broken connection: often its only
+    endpoint, so every call of that process waited for the next health check, for one replica's fault."""
+
+    async def breaks_after_one_event(request: web.Request) -> web.StreamResponse:
+        await request.read()
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await response.prepare(request)
+        await response.write(b'data: {"choices": [{"index": 0, "delta": {"content": "Lik"}}]}\n\n')
+        assert request.transport is not None
+        request.transport.close()  # the replica dies mid-answer
+        return response
+
+    async with (
+        replica_answering(breaks_after_one_event) as url,
+        running_gateway([url], "round_robin") as gw,
+        LLMClient(ClientConfig(endpoints=[gw.url], retry={"max_attempts": 1})) as client,
+    ):
+        with pytest.raises(LLMError) as failed:
+            await client.chat([{"role": "user", "content": "a shopper"}], routing_key="s-1", max_tokens=8)
+        gateway = client.endpoints[0]
+        text = await scrape_gateway(gw.url)
+    assert "bad_gateway" in str(failed.value), failed.value
+    assert gateway.ejections == 0 and gateway.healthy, "the gateway was ejected for one replica's fault"
+    assert metric(text, "gateway_requests_total", path="/v1/chat/completions", status="broken") == 1
+
+
+async def read_broken_off(response: aiohttp.ClientResponse) -> None:
+    """The rest of a stream whose replica broke off: at an event's end, an ``error`` event (the 502) and
+    no ``[DONE]``; mid-event, the connection cut. Never a short clean answer."""
+    try:
+        rest = await response.content.read()
+    except aiohttp.ClientPayloadError:
+        return
+    assert b'"bad_gateway"' in rest and b"[DONE]" not in rest, rest[-300:]
+
+
+async def scrape_gateway(url: str) -> str:
+    async with aiohttp.ClientSession() as http, http.get(url + "/metrics") as r:
+        return await r.text()
 
 
 async def test_a_stopped_gateway_keeps_no_answer_alive(fleet: SimulatorFleet) -> None:
@@ -495,14 +539,13 @@ async def test_failover_when_replicas_are_killed(http: aiohttp.ClientSession) ->
         assert replica not in dead
         assert answer["usage"]["completion_tokens"] == 300
 
-        # 2. Killed mid-stream: the caller sees a truncated answer, never a short clean one.
+        # 2. Killed mid-stream: the caller hears it broke off, never gets a short clean answer.
         body = chat_body("a long answer", max_tokens=600, ignore_eos=True, stream=True)
         async with http.post(gw.url + "/v1/chat/completions", json=body) as r:
             dead.append(r.headers["x-gateway-replica"])
             await r.content.readuntil(b"\n\n")
             sims.kill(index[dead[-1]])
-            with pytest.raises(aiohttp.ClientPayloadError):
-                await r.content.read()
+            await read_broken_off(r)
 
         # 3. Killed while idle: requests routed to it are retried on the survivor.
         dead.append(next(name for name in index if name not in dead))

@@ -226,6 +226,10 @@ async def test_a_client_whose_stream_is_superseded_hears_so_and_keeps_the_gatewa
             assert raised.value.newer_version == "5.2"
             assert [e.healthy for e in client.endpoints] == [True], "the gateway was not ejected"
             assert [e.ejections for e in client.endpoints] == [0]
+            # read as said, not as a malformed answer retried into the 409 (the client's decoder took
+            # every error event for the wrong shape until 7 Dec 2026)
+            assert [e.invalid_answers for e in client.endpoints] == [{}]
+            assert raised.value.attempts == 1
 
 
 # ---- overload, by priority ----------------------------------------------------------------------------
