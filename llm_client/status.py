@@ -59,9 +59,9 @@ def retry_after_s(value: str | None, now: float | None = None) -> float | None:
     except ValueError:
         try:
             when = email.utils.parsedate_to_datetime(value)
-        except (TypeError, ValueError, IndexError):
+            # RFC 9110 dates are GMT; parsedate_to_datetime leaves '-0000' naive (UTC all the same).
+            stamp = when.timestamp() if when.tzinfo is not None else when.replace(tzinfo=_UTC).timestamp()
+        except (TypeError, ValueError, IndexError, OverflowError):  # a year past any date: OverflowError
             return None
-        # RFC 9110 dates are GMT; parsedate_to_datetime leaves '-0000' naive (UTC all the same).
-        stamp = when.timestamp() if when.tzinfo is not None else when.replace(tzinfo=_UTC).timestamp()
         return max(0.0, stamp - (time.time() if now is None else now))
     return seconds if math.isfinite(seconds) and seconds >= 0 else None

@@ -143,7 +143,9 @@ def test_retry_after_forms() -> None:
     assert retry_after_s("1.5") == 1.5
     assert retry_after_s(email.utils.formatdate(now + 120, usegmt=True), now=now) == pytest.approx(120)
     assert retry_after_s(email.utils.formatdate(now - 120, usegmt=True), now=now) == 0.0
-    for unreadable in (None, "", "soon", "-5", "nan", "inf", "Mon, 99 Foo 2026"):
+    huge_year = "Mon, 01 Jan 99999999999999999999 00:00:00 GMT"  # raised OverflowError: a 500 in real time
+    huge_offset = "Mon, 01 Jan 2026 00:00:00 +99999999"
+    for unreadable in (None, "", "soon", "-5", "nan", "inf", "Mon, 99 Foo 2026", huge_year, huge_offset):
         assert retry_after_s(unreadable) is None, unreadable
 
 

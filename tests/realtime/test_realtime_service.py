@@ -352,12 +352,14 @@ client decides whether such an answer is valid), but the answer is a 200 either 
 
 
 @asynccontextmanager
-async def _misbehaving_replica(answer: Any) -> AsyncIterator[str]:
-    """A replica that answers every chat call 200 with ``answer`` (and says it is healthy)."""
+async def _misbehaving_replica(
+    answer: Any, status: int = 200, headers: dict[str, str] | None = None
+) -> AsyncIterator[str]:
+    """A replica that answers every chat call ``status`` with ``answer`` (and says it is healthy)."""
 
     async def chat(request: web.Request) -> web.Response:
         await request.read()
-        return web.json_response(answer)
+        return web.json_response(answer, status=status, headers=headers)
 
     async def healthy(request: web.Request) -> web.Response:
         return web.json_response({"status": "ok"})
@@ -399,6 +401,28 @@ async def test_wrong_typed_answers_get_the_fallback_not_a_500(
             assert all(r["source"] == "fallback" for r in body["ranked"])
         metrics = await (await client.get("/metrics")).text()
         assert "realtime_requests_total" in metrics
+
+
+async def test_a_refusal_with_an_unreadable_retry_after_gets_the_fallback_not_a_500(
+    isolated: Isolated, redis_client: Any
+) -> None:
+    """A replica refusing with a ``Retry-After`` date past any year: reading it raised OverflowError,
+    which no handler on the way took for an LLM error, so the request was a 500 and the replica was
+    never counted as failing. Unreadable, the header is ignored (the client's own backoff applies)."""
+    await _write_signals(isolated, redis_client)
+    refusal = {"error": {"message": "busy", "type": "service_unavailable"}}
+    huge_date = {"Retry-After": "Mon, 01 Jan 99999999999999999999 00:00:00 GMT"}
+    async with (
+        _misbehaving_replica(refusal, status=503, headers=huge_date) as url,
+        realtime_service(isolated, [url]) as client,
+    ):
+        response = await client.post(
+            "/v1/match", json={"shopper_id": "s1", "candidates": CANDIDATES, "deadline_ms": 2000}
+        )
+        assert response.status == 200, await response.text()
+        body = await response.json()
+    assert body["degraded"] is True and body["degraded_reason"] == "llm_unavailable", body
+    assert all(r["source"] == "fallback" for r in body["ranked"])
 
 
 async def test_an_unexpected_error_is_a_json_500_without_a_traceback(
