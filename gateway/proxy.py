@@ -301,9 +301,7 @@ class OpenAIProxy:
                 await response.prepare(request)
                 await self._write_flight(request, response, flight, started)
                 if not flight.complete:
-                    if _at_event_end(flight):
-                        return await self._end_with_error_event(request, response, flight)
-                    return self._cut_off(request, response, flight)
+                    return await self._end_stopped_stream(request, response, flight)
                 await response.write_eof()
             else:
                 await _until(request, flight, lambda: flight.ended)
@@ -345,15 +343,17 @@ class OpenAIProxy:
                 # queues and prefills would go unnoticed, and the replica compute on for nobody.
                 await _until(request, flight, lambda: bool(flight.chunks) or flight.ended)
 
-    async def _end_with_error_event(
+    async def _end_stopped_stream(
         self, request: web.Request, response: web.StreamResponse, flight: Flight
     ) -> web.StreamResponse:
-        """A stream stopped after its status line, at an event's end, ends with an ``error`` event
+        """A stream stopped after its status line. At an event's end it ends with an ``error`` event
         holding what the gateway would have answered before it (``error_event``: a newer version's 409,
         a deadline's 504, a replica's 502, the gateway stopping's 503), then its end, so the caller hears
         why it stopped. Cut off instead, a caller saw a broken connection: ``LLMClient`` ejected the
         endpoint that broke it at once (the gateway, often its only one), and every call of that process
-        waited for the next health check, for one replica's failure or one call's deadline."""
+        waited for the next health check, for one replica's failure or one call's deadline. Mid-event
+        its connection is still closed without the stream's end: an event after half a one would read
+        as a malformed answer, worse than a cut."""
         if flight.error is not None:
             answer, status = _error_answer(flight.error), self._broken_off(flight.error)
         elif flight.superseded is not None:
@@ -361,21 +361,10 @@ class OpenAIProxy:
         else:
             answer = flight.stopped or GatewayAnswer(499, "cancelled", "the call was stopped")
             status = "cancelled"
-        await response.write(error_event(answer))
-        await response.write_eof()
-        self.metrics.requests.labels(request.path, status).inc()
-        return response
-
-    def _cut_off(
-        self, request: web.Request, response: web.StreamResponse, flight: Flight
-    ) -> web.StreamResponse:
-        """Bytes are already with the caller, ending mid-event: end its connection without the stream's
-        end (an event after half a one would read as a malformed answer, worse than a cut)."""
-        if flight.error is not None:
-            status = self._broken_off(flight.error)
-        else:
-            status = "superseded" if flight.superseded is not None else "cancelled"
-        if request.transport is not None:
+        if _at_event_end(flight):
+            await response.write(error_event(answer))
+            await response.write_eof()
+        elif request.transport is not None:
             request.transport.close()
         self.metrics.requests.labels(request.path, status).inc()
         return response
