@@ -90,9 +90,13 @@ class UsageTap:
     def finish(self) -> None:
         if self.streaming:
             tail = b"" if self._lines is None else self._lines.rest()
-            if tail.startswith(b"data:") and tail[5:].strip() != b"[DONE]":
-                self._event(tail)
-                self._read(tail[5:].strip())
+            if not tail.startswith(b"data:"):
+                return
+            if tail[5:].strip() == b"[DONE]":  # the last line without its line end
+                self.done = True
+                return
+            self._event(tail)
+            self._read(tail[5:].strip())
         else:
             body = b"".join(self._body)
             self._body.clear()

@@ -149,6 +149,21 @@ async def test_a_stream_with_no_event_or_no_done_is_not_kept(
     )
 
 
+async def test_a_stream_whose_done_has_no_line_end_is_kept(http: aiohttp.ClientSession) -> None:
+    """``data: [DONE]`` as the body's last bytes, without a line end, still ends the stream whole: it
+    is kept for its key, and the repeat reuses it."""
+    events = b'data: {"choices": [{"delta": {"content": "hi"}}]}\n\ndata: [DONE]'
+    async with replica_streaming(events) as (url, calls), running_gateway([url], "round_robin") as gw:
+        keyed = {"Idempotency-Key": "job:shopper:done-at-eof"}
+        body = chat_body("hi there", max_tokens=5, stream=True)
+        notes = []
+        for _ in range(2):
+            async with http.post(gw.url + CHAT, json=body, headers=keyed) as r:
+                assert r.status == 200 and await r.read() == events
+                notes.append(r.headers.get("x-gateway-idempotent"))
+    assert notes == [None, "reused"] and len(calls) == 1
+
+
 @pytest.mark.parametrize("empty", ["", "   "], ids=["empty", "whitespace"])
 async def test_an_empty_idempotency_key_is_no_key(http: aiohttp.ClientSession, empty: str) -> None:
     """Every caller sending an empty key shared one key: another body under it was refused (422), and
