@@ -19,7 +19,9 @@ sleeps with ``asyncio.sleep`` between attempts. ``flush`` blocks, and is called 
 (``asyncio.to_thread``). Delivery reports arrive on whichever thread polls or flushes the producer, inside
 librdkafka's poll, where no waiting is allowed: a record the DLQ refused in a report is not sent again
 from there but put aside (``_deferred``) and sent by the next ``publish`` or ``flush``, and ``flush``
-counts it as still queued until then, so offsets are never committed past it. The counters are plain
+counts it as still queued until then, so offsets are never committed past it. ``deliver`` waits only
+for the dead letters published before it began (and the records sent in place of those): the ingest
+goes on publishing meanwhile (``sinks.deliveries``). The counters are plain
 ints (one writer at a time: a report, or the event loop between awaits).
 """
 
@@ -37,6 +39,7 @@ from confluent_kafka import KafkaError, KafkaException, Message, Producer
 from pipeline.dead_letter import DEFAULT_MAX_ORIGINAL_BYTES, DeadLetter, dead_letter, minimal_dead_letter
 from prompt_assembly.events import EVENT_TIME_REASON
 from runner.errors import DeadLettersUndelivered
+from sinks.deliveries import PendingDeliveries
 
 QUEUE_FULL_RETRIES = 50
 QUEUE_FULL_WAIT_S = 0.1
@@ -97,8 +100,10 @@ class DeadLetterPublisher:
         self.queue_full_retries = queue_full_retries
         self.queue_full_wait_s = queue_full_wait_s
         self.deliver_max_wait_s = deliver_max_wait_s
-        self._deferred: deque[tuple[DeadLetter, bytes | str | None]] = deque()
-        """Minimal records to send instead of ones the DLQ refused in a delivery report."""
+        self._deferred: deque[tuple[DeadLetter, bytes | str | None, int]] = deque()
+        """Minimal records to send instead of ones the DLQ refused in a delivery report, each with the
+        generation of the record it replaces (``sinks.deliveries``)."""
+        self._pending = PendingDeliveries()
 
     @property
     def delivered(self) -> int:
@@ -153,62 +158,71 @@ class DeadLetterPublisher:
             await self._send(*deferred)
         return letter
 
-    async def _send(self, letter: DeadLetter, key: bytes | str | None) -> None:
+    async def _send(self, letter: DeadLetter, key: bytes | str | None, generation: int | None = None) -> None:
         """Queue ``letter``; while the local queue is full, serve delivery reports (they make room)
         and sleep on the loop, never in librdkafka."""
         for _ in range(self.queue_full_retries):
-            if self._try_produce(letter, key):
+            if self._try_produce(letter, key, generation):
                 return
             self.producer.poll(0)
             await asyncio.sleep(self.queue_full_wait_s)
         self._give_up(letter, "the producer queue stayed full")
 
-    def _send_blocking(self, letter: DeadLetter, key: bytes | str | None) -> None:
+    def _send_blocking(self, letter: DeadLetter, key: bytes | str | None, generation: int) -> None:
         """``_send`` for ``flush``, which runs off the event loop and may wait in librdkafka."""
         for _ in range(self.queue_full_retries):
-            if self._try_produce(letter, key):
+            if self._try_produce(letter, key, generation):
                 return
             self.producer.poll(self.queue_full_wait_s)
         self._give_up(letter, "the producer queue stayed full")
 
-    def _try_produce(self, letter: DeadLetter, key: bytes | str | None) -> bool:
+    def _try_produce(self, letter: DeadLetter, key: bytes | str | None, generation: int | None) -> bool:
         """One attempt that never waits: False if the local queue is full, True once the letter is
-        queued or handled otherwise (refused: sent minimal, or counted undelivered)."""
+        queued or handled otherwise (refused: sent minimal, or counted undelivered). ``generation``:
+        the one a letter sent in place of a refused record keeps; None for the current one."""
+        counted = self._pending.generation if generation is None else generation
         try:
-            self.producer.produce(
-                self.topic, key=key, value=letter.to_bytes(), on_delivery=self._on_delivery(letter, key)
+            self._pending.produce(
+                self.producer,
+                self.topic,
+                key=key,
+                value=letter.to_bytes(),
+                on_delivery=self._on_delivery(letter, key, counted),
+                generation=counted,
             )
         except BufferError:
             return False
         except KafkaException as exc:
-            self._refused(letter, key, exc.args[0] if exc.args else None)
+            self._refused(letter, key, exc.args[0] if exc.args else None, counted)
             return True
         self.counts.queued += 1
         return True
 
-    def _take_deferred(self) -> tuple[DeadLetter, bytes | str | None] | None:
+    def _take_deferred(self) -> tuple[DeadLetter, bytes | str | None, int] | None:
         try:
             return self._deferred.popleft()  # atomic: a report on the flush thread may add meanwhile
         except IndexError:
             return None
 
     def _on_delivery(
-        self, letter: DeadLetter, key: bytes | str | None
+        self, letter: DeadLetter, key: bytes | str | None, generation: int
     ) -> Callable[[KafkaError | None, Message], None]:
         def report(error: KafkaError | None, _: Message) -> None:
             if error is None:
                 self.counts.delivered += 1
             else:
-                self._refused(letter, key, error)
+                self._refused(letter, key, error, generation)
 
         return report
 
-    def _refused(self, letter: DeadLetter, key: bytes | str | None, error: KafkaError | None) -> None:
+    def _refused(
+        self, letter: DeadLetter, key: bytes | str | None, error: KafkaError | None, generation: int
+    ) -> None:
         too_large = isinstance(error, KafkaError) and error.code() in TOO_LARGE
         if too_large and letter.original is not None:
             self.counts.shrunk += 1
             minimal = minimal_dead_letter(letter, "original dropped: the DLQ refused the record's size")
-            self._deferred.append((minimal, key))  # sent by the caller: this may be a delivery report
+            self._deferred.append((minimal, key, generation))  # sent by the caller: this may be a report
             return
         self._give_up(letter, str(error))
 
@@ -219,25 +233,30 @@ class DeadLetterPublisher:
             f"sha256 {letter.original_sha256} reason {letter.reason[:120]!r}"
         )
 
-    def flush(self, timeout_s: float) -> int:
-        """Wait up to ``timeout_s`` for every queued dead letter's delivery report, sending the minimal
-        records of those the DLQ refused meanwhile; returns how many are not delivered or counted yet
-        (in the producer's queue, or put aside to be sent). Blocks: call it off the event loop."""
+    def flush(self, timeout_s: float, generation: int | None = None) -> int:
+        """Wait up to ``timeout_s`` for the delivery report of every dead letter of ``generation`` and
+        before (None: every one queued so far), sending the minimal records of those the DLQ refused
+        meanwhile; returns how many are not delivered or counted yet (in the producer's queue, or put
+        aside to be sent). Blocks: call it off the event loop."""
+        if generation is None:
+            generation = self._pending.close_generation()
         deadline = time.monotonic() + timeout_s
         while True:
             while (deferred := self._take_deferred()) is not None:
                 self._send_blocking(*deferred)
-            remaining = int(self.producer.flush(max(0.0, deadline - time.monotonic())))
-            if not self._deferred or time.monotonic() >= deadline:
-                return remaining + len(self._deferred)
+            remaining = self._pending.wait(self.producer, generation, max(0.0, deadline - time.monotonic()))
+            put_aside = sum(1 for *_, older in list(self._deferred) if older <= generation)
+            if not put_aside or time.monotonic() >= deadline:
+                return remaining + put_aside
 
     async def deliver(self, *, poll_s: float = 5.0) -> None:
         """Wait until every queued dead letter has its delivery report (delivered, or counted as
         undelivered): offsets are never committed past a dead letter still in the producer's queue.
         While the broker is away this waits, as consuming does, for up to ``max_wait_s``; then raises
         ``DeadLettersUndelivered``: the ``DeadLetterQueue`` step of ``pipeline.checkpoint``."""
+        generation = self._pending.close_generation()  # what is published from now on is the next one's
         waited = 0.0
-        while await asyncio.to_thread(self.flush, poll_s):
+        while await asyncio.to_thread(self.flush, poll_s, generation):
             waited += poll_s
             if waited >= self.deliver_max_wait_s:
                 raise DeadLettersUndelivered(

@@ -17,7 +17,9 @@ shopper's event reaches the member that owns the shopper's correctly keyed event
 
 Guarantees: the original's offset is committed only after the copy's delivery is acknowledged (the
 copies are delivered at every durable point, before the sessions are saved and the offsets committed:
-``Deliveries``), so a crash replays the original and produces the copy again; the session drops the
+``Deliveries``; each durable point waits only for the copies sent before it began, since the ingest
+goes on re-keying meanwhile: ``sinks.deliveries``), so a crash replays the original and produces the
+copy again; the session drops the
 second copy as a duplicate (same ``event_id``). The copy keeps the original's value and timestamp
 (so the event-time gate answers the same) and names the original in its one header (``REKEYED_FROM``,
 never re-keyed again). It does not copy the original's headers: nothing downstream reads them, and the
@@ -48,6 +50,7 @@ from pipeline.topic_ends import topic_lag
 from prompt_assembly.events import ShopperEvent
 from runner.consumer_errors import classify, consumer_failed, topic_missing
 from runner.errors import ConsumerFailed, RekeyUndelivered
+from sinks.deliveries import PendingDeliveries
 
 QUEUE_FULL_WAIT_S = 0.1
 REKEYED_FROM = "shopper-rekeyed-from"
@@ -185,6 +188,7 @@ class Repartitioner:
         """The runner's failure, if it has failed: a copy waiting for room in a full queue gives up then."""
         self.failed = 0
         """Copies whose delivery failed since the last ``deliver`` (that durable point fails)."""
+        self._pending = PendingDeliveries()
 
     async def send(self, message: Message, event: ShopperEvent) -> None:
         """Queue the copy of ``message`` keyed by its shopper id; never blocks the loop. While the local
@@ -198,7 +202,8 @@ class Repartitioner:
         headers: list[tuple[str, Any]] = [(REKEYED_FROM, origin)]  # not the original's: see the module
         while True:
             try:
-                self.producer.produce(
+                self._pending.produce(
+                    self.producer,
                     self.topic,
                     key=event.shopper_id.encode(),
                     value=message.value(),
@@ -230,11 +235,13 @@ class Repartitioner:
             self.log(f"re-keyed copy NOT delivered to {self.topic}: {error}")
 
     async def deliver(self, *, poll_s: float = 5.0) -> None:
-        """Until every queued copy is acknowledged. A copy the broker refused (past librdkafka's own
-        retries) raises ``RekeyUndelivered``, as does a wait past ``deliver_max_wait_s``: nothing past
-        its original may be committed, and a restart replays the original and sends it again."""
+        """Until every copy queued before this call is acknowledged. A copy the broker refused (past
+        librdkafka's own retries) raises ``RekeyUndelivered``, as does a wait past
+        ``deliver_max_wait_s``: nothing past its original may be committed, and a restart replays the
+        original and sends it again."""
+        generation = self._pending.close_generation()  # the copies sent from now on are the next one's
         started = time.monotonic()
-        while await asyncio.to_thread(self.producer.flush, poll_s):
+        while await asyncio.to_thread(self._pending.wait, self.producer, generation, poll_s):
             if time.monotonic() - started >= self.deliver_max_wait_s:
                 raise RekeyUndelivered(
                     f"re-keyed events not delivered to {self.topic} within {self.deliver_max_wait_s:.0f} s "

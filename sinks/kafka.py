@@ -3,13 +3,14 @@
 Each record is a result's JSON (``model_dump_json``: the bytes the Flink job's insights topic carries),
 keyed by ``shopper_id`` so that one shopper's results land in one partition, placed by murmur2 of the
 key as Java clients place them, so the Flink job's keyed sink puts a shopper on the same partition
-(docs/flink.md, "What the engines write"). ``write`` only
-queues records in librdkafka (which sends them in the background, idempotently, so its own retries keep
-a partition's order); ``flush`` waits for every delivery report and raises ``SinkWriteFailed`` while any
-record is undelivered, sending the refused ones again first, so a durable point never passes a result
-the topic does not hold. At-least-once: a retried flush can deliver a result twice, or after a later
-result of the same shopper; consumers dedupe on ``request_id`` and order a shopper's results by
-their version ``(session_epoch, seq)``, as the Redis sink does (docs/contracts.md).
+(docs/flink.md, "What the engines write"). ``write`` only queues records in librdkafka (which sends
+them in the background, idempotently, so its own retries keep a partition's order); ``flush`` waits for
+the delivery report of every record written before it began and raises ``SinkWriteFailed`` while any
+of them is undelivered, sending the refused ones again first, so a durable point never passes a result
+the topic does not hold. It does not wait for the records written meanwhile (the engine's calls land
+at any time; ``sinks.deliveries``). At-least-once: a retried flush can deliver a result twice, or
+after a later result of the same shopper; consumers dedupe on ``request_id`` and order a shopper's
+results by their version ``(session_epoch, seq)``, as the Redis sink does (docs/contracts.md).
 
 A result whose record is over Kafka's size limit (the producer's ``message.max.bytes``, refused in
 ``produce``; or the broker's or topic's, refused in its delivery report) can never be written, so it is
@@ -31,11 +32,13 @@ import logging
 import threading
 from collections import deque
 from collections.abc import Callable, Mapping, Sequence
+from functools import partial
 
 import orjson
 from confluent_kafka import KafkaError, KafkaException, Message, Producer
 
 from prompt_assembly.records import EnrichmentResult
+from sinks.deliveries import PendingDeliveries
 from sinks.errors import ResultTooLarge, SinkWriteFailed
 
 log = logging.getLogger(__name__)
@@ -76,6 +79,7 @@ class KafkaResultSink:
         self.too_large = 0
         """Results never on the topic: over a size limit (``ResultTooLarge``)."""
         self.too_large_recent: deque[ResultTooLarge] = deque(maxlen=TOO_LARGE_KEPT)
+        self._pending = PendingDeliveries()
         self._closed = False
         self._thread_calls = threading.Lock()
         """Held by each producer call run off the loop, and by ``close``."""
@@ -95,10 +99,17 @@ class KafkaResultSink:
         self._producer.poll(0)
         self._skip_refused_for_size()
 
-    async def _produce(self, key: bytes, value: bytes) -> None:
+    async def _produce(self, key: bytes, value: bytes, generation: int | None = None) -> None:
         while True:
             try:
-                self._producer.produce(self.topic, value=value, key=key, on_delivery=self._delivered)
+                self._pending.produce(
+                    self._producer,
+                    self.topic,
+                    value=value,
+                    key=key,
+                    on_delivery=self._delivered,
+                    generation=generation,
+                )
                 return
             except BufferError:  # the local queue is full: deliveries (or their timeouts) free it
                 await asyncio.to_thread(self._in_thread, self._producer.poll, FULL_QUEUE_POLL_S)
@@ -132,12 +143,14 @@ class KafkaResultSink:
         return False  # librdkafka sends as it goes; a durable point only waits for the reports
 
     async def flush(self) -> None:
+        # The records written from now on are the next flush's to wait for.
+        generation = self._pending.close_generation()
         # Each refused record leaves the list only once it is queued again: a produce that raises (the
         # topic gone, the flush cancelled) keeps the rest, so the next flush cannot pass them by.
         refused, self._refused = self._refused, []
         try:
             while refused:
-                await self._produce(*refused[0])
+                await self._produce(*refused[0], generation)
                 refused.pop(0)
         except KafkaException as exc:  # the producer refuses at once now: the topic is known to be gone
             error = exc.args[0] if exc.args else exc
@@ -147,7 +160,9 @@ class KafkaResultSink:
             ) from exc
         finally:
             self._refused[:0] = refused
-        left = await asyncio.to_thread(self._in_thread, self._producer.flush, self.flush_timeout_s)
+        left = await asyncio.to_thread(
+            self._in_thread, partial(self._pending.wait, self._producer, generation), self.flush_timeout_s
+        )
         self._skip_refused_for_size()
         if left or self._refused:
             errors, self._errors = self._errors, []

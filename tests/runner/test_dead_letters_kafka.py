@@ -23,6 +23,7 @@ import hashlib
 import itertools
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 from confluent_kafka import KafkaError, Producer
@@ -38,6 +39,7 @@ from runner.embedded import EmbeddedRunner
 from shopper.readback import read_dlq
 from tests.conftest import Isolated
 from tests.helpers import expected_prompts
+from tests.slow_link import tansu_behind_slow_link
 
 pytestmark = pytest.mark.slow
 
@@ -395,3 +397,42 @@ async def test_a_dead_letter_refused_for_another_reason_than_size_is_undelivered
     assert (counts.queued, counts.delivered, counts.shrunk, counts.undelivered) == (2, 0, 0, 2), lines
     refusals = [line for line in lines if "NOT delivered" in line]
     assert len(refusals) == 2 and all("Unknown topic" in line for line in refusals), refusals
+
+
+async def test_deliver_under_steady_dead_letters_waits_only_for_those_before_it(tmp_path: Path) -> None:
+    """The ingest publishes dead letters while a durable point waits for them. Over a link whose round
+    trip is longer than the gap between two, the producer's queue is never empty, and ``deliver``,
+    which waited for an empty queue (librdkafka's ``flush``), ran out ``deliver_max_wait_s`` and
+    failed the runner with the broker healthy. It waits for the dead letters published before it began,
+    each delivered when it returns. A real broker 20 ms away (``tests.slow_link``), a dead letter every
+    2 ms."""
+    with tansu_behind_slow_link(tmp_path, delay_s=0.02) as bootstrap:
+        producer = Producer({"bootstrap.servers": bootstrap, "linger.ms": 20})
+        publisher = DeadLetterPublisher(producer, "dlq-slow-link", lambda _: None, deliver_max_wait_s=3)
+        published = 0
+        stop = asyncio.Event()
+
+        async def keep_publishing() -> None:
+            nonlocal published
+            while not stop.is_set():
+                await publisher.publish_value(
+                    b"not json", "invalid JSON", topic="events", partition=0, offset=published
+                )
+                published += 1
+                await asyncio.sleep(0.002)
+
+        await publisher.publish_value(b"not json", "invalid JSON", topic="events", partition=0, offset=-1)
+        await publisher.deliver(poll_s=1)  # the topic is made and the producer connected first
+        publishing = asyncio.create_task(keep_publishing())
+        try:
+            for _ in range(3):
+                await asyncio.sleep(0.3)
+                before = published + 1
+                await publisher.deliver(poll_s=1)
+                assert publisher.delivered >= before, "deliver returned before an earlier dead letter was"
+            assert published > 300, "dead letters were published all along"
+        finally:
+            stop.set()
+            await publishing
+        assert await asyncio.to_thread(publisher.flush, 10) == 0
+        assert publisher.delivered == published + 1 and publisher.undelivered == 0

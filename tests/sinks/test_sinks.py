@@ -8,6 +8,7 @@ import gzip
 import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
+from pathlib import Path
 
 import aiohttp
 import boto3
@@ -15,6 +16,7 @@ import orjson
 import pytest
 from aiohttp import web
 from botocore.exceptions import ClientError
+from confluent_kafka import KafkaError, Message
 
 from prompt_assembly.records import EnrichmentError, ShopperInsight, Usage
 from prompt_assembly.understanding import ShopperUnderstanding
@@ -26,6 +28,7 @@ from sinks.redis import RedisSignalSink
 from sinks.s3 import S3InsightSink
 from tests.conftest import Isolated
 from tests.helpers import broker_connections, broker_connections_left, serving
+from tests.slow_link import tansu_behind_slow_link
 
 
 def insight(
@@ -403,3 +406,49 @@ async def test_a_closed_kafka_sink_holds_no_broker_connection(isolated: Isolated
     await sink.close()
     await sink.close()
     assert broker_connections_left(bootstrap, before) <= 0
+
+
+async def test_a_kafka_sink_flush_under_steady_writes_waits_only_for_what_came_before(tmp_path: Path) -> None:
+    """The runner writes results while a durable point flushes (its calls land at any time). Once the
+    broker's round trip is longer than the gap between two results, the producer's queue is never
+    empty: a flush that waited for an empty queue (librdkafka's own ``flush``) ran out its time and
+    failed the durable point, however healthy the broker. A flush waits for the records written before
+    it began, and every one of those has its delivery report when it returns. A real broker 20 ms away
+    (``tests.slow_link``), a result written every 2 ms."""
+    with tansu_behind_slow_link(tmp_path, delay_s=0.02) as bootstrap:
+        sink = KafkaResultSink("insights-slow-link", {"bootstrap.servers": bootstrap}, flush_timeout_s=3)
+        delivered_keys: list[bytes] = []
+        reports = sink._delivered
+
+        def seen(error: KafkaError | None, message: Message) -> None:
+            if error is None:
+                delivered_keys.append(message.key() or b"")
+            reports(error, message)
+
+        sink._delivered = seen  # type: ignore[method-assign]
+        written = 0
+        stop = asyncio.Event()
+
+        async def keep_writing() -> None:
+            nonlocal written
+            while not stop.is_set():
+                written += 1
+                await sink.write([insight(f"w{written}", 1)])
+                await asyncio.sleep(0.002)
+
+        try:
+            await sink.write([insight("first", 1)])
+            await sink.flush()  # the topic is made and the producer connected before the timed part
+            writer = asyncio.create_task(keep_writing())
+            try:
+                for _ in range(3):
+                    await asyncio.sleep(0.3)
+                    before = {f"w{n}".encode() for n in range(1, written + 1)}
+                    await sink.flush()
+                    assert before <= set(delivered_keys), "a flush returned before an earlier record was"
+                assert written > 300, "results were written all along"
+            finally:
+                stop.set()
+                await writer
+        finally:
+            await sink.close()
