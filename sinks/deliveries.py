@@ -73,7 +73,7 @@ class PendingDeliveries:
         ``timeout_s`` passes (reports already in are served even at 0, as ``flush(0)`` does); returns
         how many still have none. Blocks: call it off the event loop."""
         deadline = time.monotonic() + timeout_s
-        while left := self.undelivered(generation):
+        while self.undelivered(generation):
             wait = deadline - time.monotonic()
             producer.poll(max(0.0, min(wait, POLL_S)))  # at least once: a zero timeout serves what is due
             if wait <= 0:
