@@ -46,6 +46,8 @@ QUEUE_FULL_WAIT_S = 0.1
 """With the retries: a dead letter waits up to 5 s for room in a full producer queue, then is counted
 undelivered. librdkafka frees room as deliveries complete (``linger.ms`` plus a round trip)."""
 TOO_LARGE = frozenset({KafkaError.MSG_SIZE_TOO_LARGE, KafkaError.INVALID_MSG_SIZE})
+DEFERRED_CHECK_S = 0.1
+"""How often ``flush`` looks for records put aside while it waits, to send them."""
 
 ReasonCategory = Literal["empty", "too_large", "invalid_json", "event_time", "schema"]
 REASON_CATEGORIES: tuple[ReasonCategory, ...] = ("empty", "too_large", "invalid_json", "event_time", "schema")
@@ -155,8 +157,18 @@ class DeadLetterPublisher:
         self.counts.by_reason[reason_category(reason)] += 1
         await self._send(letter, key)
         while (deferred := self._take_deferred()) is not None:
-            await self._send(*deferred)
+            await self._send_deferred(*deferred)
         return letter
+
+    async def _send_deferred(self, letter: DeadLetter, key: bytes | str | None, generation: int) -> None:
+        """Send a record put aside, held in its generation until it is queued or given up (a durable
+        point waiting for that generation must not end while it waits for room)."""
+        try:
+            await self._send(letter, key, generation)
+        except BaseException:
+            self._deferred.appendleft((letter, key, generation))  # still held: the next send takes it
+            raise
+        self._pending.release(generation)
 
     async def _send(self, letter: DeadLetter, key: bytes | str | None, generation: int | None = None) -> None:
         """Queue ``letter``; while the local queue is full, serve delivery reports (they make room)
@@ -222,6 +234,7 @@ class DeadLetterPublisher:
         if too_large and letter.original is not None:
             self.counts.shrunk += 1
             minimal = minimal_dead_letter(letter, "original dropped: the DLQ refused the record's size")
+            self._pending.hold(generation)  # before the report's own count drops (``sinks.deliveries``)
             self._deferred.append((minimal, key, generation))  # sent by the caller: this may be a report
             return
         self._give_up(letter, str(error))
@@ -244,10 +257,12 @@ class DeadLetterPublisher:
         while True:
             while (deferred := self._take_deferred()) is not None:
                 self._send_blocking(*deferred)
-            remaining = self._pending.wait(self.producer, generation, max(0.0, deadline - time.monotonic()))
-            put_aside = sum(1 for *_, older in list(self._deferred) if older <= generation)
-            if not put_aside or time.monotonic() >= deadline:
-                return remaining + put_aside
+                self._pending.release(deferred[2])
+            # In steps, so a record put aside meanwhile (held: counted in ``remaining``) is sent.
+            step = min(DEFERRED_CHECK_S, max(0.0, deadline - time.monotonic()))
+            remaining = self._pending.wait(self.producer, generation, step)
+            if not remaining or time.monotonic() >= deadline:
+                return remaining
 
     async def deliver(self, *, poll_s: float = 5.0) -> None:
         """Wait until every queued dead letter has its delivery report (delivered, or counted as

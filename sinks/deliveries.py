@@ -23,7 +23,7 @@ from confluent_kafka import KafkaError, Message, Producer
 DeliveryReport = Callable[[KafkaError | None, Message], None]
 
 POLL_S = 0.01
-"""A wait serves delivery reports in polls this long, checking between them what it still waits for
+"""A wait serves delivery reports in steps this long, checking between them what it still waits for
 (a report served by another thread's poll is seen within it)."""
 
 
@@ -63,6 +63,15 @@ class PendingDeliveries:
             self._count(counted, -1)
             raise
 
+    def hold(self, generation: int) -> None:
+        """Count one more record of ``generation`` that is not handed to the producer yet (one put aside
+        to be sent again in place of a refused one): a wait does not end before ``release``."""
+        self._count(generation, 1)
+
+    def release(self, generation: int) -> None:
+        """A held record is handed to the producer (and counted there) or given up."""
+        self._count(generation, -1)
+
     def undelivered(self, generation: int) -> int:
         """Records of ``generation`` and before without a delivery report yet."""
         with self._lock:
@@ -75,7 +84,9 @@ class PendingDeliveries:
         deadline = time.monotonic() + timeout_s
         while self.undelivered(generation):
             wait = deadline - time.monotonic()
-            producer.poll(max(0.0, min(wait, POLL_S)))  # at least once: a zero timeout serves what is due
+            # librdkafka's flush, in short steps: it serves the reports, and sends what lingers at once
+            # (``linger.ms``), as a durable point wants. It returns early only once the queue is empty.
+            producer.flush(max(0.0, min(wait, POLL_S)))  # at least once: at 0 it serves what is in
             if wait <= 0:
                 return self.undelivered(generation)
         return 0
@@ -83,9 +94,11 @@ class PendingDeliveries:
     def _reported(
         self, generation: int, on_delivery: DeliveryReport | None, error: KafkaError | None, message: Message
     ) -> None:
-        self._count(generation, -1)
-        if on_delivery is not None:
-            on_delivery(error, message)
+        try:  # counted until the report is handled: what it puts aside is held before the count drops
+            if on_delivery is not None:
+                on_delivery(error, message)
+        finally:
+            self._count(generation, -1)
 
     def _count(self, generation: int, change: int) -> None:
         with self._lock:

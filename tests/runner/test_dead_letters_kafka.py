@@ -436,3 +436,35 @@ async def test_deliver_under_steady_dead_letters_waits_only_for_those_before_it(
             await publishing
         assert await asyncio.to_thread(publisher.flush, 10) == 0
         assert publisher.delivered == published + 1 and publisher.undelivered == 0
+
+
+async def test_deliver_waits_for_a_minimal_record_still_waiting_for_room(limits: Isolated) -> None:
+    """A dead letter the DLQ refused for its size is put aside; the next ``publish`` takes it to send
+    the minimal record, and finds the producer's queue full (one record, lingering a second), so it
+    waits for room. A durable point meanwhile must not end before that record is on the DLQ: it was
+    in neither the put-aside list nor the producer's queue then, so ``deliver`` returned once the queue
+    drained, and a kill would have committed past a dead letter the DLQ never got. It is now held in its
+    generation from being put aside until it is queued. Size refusal from ``BrokerSizeLimit``."""
+    bootstrap = limits.stack.kafka_bootstrap
+    producer = BrokerSizeLimit(
+        {"bootstrap.servers": bootstrap, "queue.buffering.max.messages": 1, "linger.ms": 1000},
+        limit=4_000,
+        refused_topic=f"{limits.dlq_topic}-refused",
+    )
+    publisher = DeadLetterPublisher(producer, limits.dlq_topic, lambda _: None, queue_full_wait_s=0.2)
+    await publisher.publish_value(b"y" * 20_000, "invalid JSON", topic=limits.topic, partition=0, offset=1)
+    deadline = time.monotonic() + 20
+    while publisher.shrunk == 0:  # its report, refused for size: the minimal record is put aside
+        assert time.monotonic() < deadline, "no delivery report"
+        await asyncio.to_thread(producer.poll, 0.1)
+    # The next dead letter fills the queue; its publish then waits for room for the minimal record.
+    publishing = asyncio.create_task(
+        publisher.publish_value(b"not json", "invalid JSON", topic=limits.topic, partition=0, offset=2)
+    )
+    await asyncio.sleep(0.05)
+    await publisher.deliver(poll_s=5)
+    delivered_at_deliver = publisher.delivered
+    await publishing
+    assert delivered_at_deliver == 2, "deliver returned before the minimal record was on the DLQ"
+    offsets = sorted(d["offset"] for d in read_dlq(bootstrap, limits.dlq_topic))
+    assert offsets == [1, 2]
