@@ -30,6 +30,8 @@ pytestmark = pytest.mark.slow
 MAX_POLL_INTERVAL_MS = 7000
 """The smallest librdkafka allows beside the runner's 6 s session timeout, so an outage that outlasts it
 is short enough for a test."""
+DRAIN_IDLE_S = 10.0
+"""Time for the test to produce the second batch after the first is made durable."""
 OUTAGE_POLL_INTERVALS = 3
 """How many poll intervals the outage lasts: well past the point where the member used to leave."""
 
@@ -45,7 +47,12 @@ def test_a_redis_outage_longer_than_the_poll_interval_keeps_the_member_in_the_gr
     with stopping(redis):
         redis.start()
         sinks = isolated.sinks().model_copy(update={"redis_url": redis.url})
-        settings = isolated.runner(sinks=sinks, kafka_max_poll_interval_ms=MAX_POLL_INTERVAL_MS)
+        # Drained once the first batch is in, the runner would end after ``drain_idle_s`` (1 s by
+        # default): the second batch must come before that, and a first durable point late in that
+        # second left it too little time (seen once in 170 runs of the runner tests).
+        settings = isolated.runner(
+            sinks=sinks, kafka_max_poll_interval_ms=MAX_POLL_INTERVAL_MS, drain_idle_s=DRAIN_IDLE_S
+        )
         runner = EmbeddedRunner(settings, log=log)
         produce_records(isolated.stack.kafka_bootstrap, isolated.topic, first)
 
