@@ -33,6 +33,12 @@ T = TypeVar("T")
 STORE_WAIT_POLL_S = 0.5
 """How often the poll loop polls (its partitions paused) while it waits for the session store: well
 inside any ``max.poll.interval.ms``, and rare enough to cost nothing."""
+STORE_WAIT_BEFORE_PAUSE_S = 1.0
+"""How long a wait for the session store runs before the partitions are paused to poll on. Pausing
+drops the records librdkafka has fetched ahead, fetched again on resume, so it is for an outage, not
+for a load that is merely slow: one over a store 25 ms away, or a cold start's large replies, took
+longer than the poll timeout (50 ms) it waited before, and paused on nearly every poll. Well inside
+any ``max.poll.interval.ms``; a rebalance meanwhile waits at most this long for its callback."""
 
 
 def read_poll(
@@ -270,9 +276,10 @@ class Ingest:
         rebalance meanwhile is seen by the caller (``Assignment.lease``)."""
         runner = self.runner
         task = asyncio.ensure_future(wait)
-        await asyncio.wait({task}, timeout=self.settings.poll_timeout_s)
+        await asyncio.wait({task}, timeout=max(self.settings.poll_timeout_s, STORE_WAIT_BEFORE_PAUSE_S))
         if task.done():
             return task.result()
+        runner.stats.long_wait_pauses += 1
         paused = list(runner.assignment.partitions)
         await asyncio.to_thread(runner.consumer.pause, paused)  # off the loop: see _apply_backpressure
         try:

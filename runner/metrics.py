@@ -175,6 +175,12 @@ class _StateCollector(Collector):
             "dead_letters_undelivered", "Dead letters that could not be produced (logged)", dead.undelivered
         )
         yield counter("backpressure_pauses", "Times the partitions were paused", stats.paused_times)
+        yield counter(
+            "long_wait_pauses",
+            "Times the partitions were paused to poll on while a wait outlasted a second: for the "
+            "session store (an outage, or a store too slow for its load), or a shutdown's drain",
+            stats.long_wait_pauses,
+        )
         yield gauge("backpressure_paused", "1 while the partitions are paused", float(view.paused))
         assigned = view.assigned_partitions()
         yield gauge("partitions_assigned", "Partitions this member owns", len(assigned))

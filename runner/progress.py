@@ -33,6 +33,9 @@ class RunnerStats:
     """``time.monotonic()`` of the last offset commit, or of the last durable point that found nothing
     left to commit (up to date); None before either."""
     paused_times: int = 0
+    long_wait_pauses: int = 0
+    """Waits that outlasted ``runner.ingest.STORE_WAIT_BEFORE_PAUSE_S`` (for the session store: a load,
+    an ownership check; or a shutdown's drain), so the partitions were paused to poll on."""
     fenced_saves: int = 0
     """Session saves the store refused because a newer owner had taken their partitions."""
     sink_retries: int = 0
