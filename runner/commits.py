@@ -17,8 +17,13 @@ earlier one and move the group's offsets backwards.
 
 While a revoke hands over, no periodic durable point starts (its commit, made from another thread,
 librdkafka would hold until the revoke callback returns); the revoke's own is the one. One already
-under way is waited for, but not for a commit that librdkafka holds: past ``commit_wait_s`` of it the
-revoke's durable point makes nothing durable and commits nothing (``durable_point``). That commit
+under way when the revoke begins leaves its offsets to the hand-over (``_handed``), which commits them
+with its own on the consumer thread, where librdkafka takes them: committed from the loop's thread
+they were held until the callback returned, so the hand-over waited ``commit_wait_s`` for them and then
+committed nothing, and the next owner replayed them. With stores tens of milliseconds away a durable
+point spans much of each second, and so many revokes met one. Only a commit already sent when the
+revoke begins is still held; past ``commit_wait_s`` of it the revoke's durable point makes nothing
+durable and commits nothing (``durable_point``). That commit
 completes after the callback; the epochs after it are forgotten with the assignment and replayed by
 the next owner, whose replayed prompts the answer ledger answers without a new call.
 """
@@ -51,6 +56,9 @@ class Committer:
         self._lock = asyncio.Lock()
         self._commit_started: float | None = None
         """When the offset commit of the durable point under way began (monotonic), retries included."""
+        self._handed: tuple[int, list[TopicPartition]] | None = None
+        """Offsets a durable point made durable as a revoke began, and the lease they belong to: the
+        hand-over commits them (``durable_point``)."""
 
     @property
     def busy(self) -> bool:
@@ -81,6 +89,9 @@ class Committer:
         """The one commit path: make the completed prefix durable, then commit its offsets."""
         async with self._lock:
             lease, offsets = await self._durable_point()
+            if offsets and self.runner.handover.revoking:
+                self._handed = (lease, offsets)  # the hand-over's commit, on the consumer thread
+                return
             if offsets:
                 log = self.runner.log
                 self._commit_started = time.monotonic()
@@ -132,9 +143,21 @@ class Committer:
                     )
                     return self.runner.assignment.lease, []
         try:
-            return await self._durable_point()
+            lease, offsets = await self._durable_point()
+            return lease, self._with_handed(lease, offsets)
         finally:
             self._lock.release()
+
+    def _with_handed(self, lease: int, offsets: list[TopicPartition]) -> list[TopicPartition]:
+        """``offsets`` and those a durable point left to the hand-over under the same ``lease``: per
+        partition the later one (epochs become durable in order, so it is the larger)."""
+        handed, self._handed = self._handed, None
+        if handed is None or handed[0] != lease:
+            return offsets
+        merged = {(tp.topic, tp.partition): tp.offset for tp in handed[1]}
+        for tp in offsets:
+            merged[tp.topic, tp.partition] = max(tp.offset, merged.get((tp.topic, tp.partition), tp.offset))
+        return [TopicPartition(topic, partition, offset) for (topic, partition), offset in merged.items()]
 
     async def _durable_point(self) -> tuple[int, list[TopicPartition]]:
         """Make every completed epoch (in order, up to the first incomplete one) durable and return

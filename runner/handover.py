@@ -13,8 +13,9 @@ LLM call, and under steady load new ones kept coming, so the hand-over waited ou
 and went over uncommitted. A trigger not fired stays pending in its session, which the hand-over's
 durable point saves with its deadline, and the partition's next owner re-arms it (``_rearm``). No
 periodic durable point starts either (``Committer.run``): librdkafka holds an offset commit made from
-another thread until the callback returns, so it could only delay this one. A commit already under way
-is waited for ``COMMIT_UNDER_WAY_WAIT_S`` in all (``Committer.durable_point``, ``Assignment.end_lease``).
+another thread until the callback returns, so it could only delay this one; one already under way
+leaves its offsets to this hand-over's commit (``Committer``). A commit already sent is waited for
+``COMMIT_UNDER_WAY_WAIT_S`` in all (``Committer.durable_point``, ``Assignment.end_lease``).
 
 ``on_assign`` and ``on_revoke`` run on the consumer thread, inside ``consume``; everything they change
 that the loop also uses is changed on the loop.
