@@ -41,6 +41,11 @@ it: one already sent to a live coordinator takes milliseconds; one librdkafka de
 callback."""
 
 
+REARM_CONCURRENCY = 8
+"""Partitions whose pending triggers are re-armed at once after an assignment (each one's loads stay
+bounded by its own timers)."""
+
+
 class RebalanceHandover:
     def __init__(self, runner: EmbeddedRunner) -> None:
         self.runner = runner
@@ -208,47 +213,63 @@ class RebalanceHandover:
                 await task
 
     async def _rearm(self, generation: int, partitions: list[int]) -> None:
-        """Arm the pending triggers the store holds for newly assigned ``partitions``. Each await can
-        span a rebalance; once the assignment this was started for has changed (``generation``),
-        nothing more is armed or cached: the partitions' next owner re-arms them, and timers or sessions
-        held here would fire prompts and save sessions for partitions this member no longer owns."""
+        """Arm the pending triggers the store holds for newly assigned ``partitions``, up to
+        ``REARM_CONCURRENCY`` partitions at a time: each takes four round trips to the store one after
+        the other, so partition by partition a store 50 ms away armed the last of 48 partitions' pauses
+        about 10 s late. Each await can span a rebalance; once the assignment this was started for has
+        changed (``generation``), nothing more is armed or cached: the partitions' next owner re-arms
+        them, and timers or sessions held here would fire prompts and save sessions for partitions this
+        member no longer owns. One partition failing cancels the others (the runner fails)."""
+        lease = self.runner.assignment.lease
+        room = asyncio.Semaphore(REARM_CONCURRENCY)
+
+        async def rearm(partition: int) -> None:
+            async with room:
+                await self._rearm_partition(generation, lease, partition)
+
+        try:
+            async with asyncio.TaskGroup() as group:
+                for partition in partitions:
+                    group.create_task(rearm(partition))
+        except BaseExceptionGroup as failed:  # the first failure, as the runner reports any other
+            raise failed.exceptions[0] from None
+
+    async def _rearm_partition(self, generation: int, lease: int, partition: int) -> None:
         runner = self.runner
 
         def revoked() -> bool:
             return runner.assignment.generation != generation
 
-        lease = runner.assignment.lease
-        for partition in partitions:
-            if revoked():
-                return
-            # The token before any load: a save of the partition's last owner still on its way is
-            # refused from here on, so what is loaded below is what that owner left (runner.ownership).
-            if not await runner.ownership.ensure([partition], lease):
-                return
-            timers = await runner.retrying(functools.partial(runner.store.timers, partition), "timer load")
-            if revoked():
-                return
-            sids = runner.sessions.missing(sid for sid, _ in timers)
-            loaded = await runner.load_sessions(sids)
-            if revoked():
-                return
-            runner.sessions.adopt(loaded)
-            for sid, wall in timers:
-                session = runner.sessions.get(sid)
-                if session is None or session.pending is None or session is not loaded.get(sid):
-                    # Not this load's copy: ingest loaded the shopper first (or meanwhile) and
-                    # applied events, and its ``close_epoch`` armed the trigger pending now. The stored
-                    # deadline belongs to an older trigger: armed with the newer due time, it fired that
-                    # pause before its quiet period had passed.
-                    continue
-                runner.sessions.place(sid, partition)
-                # A deadline that passed while nobody owned the partition fires no earlier than
-                # its own wait from now: the replay from the committed offsets brings the
-                # shopper's newer events first, and they move or clear the trigger as they did
-                # before the restart (a stale entry is ignored when it pops). Fired at once, it
-                # prompted for the session as the save left it: a pause an event had cleared
-                # since, or one without the events that came before it fired. A deadline still
-                # ahead is kept (a clean handover moves no pause).
-                now = runner.timers.now()
-                held = wall if wall > now else runner.triggers.wall_deadline(session)
-                runner.timers.arm(sid, session.pending.due_ts, held, (session.epoch, session.seq))
+        if revoked():
+            return
+        # The token before any load: a save of the partition's last owner still on its way is
+        # refused from here on, so what is loaded below is what that owner left (runner.ownership).
+        if not await runner.ownership.ensure([partition], lease):
+            return
+        timers = await runner.retrying(functools.partial(runner.store.timers, partition), "timer load")
+        if revoked():
+            return
+        sids = runner.sessions.missing(sid for sid, _ in timers)
+        loaded = await runner.load_sessions(sids)
+        if revoked():
+            return
+        runner.sessions.adopt(loaded)
+        for sid, wall in timers:
+            session = runner.sessions.get(sid)
+            if session is None or session.pending is None or session is not loaded.get(sid):
+                # Not this load's copy: ingest loaded the shopper first (or meanwhile) and
+                # applied events, and its ``close_epoch`` armed the trigger pending now. The stored
+                # deadline belongs to an older trigger: armed with the newer due time, it fired that
+                # pause before its quiet period had passed.
+                continue
+            runner.sessions.place(sid, partition)
+            # A deadline that passed while nobody owned the partition fires no earlier than
+            # its own wait from now: the replay from the committed offsets brings the
+            # shopper's newer events first, and they move or clear the trigger as they did
+            # before the restart (a stale entry is ignored when it pops). Fired at once, it
+            # prompted for the session as the save left it: a pause an event had cleared
+            # since, or one without the events that came before it fired. A deadline still
+            # ahead is kept (a clean handover moves no pause).
+            now = runner.timers.now()
+            held = wall if wall > now else runner.triggers.wall_deadline(session)
+            runner.timers.arm(sid, session.pending.due_ts, held, (session.epoch, session.seq))
