@@ -88,8 +88,11 @@ class Committer:
     async def commit_durable(self) -> None:
         """The one commit path: make the completed prefix durable, then commit its offsets."""
         async with self._lock:
+            generation = self.runner.assignment.generation
             lease, offsets = await self._durable_point()
-            if offsets and self.runner.handover.revoking:
+            # A revoke has begun: the loop hears of it a turn after the consumer thread counts it.
+            revoking = self.runner.handover.revoking or self.runner.assignment.generation != generation
+            if offsets and revoking:
                 self._handed = (lease, offsets)  # the hand-over's commit, on the consumer thread
                 return
             if offsets:

@@ -38,7 +38,8 @@ STORE_WAIT_BEFORE_PAUSE_S = 1.0
 drops the records librdkafka has fetched ahead, fetched again on resume, so it is for an outage, not
 for a load that is merely slow: one over a store 25 ms away, or a cold start's large replies, took
 longer than the poll timeout (50 ms) it waited before, and paused on nearly every poll. Well inside
-any ``max.poll.interval.ms``; a rebalance meanwhile waits at most this long for its callback."""
+any ``max.poll.interval.ms``; a rebalance meanwhile waits this long for its callback, twice where a
+poll waits twice (its ownership check, then its load)."""
 
 
 def read_poll(
@@ -276,7 +277,11 @@ class Ingest:
         rebalance meanwhile is seen by the caller (``Assignment.lease``)."""
         runner = self.runner
         task = asyncio.ensure_future(wait)
-        await asyncio.wait({task}, timeout=max(self.settings.poll_timeout_s, STORE_WAIT_BEFORE_PAUSE_S))
+        try:
+            await asyncio.wait({task}, timeout=max(self.settings.poll_timeout_s, STORE_WAIT_BEFORE_PAUSE_S))
+        except BaseException:  # cancelled: the wait goes too, as it does once paused
+            task.cancel()
+            raise
         if task.done():
             return task.result()
         runner.stats.long_wait_pauses += 1
