@@ -11,8 +11,11 @@ from realtime.client import MatchClient, SyncMatchClient
 from tests.conftest import Isolated
 from tests.realtime.service_kit import realtime_service
 
-CLIENT_DEADLINE_MS = 300
-SERVICE_DEADLINE_MS = 1000
+# Seconds, not the 300 ms a ranking call gets: admission counts the event loop's lag as the request's
+# age, and late in a CI run a collector pause of the test process (258 ms once) refused a 300 ms request.
+# What is checked is which of the two the service applied.
+CLIENT_DEADLINE_MS = 1500
+SERVICE_DEADLINE_MS = 4000
 SLACK_MS = 10_000
 
 
