@@ -64,8 +64,9 @@ class Isolated:
         self.s3_prefix = f"test-{tag}"
         self.group = f"group-{tag}"
 
-    def create_topics(self, partitions: int = 4) -> None:
-        admin = AdminClient({"bootstrap.servers": self.stack.kafka_bootstrap})
+    def create_topics(self, partitions: int = 4, bootstrap: str | None = None) -> None:
+        """The test's topics, on the stack's broker unless ``bootstrap`` names another."""
+        admin = AdminClient({"bootstrap.servers": bootstrap or self.stack.kafka_bootstrap})
         futures = admin.create_topics(
             [
                 NewTopic(self.topic, partitions, 1),

@@ -21,7 +21,6 @@ from pathlib import Path
 
 import pytest
 from confluent_kafka import Producer
-from confluent_kafka.admin import AdminClient, NewTopic  # type: ignore[attr-defined]
 
 from runner.config import RunnerSettings
 from runner.embedded import EmbeddedRunner
@@ -36,14 +35,6 @@ LINK_DELAY_S = 0.05
 GAP_S = 0.005
 STREAM_S = 12.0
 SHOPPERS = 20
-
-
-def make_topics(bootstrap: str, isolated: Isolated) -> None:
-    admin = AdminClient({"bootstrap.servers": bootstrap})
-    topics = [NewTopic(isolated.topic, 4, 1), NewTopic(isolated.dlq_topic, 1, 1)]
-    topics.append(NewTopic(isolated.insights_topic, 1, 1))
-    for future in admin.create_topics(topics).values():
-        future.result(timeout=30)
 
 
 def steady_record(i: int) -> tuple[bytes | None, bytes]:
@@ -62,7 +53,7 @@ def test_durable_points_keep_up_with_a_steady_stream_over_a_slow_link(
     isolated: Isolated, tmp_path: Path
 ) -> None:
     with tansu_behind_slow_link(tmp_path, LINK_DELAY_S) as bootstrap:
-        make_topics(bootstrap, isolated)
+        isolated.create_topics(bootstrap=bootstrap)
         defaults = RunnerSettings.model_fields
         settings = isolated.runner(
             bootstrap_servers=bootstrap,
