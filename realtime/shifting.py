@@ -69,7 +69,11 @@ def enable_capacity_shifting(app: web.Application, pool: SharedPool, settings: C
         await follower.stop()
 
     app.on_startup.append(start)
-    app.on_cleanup.append(stop)
+    # At shutdown, before any clean-up: the service's own clean-up (``create_app``) closes the Redis
+    # client and the LLM client these loops use, and ran first, so a loop mid-step wrote the split
+    # through a closed client (redis-py opened a new connection for it) or set endpoints on a closed
+    # LLM client.
+    app.on_shutdown.append(stop)
 
 
 def _resumed(held: int | None, controller: CapacityController) -> int:

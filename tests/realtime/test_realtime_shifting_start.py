@@ -94,3 +94,29 @@ async def test_a_restart_keeps_the_split_and_a_steady_load_moves_nothing(
     decisions = [r.getMessage() for r in caplog.records if r.getMessage().startswith("capacity: ")]
     assert decisions, "the shifter decided once the meter had covered its window"
     assert set(seen) == {(2, 2)}, f"the split in force moved: {sorted(set(seen))}; {decisions}"
+
+
+async def test_the_shifting_loops_stop_before_the_service_closes_its_clients(
+    stack: StackState, isolated: Isolated
+) -> None:
+    pool = SharedPool(f"pool-{isolated.tag}", stack.llm_endpoints)
+    app = create_app(
+        RealtimeSettings(),
+        llm_config=realtime_client_config(stack.llm_endpoints, stack.model),
+        sinks=isolated.sinks(),
+    )
+    enable_capacity_shifting(app, pool, CapacitySettings(tick_s=0.05, load_window_s=1))
+    loops = ("capacity-warm-up", "capacity-shifter", "pool-follower-realtime")
+    running_at_cleanup: list[str] = []
+
+    async def first_cleanup(app: Any) -> None:  # runs before the service closes Redis and the LLM client
+        running_at_cleanup.extend(t.get_name() for t in asyncio.all_tasks() if t.get_name() in loops)
+
+    app.on_cleanup.insert(0, first_cleanup)
+    async with TestClient(TestServer(app)):
+        await asyncio.sleep(1.5)  # the meter covers its window: the shifter runs beside the follower
+        running = {t.get_name() for t in asyncio.all_tasks()}
+        assert {"capacity-shifter", "pool-follower-realtime"} <= running
+    assert running_at_cleanup == [], (
+        f"still running while the service closed its clients: {running_at_cleanup}"
+    )
