@@ -3,14 +3,48 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import uuid
+from collections.abc import AsyncIterator, Coroutine
+from typing import Any, TypeVar
 
 from llm_client.config import Timeouts
 from prompt_assembly.events import EventType, ProductSnapshot, ShopperEvent
-from runner.embedded import EmbeddedRunner
+from runner.embedded import EmbeddedRunner, RunnerStats
 from serving.simulator.testing import running_simulator
 from tests.conftest import Isolated
 from tests.fault_kit import RunnerLog, wait_until
+
+T = TypeVar("T")
+
+
+def run_showing_logs(scenario: Coroutine[Any, Any, T], /, **logs: RunnerLog) -> T:
+    """``asyncio.run(scenario)``; when it raises, each runner's log is printed first under its name
+    (pytest shows the output beside the failure), so a failed run says what the runners did."""
+    try:
+        return asyncio.run(scenario)
+    except BaseException:
+        for name, log in logs.items():
+            print(f"---- {name} ----\n{log.render()}", flush=True)
+        raise
+
+
+@contextlib.asynccontextmanager
+async def running(*runners: EmbeddedRunner) -> AsyncIterator[list[asyncio.Task[RunnerStats]]]:
+    """Each runner's ``run`` as a task, in the list yielded. On the way out, whatever happened, every
+    runner is asked to stop and each task awaited, so its drain and close run and no consumer stays in
+    the group; the first runner failure among them is raised, even where the scenario ended without
+    looking at its task."""
+    tasks = [asyncio.create_task(runner.run()) for runner in runners]
+    try:
+        yield tasks
+    finally:
+        for runner in runners:
+            runner.request_stop()
+        outcomes = await asyncio.gather(*tasks, return_exceptions=True)
+        failure = next((o for o in outcomes if isinstance(o, BaseException)), None)
+        if failure is not None:
+            raise failure
 
 
 def cart_add(shopper_id: str, ts: float, key: bytes | None = None) -> tuple[bytes, bytes, bool]:
@@ -54,16 +88,11 @@ async def stop_while_answers_wait(
     async with running_simulator(time_scale=0.01, network_rtt_ms=answer_delay_ms) as sim:
         llm = isolated.llm(endpoints=[sim.url], timeouts=timeouts)
         runner = EmbeddedRunner(isolated.runner(llm=llm, until_drained=False, **settings), log=log)
-        task = asyncio.create_task(runner.run())
-        try:
+        async with running(runner) as (task,):
             await wait_until(
                 lambda: runner.stats.accounting.consumed == records and runner.in_flight == in_flight,
                 "every record applied, the prompts at the replica",
             )
             runner.request_stop()  # the drain now waits the answers out
             await asyncio.wait_for(task, answer_delay_ms / 1000 + 60)
-        finally:
-            runner.request_stop()
-            if not task.done():
-                await task
         return runner

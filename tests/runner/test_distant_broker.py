@@ -26,7 +26,7 @@ from runner.config import RunnerSettings
 from runner.embedded import EmbeddedRunner
 from tests.conftest import Isolated
 from tests.fault_kit import RunnerLog, wait_until
-from tests.runner.kit import cart_add, view
+from tests.runner.kit import cart_add, run_showing_logs, running, view
 from tests.slow_link import tansu_behind_slow_link
 
 pytestmark = pytest.mark.slow
@@ -68,8 +68,7 @@ def test_durable_points_keep_up_with_a_steady_stream_over_a_slow_link(
         malformed = sum(1 for i in range(count) if steady_record(i)[1].startswith(b"not json"))
 
         async def scenario() -> None:
-            task = asyncio.create_task(runner.run())
-            try:
+            async with running(runner) as (task,):
                 await wait_until(lambda: bool(runner.assigned_partitions()), "partitions assigned")
                 producer = Producer({"bootstrap.servers": bootstrap, "linger.ms": 0})
                 commits_before = runner.checkpoint.commits
@@ -88,15 +87,8 @@ def test_durable_points_keep_up_with_a_steady_stream_over_a_slow_link(
                     lambda: accounting.consumed >= count + unkeyed and not runner.epochs,
                     "every record (and every re-keyed copy) consumed and made durable",
                 )
-            finally:
-                runner.request_stop()
-                await task
 
-        try:
-            asyncio.run(scenario())
-        except BaseException:
-            print(log.render(), flush=True)
-            raise
+        run_showing_logs(scenario(), runner=log)
         accounting = runner.stats.accounting
         assert accounting.balanced, accounting
         assert accounting.rekeyed == unkeyed

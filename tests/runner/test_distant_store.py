@@ -12,7 +12,6 @@ counted (``long_wait_pauses``). The stack's Redis behind a link that delays ever
 
 from __future__ import annotations
 
-import asyncio
 import time
 from urllib.parse import urlsplit
 
@@ -22,7 +21,7 @@ from runner.embedded import EmbeddedRunner
 from tests.conftest import Isolated
 from tests.fault_kit import RunnerLog, wait_until
 from tests.helpers import produce_records
-from tests.runner.kit import cart_add
+from tests.runner.kit import cart_add, run_showing_logs, running
 from tests.slow_link import SlowLink
 
 pytestmark = pytest.mark.slow
@@ -44,20 +43,12 @@ def test_a_store_a_round_trip_of_60_ms_away_pauses_no_poll(isolated: Isolated) -
         produce_records(isolated.stack.kafka_bootstrap, isolated.topic, records)
 
         async def scenario() -> int:
-            task = asyncio.create_task(runner.run())
-            try:
+            async with running(runner):
                 acct = runner.stats.accounting
                 await wait_until(lambda: acct.insights == SHOPPERS and not runner.epochs, "all durable")
                 return runner.stats.long_wait_pauses  # before the stop, whose drain may wait longer
-            finally:
-                runner.request_stop()
-                await task
 
-        try:
-            pauses = asyncio.run(scenario())
-        except BaseException:
-            print(log.render(), flush=True)
-            raise
+        pauses = run_showing_logs(scenario(), runner=log)
     finally:
         link.stop()
     accounting = runner.stats.accounting

@@ -10,7 +10,6 @@ interval, and the real broker.
 
 from __future__ import annotations
 
-import asyncio
 import time
 
 import pytest
@@ -19,7 +18,7 @@ from llm_client.config import Timeouts
 from tests.conftest import Isolated
 from tests.fault_kit import RunnerLog
 from tests.helpers import produce_records
-from tests.runner.kit import cart_add, stop_while_answers_wait
+from tests.runner.kit import cart_add, run_showing_logs, stop_while_answers_wait
 from tests.runner.test_revoked_commits import committed
 
 pytestmark = pytest.mark.slow
@@ -37,21 +36,18 @@ def test_a_drain_longer_than_the_poll_interval_stays_in_the_group_and_commits(is
     records = [cart_add(f"shopper-{i:02d}", now) for i in range(SHOPPERS)]
     produce_records(isolated.stack.kafka_bootstrap, isolated.topic, records)
 
-    try:
-        runner = asyncio.run(
-            stop_while_answers_wait(
-                isolated,
-                log,
-                records=len(records),
-                in_flight=SHOPPERS,
-                answer_delay_ms=ANSWER_DELAY_MS,
-                timeouts=Timeouts(connect_s=2, attempt_s=60, deadline_s=90),
-                kafka_max_poll_interval_ms=MAX_POLL_INTERVAL_MS,
-            )
-        )
-    except BaseException:
-        print(f"---- the runner's log ----\n{log.render()}", flush=True)
-        raise
+    runner = run_showing_logs(
+        stop_while_answers_wait(
+            isolated,
+            log,
+            records=len(records),
+            in_flight=SHOPPERS,
+            answer_delay_ms=ANSWER_DELAY_MS,
+            timeouts=Timeouts(connect_s=2, attempt_s=60, deadline_s=90),
+            kafka_max_poll_interval_ms=MAX_POLL_INTERVAL_MS,
+        ),
+        runner=log,
+    )
 
     assert not [line for line in log if "poll interval" in line or "commit skipped" in line], log.render()
     acct = runner.stats.accounting

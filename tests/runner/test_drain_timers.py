@@ -19,7 +19,7 @@ from runner.session_store import RedisSessionStore
 from tests.conftest import Isolated
 from tests.fault_kit import RunnerLog
 from tests.helpers import produce_records
-from tests.runner.kit import cart_add, shopper_record, stop_while_answers_wait
+from tests.runner.kit import cart_add, run_showing_logs, shopper_record, stop_while_answers_wait
 
 pytestmark = pytest.mark.slow
 
@@ -35,21 +35,18 @@ def test_a_browse_pause_due_during_the_drain_stays_pending_in_the_store(isolated
     records = [cart_add("buyer", now), shopper_record("browser", now, "view")]
     produce_records(isolated.stack.kafka_bootstrap, isolated.topic, records)
 
-    try:
-        runner = asyncio.run(
-            stop_while_answers_wait(
-                isolated,
-                log,
-                records=len(records),
-                in_flight=1,  # the cart add's prompt
-                answer_delay_ms=ANSWER_DELAY_MS,
-                timeouts=Timeouts(connect_s=2, attempt_s=30, deadline_s=60),
-                timer_wall_per_event_s=TIMER_WALL_PER_EVENT_S,
-            )
-        )
-    except BaseException:
-        print(f"---- the runner's log ----\n{log.render()}", flush=True)
-        raise
+    runner = run_showing_logs(
+        stop_while_answers_wait(
+            isolated,
+            log,
+            records=len(records),
+            in_flight=1,  # the cart add's prompt
+            answer_delay_ms=ANSWER_DELAY_MS,
+            timeouts=Timeouts(connect_s=2, attempt_s=30, deadline_s=60),
+            timer_wall_per_event_s=TIMER_WALL_PER_EVENT_S,
+        ),
+        runner=log,
+    )
 
     acct = runner.stats.accounting
     assert acct.balanced and acct.insights == 1 and acct.prompts == 1, (acct, log.render())

@@ -27,7 +27,7 @@ from runner.embedded import EmbeddedRunner
 from tests.conftest import Isolated
 from tests.fault_kit import RunnerLog, TcpProxy, stopping, wait_until
 from tests.helpers import produce_records
-from tests.runner.kit import cart_add, view
+from tests.runner.kit import cart_add, run_showing_logs, view
 
 pytestmark = pytest.mark.slow
 
@@ -80,13 +80,7 @@ def test_a_durable_point_under_way_at_a_revoke_is_committed_by_the_handover(
                     runner.request_stop()
                 await asyncio.gather(*tasks)
 
-        try:
-            asyncio.run(scenario())
-        except BaseException:
-            print(
-                f"---- first ----\n{first_log.render()}\n---- second ----\n{second_log.render()}", flush=True
-            )
-            raise
+        run_showing_logs(scenario(), first=first_log, second=second_log)
     handed = [line for line in first_log if "rebalance: partitions handed over" in line]
     assert "commits nothing of its own" not in first_log.render(), first_log.render()
     assert handed and "committed" in handed[0], handed

@@ -22,7 +22,7 @@ from runner.embedded import EmbeddedRunner
 from tests.conftest import Isolated
 from tests.fault_kit import OwnRedis, RunnerLog, stopping, wait_until
 from tests.helpers import produce_records
-from tests.runner.kit import cart_add
+from tests.runner.kit import cart_add, run_showing_logs, running
 
 pytestmark = pytest.mark.slow
 
@@ -85,8 +85,7 @@ def test_records_held_from_an_assignment_handed_over_are_not_applied_again(
             return sum(1 for line in log if line.startswith("rebalance: assigned"))
 
         async def scenario() -> None:
-            task = asyncio.create_task(runner.run())
-            try:
+            async with running(runner) as (task,):
                 acct = runner.stats.accounting
                 await wait_until(lambda: acct.insights == len(first) and runner.stats.commits > 0, "first")
                 await asyncio.to_thread(redis.kill)
@@ -106,16 +105,9 @@ def test_records_held_from_an_assignment_handed_over_are_not_applied_again(
                 await wait_until(lambda: runner.ingest.held_records > 0, "records held from the second")
                 await asyncio.to_thread(redis.start)
                 await asyncio.wait_for(task, 180)
-            finally:
-                runner.request_stop()
-                if not task.done():
-                    await task
 
         try:
-            asyncio.run(scenario())
-        except BaseException:
-            print(f"---- the runner's log ----\n{log.render()}", flush=True)
-            raise
+            run_showing_logs(scenario(), runner=log)
         finally:
             member.leave()
 

@@ -36,6 +36,7 @@ from tests.conftest import Isolated
 from tests.fault_kit import OwnRedis
 from tests.helpers import broker_connections, broker_connections_left
 from tests.prompt_assembly.test_sessions import event
+from tests.runner.kit import running
 
 pytestmark = pytest.mark.slow
 
@@ -208,8 +209,7 @@ def test_a_restored_timer_waits_its_own_quiet_period_from_the_restart(isolated: 
 
     async def scenario() -> tuple[float, dict[str, float], dict[str, float]]:
         started = time.time()
-        task = asyncio.create_task(runner.run())
-        try:
+        async with running(runner):
             await wait_for(lambda: set(partition_of) <= set(runner.sessions.partition_map), "the re-arm")
             waits = {}
             for sid in partition_of:
@@ -218,9 +218,6 @@ def test_a_restored_timer_waits_its_own_quiet_period_from_the_restart(isolated: 
                 quiet_s = session.pending.due_ts - session.last_event_ts
                 waits[sid] = quiet_s * settings.timer_wall_per_event_s
             return started, waits, runner.timers.deadlines()
-        finally:
-            runner.request_stop()
-            await task
 
     started, waits, deadlines = asyncio.run(scenario())
     assert set(deadlines) == set(partition_of)

@@ -23,7 +23,7 @@ from runner.errors import SessionStoreUnavailable
 from tests.conftest import Isolated
 from tests.fault_kit import OwnRedis, RunnerLog, stopping, wait_until
 from tests.helpers import produce_records
-from tests.runner.kit import cart_add
+from tests.runner.kit import cart_add, run_showing_logs, running
 
 pytestmark = pytest.mark.slow
 
@@ -57,8 +57,7 @@ def test_a_redis_outage_longer_than_the_poll_interval_keeps_the_member_in_the_gr
         produce_records(isolated.stack.kafka_bootstrap, isolated.topic, first)
 
         async def scenario() -> None:
-            task = asyncio.create_task(runner.run())
-            try:
+            async with running(runner) as (task,):
                 acct = runner.stats.accounting
                 await wait_until(lambda: acct.insights == len(first) and runner.stats.commits > 0, "first")
                 await asyncio.to_thread(redis.kill)
@@ -72,16 +71,8 @@ def test_a_redis_outage_longer_than_the_poll_interval_keeps_the_member_in_the_gr
                 await asyncio.sleep(OUTAGE_POLL_INTERVALS * MAX_POLL_INTERVAL_MS / 1000)
                 await asyncio.to_thread(redis.start)
                 await asyncio.wait_for(task, 180)
-            finally:
-                runner.request_stop()
-                if not task.done():
-                    await task
 
-        try:
-            asyncio.run(scenario())
-        except BaseException:
-            print(f"---- the runner's log ----\n{log.render()}", flush=True)
-            raise
+        run_showing_logs(scenario(), runner=log)
 
     # One assignment, and at most the revoke of the consumer's close at the end: never a leave and a
     # rejoin in between (each revoke also logs how its hand-over went: not a rebalance of its own).
@@ -107,8 +98,7 @@ def test_a_session_load_past_the_retry_limit_ends_the_runner_with_one_line(
         runner = EmbeddedRunner(settings, log=log)
 
         async def scenario() -> None:
-            task = asyncio.create_task(runner.run())
-            try:
+            async with running(runner) as (task,):
                 await wait_until(lambda: bool(runner.assigned_partitions()), "the assignment")
                 await asyncio.to_thread(redis.kill)
                 records = [cart_add(f"shopper-{i:02d}", now) for i in range(4)]
@@ -116,10 +106,6 @@ def test_a_session_load_past_the_retry_limit_ends_the_runner_with_one_line(
                     produce_records, isolated.stack.kafka_bootstrap, isolated.topic, records
                 )
                 await asyncio.wait_for(task, 120)
-            finally:
-                runner.request_stop()
-                if not task.done():
-                    await task
 
         with pytest.raises(SessionStoreUnavailable) as failed:
             asyncio.run(scenario())

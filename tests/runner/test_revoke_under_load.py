@@ -35,7 +35,7 @@ from shopper.readback import list_s3_records
 from tests.conftest import Isolated
 from tests.fault_kit import PacedProducer, RunnerLog, wait_until
 from tests.helpers import expected_prompts
-from tests.runner.kit import view
+from tests.runner.kit import run_showing_logs, view
 
 pytestmark = pytest.mark.slow
 
@@ -184,11 +184,7 @@ def test_a_revoke_under_load_hands_over_committed_and_loses_no_pending_trigger(i
                 runner.request_stop()
                 await task
 
-    try:
-        handover, seen_by_joiner, log = asyncio.run(scenario())
-    except BaseException:
-        print(f"---- the runner's log ----\n{runner_log.render()}", flush=True)
-        raise
+    handover, seen_by_joiner, log = run_showing_logs(scenario(), runner=runner_log)
     story = runner_log.render()
     assert handover.due_in_revoke[0] > 0, "no pause fell due during the first revoke"
     assert not [line for line in log if "not durable within" in line], story

@@ -27,7 +27,7 @@ from runner.session_store import RedisSessionStore
 from tests.conftest import Isolated
 from tests.fault_kit import ProxiedMoto, RunnerLog, stopping, wait_until
 from tests.helpers import produce_records
-from tests.runner.kit import cart_add
+from tests.runner.kit import cart_add, run_showing_logs, running
 from tests.runner.test_rebalance_rearm import PARTITIONS, GroupMember
 
 pytestmark = pytest.mark.slow
@@ -78,8 +78,7 @@ def test_a_hand_over_that_timed_out_saves_and_commits_nothing_for_the_revoked_pa
 
         async def scenario() -> tuple[list[int], dict[int, int], dict[str, int]]:
             nonlocal member
-            task = asyncio.create_task(runner.run())
-            try:
+            async with running(runner) as (task,):
                 acct = runner.stats.accounting
                 await wait_until(
                     lambda: acct.consumed == len(first) and acct.insights == len(first) and not runner.epochs,
@@ -117,15 +116,8 @@ def test_a_hand_over_that_timed_out_saves_and_commits_nothing_for_the_revoked_pa
                 )
                 assert not task.done(), runner_log.render()
                 return theirs, before, placed
-            finally:
-                runner.request_stop()
-                await task
 
-        try:
-            theirs, before, placed = asyncio.run(scenario())
-        except BaseException:
-            print(f"---- the runner's log ----\n{runner_log.render()}", flush=True)
-            raise
+        theirs, before, placed = run_showing_logs(scenario(), runner=runner_log)
         after = committed(bootstrap, isolated.group, isolated.topic)
         if member is not None:
             member.leave()

@@ -34,7 +34,7 @@ from shopper.readback import list_s3_records
 from sinks.redis import RedisSignalSink
 from tests.conftest import Isolated
 from tests.helpers import dashboard_metric_names, expected_prompts, produce_records, unscoped_queries
-from tests.runner.kit import cart_add
+from tests.runner.kit import cart_add, running
 
 ROOT = Path(__file__).resolve().parents[2]
 DASHBOARD = ROOT / "docker/grafana/dashboards/shopper-runner.json"
@@ -65,16 +65,12 @@ async def while_running(
     runner: EmbeddedRunner, ready: Callable[[], bool], check: Callable[[str], Awaitable[None]]
 ) -> None:
     """Run ``runner``; once ``ready()``, call ``check(address)`` against it; then stop it."""
-    task = asyncio.create_task(runner.run())
-    try:
+    async with running(runner) as (task,):
         async with asyncio.timeout(120):
             while runner.ops is None or not ready():
                 assert not task.done(), "the runner ended early"
                 await asyncio.sleep(0.05)
             await check(runner.ops.address)
-    finally:
-        runner.request_stop()
-        await task
 
 
 @pytest.mark.slow
@@ -365,16 +361,12 @@ def test_an_idle_partition_the_group_finished_shows_no_lag(isolated: Isolated) -
     second = EmbeddedRunner(isolated.runner(until_drained=False, progress_interval_s=0.5), log=lambda _: None)
 
     async def scenario() -> dict[int, int]:
-        task = asyncio.create_task(second.run())
-        try:
+        async with running(second) as (task,):
             async with asyncio.timeout(60):
                 while len(second.lag_by_partition()) < 4:
                     assert not task.done(), "the runner ended early"
                     await asyncio.sleep(0.1)
             return second.lag_by_partition()
-        finally:
-            second.request_stop()
-            await task
 
     assert asyncio.run(scenario()) == {0: 0, 1: 0, 2: 0, 3: 0}
     assert second.stats.accounting.consumed == 0

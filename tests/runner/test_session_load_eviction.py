@@ -27,7 +27,7 @@ from runner.session_store import RedisSessionStore
 from runner.sessions import SessionCache
 from tests.conftest import Isolated
 from tests.helpers import produce_records
-from tests.runner.kit import cart_add
+from tests.runner.kit import cart_add, running
 
 CACHE = 100
 """The smallest ``session_cache_size`` the settings allow."""
@@ -68,8 +68,7 @@ def test_a_durable_point_during_a_session_load_keeps_the_batchs_sessions(isolate
     runner = EmbeddedRunner(settings, log=lambda _: None, session_store=HeldLoads)
 
     async def scenario() -> None:
-        task = asyncio.create_task(runner.run())
-        try:
+        async with running(runner) as (task,):
             while not isinstance(getattr(runner, "store", None), HeldLoads):
                 await asyncio.sleep(0.01)
             store = runner.store
@@ -83,10 +82,6 @@ def test_a_durable_point_during_a_session_load_keeps_the_batchs_sessions(isolate
                 await asyncio.sleep(0.02)
             store.release.set()
             await asyncio.wait_for(task, 120)
-        finally:
-            runner.request_stop()
-            if not task.done():
-                await task
 
     try:
         asyncio.run(scenario())

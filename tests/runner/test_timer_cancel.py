@@ -22,7 +22,7 @@ from runner.timers import TimerQueue
 from tests.conftest import Isolated
 from tests.fault_kit import RunnerLog, wait_until
 from tests.helpers import produce_records
-from tests.runner.kit import view
+from tests.runner.kit import run_showing_logs, running, view
 
 
 async def test_a_cancel_that_comes_as_a_timer_is_armed_stops_the_wait() -> None:
@@ -62,7 +62,6 @@ def test_an_entry_armed_before_a_pause_fired_does_not_fire_the_next_pause_with_i
 
     async def scenario() -> None:
         acct = runner.stats.accounting
-        task = asyncio.create_task(runner.run())
 
         async def send(ts: float, consumed: int, armed: int) -> None:
             await asyncio.to_thread(
@@ -73,7 +72,7 @@ def test_an_entry_armed_before_a_pause_fired_does_not_fire_the_next_pause_with_i
             )
             await wait_until(lambda: acct.consumed == consumed and len(runner.timers) == armed, f"view {ts}")
 
-        try:
+        async with running(runner) as (task,):
             await send(t, consumed=1, armed=1)  # entry A: deadline 1020
             clock[0] = 1005.0
             await send(t - 3, consumed=2, armed=2)  # entry B: deadline 1025, same pause and version
@@ -88,12 +87,5 @@ def test_an_entry_armed_before_a_pause_fired_does_not_fire_the_next_pause_with_i
             clock[0] = 1040.0
             await wait_until(lambda: acct.prompts == 2 and acct.insights == 2, "entry C fires the new pause")
             assert not task.done(), log.render()
-        finally:
-            runner.request_stop()
-            await task
 
-    try:
-        asyncio.run(scenario())
-    except BaseException:
-        print(f"---- the runner's log ----\n{log.render()}", flush=True)
-        raise
+    run_showing_logs(scenario(), runner=log)
