@@ -9,7 +9,10 @@ once a second and computes the request until then, so a ranking call of a few hu
 at its deadline is computed to its end anyway. With a grace, the caller still gets its error at once
 (the deadline holds); the exchange goes on in a task of its own and, if the answer arrives within the
 grace, its connection is kept. Past the grace the task is cancelled and the connection closed, as
-without one.
+without one. An answer read within the grace is a latency sample like any other, and the slow calls
+are the ones cut: ``on_late`` hands it to the caller's fleet, so a replica slower than the callers'
+deadlines still shows as slow to the degradation detector and the routing policy (before, only calls
+that beat their deadline taught them, and such a replica was never drained).
 
 Reading on pays only while cut calls finish within the grace. On an overloaded fleet they do not (a
 cut call has seconds of queue ahead of it): each then holds its connection through the grace and is
@@ -28,7 +31,7 @@ import asyncio
 import functools
 import time
 from collections import deque
-from collections.abc import Coroutine
+from collections.abc import Callable, Coroutine
 from typing import Any, TypeVar
 
 T = TypeVar("T")
@@ -67,11 +70,18 @@ class CutCalls:
         """Exchanges cut by their caller and still reading."""
         return len(self._reading)
 
-    async def run(self, exchange: Coroutine[Any, Any, T], *, read_on: bool = True) -> T:
+    async def run(
+        self,
+        exchange: Coroutine[Any, Any, T],
+        *,
+        read_on: bool = True,
+        on_late: Callable[[T], None] | None = None,
+    ) -> T:
         """``exchange``'s result. Without a grace (or with ``read_on`` false: a P/D context step, whose
         server would otherwise hold the prompt's KV blocks for a generation step that never comes) it
         runs in the caller's task, so a cancel closes its connection at once; with one, in a task of its
-        own that a cancel of the caller leaves reading."""
+        own that a cancel of the caller leaves reading. ``on_late``: given the result of an exchange that
+        finished after its caller left (read on within the grace), so that what it says is learned."""
         if self.grace_s <= 0 or not read_on:
             return await exchange
         task = asyncio.ensure_future(exchange)
@@ -79,7 +89,7 @@ class CutCalls:
             # wait, not shield: shield's outer future would hold an error of the exchange a while longer
             await asyncio.wait((task,))
         except asyncio.CancelledError:
-            self._read_on(task)
+            self._read_on(task, on_late)
             del task
             raise
         try:
@@ -95,9 +105,9 @@ class CutCalls:
         """Whether at least half of the recent cut calls that read on finished within the grace."""
         return 2 * sum(self._recent) >= len(self._recent)
 
-    def _read_on(self, task: asyncio.Task[Any]) -> None:
+    def _read_on(self, task: asyncio.Task[T], on_late: Callable[[T], None] | None) -> None:
         if task.done():
-            self._ended(None, task)
+            self._ended(None, on_late, task)
             return
         now = time.monotonic()
         if not self.paying:
@@ -110,9 +120,11 @@ class CutCalls:
         self._last_read_on = now
         self._reading.add(task)
         cut = asyncio.get_running_loop().call_later(self.grace_s, task.cancel)
-        task.add_done_callback(functools.partial(self._ended, cut))
+        task.add_done_callback(functools.partial(self._ended, cut, on_late))
 
-    def _ended(self, cut: asyncio.TimerHandle | None, task: asyncio.Task[Any]) -> None:
+    def _ended(
+        self, cut: asyncio.TimerHandle | None, on_late: Callable[[T], None] | None, task: asyncio.Task[T]
+    ) -> None:
         if cut is not None:
             cut.cancel()
         self._reading.discard(task)
@@ -124,6 +136,8 @@ class CutCalls:
         else:
             self.kept += 1
             self._recent.append(True)
+            if on_late is not None:
+                on_late(task.result())
 
     async def close(self) -> None:
         """Cancel every exchange still reading (their connections close) and wait for them."""

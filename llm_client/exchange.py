@@ -10,6 +10,7 @@ decode tokens); however the attempt ends the load is given back and the fleet to
 from __future__ import annotations
 
 import asyncio
+import functools
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import replace
@@ -90,6 +91,7 @@ class Exchange:
                 completion, served_by = await self.cut_calls.run(
                     self._exchanged(session, endpoint, path, body, sent, started, prefill_done),
                     read_on=read_on_cut,
+                    on_late=functools.partial(self._answered_late, endpoint, route, body, validate),
                 )
             if served_by is not None:  # through a gateway: the replica behind it that answered
                 completion = replace(completion, endpoint=served_by)
@@ -114,21 +116,28 @@ class Exchange:
             endpoint.outstanding_decode_tokens -= route.max_tokens
             if (observer := prefill_observer(policy)) is not None:
                 observer.attempt_over(route, endpoint)
-        self.fleet.succeeded(
-            endpoint,
-            route,
-            RouteOutcome(
-                ok=True,
-                prompt_tokens=completion.prompt_tokens,
-                cached_tokens=completion.cached_tokens,
-                latency_ms=completion.latency_ms,
-                ttft_ms=completion.ttft_ms,
-                completion_tokens=completion.completion_tokens,
-                first_token=bool(body.get("stream")),
-            ),
-        )
+        self.fleet.succeeded(endpoint, route, _outcome(completion, body))
         self.prober.answered_well(endpoint, ProbeRequest(path, body, validate))
         return completion
+
+    def _answered_late(
+        self,
+        endpoint: Endpoint,
+        route: RouteRequest,
+        body: dict[str, Any],
+        validate: AnswerValidator | None,
+        exchanged: tuple[Completion, str | None],
+    ) -> None:
+        """An attempt cut by its caller's deadline that answered within the grace (``cut_calls``): its
+        latency, the whole of it, is taught to the fleet as an answered call's is. Only a usable answer:
+        one the caller's ``validate`` refuses teaches nothing, since nobody was served it."""
+        completion = exchanged[0]
+        if validate is not None:
+            try:
+                validated(validate, completion, endpoint.name)
+            except InvalidAnswer:
+                return
+        self.fleet.succeeded(endpoint, route, _outcome(completion, body))
 
     async def _exchanged(
         self,
@@ -159,3 +168,15 @@ class Exchange:
                     await read_body(response, limits, endpoint.name), endpoint.name, started
                 )
         return completion, served_by
+
+
+def _outcome(completion: Completion, body: dict[str, Any]) -> RouteOutcome:
+    return RouteOutcome(
+        ok=True,
+        prompt_tokens=completion.prompt_tokens,
+        cached_tokens=completion.cached_tokens,
+        latency_ms=completion.latency_ms,
+        ttft_ms=completion.ttft_ms,
+        completion_tokens=completion.completion_tokens,
+        first_token=bool(body.get("stream")),
+    )

@@ -9,13 +9,14 @@ services in one process it counts them all."""
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Sequence
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
-from prometheus_client.core import CounterMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from llm_client.cut_calls import CutCalls
+from llm_client.endpoints import Endpoint
 
 LATENCY_BUCKETS = (0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.15, 0.2, 0.25, 0.3, 0.4, 0.5, 1.0, 2.5)
 """Seconds; dense around the default 300 ms deadline."""
@@ -54,6 +55,25 @@ class _CutCalls(Collector):
         )
         for outcome, value in counts:
             family.add_metric([outcome], value)
+        yield family
+
+
+class _ReplicaStates(Collector):
+    """``realtime_llm_endpoint_state{endpoint,state}``: 1 for each model replica's routing state
+    (``Endpoint.routing_state``: routable, ejected, drained, quarantined_<kind>), as the runner and the
+    gateway export it; read at scrape time from the client, whose replicas capacity shifting may change."""
+
+    def __init__(self, endpoints: Callable[[], Sequence[Endpoint]]) -> None:
+        self.endpoints = endpoints
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        family = GaugeMetricFamily(
+            "realtime_llm_endpoint_state",
+            "1 for a replica's routing state: routable, ejected, drained, quarantined_<kind> (bad answers)",
+            labels=["endpoint", "state"],
+        )
+        for endpoint in self.endpoints():
+            family.add_metric([endpoint.name, endpoint.routing_state], 1.0)
         yield family
 
 
@@ -97,3 +117,7 @@ class RealtimeMetrics:
     def watch_cut_calls(self, cut_calls: CutCalls) -> None:
         """Export ``cut_calls``' counters (the service's model client)."""
         self.registry.register(_CutCalls(cut_calls))
+
+    def watch_replicas(self, endpoints: Callable[[], Sequence[Endpoint]]) -> None:
+        """Export the routing state of the replicas ``endpoints()`` lists (the model client's)."""
+        self.registry.register(_ReplicaStates(endpoints))

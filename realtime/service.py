@@ -57,6 +57,7 @@ def create_app(
     store = redis or sinks.redis_client()
     app[SERVICE_KEY] = MatchService(settings, client, store, sinks.redis_key_prefix, metrics, LoadMeter())
     metrics.watch_cut_calls(client.cut_calls)
+    metrics.watch_replicas(lambda: client.endpoints)
 
     async def start(app: web.Application) -> None:
         app[SERVICE_KEY].lag.start()

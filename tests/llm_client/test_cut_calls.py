@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from llm_client import ClientConfig, LLMClient, cut_calls
-from llm_client.config import HealthSettings, Timeouts
+from llm_client.config import HealthSettings, RetrySettings, Timeouts
 from llm_client.cut_calls import PROBE_EVERY
 from llm_client.errors import BadRequest, DeadlineExceeded
 from serving.simulator.testing import running_simulator
@@ -197,3 +197,54 @@ async def test_a_call_that_fails_with_a_grace_frees_its_caller_at_once() -> None
             await ask(state)
             del state
             assert held() is None, "a failed call's error kept its caller's frame"
+
+
+async def test_a_replica_slower_than_every_deadline_is_drained_by_its_answers_within_the_grace() -> None:
+    # Two replicas answer within the callers' deadline; the third takes several times as long, so
+    # every call to it is cut and its answer comes within the grace. Before, only a call that beat its
+    # deadline taught the degradation detector, so this replica gave no latency sample, was never
+    # judged, and kept taking its share of the calls, each one answered too late to use.
+    async with (
+        running_simulator(time_scale=0.02) as fast_a,
+        running_simulator(time_scale=0.02) as fast_b,
+        running_simulator(time_scale=0.5) as slow,
+    ):
+        urls = [fast_a.url, fast_b.url, slow.url]
+        settings = ClientConfig(
+            endpoints=urls,
+            policy="round_robin",
+            stream=False,
+            timeouts=Timeouts(connect_s=1, attempt_s=30, deadline_s=30, cut_grace_s=2.0),
+            retry=RetrySettings(max_attempts=1),
+            health=HealthSettings(interval_s=0.05),
+        )
+        async with LLMClient(settings) as client:
+            await client.wait_until_healthy()
+            # One call to each replica (round robin): the fast ones' time and the slow one's.
+            times = [await timed_call(client, f"warm-up-{i}", deadline_s=10) for i in range(3)]
+            assert max(times) > 3 * min(times), times
+            deadline_s = (min(times) * max(times)) ** 0.5
+            slow_endpoint = next(e for e in client.endpoints if e.url == slow.url)
+            cut_calls = 0
+            for batch in range(40):
+                outcomes = await asyncio.gather(
+                    *(timed_call(client, f"s{batch}-{i}", deadline_s) for i in range(3)),
+                    return_exceptions=True,
+                )
+                cut_calls += sum(isinstance(o, DeadlineExceeded) for o in outcomes)
+                if slow_endpoint.drained:
+                    break
+            await until(lambda: client.cut_calls.reading == 0, 5.0)
+        assert cut_calls > 0, "no call was cut: the slow replica is not slower than the deadline"
+        assert client.cut_calls.kept > 0, "no cut call was answered within the grace"
+        assert slow_endpoint.drained, (
+            f"the slow replica was not drained after {cut_calls} cut calls "
+            f"({client.cut_calls.kept} answered within the grace)"
+        )
+        assert not any(e.drained for e in client.endpoints if e is not slow_endpoint)
+
+
+async def timed_call(client: LLMClient, key: str, deadline_s: float) -> float:
+    started = asyncio.get_running_loop().time()
+    await client.chat(MESSAGES, routing_key=key, max_tokens=20, deadline_s=deadline_s)
+    return asyncio.get_running_loop().time() - started
