@@ -118,15 +118,22 @@ class OpenAIProxy:
         if self._closed:
             return self._gateway_answer(request, _stopping())
         flight = Flight(keep_running=key is not None)
-        verdict = self._arrive(flight, session, priority)
-        if isinstance(verdict, GatewayAnswer):
-            return self._gateway_answer(request, verdict)
+        arrival = self._arrive(flight, session, priority)
+        if isinstance(arrival, GatewayAnswer):
+            return self._gateway_answer(request, arrival)
+        verdict, displaced = arrival
         if key is not None:
             self.idempotency.track(key, digest, flight)
         # The call may outlive this handler (a keyed one whose caller left): it keeps its own copies.
         headers = {n: request.headers[n] for n in FORWARDED_REQUEST_HEADERS if n in request.headers}
         # Entered before anything is awaited, so the next request of this loop tick counts this one.
         entry = self.admission.enter(verdict)
+        if displaced is not None and session is not None:
+            # Only now, with this request's place taken: the older call's slot goes to the best waiter
+            # when it unwinds, and this request's wait for it (``enter``'s task) must be in the gate by
+            # then. Superseded before, the older call gave its slot to a lower-class waiter already in
+            # the gate, and a high-priority newer version waited behind it or was refused.
+            self._supersede(displaced, *session)
         task = asyncio.create_task(self._fly(flight, key, request.path, body, route, headers, entry, started))
         entry.owner = task
         flight.start(task)
@@ -160,10 +167,11 @@ class OpenAIProxy:
 
     def _arrive(
         self, flight: Flight, session: tuple[str, Version] | None, priority: Priority
-    ) -> Verdict | GatewayAnswer:
+    ) -> tuple[Verdict, Flight | None] | GatewayAnswer:
         """Admission's verdict on ``flight`` and its session's claim (a 429 or a 409 answer instead,
         when it gets none), all synchronous, so that ``Admission.enter`` follows before anything else
-        arrives. A newer version is judged before it supersedes the session's running call: refused
+        arrives; with the session's older call it displaces, which the caller supersedes once the
+        verdict is entered. A newer version is judged before it supersedes the session's running call: refused
         after, it had cost the older call too (dropped from the queue or its request closed), and the
         session was left with no call at all. Any other is judged after its claim, so a version older
         than the session's newest is a 409 whatever the load."""
@@ -171,20 +179,19 @@ class OpenAIProxy:
         verdict = None if older is None else self._judge_over(older, priority)
         if verdict is not None and verdict.refusal is not None:
             return _overloaded(verdict.refusal)
+        displaced = None
         if session is not None:
             newer, displaced = self.claims.arrive(*session, flight)
             if newer is not None:
                 self.metrics.superseded.labels("arrival").inc()
                 return _superseded(session[0], newer, "(it arrived after it)")
-            if displaced is not None:
-                self._supersede(displaced, *session)
         if verdict is None:
             verdict = self.admission.judge(priority)
             if verdict.refusal is not None:
                 if session is not None:
                     self.claims.leave(session[0], flight)
                 return _overloaded(verdict.refusal)
-        return verdict
+        return verdict, displaced
 
     def _running_call(self, session: tuple[str, Version]) -> Flight | None:
         """The session's call a newer ``session`` version would supersede, if one still runs."""
@@ -274,6 +281,7 @@ class OpenAIProxy:
                 # Kept without its traceback: that names this frame, which holds the flight, so the
                 # flight would hold itself in a reference cycle until the cyclic collector ran.
                 flight.end(error=exc.with_traceback(None))
+                self._count_broken(exc)  # once for the call, however many callers share it
             return
         flight.end(complete=True)
         if key is not None and whole:
@@ -354,8 +362,8 @@ class OpenAIProxy:
         waited for the next health check, for one replica's failure or one call's deadline. Mid-event
         its connection is still closed without the stream's end: an event after half a one would read
         as a malformed answer, worse than a cut."""
-        if flight.error is not None:
-            answer, status = _error_answer(flight.error), self._broken_off(flight.error)
+        if flight.error is not None:  # counted, when a replica broke it, where the call ended (``_fly``)
+            answer, status = _error_answer(flight.error), _broken_off(flight.error)
         elif flight.superseded is not None:
             answer, status = flight.superseded, "superseded"
         else:
@@ -460,22 +468,21 @@ class OpenAIProxy:
         if response is None or not response.prepared:
             return self._gateway_answer(request, _error_answer(exc))
         # Bytes are already with the caller: end its connection without the stream's end.
-        status = self._broken_off(exc)
+        status = _broken_off(exc)
+        self._count_broken(exc)
         if request.transport is not None:
             request.transport.close()
         self.metrics.requests.labels(request.path, status).inc()
         return response
 
-    def _broken_off(self, exc: LLMError) -> str:
-        """The ``gateway_requests_total`` status of a stream cut by ``exc`` after its status line. A
-        deadline cut is the gateway's own: a 504, as it is answered before the status line, so the 504s
-        count every deadline cut; no replica broke (counted as a broken answer, it named ``unknown``).
-        Anything else broke off at its replica."""
-        if isinstance(exc, DeadlineExceeded):
-            return "504"
-        self.metrics.broken_streams.labels(exc.endpoint or "unknown").inc()
-        log.warning("answer broke off mid-stream: %s", exc)
-        return "broken"
+    def _count_broken(self, exc: LLMError) -> None:
+        """A stream ``exc`` cut after its status line, counted and logged once when a replica broke it
+        (a deadline cut is the gateway's own: ``_broken_off``). Once per call: counted per caller, one
+        broken stream that three callers shared by an ``Idempotency-Key`` counted three broken answers
+        and logged three warnings."""
+        if _broken_off(exc) == "broken":
+            self.metrics.broken_streams.labels(exc.endpoint or "unknown").inc()
+            log.warning("answer broke off mid-stream: %s", exc)
 
     async def _stream(
         self, request: web.Request, response: web.StreamResponse, answer: Forwarded, started: float
@@ -596,3 +603,11 @@ def _error_answer(exc: LLMError) -> GatewayAnswer:
     if isinstance(exc, NoHealthyEndpoint):
         return GatewayAnswer(503, "service_unavailable", message, attempts=attempts)
     return GatewayAnswer(502, "bad_gateway", message, attempts=attempts)
+
+
+def _broken_off(exc: LLMError) -> str:
+    """The ``gateway_requests_total`` status of a stream cut by ``exc`` after its status line. A deadline
+    cut is the gateway's own: a 504, as it is answered before the status line, so the 504s count every
+    deadline cut; no replica broke (counted as a broken answer, it named ``unknown``). Anything else
+    broke off at its replica."""
+    return "504" if isinstance(exc, DeadlineExceeded) else "broken"

@@ -69,7 +69,9 @@ class SessionClaims:
         or None)."""
         current = self._newest.get(session)
         if current is not None and _outruns(current.version, version):
-            self._newest.move_to_end(session)
+            # Not made recent: a version no real call of the session reaches (a caller's mistake, or a
+            # forged one: callers are not told apart) refused every later version, and each refusal
+            # kept it remembered, so the session stayed locked out for as long as it kept sending.
             return current.version, None
         self._newest[session] = _Newest(version, flight)
         self._newest.move_to_end(session)

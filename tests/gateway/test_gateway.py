@@ -308,6 +308,31 @@ async def test_an_answer_that_broke_off_mid_stream_leaves_no_reference_cycle() -
             )
 
 
+async def test_one_broken_stream_three_callers_share_counts_one_broken_answer() -> None:
+    # Three callers joined by an Idempotency-Key share one call; its stream breaks off (over the
+    # answer limit). Counted where each caller's stream ended, it was three broken answers and three
+    # warnings for one replica's fault.
+    body = chat_body("one keyed stream, cut at 4 KiB", stream=True, max_tokens=600, ignore_eos=True)
+    async with (
+        SimulatorFleet(1, "--time-scale", TIME_SCALE) as sims,
+        running_gateway(sims.urls, "round_robin", client={"answer_limits": {"max_answer_bytes": 4096}}) as gw,
+        aiohttp.ClientSession() as http,
+    ):
+
+        async def caller() -> None:
+            async with http.post(
+                gw.url + "/v1/chat/completions", json=body, headers={"idempotency-key": "k-broken"}
+            ) as r:
+                assert r.status == 200
+                await r.read()
+
+        await asyncio.gather(caller(), caller(), caller())
+        async with http.get(gw.url + "/metrics") as m:
+            text = await m.text()
+    assert metric(text, "gateway_idempotent_total", outcome="joined") == 2, "the three did not share a call"
+    assert metric(text, "gateway_broken_answers_total", replica=sims.urls[0].split("://")[1]) == 1
+
+
 async def test_a_replica_breaking_mid_stream_does_not_eject_the_gateway_from_a_client_in_front() -> None:
     """A replica that breaks off after an event: the gateway ends the caller's stream with an ``error``
     event (a 502) and the stream's clean end. It closed the caller's connection instead, and an

@@ -375,6 +375,43 @@ async def test_a_newer_version_takes_the_slot_its_cancelled_older_one_frees(
         assert metric(text, "gateway_refused_total", priority="normal", reason="queue_full") == 0
 
 
+async def test_a_high_priority_newer_version_takes_its_older_ones_slot_before_a_low_waiter(
+    replica: str, http: aiohttp.ClientSession
+) -> None:
+    """The slot a superseded call frees is the newer version's when no waiter of its class or better
+    waits. The older call was cancelled before the newer one's wait was in the gate, so it handed its
+    slot to the low-priority waiter already there: the high-priority newer version waited behind it (and
+    with a short bound was refused, its older version cancelled: the session got no answer)."""
+    bounds = {"high": 1.0, "normal": 60.0, "low": 60.0}
+    async with running_gateway(
+        [replica], "round_robin", per_replica_in_flight=1, max_waiting=1, max_wait_s=bounds
+    ) as gw:
+        older = await http.post(
+            gw.url + CHAT,
+            json=chat_body("shopper 7, version 1", stream=True, **HOLD),
+            headers=session_headers("s7", 1),
+        )
+        assert older.status == 200
+        await older.content.readuntil(b"\n\n")  # sent: it holds the only slot
+        low = asyncio.create_task(
+            post(http, gw.url, chat_body("a low-priority shopper", **HOLD), **{"x-priority": "low"})
+        )
+        await until(lambda: _equals(waiting(http, gw.url, "low"), 1), "the low one waits")
+        status, _, body = await post(
+            http,
+            gw.url,
+            chat_body("shopper 7, version 2", **SHORT),
+            **session_headers("s7", 2, **{"x-priority": "high"}),
+        )
+        assert status == 200, body
+        text = await scrape(http, gw.url)
+        assert metric(text, "gateway_cancelled_total") == 1
+        older.close()
+        low.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await low
+
+
 async def test_a_queued_caller_that_leaves_is_never_sent(replica: str, http: aiohttp.ClientSession) -> None:
     received = metric(await scrape(http, replica), "sim_requests_total", endpoint="chat")
     async with (
