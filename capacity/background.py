@@ -8,10 +8,11 @@ one such loop beside the work they steer; this is their one copy of the start/st
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any
+
+from pipeline.cancellation import cancel_and_wait
 
 
 class BackgroundLoop:
@@ -32,11 +33,16 @@ class BackgroundLoop:
             self._task = asyncio.create_task(self._body(), name=self.name)
 
     async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
-            self._task = None
+        """Cancel the task and wait until it has ended; an error it ended with is raised. The cancel is
+        repeated until it takes (``pipeline.cancellation``: redis-py can swallow one, and a loop that
+        renews a lease went on as if never cancelled). A cancel of the caller itself is raised."""
+        task = self._task
+        if task is None:
+            return
+        await cancel_and_wait(task)
+        self._task = None
+        if not task.cancelled():
+            task.result()
 
 
 async def every(

@@ -58,6 +58,7 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from llm_client.client import LLMClient
 from pipeline.answer_ledger import AnswerLedger
+from pipeline.cancellation import cancel_and_wait
 from pipeline.checkpoint import Checkpoint
 from pipeline.enrichment import Enricher
 from pipeline.kafka_security import librdkafka_properties
@@ -274,11 +275,16 @@ class EmbeddedRunner:
                         # Raised here, the trigger loop's skipped the shutdown: the consumer stayed in
                         # the group holding its partitions, the clients and the ops server stayed open.
                         for worker in workers:
-                            try:
-                                await worker
-                            except asyncio.CancelledError:
-                                pass
-                            except Exception as error:
+                            # Cancelled again until it ends: redis-py can swallow a cancel that lands in
+                            # a session save or a timer load (``pipeline.cancellation``), and the runner
+                            # waited for that worker for good.
+                            with contextlib.suppress(asyncio.CancelledError):
+                                await cancel_and_wait(worker)
+                            if (
+                                worker.done()
+                                and not worker.cancelled()
+                                and isinstance(error := worker.exception(), Exception)
+                            ):
                                 self.fail(error)  # a no-op for one that failed it already
                         await self.handover.stop()
                         await asyncio.to_thread(self.consumer.close)
