@@ -95,6 +95,15 @@ class AimdController:
         self.budget = max(1, budget)
         self._limit = self._clamp(self._limit)
 
+    def resize(self, budget: int, factor: float) -> None:
+        """The pool changed size by ``factor`` (replicas shifted) and its budget to ``budget``: the limit
+        and the knee move with the pool instead of being rediscovered, and only then does the new budget
+        cap the limit. (Capped by the new budget first and then scaled, a pool shrunk from three
+        replicas to one went from a limit of 300 to 42, not 100, and one grown back never regained it.)"""
+        self.budget = max(1, budget)
+        self.rescale(factor)
+        self._limit = self._clamp(self._limit)
+
     def rescale(self, factor: float) -> None:
         """The pool changed size by ``factor`` (replicas shifted): move the limit and the knee with it
         instead of rediscovering them."""

@@ -16,13 +16,16 @@ import sys
 import time
 from collections.abc import AsyncIterator
 from pathlib import Path
-from typing import Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 from rich.console import Console
 from rich.table import Table
 
 from sinks.keys import RedisKeys
+
+if TYPE_CHECKING:
+    from llm_client.client import LLMClient
 
 batch_app = typer.Typer(
     no_args_is_help=True, help="Batch product understanding: S3 JSONL in, S3 JSONL + Redis out."
@@ -93,7 +96,9 @@ def submit_cmd(
     detach: Annotated[
         bool, typer.Option(help="only register the job; 'shopper batch worker' runs it")
     ] = False,
-    fixed_concurrency: Annotated[int | None, typer.Option(help="disable AIMD; use this many calls")] = None,
+    fixed_concurrency: Annotated[
+        int | None, typer.Option(min=1, help="disable AIMD; use this many calls")
+    ] = None,
     follow_pool: FollowPool = None,
     state_dir: StateDir = Path(".state"),
     from_stack: FromStack = True,
@@ -134,7 +139,9 @@ def resume_cmd(
     detach: Annotated[
         bool, typer.Option(help="only mark it runnable; 'shopper batch worker' runs it")
     ] = False,
-    fixed_concurrency: Annotated[int | None, typer.Option(help="disable AIMD; use this many calls")] = None,
+    fixed_concurrency: Annotated[
+        int | None, typer.Option(min=1, help="disable AIMD; use this many calls")
+    ] = None,
     follow_pool: FollowPool = None,
     state_dir: StateDir = Path(".state"),
     from_stack: FromStack = True,
@@ -261,7 +268,7 @@ async def _run_worker(
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     console.print(f"[dim]batch settings: {settings.model_dump_json()}[/dim]")
     async with open_batch(settings, sinks, llm, fixed_limit=fixed_concurrency) as runtime:
-        await runtime.client.wait_until_healthy()
+        await wait_for_first_replica(runtime.client)
         follower = None
         if follow_pool:
             from capacity.controller import CapacitySettings
@@ -331,3 +338,24 @@ async def _show_progress(worker: Any, interval_s: float = 5.0) -> None:
                     tasks[job.job_id] = bar.add_task(job.job_id, total=p["total"], **fields)
                 bar.update(tasks[job.job_id], completed=p["done"], total=p["total"], **fields)
             await asyncio.sleep(0.5)
+
+
+async def wait_for_first_replica(client: LLMClient, timeout_s: float = 30.0) -> None:
+    """Until one LLM replica answers ``/health``: a fleet always has one down somewhere, and waiting
+    for every replica kept the worker from starting at all (a traceback after 30 s). The others are
+    named, and the client's health loop admits each as it answers."""
+    from llm_client.errors import NoHealthyEndpoint
+
+    try:
+        await client.wait_until_healthy(timeout_s, minimum=1)
+    except TimeoutError:
+        urls = ", ".join(e.url for e in client.endpoints)
+        raise NoHealthyEndpoint(f"no LLM replica answered /health within {timeout_s:.0f} s: {urls}") from None
+    down = [e.url for e in client.endpoints if not e.healthy]
+    if down:
+        logging.getLogger(__name__).warning(
+            "%d of %d LLM replicas not answering /health yet, started without them: %s",
+            len(down),
+            len(client.endpoints),
+            ", ".join(down),
+        )

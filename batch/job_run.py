@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import time
 from collections import deque
@@ -49,6 +50,7 @@ from batch.understanding import (
 )
 from llm_client.errors import InvalidAnswer, LLMError
 from llm_client.models import Completion
+from pipeline.sink_retry import SinkRetry, with_sink_retry
 from sinks.keys import RedisKeys
 
 log = logging.getLogger(__name__)
@@ -120,6 +122,20 @@ class JobRun:
         """Open records allowed: enough to keep the pool's limit busy, few enough to bound memory
         and the work a kill throws away."""
         return max(2 * self.pool.limit, 64)
+
+    @property
+    def commit_backlog(self) -> int:
+        """Records of complete shards the reader may run ahead of S3 by: the shards being written
+        (``commit_concurrency``) and one more."""
+        return (self.settings.commit_concurrency + 1) * self.spec.shard_records
+
+    def _full(self) -> bool:
+        """Whether the reader waits: open records at ``lookahead``, or complete shards not yet written
+        past ``commit_backlog``. Only open records held it back before, and a shard of bad lines (no
+        call, so never open) or answers coming faster than S3 took them queued every shard in memory:
+        all 1,000 shards of a 100,000-line input before the first was written, and a kill threw away
+        every answer they held."""
+        return len(self.works) >= self.lookahead or self._committing > self.commit_backlog
 
     @property
     def finished(self) -> bool:
@@ -269,7 +285,7 @@ class JobRun:
                 self._take_line(line, raw)
             if self.lines_read % shard_records == 0:
                 self._enqueue_commits(self.book.seal_through(self.lines_read))
-            while len(self.works) >= self.lookahead and not self.stopping:
+            while self._full() and not self.stopping:
                 self._room.clear()
                 await self._room.wait()
             if self.stopping:
@@ -319,7 +335,7 @@ class JobRun:
             self._on_failure(call, "invalid_answer", str(exc), retry=False)
             return
         except LLMError as exc:
-            self.pool.observe(None)
+            self.pool.observe_failure(exc)
             self._on_failure(call, "llm_failed", f"{type(exc).__name__}: {exc}")
             return
         self.pool.observe(loop.time() - started)
@@ -384,37 +400,53 @@ class JobRun:
     # ---- commits and checkpoints -------------------------------------------------------------------
     def _enqueue_commits(self, commits: list[ShardCommit]) -> None:
         for commit in commits:
-            task = asyncio.create_task(self._commit(commit), name=f"commit-{self.job_id}-{commit.shard}")
+            # Counted as it is queued, not when its task first runs: the reader reads on without
+            # yielding while lines come from its buffer, and saw none of the shards it had just queued.
+            records = commit.counts.ok + commit.counts.errors
+            self._committing += records
+            task = asyncio.create_task(self._write(commit), name=f"commit-{self.job_id}-{commit.shard}")
             self._commits.add(task)
-            task.add_done_callback(self._commits.discard)
+            task.add_done_callback(functools.partial(self._committed, records))
 
-    async def _commit(self, commit: ShardCommit) -> None:
-        records = commit.counts.ok + commit.counts.errors
-        self._committing += records
-        try:
-            await self._write(commit)
-        finally:
-            self._committing -= records
+    def _committed(self, records: int, task: asyncio.Task[None]) -> None:
+        """A shard's write ended (written, given up, or cancelled before it ran)."""
+        self._commits.discard(task)
+        self._committing -= records
+        self._room.set()  # the reader may be waiting for the backlog to shrink
 
     async def _write(self, commit: ShardCommit) -> None:
         async with self._commit_gate:
             if not await self.lease.still_held():
                 self.stop(self.lease.lost or "lost the lease")
                 return
-            for attempt in range(4):
-                try:
-                    await self.store.write_shard(
+            # An S3 or Redis outage is waited out, each write retried on its own, for as long as the
+            # lease lasts (beyond it another worker may hold the job); then the job fails and resumes
+            # later. Four tries within 1.4 s failed a job on a 3 s Redis restart, for a worker
+            # (``shopper batch worker``) to leave it failed until a person resumed it.
+            policy = SinkRetry(max_wait_s=self.settings.lease_ttl_s)
+            try:
+                await with_sink_retry(
+                    lambda: self.store.write_shard(
                         self.output, commit.shard, commit.rows, commit.errors, commit.counts, self.job_id
-                    )
-                    await self.signals.write(self.job_id, commit.rows)
-                    break
-                except Exception as exc:  # S3/Redis hiccup: retry, then fail the job (it resumes later)
-                    if attempt == 3:
-                        self.stop(f"writing shard {commit.shard} failed: {exc!r}")
-                        return
-                    await asyncio.sleep(0.2 * 2**attempt)
+                    ),
+                    policy,
+                    what=f"shard {commit.shard} to S3",
+                    on_retry=self._write_retried,
+                )
+                await with_sink_retry(
+                    lambda: self.signals.write(self.job_id, commit.rows),
+                    policy,
+                    what=f"the product signals of shard {commit.shard}",
+                    on_retry=self._write_retried,
+                )
+            except Exception as exc:
+                self.stop(f"writing shard {commit.shard} failed: {exc!r}")
+                return
         self.manifest.shards[commit.shard] = commit.counts
         self._dirty = True
+
+    def _write_retried(self, what: str, exc: BaseException) -> None:
+        log.warning("job %s: writing %s failed, retrying: %r", self.job_id, what, exc)
 
     async def _checkpoints(self) -> None:
         interval = self.settings.checkpoint_interval_s

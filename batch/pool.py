@@ -18,11 +18,24 @@ from collections.abc import Sequence
 from batch.aimd import AimdController, AimdSettings, WindowStats
 from capacity.background import BackgroundLoop
 from llm_client.client import LLMClient
+from llm_client.errors import (
+    DeadlineExceeded,
+    LLMError,
+    NoHealthyEndpoint,
+    RetryBudgetExhausted,
+    TransportError,
+)
 
 log = logging.getLogger(__name__)
 
 DECISIONS_KEPT = 10_000
 """AIMD decisions kept for benchmarks and inspection; older ones are dropped."""
+
+LOAD_ERRORS = (TransportError, NoHealthyEndpoint, DeadlineExceeded, RetryBudgetExhausted)
+"""The failed calls that say the fleet is loaded (5xx, 429, timeouts, no replica, a deadline, the retry
+budget spent), which the limit backs off from. A 4xx or an answer the schema refuses is the request's
+fault: counted as an error, a few percent of bad answers cut the limit by 30% a window, and three idle
+replicas served a sixth of the calls they could."""
 
 
 class EndpointPool:
@@ -36,6 +49,10 @@ class EndpointPool:
         fixed_limit: int | None = None,
     ) -> None:
         """``fixed_limit`` turns adaptation off (the benchmark's saturating baseline)."""
+        if (
+            fixed_limit is not None and fixed_limit < 1
+        ):  # 0 never lets a call start: the job would wait for ever
+            raise ValueError(f"a fixed concurrency must be at least 1, not {fixed_limit}")
         self.name = name
         self.client = client
         self.per_replica_budget = per_replica_budget
@@ -49,7 +66,7 @@ class EndpointPool:
         self._window_failures = 0
         self._limited = False
         self._window_started = 0.0
-        self._retries_seen = client.retries
+        self._retries_seen = client.retries - client.failovers
         self._adapter = BackgroundLoop(f"aimd-{self.name}", self._adapt)
         self.changed = asyncio.Event()
         """Set whenever the limit moves (the dispatcher waits on it too)."""
@@ -86,13 +103,21 @@ class EndpointPool:
         self._limited = True
 
     def observe(self, latency_s: float | None) -> None:
-        """One finished call: its latency, or None when it failed."""
+        """One finished call: its latency, or None when it failed for load (``LOAD_ERRORS``)."""
         if latency_s is None:
             self.failed += 1
             self._window_failures += 1
         else:
             self.completed += 1
             self._latencies.append(latency_s)
+
+    def observe_failure(self, error: LLMError) -> None:
+        """One call that failed: an error of the window when it says the fleet is loaded
+        (``LOAD_ERRORS``), else only counted as failed."""
+        if isinstance(error, LOAD_ERRORS):
+            self.observe(None)
+        else:
+            self.failed += 1
 
     def start(self) -> None:
         if self.fixed_limit is None:
@@ -108,8 +133,10 @@ class EndpointPool:
         while True:
             await asyncio.sleep(window)
             now = loop.time()
-            retries = self.client.retries - self._retries_seen
-            self._retries_seen = self.client.retries
+            # failovers away from invalid answers are not a sign of load: see LOAD_ERRORS
+            load_retries = self.client.retries - self.client.failovers
+            retries = load_retries - self._retries_seen
+            self._retries_seen = load_retries
             stats = WindowStats(
                 completions=len(self._latencies),
                 errors=self._window_failures + retries,
@@ -134,8 +161,7 @@ class EndpointPool:
         """Re-point the client at ``urls`` (capacity shifting) and rescale the limit."""
         before = self.replicas
         self.client.set_endpoints(urls)
-        self.controller.set_budget(self.budget)
-        self.controller.rescale(self.replicas / before)
+        self.controller.resize(self.budget, self.replicas / before)
         with contextlib.suppress(RuntimeError):  # no running loop: nothing is being measured yet
             self._new_window(asyncio.get_running_loop().time())  # a window spanning the change misleads
         self.changed.set()

@@ -56,6 +56,8 @@ class Calls:
         self._rng = random.Random(seed)
         self.in_flight = 0
         self.retries = 0
+        self.failovers = 0
+        """Of ``retries``, those away from an invalid answer: a bad answer, not a sign of load."""
 
     @contextlib.asynccontextmanager
     async def call(self, deadline_s: float | None, tried: list[str]) -> AsyncIterator[float]:
@@ -109,6 +111,7 @@ class Calls:
                 if not failover and not self._budget.try_spend():
                     raise RetryBudgetExhausted(f"retry budget exhausted after: {last_error}") from last_error
                 self.retries += 1
+                self.failovers += failover
                 await asyncio.sleep(wait_s)
             if not self.fleet.servable():
                 await self.fleet.wait_for_routable()

@@ -141,6 +141,11 @@ class LLMClient:
         return self._calls.retries
 
     @property
+    def failovers(self) -> int:
+        """Of ``retries``, those away from an invalid answer (``InvalidAnswer``): not a sign of load."""
+        return self._calls.failovers
+
+    @property
     def cut_calls(self) -> CutCalls:
         """Attempts read on after their caller left (``timeouts.cut_grace_s``), and what became of them."""
         return self._exchange.cut_calls
@@ -201,10 +206,11 @@ class LLMClient:
     def eject(self, endpoint: Endpoint, reason: str = "ejected") -> None:
         self.fleet.eject(endpoint, reason)
 
-    async def wait_until_healthy(self, timeout_s: float = 30.0) -> None:
-        """Probe every replica once now (start-up helper for CLIs and tests)."""
+    async def wait_until_healthy(self, timeout_s: float = 30.0, *, minimum: int | None = None) -> None:
+        """Probe every replica now, until all answer, or ``minimum`` of them (start-up helper for CLIs
+        and tests)."""
         self._open_session()
-        await self._health.wait_until_healthy(timeout_s)
+        await self._health.wait_until_healthy(timeout_s, minimum=minimum)
 
     # ---- calls ---------------------------------------------------------------------------------
     async def chat(

@@ -86,14 +86,16 @@ class HealthChecker:
         except (aiohttp.ClientError, TimeoutError, ConnectionError):
             pass
 
-    async def wait_until_healthy(self, timeout_s: float = 30.0) -> None:
-        """Probe every replica now, until all answer (start-up helper for CLIs and tests)."""
+    async def wait_until_healthy(self, timeout_s: float = 30.0, *, minimum: int | None = None) -> None:
+        """Probe every replica now, until all answer, or ``minimum`` of them (start-up helper for CLIs
+        and tests); those that do not stay ejected, re-admitted by the health loop when they answer."""
         async with asyncio.timeout(timeout_s):
             while True:
                 every = self.fleet.every
                 for endpoint in every:
                     endpoint.healthy = False
                 await asyncio.gather(*(self.probe(e) for e in every))
-                if all(e.healthy for e in every):
+                healthy = sum(e.healthy for e in every)
+                if healthy == len(every) or (minimum is not None and healthy >= minimum):
                     return
                 await asyncio.sleep(0.2)
