@@ -68,6 +68,18 @@ def session_headers(session: str, version: int | str, **more: str) -> dict[str, 
     return {"x-session-id": session, "x-session-version": str(version), **more}
 
 
+async def holding_the_slot(http: aiohttp.ClientSession, url: str, session: str, version: int) -> Any:
+    """A long stream of ``session``'s ``version``, sent and streaming: it holds a slot until closed."""
+    older = await http.post(
+        url + CHAT,
+        json=chat_body(f"{session}, version {version}", stream=True, **HOLD),
+        headers=session_headers(session, version),
+    )
+    assert older.status == 200
+    await older.content.readuntil(b"\n\n")  # sent: it holds its slot
+    return older
+
+
 async def post(
     http: aiohttp.ClientSession, url: str, body: dict[str, Any], **headers: str
 ) -> tuple[int, Any, Any]:
@@ -355,13 +367,7 @@ async def test_a_newer_version_takes_the_slot_its_cancelled_older_one_frees(
     async with running_gateway(
         [replica], "round_robin", per_replica_in_flight=1, max_waiting=1, max_wait_s=PATIENT
     ) as gw:
-        older = await http.post(
-            gw.url + CHAT,
-            json=chat_body("shopper 7, version 1", stream=True, **HOLD),
-            headers=session_headers("s7", 1),
-        )
-        assert older.status == 200
-        await older.content.readuntil(b"\n\n")  # sent: it holds the only slot
+        older = await holding_the_slot(http, gw.url, "s7", 1)
         other = asyncio.create_task(post(http, gw.url, chat_body("shopper 8", **SHORT)))
         await until(lambda: _equals(waiting(http, gw.url, "normal"), 1), "the queue is full")
         status, _, _ = await post(
@@ -386,13 +392,7 @@ async def test_a_high_priority_newer_version_takes_its_older_ones_slot_before_a_
     async with running_gateway(
         [replica], "round_robin", per_replica_in_flight=1, max_waiting=1, max_wait_s=bounds
     ) as gw:
-        older = await http.post(
-            gw.url + CHAT,
-            json=chat_body("shopper 7, version 1", stream=True, **HOLD),
-            headers=session_headers("s7", 1),
-        )
-        assert older.status == 200
-        await older.content.readuntil(b"\n\n")  # sent: it holds the only slot
+        older = await holding_the_slot(http, gw.url, "s7", 1)
         low = asyncio.create_task(
             post(http, gw.url, chat_body("a low-priority shopper", **HOLD), **{"x-priority": "low"})
         )
