@@ -53,6 +53,11 @@ class JobLease:
         self.lost: str | None = None
         """Why this worker must stop writing; once set, it stays set."""
 
+    @property
+    def held_until(self) -> float:
+        """Monotonic time until which no other worker can hold the lease (``_held_until``)."""
+        return self._held_until
+
     async def acquire(self) -> bool:
         started = time.monotonic()
         acquired = bool(await self.redis.set(self.key, self.token, nx=True, px=self.ttl_ms))

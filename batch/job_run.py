@@ -26,6 +26,7 @@ import functools
 import logging
 import time
 from collections import deque
+from collections.abc import AsyncIterator
 from typing import Any
 
 import redis.asyncio as aioredis
@@ -50,6 +51,7 @@ from batch.understanding import (
 )
 from llm_client.errors import InvalidAnswer, LLMError
 from llm_client.models import Completion
+from pipeline.cancellation import cancel_and_wait
 from pipeline.sink_retry import SinkRetry, with_sink_retry
 from sinks.keys import RedisKeys
 
@@ -135,7 +137,7 @@ class JobRun:
         call, so never open) or answers coming faster than S3 took them queued every shard in memory:
         all 1,000 shards of a 100,000-line input before the first was written, and a kill threw away
         every answer they held."""
-        return len(self.works) >= self.lookahead or self._committing > self.commit_backlog
+        return len(self.works) >= self.lookahead or self._committing >= self.commit_backlog
 
     @property
     def finished(self) -> bool:
@@ -241,13 +243,13 @@ class JobRun:
         m = self.manifest
         m.updated_at = time.time()
         if not await self.lease.still_held():
-            # Another worker may hold the job now: its manifest is the truth, this one is stale.
-            m.message = self.lease.lost
-            log.warning("job %s: %s; the manifest is left as it is", self.job_id, self.lease.lost)
-            return m
+            return self._left_to_the_new_holder(m)
         if self.stopping is None and m.complete:
             with_errors = [k for k, c in m.shards.items() if c.errors]
-            errors_uri = await self.store.merge_errors(self.output, with_errors)
+            async with self._lease_kept():  # the merge reads every errors part: minutes for a big job
+                errors_uri = await self.store.merge_errors(self.output, with_errors)
+            if not await self.lease.still_held():  # lost all the same (Redis away longer than the lease)
+                return self._left_to_the_new_holder(m)
             m.errors_uri = str(errors_uri)
             m.state, m.finished_at = "succeeded", time.time()
             await self.store.put(
@@ -265,6 +267,30 @@ class JobRun:
         await self.lease.release()
         log.info("job %s: %s (%s)", self.job_id, m.state, m.message or "ok")
         return m
+
+    def _left_to_the_new_holder(self, m: JobManifest) -> JobManifest:
+        """Another worker may hold the job now: its manifest is the truth, this one is stale."""
+        m.message = self.lease.lost
+        log.warning("job %s: %s; the manifest is left as it is", self.job_id, self.lease.lost)
+        return m
+
+    @contextlib.asynccontextmanager
+    async def _lease_kept(self) -> AsyncIterator[None]:
+        """Renew the lease every ``checkpoint_interval_s`` for the block, as the checkpoints did while
+        the job ran: unrenewed through a long errors merge, it lapsed, another worker took the job and
+        ran it again, and this one still wrote its manifest over the new holder's."""
+
+        async def renew() -> None:
+            while await self.lease.still_held():
+                await asyncio.sleep(self.settings.checkpoint_interval_s)
+
+        renewing = asyncio.create_task(renew(), name=f"lease-{self.job_id}")
+        try:
+            yield
+        finally:
+            await cancel_and_wait(renewing)
+            if not renewing.cancelled() and (error := renewing.exception()) is not None:
+                log.warning("job %s: renewing the lease failed: %r", self.job_id, error)
 
     # ---- reading and planning ----------------------------------------------------------------------
     async def _read(self) -> None:
@@ -420,10 +446,15 @@ class JobRun:
                 self.stop(self.lease.lost or "lost the lease")
                 return
             # An S3 or Redis outage is waited out, each write retried on its own, for as long as the
-            # lease lasts (beyond it another worker may hold the job); then the job fails and resumes
-            # later. Four tries within 1.4 s failed a job on a 3 s Redis restart, for a worker
+            # lease is known held (beyond it another worker may hold the job); then the job fails and
+            # resumes later. Four tries within 1.4 s failed a job on a 3 s Redis restart, for a worker
             # (``shopper batch worker``) to leave it failed until a person resumed it.
             policy = SinkRetry(max_wait_s=self.settings.lease_ttl_s)
+            lease = self.lease
+
+            def while_held(_: BaseException) -> bool:
+                return lease.lost is None and time.monotonic() < lease.held_until
+
             try:
                 await with_sink_retry(
                     lambda: self.store.write_shard(
@@ -432,12 +463,17 @@ class JobRun:
                     policy,
                     what=f"shard {commit.shard} to S3",
                     on_retry=self._write_retried,
+                    retry_if=while_held,
                 )
+                if not await lease.still_held():  # the S3 write may have waited out most of it
+                    self.stop(lease.lost or "lost the lease")
+                    return
                 await with_sink_retry(
                     lambda: self.signals.write(self.job_id, commit.rows),
                     policy,
                     what=f"the product signals of shard {commit.shard}",
                     on_retry=self._write_retried,
+                    retry_if=while_held,
                 )
             except Exception as exc:
                 self.stop(f"writing shard {commit.shard} failed: {exc!r}")

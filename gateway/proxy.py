@@ -281,7 +281,8 @@ class OpenAIProxy:
                 # Kept without its traceback: that names this frame, which holds the flight, so the
                 # flight would hold itself in a reference cycle until the cyclic collector ran.
                 flight.end(error=exc.with_traceback(None))
-                self._count_broken(exc)  # once for the call, however many callers share it
+                if isinstance(flight.head, Head) and flight.head.streaming:  # else its callers get a 502
+                    self._count_broken(exc)  # once for the call, however many callers share it
             return
         flight.end(complete=True)
         if key is not None and whole:

@@ -278,13 +278,12 @@ class EmbeddedRunner:
                             # Cancelled again until it ends: redis-py can swallow a cancel that lands in
                             # a session save or a timer load (``pipeline.cancellation``), and the runner
                             # waited for that worker for good.
-                            with contextlib.suppress(asyncio.CancelledError):
-                                await cancel_and_wait(worker)
-                            if (
-                                worker.done()
-                                and not worker.cancelled()
-                                and isinstance(error := worker.exception(), Exception)
-                            ):
+                            # A cancel of the runner itself meanwhile is not taken for the worker's: the
+                            # worker still ends before the clients it uses are closed below.
+                            while not worker.done():
+                                with contextlib.suppress(asyncio.CancelledError):
+                                    await cancel_and_wait(worker)
+                            if not worker.cancelled() and isinstance(error := worker.exception(), Exception):
                                 self.fail(error)  # a no-op for one that failed it already
                         await self.handover.stop()
                         await asyncio.to_thread(self.consumer.close)

@@ -17,6 +17,9 @@ from tests.fault_kit import RunnerLog, wait_until
 
 T = TypeVar("T")
 
+STOP_WITHIN_S = 120.0
+"""How long ``running`` waits for its runners to stop: a drain that hangs fails the test, not the suite."""
+
 
 def run_showing_logs(scenario: Coroutine[Any, Any, T], /, **logs: RunnerLog) -> T:
     """``asyncio.run(scenario)``; when it raises, each runner's log is printed first under its name
@@ -32,17 +35,18 @@ def run_showing_logs(scenario: Coroutine[Any, Any, T], /, **logs: RunnerLog) -> 
 @contextlib.asynccontextmanager
 async def running(*runners: EmbeddedRunner) -> AsyncIterator[list[asyncio.Task[RunnerStats]]]:
     """Each runner's ``run`` as a task, in the list yielded. On the way out, whatever happened, every
-    runner is asked to stop and each task awaited, so its drain and close run and no consumer stays in
-    the group; the first runner failure among them is raised, even where the scenario ended without
-    looking at its task."""
+    runner is asked to stop and each task awaited (within ``STOP_WITHIN_S``), so its drain and close run
+    and no consumer stays in the group; the first runner failure among them is raised, even where the
+    scenario ended without looking at its task. A runner the scenario cancelled (``asyncio.wait_for``
+    timing out) is not a failure: the scenario's own error says more."""
     tasks = [asyncio.create_task(runner.run()) for runner in runners]
     try:
         yield tasks
     finally:
         for runner in runners:
             runner.request_stop()
-        outcomes = await asyncio.gather(*tasks, return_exceptions=True)
-        failure = next((o for o in outcomes if isinstance(o, BaseException)), None)
+        outcomes = await asyncio.wait_for(asyncio.gather(*tasks, return_exceptions=True), STOP_WITHIN_S)
+        failure = next((o for o in outcomes if isinstance(o, Exception)), None)
         if failure is not None:
             raise failure
 
