@@ -157,10 +157,11 @@ class EndpointPool:
     def _new_window(self, now: float) -> None:
         self._latencies, self._window_failures, self._limited, self._window_started = [], 0, False, now
 
-    def set_endpoints(self, urls: Sequence[str]) -> None:
-        """Re-point the client at ``urls`` (capacity shifting) and rescale the limit."""
+    def set_endpoints(self, urls: Sequence[str], *, withdraw_after_s: float | None = None) -> None:
+        """Re-point the client at ``urls`` (capacity shifting) and rescale the limit. ``withdraw_after_s``:
+        calls still running on a dropped replica that long from now move to a kept one (the hand-off)."""
         before = self.replicas
-        self.client.set_endpoints(urls)
+        self.client.set_endpoints(urls, withdraw_after_s=withdraw_after_s)
         self.controller.resize(self.budget, self.replicas / before)
         with contextlib.suppress(RuntimeError):  # no running loop: nothing is being measured yet
             self._new_window(asyncio.get_running_loop().time())  # a window spanning the change misleads

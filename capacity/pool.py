@@ -7,8 +7,10 @@ split in Redis (``PoolBoard``, one hash per pool); every process serving either 
 ``PoolFollower`` that re-points its LLM client.
 
 Hand-over: a replica going from batch to real-time is dropped by batch at once but joins real-time
-only ``handoff_s`` after the change, so real-time calls do not queue behind batch calls still running
-on it. A replica going back to batch moves at once (batch does not mind a few real-time stragglers).
+only ``handoff_s`` after the change; batch calls still running on it then are cut and moved to a
+replica batch kept (``LLMClient.set_endpoints``'s ``withdraw_after_s``), so real-time calls never queue
+behind them. A replica going back to batch moves at once (batch does not mind a few real-time
+stragglers).
 
 Lease: the split is published with a TTL (``lease_s``) that the shifter renews on every tick, so a
 shifter that stops or crashes cannot hold replicas forever. Once the key lapses, batch takes the whole
@@ -26,7 +28,7 @@ import logging
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, Protocol
 
 import orjson
 import redis.asyncio as aioredis
@@ -61,6 +63,15 @@ class PoolSplit:
         held = self.replicas[: self.realtime]
         joins = zip(held, self.join_times(), strict=True)
         return [url for url, moved in joins if moved is None or now >= moved + handoff_s]
+
+    def joins_real_time_at(self, url: str, handoff_s: float) -> float | None:
+        """When real time starts routing to ``url`` (None: it is not a real-time replica; a replica
+        held since the first split joined at once, at ``changed_at``)."""
+        held = self.replicas[: self.realtime]
+        if url not in held:
+            return None
+        moved = self.join_times()[held.index(url)]
+        return self.changed_at if moved is None else moved + handoff_s
 
     def join_times(self) -> tuple[float | None, ...]:
         """``moved_at``, or for a split published without it, what its one change implies."""
@@ -181,6 +192,12 @@ class PoolBoard:
         )
 
 
+class Repoint(Protocol):
+    """How a follower re-points its side's client (``LLMClient.set_endpoints``, the batch pool's)."""
+
+    def __call__(self, urls: list[str], *, withdraw_after_s: float | None = None) -> None: ...
+
+
 class PoolFollower:
     """Polls the board and applies this side's replicas through ``apply`` when they change.
 
@@ -191,13 +208,15 @@ class PoolFollower:
         self,
         board: PoolBoard,
         side: Side,
-        apply: Callable[[list[str]], None],
+        apply: Repoint,
         *,
         poll_s: float = 0.5,
         handoff_s: float = 2.0,
         clock: Callable[[], float] = time.time,
     ) -> None:
-        """``clock``: wall seconds, the shifter's clock (the split's ``changed_at`` is in it)."""
+        """``clock``: wall seconds, the shifter's clock (the split's ``changed_at`` is in it). Batch's
+        ``apply`` is told to withdraw the calls still running on the replicas it loses when real time
+        starts routing to them."""
         self.board = board
         self.clock = clock
         self.side = side
@@ -215,12 +234,21 @@ class PoolFollower:
         split = await self.board.read()
         if split is None:
             return self.current if self.side == "realtime" else self._take_whole_pool()
-        urls = split.urls(self.side, self.clock(), self.handoff_s)
+        now = self.clock()
+        urls = split.urls(self.side, now, self.handoff_s)
         if urls != self.current:
             log.info("%s pool now %d replica(s) (split v%d)", self.side, len(urls), split.version)
+            withdraw_after_s = self._withdrawal(split, urls, now) if self.side == "batch" else None
             self.current = urls
-            self.apply(urls)
+            self.apply(urls, withdraw_after_s=withdraw_after_s)
         return urls
+
+    def _withdrawal(self, split: PoolSplit, urls: list[str], now: float) -> float | None:
+        """How long batch's calls on the replicas it loses may still run: until real time takes the
+        first of them (at once if it has already, or if batch learns late)."""
+        lost = set(self.current or ()) - set(urls)
+        joins = [t for url in lost if (t := split.joins_real_time_at(url, self.handoff_s)) is not None]
+        return max(0.0, min(joins) - now) if joins else None
 
     def _take_whole_pool(self) -> list[str]:
         urls = list(self.board.pool.replicas)

@@ -6,6 +6,8 @@ Guarantees:
 - a retryable failure is tried again on a *different* replica (the same one only when no other is
   routable), after a jittered backoff, and only while the retry budget has tokens, so an outage adds at
   most ``budget_ratio`` extra load;
+- an attempt cut because its replica left the fleet (``Withdrawn``: a capacity hand-off) moves to
+  another replica at once and counts as no attempt: the move was this side's choice, not a failure;
 - an invalid answer is tried once more, not again: two replicas answering one prompt badly say more
   about the prompt than about the fleet. That one failover draws nothing from the retry budget: it is
   bounded by construction (one extra attempt per request, never a storm), and the budget is for
@@ -37,6 +39,7 @@ from llm_client.errors import (
     LLMError,
     Overloaded,
     RetryBudgetExhausted,
+    Withdrawn,
 )
 from llm_client.fleet import Fleet
 from llm_client.retry import RetryBudget, backoff_s
@@ -58,6 +61,8 @@ class Calls:
         self.retries = 0
         self.failovers = 0
         """Of ``retries``, those away from an invalid answer: a bad answer, not a sign of load."""
+        self.withdrawn = 0
+        """Calls moved to another replica because theirs left the fleet (``Withdrawn``): not retries."""
 
     @contextlib.asynccontextmanager
     async def call(self, deadline_s: float | None, tried: list[str]) -> AsyncIterator[float]:
@@ -96,10 +101,17 @@ class Calls:
         deadline ``expires_at``, event-loop time); any other is raised at once."""
         self._budget.on_request()
         last_error: LLMError | None = None
-        for number in range(1, self.config.retry.max_attempts + 1):
-            if isinstance(last_error, InvalidAnswer) and number > 2:
+        number = 0
+        while True:
+            if isinstance(last_error, Withdrawn):
+                self.withdrawn += 1  # moved on at once: no attempt, backoff or retry token spent
+            else:
+                number += 1
+            if number > self.config.retry.max_attempts or (
+                isinstance(last_error, InvalidAnswer) and number > 2
+            ):
                 break  # raised below
-            if number > 1:
+            if number > 1 and not isinstance(last_error, Withdrawn):
                 wait_s = backoff_s(number - 2, self.config.retry, self._rng)
                 told_s = self._retry_after(last_error, tried)
                 if told_s is not None and last_error is not None:

@@ -146,6 +146,11 @@ class LLMClient:
         return self._calls.failovers
 
     @property
+    def withdrawn(self) -> int:
+        """Calls moved to another replica because theirs left the fleet (``set_endpoints``)."""
+        return self._calls.withdrawn
+
+    @property
     def cut_calls(self) -> CutCalls:
         """Attempts read on after their caller left (``timeouts.cut_grace_s``), and what became of them."""
         return self._exchange.cut_calls
@@ -197,11 +202,13 @@ class LLMClient:
             await self._session.close()
             self._session = None
 
-    def set_endpoints(self, urls: Sequence[str]) -> None:
+    def set_endpoints(self, urls: Sequence[str], *, withdraw_after_s: float | None = None) -> None:
         """Route to exactly ``urls`` from now on (capacity shifting moves replicas between pools).
         Kept replicas keep their state (health, load, cache knowledge); new ones start fresh; dropped
-        ones are forgotten by the routing policy. Calls in flight on a dropped replica finish normally."""
-        self.fleet.set_endpoints(urls)
+        ones are forgotten by the routing policy. Calls in flight on a dropped replica finish normally,
+        or with ``withdraw_after_s``, those still running that long from now are cut (their requests
+        closed, which frees their slots on the replica) and moved to a kept replica (``withdrawn``)."""
+        self.fleet.set_endpoints(urls, withdraw_after_s=withdraw_after_s)
 
     def eject(self, endpoint: Endpoint, reason: str = "ejected") -> None:
         self.fleet.eject(endpoint, reason)

@@ -76,12 +76,15 @@ class CutCalls:
         *,
         read_on: bool = True,
         on_late: Callable[[T], None] | None = None,
+        close_if: Callable[[], bool] | None = None,
     ) -> T:
         """``exchange``'s result. Without a grace (or with ``read_on`` false: a P/D context step, whose
         server would otherwise hold the prompt's KV blocks for a generation step that never comes) it
         runs in the caller's task, so a cancel closes its connection at once; with one, in a task of its
         own that a cancel of the caller leaves reading. ``on_late``: given the result of an exchange that
-        finished after its caller left (read on within the grace), so that what it says is learned."""
+        finished after its caller left (read on within the grace), so that what it says is learned.
+        ``close_if``: asked when the caller is cancelled; true closes the exchange at once even with a
+        grace (a replica the fleet withdrew: its new owner must get it free)."""
         if self.grace_s <= 0 or not read_on:
             return await exchange
         task = asyncio.ensure_future(exchange)
@@ -89,7 +92,11 @@ class CutCalls:
             # wait, not shield: shield's outer future would hold an error of the exchange a while longer
             await asyncio.wait((task,))
         except asyncio.CancelledError:
-            self._read_on(task, on_late)
+            if close_if is not None and close_if():
+                task.cancel()
+                task.add_done_callback(_retrieved)
+            else:
+                self._read_on(task, on_late)
             del task
             raise
         try:

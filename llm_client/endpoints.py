@@ -9,6 +9,7 @@ failing validation is quarantined instead, and comes back only through a real co
 
 from __future__ import annotations
 
+import asyncio
 from dataclasses import dataclass, field
 
 
@@ -49,6 +50,10 @@ class Endpoint:
     left: bool = False
     """The replica left the fleet (``Fleet.set_endpoints``): an attempt still running on it teaches
     nothing when it ends, so what the fleet forgot of it is not brought back."""
+    attempts: set[asyncio.Task[object]] = field(default_factory=set)
+    """The tasks with an attempt running on it (``Exchange.completion``), for a withdrawal to cut."""
+    withdrawn: set[asyncio.Task[object]] = field(default_factory=set)
+    """Of ``attempts``, those the fleet cut because the replica left (``Fleet.set_endpoints``)."""
 
     @property
     def routable(self) -> bool:

@@ -136,6 +136,15 @@ class SupersededByNewer(BadRequest):
         """The session version that superseded it (``N`` or ``EPOCH.N``)."""
 
 
+class Withdrawn(LLMError):
+    """The replica left this client's fleet while the attempt ran, and the client cut the attempt (a
+    capacity hand-off: ``LLMClient.set_endpoints`` with ``withdraw_after_s``). Not the replica's fault
+    nor a sign of load: the call is moved to another replica at once, without spending an attempt or
+    the retry budget."""
+
+    retryable = True
+
+
 class KvCacheGone(LLMError):
     """P/D disaggregation: a generation server could not pull the prompt's KV cache from the context
     server (pulled already, past the transfer timeout, or lost in a restart). Retrying the pull cannot

@@ -24,7 +24,7 @@ from llm_client.answers import AnswerValidator, parse_body, read_body, read_stre
 from llm_client.config import ClientConfig
 from llm_client.cut_calls import CutCalls
 from llm_client.endpoints import Endpoint
-from llm_client.errors import InvalidAnswer, LLMError
+from llm_client.errors import InvalidAnswer, LLMError, Withdrawn
 from llm_client.fleet import Fleet
 from llm_client.gateway_headers import SERVED_BY_HEADER, fleet_size
 from llm_client.models import Completion
@@ -86,12 +86,16 @@ class Exchange:
         started = time.perf_counter()
         sent = {**(headers or {}), "x-session-id": header_value(route.key)}
         sent["Content-Type"] = "application/json"
+        task = asyncio.current_task()
+        assert task is not None
+        endpoint.attempts.add(task)
         try:
             with mapped_transport_errors(endpoint.name, self.config.timeouts.attempt_s):
                 completion, served_by = await self.cut_calls.run(
                     self._exchanged(session, endpoint, path, body, sent, started, prefill_done),
                     read_on=read_on_cut,
                     on_late=functools.partial(self._answered_late, endpoint, route, body, validate),
+                    close_if=functools.partial(endpoint.withdrawn.__contains__, task),
                 )
             if served_by is not None:  # through a gateway: the replica behind it that answered
                 completion = replace(completion, endpoint=served_by)
@@ -108,9 +112,17 @@ class Exchange:
             self.fleet.attempt_failed(endpoint, route, exc)
             raise
         except asyncio.CancelledError:
-            # The caller's deadline: the replica did nothing wrong, nothing is learned.
+            # The caller's deadline, or the fleet withdrawing the replica: it did nothing wrong, nothing
+            # is learned. A withdrawal alone (no other cancel pending, as asyncio.timeout tells its own
+            # apart) moves the call on.
+            if task in endpoint.withdrawn and task.uncancel() == 0:
+                raise Withdrawn(
+                    "the replica left the fleet during the call", endpoint=endpoint.name
+                ) from None
             raise
         finally:
+            endpoint.attempts.discard(task)
+            endpoint.withdrawn.discard(task)
             endpoint.outstanding -= 1
             prefill_done(computed=answered)  # a no-op for the policy if the first token was reported
             endpoint.outstanding_decode_tokens -= route.max_tokens

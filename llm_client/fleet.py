@@ -55,10 +55,12 @@ class Fleet:
     def every(self) -> list[Endpoint]:
         return [*self.endpoints, *self.context_endpoints]
 
-    def set_endpoints(self, urls: Sequence[str]) -> None:
+    def set_endpoints(self, urls: Sequence[str], *, withdraw_after_s: float | None = None) -> None:
         """Route to exactly ``urls`` from now on. Kept replicas keep their state; new ones start fresh;
         dropped ones are forgotten by the routing policy, the answer health and the degradation
-        detector."""
+        detector. ``withdraw_after_s``: the attempts still running on a dropped replica that long from
+        now are cut and moved to a kept one (``Withdrawn``): its new owner gets it free. None lets
+        them finish."""
         wanted = [u.rstrip("/") for u in urls]
         current = {e.url: e for e in self.endpoints}
         for url, endpoint in current.items():
@@ -69,7 +71,24 @@ class Fleet:
                 self.degradation.forget(endpoint)
                 for forget in self.on_forget:
                     forget(endpoint)
+                if withdraw_after_s is not None:
+                    loop = asyncio.get_running_loop()
+                    loop.call_later(max(0.0, withdraw_after_s), self._withdraw, endpoint)
         self.endpoints = [current.get(url) or Endpoint(url, endpoint_name(url)) for url in wanted]
+
+    def _withdraw(self, endpoint: Endpoint) -> None:
+        """Cut the attempts still running on ``endpoint``, which left the fleet; none if it came back
+        meanwhile (as a new ``Endpoint``: its calls are this side's again)."""
+        if any(e.url == endpoint.url for e in self.endpoints):
+            return
+        if endpoint.attempts:
+            log.info(
+                "withdrawing %d call(s) from %s, which left the fleet", len(endpoint.attempts), endpoint.name
+            )
+        for task in endpoint.attempts:
+            if task not in endpoint.withdrawn:
+                endpoint.withdrawn.add(task)
+                task.cancel()
 
     # ---- which pool, which policy ----------------------------------------------------------------
     def policy_of(self, endpoint: Endpoint) -> RoutingPolicy:

@@ -1,13 +1,20 @@
-"""The hand-over on a steep ramp: each newcomer joins real-time a whole ``handoff_s`` after batch
-dropped it, even when the next split is published before that hand-off ends."""
+"""The hand-over: each newcomer joins real-time a whole ``handoff_s`` after batch dropped it, even when
+the next split is published before that hand-off ends (a steep ramp), and batch's calls still on it
+then are moved to a replica batch kept."""
 
 from __future__ import annotations
 
+import asyncio
+import time
 from typing import Any
 
-from capacity.pool import PoolBoard, SharedPool
+from capacity.pool import PoolBoard, PoolFollower, SharedPool
 from devstack.stack import StackState
+from llm_client import LLMClient
+from serving.simulator.testing import running_simulator
 from tests.conftest import Isolated
+from tests.helpers import until
+from tests.llm_client.slow_calls import SLOW, aborted, calls_spread_over, config, held
 
 
 async def test_a_newer_split_does_not_cut_a_running_handoff_short(
@@ -24,3 +31,42 @@ async def test_a_newer_split_does_not_cut_a_running_handoff_short(
     assert split.urls("realtime", 103.0, 2.0) == ["http://r0", "http://r1", "http://r2"]
     assert split.urls("realtime", 104.0, 2.0) == ["http://r0", "http://r1", "http://r2", "http://r3"]
     assert split.urls("batch", 102.1, 2.0) == ["http://r4", "http://r5"]
+
+
+async def test_batch_calls_still_on_a_handed_over_replica_are_moved_off_before_real_time_takes_it(
+    isolated: Isolated, redis_client: Any
+) -> None:
+    """Batch holds both replicas, with slow calls on each; real time takes r0. Batch's calls there run
+    on through the hand-off, then are cut (r0 aborts them) and answered by r1; real time finds r0 free."""
+    handoff_s = 1.0
+    async with (
+        running_simulator(time_scale=SLOW) as r0,
+        running_simulator(time_scale=SLOW) as r1,
+        LLMClient(config([r0.url, r1.url])) as batch,
+        LLMClient(config([r0.url, r1.url])) as real_time,
+    ):
+        pool = SharedPool(f"pool-{isolated.tag}", [r0.url, r1.url])
+        board = PoolBoard(redis_client, isolated.prefix, pool)
+        batch_side = PoolFollower(board, "batch", batch.set_endpoints, handoff_s=handoff_s)
+        rt_side = PoolFollower(board, "realtime", real_time.set_endpoints, handoff_s=handoff_s)
+        await board.publish(0)  # batch holds the pool
+        assert await batch_side.sync() == [r0.url, r1.url]
+        calls, on_r0 = await calls_spread_over(batch, r0.url)
+
+        moved = await board.publish(1)
+        await batch_side.sync()
+        assert [e.url for e in batch.fleet.endpoints] == [r1.url]
+        await asyncio.sleep(handoff_s / 2)
+        assert await held(r0.url) == on_r0, "cut before the hand-off's end: no need to redo them yet"
+        while not await rt_side.sync():
+            await asyncio.sleep(0.02)
+        assert time.time() >= moved.changed_at + handoff_s
+
+        async def free() -> bool:
+            return await held(r0.url) == 0
+
+        await until(free, 1.0)  # the replica's disconnect poll
+        assert await aborted(r0.url) == on_r0
+        answers = await asyncio.gather(*calls)
+    assert {a.endpoint for a in answers} == {batch.fleet.endpoints[0].name}
+    assert batch.withdrawn == on_r0 and batch.retries == 0

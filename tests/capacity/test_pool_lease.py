@@ -19,7 +19,7 @@ from aiohttp.test_utils import TestClient, TestServer
 from pydantic import ValidationError
 
 from capacity.controller import CapacityController, CapacitySettings
-from capacity.pool import PoolBoard, PoolFollower, SharedPool
+from capacity.pool import PoolBoard, PoolFollower, Repoint, SharedPool
 from capacity.shifter import CapacityShifter
 from devstack.stack import StackState
 from realtime.config import RealtimeSettings
@@ -39,6 +39,15 @@ async def _eventually(check: Callable[[], Awaitable[bool]], within_s: float) -> 
             return True
         await asyncio.sleep(0.05)
     return await check()
+
+
+def recorder(applied: list[list[str]]) -> Repoint:
+    """A follower's ``apply`` that only records each side's replicas."""
+
+    def apply(urls: list[str], *, withdraw_after_s: float | None = None) -> None:
+        applied.append(urls)
+
+    return apply
 
 
 def _shifting_service(
@@ -155,7 +164,7 @@ async def test_once_the_shifter_stops_the_lease_lapses_and_batch_takes_the_whole
     shifter = CapacityShifter(CapacityController(settings, 3), board, lambda _: 100.0)
     applied: dict[str, list[list[str]]] = {"batch": [], "realtime": []}
     followers = [
-        PoolFollower(board, side, applied[side].append, poll_s=0.05, handoff_s=0.0)
+        PoolFollower(board, side, recorder(applied[side]), poll_s=0.05, handoff_s=0.0)
         for side in ("batch", "realtime")
     ]
     await shifter.tick()  # published before either side looks
@@ -212,5 +221,5 @@ async def test_the_service_keeps_its_split_while_it_runs_and_it_lapses_once_it_s
 
     assert await _eventually(lapsed, within_s=settings.split_lease_s + 5.0), "the split outlived the service"
     applied: list[list[str]] = []
-    batch = PoolFollower(board, "batch", applied.append)
+    batch = PoolFollower(board, "batch", recorder(applied))
     assert await batch.sync() == list(pool.replicas) and applied == [list(pool.replicas)]

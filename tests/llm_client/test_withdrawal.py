@@ -1,0 +1,80 @@
+"""A replica taken from the client's fleet with ``withdraw_after_s`` (a capacity hand-off): the calls
+still running on it then are cut, their requests closed (the replica aborts them and frees their
+slots, its ``/metrics`` says so), and each is answered by a replica the client kept, without spending
+an attempt, the retry budget or the left replica's good name. Simulated replicas over real HTTP."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from llm_client import LLMClient
+from llm_client.models import Completion
+from serving.simulator.testing import running_simulator
+from tests.helpers import until
+from tests.llm_client.slow_calls import SLOW, aborted, calls_spread_over, config, held
+
+
+@pytest.mark.parametrize("grace_s", [0.0, 5.0], ids=["no-grace", "with-a-cut-grace"])
+async def test_calls_on_a_withdrawn_replica_are_cut_there_and_answered_by_a_kept_one(grace_s: float) -> None:
+    async with (
+        running_simulator(time_scale=SLOW) as leaving,
+        running_simulator(time_scale=SLOW) as kept,
+        LLMClient(config([leaving.url, kept.url], grace_s)) as client,
+    ):
+        calls, on_leaving = await calls_spread_over(client, leaving.url)
+        left = next(e for e in client.fleet.endpoints if e.url == leaving.url)
+
+        client.set_endpoints([kept.url], withdraw_after_s=0.3)
+        await asyncio.sleep(0.1)
+        assert await held(leaving.url) == on_leaving, "cut before the time it was given"
+
+        async def freed() -> bool:
+            return await held(leaving.url) == 0
+
+        await until(freed, 3.0)  # a grace would have kept reading: the replica's new owner gets it free
+        assert await aborted(leaving.url) == on_leaving
+        answers = await asyncio.gather(*calls)
+
+    assert all(a.endpoint == client.fleet.endpoints[0].name for a in answers)
+    assert client.withdrawn == on_leaving
+    assert client.retries == 0
+    assert (left.failed, left.consecutive_failures, left.healthy) == (0, 0, True)
+
+
+async def test_a_replica_back_before_its_withdrawal_keeps_its_calls() -> None:
+    async with (
+        running_simulator(time_scale=SLOW / 4) as leaving,
+        running_simulator(time_scale=SLOW / 4) as kept,
+        LLMClient(config([leaving.url, kept.url])) as client,
+    ):
+        calls, on_leaving = await calls_spread_over(client, leaving.url)
+        client.set_endpoints([kept.url], withdraw_after_s=0.3)
+        client.set_endpoints([leaving.url, kept.url])  # a split that moved it back at once
+        await asyncio.sleep(0.5)
+        assert await held(leaving.url) == on_leaving
+        await asyncio.gather(*calls)
+        assert await aborted(leaving.url) == 0
+    assert client.withdrawn == 0
+
+
+async def test_a_caller_cancelling_a_withdrawn_call_is_still_cancelled() -> None:
+    """A cancel of the caller's own, landing with the withdrawal, wins: the call ends cancelled, not
+    moved (the withdrawal must not swallow it, as asyncio.timeout does not swallow others' cancels)."""
+    async with (
+        running_simulator(time_scale=SLOW) as leaving,
+        running_simulator(time_scale=SLOW) as kept,
+        LLMClient(config([leaving.url, kept.url])) as client,
+    ):
+        calls, on_leaving = await calls_spread_over(client, leaving.url)
+        left = next(e for e in client.fleet.endpoints if e.url == leaving.url)
+        on_it = list(left.attempts)
+        client.set_endpoints([kept.url], withdraw_after_s=0.0)
+        for task in on_it:
+            task.cancel()  # before the withdrawal runs: both cancels pend on the task
+        done = await asyncio.gather(*calls, return_exceptions=True)
+        cancelled = [t for t in calls if t.cancelled()]
+        assert len(cancelled) == on_leaving
+        assert all(isinstance(d, Completion) for t, d in zip(calls, done, strict=True) if not t.cancelled())
+    assert client.withdrawn == 0
