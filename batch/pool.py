@@ -13,7 +13,7 @@ import contextlib
 import logging
 import statistics
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 from batch.aimd import AimdController, AimdSettings, WindowStats
 from capacity.background import BackgroundLoop
@@ -157,7 +157,9 @@ class EndpointPool:
     def _new_window(self, now: float) -> None:
         self._latencies, self._window_failures, self._limited, self._window_started = [], 0, False, now
 
-    def set_endpoints(self, urls: Sequence[str], *, withdraw_after_s: float | None = None) -> None:
+    def set_endpoints(
+        self, urls: Sequence[str], *, withdraw_after_s: float | Mapping[str, float] | None = None
+    ) -> None:
         """Re-point the client at ``urls`` (capacity shifting) and rescale the limit. ``withdraw_after_s``:
         calls still running on a dropped replica that long from now move to a kept one (the hand-off)."""
         before = self.replicas

@@ -16,17 +16,16 @@ Lease: the split is published with a TTL (``lease_s``) that the shifter renews o
 shifter that stops or crashes cannot hold replicas forever. Once the key lapses, batch takes the whole
 pool; real time keeps its last split (its own shifter, if alive, publishes again). A split published
 where none is in force (a first start, or a restart after a lapse) has no hand-off: its real-time
-replicas join at once, so real-time calls may queue for a moment behind batch calls still running on
-them, since batch held the whole pool meanwhile. The count real time held is remembered beside the
-split for a while longer (``held_remembered_s``), so a restart that outlasted the lease resumes from it
-rather than from the floor.
+replicas join at once, and batch, which held the whole pool meanwhile, cuts its calls on them at once.
+The count real time held is remembered beside the split for a while longer (``held_remembered_s``), so
+a restart that outlasted the lease resumes from it rather than from the floor.
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Literal, Protocol
 
@@ -54,6 +53,9 @@ class PoolSplit:
     moved_at: tuple[float | None, ...] = ()
     """When each real-time replica left batch (None: held since the first split). Per replica, because
     on a steep ramp a newer split is published while an older one's newcomers are still handing off."""
+    handoff_s: float | None = None
+    """The shifter's hand-off, which both sides follow (None: published before it was; each side's
+    own setting)."""
 
     def urls(self, side: Side, now: float, handoff_s: float) -> list[str]:
         """The replicas ``side`` should route to at ``now``: real-time skips newcomers still draining
@@ -104,7 +106,9 @@ class PoolBoard:
     """The published split in Redis: ``{prefix}pool:{name}`` (JSON; ``moved_at`` absent in splits
     published before per-replica join times, which read as their one change implies).
 
-    ``lease_s``: how long a published split stays in force unless published again (the key's TTL);
+    ``handoff_s``: published with the split, so that both sides hand a replica over at the same
+    instant whatever their own settings say. ``lease_s``: how long a published split stays in force
+    unless published again (the key's TTL);
     None publishes without expiry (a fixed split, or a board only read from). ``held_remembered_s``
     (with a lease): how long the count real time held outlives the last renewal (``remembered``), so
     that a real-time service restarted after its split lapsed resumes from it, not from its floor."""
@@ -117,8 +121,10 @@ class PoolBoard:
         *,
         lease_s: float | None = None,
         held_remembered_s: float | None = None,
+        handoff_s: float | None = None,
     ) -> None:
         self.redis = redis
+        self.handoff_s = handoff_s
         self.pool = pool
         keys = RedisKeys(prefix)
         self.key = keys.pool(pool.name)
@@ -131,7 +137,12 @@ class PoolBoard:
         """Publish ``realtime`` and start a new lease. An unchanged split is only renewed (its
         version and join times stay); one that lapsed meanwhile is published as on a first start."""
         current = await self.read()
-        if current is not None and current.realtime == realtime and current.replicas == self.pool.replicas:
+        if (
+            current is not None
+            and current.realtime == realtime
+            and current.replicas == self.pool.replicas
+            and current.handoff_s == self.handoff_s
+        ):
             if self.lease_ms is None or await self.renew():
                 return current
             current = None  # lapsed between the read and the renewal
@@ -143,6 +154,7 @@ class PoolBoard:
             changed_at=changed_at,
             version=(current.version + 1) if current is not None else 1,
             moved_at=_next_join_times(current, realtime, changed_at),
+            handoff_s=self.handoff_s,
         )
         payload = {
             "replicas": list(split.replicas),
@@ -151,6 +163,7 @@ class PoolBoard:
             "changed_at": split.changed_at,
             "version": split.version,
             "moved_at": list(split.moved_at),
+            "handoff_s": split.handoff_s,
         }
         async with self.redis.pipeline(transaction=False) as pipe:
             pipe.set(self.key, orjson.dumps(payload), px=self.lease_ms)
@@ -189,13 +202,14 @@ class PoolBoard:
             changed_at=float(data["changed_at"]),
             version=int(data["version"]),
             moved_at=tuple(None if t is None else float(t) for t in data.get("moved_at", ())),
+            handoff_s=None if data.get("handoff_s") is None else float(data["handoff_s"]),
         )
 
 
 class Repoint(Protocol):
     """How a follower re-points its side's client (``LLMClient.set_endpoints``, the batch pool's)."""
 
-    def __call__(self, urls: list[str], *, withdraw_after_s: float | None = None) -> None: ...
+    def __call__(self, urls: list[str], *, withdraw_after_s: Mapping[str, float] | None = None) -> None: ...
 
 
 class PoolFollower:
@@ -214,7 +228,8 @@ class PoolFollower:
         handoff_s: float = 2.0,
         clock: Callable[[], float] = time.time,
     ) -> None:
-        """``clock``: wall seconds, the shifter's clock (the split's ``changed_at`` is in it). Batch's
+        """``handoff_s``: for a split published without the shifter's own. ``clock``: wall seconds, the
+        shifter's clock (the split's ``changed_at`` is in it). Batch's
         ``apply`` is told to withdraw the calls still running on the replicas it loses when real time
         starts routing to them."""
         self.board = board
@@ -235,20 +250,23 @@ class PoolFollower:
         if split is None:
             return self.current if self.side == "realtime" else self._take_whole_pool()
         now = self.clock()
-        urls = split.urls(self.side, now, self.handoff_s)
+        handoff_s = split.handoff_s if split.handoff_s is not None else self.handoff_s
+        urls = split.urls(self.side, now, handoff_s)
         if urls != self.current:
             log.info("%s pool now %d replica(s) (split v%d)", self.side, len(urls), split.version)
-            withdraw_after_s = self._withdrawal(split, urls, now) if self.side == "batch" else None
+            withdrawals = self._withdrawals(split, urls, now, handoff_s) if self.side == "batch" else None
             self.current = urls
-            self.apply(urls, withdraw_after_s=withdraw_after_s)
+            self.apply(urls, withdraw_after_s=withdrawals)
         return urls
 
-    def _withdrawal(self, split: PoolSplit, urls: list[str], now: float) -> float | None:
-        """How long batch's calls on the replicas it loses may still run: until real time takes the
-        first of them (at once if it has already, or if batch learns late)."""
-        lost = set(self.current or ()) - set(urls)
-        joins = [t for url in lost if (t := split.joins_real_time_at(url, self.handoff_s)) is not None]
-        return max(0.0, min(joins) - now) if joins else None
+    def _withdrawals(
+        self, split: PoolSplit, urls: list[str], now: float, handoff_s: float
+    ) -> dict[str, float]:
+        """How long batch's calls on each replica it loses may still run: until real time takes it (at
+        once if it has already, or if batch learns late)."""
+        lost = [url for url in self.current or () if url not in urls]
+        joins = {url: split.joins_real_time_at(url, handoff_s) for url in lost}
+        return {url: max(0.0, at - now) for url, at in joins.items() if at is not None}
 
     def _take_whole_pool(self) -> list[str]:
         urls = list(self.board.pool.replicas)

@@ -202,12 +202,15 @@ class LLMClient:
             await self._session.close()
             self._session = None
 
-    def set_endpoints(self, urls: Sequence[str], *, withdraw_after_s: float | None = None) -> None:
+    def set_endpoints(
+        self, urls: Sequence[str], *, withdraw_after_s: float | Mapping[str, float] | None = None
+    ) -> None:
         """Route to exactly ``urls`` from now on (capacity shifting moves replicas between pools).
         Kept replicas keep their state (health, load, cache knowledge); new ones start fresh; dropped
         ones are forgotten by the routing policy. Calls in flight on a dropped replica finish normally,
-        or with ``withdraw_after_s``, those still running that long from now are cut (their requests
-        closed, which frees their slots on the replica) and moved to a kept replica (``withdrawn``)."""
+        or with ``withdraw_after_s`` (one time, or one per dropped URL), those still running that long
+        from now are cut (their requests closed, which frees their slots on the replica) and moved to a
+        kept replica (``withdrawn``)."""
         self.fleet.set_endpoints(urls, withdraw_after_s=withdraw_after_s)
 
     def eject(self, endpoint: Endpoint, reason: str = "ejected") -> None:

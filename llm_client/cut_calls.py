@@ -31,7 +31,7 @@ import asyncio
 import functools
 import time
 from collections import deque
-from collections.abc import Callable, Coroutine
+from collections.abc import Callable, Container, Coroutine
 from typing import Any, TypeVar
 
 T = TypeVar("T")
@@ -76,15 +76,15 @@ class CutCalls:
         *,
         read_on: bool = True,
         on_late: Callable[[T], None] | None = None,
-        close_if: Callable[[], bool] | None = None,
+        closing: Container[asyncio.Task[Any]] = (),
     ) -> T:
         """``exchange``'s result. Without a grace (or with ``read_on`` false: a P/D context step, whose
         server would otherwise hold the prompt's KV blocks for a generation step that never comes) it
         runs in the caller's task, so a cancel closes its connection at once; with one, in a task of its
         own that a cancel of the caller leaves reading. ``on_late``: given the result of an exchange that
         finished after its caller left (read on within the grace), so that what it says is learned.
-        ``close_if``: asked when the caller is cancelled; true closes the exchange at once even with a
-        grace (a replica the fleet withdrew: its new owner must get it free)."""
+        ``closing``: callers whose cancel closes the exchange at once even with a grace (attempts on a
+        replica the fleet withdrew: its new owner must get it free)."""
         if self.grace_s <= 0 or not read_on:
             return await exchange
         task = asyncio.ensure_future(exchange)
@@ -92,7 +92,7 @@ class CutCalls:
             # wait, not shield: shield's outer future would hold an error of the exchange a while longer
             await asyncio.wait((task,))
         except asyncio.CancelledError:
-            if close_if is not None and close_if():
+            if asyncio.current_task() in closing:
                 task.cancel()
                 task.add_done_callback(_retrieved)
             else:

@@ -50,10 +50,14 @@ class Endpoint:
     left: bool = False
     """The replica left the fleet (``Fleet.set_endpoints``): an attempt still running on it teaches
     nothing when it ends, so what the fleet forgot of it is not brought back."""
-    attempts: set[asyncio.Task[object]] = field(default_factory=set)
-    """The tasks with an attempt running on it (``Exchange.completion``), for a withdrawal to cut."""
+    attempts: dict[asyncio.Task[object], int] = field(default_factory=dict)
+    """The tasks with an attempt running on it (``Exchange.completion``), for a withdrawal to cut, each
+    with its cancel count when the attempt began (as ``asyncio.timeout`` tells its own cancel apart)."""
     withdrawn: set[asyncio.Task[object]] = field(default_factory=set)
     """Of ``attempts``, those the fleet cut because the replica left (``Fleet.set_endpoints``)."""
+    cut_off: bool = False
+    """The fleet withdrew it: an attempt reaching it now (a P/D call's generation step, chosen before
+    its context step) is moved at once."""
 
     @property
     def routable(self) -> bool:

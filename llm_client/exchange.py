@@ -67,6 +67,8 @@ class Exchange:
     ) -> Completion:
         """``headers``: extra request headers (``Idempotency-Key`` from ``LLMClient.chat``);
         ``read_on_cut``: cut by its caller, the attempt may read on within ``cut_calls``' grace."""
+        if endpoint.cut_off:
+            raise Withdrawn("the replica left the fleet before the call reached it", endpoint=endpoint.name)
         session = self._session()
         policy = self.fleet.policy_of(endpoint)
         uncached = policy.estimate_uncached_tokens(route, endpoint)
@@ -88,14 +90,14 @@ class Exchange:
         sent["Content-Type"] = "application/json"
         task = asyncio.current_task()
         assert task is not None
-        endpoint.attempts.add(task)
+        endpoint.attempts[task] = task.cancelling()
         try:
             with mapped_transport_errors(endpoint.name, self.config.timeouts.attempt_s):
                 completion, served_by = await self.cut_calls.run(
                     self._exchanged(session, endpoint, path, body, sent, started, prefill_done),
                     read_on=read_on_cut,
                     on_late=functools.partial(self._answered_late, endpoint, route, body, validate),
-                    close_if=functools.partial(endpoint.withdrawn.__contains__, task),
+                    closing=endpoint.withdrawn,
                 )
             if served_by is not None:  # through a gateway: the replica behind it that answered
                 completion = replace(completion, endpoint=served_by)
@@ -113,16 +115,17 @@ class Exchange:
             raise
         except asyncio.CancelledError:
             # The caller's deadline, or the fleet withdrawing the replica: it did nothing wrong, nothing
-            # is learned. A withdrawal alone (no other cancel pending, as asyncio.timeout tells its own
-            # apart) moves the call on.
-            if task in endpoint.withdrawn and task.uncancel() == 0:
+            # is learned. A withdrawal alone (no other cancel pending since the attempt began, as
+            # asyncio.timeout tells its own apart) moves the call on.
+            if task in endpoint.withdrawn and task.uncancel() <= endpoint.attempts[task]:
                 raise Withdrawn(
                     "the replica left the fleet during the call", endpoint=endpoint.name
                 ) from None
             raise
         finally:
-            endpoint.attempts.discard(task)
-            endpoint.withdrawn.discard(task)
+            del endpoint.attempts[task]
+            if endpoint.withdrawn:
+                endpoint.withdrawn.discard(task)
             endpoint.outstanding -= 1
             prefill_done(computed=answered)  # a no-op for the policy if the first token was reported
             endpoint.outstanding_decode_tokens -= route.max_tokens

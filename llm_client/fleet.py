@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 from llm_client.answer_health import AnswerHealth, Quarantine
 from llm_client.config import ClientConfig
@@ -47,6 +47,8 @@ class Fleet:
         self.context_endpoints = [
             Endpoint(url.rstrip("/"), endpoint_name(url)) for url in config.context_endpoints
         ]
+        self._departed: dict[str, Endpoint] = {}
+        """Replicas dropped while attempts still ran on them, by URL (``set_endpoints``)."""
         self.on_forget: list[Callable[[Endpoint], None]] = []
         """Told when a replica leaves the fleet (``set_endpoints``): per-replica state kept elsewhere
         (``AnswerProber``) goes with it."""
@@ -55,12 +57,16 @@ class Fleet:
     def every(self) -> list[Endpoint]:
         return [*self.endpoints, *self.context_endpoints]
 
-    def set_endpoints(self, urls: Sequence[str], *, withdraw_after_s: float | None = None) -> None:
+    def set_endpoints(
+        self, urls: Sequence[str], *, withdraw_after_s: float | Mapping[str, float] | None = None
+    ) -> None:
         """Route to exactly ``urls`` from now on. Kept replicas keep their state; new ones start fresh;
         dropped ones are forgotten by the routing policy, the answer health and the degradation
         detector. ``withdraw_after_s``: the attempts still running on a dropped replica that long from
-        now are cut and moved to a kept one (``Withdrawn``): its new owner gets it free. None lets
-        them finish."""
+        now (one time for all, or one per URL; a URL not named is left alone) are cut and moved to a
+        kept one (``Withdrawn``): its new owner gets it free. None lets them finish. A replica that
+        comes back while calls of its earlier stay still run takes them with it: a later drop cuts
+        them too."""
         wanted = [u.rstrip("/") for u in urls]
         current = {e.url: e for e in self.endpoints}
         for url, endpoint in current.items():
@@ -71,16 +77,27 @@ class Fleet:
                 self.degradation.forget(endpoint)
                 for forget in self.on_forget:
                     forget(endpoint)
-                if withdraw_after_s is not None:
-                    loop = asyncio.get_running_loop()
-                    loop.call_later(max(0.0, withdraw_after_s), self._withdraw, endpoint)
-        self.endpoints = [current.get(url) or Endpoint(url, endpoint_name(url)) for url in wanted]
+                self._departed[url] = endpoint
+                after_s = _withdrawal_of(url, withdraw_after_s)
+                if after_s is not None:
+                    asyncio.get_running_loop().call_later(max(0.0, after_s), self._withdraw, endpoint)
+        self.endpoints = [current.get(url) or self._returning(url) for url in wanted]
+        for url in [u for u, e in self._departed.items() if not e.attempts]:
+            del self._departed[url]
+
+    def _returning(self, url: str) -> Endpoint:
+        """A fresh ``Endpoint`` for ``url``, holding the attempts still running from its last stay."""
+        endpoint = Endpoint(url, endpoint_name(url))
+        if (earlier := self._departed.pop(url, None)) is not None:
+            endpoint.attempts, endpoint.withdrawn = earlier.attempts, earlier.withdrawn
+        return endpoint
 
     def _withdraw(self, endpoint: Endpoint) -> None:
-        """Cut the attempts still running on ``endpoint``, which left the fleet; none if it came back
-        meanwhile (as a new ``Endpoint``: its calls are this side's again)."""
+        """Cut the attempts still running on ``endpoint``, which left the fleet, and any that reach it
+        from now; nothing if it came back meanwhile (its calls are this side's again)."""
         if any(e.url == endpoint.url for e in self.endpoints):
             return
+        endpoint.cut_off = True
         if endpoint.attempts:
             log.info(
                 "withdrawing %d call(s) from %s, which left the fleet", len(endpoint.attempts), endpoint.name
@@ -255,3 +272,9 @@ class Fleet:
         """An answer probe passed: re-admitted on probation (``AnswerHealth.probe_passed``)."""
         self.answer_health.probe_passed(endpoint)
         endpoint.quarantined = False
+
+
+def _withdrawal_of(url: str, withdraw_after_s: float | Mapping[str, float] | None) -> float | None:
+    if isinstance(withdraw_after_s, Mapping):
+        return {u.rstrip("/"): t for u, t in withdraw_after_s.items()}.get(url)
+    return withdraw_after_s

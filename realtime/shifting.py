@@ -40,6 +40,7 @@ def enable_capacity_shifting(app: web.Application, pool: SharedPool, settings: C
         pool,
         lease_s=settings.split_lease_s,
         held_remembered_s=settings.held_remembered_s,
+        handoff_s=settings.handoff_s,
     )
     controller = CapacityController(settings, len(pool.replicas))
     shifter = CapacityShifter(controller, board, service.load.rate)

@@ -79,6 +79,8 @@ SMOKE_RUNS = (
                           "2", "--shoppers", "50"), ("realtime.json",)),
     SmokeRun("capacity", ("-m", "bench.capacity", "--seconds", "12", "--batch-records", "500",
                           "--shoppers", "50"), ("capacity.json", "capacity.png")),
+    SmokeRun("handoff", ("-m", "bench.handoff", "--batch-calls", "4", "--repeats", "1", "--handoff-s", "0.5",
+                         "--window-s", "1"), ("handoff.json",)),
     SmokeRun("gateway", ("-m", "bench.gateway", "--policies", "prefix_aware", "--rate", "10",
                          "--seconds", "2", "--shoppers", "10"),
              ("gateway.json",)),

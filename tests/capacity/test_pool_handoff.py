@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Mapping
 from typing import Any
 
 from capacity.pool import PoolBoard, PoolFollower, SharedPool
@@ -70,3 +71,28 @@ async def test_batch_calls_still_on_a_handed_over_replica_are_moved_off_before_r
         answers = await asyncio.gather(*calls)
     assert {a.endpoint for a in answers} == {batch.fleet.endpoints[0].name}
     assert batch.withdrawn == on_r0 and batch.retries == 0
+
+
+async def test_batch_follows_the_shifters_hand_off_and_gives_each_lost_replica_its_own(
+    isolated: Isolated, redis_client: Any
+) -> None:
+    """Batch's own hand-off setting differs from the shifter's, and it learns of two moves late, in one
+    poll: each replica's calls may run until real time takes that replica, as the split says."""
+    pool = SharedPool(f"pool-{isolated.tag}", [f"http://r{i}" for i in range(4)])
+    board = PoolBoard(redis_client, isolated.prefix, pool, handoff_s=2.0)
+    now = [100.0]
+    applied: list[tuple[list[str], Mapping[str, float] | None]] = []
+
+    def apply(urls: list[str], *, withdraw_after_s: Mapping[str, float] | None = None) -> None:
+        applied.append((urls, withdraw_after_s))
+
+    batch_side = PoolFollower(board, "batch", apply, handoff_s=30.0, clock=lambda: now[0])
+    await board.publish(1, now=100.0)
+    await batch_side.sync()
+    await board.publish(2, now=101.0)  # r1 moves
+    await board.publish(3, now=102.5)  # r2 moves
+    now[0] = 103.0  # batch polls late
+    await batch_side.sync()
+    assert applied[-1] == (["http://r3"], {"http://r1": 0.0, "http://r2": 1.5})
+    rt_side = PoolFollower(board, "realtime", apply, handoff_s=30.0, clock=lambda: now[0])
+    assert await rt_side.sync() == ["http://r0", "http://r1"]

@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 from typing import Any
 
 import pytest
@@ -44,7 +44,7 @@ async def _eventually(check: Callable[[], Awaitable[bool]], within_s: float) -> 
 def recorder(applied: list[list[str]]) -> Repoint:
     """A follower's ``apply`` that only records each side's replicas."""
 
-    def apply(urls: list[str], *, withdraw_after_s: float | None = None) -> None:
+    def apply(urls: list[str], *, withdraw_after_s: Mapping[str, float] | None = None) -> None:
         applied.append(urls)
 
     return apply

@@ -17,12 +17,13 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from llm_client import ClientConfig, LLMClient
-from llm_client.config import HealthSettings, Timeouts
+from llm_client.config import HealthSettings, RetrySettings, Timeouts
 from llm_client.errors import LLMError
 from llm_client.routing.base import RouteRequest
 from llm_client.routing.pd_aware import PdAwarePolicy
 from prompt_assembly.tokens import count_tokens
 from serving.simulator.testing import RunningSimulator, running_simulator
+from tests.helpers import until
 from tests.llm_client.test_routing_pd_aware import words
 
 
@@ -295,3 +296,34 @@ async def test_a_forwarded_body_that_is_no_json_object_books_no_context_server()
                 assert forwarded.status == 400
         assert policy.stats.remote == 0
         assert await perf(ctx.url) == []
+
+
+async def test_a_generation_server_withdrawn_during_the_context_step_is_not_sent_the_call() -> None:
+    """The generation server is chosen before the context step; withdrawn while that step runs (a
+    capacity hand-off), the call's generation step goes to a server the client kept."""
+    async with (
+        running_simulator(role="context", time_scale=5.0) as context,
+        running_simulator(role="generation", time_scale=1.0) as leaving,
+        running_simulator(role="generation", time_scale=1.0) as kept,
+    ):
+        config = pd_config(leaving.url, context.url, max_local_prefill_tokens=512).model_copy(
+            update={"retry": RetrySettings(max_attempts=1, budget_ratio=0, budget_min_tokens=0)}
+        )
+        async with LLMClient(config) as client:
+            calls = [
+                asyncio.create_task(
+                    client.chat(messages(words(3000, f"w{i}")), routing_key=f"s{i}", max_tokens=50)
+                )
+                for i in range(2)
+            ]
+            context_server = client.context_endpoints[0]
+
+            async def in_the_context_step() -> bool:
+                return len(context_server.attempts) == 2
+
+            await until(in_the_context_step, 5.0)
+            left = client.fleet.endpoints[0]
+            client.set_endpoints([kept.url], withdraw_after_s=0.0)
+            answers = await asyncio.gather(*calls)
+    assert {a.endpoint for a in answers} == {client.fleet.endpoints[0].name} != {left.name}
+    assert client.withdrawn == 2

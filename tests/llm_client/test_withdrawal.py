@@ -6,6 +6,7 @@ an attempt, the retry budget or the left replica's good name. Simulated replicas
 from __future__ import annotations
 
 import asyncio
+import contextlib
 
 import pytest
 
@@ -13,7 +14,7 @@ from llm_client import LLMClient
 from llm_client.models import Completion
 from serving.simulator.testing import running_simulator
 from tests.helpers import until
-from tests.llm_client.slow_calls import SLOW, aborted, calls_spread_over, config, held
+from tests.llm_client.slow_calls import MESSAGES, SLOW, aborted, calls_spread_over, config, held
 
 
 @pytest.mark.parametrize("grace_s", [0.0, 5.0], ids=["no-grace", "with-a-cut-grace"])
@@ -78,3 +79,55 @@ async def test_a_caller_cancelling_a_withdrawn_call_is_still_cancelled() -> None
         assert len(cancelled) == on_leaving
         assert all(isinstance(d, Completion) for t, d in zip(calls, done, strict=True) if not t.cancelled())
     assert client.withdrawn == 0
+
+
+async def test_a_replica_back_and_handed_over_again_takes_the_calls_of_its_first_stay_with_it() -> None:
+    async with (
+        running_simulator(time_scale=SLOW) as leaving,
+        running_simulator(time_scale=SLOW) as kept,
+        LLMClient(config([leaving.url, kept.url])) as client,
+    ):
+        calls, on_leaving = await calls_spread_over(client, leaving.url)
+        client.set_endpoints([kept.url], withdraw_after_s=0.3)
+        client.set_endpoints([leaving.url, kept.url])  # back before its withdrawal: its calls stay
+        await asyncio.sleep(0.5)
+        assert await held(leaving.url) == on_leaving
+        client.set_endpoints([kept.url], withdraw_after_s=0.2)  # handed over again
+
+        async def freed() -> bool:
+            return await held(leaving.url) == 0
+
+        await until(freed, 3.0)
+        answers = await asyncio.gather(*calls)
+    assert {a.endpoint for a in answers} == {client.fleet.endpoints[0].name}
+    assert client.withdrawn == on_leaving
+
+
+async def test_a_call_made_by_a_task_that_swallowed_a_cancel_is_still_moved() -> None:
+    """The withdrawal's cancel is told apart by the cancel count at the attempt's start, not by a count
+    of zero: a task may carry a cancel a library swallowed (redis-py does, ``pipeline.cancellation``)."""
+    async with (
+        running_simulator(time_scale=SLOW) as leaving,
+        running_simulator(time_scale=SLOW / 10) as kept,
+        LLMClient(config([leaving.url])) as client,
+    ):
+
+        async def carrying_a_swallowed_cancel() -> Completion:
+            me = asyncio.current_task()
+            assert me is not None
+            me.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await asyncio.sleep(0)  # swallowed without uncancel(), as a library might
+            assert me.cancelling() == 1
+            return await client.chat(MESSAGES, routing_key="k", max_tokens=200)
+
+        call = asyncio.create_task(carrying_a_swallowed_cancel())
+
+        async def on_leaving() -> bool:
+            return await held(leaving.url) == 1
+
+        await until(on_leaving, 5.0)
+        client.set_endpoints([kept.url], withdraw_after_s=0.0)
+        answer = await call
+    assert answer.endpoint == client.fleet.endpoints[0].name
+    assert client.withdrawn == 1
