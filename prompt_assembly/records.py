@@ -16,6 +16,11 @@ from pydantic import BaseModel, ConfigDict, Field, TypeAdapter
 
 from prompt_assembly.understanding import ShopperUnderstanding
 
+EventTime = Annotated[float, Field(ge=0, lt=10_000_000_000, allow_inf_nan=False)]
+"""Epoch seconds within an event's own bounds (``events.Event.ts``; 0: unknown): a prompt read from the
+prompts topic with an infinite, NaN or far-future time is refused at the edge (dead-lettered), where
+the S3 sink could not have dated its partition."""
+
 ChatMessage = dict[str, str]
 TriggerReason = Literal["add_to_cart", "purchase", "browse_pause"]
 
@@ -46,9 +51,9 @@ class PromptRequest(BaseModel):
     some version, in a prompt or as trimmed (bounded by ``SessionConfig.remember_trimmed_ids``)."""
     trimmed_events: int = 0
     """How many such events there were (all of them, where the ids are bounded)."""
-    last_event_ts: float
+    last_event_ts: EventTime
     """Event time of the newest event in the prompt; freshness is measured from it."""
-    due_ts: float = 0.0
+    due_ts: EventTime = 0.0
     """Event time at which the prompt became due: the triggering event's time, or the pending trigger's
     due time (a browse pause, a rate-limited cart add) however late its timer fired. Freshness from
     it tells the trigger policy's own wait (a pause's quiet period) apart from the pipeline's. 0 for

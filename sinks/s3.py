@@ -141,19 +141,24 @@ class S3InsightSink:
             self._oldest = self._clock()
         self._buffer.extend(results)
         if len(self._buffer) >= self.settings.s3_max_records:
-            with contextlib.suppress(Exception):
+            try:
                 await self.flush()
+            except Exception as exc:  # kept buffered: the engine's flush before its commit retries it
+                log.warning("S3 flush of a full buffer failed, kept for the next flush: %r", exc)
 
     async def flush(self) -> None:
         async with self._lock:
             if not self._buffer:
                 return
             await self.start()
-            batch, batch_oldest = self._buffer, self._oldest
-            self._buffer, self._oldest = [], None
+            # Grouped before the buffer is taken: a record that cannot be placed raises with every
+            # record still buffered (taken first, a failed grouping lost the whole batch, and the retried
+            # flush found nothing to write, so the commit went ahead).
             groups: dict[str, list[EnrichmentResult]] = defaultdict(list)
-            for record in batch:
+            for record in self._buffer:
                 groups[partition_of(record, self.settings.s3_prefix)].append(record)
+            batch_oldest = self._oldest
+            self._buffer, self._oldest = [], None
             written: set[str] = set()
             try:
                 outcomes = await asyncio.gather(

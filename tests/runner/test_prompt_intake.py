@@ -30,7 +30,12 @@ def test_a_prompts_runner_answers_each_prompt_once_and_dead_letters_the_rest(iso
     records = [(p.shopper_id.encode(), p.model_dump_json().encode(), False) for p in prompts]
     newest = prompts[-1]  # its shopper's newest prompt: the copy joins it or reads its answer
     records.append((newest.shopper_id.encode(), newest.model_dump_json().encode(), False))
-    not_prompts = [(b"s-x", b'{"shopper_id": "s-x"}', True), (b"s-y", b"\xff not json", True)]
+    past_its_bounds = orjson.loads(newest.model_dump_json()) | {"last_event_ts": 1e300}
+    not_prompts = [
+        (b"s-x", b'{"shopper_id": "s-x"}', True),
+        (b"s-y", b"\xff not json", True),
+        (b"s-z", orjson.dumps(past_its_bounds), True),  # S3 cannot date it: it lost its whole batch
+    ]
     produce_records(isolated.stack.kafka_bootstrap, isolated.topic, records + not_prompts)
 
     lines: list[str] = []
@@ -38,7 +43,7 @@ def test_a_prompts_runner_answers_each_prompt_once_and_dead_letters_the_rest(iso
     stats = asyncio.run(runner.run())
 
     acct = stats.accounting
-    assert acct.consumed == len(records) + 2 and acct.dead_lettered == 2
+    assert acct.consumed == len(records) + 3 and acct.dead_lettered == 3
     assert acct.accepted == acct.prompts == len(records)
     assert acct.balanced and acct.errors == 0, [line for line in lines if "error" in line][:5]
     counts = runner.enricher.counts
@@ -46,10 +51,12 @@ def test_a_prompts_runner_answers_each_prompt_once_and_dead_letters_the_rest(iso
     _, stored = list_s3_records(isolated.sinks(), isolated.s3_prefix)
     assert_latest_wins(expected, stored, signal_versions(isolated.stack.redis_url, isolated.prefix))
     dlq = read_dlq(isolated.stack.kafka_bootstrap, isolated.dlq_topic)
-    assert sorted(d["reason"].split(":")[0] for d in dlq) == ["not a prompt", "not a prompt"]
+    assert sorted(d["reason"].split(":")[0] for d in dlq) == ["not a prompt"] * 3
     assert {orjson.loads(d["original"])["shopper_id"] for d in dlq if d["original_encoding"] == "utf-8"} == {
-        "s-x"
+        "s-x",
+        newest.shopper_id,
     }
+    assert any("last_event_ts" in d["reason"] for d in dlq)
 
 
 def test_a_prompts_runner_takes_no_session_partitions_and_fires_no_stored_timer(isolated: Isolated) -> None:

@@ -174,6 +174,26 @@ async def test_a_shopper_id_with_a_newline_never_shares_another_batchs_object(is
     assert len(objects) == 2 and sum(len(v) for v in objects.values()) == 3
 
 
+async def test_a_record_the_s3_sink_cannot_date_loses_none_of_the_others(isolated: Isolated) -> None:
+    """A time no partition can be named for (a prompt read past its bounds, as before they were
+    checked): the flush fails with every record still buffered, so the engine's commit waits. Taken out
+    of the buffer first, the whole batch was gone and the retried flush, finding nothing, let the
+    commit go ahead."""
+    sink = S3InsightSink(isolated.sinks().model_copy(update={"s3_max_records": 4}))
+    await sink.ensure_bucket()
+    undatable = insight("poison", 1).model_copy(update={"last_event_ts": 1e300})  # past validation
+    try:
+        await sink.write([insight(f"s{i}", 1) for i in range(3)] + [undatable])  # a full buffer
+        assert sink.buffered == 4, "the opportunistic flush lost the batch"
+        with pytest.raises(OverflowError):
+            await sink.flush()
+        assert sink.buffered == 4 and sink.records_written == 0
+    finally:
+        sink._buffer.remove(undatable)  # so that close's flush writes the rest
+        await sink.close()
+    assert sink.records_written == 3
+
+
 async def test_s3_flushes_by_size_and_reports_age(isolated: Isolated) -> None:
     sink = S3InsightSink(isolated.sinks().model_copy(update={"s3_max_records": 5, "s3_max_age_s": 0.1}))
     await sink.ensure_bucket()
