@@ -47,6 +47,10 @@ class Inputs:
     ~3 events a minute, so 1 event/s means ~600 live sessions (state TTL keeps them a week in Redis)."""
     s3_max_records: int = 5_000
     s3_max_age_s: float = 5.0
+    answer_ledger_bytes: int = 1_112
+    """MEMORY USAGE of one answer ledger entry (an insight's JSON, ~940 B, under its key)."""
+    answer_ttl_s: float = 3_600
+    """How long the ledger keeps an answer (``SinkSettings.answer_ttl_s``)."""
 
 
 @dataclass(frozen=True)
@@ -75,6 +79,7 @@ def size(events_per_s: float, i: Inputs) -> Sizing:
     memory = shoppers * (
         i.redis_signal_bytes + i.session_entries_per_shopper * i.redis_bytes_per_session_entry
     )
+    memory += prompts * i.answer_ttl_s * i.answer_ledger_bytes  # every answer, for its TTL
     return Sizing(
         events_per_s=events_per_s,
         prompts_per_s=prompts,
@@ -82,9 +87,9 @@ def size(events_per_s: float, i: Inputs) -> Sizing:
         runner_processes=runners,
         flink_slots=slots,
         partitions=max(math.ceil(events_per_s / i.events_per_s_per_partition), 4 * writers),
-        # one signal write per result; session deltas are one script call per commit per process,
-        # carrying every touched shopper: count the shoppers (the work Redis does), not the calls
-        redis_writes_per_s=prompts + events_per_s,
+        # a signal and a ledger entry per result; session deltas are one script call per commit per
+        # process, carrying every touched shopper: count the shoppers (the work Redis does), not the calls
+        redis_writes_per_s=2 * prompts + events_per_s,
         redis_gib=memory / 2**30,
         s3_objects_per_hour=objects_per_s * 3600,
         kafka_mb_per_s=events_per_s * i.event_bytes / 1e6,

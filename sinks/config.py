@@ -59,11 +59,13 @@ class SinkSettings(BaseSettings):
         "outage) would otherwise grow it without bound; S3 keeps every error",
     )
     answer_ttl_s: int = Field(
-        24 * 3600,
+        3600,
         gt=0,
         description="how long the answer ledger (pipeline.answer_ledger) keeps a prompt's answer: longer "
-        "than any replay (the commit interval plus the longest restart or outage), at most the session "
-        "state's TTL, after which a replayed session gets new request ids anyway",
+        "than a replay reaches back (the commit interval plus a restart), at most the session state's "
+        "TTL, after which a replayed session gets new request ids anyway. Past it a replay pays again "
+        "for at most one commit interval's answers; the ledger's memory grows with it (docs/sizing.md: "
+        "93 GiB at 100k events/s for 1 h)",
     )
     s3_endpoint_url: str | None = Field(None, description="None = AWS; set for MinIO or moto")
     s3_bucket: str = "shopper-understanding"
