@@ -24,6 +24,11 @@ Redis sink keeps it newer-wins): a replayed prompt older than that in its own se
 without a call, where before it was sent once more (its shopper's newer prompt had superseded it before
 the crash, and after the replay nothing newer was waiting to do it again).
 
+The answers a process recorded last are also kept in its memory (``RECENT_ANSWERS_KEPT``) and answer a
+lookup that Redis could not: a read Redis answered before an answer's write, but that reached its
+caller only after the answer's call had ended (a large ``MGET`` reply parsed after a small ``SET``'s),
+found neither a record nor a call to join, and a replayed copy paid again.
+
 Each key expires after ``SinkSettings.answer_ttl_s``, so the ledger is bounded by the prompt rate
 times that TTL. Redis being away never stops the stream: a failed read asks the model (the pre-ledger
 behaviour), a failed write loses only the saving; both are counted. Any other error its client raises
@@ -34,6 +39,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections import OrderedDict
 from dataclasses import dataclass
 
 import redis.asyncio as aioredis
@@ -45,6 +51,10 @@ from sinks.config import SinkSettings
 from sinks.keys import RedisKeys
 
 log = logging.getLogger(__name__)
+
+RECENT_ANSWERS_KEPT = 4096
+"""Answers a process recorded last, kept in memory as well (about 4 MB): many times what a read's
+round trip overlaps with at any rate a process answers."""
 
 MAX_KEYS_PER_MGET = 512
 """One batch's keys go to Redis as ``MGET`` commands of at most this many keys, in one pipeline (one
@@ -93,6 +103,7 @@ class AnswerLedger:
         self._waiting: _Waiting = []
         self._writing: _Writing = []
         self._tasks: set[asyncio.Task[None]] = set()
+        self._recent: OrderedDict[str, ShopperInsight] = OrderedDict()
 
     @classmethod
     def from_settings(cls, settings: SinkSettings, redis: aioredis.Redis | None = None) -> AnswerLedger:
@@ -136,9 +147,9 @@ class AnswerLedger:
             raw, newest = await future
         except Exception:  # Redis away, or its client failed: ask the model (``_read`` logged it)
             self.counts.read_failures += 1
-            return Recorded(None, None)
-        if raw is None:
-            return Recorded(None, newest)
+            return Recorded(self._recent.get(request_id), None)
+        if raw is None:  # or not yet: an answer this process recorded meanwhile
+            return Recorded(self._recent.get(request_id), newest)
         try:
             insight = ShopperInsight.model_validate_json(raw)
         except ValidationError:  # written by another version of the record: ask the model again
@@ -196,6 +207,10 @@ class AnswerLedger:
         turn: answers arrive in bursts (a batch of replicas' replies), and a command each took a
         connection each from the pool, opening new ones under a burst, so the last answer of a burst
         reached Redis long after it arrived (and a kill in between pays for it again)."""
+        self._recent[insight.request_id] = insight
+        self._recent.move_to_end(insight.request_id)
+        if len(self._recent) > RECENT_ANSWERS_KEPT:
+            self._recent.popitem(last=False)
         future: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         if not self._writing:
             self._hold(asyncio.get_running_loop().create_task(self._write_waiting()))

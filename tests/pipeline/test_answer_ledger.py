@@ -302,3 +302,23 @@ async def test_an_answer_read_as_its_caller_is_cancelled_is_recorded_and_not_pai
     assert isinstance(replayed, ShopperInsight) and replayed.replayed, replayed
     assert requests_received(metrics) == paid
     assert enricher.tokens.not_landed_prefill == 0
+
+
+async def test_a_copy_whose_read_missed_a_write_of_this_process_is_answered_without_a_call(
+    sinks: SinkSettings,
+) -> None:
+    """A replayed copy in the process that answered it, whose ledger read Redis answered before the
+    answer's write but that came back after the first copy's call had ended (its claim gone): here the
+    write is undone instead, which Redis then answers the same way. The process's own record answers."""
+    prompt = Shopper("s-raced").cart()
+    async with running_simulator(time_scale=0.01) as sim, LLMClient(client_config(sim.url)) as client:
+        ledger = AnswerLedger.from_settings(sinks)
+        enricher = Enricher(client, ledger=ledger)
+        first = await enricher.enrich(prompt)
+        await ledger.redis.delete(ledger.keys.answer(prompt.request_id))  # as Redis read it
+        copy = await enricher.enrich(prompt)
+        await ledger.redis.aclose()
+        metrics = await sim_metrics(sim)
+    assert isinstance(first, ShopperInsight) and isinstance(copy, ShopperInsight) and copy.replayed
+    assert requests_received(metrics) == 1
+    assert enricher.counts.skipped_answered == 1
