@@ -1,18 +1,19 @@
-"""What real-time calls meet on a replica just handed over from batch: batch's calls on it cut when real
-time takes it (``withdraw``, the default) against left to finish (``keep``, how it was before), and a
-replica batch never used (``idle``, the reference).
+"""What real-time calls meet on a replica just handed over from batch: batch's calls on it cut a
+disconnect poll before real time takes it (``withdraw``, what the capacity followers do), cut at that
+instant (``at_join``), or left to finish (``keep``, how it was before), and a replica batch never used
+(``idle``, the reference).
 
     python -m bench.handoff [--batch-calls 128] [--repeats 3] [--handoff-s 2] [--window-s 5]
 
 Two simulated H100 replicas at the simulator's faithful defaults (time scale 1: real seconds), as child
 processes. Batch keeps ``--batch-calls`` calls a replica in flight (closed loop, the batch pool's
-default budget of 128, its client settings: least outstanding, no streaming), each a ~2,000-token
+default budget of 128, its client settings: least outstanding, no streaming), each a ~1,500-token
 document asking for 300 tokens. Once it is steady, r0 moves to real time: batch drops it at once, with
-its calls still there withdrawn after ``--handoff-s`` or kept, and real time (the real-time service's
-client settings) routes to it from ``--handoff-s`` on, sending a ranking-sized call (~1,200 tokens in, 30
+its calls still there withdrawn as the arm says or kept, and real time (the real-time service's
+client settings) routes to it from ``--handoff-s`` on, sending a ranking-sized call (~900 tokens in, 30
 out) every 0.2 s for ``--window-s``. The table gives the real-time calls' latency over that window,
 batch's answers in it, and what the cut costs: calls withdrawn, their prompt tokens paid again.
-Each repeat runs the three arms on fresh replicas, the order rotating. Results:
+Each repeat runs the four arms on fresh replicas, the order rotating. Results:
 ``bench/results/handoff.json``.
 """
 
@@ -31,16 +32,19 @@ from typing import Literal
 from batch.config import BatchSettings
 from batch.launch import batch_client_config
 from bench.common import load_average, machine, print_table, write_results
+from capacity.pool import ABORT_NOTICE_S
 from llm_client import LLMClient
 from llm_client.errors import LLMError
+from prompt_assembly.tokens import count_tokens
 from realtime.service import realtime_client_config
 from serving.simulator.launch import SimulatorFleet
 
 MODEL = "simulated"
-Mode = Literal["withdraw", "keep", "idle"]
-MODES: tuple[Mode, ...] = ("withdraw", "keep", "idle")
+Mode = Literal["withdraw", "at_join", "keep", "idle"]
+MODES: tuple[Mode, ...] = ("withdraw", "at_join", "keep", "idle")
 ARM_NAMES = {
-    "withdraw": "withdrawn at the hand-off",
+    "withdraw": "withdrawn a disconnect poll before the join (default)",
+    "at_join": "withdrawn at the join",
     "keep": "left to finish (before)",
     "idle": "none (batch never used it)",
 }
@@ -58,7 +62,7 @@ WORDS = (
     "sleeves",
 )
 BATCH_DOCUMENT_WORDS = 1500
-"""About 2,000 tokens at the client's estimate."""
+"""About 1,500 tokens as the simulator counts them (``prompt_assembly.tokens``: a word a token here)."""
 BATCH_MAX_TOKENS = 300
 RANKING_WORDS = 900
 RANKING_MAX_TOKENS = 30
@@ -120,7 +124,7 @@ async def run_arm(arm: Arm, batch_calls: int, handoff_s: float, window_s: float)
             ]
             try:
                 await asyncio.sleep(STEADY_S)
-                batch.set_endpoints([r1], withdraw_after_s=handoff_s if arm.mode == "withdraw" else None)
+                batch.set_endpoints([r1], withdraw_after_s=withdrawal(arm.mode, handoff_s))
                 await asyncio.sleep(handoff_s)
                 joined = time.monotonic()
                 rng = random.Random(7)
@@ -140,6 +144,13 @@ async def run_arm(arm: Arm, batch_calls: int, handoff_s: float, window_s: float)
                         await task
 
 
+def withdrawal(mode: Mode, handoff_s: float) -> float | None:
+    """When batch cuts its calls on the replica it lost, as ``capacity.pool.PoolFollower`` does."""
+    if mode == "withdraw":
+        return max(0.0, handoff_s - ABORT_NOTICE_S)
+    return handoff_s if mode == "at_join" else None
+
+
 async def ranking(client: LLMClient, rng: random.Random, n: int, arm: Arm) -> None:
     messages = [
         {"role": "system", "content": "Rank the candidates for the shopper."},
@@ -154,8 +165,8 @@ async def ranking(client: LLMClient, rng: random.Random, n: int, arm: Arm) -> No
 
 
 def batch_prompt_tokens() -> int:
-    """A batch call's prompt, at the client's estimate (about 4 characters a token)."""
-    return len(document(random.Random(0), BATCH_DOCUMENT_WORDS)) // 4
+    """A batch call's document, as the simulator counts its tokens."""
+    return count_tokens(document(random.Random(0), BATCH_DOCUMENT_WORDS))
 
 
 def quantile(values: list[float], q: float) -> float:
@@ -178,7 +189,7 @@ def main() -> None:
     load_before = list(os.getloadavg())
     arms: dict[Mode, list[Arm]] = {mode: [] for mode in MODES}
     for repeat in range(args.repeats):
-        for mode in MODES[repeat % 3 :] + MODES[: repeat % 3]:
+        for mode in MODES[repeat % len(MODES) :] + MODES[: repeat % len(MODES)]:
             arm = Arm(mode)
             asyncio.run(run_arm(arm, args.batch_calls, args.handoff_s, args.window_s))
             arms[mode].append(arm)

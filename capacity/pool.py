@@ -7,10 +7,10 @@ split in Redis (``PoolBoard``, one hash per pool); every process serving either 
 ``PoolFollower`` that re-points its LLM client.
 
 Hand-over: a replica going from batch to real-time is dropped by batch at once but joins real-time
-only ``handoff_s`` after the change; batch calls still running on it then are cut and moved to a
-replica batch kept (``LLMClient.set_endpoints``'s ``withdraw_after_s``), so real-time calls never queue
-behind them. A replica going back to batch moves at once (batch does not mind a few real-time
-stragglers).
+only ``handoff_s`` after the change; batch calls still running on it a second before that
+(``ABORT_NOTICE_S``) are cut and moved to a replica batch kept (``LLMClient.set_endpoints``'s
+``withdraw_after_s``), so real-time calls do not queue behind them. A replica going back to batch
+moves at once (batch does not mind a few real-time stragglers).
 
 Lease: the split is published with a TTL (``lease_s``) that the shifter renews on every tick, so a
 shifter that stops or crashes cannot hold replicas forever. Once the key lapses, batch takes the whole
@@ -39,6 +39,12 @@ from sinks.keys import RedisKeys
 log = logging.getLogger(__name__)
 
 Side = Literal["realtime", "batch"]
+
+ABORT_NOTICE_S = 1.0
+"""How long a replica may take to notice a closed request and free its slot: trtllm-serve polls a
+non-streamed request's connection every second (the simulator does the same). Measured
+(``bench/handoff.py``): cut at the join itself, the first real-time calls there waited up to 2.6 s for
+the poll and the running iteration."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -226,18 +232,20 @@ class PoolFollower:
         *,
         poll_s: float = 0.5,
         handoff_s: float = 2.0,
+        abort_notice_s: float = ABORT_NOTICE_S,
         clock: Callable[[], float] = time.time,
     ) -> None:
         """``handoff_s``: for a split published without the shifter's own. ``clock``: wall seconds, the
-        shifter's clock (the split's ``changed_at`` is in it). Batch's
-        ``apply`` is told to withdraw the calls still running on the replicas it loses when real time
-        starts routing to them."""
+        shifter's clock (the split's ``changed_at`` is in it). Batch's ``apply`` is told to withdraw the
+        calls still running on the replicas it loses ``abort_notice_s`` before real time starts routing
+        to them, so that the replicas have noticed and freed their slots by then."""
         self.board = board
         self.clock = clock
         self.side = side
         self.apply = apply
         self.poll_s = poll_s
         self.handoff_s = handoff_s
+        self.abort_notice_s = abort_notice_s
         self.current: list[str] | None = None
         # A Redis hiccup keeps the last split in force; the next poll tries again.
         what = f"pool follower ({side})"
@@ -262,11 +270,11 @@ class PoolFollower:
     def _withdrawals(
         self, split: PoolSplit, urls: list[str], now: float, handoff_s: float
     ) -> dict[str, float]:
-        """How long batch's calls on each replica it loses may still run: until real time takes it (at
-        once if it has already, or if batch learns late)."""
+        """How long batch's calls on each replica it loses may still run: until ``abort_notice_s``
+        before real time takes it (at once if that has passed, or if batch learns late)."""
         lost = [url for url in self.current or () if url not in urls]
         joins = {url: split.joins_real_time_at(url, handoff_s) for url in lost}
-        return {url: max(0.0, at - now) for url, at in joins.items() if at is not None}
+        return {url: max(0.0, at - self.abort_notice_s - now) for url, at in joins.items() if at is not None}
 
     def _take_whole_pool(self) -> list[str]:
         urls = list(self.board.pool.replicas)

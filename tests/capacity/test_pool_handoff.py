@@ -9,7 +9,7 @@ import time
 from collections.abc import Mapping
 from typing import Any
 
-from capacity.pool import PoolBoard, PoolFollower, SharedPool
+from capacity.pool import ABORT_NOTICE_S, PoolBoard, PoolFollower, SharedPool
 from devstack.stack import StackState
 from llm_client import LLMClient
 from serving.simulator.testing import running_simulator
@@ -38,8 +38,9 @@ async def test_batch_calls_still_on_a_handed_over_replica_are_moved_off_before_r
     isolated: Isolated, redis_client: Any
 ) -> None:
     """Batch holds both replicas, with slow calls on each; real time takes r0. Batch's calls there run
-    on through the hand-off, then are cut (r0 aborts them) and answered by r1; real time finds r0 free."""
-    handoff_s = 1.0
+    on until a disconnect poll before the hand-off's end, then are cut (r0 aborts them by the time real
+    time takes it) and answered by r1."""
+    handoff_s = 2.0
     async with (
         running_simulator(time_scale=SLOW) as r0,
         running_simulator(time_scale=SLOW) as r1,
@@ -47,9 +48,9 @@ async def test_batch_calls_still_on_a_handed_over_replica_are_moved_off_before_r
         LLMClient(config([r0.url, r1.url])) as real_time,
     ):
         pool = SharedPool(f"pool-{isolated.tag}", [r0.url, r1.url])
-        board = PoolBoard(redis_client, isolated.prefix, pool)
-        batch_side = PoolFollower(board, "batch", batch.set_endpoints, handoff_s=handoff_s)
-        rt_side = PoolFollower(board, "realtime", real_time.set_endpoints, handoff_s=handoff_s)
+        board = PoolBoard(redis_client, isolated.prefix, pool, handoff_s=handoff_s)
+        batch_side = PoolFollower(board, "batch", batch.set_endpoints)
+        rt_side = PoolFollower(board, "realtime", real_time.set_endpoints)
         await board.publish(0)  # batch holds the pool
         assert await batch_side.sync() == [r0.url, r1.url]
         calls, on_r0 = await calls_spread_over(batch, r0.url)
@@ -57,8 +58,8 @@ async def test_batch_calls_still_on_a_handed_over_replica_are_moved_off_before_r
         moved = await board.publish(1)
         await batch_side.sync()
         assert [e.url for e in batch.fleet.endpoints] == [r1.url]
-        await asyncio.sleep(handoff_s / 2)
-        assert await held(r0.url) == on_r0, "cut before the hand-off's end: no need to redo them yet"
+        await asyncio.sleep((handoff_s - ABORT_NOTICE_S) * 0.8)
+        assert await held(r0.url) == on_r0, "cut early: no need to redo them yet"
         while not await rt_side.sync():
             await asyncio.sleep(0.02)
         assert time.time() >= moved.changed_at + handoff_s
@@ -66,7 +67,7 @@ async def test_batch_calls_still_on_a_handed_over_replica_are_moved_off_before_r
         async def free() -> bool:
             return await held(r0.url) == 0
 
-        await until(free, 1.0)  # the replica's disconnect poll
+        await until(free, 0.2)  # noticed at the replica's disconnect poll, by the join
         assert await aborted(r0.url) == on_r0
         answers = await asyncio.gather(*calls)
     assert {a.endpoint for a in answers} == {batch.fleet.endpoints[0].name}
@@ -93,6 +94,7 @@ async def test_batch_follows_the_shifters_hand_off_and_gives_each_lost_replica_i
     await board.publish(3, now=102.5)  # r2 moves
     now[0] = 103.0  # batch polls late
     await batch_side.sync()
-    assert applied[-1] == (["http://r3"], {"http://r1": 0.0, "http://r2": 1.5})
+    # r1 joins real time at 103.0, r2 at 104.5; each is cut a second (ABORT_NOTICE_S) before.
+    assert applied[-1] == (["http://r3"], {"http://r1": 0.0, "http://r2": 0.5})
     rt_side = PoolFollower(board, "realtime", apply, handoff_s=30.0, clock=lambda: now[0])
     assert await rt_side.sync() == ["http://r0", "http://r1"]
