@@ -16,10 +16,11 @@ from pydantic import BaseModel, ConfigDict, Field, TypeAdapter
 
 from prompt_assembly.understanding import ShopperUnderstanding
 
-EventTime = Annotated[float, Field(ge=0, lt=10_000_000_000, allow_inf_nan=False)]
-"""Epoch seconds within an event's own bounds (``events.Event.ts``; 0: unknown): a prompt read from the
-prompts topic with an infinite, NaN or far-future time is refused at the edge (dead-lettered), where
-the S3 sink could not have dated its partition."""
+EventTime = Annotated[float, Field(ge=0, lt=100_000_000_000, allow_inf_nan=False)]
+"""Epoch seconds (0: unknown), finite and ten times past an event's own bound (``events.Event.ts``), so
+that any time computed from a valid event (a pause's due time) fits: a prompt read from the prompts
+topic with an infinite, NaN or absurd time is refused at the edge (dead-lettered), where the S3 sink
+could not have dated its partition."""
 
 ChatMessage = dict[str, str]
 TriggerReason = Literal["add_to_cart", "purchase", "browse_pause"]
