@@ -271,7 +271,11 @@ class PoolFollower:
         self, split: PoolSplit, urls: list[str], now: float, handoff_s: float
     ) -> dict[str, float]:
         """How long batch's calls on each replica it loses may still run: until ``abort_notice_s``
-        before real time takes it (at once if that has passed, or if batch learns late)."""
+        before real time takes it (at once if that has passed, or if batch learns late). None are cut
+        when batch keeps no replica: its calls would have nowhere to go and fail at their deadline, so
+        they finish where they are (real time shares the replica with them until they end)."""
+        if not urls:
+            return {}
         lost = [url for url in self.current or () if url not in urls]
         joins = {url: split.joins_real_time_at(url, handoff_s) for url in lost}
         return {url: max(0.0, at - self.abort_notice_s - now) for url, at in joins.items() if at is not None}

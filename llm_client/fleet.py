@@ -49,6 +49,8 @@ class Fleet:
         ]
         self._departed: dict[str, Endpoint] = {}
         """Replicas dropped while attempts still ran on them, by URL (``set_endpoints``)."""
+        self._cuts: dict[str, asyncio.TimerHandle] = {}
+        """The withdrawals planned for dropped replicas, by URL, until they run."""
         self.on_forget: list[Callable[[Endpoint], None]] = []
         """Told when a replica leaves the fleet (``set_endpoints``): per-replica state kept elsewhere
         (``AnswerProber``) goes with it."""
@@ -78,9 +80,11 @@ class Fleet:
                 for forget in self.on_forget:
                     forget(endpoint)
                 self._departed[url] = endpoint
+                self._cancel_cut(url)  # the newest drop says when, or whether, its calls are cut
                 after_s = _withdrawal_of(url, withdraw_after_s)
                 if after_s is not None:
-                    asyncio.get_running_loop().call_later(max(0.0, after_s), self._withdraw, endpoint)
+                    loop = asyncio.get_running_loop()
+                    self._cuts[url] = loop.call_later(max(0.0, after_s), self._withdraw, endpoint)
         self.endpoints = [current.get(url) or self._returning(url) for url in wanted]
         for url in [u for u, e in self._departed.items() if not e.attempts]:
             del self._departed[url]
@@ -88,15 +92,19 @@ class Fleet:
     def _returning(self, url: str) -> Endpoint:
         """A fresh ``Endpoint`` for ``url``, holding the attempts still running from its last stay."""
         endpoint = Endpoint(url, endpoint_name(url))
+        self._cancel_cut(url)  # back before its cut: its calls are this side's again
         if (earlier := self._departed.pop(url, None)) is not None:
             endpoint.attempts, endpoint.withdrawn = earlier.attempts, earlier.withdrawn
         return endpoint
 
+    def _cancel_cut(self, url: str) -> None:
+        if (pending := self._cuts.pop(url, None)) is not None:
+            pending.cancel()
+
     def _withdraw(self, endpoint: Endpoint) -> None:
         """Cut the attempts still running on ``endpoint``, which left the fleet, and any that reach it
-        from now; nothing if it came back meanwhile (its calls are this side's again)."""
-        if any(e.url == endpoint.url for e in self.endpoints):
-            return
+        from now (a cut planned before it came back, or before a later drop, was cancelled then)."""
+        del self._cuts[endpoint.url]
         endpoint.cut_off = True
         if endpoint.attempts:
             log.info(

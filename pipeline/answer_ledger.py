@@ -53,8 +53,9 @@ from sinks.keys import RedisKeys
 log = logging.getLogger(__name__)
 
 RECENT_ANSWERS_KEPT = 4096
-"""Answers a process recorded last, kept in memory as well (about 4 MB): many times what a read's
-round trip overlaps with at any rate a process answers."""
+"""Answers a process recorded last, kept in memory as well, as their JSON (about 5 MB with ~1 KB
+answers; parsed they took 22 MB): many times what a read's round trip overlaps with at any rate a
+process answers."""
 
 MAX_KEYS_PER_MGET = 512
 """One batch's keys go to Redis as ``MGET`` commands of at most this many keys, in one pipeline (one
@@ -103,7 +104,8 @@ class AnswerLedger:
         self._waiting: _Waiting = []
         self._writing: _Writing = []
         self._tasks: set[asyncio.Task[None]] = set()
-        self._recent: OrderedDict[str, ShopperInsight] = OrderedDict()
+        self._recent: OrderedDict[str, bytes] = OrderedDict()
+        """The answers this process recorded last, as written (JSON: ~1 KB each; parsed, ~5 KB)."""
 
     @classmethod
     def from_settings(cls, settings: SinkSettings, redis: aioredis.Redis | None = None) -> AnswerLedger:
@@ -147,9 +149,11 @@ class AnswerLedger:
             raw, newest = await future
         except Exception:  # Redis away, or its client failed: ask the model (``_read`` logged it)
             self.counts.read_failures += 1
-            return Recorded(self._recent.get(request_id), None)
+            raw, newest = None, None
         if raw is None:  # or not yet: an answer this process recorded meanwhile
-            return Recorded(self._recent.get(request_id), newest)
+            raw = self._recent.get(request_id)
+        if raw is None:
+            return Recorded(None, newest)
         try:
             insight = ShopperInsight.model_validate_json(raw)
         except ValidationError:  # written by another version of the record: ask the model again
@@ -207,14 +211,14 @@ class AnswerLedger:
         turn: answers arrive in bursts (a batch of replicas' replies), and a command each took a
         connection each from the pool, opening new ones under a burst, so the last answer of a burst
         reached Redis long after it arrived (and a kill in between pays for it again)."""
-        self._recent[insight.request_id] = insight
+        answer = insight.model_dump_json().encode()
+        self._recent[insight.request_id] = answer
         self._recent.move_to_end(insight.request_id)
         if len(self._recent) > RECENT_ANSWERS_KEPT:
             self._recent.popitem(last=False)
         future: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         if not self._writing:
             self._hold(asyncio.get_running_loop().create_task(self._write_waiting()))
-        answer = insight.model_dump_json().encode()
         self._writing.append((self.keys.answer(insight.request_id), answer, future))
         await future
 

@@ -98,3 +98,7 @@ async def test_batch_follows_the_shifters_hand_off_and_gives_each_lost_replica_i
     assert applied[-1] == (["http://r3"], {"http://r1": 0.0, "http://r2": 0.5})
     rt_side = PoolFollower(board, "realtime", apply, handoff_s=30.0, clock=lambda: now[0])
     assert await rt_side.sync() == ["http://r0", "http://r1"]
+
+    await board.publish(4, now=103.0)  # a peak takes the last one: batch's calls have nowhere to go
+    await batch_side.sync()
+    assert applied[-1] == ([], {}), "cut with no replica kept, they would fail at their deadline"

@@ -131,3 +131,19 @@ async def test_a_call_made_by_a_task_that_swallowed_a_cancel_is_still_moved() ->
         answer = await call
     assert answer.endpoint == client.fleet.endpoints[0].name
     assert client.withdrawn == 1
+
+
+async def test_a_replica_dropped_again_to_let_its_calls_finish_is_not_cut_by_an_earlier_plan() -> None:
+    async with (
+        running_simulator(time_scale=SLOW) as leaving,
+        running_simulator(time_scale=SLOW) as kept,
+        LLMClient(config([leaving.url, kept.url])) as client,
+    ):
+        calls, on_leaving = await calls_spread_over(client, leaving.url)
+        client.set_endpoints([kept.url], withdraw_after_s=0.3)
+        client.set_endpoints([leaving.url, kept.url])
+        client.set_endpoints([kept.url])  # the newest drop lets them finish
+        await asyncio.sleep(0.6)
+        assert await held(leaving.url) == on_leaving
+        await asyncio.gather(*calls)
+    assert client.withdrawn == 0
