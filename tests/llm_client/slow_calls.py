@@ -5,10 +5,13 @@ hand-off in ``tests/capacity/test_pool_handoff.py``)."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
+from collections.abc import AsyncIterator
 
 from llm_client import ClientConfig, LLMClient
 from llm_client.config import HealthSettings, RetrySettings, Timeouts
 from llm_client.models import Completion
+from serving.simulator.testing import RunningSimulator, running_simulator
 from tests.helpers import served_total, until
 
 MESSAGES = [
@@ -61,3 +64,16 @@ async def calls_spread_over(client: LLMClient, leaving: str) -> tuple[list[async
 
     await until(arrived, 5.0)
     return calls, on_leaving
+
+
+@contextlib.asynccontextmanager
+async def two_replicas(
+    time_scale: float = SLOW, *, grace_s: float = 0.0
+) -> AsyncIterator[tuple[RunningSimulator, RunningSimulator, LLMClient]]:
+    """The replica a test takes from the client (``leaving``), the one it keeps, and the client."""
+    async with (
+        running_simulator(time_scale=time_scale) as leaving,
+        running_simulator(time_scale=time_scale) as kept,
+        LLMClient(config([leaving.url, kept.url], grace_s)) as client,
+    ):
+        yield leaving, kept, client

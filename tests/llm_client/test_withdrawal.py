@@ -14,16 +14,20 @@ from llm_client import LLMClient
 from llm_client.models import Completion
 from serving.simulator.testing import running_simulator
 from tests.helpers import until
-from tests.llm_client.slow_calls import MESSAGES, SLOW, aborted, calls_spread_over, config, held
+from tests.llm_client.slow_calls import (
+    MESSAGES,
+    SLOW,
+    aborted,
+    calls_spread_over,
+    config,
+    held,
+    two_replicas,
+)
 
 
 @pytest.mark.parametrize("grace_s", [0.0, 5.0], ids=["no-grace", "with-a-cut-grace"])
 async def test_calls_on_a_withdrawn_replica_are_cut_there_and_answered_by_a_kept_one(grace_s: float) -> None:
-    async with (
-        running_simulator(time_scale=SLOW) as leaving,
-        running_simulator(time_scale=SLOW) as kept,
-        LLMClient(config([leaving.url, kept.url], grace_s)) as client,
-    ):
+    async with two_replicas(grace_s=grace_s) as (leaving, kept, client):
         calls, on_leaving = await calls_spread_over(client, leaving.url)
         left = next(e for e in client.fleet.endpoints if e.url == leaving.url)
 
@@ -45,11 +49,7 @@ async def test_calls_on_a_withdrawn_replica_are_cut_there_and_answered_by_a_kept
 
 
 async def test_a_replica_back_before_its_withdrawal_keeps_its_calls() -> None:
-    async with (
-        running_simulator(time_scale=SLOW / 4) as leaving,
-        running_simulator(time_scale=SLOW / 4) as kept,
-        LLMClient(config([leaving.url, kept.url])) as client,
-    ):
+    async with two_replicas(SLOW / 4) as (leaving, kept, client):
         calls, on_leaving = await calls_spread_over(client, leaving.url)
         client.set_endpoints([kept.url], withdraw_after_s=0.3)
         client.set_endpoints([leaving.url, kept.url])  # a split that moved it back at once
@@ -63,11 +63,7 @@ async def test_a_replica_back_before_its_withdrawal_keeps_its_calls() -> None:
 async def test_a_caller_cancelling_a_withdrawn_call_is_still_cancelled() -> None:
     """A cancel of the caller's own, landing with the withdrawal, wins: the call ends cancelled, not
     moved (the withdrawal must not swallow it, as asyncio.timeout does not swallow others' cancels)."""
-    async with (
-        running_simulator(time_scale=SLOW) as leaving,
-        running_simulator(time_scale=SLOW) as kept,
-        LLMClient(config([leaving.url, kept.url])) as client,
-    ):
+    async with two_replicas() as (leaving, kept, client):
         calls, on_leaving = await calls_spread_over(client, leaving.url)
         left = next(e for e in client.fleet.endpoints if e.url == leaving.url)
         on_it = list(left.attempts)
@@ -82,11 +78,7 @@ async def test_a_caller_cancelling_a_withdrawn_call_is_still_cancelled() -> None
 
 
 async def test_a_replica_back_and_handed_over_again_takes_the_calls_of_its_first_stay_with_it() -> None:
-    async with (
-        running_simulator(time_scale=SLOW) as leaving,
-        running_simulator(time_scale=SLOW) as kept,
-        LLMClient(config([leaving.url, kept.url])) as client,
-    ):
+    async with two_replicas() as (leaving, kept, client):
         calls, on_leaving = await calls_spread_over(client, leaving.url)
         client.set_endpoints([kept.url], withdraw_after_s=0.3)
         client.set_endpoints([leaving.url, kept.url])  # back before its withdrawal: its calls stay
@@ -134,11 +126,7 @@ async def test_a_call_made_by_a_task_that_swallowed_a_cancel_is_still_moved() ->
 
 
 async def test_a_replica_dropped_again_to_let_its_calls_finish_is_not_cut_by_an_earlier_plan() -> None:
-    async with (
-        running_simulator(time_scale=SLOW) as leaving,
-        running_simulator(time_scale=SLOW) as kept,
-        LLMClient(config([leaving.url, kept.url])) as client,
-    ):
+    async with two_replicas() as (leaving, kept, client):
         calls, on_leaving = await calls_spread_over(client, leaving.url)
         client.set_endpoints([kept.url], withdraw_after_s=0.3)
         client.set_endpoints([leaving.url, kept.url])
