@@ -31,7 +31,7 @@ from typing import Literal
 
 from batch.config import BatchSettings
 from batch.launch import batch_client_config
-from bench.common import load_average, machine, print_table, write_results
+from bench.common import load_average, machine, percentile, print_table, write_results
 from capacity.pool import ABORT_NOTICE_S
 from llm_client import LLMClient
 from llm_client.errors import LLMError
@@ -169,14 +169,6 @@ def batch_prompt_tokens() -> int:
     return count_tokens(document(random.Random(0), BATCH_DOCUMENT_WORDS))
 
 
-def quantile(values: list[float], q: float) -> float:
-    """NaN for no values (every real-time call failed)."""
-    if not values:
-        return float("nan")
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -194,7 +186,7 @@ def main() -> None:
             asyncio.run(run_arm(arm, args.batch_calls, args.handoff_s, args.window_s))
             arms[mode].append(arm)
             print(
-                f"repeat {repeat + 1} {mode}: ranking p50 {quantile(arm.ranking_ms, 0.5):.0f} ms, "
+                f"repeat {repeat + 1} {mode}: ranking p50 {percentile(arm.ranking_ms, 0.5):.0f} ms, "
                 f"withdrawn {arm.withdrawn}",
                 flush=True,
             )
@@ -212,8 +204,8 @@ def main() -> None:
     ]
     rows: list[list[object]] = []
     for name, runs in arms.items():
-        p50 = [quantile(a.ranking_ms, 0.5) for a in runs]
-        p99 = [quantile(a.ranking_ms, 0.99) for a in runs]
+        p50 = [percentile(a.ranking_ms, 0.5) for a in runs]
+        p99 = [percentile(a.ranking_ms, 0.99) for a in runs]
         rows.append(
             [
                 ARM_NAMES[name],

@@ -103,7 +103,8 @@ class Calls:
         last_error: LLMError | None = None
         number = 0
         while True:
-            if isinstance(last_error, Withdrawn):
+            moved = isinstance(last_error, Withdrawn)
+            if moved:
                 self.withdrawn += 1  # moved on at once: no attempt, backoff or retry token spent
             else:
                 number += 1
@@ -111,7 +112,7 @@ class Calls:
                 isinstance(last_error, InvalidAnswer) and number > 2
             ):
                 break  # raised below
-            if number > 1 and not isinstance(last_error, Withdrawn):
+            if number > 1 and not moved:
                 wait_s = backoff_s(number - 2, self.config.retry, self._rng)
                 told_s = self._retry_after(last_error, tried)
                 if told_s is not None and last_error is not None:

@@ -70,6 +70,8 @@ class Fleet:
         comes back while calls of its earlier stay still run takes them with it: a later drop cuts
         them too."""
         wanted = [u.rstrip("/") for u in urls]
+        if isinstance(withdraw_after_s, Mapping):
+            withdraw_after_s = {u.rstrip("/"): t for u, t in withdraw_after_s.items()}
         current = {e.url: e for e in self.endpoints}
         for url, endpoint in current.items():
             if url not in wanted:
@@ -81,7 +83,9 @@ class Fleet:
                     forget(endpoint)
                 self._departed[url] = endpoint
                 self._cancel_cut(url)  # the newest drop says when, or whether, its calls are cut
-                after_s = _withdrawal_of(url, withdraw_after_s)
+                after_s = (
+                    withdraw_after_s.get(url) if isinstance(withdraw_after_s, Mapping) else withdraw_after_s
+                )
                 if after_s is not None:
                     loop = asyncio.get_running_loop()
                     self._cuts[url] = loop.call_later(max(0.0, after_s), self._withdraw, endpoint)
@@ -280,9 +284,3 @@ class Fleet:
         """An answer probe passed: re-admitted on probation (``AnswerHealth.probe_passed``)."""
         self.answer_health.probe_passed(endpoint)
         endpoint.quarantined = False
-
-
-def _withdrawal_of(url: str, withdraw_after_s: float | Mapping[str, float] | None) -> float | None:
-    if isinstance(withdraw_after_s, Mapping):
-        return {u.rstrip("/"): t for u, t in withdraw_after_s.items()}.get(url)
-    return withdraw_after_s
